@@ -1,0 +1,155 @@
+"""The call graph value: the output of ``ccprofd/callgraph`` and the input of ``ccprofd/encode``.
+
+A :class:`CallGraph` wraps a networkx ``MultiDiGraph`` whose nodes are integers:
+
+* ``ROOT`` (-1): the virtual root (PCCE's dummy root); its out-edges go to every root function.
+* internal functions: the function's entry ELF virtual address (>= 0);
+* external functions (imported through the PLT): ``-2 - i`` for the i-th external name.
+
+Node attributes (all nodes): ``name`` (str), ``kind`` ("function" | "external" | "root"),
+``addr`` (int vaddr, 0 for external/root), ``size`` (int bytes), ``aliases`` (list[str]),
+``address_taken`` (bool), ``is_root`` (bool: a root function, i.e. the virtual root calls it).
+
+Edges are keyed by the call-site vaddr (``key``); a root edge (virtual root -> root function) has
+key ``ROOT_EDGE_KEY`` (0), since a function is a root at most once.  Edge attributes: ``kind``
+("direct" | "plt" | "tail" | "root"), ``site`` (vaddr of the call/jmp instruction; None for root
+edges), ``ret`` (vaddr of the instruction after it; None for root edges), ``length`` (instruction
+length in bytes), ``weight`` (optional dynamic call count; None when unknown).
+
+Indirect call sites have no edge (the target is unknown statically); they are listed in
+``CallGraph.sites`` with ``kind == "indirect"`` and their operand text.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import networkx as nx
+
+FORMAT_VERSION = 1
+ROOT = -1
+ROOT_EDGE_KEY = 0
+
+SITE_KINDS = ("direct", "plt", "tail", "indirect")
+
+
+@dataclass(frozen=True, slots=True)
+class CallSite:
+    """One call or tail-jump instruction found by exact disassembly."""
+
+    function: int  # entry vaddr of the containing function
+    address: int  # vaddr of the call/jmp instruction
+    return_address: int  # vaddr of the next instruction
+    length: int
+    bytes_hex: str
+    kind: str  # one of SITE_KINDS
+    target: int | None = None  # callee node id (internal vaddr or external id); None if indirect
+    operand: str | None = None  # operand text for indirect sites ("rax", "qword ptr [rip + 0x..]")
+
+
+@dataclass(slots=True)
+class BinaryInfo:
+    """Identity of the analysed object (what the cache and every later stage key on)."""
+
+    path: str
+    build_id: str | None
+    content_hash: str
+    pie: bool
+    elf_type: str  # "EXEC" | "DYN"
+    entry: int
+    text_bytes: int
+
+
+@dataclass(slots=True)
+class CallGraph:
+    """The static call graph of one ELF object plus everything later stages need from it."""
+
+    binary: BinaryInfo
+    graph: nx.MultiDiGraph
+    sites: list[CallSite] = field(default_factory=list)
+    analysis_seconds: float = 0.0
+
+    # ----------------------------------------------------------------- construction helpers
+    @staticmethod
+    def empty(binary: BinaryInfo) -> CallGraph:
+        g = nx.MultiDiGraph()
+        g.add_node(ROOT, name="<root>", kind="root", addr=0, size=0, aliases=[], address_taken=False,
+                   is_root=False)
+        return CallGraph(binary=binary, graph=g)
+
+    def add_function(self, node: int, name: str, *, kind: str = "function", addr: int = 0, size: int = 0,
+                     aliases: Iterable[str] = (), address_taken: bool = False) -> None:
+        self.graph.add_node(node, name=name, kind=kind, addr=addr, size=size, aliases=list(aliases),
+                            address_taken=address_taken, is_root=False)
+
+    def add_root(self, node: int) -> None:
+        """Connect the virtual root to ``node`` (entry from outside code)."""
+        self.graph.nodes[node]["is_root"] = True
+        if not self.graph.has_edge(ROOT, node, ROOT_EDGE_KEY):
+            self.graph.add_edge(ROOT, node, key=ROOT_EDGE_KEY, kind="root", site=None, ret=None, length=0,
+                                weight=None)
+
+    def add_call(self, site: CallSite) -> None:
+        self.sites.append(site)
+        if site.target is None:
+            return
+        self.graph.add_edge(site.function, site.target, key=site.address, kind=site.kind, site=site.address,
+                            ret=site.return_address, length=site.length, weight=None)
+
+    # ------------------------------------------------------------------------------ queries
+    def functions(self) -> Iterator[int]:
+        """Internal function nodes."""
+        return (n for n, k in self.graph.nodes(data="kind") if k == "function")
+
+    def externals(self) -> Iterator[int]:
+        return (n for n, k in self.graph.nodes(data="kind") if k == "external")
+
+    def name(self, node: int) -> str:
+        return str(self.graph.nodes[node]["name"])
+
+    def roots(self) -> list[int]:
+        return sorted(v for _, v in self.graph.out_edges(ROOT))
+
+    def call_edges(self) -> Iterator[tuple[int, int, int]]:
+        """(caller, callee, site) for every non-root edge."""
+        return ((u, v, k) for u, v, k in self.graph.edges(keys=True) if u != ROOT)
+
+    # ------------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        nodes = [[n, d["name"], d["kind"], d["addr"], d["size"], d["aliases"], d["address_taken"],
+                  d["is_root"]] for n, d in self.graph.nodes(data=True)]
+        edges = [[u, v, k, d["kind"], d["site"], d["ret"], d["length"], d["weight"]]
+                 for u, v, k, d in self.graph.edges(keys=True, data=True)]
+        return {
+            "format": FORMAT_VERSION,
+            "binary": asdict(self.binary),
+            "analysis_seconds": self.analysis_seconds,
+            "nodes": nodes,
+            "edges": edges,
+            "sites": [[s.function, s.address, s.return_address, s.length, s.bytes_hex, s.kind, s.target,
+                       s.operand] for s in self.sites],
+        }
+
+    @staticmethod
+    def from_dict(data: dict[str, Any]) -> CallGraph:
+        if data.get("format") != FORMAT_VERSION:
+            raise ValueError(f"call graph format {data.get('format')!r}, expected {FORMAT_VERSION}")
+        g = nx.MultiDiGraph()
+        for n, name, kind, addr, size, aliases, taken, is_root in data["nodes"]:
+            g.add_node(n, name=name, kind=kind, addr=addr, size=size, aliases=aliases, address_taken=taken,
+                       is_root=is_root)
+        for u, v, k, kind, site, ret, length, weight in data["edges"]:
+            g.add_edge(u, v, key=k, kind=kind, site=site, ret=ret, length=length, weight=weight)
+        sites = [CallSite(*row) for row in data["sites"]]
+        return CallGraph(binary=BinaryInfo(**data["binary"]), graph=g, sites=sites,
+                         analysis_seconds=data.get("analysis_seconds", 0.0))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    @staticmethod
+    def from_json(text: str) -> CallGraph:
+        return CallGraph.from_dict(json.loads(text))

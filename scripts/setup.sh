@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# One-command set-up of ccprofd on Debian 12 (run as root).  Idempotent and fast on re-runs.
+#
+#   bash scripts/setup.sh            install everything, then run the demo on the bundled example
+#   bash scripts/setup.sh --no-demo  install everything only (the test command uses this)
+#
+# What it does: installs the system packages (bcc, kernel headers, toolchain, strace/gdb used as
+# independent oracles by the tests), applies the kernel-headers fallback when the running kernel
+# has none, mounts tracefs/debugfs/bpffs when missing, creates .venv with the project and a
+# bcc-only bridge onto Debian's python3-bpfcc, and links ccprofd/ccprofctl into /usr/local/bin.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$(pwd)
+DEMO=1
+[ "${1:-}" = "--no-demo" ] && DEMO=0
+
+say() { printf 'setup: %s\n' "$*" >&2; }
+
+if [ "$(id -u)" -ne 0 ]; then
+  say "must run as root (BPF, apt-get and /usr/local/bin need it)"; exit 2
+fi
+
+# ---- 1. system packages ---------------------------------------------------------------------------
+APT_PACKAGES=(python3-bpfcc linux-headers-amd64 bpftool gcc g++ make binutils strace gdb file
+              python3 python3-venv systemd)
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
+done
+if [ ${#missing[@]} -gt 0 ]; then
+  say "installing system packages: ${missing[*]}"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# ---- 2. kernel headers fallback (bcc compiles against /lib/modules/$(uname -r)/build) --------------
+KREL=$(uname -r)
+if [ ! -e "/lib/modules/$KREL/build" ]; then
+  HDR=$(ls -d /lib/modules/*-amd64 2>/dev/null | grep -v "/$KREL\$" | sort -V | tail -n 1 || true)
+  if [ -z "$HDR" ] || [ ! -e "$HDR/build" ]; then
+    say "no kernel headers for $KREL and no Debian headers to fall back on"; exit 1
+  fi
+  if [ -d "/lib/modules/$KREL" ] && [ ! -L "/lib/modules/$KREL" ]; then
+    ln -sfn "$(readlink -f "$HDR/build")" "/lib/modules/$KREL/build"
+    ln -sfn "$(readlink -f "$HDR/source")" "/lib/modules/$KREL/source"
+  else
+    ln -sfn "$HDR" "/lib/modules/$KREL"
+  fi
+  say "WARNING: no kernel headers for running kernel $KREL; pointed /lib/modules/$KREL at" \
+      "$(basename "$HDR") headers (enough for uprobe/tracepoint programs: struct pt_regs, basic types)"
+fi
+
+# ---- 3. kernel filesystems ------------------------------------------------------------------------
+mountpoint -q /sys/kernel/tracing 2>/dev/null || mount -t tracefs tracefs /sys/kernel/tracing 2>/dev/null || true
+mountpoint -q /sys/kernel/debug 2>/dev/null || mount -t debugfs debugfs /sys/kernel/debug 2>/dev/null || true
+mountpoint -q /sys/fs/bpf 2>/dev/null || mount -t bpf bpf /sys/fs/bpf 2>/dev/null || true
+
+# ---- 4. virtual environment -----------------------------------------------------------------------
+PY=""
+for cand in python3.11 python3 /usr/bin/python3; do
+  if command -v "$cand" >/dev/null 2>&1 && "$cand" -c 'import sys, venv; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    PY=$(command -v "$cand"); break
+  fi
+done
+[ -n "$PY" ] || { say "no Python >= 3.11 with the venv module found"; exit 1; }
+if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+  say "creating .venv with $PY"
+  rm -rf .venv
+  "$PY" -m venv .venv
+fi
+# bcc bridge: a directory holding only a symlink to Debian's bcc package, put on sys.path by a .pth
+# file, so `import bcc` works without pulling in Debian's other site-packages.
+BCC_SRC=/usr/lib/python3/dist-packages/bcc
+[ -d "$BCC_SRC" ] || { say "python3-bpfcc did not install $BCC_SRC"; exit 1; }
+mkdir -p .venv/bcc-bridge
+ln -sfn "$BCC_SRC" .venv/bcc-bridge/bcc
+SITE=$(.venv/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+echo "$ROOT/.venv/bcc-bridge" > "$SITE/ccprofd-bcc-bridge.pth"
+
+STAMP=.venv/.ccprofd-installed
+HASH=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$HASH" ]; then
+  say "installing ccprofd and its Python dependencies into .venv"
+  .venv/bin/python -m pip install -q --upgrade pip >/dev/null
+  .venv/bin/python -m pip install -q -e ".[dev]"
+  echo "$HASH" > "$STAMP"
+fi
+.venv/bin/python -c 'import bcc' || { say "import bcc failed inside .venv"; exit 1; }
+if [ -f scripts/gen_proto.sh ]; then bash scripts/gen_proto.sh; fi
+
+ln -sfn "$ROOT/.venv/bin/ccprofd" /usr/local/bin/ccprofd
+ln -sfn "$ROOT/.venv/bin/ccprofctl" /usr/local/bin/ccprofctl
+say "ready: $(command -v ccprofd), $(command -v ccprofctl)"
+
+# ---- 5. the main job on the bundled example --------------------------------------------------------
+if [ "$DEMO" = 1 ]; then
+  bash scripts/demo.sh
+fi
