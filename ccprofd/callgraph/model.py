@@ -8,7 +8,9 @@ A :class:`CallGraph` wraps a networkx ``MultiDiGraph`` whose nodes are integers:
 
 Node attributes (all nodes): ``name`` (str), ``kind`` ("function" | "external" | "root"),
 ``addr`` (int vaddr, 0 for external/root), ``size`` (int bytes), ``aliases`` (list[str]),
-``address_taken`` (bool), ``is_root`` (bool: a root function, i.e. the virtual root calls it).
+``address_taken`` (bool), ``is_root`` (bool: a root function, i.e. the virtual root calls it),
+``fragments`` (list of [start, end) vaddr ranges of split-off parts such as gcc's ``foo.cold``,
+which run in the function's own frame and are entered by jumps, not calls).
 
 Edges are keyed by the call-site vaddr (``key``); a root edge (virtual root -> root function) has
 key ``ROOT_EDGE_KEY`` (0), since a function is a root at most once.  Edge attributes: ``kind``
@@ -48,6 +50,7 @@ class CallSite:
     kind: str  # one of SITE_KINDS
     target: int | None = None  # callee node id (internal vaddr or external id); None if indirect
     operand: str | None = None  # operand text for indirect sites ("rax", "qword ptr [rip + 0x..]")
+    is_jump: bool = False  # a jmp (tail call or indirect jump), not a call: nothing returns to it
 
 
 @dataclass(slots=True)
@@ -77,13 +80,15 @@ class CallGraph:
     def empty(binary: BinaryInfo) -> CallGraph:
         g = nx.MultiDiGraph()
         g.add_node(ROOT, name="<root>", kind="root", addr=0, size=0, aliases=[], address_taken=False,
-                   is_root=False)
+                   is_root=False, fragments=[])
         return CallGraph(binary=binary, graph=g)
 
     def add_function(self, node: int, name: str, *, kind: str = "function", addr: int = 0, size: int = 0,
-                     aliases: Iterable[str] = (), address_taken: bool = False) -> None:
+                     aliases: Iterable[str] = (), address_taken: bool = False,
+                     fragments: Iterable[tuple[int, int]] = ()) -> None:
         self.graph.add_node(node, name=name, kind=kind, addr=addr, size=size, aliases=list(aliases),
-                            address_taken=address_taken, is_root=False)
+                            address_taken=address_taken, is_root=False,
+                            fragments=[list(r) for r in fragments])
 
     def add_root(self, node: int) -> None:
         """Connect the virtual root to ``node`` (entry from outside code)."""
@@ -120,7 +125,7 @@ class CallGraph:
     # ------------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
         nodes = [[n, d["name"], d["kind"], d["addr"], d["size"], d["aliases"], d["address_taken"],
-                  d["is_root"]] for n, d in self.graph.nodes(data=True)]
+                  d["is_root"], d.get("fragments", [])] for n, d in self.graph.nodes(data=True)]
         edges = [[u, v, k, d["kind"], d["site"], d["ret"], d["length"], d["weight"]]
                  for u, v, k, d in self.graph.edges(keys=True, data=True)]
         return {
@@ -130,7 +135,7 @@ class CallGraph:
             "nodes": nodes,
             "edges": edges,
             "sites": [[s.function, s.address, s.return_address, s.length, s.bytes_hex, s.kind, s.target,
-                       s.operand] for s in self.sites],
+                       s.operand, s.is_jump] for s in self.sites],
         }
 
     @staticmethod
@@ -138,9 +143,9 @@ class CallGraph:
         if data.get("format") != FORMAT_VERSION:
             raise ValueError(f"call graph format {data.get('format')!r}, expected {FORMAT_VERSION}")
         g = nx.MultiDiGraph()
-        for n, name, kind, addr, size, aliases, taken, is_root in data["nodes"]:
+        for n, name, kind, addr, size, aliases, taken, is_root, fragments in data["nodes"]:
             g.add_node(n, name=name, kind=kind, addr=addr, size=size, aliases=aliases, address_taken=taken,
-                       is_root=is_root)
+                       is_root=is_root, fragments=fragments)
         for u, v, k, kind, site, ret, length, weight in data["edges"]:
             g.add_edge(u, v, key=k, kind=kind, site=site, ret=ret, length=length, weight=weight)
         sites = [CallSite(*row) for row in data["sites"]]
