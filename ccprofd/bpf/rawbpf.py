@@ -1,0 +1,258 @@
+"""Minimal raw ``bpf(2)`` syscall access through ctypes.
+
+bcc 0.26 has no wrapper for uprobe_multi links, and feature probes should not pay a clang compile
+(~0.2 s each) or depend on bcc at all, so the few commands we need are issued directly.  Layouts are
+those of ``union bpf_attr`` in the kernel UAPI header ``include/uapi/linux/bpf.h``; they were checked
+against the running kernel's BTF (``bpftool btf dump file /sys/kernel/btf/vmlinux``) and the tests
+check them again on the machine they run on.  x86-64 only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import struct
+from collections.abc import Sequence
+
+from ccprofd.bpf.errors import BPFError
+
+SYS_BPF_X86_64 = 321
+
+# enum bpf_cmd
+BPF_MAP_CREATE = 0
+BPF_PROG_LOAD = 5
+BPF_BTF_LOAD = 18
+BPF_LINK_CREATE = 28
+
+# enum bpf_prog_type
+BPF_PROG_TYPE_SOCKET_FILTER = 1
+BPF_PROG_TYPE_KPROBE = 2
+BPF_PROG_TYPE_TRACEPOINT = 5
+
+# enum bpf_map_type
+BPF_MAP_TYPE_RINGBUF = 27
+BPF_MAP_TYPE_TASK_STORAGE = 29
+
+# enum bpf_attach_type
+BPF_TRACE_UPROBE_MULTI = 48
+
+BPF_F_NO_PREALLOC = 1
+BPF_FUNC_LOOP = 181
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+
+
+class BPFSyscallError(BPFError):
+    """A raw bpf(2) command failed; ``errno`` is kept for callers that branch on it."""
+
+    def __init__(self, what: str, err: int) -> None:
+        self.errno = err
+        super().__init__(f"{what}: {os.strerror(err)} (errno {err})")
+
+
+def _check_arch() -> None:
+    if platform.machine() != "x86_64":
+        raise BPFError(f"raw bpf syscalls are implemented for x86-64 only, not {platform.machine()}")
+
+
+def bpf(cmd: int, attr: ctypes.Structure | ctypes.Array[ctypes.c_char], what: str) -> int:
+    """Issue ``bpf(cmd, &attr, sizeof(attr))``; return the (non-negative) result or raise."""
+    _check_arch()
+    ret = _syscall(
+        ctypes.c_long(SYS_BPF_X86_64),
+        ctypes.c_long(cmd),
+        ctypes.byref(attr),
+        ctypes.c_uint(ctypes.sizeof(attr)),
+    )
+    if ret < 0:
+        raise BPFSyscallError(what, ctypes.get_errno())
+    return int(ret)
+
+
+class ProgLoadAttr(ctypes.Structure):
+    """The BPF_PROG_LOAD member of ``union bpf_attr`` up to ``func_info_cnt``."""
+
+    _fields_ = [
+        ("prog_type", ctypes.c_uint32),
+        ("insn_cnt", ctypes.c_uint32),
+        ("insns", ctypes.c_uint64),
+        ("license", ctypes.c_uint64),
+        ("log_level", ctypes.c_uint32),
+        ("log_size", ctypes.c_uint32),
+        ("log_buf", ctypes.c_uint64),
+        ("kern_version", ctypes.c_uint32),
+        ("prog_flags", ctypes.c_uint32),
+        ("prog_name", ctypes.c_char * 16),
+        ("prog_ifindex", ctypes.c_uint32),
+        ("expected_attach_type", ctypes.c_uint32),
+        ("prog_btf_fd", ctypes.c_uint32),
+        ("func_info_rec_size", ctypes.c_uint32),
+        ("func_info", ctypes.c_uint64),
+        ("func_info_cnt", ctypes.c_uint32),
+        ("_pad", ctypes.c_uint32),
+    ]
+
+
+class MapCreateAttr(ctypes.Structure):
+    """The BPF_MAP_CREATE member of ``union bpf_attr`` up to ``btf_vmlinux_value_type_id``."""
+
+    _fields_ = [
+        ("map_type", ctypes.c_uint32),
+        ("key_size", ctypes.c_uint32),
+        ("value_size", ctypes.c_uint32),
+        ("max_entries", ctypes.c_uint32),
+        ("map_flags", ctypes.c_uint32),
+        ("inner_map_fd", ctypes.c_uint32),
+        ("numa_node", ctypes.c_uint32),
+        ("map_name", ctypes.c_char * 16),
+        ("map_ifindex", ctypes.c_uint32),
+        ("btf_fd", ctypes.c_uint32),
+        ("btf_key_type_id", ctypes.c_uint32),
+        ("btf_value_type_id", ctypes.c_uint32),
+        ("btf_vmlinux_value_type_id", ctypes.c_uint32),
+    ]
+
+
+class BtfLoadAttr(ctypes.Structure):
+    """The BPF_BTF_LOAD member of ``union bpf_attr``."""
+
+    _fields_ = [
+        ("btf", ctypes.c_uint64),
+        ("btf_log_buf", ctypes.c_uint64),
+        ("btf_size", ctypes.c_uint32),
+        ("btf_log_size", ctypes.c_uint32),
+        ("btf_log_level", ctypes.c_uint32),
+    ]
+
+
+def insn(code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> bytes:
+    """Encode one ``struct bpf_insn`` (little-endian: dst_reg in the low nibble)."""
+    return struct.pack("<BBhi", code, (src << 4) | dst, off, imm)
+
+
+# A few opcodes for hand-assembled probe programs.
+def mov64_imm(dst: int, imm: int) -> bytes:
+    return insn(0xB7, dst=dst, imm=imm)
+
+
+def call_helper(helper_id: int) -> bytes:
+    return insn(0x85, imm=helper_id)
+
+
+def exit_insn() -> bytes:
+    return insn(0x95)
+
+
+def ld_pseudo_func(dst: int, rel: int) -> bytes:
+    """``ld_imm64 dst, <subprog>`` (BPF_PSEUDO_FUNC): target insn = this insn + rel + 1."""
+    return insn(0x18, dst=dst, src=4, imm=rel) + insn(0)
+
+
+def prog_load(
+    prog_type: int,
+    insns: bytes,
+    *,
+    expected_attach_type: int = 0,
+    name: str = "ccprofd_probe",
+    license_: str = "GPL",
+    btf_fd: int = 0,
+    func_info: Sequence[tuple[int, int]] = (),
+) -> int:
+    """Load a hand-assembled program; return its fd (caller closes).  ``func_info`` lists
+    (insn offset, BTF FUNC type id) per subprogram (needed for callbacks).  The verifier log's last
+    line is attached to the error so a failed probe says why."""
+    buf = ctypes.create_string_buffer(insns, len(insns))
+    lic = ctypes.create_string_buffer(license_.encode())
+    log = ctypes.create_string_buffer(4096)
+    attr = ProgLoadAttr()
+    attr.prog_type = prog_type
+    attr.insn_cnt = len(insns) // 8
+    attr.insns = ctypes.addressof(buf)
+    attr.license = ctypes.addressof(lic)
+    attr.log_level = 1
+    attr.log_size = len(log)
+    attr.log_buf = ctypes.addressof(log)
+    attr.prog_name = name.encode()[:15]
+    attr.expected_attach_type = expected_attach_type
+    finfo = (ctypes.c_uint32 * (2 * len(func_info)))(*(x for pair in func_info for x in pair))
+    if func_info:
+        attr.prog_btf_fd = btf_fd
+        attr.func_info_rec_size = 8
+        attr.func_info = ctypes.addressof(finfo)
+        attr.func_info_cnt = len(func_info)
+    try:
+        return bpf(BPF_PROG_LOAD, attr, f"loading probe program {name}")
+    except BPFSyscallError as exc:
+        # Retry without a log: some errors (ENOSPC) are about the log buffer, not the program.
+        attr.log_level = 0
+        attr.log_size = 0
+        attr.log_buf = 0
+        try:
+            return bpf(BPF_PROG_LOAD, attr, f"loading probe program {name}")
+        except BPFSyscallError:
+            last = log.value.decode(errors="replace").strip().splitlines()[-1:] or [""]
+            raise BPFSyscallError(f"loading probe program {name} [{last[0]}]", exc.errno) from None
+
+
+def map_create(
+    map_type: int,
+    key_size: int,
+    value_size: int,
+    max_entries: int,
+    *,
+    flags: int = 0,
+    btf_fd: int = 0,
+    btf_key_type_id: int = 0,
+    btf_value_type_id: int = 0,
+    name: str = "ccprofd_probe",
+) -> int:
+    """Create a map; return its fd (caller closes)."""
+    attr = MapCreateAttr()
+    attr.map_type = map_type
+    attr.key_size = key_size
+    attr.value_size = value_size
+    attr.max_entries = max_entries
+    attr.map_flags = flags
+    attr.map_name = name.encode()[:15]
+    attr.btf_fd = btf_fd
+    attr.btf_key_type_id = btf_key_type_id
+    attr.btf_value_type_id = btf_value_type_id
+    return bpf(BPF_MAP_CREATE, attr, f"creating map {name} (type {map_type})")
+
+
+BTF_KIND_INT = 1
+BTF_KIND_FUNC = 12
+BTF_KIND_FUNC_PROTO = 13
+
+
+def int_btf(funcs: Sequence[str] = ()) -> bytes:
+    """A minimal BTF blob: type 1 is ``int`` (4 bytes, signed); with ``funcs``, type 2 is
+    ``int (void)`` and types 3, 4, ... are static FUNCs of that prototype named ``funcs``.
+    Local-storage maps need BTF for key and value; programs with callbacks need FUNC info."""
+    strings = bytearray(b"\x00")
+
+    def name(text: str) -> int:
+        off = len(strings)
+        strings.extend(text.encode() + b"\x00")
+        return off
+
+    types = struct.pack("<IIII", name("int"), BTF_KIND_INT << 24, 4, (1 << 24) | 32)
+    if funcs:
+        types += struct.pack("<III", 0, BTF_KIND_FUNC_PROTO << 24, 1)
+        for fn in funcs:
+            types += struct.pack("<III", name(fn), BTF_KIND_FUNC << 24, 2)
+    hdr_len = 24
+    header = struct.pack("<HBBIIIII", 0xEB9F, 1, 0, hdr_len, 0, len(types), len(types), len(strings))
+    return header + types + bytes(strings)
+
+
+def btf_load(blob: bytes) -> int:
+    """Load a BTF blob; return its fd (caller closes)."""
+    buf = ctypes.create_string_buffer(blob, len(blob))
+    attr = BtfLoadAttr()
+    attr.btf = ctypes.addressof(buf)
+    attr.btf_size = len(blob)
+    return bpf(BPF_BTF_LOAD, attr, "loading BTF")

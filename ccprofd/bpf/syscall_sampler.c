@@ -1,0 +1,193 @@
+// ccprofd syscall sampler: reports selected syscalls of tracked processes with the user registers
+// at syscall entry, and follows processes through fork (children inherit tracking) and exec
+// (tracking stops, unless the entry still has exec credit: see track()).
+//
+// Compile-time knobs (-D or a prelude; Python sets them): MAX_TRACKED (hash entries: tracked
+// processes + live threads they created), RINGBUF_PAGES (power of two), HAVE_GROUP_DEAD (the
+// sched_process_exit format has group_dead).  Extension points for programs built on this one:
+// CCPROF_EVENT_EXTRA (fields appended to struct ccprof_event) and
+// CCPROF_SYSCALL_HOOK(ctx, regs, ev) (fills them at each reported syscall).
+#include <linux/ptrace.h>
+
+#ifndef MAX_TRACKED
+#define MAX_TRACKED 4096
+#endif
+#ifndef RINGBUF_PAGES
+#define RINGBUF_PAGES 64
+#endif
+#define NR_SYSCALL_SLOTS 1024
+
+#define EV_SYSCALL 1
+#define EV_FORK 2
+#define EV_EXEC 3
+#define EV_EXIT 4
+
+#define TRACKED_VIA_FORK 1
+
+#define STAT_EVENTS 0
+#define STAT_RINGBUF_FULL 1
+#define STAT_TRACKED_FULL 2
+#define STAT_FORKS 3
+#define STAT_EXECS_STOPPED 4
+#define NR_STATS 8
+
+#define CFG_ALL_SYSCALLS 0
+
+struct ccprof_tracked {
+    u32 execs_left;  // execs that keep tracking (a launcher's exec of the target)
+    u32 flags;
+};
+
+struct ccprof_event {
+    u64 ktime_ns;    // bpf_ktime_get_ns (CLOCK_MONOTONIC)
+    u32 kind;        // EV_*
+    u32 tgid;
+    u32 tid;
+    s32 nr;          // syscall number, -1 for process events
+    u64 ip;          // user registers at syscall entry (0 for process events)
+    u64 sp;
+    u64 bp;
+    u64 aux;         // EV_FORK: child pid; EV_EXEC: old pid; EV_EXIT: group died
+#ifdef CCPROF_EVENT_EXTRA
+    CCPROF_EVENT_EXTRA
+#endif
+};
+
+BPF_HASH(tracked, u32, struct ccprof_tracked, MAX_TRACKED);
+BPF_ARRAY(syscall_set, u8, NR_SYSCALL_SLOTS);
+BPF_ARRAY(config, u64, 4);
+BPF_PERCPU_ARRAY(stats, u64, NR_STATS);
+BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
+
+static __always_inline void ccprof_stat(u32 idx) {
+    u64 *v = stats.lookup(&idx);
+    if (v)
+        (*v)++;
+}
+
+static __always_inline int ccprof_syscall_wanted(long nr) {
+    u32 k = CFG_ALL_SYSCALLS;
+    u64 *all = config.lookup(&k);
+    if (all && *all)
+        return 1;
+    if (nr < 0 || nr >= NR_SYSCALL_SLOTS)
+        return 0;
+    k = (u32)nr;
+    u8 *on = syscall_set.lookup(&k);
+    return on && *on;
+}
+
+static __always_inline struct ccprof_event *ccprof_reserve(u32 kind, u64 pid_tgid) {
+    struct ccprof_event *e = events.ringbuf_reserve(sizeof(struct ccprof_event));
+    if (!e) {
+        ccprof_stat(STAT_RINGBUF_FULL);
+        return 0;
+    }
+    __builtin_memset(e, 0, sizeof(*e));
+    e->ktime_ns = bpf_ktime_get_ns();
+    e->kind = kind;
+    e->tgid = pid_tgid >> 32;
+    e->tid = (u32)pid_tgid;
+    e->nr = -1;
+    return e;
+}
+
+static __always_inline void ccprof_submit(struct ccprof_event *e) {
+    events.ringbuf_submit(e, 0);
+    ccprof_stat(STAT_EVENTS);
+}
+
+// raw_syscalls:sys_enter as a raw tracepoint: args[0] is the user pt_regs, args[1] the number.
+int ccprof_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
+    u64 pid_tgid = bpf_get_current_pid_tgid();
+    u32 tgid = pid_tgid >> 32;
+    if (!tracked.lookup(&tgid))
+        return 0;
+    long nr = (long)ctx->args[1];
+    if (!ccprof_syscall_wanted(nr))
+        return 0;
+    struct pt_regs *regs = (struct pt_regs *)ctx->args[0];
+    struct ccprof_event *e = ccprof_reserve(EV_SYSCALL, pid_tgid);
+    if (!e)
+        return 0;
+    e->nr = (s32)nr;
+    bpf_probe_read_kernel(&e->ip, sizeof(e->ip), &regs->ip);
+    bpf_probe_read_kernel(&e->sp, sizeof(e->sp), &regs->sp);
+    bpf_probe_read_kernel(&e->bp, sizeof(e->bp), &regs->bp);
+#ifdef CCPROF_SYSCALL_HOOK
+    CCPROF_SYSCALL_HOOK(ctx, regs, e);
+#endif
+    ccprof_submit(e);
+    return 0;
+}
+
+// Runs in the parent.  For a new thread child_pid is a tid: its entry is harmless (a live tid is
+// never another process's tgid) and is removed when the thread exits.
+int ccprof_fork(struct tracepoint__sched__sched_process_fork *args) {
+    u64 pid_tgid = bpf_get_current_pid_tgid();
+    u32 tgid = pid_tgid >> 32;
+    if (!tracked.lookup(&tgid))
+        return 0;
+    u32 child = (u32)args->child_pid;
+    struct ccprof_tracked c = {};
+    c.flags = TRACKED_VIA_FORK;
+    if (tracked.update(&child, &c) != 0) {
+        ccprof_stat(STAT_TRACKED_FULL);
+        return 0;
+    }
+    ccprof_stat(STAT_FORKS);
+    struct ccprof_event *e = ccprof_reserve(EV_FORK, pid_tgid);
+    if (!e)
+        return 0;
+    e->aux = child;
+    ccprof_submit(e);
+    return 0;
+}
+
+// Runs in the new image after a successful exec.
+int ccprof_exec(struct tracepoint__sched__sched_process_exec *args) {
+    u64 pid_tgid = bpf_get_current_pid_tgid();
+    u32 tgid = pid_tgid >> 32;
+    struct ccprof_tracked *t = tracked.lookup(&tgid);
+    if (!t)
+        return 0;
+    u32 old = (u32)args->old_pid;
+    struct ccprof_event *e = ccprof_reserve(EV_EXEC, pid_tgid);
+    if (e) {
+        e->aux = old;
+        ccprof_submit(e);
+    }
+    if (old != tgid)
+        tracked.delete(&old);  // a non-leader thread exec'd: its tid entry is stale
+    if (t->execs_left > 0) {
+        __sync_fetch_and_add(&t->execs_left, -1);
+        return 0;
+    }
+    tracked.delete(&tgid);
+    ccprof_stat(STAT_EXECS_STOPPED);
+    return 0;
+}
+
+int ccprof_exit(struct tracepoint__sched__sched_process_exit *args) {
+    u64 pid_tgid = bpf_get_current_pid_tgid();
+    u32 tgid = pid_tgid >> 32;
+    u32 tid = (u32)pid_tgid;
+    if (tid != tgid)
+        tracked.delete(&tid);
+    if (!tracked.lookup(&tgid))
+        return 0;
+#ifdef HAVE_GROUP_DEAD
+    int group_dead = args->group_dead;
+#else
+    int group_dead = (tid == tgid);  // approximation: the leader's exit ends tracking
+#endif
+    if (group_dead) {
+        struct ccprof_event *e = ccprof_reserve(EV_EXIT, pid_tgid);
+        if (e) {
+            e->aux = 1;
+            ccprof_submit(e);
+        }
+        tracked.delete(&tgid);
+    }
+    return 0;
+}
