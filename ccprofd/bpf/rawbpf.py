@@ -22,6 +22,7 @@ SYS_BPF_X86_64 = 321
 # enum bpf_cmd
 BPF_MAP_CREATE = 0
 BPF_PROG_LOAD = 5
+BPF_OBJ_GET_INFO_BY_FD = 15
 BPF_BTF_LOAD = 18
 BPF_LINK_CREATE = 28
 
@@ -256,3 +257,24 @@ def btf_load(blob: bytes) -> int:
     attr.btf = ctypes.addressof(buf)
     attr.btf_size = len(blob)
     return bpf(BPF_BTF_LOAD, attr, "loading BTF")
+
+
+class InfoByFdAttr(ctypes.Structure):
+    """The BPF_OBJ_GET_INFO_BY_FD member of ``union bpf_attr``."""
+
+    _fields_ = [
+        ("bpf_fd", ctypes.c_uint32),
+        ("info_len", ctypes.c_uint32),
+        ("info", ctypes.c_uint64),
+    ]
+
+
+def link_info(fd: int) -> tuple[int, int, int]:
+    """(link type, link id, prog id) of a link fd — the head of ``struct bpf_link_info``."""
+    buf = (ctypes.c_uint32 * 32)()
+    attr = InfoByFdAttr()
+    attr.bpf_fd = fd
+    attr.info_len = ctypes.sizeof(buf)
+    attr.info = ctypes.addressof(buf)
+    bpf(BPF_OBJ_GET_INFO_BY_FD, attr, f"querying link fd {fd}")
+    return int(buf[0]), int(buf[1]), int(buf[2])

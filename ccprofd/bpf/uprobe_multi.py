@@ -40,7 +40,7 @@ from collections.abc import Sequence
 from types import TracebackType
 
 from ccprofd.bpf.errors import BPFError
-from ccprofd.bpf.rawbpf import BPF_LINK_CREATE, BPF_TRACE_UPROBE_MULTI, BPFSyscallError, bpf
+from ccprofd.bpf.rawbpf import BPF_LINK_CREATE, BPF_TRACE_UPROBE_MULTI, BPFSyscallError, bpf, link_info
 
 BPF_F_UPROBE_MULTI_RETURN = 1
 # Kernel limit (MAX_UPROBE_MULTI_CNT in kernel/trace/bpf_trace.c).
@@ -100,6 +100,11 @@ class UprobeMultiLink:
         if self._fd is None:
             raise BPFError(f"uprobe_multi link on {self.path} is closed")
         return self._fd
+
+    @property
+    def link_id(self) -> int:
+        """Kernel-wide link id (as ``bpftool link show`` lists it)."""
+        return link_info(self.fd)[1]
 
     @property
     def closed(self) -> bool:

@@ -1,0 +1,80 @@
+"""Helpers for the real-BPF tests: build small C programs and find probe sites *independently* of
+ccprofd (objdump for instructions, readelf for program headers), so the tests check ccprofd's BPF
+layer against the toolchain rather than against itself."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+from conftest import require_tool
+
+
+def compile_c(tmp_path: Path, name: str, source: str, *flags: str) -> Path:
+    """gcc ``source`` into ``tmp_path/name`` and return the binary's path."""
+    gcc = require_tool("gcc")
+    src = tmp_path / f"{name}.c"
+    src.write_text(source)
+    out = tmp_path / name
+    subprocess.run([gcc, "-g", *flags, "-o", str(out), str(src)], check=True, capture_output=True, text=True)
+    return out
+
+
+@dataclass(frozen=True)
+class CallSite:
+    vaddr: int
+    function: str
+    target: str  # objdump's symbolic target, e.g. "leaf" or "printf@plt"
+
+
+_FUNC_RE = re.compile(r"^([0-9a-f]+) <([^>]+)>:$")
+_INSN_RE = re.compile(r"^\s*([0-9a-f]+):\t([0-9a-f ]+)\t(\S+)\s*(.*)$")
+
+
+def direct_call_sites(binary: Path) -> list[CallSite]:
+    """Every ``call rel32`` (opcode e8) in executable sections, in address order, per objdump."""
+    objdump = require_tool("objdump")
+    text = subprocess.run(
+        [objdump, "-d", "--no-show-raw-insn", str(binary)], check=True, capture_output=True, text=True
+    ).stdout
+    raw = subprocess.run([objdump, "-d", str(binary)], check=True, capture_output=True, text=True).stdout
+    first_byte: dict[int, str] = {}
+    for line in raw.splitlines():
+        m = _INSN_RE.match(line)
+        if m:
+            first_byte[int(m.group(1), 16)] = m.group(2).split()[0]
+    sites: list[CallSite] = []
+    func = "?"
+    for line in text.splitlines():
+        fm = _FUNC_RE.match(line)
+        if fm:
+            func = fm.group(2)
+            continue
+        m = re.match(r"^\s*([0-9a-f]+):\s+(call\S*)\s+([0-9a-f]+)\s+<([^>]+)>", line)
+        if m:
+            va = int(m.group(1), 16)
+            if first_byte.get(va) == "e8":
+                sites.append(CallSite(va, func, m.group(4)))
+    return sites
+
+
+def pt_loads(binary: Path) -> list[tuple[int, int, int]]:
+    """(vaddr, filesz, offset) of each PT_LOAD, from ``readelf -lW``."""
+    readelf = require_tool("readelf")
+    out = subprocess.run([readelf, "-lW", str(binary)], check=True, capture_output=True, text=True).stdout
+    segs = []
+    for line in out.splitlines():
+        parts = line.split()
+        if parts and parts[0] == "LOAD":
+            offset, vaddr, _paddr, filesz = (int(p, 16) for p in parts[1:5])
+            segs.append((vaddr, filesz, offset))
+    return segs
+
+
+def file_offset(binary: Path, vaddr: int) -> int:
+    for start, filesz, off in pt_loads(binary):
+        if start <= vaddr < start + filesz:
+            return vaddr - start + off
+    raise AssertionError(f"{vaddr:#x} not in a PT_LOAD of {binary}")
