@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import networkx as nx
@@ -66,14 +66,42 @@ class BinaryInfo:
     text_bytes: int
 
 
-@dataclass(slots=True)
 class CallGraph:
-    """The static call graph of one ELF object plus everything later stages need from it."""
+    """The static call graph of one ELF object plus everything later stages need from it.
 
-    binary: BinaryInfo
-    graph: nx.MultiDiGraph
-    sites: list[CallSite] = field(default_factory=list)
-    analysis_seconds: float = 0.0
+    A graph loaded from the cache keeps its compact serialised form and builds the networkx graph
+    and the CallSite objects only when first used, so a cache hit costs a file read, not a rebuild.
+    """
+
+    def __init__(self, binary: BinaryInfo, graph: nx.MultiDiGraph | None = None,
+                 sites: list[CallSite] | None = None, analysis_seconds: float = 0.0) -> None:
+        self.binary = binary
+        self._graph = graph
+        self._sites = sites
+        self._rows: dict[str, Any] | None = None
+        self.analysis_seconds = analysis_seconds
+        self.cached_stats: dict[str, Any] | None = None  # set on a cache hit (see ccprofd.callgraph)
+
+    @property
+    def graph(self) -> nx.MultiDiGraph:
+        if self._graph is None:
+            assert self._rows is not None
+            g = nx.MultiDiGraph()
+            g.add_nodes_from((n, {"name": name, "kind": kind, "addr": addr, "size": size, "aliases": aliases,
+                                  "address_taken": taken, "is_root": is_root, "fragments": fragments})
+                             for n, name, kind, addr, size, aliases, taken, is_root, fragments
+                             in self._rows["nodes"])
+            g.add_edges_from((u, v, k, {"kind": kind, "site": site, "ret": ret, "length": length,
+                                        "weight": weight})
+                             for u, v, k, kind, site, ret, length, weight in self._rows["edges"])
+            self._graph = g
+        return self._graph
+
+    @property
+    def sites(self) -> list[CallSite]:
+        if self._sites is None:
+            self._sites = [CallSite(*row) for row in self._rows["sites"]] if self._rows else []
+        return self._sites
 
     # ----------------------------------------------------------------- construction helpers
     @staticmethod
@@ -81,7 +109,7 @@ class CallGraph:
         g = nx.MultiDiGraph()
         g.add_node(ROOT, name="<root>", kind="root", addr=0, size=0, aliases=[], address_taken=False,
                    is_root=False, fragments=[])
-        return CallGraph(binary=binary, graph=g)
+        return CallGraph(binary=binary, graph=g, sites=[])
 
     def add_function(self, node: int, name: str, *, kind: str = "function", addr: int = 0, size: int = 0,
                      aliases: Iterable[str] = (), address_taken: bool = False,
@@ -140,17 +168,12 @@ class CallGraph:
 
     @staticmethod
     def from_dict(data: dict[str, Any]) -> CallGraph:
+        """Inverse of :meth:`to_dict`; the networkx graph is built on first access."""
         if data.get("format") != FORMAT_VERSION:
             raise ValueError(f"call graph format {data.get('format')!r}, expected {FORMAT_VERSION}")
-        g = nx.MultiDiGraph()
-        for n, name, kind, addr, size, aliases, taken, is_root, fragments in data["nodes"]:
-            g.add_node(n, name=name, kind=kind, addr=addr, size=size, aliases=aliases, address_taken=taken,
-                       is_root=is_root, fragments=fragments)
-        for u, v, k, kind, site, ret, length, weight in data["edges"]:
-            g.add_edge(u, v, key=k, kind=kind, site=site, ret=ret, length=length, weight=weight)
-        sites = [CallSite(*row) for row in data["sites"]]
-        return CallGraph(binary=BinaryInfo(**data["binary"]), graph=g, sites=sites,
-                         analysis_seconds=data.get("analysis_seconds", 0.0))
+        cg = CallGraph(binary=BinaryInfo(**data["binary"]), analysis_seconds=data.get("analysis_seconds", 0.0))
+        cg._rows = data
+        return cg
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), separators=(",", ":"))

@@ -1,0 +1,228 @@
+"""ELF -> CallGraph: the analysis pipeline (functions, exact disassembly, PLT, address-taken, roots)."""
+
+from __future__ import annotations
+
+import gc
+import time
+from array import array
+from collections.abc import Callable
+
+from elftools.elf.relocation import RelocationSection
+
+from .disasm import Branch, SweepResult, first_non_padding, make_disassembler, sweep
+from .elfimage import ElfImage
+from .functions import FunctionTable
+from .model import BinaryInfo, CallGraph, CallSite
+from .plt import PltResolver
+
+Progress = Callable[[str, int, int], None]
+
+R_X86_64_64 = 1
+R_X86_64_GLOB_DAT = 6
+R_X86_64_RELATIVE = 8
+_DATA_SKIP_PREFIXES = (".eh_frame", ".gcc_except_table", ".interp", ".note", ".gnu", ".dyn", ".rela",
+                       ".rel.", ".hash", ".comment", ".debug")
+
+
+def analyze_image(image: ElfImage, progress: Progress | None = None) -> CallGraph:
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # the analysis allocates ~10^6 objects and frees none: cyclic GC passes are pure cost
+    try:
+        return _analyze(image, progress)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
+
+
+def _analyze(image: ElfImage, progress: Progress | None) -> CallGraph:
+    t0 = time.perf_counter()
+    table = FunctionTable(image)
+    plt = PltResolver(image)
+    md = make_disassembler()
+
+    result = _sweep_all(image, table, md, plt, progress)
+    owner = _fold_fragments(table, result.branches)
+    graph = CallGraph.empty(BinaryInfo(
+        path=image.path, build_id=image.build_id(), content_hash=image.content_hash, pie=image.pie,
+        elf_type=image.elf_type, entry=image.entry,
+        text_bytes=sum(s.size for s in image.code_sections())))
+
+    fragments: dict[int, list[tuple[int, int]]] = {}
+    for frag, own in owner.items():
+        fragments.setdefault(own, []).append((frag, table.by_start[frag].end))
+    for start in table.starts:
+        if start in owner:
+            continue
+        fn = table.by_start[start]
+        graph.add_function(start, fn.name, addr=start, size=fn.end - start, aliases=fn.aliases,
+                           fragments=sorted(fragments.get(start, [])))
+
+    externals: dict[str, int] = {}
+
+    def external(name: str) -> int:
+        if name not in externals:
+            node = -2 - len(externals)
+            externals[name] = node
+            graph.add_function(node, name, kind="external")
+        return externals[name]
+
+    for b in result.branches:
+        fn = table.containing(b.address)
+        if fn is None:
+            continue  # code outside any function: gap sweeps attribute it below
+        caller = owner.get(fn.start, fn.start)
+        site = _classify(b, caller, table, plt, owner, external)
+        if site is not None:
+            graph.add_call(site)
+
+    _mark_roots(graph, image, table, result.code_refs, owner)
+    graph.analysis_seconds = time.perf_counter() - t0
+    return graph
+
+
+def _sweep_all(image: ElfImage, table: FunctionTable, md: object, plt: PltResolver,
+               progress: Progress | None) -> SweepResult:
+    """Sweep every function; grow the table from gaps and call targets until it is stable.
+
+    Only functions whose [start, end) changed are swept again, so discovering a function that
+    has neither symbol nor FDE costs one more sweep of a few functions, not of the whole binary.
+    """
+    done: dict[int, tuple[int, SweepResult]] = {}
+    for _round in range(50):
+        todo = [s for s in table.starts if done.get(s, (-1,))[0] != table.by_start[s].end]
+        for i, start in enumerate(todo):
+            end = table.by_start[start].end
+            part = SweepResult([], [], 0)
+            sweep(md, image.bytes_at(start, end - start), start, part)  # type: ignore[arg-type]
+            done[start] = (end, part)
+            if progress is not None and i % 2000 == 0:
+                progress("disassembling", i, len(todo))
+        for stale in set(done) - set(table.by_start):
+            del done[stale]
+        grown = False
+        # Code no function covers: it starts at its first non-padding instruction.
+        for lo, hi in table.gaps():
+            first = first_non_padding(md, image.bytes_at(lo, hi - lo), lo)  # type: ignore[arg-type]
+            if first is not None:
+                grown |= table.add_start(first)
+        # Call targets that are not known function starts.
+        for _end, part in list(done.values()):
+            for b in part.branches:
+                t = b.target
+                if b.is_call and t is not None and t not in table.by_start and not plt.in_plt(t):
+                    grown |= table.add_start(t)
+        if not grown:
+            break
+    if progress is not None:
+        progress("disassembling", len(table.starts), len(table.starts))
+    result = SweepResult([], [], 0)
+    for start in table.starts:
+        part = done[start][1]
+        result.branches.extend(part.branches)
+        result.code_refs.extend(part.code_refs)
+        result.instructions += part.instructions
+    return result
+
+
+def _fold_fragments(table: FunctionTable, branches: list[Branch]) -> dict[int, int]:
+    """Map each fragment start to the function that jumps into it (its owner)."""
+    jumpers: dict[int, int] = {}
+    frag_starts = {s for s, fn in table.by_start.items() if fn.fragment}
+    for b in branches:
+        if b.is_call or b.target not in frag_starts:
+            continue
+        fn = table.containing(b.address)
+        if fn is not None and fn.start != b.target:
+            jumpers.setdefault(b.target, fn.start)  # type: ignore[arg-type]
+    owner: dict[int, int] = {}
+    for frag, src in jumpers.items():
+        seen = {frag}
+        while src in jumpers and src not in seen:  # fragment of a fragment
+            seen.add(src)
+            src = jumpers[src]
+        if src not in frag_starts or src not in seen:
+            owner[frag] = src
+    return owner
+
+
+def _classify(b: Branch, caller: int, table: FunctionTable, plt: PltResolver, owner: dict[int, int],
+              external: Callable[[str], int]) -> CallSite | None:
+    common = dict(function=caller, address=b.address, return_address=b.address + b.length, length=b.length,
+                  bytes_hex=b.raw.hex())
+    if b.target is None:
+        return CallSite(**common, kind="indirect", operand=b.operand, is_jump=not b.is_call)  # type: ignore[arg-type]
+    tgt = b.target
+    if plt.in_plt(tgt):
+        name = plt.resolve(tgt) or f"plt_{tgt:x}"
+        node = external(name)
+        if b.is_call:
+            return CallSite(**common, kind="plt", target=node)  # type: ignore[arg-type]
+        return CallSite(**common, kind="tail", target=node, is_jump=True)  # type: ignore[arg-type]
+    if b.is_call:
+        callee_fn = table.containing(tgt)
+        if callee_fn is None:
+            return CallSite(**common, kind="indirect", operand=b.operand)  # type: ignore[arg-type]
+        callee = owner.get(callee_fn.start, callee_fn.start)
+        return CallSite(**common, kind="direct", target=callee)  # type: ignore[arg-type]
+    # A jump: a tail call when it lands on another function's entry (not a fragment of its own).
+    fn = table.by_start.get(tgt)
+    if fn is None or tgt in owner or tgt == caller:
+        return None
+    return CallSite(**common, kind="tail", target=tgt, is_jump=True)  # type: ignore[arg-type]
+
+
+def _mark_roots(graph: CallGraph, image: ElfImage, table: FunctionTable, code_refs: list[int],
+                owner: dict[int, int]) -> None:
+    starts = {s for s in table.by_start if s not in owner}
+    taken = {a for a in code_refs if a in starts}
+    taken |= _data_refs(image, starts)
+    tags = image.dynamic_tags()
+    for t in ("DT_INIT", "DT_FINI"):
+        if tags.get(t) in starts:
+            taken.add(tags[t])
+    taken |= {s for s in starts if table.by_start[s].exported}
+    for node in taken:
+        graph.graph.nodes[node]["address_taken"] = True
+    roots = set(taken)
+    entry_fn = table.containing(image.entry)
+    if entry_fn is not None:
+        roots.add(owner.get(entry_fn.start, entry_fn.start))
+    for s in starts:
+        fn = table.by_start[s]
+        if fn.name == "main" or "main" in fn.aliases:
+            roots.add(s)
+    for r in sorted(roots):
+        graph.add_root(r)
+
+
+def _data_refs(image: ElfImage, starts: set[int]) -> set[int]:
+    """Function addresses stored in data: relocations, and pointer-sized words of data sections."""
+    found: set[int] = set()
+    for sec in image.elf.iter_sections():
+        if not isinstance(sec, RelocationSection) or not sec.is_RELA():
+            continue
+        symtab = image.elf.get_section(sec["sh_link"]) if sec["sh_link"] else None
+        for rel in sec.iter_relocations():
+            rtype = rel["r_info_type"]
+            if rtype == R_X86_64_RELATIVE:
+                if rel["r_addend"] in starts:
+                    found.add(rel["r_addend"])
+            elif rtype in (R_X86_64_64, R_X86_64_GLOB_DAT) and symtab is not None and rel["r_info_sym"]:
+                sym = symtab.get_symbol(rel["r_info_sym"])  # type: ignore[attr-defined]
+                val = sym["st_value"] + rel["r_addend"]
+                if sym["st_shndx"] != "SHN_UNDEF" and val in starts:
+                    found.add(val)
+    for sec in image.sections.values():
+        if (sec.executable or not (sec.flags & 0x2) or sec.type == "SHT_NOBITS" or sec.size < 8
+                or sec.name.startswith(_DATA_SKIP_PREFIXES)):
+            continue
+        skip = (-sec.vaddr) % 8
+        body = image.section_bytes(sec)[skip:]
+        body = body[:len(body) - len(body) % 8]
+        words = array("Q")
+        words.frombytes(body)
+        found |= starts.intersection(words)
+    return found
+
+
+__all__ = ["analyze_image"]

@@ -1,0 +1,81 @@
+"""On-disk cache of analysis results (plain values serialised with marshal: fast and code-free), keyed by build-id (or content hash), written atomically.
+
+The key also includes the file size and whether ``.symtab`` is present: a stripped copy shares its
+build-id with the unstripped original but yields different names.
+"""
+
+from __future__ import annotations
+
+import gc
+import marshal
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+CACHE_FORMAT = 3  # bump whenever the analysis output changes meaning
+
+
+def default_cache_dir() -> Path:
+    env = os.environ.get("CCPROFD_CACHE_DIR")
+    if env:
+        return Path(env)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ccprofd"
+
+
+def atomic_write_bytes(path: Path, data: bytes) -> None:
+    """Write via temp file + fsync + rename, so a crash never leaves a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        dfd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+
+
+class AnalysisCache:
+    def __init__(self, directory: Path | None = None) -> None:
+        self.directory = Path(directory) if directory is not None else default_cache_dir()
+
+    def path_for(self, kind: str, key: str) -> Path:
+        return self.directory / kind / f"{key}.v{CACHE_FORMAT}.marshal"
+
+    def load(self, kind: str, key: str) -> Any | None:
+        path = self.path_for(kind, key)
+        try:
+            with open(path, "rb") as fh:
+                raw = fh.read()
+            gc_was_enabled = gc.isenabled()
+            gc.disable()  # millions of small containers: the cyclic GC would triple the load time
+            try:
+                obj = marshal.loads(raw)
+            finally:
+                if gc_was_enabled:
+                    gc.enable()
+        except FileNotFoundError:
+            return None
+        except Exception:
+            # A corrupt entry is only a cache miss; it is rewritten by the next store.
+            return None
+        if not isinstance(obj, dict) or obj.get("cache_format") != CACHE_FORMAT:
+            return None
+        return obj.get("value")
+
+    def store(self, kind: str, key: str, value: Any) -> None:
+        data = marshal.dumps({"cache_format": CACHE_FORMAT, "value": value})
+        try:
+            atomic_write_bytes(self.path_for(kind, key), data)
+        except OSError:
+            pass  # a read-only or full cache directory must not fail the analysis

@@ -1,0 +1,139 @@
+"""Function bounds from every source an ELF has: symbols, ``.eh_frame`` FDEs, dynamic tags.
+
+Stripped binaries keep their FDEs, so every function compiled with CFI still gets exact bounds
+(named ``sub_<vaddr>``).  FDEs that start mid-frame (CFA != rsp+8) are *fragments* of another
+function (gcc's ``foo.cold``): they are kept apart here and folded into their owner by the
+disassembly pass, which sees the jump that enters them.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from dataclasses import dataclass, field
+
+from .ehframe import parse_eh_frame
+from .elfimage import PLT_SECTIONS, ElfImage, Section
+
+_FUNC_TYPES = ("STT_FUNC", "STT_GNU_IFUNC")
+
+
+@dataclass(slots=True)
+class FunctionInfo:
+    start: int
+    end: int
+    name: str
+    aliases: list[str] = field(default_factory=list)
+    fragment: bool = False  # CFI says it starts mid-frame: part of another function
+    exported: bool = False  # defined in .dynsym: callable from other objects
+    signal_trampoline: bool = False
+
+
+def sub_name(addr: int) -> str:
+    return f"sub_{addr:x}"
+
+
+class FunctionTable:
+    """Sorted, non-overlapping function ranges inside the non-PLT code sections."""
+
+    def __init__(self, image: ElfImage) -> None:
+        self.image = image
+        self.code = [s for s in image.code_sections() if s.name not in PLT_SECTIONS]
+        self.by_start: dict[int, FunctionInfo] = {}
+        self._discover()
+        self._reindex()
+
+    # ---------------------------------------------------------------------------- discovery
+    def section_of(self, addr: int) -> Section | None:
+        for s in self.code:
+            if s.contains(addr):
+                return s
+        return None
+
+    def _discover(self) -> None:
+        names: dict[int, list[tuple[int, str, int, bool]]] = {}
+        for sym in self.image.symbols():
+            if not sym.defined or sym.type not in _FUNC_TYPES or not sym.name or self.section_of(sym.value) is None:
+                continue
+            # Rank: .symtab GLOBAL first, then .symtab others, then .dynsym.
+            rank = (0 if sym.table == ".symtab" else 2) + (0 if sym.bind == "STB_GLOBAL" else 1)
+            names.setdefault(sym.value, []).append((rank, sym.name, sym.size, sym.table == ".dynsym"))
+        fdes: dict[int, tuple[int, bool, bool]] = {}
+        eh = self.image.sections.get(".eh_frame")
+        if eh is not None and eh.type != "SHT_NOBITS" and eh.size:
+            for r in parse_eh_frame(self.image.section_bytes(eh), eh.vaddr):
+                if self.section_of(r.start) is not None:
+                    fdes.setdefault(r.start, (r.end, r.entry, r.signal_frame))
+        extra = {self.image.entry}
+        tags = self.image.dynamic_tags()
+        for t in ("DT_INIT", "DT_FINI"):
+            if t in tags:
+                extra.add(tags[t])
+        starts = set(names) | set(fdes) | {a for a in extra if self.section_of(a) is not None}
+        for start in starts:
+            entries = sorted(names.get(start, []))
+            sym_size = max((e[2] for e in entries), default=0)
+            fde = fdes.get(start)
+            end = start + sym_size if sym_size else (fde[0] if fde else 0)
+            uniq: list[str] = []
+            for e in entries:
+                if e[1] not in uniq:
+                    uniq.append(e[1])
+            name = uniq[0] if uniq else sub_name(start)
+            self.by_start[start] = FunctionInfo(
+                start=start, end=end, name=name, aliases=uniq[1:],
+                fragment=bool(fde and not fde[1]) and start not in extra,
+                exported=any(e[3] for e in entries), signal_trampoline=bool(fde and fde[2]))
+
+    def add_start(self, addr: int) -> bool:
+        """Add a function discovered as a call target; False if known or not in code."""
+        if addr in self.by_start or self.section_of(addr) is None:
+            return False
+        self.by_start[addr] = FunctionInfo(start=addr, end=0, name=sub_name(addr))
+        self._reindex(addr)
+        return True
+
+    def _reindex(self, added: int | None = None) -> None:
+        """Fix unknown ends (up to the next start or section end) and build the lookup index."""
+        if added is not None:
+            i = bisect_right(self.starts, added)
+            self.starts.insert(i, added)
+            ordered = self.starts
+            todo = range(max(0, i - 1), min(len(ordered), i + 1))
+        else:
+            ordered = sorted(self.by_start)
+            todo = range(len(ordered))
+        for i in todo:
+            start = ordered[i]
+            fn = self.by_start[start]
+            sec = self.section_of(start)
+            assert sec is not None
+            limit = sec.vaddr + sec.size
+            nxt = ordered[i + 1] if i + 1 < len(ordered) else limit
+            if fn.end <= start or fn.end > limit:
+                fn.end = limit
+            fn.end = min(fn.end, nxt)  # never overlap: each instruction is swept exactly once
+        self.starts = ordered
+
+    def containing(self, addr: int) -> FunctionInfo | None:
+        i = bisect_right(self.starts, addr) - 1
+        if i >= 0:
+            fn = self.by_start[self.starts[i]]
+            if addr < fn.end:
+                return fn
+        return None
+
+    def gaps(self) -> list[tuple[int, int]]:
+        """Code not covered by any function range (padding, or code with neither symbol nor CFI)."""
+        out: list[tuple[int, int]] = []
+        for sec in self.code:
+            cur = sec.vaddr
+            end = sec.vaddr + sec.size
+            for start in self.starts:
+                if start < sec.vaddr or start >= end:
+                    continue
+                if start > cur:
+                    out.append((cur, start))
+                cur = max(cur, self.by_start[start].end)
+            if cur < end:
+                out.append((cur, end))
+        return out
