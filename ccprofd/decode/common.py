@@ -1,0 +1,101 @@
+"""What every exact decoder shares: plan loading into flat tables, segment handling, errors, cache.
+
+Decoders read only the plan (never the call graph).  Everything a step needs is precomputed here
+at load time into lists indexed by dense node index or site id, so that one step is a few list
+lookups and shifts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ccprofd.callgraph.model import ROOT
+from ccprofd.encode.plan import COL, check_plan
+from ccprofd.encode.segments import Edge, EncodedState, Segment
+
+
+class DecodeError(ValueError):
+    """The state cannot be the encoding of any context at that node: flagged, never guessed."""
+
+
+class UnknownCaller(DecodeError):
+    """A segment entered from outside code did not record the node its saved state belongs to.
+
+    ``partial`` holds the decoded part of the path above that segment, outermost first.
+    """
+
+    def __init__(self, message: str, partial: list[Edge]) -> None:
+        super().__init__(message)
+        self.partial = partial
+
+
+class BaseDecoder:
+    """Flat site and node tables common to all schemes."""
+
+    scheme = ""
+
+    def __init__(self, plan: Mapping[str, Any]) -> None:
+        check_plan(plan)
+        if plan["scheme"] != self.scheme:
+            raise DecodeError(f"{type(self).__name__} cannot decode a {plan['scheme']!r} plan")
+        self.plan = plan
+        self.nodes: list[int] = list(plan["nodes"])
+        self.index: dict[int, int] = {n: i for i, n in enumerate(self.nodes)}
+        self.root = self.index[ROOT]
+        rows = plan["sites"]
+        ci, ki, si = COL["caller"], COL["callee"], COL["site"]
+        index = self.index
+        self.caller: list[int] = [index[r[ci]] for r in rows]
+        self.callee: list[int] = [index[r[ki]] for r in rows]
+        self.edge: list[Edge] = [(r[ci], r[ki], r[si]) for r in rows]
+        self._site_caller: dict[int, int] | None = None
+
+    # -------------------------------------------------------------------------------- helpers
+    def dense(self, node: int) -> int:
+        try:
+            return self.index[node]
+        except KeyError:
+            raise DecodeError(f"node {node} is not in the plan") from None
+
+    def segment_caller(self, seg: Segment, partial_rev: list[Edge]) -> int:
+        """Dense index of the node below a segment: recorded, or the function holding its site."""
+        if seg.caller is not None:
+            return self.dense(seg.caller)
+        if seg.site != -1:
+            if self._site_caller is None:
+                self._site_caller = {r[COL["site"]]: r[COL["caller"]] for r in self.plan["sites"]
+                                     if r[COL["site"]]}
+            node = self._site_caller.get(seg.site)
+            if node is not None:
+                return self.index[node]
+        raise UnknownCaller(f"segment at site {seg.site:#x} into {seg.callee} has no known caller",
+                            partial_rev[::-1])
+
+    def decode(self, state: EncodedState, node: int) -> list[Edge]:
+        """The call path ending at ``node``, outermost edge first."""
+        raise NotImplementedError
+
+
+class CachingDecoder:
+    """Memoises decoded paths per (state, node); repeated contexts are the common case in profiles."""
+
+    def __init__(self, decoder: BaseDecoder, max_entries: int = 1 << 16) -> None:
+        self.decoder = decoder
+        self.max_entries = max_entries
+        self._cache: dict[tuple[EncodedState, int], tuple[Edge, ...]] = {}
+        self.hits = 0
+        self.misses = 0
+
+    def decode(self, state: EncodedState, node: int) -> list[Edge]:
+        key = (state, node)
+        hit = self._cache.get(key)
+        if hit is not None:
+            self.hits += 1
+            return list(hit)
+        self.misses += 1
+        path = self.decoder.decode(state, node)
+        if len(self._cache) >= self.max_entries:
+            self._cache.clear()  # cheap bound; profiles re-warm it in one sampling period
+        self._cache[key] = tuple(path)
+        return path

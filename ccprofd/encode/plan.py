@@ -1,0 +1,256 @@
+"""The encoding plan: the single input of the BPF code generator and of the decoders.
+
+A plan is a plain JSON-able dict, versioned, tied to the binary's identity (build-id, else content
+hash) and to the encoding parameters.  Its schema (``PLAN_VERSION`` 1):
+
+``format``/``version``  ``"ccprofd-encoding-plan"`` / 1.
+``scheme``              ``"valence" | "pcce" | "hcce" | "stacktags"``.
+``binary``              ``{path, build_id, content_hash}``; ``identity`` is ``build-id:<hex>`` or
+                        ``sha256:<hex>``.
+``params``              ``{pcce_words, weights_hash}`` (``pcce_words`` is None for schemes without
+                        a PCCE id).  ``key`` is the cache key derived from identity+scheme+params.
+``nodes``/``names``     dense node index -> node id / function name.  Decode tables use dense
+                        indices; sites and decoded paths use node ids.
+``acyc_op``             what an acyclic probe does: ``"set"`` bits ``[lo, hi)`` of acycID to
+                        ``code`` (Valence), ``"add"`` ``code`` to the id (PCCE, HCCE; subtract on
+                        return), ``"mix"`` (stack tags).
+``acyc_bits``           width of acycID / id in bits; ``acyc_words`` its storage in 64-bit words.
+``rec_code_bits``       width of one recID code (PCCE: of a back-edge code).
+``reason_bits``         legend of the ``reasons`` bit mask: acyc=1, cyclic=2, plt_exit=4,
+                        outside_entry=8, indirect=16 (the last three are set by later stages).
+``site_columns``        names of the columns of ``sites``.
+``sites``               one row per call-graph edge, indexed by *site id*:
+                        ``[site vaddr (0 for root edges), caller, callee, kind, reasons, lo, hi,
+                        code, rec_code]``.  ``reasons == 0`` means no probe.  ``lo``/``hi``: bit
+                        range (Valence) or id width (PCCE/HCCE), None for cyclic edges.  ``code``:
+                        Valence: value of bits [lo, hi) (bit 0 = bit lo); PCCE/HCCE: En(e) to add;
+                        PCCE back edge: the id value after the push.  ``rec_code``: code pushed on
+                        recID (PCCE: back-edge code pushed with the saved id) or None.
+``probed``              site ids with a non-zero ``reasons`` mask.
+``tables``              scheme-specific decode tables (see the ``decode`` package).
+``report``              the statistics of :mod:`ccprofd.encode.report`.
+
+Plans are cached as ``<cache_dir>/plans/<key>.json``, written atomically.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ccprofd.callgraph.model import BinaryInfo, CallGraph
+from ccprofd.encode.bits import words_for_bits
+from ccprofd.encode.edges import EdgeArrays, EdgeKey, edge_arrays, effective_weights, weights_hash
+from ccprofd.encode.hcce import build_hcce
+from ccprofd.encode.pcce import build_pcce
+from ccprofd.encode.scc import Sccs, sccs
+from ccprofd.encode.stacktags import build_stacktags
+from ccprofd.encode.valence import SchemeTables, build_valence
+
+PLAN_FORMAT = "ccprofd-encoding-plan"
+PLAN_VERSION = 1
+SCHEMES = ("valence", "pcce", "hcce", "stacktags")
+
+REASON_BITS = {"acyc": 1, "cyclic": 2, "plt_exit": 4, "outside_entry": 8, "indirect": 16}
+R_ACYC = REASON_BITS["acyc"]
+R_CYCLIC = REASON_BITS["cyclic"]
+
+SITE_COLUMNS = ["site", "caller", "callee", "kind", "reasons", "lo", "hi", "code", "rec_code"]
+COL = {name: i for i, name in enumerate(SITE_COLUMNS)}
+
+
+class PlanError(ValueError):
+    """A plan that cannot be used: wrong format/version, or built for another graph."""
+
+
+def binary_identity(binary: BinaryInfo) -> str:
+    return f"build-id:{binary.build_id}" if binary.build_id else f"sha256:{binary.content_hash}"
+
+
+def plan_key(binary: BinaryInfo, scheme: str, params: Mapping[str, Any]) -> str:
+    """Cache key: (identity, scheme, parameters incl. weights hash, plan format version)."""
+    blob = json.dumps({"v": PLAN_VERSION, "id": binary_identity(binary), "scheme": scheme,
+                       "params": dict(params)}, sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def _params(scheme: str, pcce_words: int, wh: str | None) -> dict[str, Any]:
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown encoding scheme {scheme!r}; expected one of {SCHEMES}")
+    if pcce_words < 1:
+        raise ValueError("pcce_words must be >= 1")
+    return {"pcce_words": pcce_words if scheme in ("pcce", "hcce") else None, "weights_hash": wh}
+
+
+def build_plan(graph: CallGraph, scheme: str, *, pcce_words: int = 1,
+               weights: Mapping[EdgeKey, int] | None = None) -> dict[str, Any]:
+    """Compute the plan of one scheme for ``graph``.
+
+    ``weights`` maps ``(caller, callee, site key)`` to a call count; without it the graph's own
+    ``weight`` attributes are used when present.  The heaviest incoming edge of each node (Valence,
+    HCCE: of each component) gets the all-zero code, hence no probe.
+    """
+    t0 = time.perf_counter()
+    w = effective_weights(graph, weights)
+    params = _params(scheme, pcce_words, weights_hash(w))
+    ea = edge_arrays(graph, w)
+    sc = sccs(ea) if scheme != "stacktags" else None
+    names = [graph.name(n) for n in ea.nodes]
+    plan = _assemble(graph, ea, sc, scheme, pcce_words, names)
+    plan["params"] = params
+    plan["key"] = plan_key(graph.binary, scheme, params)
+    plan["report"]["build_seconds"] = round(time.perf_counter() - t0, 4)
+    return plan
+
+
+def _assemble(graph: CallGraph, ea: EdgeArrays, sc: Sccs | None, scheme: str, pcce_words: int,
+              names: list[str]) -> dict[str, Any]:
+    m = ea.n_edges
+    stats: dict[str, Any] = {"nodes": len(ea.nodes), "edges": m}
+    if sc is not None:
+        stats.update(sccs=len(sc.members), complex_sccs=sc.n_complex, cyclic_edges=sc.n_cyclic)
+    tables: dict[str, Any]
+    if scheme == "stacktags":
+        tables = {"ids": build_stacktags(ea, names)}
+        st = SchemeTables(lo=[None] * m, hi=[None] * m, code=[0] * m, rec_code=[None] * m, tables=tables,
+                          stats={"acyclic_bits": 64, "rec_code_bits": 0, "words_needed": 1,
+                                 "overflow": False})
+        acyc_op, acyc_bits, acyc_words = "mix", 64, 1
+        cyclic = bytearray(m)
+        reasons = [R_ACYC] * m  # every call mixes the callee into the tag
+    else:
+        assert sc is not None
+        if scheme == "valence":
+            st = build_valence(ea, sc)
+            acyc_op = "set"
+            acyc_bits = st.stats["acyclic_bits"]
+            acyc_words = max(1, words_for_bits(acyc_bits))
+            st.stats.update(words_needed=acyc_words, overflow=False)
+            cyclic = sc.cyclic
+        elif scheme == "pcce":
+            st = build_pcce(ea, pcce_words)
+            acyc_op = "add"
+            acyc_bits = st.stats["id_bits"]
+            acyc_words = pcce_words
+            cyclic = bytearray(1 if r is not None else 0 for r in st.rec_code)
+        else:
+            st = build_hcce(ea, sc, pcce_words)
+            acyc_op = "add"
+            acyc_bits = st.stats["id_bits"]
+            acyc_words = pcce_words
+            cyclic = sc.cyclic
+        reasons = [R_CYCLIC if cyclic[e] else (R_ACYC if st.code[e] else 0) for e in range(m)]
+    nodes = ea.nodes
+    rows = [[ea.site[e], nodes[ea.caller[e]], nodes[ea.callee[e]], ea.kind[e], reasons[e], st.lo[e], st.hi[e],
+             st.code[e], st.rec_code[e]] for e in range(m)]
+    probed = [e for e in range(m) if reasons[e]]
+    report = dict(stats)
+    report.update(st.stats)
+    if scheme != "stacktags":
+        n_cyc = sum(cyclic)
+        acyc_coded = sum(1 for e in range(m) if not cyclic[e] and st.code[e])
+        rec_coded = sum(1 for e in range(m) if cyclic[e] and st.rec_code[e])
+        report["coded_edges"] = acyc_coded + rec_coded
+        report["instrumented_edges"] = acyc_coded + n_cyc
+    else:
+        report["coded_edges"] = report["instrumented_edges"] = m
+    if ea.weighted:
+        report["dynamic_calls"] = sum(ea.weight)
+        report["unprobed_dynamic_calls"] = sum(ea.weight[e] for e in range(m) if not reasons[e])
+    b = graph.binary
+    return {
+        "format": PLAN_FORMAT,
+        "version": PLAN_VERSION,
+        "scheme": scheme,
+        "binary": {"path": b.path, "build_id": b.build_id, "content_hash": b.content_hash},
+        "identity": binary_identity(b),
+        "nodes": nodes,
+        "names": names,
+        "acyc_op": acyc_op,
+        "acyc_bits": acyc_bits,
+        "acyc_words": acyc_words,
+        "rec_code_bits": st.stats.get("rec_code_bits", 0),
+        "reason_bits": dict(REASON_BITS),
+        "site_columns": list(SITE_COLUMNS),
+        "sites": rows,
+        "probed": probed,
+        "tables": st.tables,
+        "report": report,
+    }
+
+
+# ---------------------------------------------------------------------------------------- cache
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "ccprofd"
+
+
+def plan_path(cache_dir: str | os.PathLike[str], key: str) -> Path:
+    return Path(cache_dir) / "plans" / f"{key}.json"
+
+
+def save_plan(plan: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
+    """Write atomically: a reader sees either the old file or the complete new one."""
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(plan, fh, separators=(",", ":"))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    dfd = os.open(target.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)
+    finally:
+        os.close(dfd)
+
+
+def check_plan(plan: Mapping[str, Any]) -> None:
+    if plan.get("format") != PLAN_FORMAT or plan.get("version") != PLAN_VERSION:
+        raise PlanError(f"plan format {plan.get('format')!r} v{plan.get('version')!r}, "
+                        f"expected {PLAN_FORMAT!r} v{PLAN_VERSION}")
+    if plan.get("scheme") not in SCHEMES:
+        raise PlanError(f"unknown scheme {plan.get('scheme')!r}")
+
+
+def load_plan(path: str | os.PathLike[str]) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as fh:
+        plan = json.load(fh)
+    check_plan(plan)
+    return dict(plan)
+
+
+def get_plan(graph: CallGraph, scheme: str, *, pcce_words: int = 1,
+             weights: Mapping[EdgeKey, int] | None = None,
+             cache_dir: str | os.PathLike[str] | None = None, use_cache: bool = True) -> dict[str, Any]:
+    """The plan from the cache when one with the same key exists for a same-sized graph, else built
+    and stored."""
+    w = effective_weights(graph, weights)
+    key = plan_key(graph.binary, scheme, _params(scheme, pcce_words, weights_hash(w)))
+    path = plan_path(cache_dir if cache_dir is not None else default_cache_dir(), key)
+    if use_cache and path.exists():
+        try:
+            plan = load_plan(path)
+            rep = plan["report"]
+            if (plan.get("key") == key and rep.get("nodes") == graph.graph.number_of_nodes()
+                    and rep.get("edges") == graph.graph.number_of_edges()):
+                return plan
+        except (OSError, ValueError, KeyError):
+            pass  # unreadable or stale: rebuild below
+    plan = build_plan(graph, scheme, pcce_words=pcce_words, weights=w)
+    if use_cache:
+        save_plan(plan, path)
+    return plan
