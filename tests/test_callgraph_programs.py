@@ -110,10 +110,20 @@ def _fmt_site(s: Site) -> str:
     return f"{s.address:#x} {s.kind} {s.raw.hex()} -> {s.target_name or s.target}"
 
 
+def _show(x: Any, names: Oracle | None) -> Any:
+    if isinstance(x, int) and not isinstance(x, bool) and x >= 0:
+        if names is not None and x in names.functions:
+            return f"{x:#x}<{names.name_of(x)}>"
+        return f"{x:#x}" if x > 0xFF else x
+    if isinstance(x, tuple):
+        return tuple(_show(v, names) for v in x)
+    return x
+
+
 def _diff(label: str, got: set[Any] | frozenset[Any], want: set[Any] | frozenset[Any],
-          limit: int = 12) -> str:
-    extra = sorted(got - want, key=repr)[:limit]
-    missing = sorted(want - got, key=repr)[:limit]
+          limit: int = 12, names: Oracle | None = None) -> str:
+    extra = [_show(x, names) for x in sorted(got - want, key=repr)[:limit]]
+    missing = [_show(x, names) for x in sorted(want - got, key=repr)[:limit]]
     return f"{label}: analysis has extra {extra}; analysis misses {missing}"
 
 
@@ -213,9 +223,10 @@ def test_functions_agree_with_symbols_and_fdes(name: str, opt: str, pie: bool, c
     nodes = internal_nodes(cg)
     # Every function a stripped copy can see from .eh_frame, .dynsym and the entry point must be found.
     assert set(nodes) >= twin.fde_or_dynamic_functions(), \
-        _diff("FDE/.dynsym/entry functions", set(nodes), twin.fde_or_dynamic_functions())
+        _diff("FDE/.dynsym/entry functions", set(nodes), twin.fde_or_dynamic_functions(),
+              names=twin)
     # ... and the oracle's whole set (symbols and FDEs, fragments folded).
-    assert set(nodes) == set(twin.functions), _diff("functions", set(nodes), set(twin.functions))
+    assert set(nodes) == set(twin.functions), _diff("functions", set(nodes), set(twin.functions), names=twin)
     sizes = twin.symbol_sizes()
     dynamic = {s.value: s.name for s in oracle(path).symbols if s.table == ".dynsym" and s.type == "FUNC"
                and s.ndx.isdigit()}
@@ -289,16 +300,19 @@ def canonical(cg: Any) -> dict[str, Any]:
 
 @pytest.mark.parametrize(("name", "opt", "pie", "cet"), PAIRS)
 def test_stripped_graph_equals_unstripped(name: str, opt: str, pie: bool, cet: bool) -> None:
+    twin = twin_oracle(name, opt, pie, cet)
     full = canonical(graph_of(binary(name, opt, pie, cet, False)))
     bare = canonical(graph_of(binary(name, opt, pie, cet, True)))
     full_fn = {n: v for n, v in full["nodes"].items() if isinstance(n, int)}
     bare_fn = {n: v for n, v in bare["nodes"].items() if isinstance(n, int)}
     assert set(bare_fn) == set(full_fn), _diff("stripped function nodes vs unstripped", set(bare_fn),
-                                               set(full_fn))
+                                               set(full_fn), names=twin)
     assert bare_fn == full_fn, "address_taken/is_root differ: " + str(
         sorted((hex(n), full_fn[n], bare_fn[n]) for n in full_fn if full_fn[n] != bare_fn.get(n))[:12])
-    assert bare["edges"] == full["edges"], _diff("stripped edges vs unstripped", bare["edges"], full["edges"])
-    assert bare["sites"] == full["sites"], _diff("stripped sites vs unstripped", bare["sites"], full["sites"])
+    assert bare["edges"] == full["edges"], _diff("stripped edges vs unstripped", bare["edges"], full["edges"],
+                                                names=twin)
+    assert bare["sites"] == full["sites"], _diff("stripped sites vs unstripped", bare["sites"], full["sites"],
+                                                names=twin)
 
 
 @pytest.mark.parametrize(("name", "opt", "pie", "cet"), PAIRS)
