@@ -7,6 +7,7 @@ import time
 from array import array
 from collections.abc import Callable
 
+from capstone import Cs
 from elftools.elf.relocation import RelocationSection
 
 from .disasm import Branch, SweepResult, first_non_padding, make_disassembler, sweep
@@ -67,10 +68,10 @@ def _analyze(image: ElfImage, progress: Progress | None) -> CallGraph:
         return externals[name]
 
     for b in result.branches:
-        fn = table.containing(b.address)
-        if fn is None:
-            continue  # code outside any function: gap sweeps attribute it below
-        caller = owner.get(fn.start, fn.start)
+        containing = table.containing(b.address)
+        if containing is None:
+            continue  # cannot happen: every swept byte belongs to a function range
+        caller = owner.get(containing.start, containing.start)
         site = _classify(b, caller, table, plt, owner, external)
         if site is not None:
             graph.add_call(site)
@@ -80,7 +81,7 @@ def _analyze(image: ElfImage, progress: Progress | None) -> CallGraph:
     return graph
 
 
-def _sweep_all(image: ElfImage, table: FunctionTable, md: object, plt: PltResolver,
+def _sweep_all(image: ElfImage, table: FunctionTable, md: Cs, plt: PltResolver,
                progress: Progress | None) -> SweepResult:
     """Sweep every function; grow the table from gaps and call targets until it is stable.
 
@@ -93,7 +94,7 @@ def _sweep_all(image: ElfImage, table: FunctionTable, md: object, plt: PltResolv
         for i, start in enumerate(todo):
             end = table.by_start[start].end
             part = SweepResult([], [], 0)
-            sweep(md, image.bytes_at(start, end - start), start, part)  # type: ignore[arg-type]
+            sweep(md, image.bytes_at(start, end - start), start, part)
             done[start] = (end, part)
             if progress is not None and i % 2000 == 0:
                 progress("disassembling", i, len(todo))
@@ -102,7 +103,7 @@ def _sweep_all(image: ElfImage, table: FunctionTable, md: object, plt: PltResolv
         grown = False
         # Code no function covers: it starts at its first non-padding instruction.
         for lo, hi in table.gaps():
-            first = first_non_padding(md, image.bytes_at(lo, hi - lo), lo)  # type: ignore[arg-type]
+            first = first_non_padding(md, image.bytes_at(lo, hi - lo), lo)
             if first is not None:
                 grown |= table.add_start(first)
         # Call targets that are not known function starts.
@@ -133,7 +134,7 @@ def _fold_fragments(table: FunctionTable, branches: list[Branch]) -> dict[int, i
             continue
         fn = table.containing(b.address)
         if fn is not None and fn.start != b.target:
-            jumpers.setdefault(b.target, fn.start)  # type: ignore[arg-type]
+            jumpers.setdefault(b.target, fn.start)
     owner: dict[int, int] = {}
     for frag, src in jumpers.items():
         seen = {frag}
@@ -147,28 +148,27 @@ def _fold_fragments(table: FunctionTable, branches: list[Branch]) -> dict[int, i
 
 def _classify(b: Branch, caller: int, table: FunctionTable, plt: PltResolver, owner: dict[int, int],
               external: Callable[[str], int]) -> CallSite | None:
-    common = dict(function=caller, address=b.address, return_address=b.address + b.length, length=b.length,
-                  bytes_hex=b.raw.hex())
+    def site(kind: str, target: int | None = None, operand: str | None = None,
+             jump: bool = False) -> CallSite:
+        return CallSite(function=caller, address=b.address, return_address=b.address + b.length,
+                        length=b.length, bytes_hex=b.raw.hex(), kind=kind, target=target, operand=operand,
+                        is_jump=jump)
+
     if b.target is None:
-        return CallSite(**common, kind="indirect", operand=b.operand, is_jump=not b.is_call)  # type: ignore[arg-type]
+        return site("indirect", operand=b.operand, jump=not b.is_call)
     tgt = b.target
     if plt.in_plt(tgt):
-        name = plt.resolve(tgt) or f"plt_{tgt:x}"
-        node = external(name)
-        if b.is_call:
-            return CallSite(**common, kind="plt", target=node)  # type: ignore[arg-type]
-        return CallSite(**common, kind="tail", target=node, is_jump=True)  # type: ignore[arg-type]
+        node = external(plt.resolve(tgt) or f"plt_{tgt:x}")
+        return site("plt", node) if b.is_call else site("tail", node, jump=True)
     if b.is_call:
         callee_fn = table.containing(tgt)
-        if callee_fn is None:
-            return CallSite(**common, kind="indirect", operand=b.operand)  # type: ignore[arg-type]
-        callee = owner.get(callee_fn.start, callee_fn.start)
-        return CallSite(**common, kind="direct", target=callee)  # type: ignore[arg-type]
-    # A jump: a tail call when it lands on another function's entry (not a fragment of its own).
-    fn = table.by_start.get(tgt)
-    if fn is None or tgt in owner or tgt == caller:
+        if callee_fn is None:  # a call out of the code sections: treat like an unknown target
+            return site("indirect", operand=b.operand)
+        return site("direct", owner.get(callee_fn.start, callee_fn.start))
+    # A jump: a tail call when it lands on another function's entry (not on a fragment it owns).
+    if tgt not in table.by_start or tgt in owner or tgt == caller:
         return None
-    return CallSite(**common, kind="tail", target=tgt, is_jump=True)  # type: ignore[arg-type]
+    return site("tail", tgt, jump=True)
 
 
 def _mark_roots(graph: CallGraph, image: ElfImage, table: FunctionTable, code_refs: list[int],
@@ -212,12 +212,12 @@ def _data_refs(image: ElfImage, starts: set[int]) -> set[int]:
                 val = sym["st_value"] + rel["r_addend"]
                 if sym["st_shndx"] != "SHN_UNDEF" and val in starts:
                     found.add(val)
-    for sec in image.sections.values():
-        if (sec.executable or not (sec.flags & 0x2) or sec.type == "SHT_NOBITS" or sec.size < 8
-                or sec.name.startswith(_DATA_SKIP_PREFIXES)):
+    for dsec in image.sections.values():
+        if (dsec.executable or not (dsec.flags & 0x2) or dsec.type == "SHT_NOBITS" or dsec.size < 8
+                or dsec.name.startswith(_DATA_SKIP_PREFIXES)):
             continue
-        skip = (-sec.vaddr) % 8
-        body = image.section_bytes(sec)[skip:]
+        skip = (-dsec.vaddr) % 8
+        body = image.section_bytes(dsec)[skip:]
         body = body[:len(body) - len(body) % 8]
         words = array("Q")
         words.frombytes(body)

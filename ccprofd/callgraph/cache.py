@@ -1,4 +1,6 @@
-"""On-disk cache of analysis results (plain values serialised with marshal: fast and code-free), keyed by build-id (or content hash), written atomically.
+"""On-disk cache of analysis results, keyed by build-id (or content hash), written atomically.
+
+Values are plain data serialised with marshal: fast to load, and loading runs no code.
 
 The key also includes the file size and whether ``.symtab`` is present: a stripped copy shares its
 build-id with the unstripped original but yields different names.
@@ -6,6 +8,7 @@ build-id with the unstripped original but yields different names.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import marshal
 import os
@@ -75,7 +78,5 @@ class AnalysisCache:
 
     def store(self, kind: str, key: str, value: Any) -> None:
         data = marshal.dumps({"cache_format": CACHE_FORMAT, "value": value})
-        try:
+        with contextlib.suppress(OSError):  # a read-only or full cache dir must not fail the analysis
             atomic_write_bytes(self.path_for(kind, key), data)
-        except OSError:
-            pass  # a read-only or full cache directory must not fail the analysis

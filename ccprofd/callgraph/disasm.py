@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from capstone import CS_ARCH_X86, CS_MODE_64, Cs
 
 _IMM = re.compile(r"^(?:0x[0-9a-f]+|\d+)$")
-_RIP = re.compile(r"\[rip ([+-]) (0x[0-9a-f]+|\d+)\]")
+_RIP = re.compile(r"\[rip(?: ([+-]) (0x[0-9a-f]+|\d+))?\]")  # "[rip]" when disp == 0
 _TRAILING_IMM = re.compile(r", (0x[0-9a-f]+|\d+)$")
 PADDING = frozenset({"nop", "int3", ".byte"})
 
@@ -67,12 +67,13 @@ def sweep(md: Cs, code: bytes, base: int, result: SweepResult) -> None:
         elif c0 == "l" and mnem == "lea" and "rip" in ops:
             m = _RIP.search(ops)
             if m:
-                disp = int(m.group(2), 0)
-                refs.append(addr + size + (disp if m.group(1) == "+" else -disp))
-        elif (c0 == "m" and (mnem == "mov" or mnem == "movabs") and ", 0x" in ops) or (c0 == "p" and mnem == "push"):
+                disp = int(m.group(2), 0) if m.group(2) else 0
+                refs.append(addr + size + (disp if m.group(1) != "-" else -disp))
+        elif ((c0 == "m" and (mnem == "mov" or mnem == "movabs") and ", 0x" in ops)
+              or (c0 == "p" and mnem == "push")):
             m = _TRAILING_IMM.search(ops) if c0 == "m" else (_IMM.match(ops) and ops)
             if m:
-                val = int(m.group(1), 0) if c0 == "m" else int(ops, 0)  # type: ignore[union-attr]
+                val = int(m.group(1), 0) if c0 == "m" else int(ops, 0)
                 if val > 0x1000:
                     refs.append(val)
     result.instructions += n

@@ -85,7 +85,8 @@ class ElfImage:
         if not self.elf.little_endian:
             raise BinaryError(path, "big-endian ELF; only x86-64 is supported")
         if self.elf.header["e_type"] not in ("ET_EXEC", "ET_DYN"):
-            raise BinaryError(path, f"ELF type {self.elf.header['e_type']} is not an executable or shared object")
+            etype = self.elf.header["e_type"]
+            raise BinaryError(path, f"ELF type {etype} is not an executable or shared object")
         shoff, shnum, shentsize = (self.elf.header[k] for k in ("e_shoff", "e_shnum", "e_shentsize"))
         if shoff + shnum * shentsize > len(self.data):
             raise BinaryError(path, "truncated ELF (section header table past end of file)")
@@ -121,7 +122,7 @@ class ElfImage:
         for sec in self.elf.iter_sections():
             if sec["sh_type"] != "SHT_NOTE":
                 continue
-            for note in sec.iter_notes():
+            for note in sec.iter_notes():  # type: ignore[attr-defined]
                 if note["n_type"] == "NT_GNU_BUILD_ID":
                     return str(note["n_desc"])
         return None
@@ -146,7 +147,7 @@ class ElfImage:
         dyn = self.elf.get_section_by_name(".dynamic")
         if dyn is None:
             return tags
-        for tag in dyn.iter_tags():
+        for tag in dyn.iter_tags():  # type: ignore[attr-defined]
             if isinstance(tag.entry.d_val, int):
                 tags.setdefault(str(tag.entry.d_tag), tag.entry.d_val)
         return tags

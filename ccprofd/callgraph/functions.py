@@ -39,6 +39,7 @@ class FunctionTable:
         self.image = image
         self.code = [s for s in image.code_sections() if s.name not in PLT_SECTIONS]
         self.by_start: dict[int, FunctionInfo] = {}
+        self.starts: list[int] = []
         self._discover()
         self._reindex()
 
@@ -52,7 +53,8 @@ class FunctionTable:
     def _discover(self) -> None:
         names: dict[int, list[tuple[int, str, int, bool]]] = {}
         for sym in self.image.symbols():
-            if not sym.defined or sym.type not in _FUNC_TYPES or not sym.name or self.section_of(sym.value) is None:
+            if (not sym.defined or sym.type not in _FUNC_TYPES or not sym.name
+                    or self.section_of(sym.value) is None):
                 continue
             # Rank: .symtab GLOBAL first, then .symtab others, then .dynsym.
             rank = (0 if sym.table == ".symtab" else 2) + (0 if sym.bind == "STB_GLOBAL" else 1)

@@ -171,7 +171,8 @@ class CallGraph:
         """Inverse of :meth:`to_dict`; the networkx graph is built on first access."""
         if data.get("format") != FORMAT_VERSION:
             raise ValueError(f"call graph format {data.get('format')!r}, expected {FORMAT_VERSION}")
-        cg = CallGraph(binary=BinaryInfo(**data["binary"]), analysis_seconds=data.get("analysis_seconds", 0.0))
+        cg = CallGraph(binary=BinaryInfo(**data["binary"]),
+                       analysis_seconds=data.get("analysis_seconds", 0.0))
         cg._rows = data
         return cg
 

@@ -14,7 +14,7 @@ from elftools.elf.relocation import RelocationSection
 
 from .elfimage import ElfImage, Section
 
-_RIP_MEM = re.compile(r"\[rip ([+-]) (0x[0-9a-f]+|\d+)\]")
+_RIP_MEM = re.compile(r"\[rip(?: ([+-]) (0x[0-9a-f]+|\d+))?\]")  # "[rip]" when disp == 0
 
 
 class PltResolver:
@@ -47,10 +47,7 @@ class PltResolver:
         return out
 
     def in_plt(self, addr: int) -> bool:
-        for lo, hi in self._ranges:
-            if lo <= addr < hi:
-                return True
-        return False
+        return any(lo <= addr < hi for lo, hi in self._ranges)
 
     def resolve(self, stub: int) -> str | None:
         """Imported symbol name of the stub at ``stub`` (None if it cannot be resolved)."""
@@ -62,7 +59,7 @@ class PltResolver:
             if mnem.endswith("jmp"):
                 m = _RIP_MEM.search(ops)
                 if m:
-                    disp = int(m.group(2), 0) * (1 if m.group(1) == "+" else -1)
+                    disp = (int(m.group(2), 0) if m.group(2) else 0) * (-1 if m.group(1) == "-" else 1)
                     name = self._slot_names.get(addr + size + disp)
                 break
         self._cache[stub] = name

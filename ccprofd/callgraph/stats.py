@@ -19,7 +19,8 @@ def graph_stats(graph: CallGraph) -> dict[str, Any]:
                        and s.bytes_hex[-10:-8] == "e8")
     sccs = [c for c in nx.strongly_connected_components(g.subgraph(internal))]
     scc_of = {n: i for i, c in enumerate(sccs) for n in c}
-    cyclic = [(u, v, k) for u, v, k in graph.call_edges() if u in scc_of and v in scc_of and scc_of[u] == scc_of[v]]
+    cyclic = [(u, v, k) for u, v, k in graph.call_edges()
+              if u in scc_of and v in scc_of and scc_of[u] == scc_of[v]]
     complex_ids = {scc_of[u] for u, _, _ in cyclic}
     return {
         "binary": graph.binary.path,

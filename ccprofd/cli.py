@@ -1,0 +1,141 @@
+"""``ccprofd``: the daemon and its tools (analyze now; trace, learn, detect and run as they land).
+
+Exit status convention for every command: 0 success, 2 bad input or usage, 1 other failure;
+commands that run a child pass its exit status through and use 125 when ccprofd fails mid-run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from . import __version__
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+EXIT_MIDRUN = 125
+
+
+class UsageError(Exception):
+    """Bad input or usage: reported in one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def _progress_printer() -> Any:
+    if not sys.stderr.isatty():
+        return None
+
+    def show(stage: str, done: int, total: int) -> None:
+        end = "\n" if done >= total else ""
+        print(f"\r{stage}: {done}/{total} functions", end=end, file=sys.stderr, flush=True)
+
+    return show
+
+
+# ------------------------------------------------------------------------------------- analyze
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from .callgraph import analyze_binary, graph_stats
+
+    graph = analyze_binary(args.binary, cache_dir=args.cache_dir, use_cache=not args.no_cache,
+                           progress=_progress_printer())
+    stats: dict[str, Any] = graph_stats(graph)
+    if args.encoding:
+        from .encode.report import encoding_report
+
+        schemes = ["valence", "pcce", "hcce"] if args.encoding == "all" else [args.encoding]
+        stats["encodings"] = encoding_report(graph, schemes)
+    if args.json:
+        print(json.dumps(stats))
+    else:
+        _print_table(stats)
+    return EXIT_OK
+
+
+def _print_table(stats: dict[str, Any]) -> None:
+    rows = [(k, v) for k, v in stats.items() if k != "encodings"]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k.replace('_', ' '):<{width}}  {v}")
+    for scheme, rep in stats.get("encodings", {}).items():
+        print(f"\nencoding {scheme}:")
+        for k, v in rep.items():
+            print(f"  {k.replace('_', ' '):<{width}}  {v}")
+
+
+# ---------------------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="ccprofd",
+        description="Calling-context profiler daemon: which exact chain of calls reached each syscall "
+                    "or CPU sample of a native x86-64 program, without recompiling it.",
+        epilog="Exit status: 0 success, 2 bad input or usage, 1 other failure. "
+               "See the README (man-page style) for every command.")
+    parser.add_argument("--version", action="version", version=f"ccprofd {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    an = sub.add_parser(
+        "analyze", help="static call graph and encoding statistics of an ELF binary",
+        description="Disassemble an x86-64 ELF executable or shared object, build its static call graph "
+                    "(functions from symbols and .eh_frame, direct/PLT/tail/indirect call sites, "
+                    "address-taken functions, roots) and print Table-1-style statistics. Results are "
+                    "cached by build-id.")
+    an.add_argument("binary", metavar="BINARY", help="path of the ELF file to analyse")
+    an.add_argument("--json", action="store_true", help="print one JSON object (stable key names)")
+    an.add_argument("--encoding", choices=["valence", "pcce", "hcce", "all"],
+                    help="also compute the calling-context encoding(s) and report their sizes")
+    an.add_argument("--cache-dir", type=_path_arg, default=None,
+                    help="analysis cache directory (default: $CCPROFD_CACHE_DIR or ~/.cache/ccprofd)")
+    an.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
+    an.set_defaults(func=cmd_analyze)
+    return parser
+
+
+def _path_arg(value: str) -> Any:
+    from pathlib import Path
+
+    return Path(value)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    from .bpf.errors import BPFError
+    from .callgraph.errors import BinaryError
+
+    try:
+        return int(args.func(args))
+    except (BinaryError, UsageError) as exc:
+        print(f"ccprofd: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except BPFError as exc:
+        text = str(exc)
+        print(text if text.startswith("ccprofd:") else f"ccprofd: {text}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # Output closed early (e.g. piped to head): not an error worth a traceback.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
+    except OSError as exc:
+        print(f"ccprofd: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

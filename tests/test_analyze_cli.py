@@ -1,0 +1,170 @@
+"""`ccprofd analyze`: bad input gets one line and exit 2 (no traceback); JSON keys; the cache."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from ccprofd.callgraph import analyze_binary, graph_stats
+from ccprofd.callgraph.cache import AnalysisCache
+
+CCPROFD = [sys.executable, "-m", "ccprofd.cli"]
+JSON_KEYS = {"binary", "build_id", "pie", "functions", "external_functions", "direct_calls", "plt_calls",
+             "tail_calls", "indirect_calls", "address_taken", "nodes", "edges", "sccs", "complex_sccs",
+             "cyclic_edges", "analysis_seconds"}
+
+
+def run(*args: str, user: str | None = None) -> subprocess.CompletedProcess[str]:
+    cmd = [*CCPROFD, *args]
+    if user is not None:
+        cmd = ["setpriv", f"--reuid={user}", f"--regid={user}", "--clear-groups", *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+
+
+def assert_bad_input(proc: subprocess.CompletedProcess[str], path: Path | str, reason: str) -> None:
+    assert proc.returncode == 2, proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert str(path) in lines[0] and reason in lines[0], lines[0]
+    assert proc.stdout == ""
+
+
+@pytest.fixture
+def true_copy(tmp_path: Path) -> Path:
+    dst = tmp_path / "true"
+    shutil.copy("/bin/true", dst)
+    return dst
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    assert_bad_input(run("analyze", str(tmp_path / "nope")), tmp_path / "nope", "no such file")
+
+
+def test_directory(tmp_path: Path) -> None:
+    assert_bad_input(run("analyze", str(tmp_path)), tmp_path, "is a directory")
+
+
+def test_not_elf(tmp_path: Path) -> None:
+    p = tmp_path / "script.sh"
+    p.write_text("#!/bin/sh\necho hi\n")
+    assert_bad_input(run("analyze", str(p)), p, "not an ELF file")
+
+
+def test_empty_file(tmp_path: Path) -> None:
+    p = tmp_path / "empty"
+    p.write_bytes(b"")
+    assert_bad_input(run("analyze", str(p)), p, "not an ELF file")
+
+
+@pytest.mark.parametrize("keep", [40, 2000, 0.5])
+def test_truncated_elf(true_copy: Path, keep: float) -> None:
+    data = true_copy.read_bytes()
+    n = int(len(data) * keep) if isinstance(keep, float) else keep
+    true_copy.write_bytes(data[:n])
+    assert_bad_input(run("analyze", str(true_copy)), true_copy, "truncated")
+
+
+def test_32bit_elf(true_copy: Path) -> None:
+    data = bytearray(true_copy.read_bytes())
+    data[4] = 1  # EI_CLASS = ELFCLASS32
+    true_copy.write_bytes(bytes(data))
+    assert_bad_input(run("analyze", str(true_copy)), true_copy, "32-bit")
+
+
+def test_arm_elf(true_copy: Path) -> None:
+    data = bytearray(true_copy.read_bytes())
+    data[18:20] = (183).to_bytes(2, "little")  # e_machine = EM_AARCH64
+    true_copy.write_bytes(bytes(data))
+    assert_bad_input(run("analyze", str(true_copy)), true_copy, "AArch64")
+
+
+def test_no_executable_code(tmp_path: Path) -> None:
+    src = tmp_path / "data.c"
+    src.write_text("int table[16] = {1, 2, 3};\n")
+    lib = tmp_path / "libdata.so"
+    subprocess.run(["gcc", "-shared", "-nostdlib", "-o", str(lib), str(src)], check=True)
+    stripped = tmp_path / "libdata-nox.so"
+    # Remove every executable section gcc may have emitted, whichever it was.
+    out = subprocess.run(["readelf", "-SW", str(lib)], capture_output=True, text=True, check=True).stdout
+    execs = [ln.split("]", 1)[1].split()[0] for ln in out.splitlines() if "]" in ln and " AX " in ln]
+    args = [a for name in execs for a in ("--remove-section", name)]
+    subprocess.run(["objcopy", *args, str(lib), str(stripped)], check=True)
+    assert_bad_input(run("analyze", str(stripped)), stripped, "no executable code")
+
+
+def test_no_read_permission(true_copy: Path, tmp_path: Path) -> None:
+    true_copy.chmod(0o000)
+    tmp_path.chmod(0o755)
+    if shutil.which("setpriv") is None:
+        pytest.skip("setpriv (util-linux) not installed: cannot drop root to test permissions")
+    proc = run("analyze", "--no-cache", str(true_copy), user="65534")
+    assert_bad_input(proc, true_copy, "permission denied")
+
+
+def test_usage_error_exit_2() -> None:
+    proc = run("analyze")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr
+
+
+def test_json_keys_and_types(tmp_path: Path) -> None:
+    proc = run("analyze", "--json", "--cache-dir", str(tmp_path), "/bin/true")
+    assert proc.returncode == 0, proc.stderr
+    data = json.loads(proc.stdout)
+    assert JSON_KEYS <= data.keys()
+    assert isinstance(data["pie"], bool)
+    for key in JSON_KEYS - {"binary", "build_id", "pie", "analysis_seconds"}:
+        assert isinstance(data[key], int) and data[key] >= 0, key
+    # nodes = internal functions + external functions + the virtual root
+    assert data["nodes"] == data["functions"] + data["external_functions"] + 1
+
+
+def test_text_table(tmp_path: Path) -> None:
+    proc = run("analyze", "--cache-dir", str(tmp_path), "/bin/true")
+    assert proc.returncode == 0
+    assert "direct calls" in proc.stdout and "build id" in proc.stdout
+
+
+def test_cache_hit_equals_cold_analysis(tmp_path: Path) -> None:
+    cold = analyze_binary("/bin/true", cache_dir=tmp_path)
+    files = list((tmp_path / "callgraph").iterdir())
+    assert len(files) == 1
+    warm = analyze_binary("/bin/true", cache_dir=tmp_path)
+    assert warm.cached_stats is not None and cold.cached_stats is None
+    assert sorted(cold.graph.edges(keys=True, data=True)) == sorted(warm.graph.edges(keys=True, data=True))
+    assert dict(cold.graph.nodes(data=True)) == dict(warm.graph.nodes(data=True))
+    assert cold.sites == warm.sites
+    fresh = graph_stats(cold)
+    cached = graph_stats(warm)
+    fresh.pop("analysis_seconds")
+    cached.pop("analysis_seconds")
+    assert fresh == cached
+
+
+def test_corrupt_cache_entry_is_a_miss(tmp_path: Path) -> None:
+    analyze_binary("/bin/true", cache_dir=tmp_path)
+    (entry,) = (tmp_path / "callgraph").iterdir()
+    entry.write_bytes(b"garbage")
+    again = analyze_binary("/bin/true", cache_dir=tmp_path)
+    assert again.cached_stats is None  # re-analysed, not loaded
+    assert AnalysisCache(tmp_path).load("callgraph", entry.name.split(".v")[0]) is not None  # rewritten
+
+
+def test_stripped_copy_gets_its_own_cache_entry(tmp_path: Path, true_copy: Path) -> None:
+    unstripped = tmp_path / "calls"
+    src = Path(__file__).parent / "programs" / "calls.c"
+    subprocess.run(["gcc", "-O0", "-o", str(unstripped), str(src)], check=True)
+    stripped = tmp_path / "calls.stripped"
+    subprocess.run(["strip", "-o", str(stripped), str(unstripped)], check=True)
+    a = analyze_binary(unstripped, cache_dir=tmp_path / "c")
+    b = analyze_binary(stripped, cache_dir=tmp_path / "c")
+    assert a.binary.build_id == b.binary.build_id
+    assert "main" in {a.name(n) for n in a.functions()}
+    assert "main" not in {b.name(n) for n in b.functions()}
