@@ -7,7 +7,7 @@
 // sched_process_exit format has group_dead).  Extension points for programs built on this one:
 // CCPROF_EVENT_EXTRA (fields appended to struct ccprof_event) and
 // CCPROF_SYSCALL_HOOK(ctx, regs, ev) (fills them at each reported syscall).
-#include <linux/ptrace.h>
+#include <asm/ptrace.h>  // struct pt_regs; much cheaper to compile than linux/ptrace.h
 
 #ifndef MAX_TRACKED
 #define MAX_TRACKED 4096
