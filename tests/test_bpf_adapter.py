@@ -59,6 +59,15 @@ def test_compile_error_is_one_line(bpf: None) -> None:
     assert "undefined_symbol" in text and "error" in text
 
 
+def test_verifier_rejection_is_one_line(bpf: None) -> None:
+    src = "BPF_HASH(a, u32, u64, 1);\nint f(void *ctx) { u32 k = 0; u64 *v = a.lookup(&k); return *v; }"
+    with BccModule(src) as mod, pytest.raises(BPFError) as ei:
+        mod.load_func("f", "kprobe")
+    text = str(ei.value)
+    assert "\n" not in text and text.startswith("loading BPF program f failed")
+    assert "invalid mem access" in text  # the verifier's reason, from its log
+
+
 def test_unknown_program_and_map(bpf: None) -> None:
     with BccModule("BPF_ARRAY(a, u64, 1);\nint f(void *ctx) { return 0; }") as mod:
         with pytest.raises(BPFError, match="nope"):

@@ -84,6 +84,18 @@ def _first_error(lines: Sequence[str]) -> str:
     return ""
 
 
+def _verifier_reason(log: Sequence[str]) -> str:
+    """The verifier's reason from the log bcc prints on a failed load: the line before the final
+    "processed N insns" summary, plus bcc's HINT when it gives one."""
+    lines = [ln.strip() for ln in log if ln.strip()]
+    hints = [ln for ln in lines if ln.startswith("HINT:")]
+    body = [ln for ln in lines if not ln.startswith("HINT:")]
+    for i in range(len(body) - 1, -1, -1):
+        if body[i].startswith("processed ") and i > 0:
+            return "; ".join([body[i - 1], *hints[:1]])
+    return "; ".join(body[-1:] + hints[:1])
+
+
 class BpfMap:
     """One BPF map of a loaded module.  Keys and values are ints when the C type is a scalar, else
     the ctypes structure bcc derived from the C declaration (``key_type`` / ``leaf_type``)."""
@@ -176,7 +188,9 @@ class BpfMap:
 
     def clear(self) -> None:
         """Delete all entries (arrays: zero all slots)."""
-        if self.map_type in (_MAP_ARRAY, _MAP_PERCPU_ARRAY):
+        if self.map_type == _MAP_ARRAY and isinstance(self.leaf_type(), ctypes._SimpleCData):
+            self.update_many([(i, 0) for i in range(self.max_entries)])
+        elif self.map_type in (_MAP_ARRAY, _MAP_PERCPU_ARRAY):
             for i in range(self.max_entries):
                 self._t.clearitem(self._key(i))
         else:
@@ -245,10 +259,9 @@ class BccModule:
             else:
                 err = None
         if err is not None:
-            # The verifier log goes to stderr; its last lines say why.
-            tail = [ln.strip() for ln in diag if ln.strip()][-2:]
-            why = f" [{' / '.join(tail)}]" if tail else ""
-            raise BPFError(f"loading BPF program {name} failed: {err}{why}")
+            cause = str(err).rsplit(": ", 1)[-1]  # bcc: "Failed to load BPF program b'f': <strerror>"
+            why = _verifier_reason(diag)
+            raise BPFError(f"loading BPF program {name} failed: {cause}" + (f" [{why}]" if why else ""))
         return int(fn.fd)
 
     def attach_tracepoint(self, tp: str, fn_name: str) -> None:
