@@ -77,6 +77,17 @@ class BaseDecoder:
         raise NotImplementedError
 
 
+def check_heights(segments: tuple[Segment, ...], height: int) -> None:
+    """Segment heights must grow inwards and not exceed the live recID / stack height."""
+    prev = 0
+    for seg in segments:
+        if seg.rec_height < prev:
+            raise DecodeError("segment heights decrease inwards")
+        prev = seg.rec_height
+    if prev > height:
+        raise DecodeError(f"segment height {prev} above the live height {height}")
+
+
 class CachingDecoder:
     """Memoises decoded paths per (state, node); repeated contexts are the common case in profiles."""
 

@@ -12,7 +12,7 @@ from bisect import bisect_right
 from collections.abc import Mapping
 from typing import Any
 
-from ccprofd.decode.common import BaseDecoder, DecodeError
+from ccprofd.decode.common import BaseDecoder, DecodeError, check_heights
 from ccprofd.encode.bits import mask, words_to_int
 from ccprofd.encode.pcce import NO_DUMMY
 from ccprofd.encode.segments import Edge, EncodedState
@@ -42,6 +42,7 @@ class PcceDecoder(BaseDecoder):
         segs = state.segments
         si = len(segs) - 1
         floor = segs[si].rec_height if si >= 0 else 0
+        check_heights(segs, ph)
         numcc, ranges, caller, callee, edge = self.numcc, self.ranges, self.caller, self.callee, self.edge
         if ident >= numcc[m]:
             raise DecodeError(f"id {ident} out of range for node {node} (numCC {numcc[m]})")
@@ -116,6 +117,7 @@ class HcceDecoder(BaseDecoder):
         segs = state.segments
         si = len(segs) - 1
         floor = segs[si].rec_height if si >= 0 else 0
+        check_heights(segs, rl)
         rcl = self.rec_bits
         rmask = mask(rcl)
         numcc, ranges, caller, callee, edge, rec_map = (self.numcc, self.ranges, self.caller, self.callee,

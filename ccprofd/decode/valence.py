@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ccprofd.decode.common import BaseDecoder, DecodeError
+from ccprofd.decode.common import BaseDecoder, DecodeError, check_heights
 from ccprofd.encode.bits import mask, words_to_int
 from ccprofd.encode.segments import Edge, EncodedState
 
@@ -38,6 +38,7 @@ class ValenceDecoder(BaseDecoder):
         segs = state.segments
         si = len(segs) - 1
         floor = segs[si].rec_height if si >= 0 else 0
+        check_heights(segs, rl)
         rcl = self.rec_bits
         rmask = mask(rcl)
         rec_map, callee, caller, edge = self.rec_map, self.callee, self.caller, self.edge
