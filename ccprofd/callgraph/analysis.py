@@ -89,6 +89,7 @@ def _sweep_all(image: ElfImage, table: FunctionTable, md: Cs, plt: PltResolver,
     has neither symbol nor FDE costs one more sweep of a few functions, not of the whole binary.
     """
     done: dict[int, tuple[int, SweepResult]] = {}
+    pointers = _code_pointers_in_data(image)
     for _round in range(50):
         todo = [s for s in table.starts if done.get(s, (-1,))[0] != table.by_start[s].end]
         for i, start in enumerate(todo):
@@ -105,7 +106,18 @@ def _sweep_all(image: ElfImage, table: FunctionTable, md: Cs, plt: PltResolver,
         for lo, hi in table.gaps():
             first = first_non_padding(md, image.bytes_at(lo, hi - lo), lo)
             if first is not None:
-                grown |= table.add_start(first)
+                grown |= table.add_start(first, weak=True)
+        # Addresses taken in code or stored in init/fini arrays and relocations split such code.
+        refs = {r for _end, part in done.values() for r in part.code_refs} | pointers
+        # So do jumps into it from another function (tail calls, e.g. crtstuff's frame_dummy).
+        for start, (_end, part) in list(done.items()):
+            refs.update(b.target for b in part.branches
+                        if not b.is_call and not b.conditional and b.target is not None
+                        and not start <= b.target < _end)
+        for r in sorted(refs):
+            holder = table.containing(r)
+            if holder is not None and holder.weak and holder.start != r:
+                grown |= table.add_start(r, weak=True)
         # Call targets that are not known function starts.
         for _end, part in list(done.values()):
             for b in part.branches:
@@ -123,6 +135,23 @@ def _sweep_all(image: ElfImage, table: FunctionTable, md: Cs, plt: PltResolver,
         result.code_refs.extend(part.code_refs)
         result.instructions += part.instructions
     return result
+
+
+def _code_pointers_in_data(image: ElfImage) -> set[int]:
+    """Definite code pointers: init/fini array entries and RELATIVE relocation addends."""
+    found: set[int] = set()
+    for name in (".init_array", ".fini_array", ".preinit_array"):
+        sec = image.sections.get(name)
+        if sec is not None and sec.type != "SHT_NOBITS":
+            words = array("Q")
+            body = image.section_bytes(sec)
+            words.frombytes(body[:len(body) - len(body) % 8])
+            found.update(words)
+    for sec in image.elf.iter_sections():
+        if isinstance(sec, RelocationSection) and sec.is_RELA():
+            found.update(rel["r_addend"] for rel in sec.iter_relocations()
+                         if rel["r_info_type"] == R_X86_64_RELATIVE)
+    return {a for a in found if image.addrspace.is_executable(a)}
 
 
 def _fold_fragments(table: FunctionTable, branches: list[Branch]) -> dict[int, int]:

@@ -26,6 +26,7 @@ class FunctionInfo:
     fragment: bool = False  # CFI says it starts mid-frame: part of another function
     exported: bool = False  # defined in .dynsym: callable from other objects
     signal_trampoline: bool = False
+    weak: bool = False  # found only by sweeping uncovered code: references may split it
 
 
 def sub_name(addr: int) -> str:
@@ -86,11 +87,11 @@ class FunctionTable:
                 fragment=bool(fde and not fde[1]) and start not in extra,
                 exported=any(e[3] for e in entries), signal_trampoline=bool(fde and fde[2]))
 
-    def add_start(self, addr: int) -> bool:
-        """Add a function discovered as a call target; False if known or not in code."""
+    def add_start(self, addr: int, weak: bool = False) -> bool:
+        """Add a function found by a call, a reference or a gap sweep; False if known or not code."""
         if addr in self.by_start or self.section_of(addr) is None:
             return False
-        self.by_start[addr] = FunctionInfo(start=addr, end=0, name=sub_name(addr))
+        self.by_start[addr] = FunctionInfo(start=addr, end=0, name=sub_name(addr), weak=weak)
         self._reindex(addr)
         return True
 
