@@ -29,7 +29,7 @@ def bpf_unavailable_reason() -> str | None:
         import bcc  # noqa: F401
     except Exception as exc:  # pragma: no cover - depends on the machine
         return f"bcc not importable: {exc}"
-    if not os.path.isdir("/sys/kernel/tracing/events") and not os.path.isdir("/sys/kernel/debug/tracing/events"):
+    if not any(os.path.isdir(f"{d}/events") for d in ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")):
         return "tracefs not mounted"
     return None
 

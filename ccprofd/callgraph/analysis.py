@@ -147,9 +147,9 @@ def _code_pointers_in_data(image: ElfImage) -> set[int]:
             body = image.section_bytes(sec)
             words.frombytes(body[:len(body) - len(body) % 8])
             found.update(words)
-    for sec in image.elf.iter_sections():
-        if isinstance(sec, RelocationSection) and sec.is_RELA():
-            found.update(rel["r_addend"] for rel in sec.iter_relocations()
+    for rsec in image.elf.iter_sections():
+        if isinstance(rsec, RelocationSection) and rsec.is_RELA():
+            found.update(rel["r_addend"] for rel in rsec.iter_relocations()
                          if rel["r_info_type"] == R_X86_64_RELATIVE)
     return {a for a in found if image.addrspace.is_executable(a)}
 
