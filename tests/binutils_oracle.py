@@ -320,6 +320,34 @@ def parse_fdes(text: str) -> list[int]:
     return sorted(set(out))
 
 
+def cfi_fragment_starts(path: str | pathlib.Path) -> set[int]:
+    """FDE starts whose first CFA rule is not ``rsp+8`` (``readelf --debug-dump=frames-interp``).
+
+    A function entered by ``call`` starts with CFA = rsp+8; a code range whose FDE starts with another
+    CFA runs inside someone else's frame (gcc's ``.cold`` parts; also the PLT).  This is the only way
+    to see fragments in a stripped file without symbols -- a second, CFI-based rule next to the
+    name-based one of :func:`oracle`, used for system binaries that come stripped.
+    """
+    out: set[int] = set()
+    start: int | None = None
+    in_eh = False
+    for line in _run("readelf", "--debug-dump=frames-interp", "-W", str(path)).splitlines():
+        h = re.match(r"^Contents of the (\S+) section", line)
+        if h:
+            in_eh = h.group(1).rstrip(":") == ".eh_frame"
+            continue
+        m = re.search(r"\bFDE cie=[0-9a-f]+ pc=([0-9a-f]+)\.\.", line)
+        if m:
+            start = int(m.group(1), 16) if in_eh else None
+            continue
+        row = re.match(r"^([0-9a-f]+) +(\S+)", line)
+        if start is not None and row and int(row.group(1), 16) == start:
+            if row.group(2) != "rsp+8":
+                out.add(start)
+            start = None
+    return out
+
+
 _INSN_RE = re.compile(r"^\s*([0-9a-f]+):\t([0-9a-f]{2}(?: [0-9a-f]{2})*)\s*(?:\t(.*))?$")
 _LABEL_RE = re.compile(r"^([0-9a-f]+) <(.+)>:$")
 

@@ -13,7 +13,14 @@ import pathlib
 import subprocess
 
 import pytest
-from binutils_oracle import Oracle, bare_name, nm_defined_sizes, oracle, plt_slot_names_from_relocations
+from binutils_oracle import (
+    Oracle,
+    bare_name,
+    cfi_fragment_starts,
+    nm_defined_sizes,
+    oracle,
+    plt_slot_names_from_relocations,
+)
 from programs.build import PROGRAMS, build
 from programs.expected import EXPECTED, summarize
 
@@ -70,6 +77,8 @@ def test_strip_changes_no_instruction(name: str, opt: str, pie: bool, cet: bool)
     assert not any(s.table == ".symtab" for s in stripped.symbols)
     assert [(s.address, s.kind, s.target) for s in stripped.sites if s.kind == "plt"] == \
         [(s.address, s.kind, s.target) for s in full.sites if s.kind == "plt"]
+    for count in ("direct_calls", "plt_calls", "indirect_calls", "indirect_jumps"):
+        assert getattr(stripped, count) == getattr(full, count), count
 
 
 @pytest.mark.parametrize(("name", "opt", "pie", "cet"), CASES)
@@ -141,3 +150,11 @@ def test_programs_run_and_exit_0(name: str, opt: str) -> None:
     proc = subprocess.run([str(path), "70"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert f"{name}:" in proc.stdout
+
+
+@pytest.mark.parametrize(("name", "opt", "pie", "cet"), CASES)
+def test_cfi_and_name_rules_find_the_same_fragments(name: str, opt: str, pie: bool, cet: bool) -> None:
+    path = _binary(name, opt, pie, cet)
+    o = oracle(path)
+    by_cfi = {a for a in cfi_fragment_starts(path) if any(s.contains(a) for s in o.code_sections())}
+    assert by_cfi == set(o.fragments)
