@@ -27,9 +27,10 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Iterator
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import networkx as nx
+if TYPE_CHECKING:
+    import networkx as nx
 
 FORMAT_VERSION = 1
 ROOT = -1
@@ -85,6 +86,8 @@ class CallGraph:
     @property
     def graph(self) -> nx.MultiDiGraph:
         if self._graph is None:
+            import networkx as nx  # imported on first use: a cache hit for stats needs no graph
+
             assert self._rows is not None
             g = nx.MultiDiGraph()
             g.add_nodes_from((n, {"name": name, "kind": kind, "addr": addr, "size": size, "aliases": aliases,
@@ -106,6 +109,8 @@ class CallGraph:
     # ----------------------------------------------------------------- construction helpers
     @staticmethod
     def empty(binary: BinaryInfo) -> CallGraph:
+        import networkx as nx
+
         g = nx.MultiDiGraph()
         g.add_node(ROOT, name="<root>", kind="root", addr=0, size=0, aliases=[], address_taken=False,
                    is_root=False, fragments=[])

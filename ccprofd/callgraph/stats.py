@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-import networkx as nx
-
 from .model import ROOT, CallGraph
 
 
 def graph_stats(graph: CallGraph) -> dict[str, Any]:
     if graph.cached_stats is not None:
         return dict(graph.cached_stats, binary=graph.binary.path)
+    import networkx as nx
+
     g = graph.graph
     internal = [n for n, k in g.nodes(data="kind") if k == "function"]
     sites = graph.sites

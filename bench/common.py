@@ -1,0 +1,55 @@
+"""Shared helpers for the benchmarks: timing child processes, peak RSS, README table updates."""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+
+
+@dataclass(frozen=True)
+class Run:
+    seconds: float
+    max_rss_mb: float
+    returncode: int
+
+
+def run_measured(argv: list[str], *, stdout: int | None = subprocess.DEVNULL, env: dict[str, str] | None = None,
+                 cwd: Path | None = None) -> Run:
+    """Run a child and return its wall time and peak RSS (from wait4's rusage, not sampled)."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=stdout, stderr=subprocess.DEVNULL, env=env, cwd=cwd)
+    _, status, usage = os.wait4(proc.pid, 0)
+    elapsed = time.perf_counter() - t0
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    return Run(elapsed, usage.ru_maxrss / 1024, proc.returncode)
+
+
+def machine_line() -> str:
+    return (f"{platform.node() or 'host'}: {os.cpu_count()} CPUs, kernel {platform.release()}, "
+            f"Python {platform.python_version()}, {datetime.now(UTC).strftime('%Y-%m-%d %H:%M UTC')}")
+
+
+def update_readme_section(name: str, body: str) -> bool:
+    """Replace the text between <!-- bench:NAME --> and <!-- /bench:NAME --> in README.md."""
+    if not README.exists():
+        return False
+    text = README.read_text()
+    pattern = re.compile(rf"(<!-- bench:{re.escape(name)} -->\n).*?(<!-- /bench:{re.escape(name)} -->)", re.S)
+    if not pattern.search(text):
+        return False
+    README.write_text(pattern.sub(lambda m: m.group(1) + body.rstrip() + "\n" + m.group(2), text))
+    return True
+
+
+def python() -> str:
+    return sys.executable
