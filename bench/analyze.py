@@ -18,7 +18,10 @@ from common import Run, machine_line, python, run_measured, update_readme_sectio
 TARGETS = {"python3.11": (3.0, 0.3, None), "large": (30.0, None, 1536.0)}  # cold s, cached s, RSS MB
 
 
-def largest_elf(dirs: tuple[str, ...] = ("/usr/bin", "/usr/sbin", "/usr/lib/x86_64-linux-gnu")) -> Path | None:
+SEARCH_DIRS = ("/usr/bin", "/usr/sbin", "/usr/lib/x86_64-linux-gnu")
+
+
+def largest_elf(dirs: tuple[str, ...] = SEARCH_DIRS) -> Path | None:
     best: tuple[int, Path] | None = None
     for d in dirs:
         for entry in os.scandir(d):

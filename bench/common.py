@@ -23,8 +23,8 @@ class Run:
     returncode: int
 
 
-def run_measured(argv: list[str], *, stdout: int | None = subprocess.DEVNULL, env: dict[str, str] | None = None,
-                 cwd: Path | None = None) -> Run:
+def run_measured(argv: list[str], *, stdout: int | None = subprocess.DEVNULL,
+                 env: dict[str, str] | None = None, cwd: Path | None = None) -> Run:
     """Run a child and return its wall time and peak RSS (from wait4's rusage, not sampled)."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=stdout, stderr=subprocess.DEVNULL, env=env, cwd=cwd)
