@@ -19,6 +19,7 @@ changes no address and no instruction; ``test_oracle_binutils`` checks that).
 
 from __future__ import annotations
 
+import atexit
 import functools
 import json
 import os
@@ -68,6 +69,7 @@ def ccprofd_exe() -> str:
 
 
 _CACHE_HOME = tempfile.mkdtemp(prefix="ccprofd-test-cache-")
+atexit.register(shutil.rmtree, _CACHE_HOME, True)
 
 
 @functools.cache
