@@ -1,22 +1,398 @@
-"""``ccprofctl``: the client of a running ccprofd daemon (gRPC on a Unix socket or TCP)."""
+"""``ccprofctl``: the client of a running ccprofd daemon (gRPC on its Unix socket, or TCP with TLS).
+
+Exit status: 0 success, 2 bad usage or a query the daemon rejects (unknown target or pid), 1 when
+the daemon cannot be reached or fails.  ``--format json`` (``--json``) prints frames in the
+tracer's JSON form (hex address strings); ``stream`` and ``alerts`` print one JSON object per line.
+``hot --format pprof`` writes a gzipped pprof profile, ``--format folded`` folded stacks.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
+DEFAULT_SOCKET = "/run/ccprofd/ccprofd.sock"
+FORMATS = ("text", "json", "pprof", "folded")
 
 
+class CtlError(Exception):
+    def __init__(self, message: str, status: int = EXIT_FAILURE) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    fmt = _Parser(add_help=False)
+    fmt.add_argument("--format", choices=FORMATS, default=argparse.SUPPRESS,
+                     help="output format (default text; pprof and folded for hot)")
+    fmt.add_argument("--json", dest="format", action="store_const", const="json", default=argparse.SUPPRESS,
+                     help="short for --format json")
+    fmt.add_argument("-o", "--output", default=argparse.SUPPRESS, help="write to FILE instead of stdout")
+    p = _Parser(prog="ccprofctl", parents=[fmt],
+                description="Query a running ccprofd daemon: targets, per-thread contexts, hot contexts, "
+                            "live samples, alerts, call-graph statistics.",
+                epilog="Exit status: 0 success, 2 bad usage or unknown target/pid, "
+                       "1 daemon unreachable or failed.")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--socket", help=f"daemon Unix socket (default $CCPROFD_SOCKET or {DEFAULT_SOCKET})")
+    where.add_argument("--address", help="tcp://HOST:PORT of a daemon listening on TCP")
+    p.add_argument("--tls-ca", help="CA certificate that signed the daemon's (enables TLS)")
+    p.add_argument("--tls-cert", help="client certificate (when the daemon requires one)")
+    p.add_argument("--tls-key", help="client private key")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds per unary call (default 10)")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    sub.add_parser("targets", parents=[fmt], help="targets, binaries, build-ids, processes, threads")
+    c = sub.add_parser("contexts", parents=[fmt], help="current context of every thread of a process")
+    c.add_argument("pid", type=_positive_int, metavar="PID")
+    h = sub.add_parser("hot", parents=[fmt], help="most frequent contexts")
+    h.add_argument("--target", default="", help="one target (default: all)")
+    h.add_argument("--by", choices=("syscall", "cpu"), default="syscall")
+    h.add_argument("--top", type=_positive_int, default=0, metavar="N",
+                   help="how many (default: the daemon's top_k)")
+    h.add_argument("--since", type=float, default=0.0, metavar="SECONDS",
+                   help="only samples of the last SECONDS (default: since the daemon started)")
+    h.add_argument("--syscall", default="", help="only this syscall")
+    for name, helptext in (("stream", "live decoded samples"), ("alerts", "live anomaly alerts")):
+        s = sub.add_parser(name, parents=[fmt], help=helptext)
+        s.add_argument("--target", default="")
+        s.add_argument("--syscalls", default="", help="comma-separated syscall names")
+        s.add_argument("--count", type=_positive_int, default=0, help="stop after N items")
+        s.add_argument("--duration", type=float, default=0.0, help="stop after SECONDS")
+        if name == "stream":
+            s.add_argument("--pid", type=_positive_int, default=0)
+            s.add_argument("--event", choices=("syscall", "cpu"), default="")
+        else:
+            s.add_argument("--kind", action="append", default=[], help="only this alert kind (repeatable)")
+    st = sub.add_parser("stats", parents=[fmt], help="call-graph and encoding statistics of a target")
+    st.add_argument("target", metavar="TARGET")
+    return p
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+# ------------------------------------------------------------------------------------ channel
+def open_channel(args: argparse.Namespace) -> Any:
+    import grpc
+
+    if args.address:
+        if not args.address.startswith("tcp://"):
+            raise CtlError(f"--address must be tcp://HOST:PORT, got {args.address!r}", EXIT_USAGE)
+        target = args.address[len("tcp://"):]
+        if args.tls_ca or args.tls_cert or args.tls_key:
+            if bool(args.tls_cert) != bool(args.tls_key):
+                raise CtlError("--tls-cert and --tls-key go together", EXIT_USAGE)
+            creds = grpc.ssl_channel_credentials(
+                root_certificates=_read(args.tls_ca), private_key=_read(args.tls_key),
+                certificate_chain=_read(args.tls_cert))
+            return grpc.secure_channel(target, creds), args.address
+        return grpc.insecure_channel(target), args.address
+    if args.tls_ca or args.tls_cert or args.tls_key:
+        raise CtlError("--tls-* options apply to --address tcp://... only", EXIT_USAGE)
+    path = args.socket or os.environ.get("CCPROFD_SOCKET") or DEFAULT_SOCKET
+    return grpc.insecure_channel(f"unix:{path}"), f"unix://{path}"
+
+
+def _read(path: str | None) -> bytes | None:
+    if not path:
+        return None
+    try:
+        with open(path, "rb") as fh:
+            return fh.read()
+    except OSError as exc:
+        raise CtlError(f"cannot read {path}: {exc.strerror}", EXIT_USAGE) from None
+
+
+# ------------------------------------------------------------------------------------ commands
 def main(argv: Sequence[str] | None = None) -> int:
-    import argparse
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    fmt = getattr(args, "format", "text")
+    if fmt in ("pprof", "folded") and args.command != "hot":
+        print(f"ccprofctl: --format {fmt} applies to 'hot' only", file=sys.stderr)
+        return EXIT_USAGE
+    output = getattr(args, "output", None)
+    if fmt == "pprof" and output is None and sys.stdout.isatty():
+        print("ccprofctl: pprof output is binary: redirect it or use --output FILE", file=sys.stderr)
+        return EXIT_USAGE
+    import grpc
 
-    parser = argparse.ArgumentParser(
-        prog="ccprofctl",
-        description="Query a running ccprofd daemon: targets, per-thread contexts, hot contexts, alerts.")
-    parser.add_argument("--socket", default="/run/ccprofd/ccprofd.sock", help="daemon Unix socket")
-    parser.parse_args(argv)
-    print("ccprofctl: the ccprofd daemon and its gRPC service are not implemented in this version yet",
-          file=sys.stderr)
-    return 1
+    try:
+        channel, where = open_channel(args)
+        with channel:
+            command: Callable[..., int] = COMMANDS[args.command]
+            out = open(output, "wb") if output else sys.stdout.buffer  # noqa: SIM115 - closed below
+            try:
+                return command(args, channel, fmt, _Writer(out))
+            finally:
+                if output:
+                    out.close()
+    except CtlError as exc:
+        print(f"ccprofctl: {exc}", file=sys.stderr)
+        return exc.status
+    except grpc.RpcError as exc:
+        code, details = exc.code(), exc.details()
+        if code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT):
+            print(f"ccprofctl: {details}", file=sys.stderr)
+            return EXIT_USAGE
+        if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            print(f"ccprofctl: cannot reach ccprofd at {where}: {details}", file=sys.stderr)
+            return EXIT_FAILURE
+        print(f"ccprofctl: {code.name.lower()}: {details}", file=sys.stderr)
+        return EXIT_FAILURE
+    except OSError as exc:
+        print(f"ccprofctl: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        return EXIT_OK if args.command in ("stream", "alerts") else 130
+
+
+class _Writer:
+    def __init__(self, out: Any) -> None:
+        self.out = out
+
+    def line(self, text: str = "") -> None:
+        self.out.write((text + "\n").encode())
+        self.out.flush()
+
+    def json(self, value: Any, indent: int | None = 2) -> None:
+        self.line(json.dumps(value, indent=indent))
+
+    def raw(self, data: bytes) -> None:
+        self.out.write(data)
+        self.out.flush()
+
+
+def _stub(channel: Any) -> Any:
+    from ccprofd.export.gen import ccprofd_pb2_grpc
+
+    return ccprofd_pb2_grpc.ProfilerStub(channel)
+
+
+def _frames_text(frames: list[dict[str, Any]], w: _Writer, indent: str = "    ") -> None:
+    for depth, f in enumerate(frames):
+        name = f.get("function") or "??"
+        site = f.get("call_site") or "-"
+        note = "" if f.get("analysed", True) else "  (not analysed)"
+        note += "  (tail call)" if f.get("tail_call") else ""
+        w.line(f"{indent}#{depth:<3} {name:<32} {site:>12}  {f.get('module') or ''}{note}")
+
+
+def cmd_targets(args: argparse.Namespace, channel: Any, fmt: str, w: _Writer) -> int:
+    from google.protobuf import json_format
+
+    from ccprofd.export.gen import ccprofd_pb2 as pb
+
+    resp = _stub(channel).ListTargets(pb.ListTargetsRequest(), timeout=args.timeout)
+    if fmt == "json":
+        w.json([json_format.MessageToDict(t, preserving_proto_field_name=True,
+                                          always_print_fields_with_no_presence=True) for t in resp.targets])
+        return EXIT_OK
+    for t in resp.targets:
+        mode = t.mode if t.mode == t.configured_mode else f"{t.mode} (configured {t.configured_mode})"
+        w.line(f"{t.name}: {t.kind} {t.spec}  mode {mode}  encoding {t.encoding}  state {t.state}  "
+               f"samples {t.samples}  syscalls {','.join(t.syscalls) or 'all'}"
+               + (f"  perf {t.perf_sample_hz} Hz" if t.perf_sample_hz else ""))
+        if t.error:
+            w.line(f"  error: {t.error}")
+        for b in t.binaries:
+            w.line(f"  binary {b.path}  build-id {b.build_id or '-'}  inode {b.inode}"
+                   + ("" if b.attached else "  (not attached)"))
+        for p in t.processes:
+            w.line(f"  pid {p.pid:<8} threads {p.threads:<4} {p.comm:<16} {p.binary}")
+    return EXIT_OK
+
+
+def cmd_contexts(args: argparse.Namespace, channel: Any, fmt: str, w: _Writer) -> int:
+    from ccprofd.export.gen import ccprofd_pb2 as pb
+    from ccprofd.export.messages import frames_from_pb
+
+    resp = _stub(channel).GetThreadContexts(pb.GetThreadContextsRequest(pid=args.pid), timeout=args.timeout)
+    threads = [{"tid": t.tid, "comm": t.comm, "complete": t.complete, "frames": frames_from_pb(t.frames)}
+               for t in resp.threads]
+    if fmt == "json":
+        w.json({"pid": resp.pid, "target": resp.target, "mode": resp.mode, "threads": threads})
+        return EXIT_OK
+    w.line(f"pid {resp.pid} (target {resp.target}, {resp.mode} mode): {len(threads)} threads")
+    for t in threads:
+        w.line(f"  tid {t['tid']} {t['comm']}" + ("" if t["complete"] else "  [incomplete: prefix unknown]"))
+        _frames_text(t["frames"], w)
+    return EXIT_OK
+
+
+def hot_rows(resp: Any) -> list[dict[str, Any]]:
+    from ccprofd.export.messages import frames_from_pb
+
+    return [{"target": h.target, "context": h.context, "event": h.event, "syscall": h.syscall or None,
+             "count": h.count, "complete": h.complete, "leaf": h.leaf, "frames": frames_from_pb(h.frames),
+             "first_seen_ns": h.first_seen_ns, "last_seen_ns": h.last_seen_ns} for h in resp.contexts]
+
+
+def cmd_hot(args: argparse.Namespace, channel: Any, fmt: str, w: _Writer) -> int:
+    from ccprofd.export.gen import ccprofd_pb2 as pb
+
+    since = time.time_ns() - int(args.since * 1e9) if args.since > 0 else 0
+    by = pb.HOT_BY_CPU if args.by == "cpu" else pb.HOT_BY_SYSCALL
+    req = pb.GetHotContextsRequest(target=args.target, by=by, top_k=args.top, since_ns=since,
+                                   syscall=args.syscall)
+    resp = _stub(channel).GetHotContexts(req, timeout=args.timeout)
+    rows = hot_rows(resp)
+    if fmt == "pprof":
+        from ccprofd.export.pprof import write_pprof
+
+        w.raw(write_pprof(rows, event=args.by, period_ns=resp.sample_period_ns, time_ns=resp.since_ns,
+                          duration_ns=max(0, resp.until_ns - resp.since_ns)))
+    elif fmt == "folded":
+        from ccprofd.export.folded import write_folded
+
+        w.raw(write_folded(rows, event=args.by).encode())
+    elif fmt == "json":
+        w.json({"by": args.by, "total_samples": resp.total_samples, "since_ns": resp.since_ns,
+                "until_ns": resp.until_ns, "sample_period_ns": resp.sample_period_ns, "contexts": rows})
+    else:
+        w.line(f"{len(rows)} hottest of {resp.total_samples} {args.by} samples")
+        for r in rows:
+            share = 100.0 * r["count"] / resp.total_samples if resp.total_samples else 0.0
+            what = f"syscall {r['syscall']}" if r["event"] == "syscall" else "cpu"
+            w.line(f"{r['count']:>10} {share:5.1f}%  {r['target']}  {what}  context {r['context']}"
+                   + ("" if r["complete"] else "  [incomplete]"))
+            _frames_text(r["frames"], w)
+    return EXIT_OK
+
+
+def _until(args: argparse.Namespace) -> Callable[[int], bool]:
+    deadline = time.monotonic() + args.duration if args.duration > 0 else None
+
+    def done(n: int) -> bool:
+        expired = deadline is not None and time.monotonic() >= deadline
+        return bool((args.count and n >= args.count) or expired)
+
+    return done
+
+
+def cmd_stream(args: argparse.Namespace, channel: Any, fmt: str, w: _Writer) -> int:
+    from ccprofd.export.gen import ccprofd_pb2 as pb
+    from ccprofd.export.messages import sample_from_pb
+
+    req = pb.SampleFilter(target=args.target, pid=args.pid, event=args.event,
+                          syscalls=[s for s in args.syscalls.split(",") if s])
+    return _consume(_stub(channel).StreamSamples, req, args, fmt, w, sample_from_pb, _sample_line)
+
+
+def cmd_alerts(args: argparse.Namespace, channel: Any, fmt: str, w: _Writer) -> int:
+    from ccprofd.export.gen import ccprofd_pb2 as pb
+    from ccprofd.export.messages import alert_from_pb
+
+    syscalls = [s for s in args.syscalls.split(",") if s]
+    req = pb.AlertFilter(target=args.target, kinds=args.kind, syscalls=syscalls)
+    return _consume(_stub(channel).StreamAlerts, req, args, fmt, w, alert_from_pb, _alert_line)
+
+
+def _consume(rpc: Any, req: Any, args: argparse.Namespace, fmt: str, w: _Writer,
+             convert: Callable[[Any], dict[str, Any]], text: Callable[[dict[str, Any]], str]) -> int:
+    import grpc
+
+    done = _until(args)
+    timeout = args.duration if args.duration > 0 else None
+    n = 0
+    call = rpc(req, timeout=timeout)
+    try:
+        for msg in call:
+            item = convert(msg)
+            w.line(json.dumps(item) if fmt == "json" else text(item))
+            n += 1
+            if done(n):
+                break
+    except grpc.RpcError as exc:
+        if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+            raise
+    finally:
+        call.cancel()
+    return EXIT_OK
+
+
+def _chain(frames: list[dict[str, Any]]) -> str:
+    return " > ".join(str(f.get("function") or "??") for f in frames)
+
+
+def _sample_line(s: dict[str, Any]) -> str:
+    what = s["syscall"] if s["event"] == "syscall" else "cpu"
+    flag = "" if s["complete"] else " [incomplete]"
+    return (f"{s['time_ns']} {s['target']} {s['pid']}/{s['tid']} {what} {s['context']}{flag}: "
+            f"{_chain(s['frames'])}")
+
+
+def _alert_line(a: dict[str, Any]) -> str:
+    args = " ".join(f"{k}={v}" for k, v in sorted(a["args"].items()))
+    denied = " DENIED" if a["denied"] else ""
+    return (f"{a['time_ns']} {a['target']} {a['pid']}/{a['tid']} {a['kind']} {a['syscall']}{denied} {args}: "
+            f"{_chain(a['frames'])}")
+
+
+def cmd_stats(args: argparse.Namespace, channel: Any, fmt: str, w: _Writer) -> int:
+    from google.protobuf import json_format
+
+    from ccprofd.export.gen import ccprofd_pb2 as pb
+
+    req = pb.GetCallGraphStatsRequest(target=args.target)
+    resp = _stub(channel).GetCallGraphStats(req, timeout=args.timeout)
+    binaries = [{"path": b.path, "build_id": b.build_id, "stats": _ints(json_format.MessageToDict(b.stats))}
+                for b in resp.binaries]
+    if fmt == "json":
+        w.json({"target": resp.target, "binaries": binaries})
+        return EXIT_OK
+    for b in binaries:
+        w.line(f"{b['path']} (build-id {b['build_id'] or '-'})")
+        _stats_text(b["stats"], w, "  ")
+    return EXIT_OK
+
+
+def _ints(value: Any) -> Any:
+    """Struct carries every number as a double: give integral ones back as ints."""
+    if isinstance(value, dict):
+        return {k: _ints(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_ints(v) for v in value]
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+def _stats_text(stats: dict[str, Any], w: _Writer, indent: str) -> None:
+    for key, value in stats.items():
+        if isinstance(value, dict):
+            w.line(f"{indent}{key.replace('_', ' ')}:")
+            _stats_text(value, w, indent + "  ")
+        else:
+            w.line(f"{indent}{key.replace('_', ' '):<28} {value}")
+
+
+COMMANDS: dict[str, Callable[..., int]] = {
+    "targets": cmd_targets, "contexts": cmd_contexts, "hot": cmd_hot, "stream": cmd_stream,
+    "alerts": cmd_alerts, "stats": cmd_stats}
 
 
 if __name__ == "__main__":

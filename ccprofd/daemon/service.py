@@ -1,0 +1,445 @@
+"""The long-running daemon: targets' sample sources, aggregation, gRPC and Prometheus, lifecycle.
+
+Data flow: each target's :class:`~ccprofd.daemon.source.SampleSource` (the tracer) yields decoded
+samples on a pump thread -> the target's :class:`~ccprofd.daemon.store.TargetStore` (hot contexts)
+and the live sample bus (``StreamSamples``) and sample observers (the anomaly detector, which
+publishes on the alert bus) -> the exporters read stores and buses; nothing flows back.
+
+Lifecycle (:func:`run_daemon`): validate the config (bad -> exit 2, nothing started), start every
+target (a target that fails to attach is reported in ``ListTargets`` and the log, and retried on
+the next ``SIGHUP``), serve gRPC and metrics, send ``READY=1``.  ``SIGHUP`` reloads: a bad new
+config is logged and the old one keeps running; changed or removed targets are stopped, new ones
+started, unchanged ones untouched.  ``SIGTERM``/``SIGINT`` send ``STOPPING=1``, stop serving, close
+every source (which detaches its probes) and exit 0.  An instrumented target whose probe hit rate
+exceeds ``max_probe_hits_per_sec`` is switched to unwind mode (log line + metric).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field, replace
+from types import FrameType
+from typing import Any, ClassVar
+
+from ccprofd.daemon.bus import Bus
+from ccprofd.daemon.config import Config, ConfigError, DaemonConfig, TargetConfig, load_config
+from ccprofd.daemon.notify import Notifier
+from ccprofd.daemon.source import SampleSource, SourceCounters, SourceFactory, UnknownProcess
+from ccprofd.daemon.store import TargetStore
+
+log = logging.getLogger("ccprofd")
+
+SampleObserver = Callable[[str, dict[str, Any]], None]
+POLL_MS = 200
+
+
+@dataclass
+class Carried:
+    """Counters of sources a target already closed (mode switches), so exported totals stay monotonic."""
+
+    probe_hits: int = 0
+    verify_mismatches: int = 0
+    decode_errors: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+
+    def add(self, c: SourceCounters) -> None:
+        self.probe_hits += c.probe_hits
+        self.verify_mismatches += c.verify_mismatches
+        self.decode_errors += c.decode_errors
+        for reason, n in c.dropped.items():
+            self.dropped[reason] = self.dropped.get(reason, 0) + n
+
+
+class TargetRuntime:
+    """One configured target while the daemon runs it: its source, pump thread, store and state."""
+
+    def __init__(self, config: TargetConfig, store: TargetStore) -> None:
+        self.config = config
+        self.store = store
+        self.source: SampleSource | None = None
+        self.state = "starting"
+        self.error = ""
+        self.mode_override: str | None = None
+        self.mode_switches: dict[str, int] = {}
+        self.carried = Carried()
+        self.stream_dropped = 0
+        self.observer_errors = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._rate: tuple[float, int] | None = None
+        self.lock = threading.RLock()
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    @property
+    def effective_config(self) -> TargetConfig:
+        return replace(self.config, mode=self.mode_override) if self.mode_override else self.config
+
+    def mode(self) -> str:
+        src = self.source
+        if src is not None:
+            try:
+                return src.mode()
+            except Exception:  # a broken source must not break ListTargets or a scrape
+                pass
+        return self.effective_config.mode
+
+    def counters(self) -> SourceCounters:
+        """Cumulative over every source this target had (carried + live)."""
+        live = SourceCounters()
+        src = self.source
+        if src is not None:
+            try:
+                live = src.counters()
+            except Exception as exc:
+                log.debug("target %s: counters failed: %s", self.name, exc)
+        dropped = dict(self.carried.dropped)
+        for reason, n in live.dropped.items():
+            dropped[reason] = dropped.get(reason, 0) + n
+        return SourceCounters(probe_hits=self.carried.probe_hits + live.probe_hits,
+                              verify_mismatches=self.carried.verify_mismatches + live.verify_mismatches,
+                              decode_errors=self.carried.decode_errors + live.decode_errors,
+                              dropped=dropped, map_entries=dict(live.map_entries))
+
+
+class Daemon:
+    """Everything the daemon runs; the gRPC servicer and the metrics collector read from it."""
+
+    def __init__(self, config: Config, factory: SourceFactory, notifier: Notifier | None = None) -> None:
+        self.config = config
+        self.factory = factory
+        self.notifier = notifier or Notifier({})
+        self.targets: dict[str, TargetRuntime] = {}
+        self.samples = Bus(config.daemon.stream_queue)
+        self.alerts = Bus(config.daemon.stream_queue)
+        self.observers: list[SampleObserver] = []
+        self.started_ns = time.time_ns()
+        self.reloads = {"ok": 0, "failed": 0}
+        self._lock = threading.RLock()
+        self._grpc: Any = None
+        self._metrics: Any = None
+        self.stopping = False
+
+    # ------------------------------------------------------------------------------ targets
+    def _new_store(self, d: DaemonConfig) -> TargetStore:
+        return TargetStore(max_contexts=d.max_contexts, top_k=d.top_k, max_series=d.max_series,
+                           bucket_seconds=d.bucket_seconds, history_seconds=d.history_seconds,
+                           promotion_window_seconds=d.promotion_window_seconds)
+
+    def start_target(self, tc: TargetConfig, store: TargetStore | None = None) -> TargetRuntime:
+        rt = TargetRuntime(tc, store or self._new_store(self.config.daemon))
+        with self._lock:
+            self.targets[tc.name] = rt
+        self._attach(rt)
+        return rt
+
+    def _attach(self, rt: TargetRuntime) -> None:
+        tc = rt.effective_config
+        try:
+            source = self.factory(tc, self.config.daemon)
+            source.start()
+        except Exception as exc:  # BPFError, OSError, analysis errors: one line, target marked failed
+            rt.state, rt.error = "failed", _one_line(exc)
+            log.error("target %s: cannot attach (%s mode): %s", tc.name, tc.mode, rt.error)
+            return
+        with rt.lock:
+            rt.source = source
+            rt.state, rt.error = "attached", ""
+            rt._stop = threading.Event()
+            rt._thread = threading.Thread(target=self._pump, args=(rt, source, rt._stop),
+                                          name=f"pump-{tc.name}", daemon=True)
+            rt._thread.start()
+        log.info("target %s: attached (%s mode, %s %s)", tc.name, source.mode(), tc.kind, tc.spec)
+
+    def _detach(self, rt: TargetRuntime) -> None:
+        with rt.lock:
+            rt._stop.set()
+            thread, source = rt._thread, rt.source
+            rt._thread, rt.source = None, None
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout=5)
+        if source is not None:
+            with contextlib.suppress(Exception):
+                rt.carried.add(source.counters())
+            try:
+                source.close()
+            except Exception as exc:
+                log.error("target %s: detach failed: %s", rt.name, _one_line(exc))
+
+    def stop_target(self, name: str) -> None:
+        with self._lock:
+            rt = self.targets.pop(name, None)
+        if rt is not None:
+            self._detach(rt)
+            rt.state = "stopped"
+            log.info("target %s: detached", name)
+
+    def _pump(self, rt: TargetRuntime, source: SampleSource, stop: threading.Event) -> None:
+        while not stop.is_set():
+            try:
+                batch = source.poll(POLL_MS)
+                for sample in batch:
+                    self.ingest(rt, sample)
+            except Exception as exc:
+                if stop.is_set():
+                    return
+                rt.state, rt.error = "failed", _one_line(exc)
+                log.error("target %s: sample source failed: %s", rt.name, rt.error)
+                return
+
+    def ingest(self, rt: TargetRuntime, sample: dict[str, Any]) -> None:
+        """One decoded sample: count it, stream it, show it to the observers."""
+        ctx = rt.store.add(sample)
+        if self.samples.subscribers():
+            item = dict(sample)
+            item["target"], item["context"] = rt.name, ctx
+            rt.stream_dropped += self.samples.publish(item)
+        for observe in self.observers:
+            try:
+                observe(rt.name, sample)
+            except Exception as exc:
+                rt.observer_errors += 1
+                log.error("target %s: sample observer failed: %s", rt.name, _one_line(exc))
+
+    def check_budgets(self, now: float | None = None) -> None:
+        """Switch instrumented targets whose probe hit rate exceeds their ceiling to unwind mode."""
+        now = time.monotonic() if now is None else now
+        for rt in list(self.targets.values()):
+            ceiling = rt.config.max_probe_hits_per_sec
+            if not ceiling or rt.source is None or rt.mode() != "instrumented":
+                rt._rate = None
+                continue
+            hits = rt.counters().probe_hits
+            if rt._rate is None:
+                rt._rate = (now, hits)
+                continue
+            t0, h0 = rt._rate
+            if now - t0 < 1.0:
+                continue
+            rate = (hits - h0) / (now - t0)
+            rt._rate = (now, hits)
+            if rate > ceiling:
+                log.warning("target %s: %.0f probe hits/s exceeds max_probe_hits_per_sec = %d: "
+                            "switching to unwind mode", rt.name, rate, ceiling)
+                self.switch_mode(rt, "unwind", reason="probe_hit_budget")
+
+    def switch_mode(self, rt: TargetRuntime, mode: str, reason: str) -> None:
+        previous = rt.mode()
+        self._detach(rt)
+        rt.mode_override = mode
+        rt.mode_switches[reason] = rt.mode_switches.get(reason, 0) + 1
+        rt._rate = None
+        self._attach(rt)
+        if rt.state != "attached":
+            log.error("target %s: %s mode failed, back to %s mode", rt.name, mode, previous)
+            rt.mode_override = previous
+            self._attach(rt)
+
+    # -------------------------------------------------------------------------- lookups
+    def runtime_of_pid(self, pid: int) -> TargetRuntime | None:
+        for rt in list(self.targets.values()):
+            src = rt.source
+            if src is None:
+                continue
+            try:
+                if any(p.pid == pid for p in src.processes()):
+                    return rt
+            except Exception:
+                continue
+        return None
+
+    def thread_contexts(self, pid: int) -> tuple[TargetRuntime, list[Any]]:
+        rt = self.runtime_of_pid(pid)
+        if rt is None or rt.source is None:
+            raise UnknownProcess(f"no target follows pid {pid}")
+        return rt, rt.source.thread_contexts(pid)
+
+    def runtimes(self) -> Iterator[TargetRuntime]:
+        with self._lock:
+            items = list(self.targets.values())
+        yield from items
+
+    # ------------------------------------------------------------------------- lifecycle
+    def start(self) -> None:
+        d = self.config.daemon
+        os.makedirs(d.state_dir, mode=0o750, exist_ok=True)
+        for tc in self.config.targets:
+            self.start_target(tc)
+        self._start_servers(d)
+        attached = sum(rt.state == "attached" for rt in self.targets.values())
+        status = f"{attached}/{len(self.targets)} targets attached"
+        self.notifier.ready(status)
+        metrics = f"{d.metrics_listen[0]}:{d.metrics_listen[1]}" if d.metrics_listen else "(off)"
+        log.info("ready: %s; gRPC on %s; metrics on %s", status, d.grpc_listen, metrics)
+
+    def _start_servers(self, d: DaemonConfig) -> None:
+        from ccprofd.export.grpc_server import GrpcServer
+        from ccprofd.export.metrics import MetricsServer
+
+        self._grpc = GrpcServer(self, d)
+        self._grpc.start()
+        if d.metrics_listen is not None:
+            self._metrics = MetricsServer(self, *d.metrics_listen)
+            self._metrics.start()
+
+    def _stop_servers(self, grace: float = 0.5) -> None:
+        if self._grpc is not None:
+            self._grpc.stop(grace)
+            self._grpc = None
+        if self._metrics is not None:
+            self._metrics.stop()
+            self._metrics = None
+
+    @property
+    def grpc_address(self) -> str:
+        return "" if self._grpc is None else str(self._grpc.address)
+
+    @property
+    def metrics_address(self) -> tuple[str, int] | None:
+        return None if self._metrics is None else self._metrics.address
+
+    def apply(self, new: Config) -> None:
+        """Move to ``new``: restart servers whose settings changed; stop removed or changed targets;
+        start added ones and retry failed ones; leave unchanged attached targets alone."""
+        old = self.config
+        self.config = new
+        if (new.daemon.grpc_listen, new.daemon.metrics_listen, new.daemon.tls_cert, new.daemon.tls_key,
+                new.daemon.tls_client_ca, new.daemon.grpc_socket_mode, new.daemon.grpc_socket_group) != (
+                old.daemon.grpc_listen, old.daemon.metrics_listen, old.daemon.tls_cert, old.daemon.tls_key,
+                old.daemon.tls_client_ca, old.daemon.grpc_socket_mode, old.daemon.grpc_socket_group):
+            log.info("listen settings changed: restarting the gRPC and metrics servers")
+            self._stop_servers()
+            self._start_servers(new.daemon)
+        wanted = {t.name: t for t in new.targets}
+        kept: dict[str, TargetStore] = {}  # contexts do not depend on mode or scheme: keep counting
+        for name, running in list(self.targets.items()):
+            if name not in wanted:
+                self.stop_target(name)
+            elif wanted[name] != running.config:
+                log.info("target %s: configuration changed: re-attaching", name)
+                self.stop_target(name)
+                kept[name] = running.store
+        for tc in new.targets:
+            rt = self.targets.get(tc.name)
+            if rt is None:
+                self.start_target(tc, kept.get(tc.name))
+            elif rt.state == "failed":
+                self._detach(rt)
+                self._attach(rt)
+
+    def reload(self, path: str) -> bool:
+        """``SIGHUP``: a bad new config is rejected with one log line; the old one keeps running."""
+        self.notifier.reloading()
+        try:
+            new = load_config(path)
+        except ConfigError as exc:
+            self.reloads["failed"] += 1
+            log.error("reload rejected, keeping the running configuration: %s", exc)
+            self.notifier.ready("reload rejected; running the previous configuration")
+            return False
+        self.apply(new)
+        self.reloads["ok"] += 1
+        attached = sum(rt.state == "attached" for rt in self.targets.values())
+        log.info("reloaded %s: %d targets, %d attached", path, len(self.targets), attached)
+        self.notifier.ready(f"{attached}/{len(self.targets)} targets attached")
+        return True
+
+    def stop(self) -> None:
+        self.stopping = True
+        self.notifier.stopping()
+        if self._grpc is not None:
+            self._grpc.begin_shutdown()
+        for name in list(self.targets):
+            self.stop_target(name)
+        self._stop_servers()
+        log.info("stopped: every probe detached")
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return (text[0] if text else type(exc).__name__).removeprefix("ccprofd: ")
+
+
+class _Signals:
+    """Signal flags set by handlers, acted on by the main loop (handlers do no work themselves)."""
+
+    def __init__(self) -> None:
+        self.wake = threading.Event()
+        self.reload = False
+        self.stop: int | None = None
+
+    def install(self) -> None:
+        signal.signal(signal.SIGTERM, self._on_stop)
+        signal.signal(signal.SIGINT, self._on_stop)
+        signal.signal(signal.SIGHUP, self._on_hup)
+
+    def _on_stop(self, signum: int, _frame: FrameType | None) -> None:
+        self.stop = signum
+        self.wake.set()
+
+    def _on_hup(self, _signum: int, _frame: FrameType | None) -> None:
+        self.reload = True
+        self.wake.set()
+
+
+def setup_logging(level: str) -> None:
+    """One line per event on stderr; with syslog priority prefixes when journald reads it."""
+    journald = bool(os.environ.get("JOURNAL_STREAM"))
+
+    class _Fmt(logging.Formatter):
+        PRIO: ClassVar[dict[str, int]] = {"DEBUG": 7, "INFO": 6, "WARNING": 4, "ERROR": 3, "CRITICAL": 2}
+
+        def format(self, record: logging.LogRecord) -> str:
+            text = f"{record.levelname.lower()}: {record.getMessage()}"
+            return f"<{self.PRIO.get(record.levelname, 6)}>{text}" if journald else f"ccprofd: {text}"
+
+    handler = logging.StreamHandler()
+    handler.setFormatter(_Fmt())
+    log.handlers[:] = [handler]
+    log.setLevel(level.upper())
+    log.propagate = False
+
+
+def run_daemon(config_path: str, factory: SourceFactory | None = None,
+               notifier: Notifier | None = None) -> int:
+    """``ccprofd run``: foreground daemon until SIGTERM/SIGINT.  Exit 2 on a bad config, 1 when the
+    servers cannot start, 0 after a clean shutdown."""
+    from ccprofd.daemon.source import load_factory
+
+    config = load_config(config_path)  # ConfigError -> the CLI prints it and exits 2
+    setup_logging(config.daemon.log_level)
+    if factory is None:
+        factory = load_factory()
+    signals = _Signals()
+    signals.install()
+    daemon = Daemon(config, factory, notifier or Notifier())
+    try:
+        daemon.start()
+    except Exception:
+        daemon.stop()
+        raise
+    interval = daemon.notifier.watchdog_interval
+    try:
+        while signals.stop is None:
+            signals.wake.wait(timeout=min(interval, 1.0) if interval else 1.0)
+            signals.wake.clear()
+            if signals.stop is not None:
+                break
+            if signals.reload:
+                signals.reload = False
+                daemon.reload(config_path)
+            daemon.check_budgets()
+            if daemon.notifier.watchdog_due():
+                daemon.notifier.watchdog()
+    finally:
+        log.info("signal %s: shutting down", signals.stop)
+        daemon.stop()
+    return 0

@@ -1,0 +1,291 @@
+"""Hot-context aggregation per target, with bounded memory and bounded metric cardinality.
+
+Input: decoded samples (the tracer's JSONL dicts).  Each sample is counted under
+``(event, syscall, context)`` where ``context`` is :func:`context_id` — a short hash of the decoded
+frame list (build-id + call site per frame), so it is the same whatever the encoding scheme, the
+weights or the tracer mode that produced the frames.
+
+Bounds and how nothing is lost silently:
+
+* at most ``max_contexts`` distinct contexts are kept per target; a sample of a new context when
+  the table is full (and no stale, never-exported context can be evicted) is still counted — under
+  ``context="other"`` — and additionally in ``dropped["context_table_full"]``;
+* frames are interned, so contexts sharing frames share memory;
+* per-context time buckets (``bucket_seconds`` wide, ``history_seconds`` deep) answer
+  "counts since T" at bucket resolution; counts older than the history are in the totals only.
+
+Metric series (:meth:`TargetStore.scrape`) follow a promotion rule that keeps counters monotonic:
+at each scrape the top-K contexts of the recent window that are not yet exported are *promoted*
+(up to ``max_series`` per family).  A promoted series is exported for the life of the daemon.
+``other`` counts exactly the samples taken while their context was not promoted; samples a context
+received since the previous scrape move with it into its new series (they were never exported in
+``other``), so a context that becomes hot between two scrapes is exported with its full count.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+Sample = Mapping[str, Any]
+FrameKey = tuple[Any, ...]
+FRAME_FIELDS = ("function", "module", "build_id", "analysed", "call_site", "return_address", "tail_call")
+OTHER = "other"
+
+
+def _address(value: Any) -> int | None:
+    if value is None or value == "":
+        return None
+    if isinstance(value, int):
+        return value
+    return int(str(value), 16) if str(value).lower().startswith("0x") else int(str(value), 0)
+
+
+def context_id(frames: Sequence[Mapping[str, Any]], complete: bool = True) -> str:
+    """Short stable hash of a decoded frame list: per frame the object's build-id (module path when
+    there is none) and the call site; the function name only for frames without a call site.
+    Incomplete contexts hash differently from complete ones with the same frames: they are a
+    different statement (a known suffix, not the whole chain)."""
+    h = hashlib.blake2b(digest_size=6)
+    for f in frames:
+        site = _address(f.get("call_site"))
+        obj = f.get("build_id") or f.get("module") or ""
+        name = "" if site is not None else (f.get("function") or "")
+        h.update(f"{obj}\x1f{'' if site is None else format(site, 'x')}\x1f{name}\x1f"
+                 f"{1 if f.get('tail_call') else 0}\x1e".encode())
+    if not complete:
+        h.update(b"\x00incomplete")
+    return h.hexdigest()
+
+
+def leaf_name(frames: Sequence[Mapping[str, Any]]) -> str:
+    """The innermost function's name ("" when there are no frames, "[unknown]" when unnamed)."""
+    if not frames:
+        return ""
+    return str(frames[-1].get("function") or "[unknown]")
+
+
+@dataclass(frozen=True, slots=True)
+class HotContext:
+    """One row of ``GetHotContexts``: a context and how often it was seen."""
+
+    context: str
+    event: str
+    syscall: str
+    count: int
+    complete: bool
+    frames: tuple[dict[str, Any], ...]
+    first_seen_ns: int
+    last_seen_ns: int
+
+    @property
+    def leaf(self) -> str:
+        return leaf_name(self.frames)
+
+
+@dataclass(frozen=True, slots=True)
+class Series:
+    """One exported counter: ``context`` is a context id or ``"other"``; ``leaf`` is "" for other."""
+
+    event: str
+    syscall: str
+    context: str
+    leaf: str
+    value: int
+
+
+class _Entry:
+    __slots__ = ("buckets", "complete", "context", "count", "event", "first_ns", "frames", "last_ns",
+                 "leaf", "pending", "promoted", "series", "syscall")
+
+    def __init__(self, event: str, syscall: str, context: str, frames: tuple[FrameKey, ...],
+                 complete: bool, leaf: str, now_ns: int) -> None:
+        self.event = event
+        self.syscall = syscall
+        self.context = context
+        self.frames = frames
+        self.complete = complete
+        self.leaf = leaf
+        self.count = 0
+        self.series = 0      # samples counted in its own series (promoted)
+        self.pending = 0     # samples counted in "other" since the previous scrape
+        self.promoted = False
+        self.first_ns = now_ns
+        self.last_ns = now_ns
+        self.buckets: deque[list[int]] = deque()  # [bucket start (ns), count]
+
+
+class TargetStore:
+    """The context table of one target; thread-safe (one writer, many readers)."""
+
+    def __init__(self, *, max_contexts: int = 10000, top_k: int = 20, max_series: int = 200,
+                 bucket_seconds: int = 10, history_seconds: int = 3600,
+                 promotion_window_seconds: int = 300) -> None:
+        self.max_contexts = max_contexts
+        self.top_k = top_k
+        self.max_series = max_series
+        self.bucket_ns = bucket_seconds * 1_000_000_000
+        self.history_ns = history_seconds * 1_000_000_000
+        self.window_ns = promotion_window_seconds * 1_000_000_000
+        self._lock = threading.Lock()
+        self._entries: dict[tuple[str, str, str], _Entry] = {}
+        self._frames: dict[FrameKey, FrameKey] = {}
+        self._frame_refs: dict[FrameKey, int] = {}
+        self._other: dict[tuple[str, str], int] = {}
+        self._promoted_count: dict[str, int] = {}
+        self.samples = 0
+        self.incomplete = 0
+        self.dropped: dict[str, int] = {}
+
+    # ------------------------------------------------------------------------------ writing
+    def add(self, sample: Sample, now_ns: int | None = None) -> str:
+        """Count one decoded sample; returns its context id."""
+        now = time.time_ns() if now_ns is None else now_ns
+        frames = sample.get("frames") or ()
+        complete = bool(sample.get("complete", True))
+        event = str(sample.get("event") or "syscall")
+        syscall = str(sample.get("syscall") or "") if event == "syscall" else ""
+        ctx = context_id(frames, complete)
+        key = (event, syscall, ctx)
+        with self._lock:
+            self.samples += 1
+            if not complete:
+                self.incomplete += 1
+            entry = self._entries.get(key)
+            if entry is None:
+                if len(self._entries) >= self.max_contexts and not self._evict_stale(now):
+                    self._other[(event, syscall)] = self._other.get((event, syscall), 0) + 1
+                    self.dropped["context_table_full"] = self.dropped.get("context_table_full", 0) + 1
+                    return ctx
+                entry = _Entry(event, syscall, ctx, self._intern(frames), complete, leaf_name(frames), now)
+                self._entries[key] = entry
+            entry.count += 1
+            entry.last_ns = max(entry.last_ns, now)
+            if entry.promoted:
+                entry.series += 1
+            else:
+                entry.pending += 1
+                self._other[(event, syscall)] = self._other.get((event, syscall), 0) + 1
+            start = now - now % self.bucket_ns
+            if entry.buckets and entry.buckets[-1][0] == start:
+                entry.buckets[-1][1] += 1
+            else:
+                entry.buckets.append([start, 1])
+                while entry.buckets and entry.buckets[0][0] < now - self.history_ns:
+                    entry.buckets.popleft()
+        return ctx
+
+    def note_dropped(self, reason: str, count: int = 1) -> None:
+        """Samples lost before reaching the store (ring buffer full, decode failure...)."""
+        with self._lock:
+            self.dropped[reason] = self.dropped.get(reason, 0) + count
+
+    def _intern(self, frames: Iterable[Mapping[str, Any]]) -> tuple[FrameKey, ...]:
+        out = []
+        for f in frames:
+            key = tuple(f.get(name) for name in FRAME_FIELDS)
+            shared = self._frames.setdefault(key, key)
+            self._frame_refs[shared] = self._frame_refs.get(shared, 0) + 1
+            out.append(shared)
+        return tuple(out)
+
+    def _evict_stale(self, now: int) -> bool:
+        """Free one slot by forgetting a never-promoted context not seen within the history
+        (its samples stay counted in ``other`` and the totals); False when there is none."""
+        victim = None
+        for entry in self._entries.values():
+            if not entry.promoted and entry.last_ns < now - self.history_ns and (
+                    victim is None or entry.last_ns < victim.last_ns):
+                victim = entry
+        if victim is None:
+            return False
+        del self._entries[(victim.event, victim.syscall, victim.context)]
+        for f in victim.frames:
+            left = self._frame_refs[f] - 1
+            if left:
+                self._frame_refs[f] = left
+            else:
+                del self._frame_refs[f]
+                del self._frames[f]
+        self.dropped["context_evicted"] = self.dropped.get("context_evicted", 0) + 1
+        return True
+
+    # ------------------------------------------------------------------------------ reading
+    def hot(self, event: str = "syscall", top_k: int = 20, since_ns: int = 0,
+            syscall: str | None = None) -> list[HotContext]:
+        """The ``top_k`` most frequent contexts of ``event`` (counts since ``since_ns`` at bucket
+        resolution; all-time totals when 0)."""
+        with self._lock:
+            rows = []
+            for e in self._entries.values():
+                if e.event != event or (syscall and e.syscall != syscall):
+                    continue
+                if since_ns > 0:
+                    cutoff = since_ns - since_ns % self.bucket_ns
+                    count = sum(c for start, c in e.buckets if start >= cutoff)
+                else:
+                    count = e.count
+                if count:
+                    rows.append((count, e))
+            rows.sort(key=lambda r: (-r[0], r[1].context, r[1].syscall))
+            return [HotContext(e.context, e.event, e.syscall, count, e.complete,
+                               tuple(dict(zip(FRAME_FIELDS, f, strict=True)) for f in e.frames),
+                               e.first_ns, e.last_ns) for count, e in rows[:max(0, top_k)]]
+
+    def total(self, event: str = "syscall", since_ns: int = 0, syscall: str | None = None) -> int:
+        """Samples of ``event`` held in the table (since ``since_ns`` at bucket resolution)."""
+        cutoff = since_ns - since_ns % self.bucket_ns if since_ns > 0 else 0
+        with self._lock:
+            return sum((sum(c for start, c in e.buckets if start >= cutoff) if since_ns > 0 else e.count)
+                       for e in self._entries.values()
+                       if e.event == event and (not syscall or e.syscall == syscall))
+
+    def context_count(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def scrape(self, now_ns: int | None = None) -> list[Series]:
+        """Promote, then return every exported series (promoted contexts and ``other``)."""
+        now = time.time_ns() if now_ns is None else now_ns
+        with self._lock:
+            for event in {e.event for e in self._entries.values()}:
+                self._promote(event, now)
+            out = []
+            for e in self._entries.values():
+                if e.promoted:
+                    out.append(Series(e.event, e.syscall, e.context, e.leaf, e.series))
+                e.pending = 0
+            for (event, syscall), value in self._other.items():
+                out.append(Series(event, syscall, OTHER, "", value))
+            out.sort(key=lambda s: (s.event, s.syscall, s.context == OTHER, s.context))
+            return out
+
+    def _promote(self, event: str, now: int) -> None:
+        cutoff = now - self.window_ns
+        ranked = []
+        for e in self._entries.values():
+            if e.event != event:
+                continue
+            recent = sum(c for start, c in e.buckets if start + self.bucket_ns > cutoff)
+            if recent:
+                ranked.append((recent, e))
+        ranked.sort(key=lambda r: (-r[0], r[1].context, r[1].syscall))
+        for _, e in ranked[:self.top_k]:
+            if e.promoted or self._promoted_count.get(event, 0) >= self.max_series:
+                continue
+            e.promoted = True
+            self._promoted_count[event] = self._promoted_count.get(event, 0) + 1
+            # Samples since the previous scrape were never exported under "other": move them.
+            e.series = e.pending
+            self._other[(event, e.syscall)] -= e.pending
+            e.pending = 0
+
+    def counters(self) -> dict[str, Any]:
+        with self._lock:
+            return {"samples": self.samples, "incomplete": self.incomplete, "dropped": dict(self.dropped),
+                    "contexts": len(self._entries), "frames": len(self._frames)}

@@ -1,0 +1,85 @@
+"""Conversions between the tracer's JSON form (frames, samples, alerts) and the ``ccprofd.v1``
+protobuf messages, both ways, so the server and ``ccprofctl --json`` speak the same field names.
+Addresses are hex strings in JSON and integers on the wire; a JSON ``null`` is an absent field."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from ccprofd.export.gen import ccprofd_pb2 as pb
+
+
+def _address(value: Any) -> int | None:
+    if value is None or value == "":
+        return None
+    return value if isinstance(value, int) else int(str(value), 16)
+
+
+def frame_to_pb(f: Mapping[str, Any]) -> Any:
+    msg = pb.Frame(function=str(f.get("function") or ""), module=str(f.get("module") or ""),
+                   build_id=str(f.get("build_id") or ""), analysed=bool(f.get("analysed", False)),
+                   tail_call=bool(f.get("tail_call", False)))
+    site = _address(f.get("call_site"))
+    if site is not None:
+        msg.call_site = site
+    ret = _address(f.get("return_address"))
+    if ret is not None:
+        msg.return_address = ret
+    return msg
+
+
+def frames_to_pb(frames: Iterable[Mapping[str, Any]]) -> list[Any]:
+    return [frame_to_pb(f) for f in frames]
+
+
+def frame_from_pb(msg: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {
+        "function": msg.function or None, "module": msg.module or None, "build_id": msg.build_id or None,
+        "analysed": msg.analysed,
+        "call_site": hex(msg.call_site) if msg.HasField("call_site") else None,
+        "return_address": hex(msg.return_address) if msg.HasField("return_address") else None}
+    if msg.tail_call:
+        out["tail_call"] = True
+    return out
+
+
+def frames_from_pb(frames: Iterable[Any]) -> list[dict[str, Any]]:
+    return [frame_from_pb(f) for f in frames]
+
+
+def sample_to_pb(sample: Mapping[str, Any], target: str = "", context: str = "") -> Any:
+    return pb.Sample(time_ns=int(sample.get("time_ns") or 0), pid=int(sample.get("pid") or 0),
+                     tid=int(sample.get("tid") or 0), event=str(sample.get("event") or "syscall"),
+                     syscall=str(sample.get("syscall") or ""), complete=bool(sample.get("complete", True)),
+                     frames=frames_to_pb(sample.get("frames") or ()), target=target, context=context)
+
+
+def sample_from_pb(msg: Any) -> dict[str, Any]:
+    return {"time_ns": msg.time_ns, "pid": msg.pid, "tid": msg.tid, "event": msg.event,
+            "syscall": msg.syscall or None, "complete": msg.complete, "frames": frames_from_pb(msg.frames),
+            "target": msg.target, "context": msg.context}
+
+
+def alert_to_pb(alert: Mapping[str, Any]) -> Any:
+    msg = pb.Alert(time_ns=int(alert.get("time_ns") or 0), target=str(alert.get("target") or ""),
+                   pid=int(alert.get("pid") or 0), tid=int(alert.get("tid") or 0),
+                   syscall=str(alert.get("syscall") or ""), kind=str(alert.get("kind") or ""),
+                   complete=bool(alert.get("complete", True)), frames=frames_to_pb(alert.get("frames") or ()),
+                   action=str(alert.get("action") or ""), denied=bool(alert.get("denied", False)),
+                   build_id=str(alert.get("build_id") or ""), context=str(alert.get("context") or ""))
+    for key, value in (alert.get("args") or {}).items():
+        msg.args[str(key)] = str(value)
+    for near in alert.get("nearest") or ():
+        msg.nearest.add(frames=frames_to_pb(near.get("frames") or ()), count=int(near.get("count") or 0),
+                        common_prefix=int(near.get("common_prefix") or 0))
+    return msg
+
+
+def alert_from_pb(msg: Any) -> dict[str, Any]:
+    return {"time_ns": msg.time_ns, "target": msg.target, "pid": msg.pid, "tid": msg.tid,
+            "syscall": msg.syscall, "args": dict(msg.args), "kind": msg.kind, "complete": msg.complete,
+            "frames": frames_from_pb(msg.frames), "action": msg.action, "denied": msg.denied,
+            "build_id": msg.build_id, "context": msg.context,
+            "nearest": [{"frames": frames_from_pb(n.frames), "count": n.count,
+                         "common_prefix": n.common_prefix} for n in msg.nearest]}

@@ -1,0 +1,147 @@
+"""Prometheus ``/metrics``: a custom collector that builds every family at scrape time from the
+daemon's live state (no per-sample metric updates on the hot path), plus the standard process and
+platform collectors, served over HTTP by prometheus-client.
+
+Hot-context series follow the promotion rule of :mod:`ccprofd.daemon.store` (bounded cardinality,
+monotonic counters, ``context="other"`` for samples of never-promoted contexts).
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.platform_collector import PlatformCollector
+from prometheus_client.process_collector import ProcessCollector
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from ccprofd.daemon.service import Daemon
+
+MODES = ("instrumented", "unwind")
+
+
+class DaemonCollector(Collector):
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self._lock = threading.Lock()  # one promotion round at a time
+
+    def describe(self) -> list[Metric]:
+        return []  # built at scrape time; nothing to check at registration
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            yield from self._collect()
+
+    def _collect(self) -> Iterator[Metric]:
+        ctx = CounterMetricFamily("ccprofd_context_samples", "Syscall samples per hot calling context "
+                                  "(top-K promoted; context=\"other\" = never-promoted contexts)",
+                                  labels=["target", "syscall", "context", "leaf"])
+        cpu = CounterMetricFamily("ccprofd_cpu_samples", "CPU-clock samples per hot calling context",
+                                  labels=["target", "context", "leaf"])
+        hits = CounterMetricFamily("ccprofd_probe_hits", "Uprobe hits", labels=["target"])
+        verify = CounterMetricFamily("ccprofd_verify_mismatches",
+                                     "Samples whose decoded context differed from a frame-pointer unwind",
+                                     labels=["target"])
+        mode = GaugeMetricFamily("ccprofd_mode", "1 for the tracer mode in effect", labels=["target", "mode"])
+        switches = CounterMetricFamily("ccprofd_mode_switches", "Automatic tracer mode switches",
+                                       labels=["target", "reason"])
+        dropped = CounterMetricFamily("ccprofd_samples_dropped", "Samples lost or not stored, by reason",
+                                      labels=["target", "reason"])
+        incomplete = CounterMetricFamily("ccprofd_contexts_incomplete",
+                                         "Samples whose context is flagged incomplete", labels=["target"])
+        decode_err = CounterMetricFamily("ccprofd_decode_errors", "Samples that could not be decoded",
+                                         labels=["target"])
+        attached = GaugeMetricFamily("ccprofd_attached_processes", "Processes followed", labels=["target"])
+        up = GaugeMetricFamily("ccprofd_target_up", "1 when the target's probes are attached",
+                               labels=["target"])
+        contexts = GaugeMetricFamily("ccprofd_contexts", "Distinct contexts held in memory",
+                                     labels=["target"])
+        maps = GaugeMetricFamily("ccprofd_bpf_map_entries", "Entries in the daemon's BPF maps",
+                                 labels=["map"])
+        map_totals: dict[str, int] = {}
+        for rt in self.daemon.runtimes():
+            name = rt.name
+            for s in rt.store.scrape():
+                if s.event == "cpu":
+                    cpu.add_metric([name, s.context, s.leaf], s.value)
+                else:
+                    ctx.add_metric([name, s.syscall, s.context, s.leaf], s.value)
+            counters = rt.counters()
+            hits.add_metric([name], counters.probe_hits)
+            verify.add_metric([name], counters.verify_mismatches)
+            decode_err.add_metric([name], counters.decode_errors)
+            current = rt.mode()
+            for m in MODES:
+                mode.add_metric([name, m], 1.0 if m == current else 0.0)
+            for reason, n in sorted(rt.mode_switches.items()):
+                switches.add_metric([name, reason], n)
+            store = rt.store.counters()
+            reasons: dict[str, int] = dict(counters.dropped)
+            for reason, n in store["dropped"].items():
+                reasons[reason] = reasons.get(reason, 0) + n
+            if rt.stream_dropped:
+                reasons["stream_subscriber_slow"] = rt.stream_dropped
+            for reason, n in sorted(reasons.items()):
+                dropped.add_metric([name, reason], n)
+            incomplete.add_metric([name], store["incomplete"])
+            contexts.add_metric([name], store["contexts"])
+            up.add_metric([name], 1.0 if rt.state == "attached" else 0.0)
+            attached.add_metric([name], _count_processes(rt))
+            for m, n in counters.map_entries.items():
+                map_totals[m] = map_totals.get(m, 0) + n
+        for m, n in sorted(map_totals.items()):
+            maps.add_metric([m], n)
+        reloads = CounterMetricFamily("ccprofd_reloads", "Configuration reloads (SIGHUP)", labels=["result"])
+        for result, n in sorted(self.daemon.reloads.items()):
+            reloads.add_metric([result], n)
+        yield from (ctx, cpu, hits, verify, mode, switches, dropped, incomplete, decode_err, attached, up,
+                    contexts, maps, reloads)
+
+
+def _count_processes(rt: Any) -> int:
+    src = rt.source
+    if src is None:
+        return 0
+    try:
+        return len(src.processes())
+    except Exception:
+        return 0
+
+
+def build_registry(daemon: Daemon) -> CollectorRegistry:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(DaemonCollector(daemon))
+    ProcessCollector(registry=registry)
+    PlatformCollector(registry=registry)
+    return registry
+
+
+class MetricsServer:
+    """``GET /metrics`` on ``host:port`` (port 0 picks a free one; see :attr:`address`)."""
+
+    def __init__(self, daemon: Daemon, host: str, port: int) -> None:
+        self.registry = build_registry(daemon)
+        self.host, self.port = host, port
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self._server, self._thread = start_http_server(self.port, addr=self.host, registry=self.registry)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self._server.server_address[:2]
+        return str(host), int(port)
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+            self._thread = None

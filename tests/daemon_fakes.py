@@ -1,0 +1,144 @@
+"""A scripted :class:`ccprofd.daemon.source.SampleSource` for daemon/export unit tests.
+
+It stands in for the tracer only; everything around it (store, gRPC over a real Unix socket,
+HTTP scrapes, signals, notify) is real.  ``make_fake_source`` is also usable from a daemon
+subprocess (``ccprofd run --source-factory daemon_fakes:make_fake_source`` with ``tests/`` on
+PYTHONPATH): the samples then come from the JSONL file named by ``$CCPROFD_FAKE_SAMPLES``
+(one sample per line; an optional ``"target"`` key selects the target) and every event the source
+sees (start/close) is appended to ``$CCPROFD_FAKE_LOG``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+from collections.abc import Iterable
+from typing import Any
+
+from ccprofd.daemon.config import DaemonConfig, TargetConfig
+from ccprofd.daemon.source import BinaryInfo, ProcessInfo, SourceCounters, ThreadContext, UnknownProcess
+
+BUILD_ID = "0123456789abcdef0123456789abcdef01234567"
+
+
+def frame(function: str, site: int, *, module: str = "/opt/app/bin", build_id: str = BUILD_ID,
+          analysed: bool = True) -> dict[str, Any]:
+    return {"function": function, "module": module, "build_id": build_id, "analysed": analysed,
+            "call_site": hex(site), "return_address": hex(site + 5) if analysed else None}
+
+
+def sample(frames: list[dict[str, Any]], syscall: str = "write", *, pid: int = 4242, tid: int = 4242,
+           event: str = "syscall", complete: bool = True,
+           time_ns: int = 1_700_000_000_000_000_000) -> dict[str, Any]:
+    return {"time_ns": time_ns, "pid": pid, "tid": tid, "event": event,
+            "syscall": syscall if event == "syscall" else None, "complete": complete, "frames": frames}
+
+
+class FakeSource:
+    """Samples pushed with :meth:`push` come out of :meth:`poll`; counters are settable."""
+
+    def __init__(self, target: TargetConfig, samples: Iterable[dict[str, Any]] = (), *,
+                 fail_start: str | None = None, log_path: str | None = None) -> None:
+        self.target = target
+        self.queue: queue.Queue[dict[str, Any]] = queue.Queue()
+        for s in samples:
+            self.queue.put(s)
+        self.fail_start = fail_start
+        self.log_path = log_path
+        self.started = False
+        self.closed = False
+        self.probe_hits = 0
+        self.decode_errors = 0
+        self.verify_mismatches = 0
+        self.dropped: dict[str, int] = {}
+        self.current_mode = target.mode
+        self.pids = {4242: [ThreadContext(4242, True, (frame("main", 0x1100), frame("serve", 0x1200)), "app"),
+                            ThreadContext(4243, False, (frame("worker", 0x1300),), "app-worker")]}
+        self.lock = threading.Lock()
+
+    def _log(self, event: str) -> None:
+        if self.log_path:
+            with open(self.log_path, "a") as fh:
+                fh.write(json.dumps({"event": event, "target": self.target.name, "mode": self.current_mode,
+                                     "pid": os.getpid()}) + "\n")
+
+    def push(self, *samples: dict[str, Any]) -> None:
+        for s in samples:
+            self.queue.put(s)
+
+    def start(self) -> None:
+        if self.fail_start:
+            raise RuntimeError(self.fail_start)
+        self.started = True
+        self._log("start")
+
+    def poll(self, timeout_ms: int) -> list[dict[str, Any]]:
+        out = []
+        try:
+            out.append(self.queue.get(timeout=timeout_ms / 1000))
+            while True:
+                out.append(self.queue.get_nowait())
+        except queue.Empty:
+            pass
+        return out
+
+    def mode(self) -> str:
+        return self.current_mode
+
+    def processes(self) -> list[ProcessInfo]:
+        return [ProcessInfo(pid, self.target.path or "/opt/app/bin", BUILD_ID, len(threads), "app", 77)
+                for pid, threads in self.pids.items()]
+
+    def binaries(self) -> list[BinaryInfo]:
+        return [BinaryInfo(self.target.path or "/opt/app/bin", BUILD_ID, 77, True)]
+
+    def thread_contexts(self, pid: int) -> list[ThreadContext]:
+        if pid not in self.pids:
+            raise UnknownProcess(f"pid {pid} is not followed")
+        return list(self.pids[pid])
+
+    def callgraph_stats(self) -> dict[str, Any]:
+        return {self.target.path or "/opt/app/bin": {"functions": 12, "direct_call_sites": 30,
+                                                     "build_id": BUILD_ID,
+                                                     "encodings": {"valence": {"acyclic_bits": 3}}}}
+
+    def counters(self) -> SourceCounters:
+        return SourceCounters(probe_hits=self.probe_hits, verify_mismatches=self.verify_mismatches,
+                              decode_errors=self.decode_errors, dropped=dict(self.dropped),
+                              map_entries={"thread_state": len(self.pids)})
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self._log("close")
+
+
+class FakeFactory:
+    """Records every source it builds (``sources[name]`` is the latest for that target)."""
+
+    def __init__(self, fail: dict[str, str] | None = None) -> None:
+        self.fail = fail or {}
+        self.sources: dict[str, FakeSource] = {}
+        self.built: list[FakeSource] = []
+
+    def __call__(self, target: TargetConfig, daemon: DaemonConfig) -> FakeSource:
+        src = FakeSource(target, fail_start=self.fail.get(target.name))
+        self.sources[target.name] = src
+        self.built.append(src)
+        return src
+
+
+def make_fake_source(target: TargetConfig, daemon: DaemonConfig) -> FakeSource:
+    """Subprocess entry point: samples from ``$CCPROFD_FAKE_SAMPLES`` for this target."""
+    samples = []
+    path = os.environ.get("CCPROFD_FAKE_SAMPLES")
+    if path:
+        with open(path) as fh:
+            for line in fh:
+                if line.strip():
+                    s = json.loads(line)
+                    if s.pop("target", target.name) == target.name:
+                        samples.append(s)
+    return FakeSource(target, samples, log_path=os.environ.get("CCPROFD_FAKE_LOG"))
