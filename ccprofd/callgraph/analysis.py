@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import re
+import struct
 import time
 from array import array
 from collections.abc import Callable
@@ -41,8 +43,13 @@ def _analyze(image: ElfImage, progress: Progress | None) -> CallGraph:
     plt = PltResolver(image)
     md = make_disassembler()
 
-    result = _sweep_all(image, table, md, plt, progress)
-    owner = _fold_fragments(table, result.branches)
+    parts = _sweep_all(image, table, md, plt, progress)
+    result = SweepResult([], [], 0)
+    for start in table.starts:
+        result.branches.extend(parts[start].branches)
+        result.code_refs.extend(parts[start].code_refs)
+        result.instructions += parts[start].instructions
+    owner = _fold_fragments(image, table, parts)
     graph = CallGraph.empty(BinaryInfo(
         path=image.path, build_id=image.build_id(), content_hash=image.content_hash, pie=image.pie,
         elf_type=image.elf_type, entry=image.entry,
@@ -82,7 +89,7 @@ def _analyze(image: ElfImage, progress: Progress | None) -> CallGraph:
 
 
 def _sweep_all(image: ElfImage, table: FunctionTable, md: Cs, plt: PltResolver,
-               progress: Progress | None) -> SweepResult:
+               progress: Progress | None) -> dict[int, SweepResult]:
     """Sweep every function; grow the table from gaps and call targets until it is stable.
 
     Only functions whose [start, end) changed are swept again, so discovering a function that
@@ -128,13 +135,7 @@ def _sweep_all(image: ElfImage, table: FunctionTable, md: Cs, plt: PltResolver,
             break
     if progress is not None:
         progress("disassembling", len(table.starts), len(table.starts))
-    result = SweepResult([], [], 0)
-    for start in table.starts:
-        part = done[start][1]
-        result.branches.extend(part.branches)
-        result.code_refs.extend(part.code_refs)
-        result.instructions += part.instructions
-    return result
+    return {start: done[start][1] for start in table.starts}
 
 
 def _code_pointers_in_data(image: ElfImage) -> set[int]:
@@ -154,25 +155,83 @@ def _code_pointers_in_data(image: ElfImage) -> set[int]:
     return {a for a in found if image.addrspace.is_executable(a)}
 
 
-def _fold_fragments(table: FunctionTable, branches: list[Branch]) -> dict[int, int]:
-    """Map each fragment start to the function that jumps into it (its owner)."""
-    jumpers: dict[int, int] = {}
+def _fold_fragments(image: ElfImage, table: FunctionTable, parts: dict[int, SweepResult]) -> dict[int, int]:
+    """Map each fragment start to its owner: the function that jumps into its range.
+
+    Most fragments are entered by a direct jump; cold switch cases are entered only through a jump
+    table, so fragments still without an owner are looked up in the tables of indirect jumps.
+    """
     frag_starts = {s for s, fn in table.by_start.items() if fn.fragment}
-    for b in branches:
-        if b.is_call or b.target not in frag_starts:
-            continue
-        fn = table.containing(b.address)
-        if fn is not None and fn.start != b.target:
-            jumpers.setdefault(b.target, fn.start)
+    entered_from: dict[int, int] = {}
+    for start, part in parts.items():
+        for b in part.branches:
+            if b.is_call or b.target is None:
+                continue
+            # gcc groups several cold blocks in one fragment: hot code may jump to any of them.
+            dest = table.containing(b.target)
+            if dest is not None and dest.fragment and dest.start != start:
+                entered_from.setdefault(dest.start, start)
+    missing = frag_starts - entered_from.keys()
+    if missing:
+        for frag, src in _jump_table_entries(image, parts, missing).items():
+            entered_from.setdefault(frag, src)
     owner: dict[int, int] = {}
-    for frag, src in jumpers.items():
-        seen = {frag}
-        while src in jumpers and src not in seen:  # fragment of a fragment
+    for frag, first in entered_from.items():
+        src, seen = first, {frag}
+        while src in frag_starts and src in entered_from and src not in seen:  # fragment of a fragment
             seen.add(src)
-            src = jumpers[src]
-        if src not in frag_starts or src not in seen:
+            src = entered_from[src]
+        if src not in frag_starts:
             owner[frag] = src
     return owner
+
+
+_ABS_TABLE = re.compile(r"\[(?:\w+ \+ )?\w+\*8 \+ (0x[0-9a-f]+)\]$")
+_MAX_TABLE_ENTRIES = 4096
+
+
+def _jump_table_entries(image: ElfImage, parts: dict[int, SweepResult], wanted: set[int]) -> dict[int, int]:
+    """Which function's jump table holds each wanted code address.
+
+    Absolute tables (non-PIE): ``jmp qword ptr [reg*8 + base]``, 8-byte code addresses at base.
+    Relative tables (PIE): a ``lea reg, [rip + base]`` in a function with a register jump, 4-byte
+    offsets from base.  A table is read until an entry no longer lands in executable code.
+    """
+    found: dict[int, int] = {}
+    space = image.addrspace
+    for start, part in parts.items():
+        jumps = [b for b in part.branches if not b.is_call and b.target is None]
+        if not jumps:
+            continue
+        for b in jumps:
+            m = _ABS_TABLE.search(b.operand)
+            if m:
+                base = int(m.group(1), 16)
+                for i in range(_MAX_TABLE_ENTRIES):
+                    try:
+                        (word,) = struct.unpack("<Q", image.bytes_at(base + 8 * i, 8))
+                    except (ValueError, struct.error):
+                        break
+                    if not space.is_executable(word):
+                        break
+                    if word in wanted:
+                        found.setdefault(word, start)
+        if not any("ptr" not in b.operand for b in jumps):
+            continue
+        for base in part.code_refs:
+            if space.is_executable(base) or space.segment_of(base) is None:
+                continue
+            for i in range(_MAX_TABLE_ENTRIES):
+                try:
+                    (rel,) = struct.unpack("<i", image.bytes_at(base + 4 * i, 4))
+                except (ValueError, struct.error):
+                    break
+                target = base + rel
+                if not space.is_executable(target):
+                    break
+                if target in wanted:
+                    found.setdefault(target, start)
+    return found
 
 
 def _classify(b: Branch, caller: int, table: FunctionTable, plt: PltResolver, owner: dict[int, int],
@@ -202,7 +261,8 @@ def _classify(b: Branch, caller: int, table: FunctionTable, plt: PltResolver, ow
 
 def _mark_roots(graph: CallGraph, image: ElfImage, table: FunctionTable, code_refs: list[int],
                 owner: dict[int, int]) -> None:
-    starts = {s for s in table.by_start if s not in owner}
+    # Fragments run in their owner's frame: a pointer to one (a jump-table entry) is no entry point.
+    starts = {s for s, fn in table.by_start.items() if s not in owner and not fn.fragment}
     taken = {a for a in code_refs if a in starts}
     taken |= _data_refs(image, starts)
     tags = image.dynamic_tags()
