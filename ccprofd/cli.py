@@ -98,6 +98,10 @@ def build_parser() -> argparse.ArgumentParser:
                     help="analysis cache directory (default: $CCPROFD_CACHE_DIR or ~/.cache/ccprofd)")
     an.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
     an.set_defaults(func=cmd_analyze)
+
+    from .daemon.commands import add_daemon_commands
+
+    add_daemon_commands(sub)  # run, install-service
     return parser
 
 
