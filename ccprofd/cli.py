@@ -99,6 +99,10 @@ def build_parser() -> argparse.ArgumentParser:
     an.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
     an.set_defaults(func=cmd_analyze)
 
+    from .anomaly_cli import add_commands as add_anomaly_commands  # learn, detect, model (issue 7)
+
+    add_anomaly_commands(sub)
+
     from .daemon.commands import add_daemon_commands
 
     add_daemon_commands(sub)  # run, install-service
