@@ -40,11 +40,23 @@ class EdgeArrays:
         return len(self.caller)
 
 
-def effective_weights(graph: CallGraph, weights: Mapping[EdgeKey, int] | None) -> dict[EdgeKey, int] | None:
+EdgeRow = tuple[int, int, int, str, int]  # (site key, caller, callee, kind, weight attribute or 0)
+
+
+def read_edges(graph: CallGraph) -> list[EdgeRow]:
+    """One pass over the networkx edges, sorted into edge-id order."""
+    return sorted((k, u, v, str(d.get("kind")), int(d.get("weight") or 0))
+                  for u, v, k, d in graph.graph.edges(keys=True, data=True))
+
+
+def effective_weights(graph: CallGraph, weights: Mapping[EdgeKey, int] | None,
+                      rows: list[EdgeRow] | None = None) -> dict[EdgeKey, int] | None:
     """Explicit weights win; otherwise the graph's own ``weight`` attributes, if any edge has one."""
     if weights is not None:
         return {k: int(w) for k, w in weights.items() if w}
-    found = {(u, v, k): int(w) for u, v, k, w in graph.graph.edges(keys=True, data="weight") if w}
+    if rows is None:
+        rows = read_edges(graph)
+    found = {(u, v, k): w for k, u, v, _, w in rows if w}
     return found or None
 
 
@@ -59,16 +71,18 @@ def weights_hash(weights: Mapping[EdgeKey, int] | None) -> str | None:
     return h.hexdigest()
 
 
-def edge_arrays(graph: CallGraph, weights: Mapping[EdgeKey, int] | None = None) -> EdgeArrays:
-    """Read the graph once; ``weights`` (already resolved by :func:`effective_weights`) may be None."""
+def edge_arrays(graph: CallGraph, weights: Mapping[EdgeKey, int] | None = None,
+                rows: list[EdgeRow] | None = None) -> EdgeArrays:
+    """Flatten the graph; ``weights`` (already resolved by :func:`effective_weights`) may be None."""
     g = graph.graph
     nodes = sorted(g.nodes)
     index = {n: i for i, n in enumerate(nodes)}
-    rows = sorted((k, u, v, kind) for u, v, k, kind in g.edges(keys=True, data="kind"))
+    if rows is None:
+        rows = read_edges(graph)
     caller = [index[r[1]] for r in rows]
     callee = [index[r[2]] for r in rows]
     site = [r[0] for r in rows]
-    kind = [str(r[3]) for r in rows]
+    kind = [r[3] for r in rows]
     weighted = bool(weights)
     weight = [weights.get((r[1], r[2], r[0]), 0) for r in rows] if weights else [0] * len(rows)
     n = len(nodes)

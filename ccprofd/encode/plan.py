@@ -26,6 +26,9 @@ hash) and to the encoding parameters.  Its schema (``PLAN_VERSION`` 1):
                         Valence: value of bits [lo, hi) (bit 0 = bit lo); PCCE/HCCE: En(e) to add;
                         PCCE back edge: the id value after the push.  ``rec_code``: code pushed on
                         recID (PCCE: back-edge code pushed with the saved id) or None.
+                        Root edges (virtual root -> root function, site 0) have no call
+                        instruction: their probe belongs at the root function's entry when the
+                        thread has no context yet (the tracer issues wire that up).
 ``probed``              site ids with a non-zero ``reasons`` mask.
 ``tables``              scheme-specific decode tables (see the ``decode`` package).
 ``report``              the statistics of :mod:`ccprofd.encode.report`.
@@ -36,6 +39,7 @@ Plans are cached as ``<cache_dir>/plans/<key>.json``, written atomically.
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import json
 import os
@@ -47,7 +51,14 @@ from typing import Any
 
 from ccprofd.callgraph.model import BinaryInfo, CallGraph
 from ccprofd.encode.bits import words_for_bits
-from ccprofd.encode.edges import EdgeArrays, EdgeKey, edge_arrays, effective_weights, weights_hash
+from ccprofd.encode.edges import (
+    EdgeArrays,
+    EdgeKey,
+    edge_arrays,
+    effective_weights,
+    read_edges,
+    weights_hash,
+)
 from ccprofd.encode.hcce import build_hcce
 from ccprofd.encode.pcce import build_pcce
 from ccprofd.encode.scc import Sccs, sccs
@@ -98,12 +109,20 @@ def build_plan(graph: CallGraph, scheme: str, *, pcce_words: int = 1,
     HCCE: of each component) gets the all-zero code, hence no probe.
     """
     t0 = time.perf_counter()
-    w = effective_weights(graph, weights)
-    params = _params(scheme, pcce_words, weights_hash(w))
-    ea = edge_arrays(graph, w)
-    sc = sccs(ea) if scheme != "stacktags" else None
-    names = [graph.name(n) for n in ea.nodes]
-    plan = _assemble(graph, ea, sc, scheme, pcce_words, names)
+    gc_was_enabled = gc.isenabled()
+    gc.disable()  # millions of small, long-lived containers: collection passes only cost time here
+    try:
+        rows = read_edges(graph)
+        w = effective_weights(graph, weights, rows)
+        params = _params(scheme, pcce_words, weights_hash(w))
+        ea = edge_arrays(graph, w, rows)
+        del rows
+        sc = sccs(ea, graph.graph) if scheme != "stacktags" else None
+        names = [graph.name(n) for n in ea.nodes]
+        plan = _assemble(graph, ea, sc, scheme, pcce_words, names)
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     plan["params"] = params
     plan["key"] = plan_key(graph.binary, scheme, params)
     plan["report"]["build_seconds"] = round(time.perf_counter() - t0, 4)

@@ -34,13 +34,12 @@ class Sccs:
         return sum(self.complex)
 
 
-def sccs(ea: EdgeArrays) -> Sccs:
-    """Tarjan's SCCs (networkx) on the dense graph, then a topological numbering of the components."""
+def sccs(ea: EdgeArrays, graph: nx.MultiDiGraph) -> Sccs:
+    """Tarjan's SCCs (networkx, run on the graph ``ea`` was read from, which saves building a copy),
+    then a topological numbering of the components."""
     n = len(ea.nodes)
-    dg = nx.DiGraph()
-    dg.add_nodes_from(range(n))
-    dg.add_edges_from(zip(ea.caller, ea.callee, strict=True))
-    raw = list(nx.strongly_connected_components(dg))
+    index = ea.index
+    raw = [[index[v] for v in comp] for comp in nx.strongly_connected_components(graph)]
     raw_comp = [0] * n
     for ci, raw_members in enumerate(raw):
         for v in raw_members:
