@@ -1,0 +1,517 @@
+"""Stack unwinding in BPF from CFI tables: the user call stack of tracked processes at each sampled
+syscall (and CPU-clock sample), to any depth, without frame pointers.
+
+Layout of the BPF maps (filled from :mod:`ccprofd.callgraph.cfi` tables):
+
+* ``uw_rules``: array of distinct unwind rules (kind, rbp rule, offsets), shared by all modules;
+* ``uw_entries``: one array holding every loaded module's rows, each ``(u32 vaddr, u32 rule)``,
+  sorted per module; ``uw_modules[id] = (first row, row count)`` is the module's slice, searched by
+  binary search with a bounded loop.  A module's rows are loaded once (keyed by build-id) and shared
+  by every process that maps it;
+* ``uw_procs[tgid]``: the process's executable mappings ``(start, end, bias, module id)``, sorted,
+  from /proc/PID/maps; re-read when a pc falls outside them, after exec-permission mmap/mprotect
+  calls (reported by BPF at the process's next syscall), and at exec.  A forked child inherits
+  its parent's entry on its first sample.
+
+The frame loop runs in ``bpf_loop`` (depth = ``max_depth``, default 4,096).  bcc 0.26 cannot
+relocate a ``bpf_loop`` callback, so this module loads those two programs itself: it takes bcc's
+compiled instructions of the program and of its callback, points the callback's ``ld_imm64`` at the
+appended callback (``BPF_PSEUDO_FUNC``) and loads them with BTF FUNC info through raw ``bpf(2)``.
+
+Output: :class:`UnwoundSample` (tgid, tid, syscall number, runtime pcs innermost first, complete
+flag and reason).  With ``aggregate=True`` contexts are counted in the kernel under a 128-bit hash
+of (pcs, tgid, syscall, completeness); the full pc list is stored once in an arena map and compared
+on every hit, so a hash collision is counted and reported, never merged; only new contexts reach
+userspace.  :meth:`UnwindSampler.symbolize` maps runtime pcs to (module, build-id, ELF vaddr).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import struct
+from dataclasses import dataclass, field
+from importlib import resources
+
+from ccprofd.bpf import rawbpf
+from ccprofd.bpf.bcc_adapter import BccModule, BpfMap
+from ccprofd.bpf.errors import BPFError
+from ccprofd.bpf.features import tracefs_dir
+from ccprofd.bpf.syscall_sampler import NR_SYSCALL_SLOTS, SamplerEvent, sampler_source, tracepoint_has_field
+from ccprofd.callgraph import cfi
+from ccprofd.callgraph.addrspace import AddressSpace
+from ccprofd.callgraph.cache import AnalysisCache
+from ccprofd.callgraph.elfimage import ElfImage
+from ccprofd.callgraph.errors import BinaryError
+from ccprofd.decode.procmaps import DEFAULT_PROC_ROOT, ModuleMapping, ProcessMaps, module_mappings
+
+C_SOURCE = "unwind.c"
+DEFAULT_MAX_DEPTH = 4096
+NO_MODULE = 0xFFFFFFFF
+
+REASONS = {0: None, 1: "max_depth", 2: "unknown_pc", 3: "no_maps", 4: "no_cfi", 5: "unsupported_cfi",
+           6: "rbp_lost", 7: "read_fault", 8: "bad_frame", 9: "no_table", 10: "no_user_regs"}
+FLAG_NEW, FLAG_COLLISION, FLAG_UNAGGREGATED = 1, 2, 4
+STATS = ("samples", "incomplete", "frames", "fp_frames", "collisions", "arena_full", "counts_full",
+         "ringbuf_full", "new_contexts", "procs_inherited")
+
+_EV_SAMPLE, _EV_MAPS = 16, 17
+_SAMPLE_HDR = struct.Struct("<QIIIiIIIIQQ")  # struct uw_sample up to pcs
+_BPF_RAW_TRACEPOINT_OPEN = 17
+_BPF_PROG_TYPE_PERF_EVENT = 7
+_BPF_PROG_TYPE_RAW_TRACEPOINT = 17
+_BPF_CALL = 0x85
+_LD_IMM64 = 0x18
+
+
+@dataclass(frozen=True, slots=True)
+class UnwoundSample:
+    """One unwound stack.  ``pcs``: runtime addresses, innermost first (the interrupted pc, then
+    return addresses; after a signal frame, the interrupted pc of the frame below it).  ``syscall``
+    is None for CPU samples.  ``key``: the 128-bit context hash (aggregated mode)."""
+
+    time_ns: int
+    tgid: int
+    tid: int
+    syscall: int | None
+    pcs: tuple[int, ...]
+    reason: str | None
+    fp_frames: int
+    flags: int
+    key: tuple[int, int]
+
+    @property
+    def complete(self) -> bool:
+        return self.reason is None
+
+    @property
+    def event(self) -> str:
+        return "cpu" if self.syscall is None else "syscall"
+
+    @classmethod
+    def decode(cls, raw: bytes) -> UnwoundSample:
+        t, _kind, tgid, tid, nr, n, reason, fp, flags, h1, h2 = _SAMPLE_HDR.unpack_from(raw)
+        pcs = struct.unpack_from(f"<{n}Q", raw, _SAMPLE_HDR.size)
+        return cls(t, tgid, tid, None if nr < 0 else nr, pcs, REASONS.get(reason, f"reason_{reason}"), fp,
+                   flags, (h1, h2))
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedPc:
+    """A runtime pc as (module path, build-id, ELF virtual address)."""
+
+    module: str
+    build_id: str | None
+    vaddr: int
+
+
+@dataclass(slots=True)
+class _Module:
+    module_id: int  # index in uw_modules, NO_MODULE without a table
+    path: str
+    build_id: str | None
+    addrspace: AddressSpace
+    table: cfi.UnwindTable | None
+    rows: int = 0
+
+
+@dataclass(slots=True)
+class _Proc:
+    maps: ProcessMaps
+    modules: dict[int, _Module] = field(default_factory=dict)  # mapping start -> module
+
+
+def _log2_ceil(n: int) -> int:
+    return max(1, (n - 1).bit_length())
+
+
+def unwind_source() -> str:
+    return resources.files("ccprofd.bpf").joinpath(C_SOURCE).read_text(encoding="utf-8")
+
+
+def link_loop_callback(main: bytes, callback: bytes) -> bytes:
+    """``main`` followed by ``callback``, with every ``bpf_loop`` call's callback argument (the
+    ``ld_imm64`` into r2 before the call, left unrelocated by bcc) pointed at the callback."""
+    insns = bytearray(main + callback)
+    n_main = len(main) // 8
+    patched = 0
+    for j in range(n_main):
+        code, _regs, _off, imm = struct.unpack_from("<BBhi", insns, j * 8)
+        if code != _BPF_CALL or imm != rawbpf.BPF_FUNC_LOOP:
+            continue
+        for k in range(j - 1, max(-1, j - 16), -1):
+            kcode, kregs, _, _ = struct.unpack_from("<BBhi", insns, k * 8)
+            if kcode == _LD_IMM64 and kregs & 0x0F == 2:
+                if kregs >> 4 not in (0, 4):
+                    raise BPFError("bpf_loop callback argument is not a function address")
+                struct.pack_into("<BBhi", insns, k * 8, _LD_IMM64, (4 << 4) | 2, 0, n_main - k - 1)
+                patched += 1
+                break
+        else:
+            raise BPFError("cannot find the callback argument of a bpf_loop call")
+    if patched == 0:
+        raise BPFError("program makes no bpf_loop call")
+    return bytes(insns)
+
+
+class _RawTpAttr(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_uint64), ("prog_fd", ctypes.c_uint32), ("_pad", ctypes.c_uint32),
+                ("cookie", ctypes.c_uint64)]
+
+
+def attach_raw_tracepoint_fd(prog_fd: int, name: str) -> int:
+    """BPF_RAW_TRACEPOINT_OPEN for a program loaded outside bcc; returns the link fd."""
+    buf = ctypes.create_string_buffer(name.encode())
+    attr = _RawTpAttr()
+    attr.name = ctypes.addressof(buf)
+    attr.prog_fd = prog_fd
+    return rawbpf.bpf(_BPF_RAW_TRACEPOINT_OPEN, attr, f"attaching raw tracepoint {name}")
+
+
+class UnwindSampler:
+    """Unwind the user stacks of tracked processes at selected syscalls.
+
+    ``track(pid)`` loads the unwind tables of every module the process maps (cached by build-id)
+    and starts sampling it and the children it forks; ``poll()`` returns :class:`UnwoundSample`s.
+    """
+
+    def __init__(
+        self,
+        *,
+        syscalls: list[int] | None = None,
+        max_depth: int = DEFAULT_MAX_DEPTH,
+        aggregate: bool = False,
+        max_procs: int = 256,
+        max_maps: int = 256,
+        max_entries: int = 1 << 20,
+        max_modules: int = 1024,
+        max_rules: int = 4096,
+        max_contexts: int = 1 << 16,
+        arena_words: int = 1 << 21,
+        ringbuf_pages: int = 2048,
+        cache: AnalysisCache | None = None,
+        proc_root: str = DEFAULT_PROC_ROOT,
+    ) -> None:
+        if max_depth < 1 or max_depth & (max_depth - 1):
+            raise BPFError(f"max_depth must be a power of two, not {max_depth}")
+        if max_maps < 2 or max_maps & (max_maps - 1):
+            raise BPFError(f"max_maps must be a power of two, not {max_maps}")
+        if ringbuf_pages * 4096 < 2 * (max_depth * 8 + _SAMPLE_HDR.size):
+            raise BPFError("ring buffer too small for one sample at max_depth")
+        self.max_depth = max_depth
+        self.max_maps = max_maps
+        self.max_entries = max_entries
+        self.max_modules = max_modules
+        self.max_rules = max_rules
+        self.proc_root = proc_root
+        self.cache = cache if cache is not None else AnalysisCache()
+        ncpu = os.cpu_count() or 1
+        try:
+            with open("/sys/devices/system/cpu/possible") as fh:
+                ncpu = max(ncpu, _count_cpus(fh.read()))
+        except OSError:
+            pass
+        defines = {
+            "MAX_TRACKED": max_procs, "RINGBUF_PAGES": 16, "UW_MAX_DEPTH": max_depth, "UW_MAX_MAPS": max_maps,
+            "UW_MAPS_LOG2": _log2_ceil(max_maps), "UW_MAX_PROCS": max_procs, "UW_MAX_ENTRIES": max_entries,
+            "UW_ENTRIES_LOG2": _log2_ceil(max_entries), "UW_MAX_MODULES": max_modules,
+            "UW_MAX_RULES": max_rules, "UW_NSLOTS": 2 * ncpu, "UW_ARENA_WORDS": arena_words,
+            "UW_MAX_CONTEXTS": max_contexts, "UW_RINGBUF_PAGES": ringbuf_pages,
+        }
+        text = "".join(f"#define {k} {v}\n" for k, v in defines.items())
+        if tracepoint_has_field("sched", "sched_process_exit", "group_dead"):
+            text += "#define HAVE_GROUP_DEAD 1\n"
+            off = tracepoint_field_offset("sched", "sched_process_exit", "group_dead")
+            text += f"#define UW_EXIT_GROUP_DEAD_OFF {off}\n"
+        off = tracepoint_field_offset("sched", "sched_process_fork", "child_pid")
+        text += f"#define UW_FORK_CHILD_PID_OFF {off}\n"
+        self.module = BccModule(text + sampler_source() + "\n" + unwind_source())
+        self._fds: list[int] = []
+        self._links: list[int] = []
+        self._attached = False
+        self._pending: list[UnwoundSample] = []
+        self._stale: set[int] = set()
+        self._procs: dict[int, _Proc] = {}
+        self._modules: dict[tuple[int, int, int, int], _Module] = {}
+        self._rule_ids: dict[cfi.Rule, int] = {}
+        self._next_entry = 0
+        self._next_module = 0
+        self.contexts: dict[tuple[int, int], UnwoundSample] = {}
+        self._m: dict[str, BpfMap] = {name: self.module.map(name) for name in (
+            "tracked", "syscall_set", "config", "uw_rules", "uw_entries", "uw_modules", "uw_procs",
+            "uw_counts", "uw_config", "uw_stats", "uw_arena_top")}
+        self.module.open_ring_buffer("uw_events", self._on_record)
+        self.module.open_ring_buffer("events", self._on_process_event)
+        self._m["uw_config"].set(0, 1 if aggregate else 0)
+        self.aggregate = aggregate
+        self.set_syscalls(syscalls)
+
+    # ---------------------------------------------------------------------------- configuration
+    def set_syscalls(self, syscalls: list[int] | None) -> None:
+        """Sample these syscall numbers (None: all)."""
+        if syscalls is None:
+            self._m["config"].set(0, 1)
+            return
+        nrs = sorted(set(syscalls))
+        bad = [n for n in nrs if not 0 <= n < NR_SYSCALL_SLOTS]
+        if bad:
+            raise BPFError(f"syscall number out of range: {bad[0]}")
+        self._m["config"].set(0, 0)
+        self._m["syscall_set"].clear()
+        self._m["syscall_set"].update_many([(n, 1) for n in nrs])
+
+    def _load_with_callback(self, prog: str, callback: str, prog_type: int) -> int:
+        raw = self.module.raw  # bcc's compiled instructions; the adapter has no accessor for them
+        main = bytes(raw.dump_func(prog.encode()))
+        insns = link_loop_callback(main, bytes(raw.dump_func(callback.encode())))
+        btf = rawbpf.btf_load(rawbpf.int_btf([prog, callback]))
+        try:
+            fd = rawbpf.prog_load(prog_type, insns, name=prog[:15], btf_fd=btf,
+                                  func_info=[(0, 3), (len(main) // 8, 4)])
+        finally:
+            os.close(btf)
+        self._fds.append(fd)
+        return fd
+
+    def attach(self) -> None:
+        """Attach process tracking (fork/exec/exit) first, then the syscall unwinder."""
+        if self._attached:
+            return
+        for tp, fn in (("sched:sched_process_fork", "uw_fork"), ("sched:sched_process_fork", "ccprof_fork"),
+                       ("sched:sched_process_exec", "uw_exec"), ("sched:sched_process_exec", "ccprof_exec"),
+                       ("sched:sched_process_exit", "uw_exit"), ("sched:sched_process_exit", "ccprof_exit")):
+            self.module.attach_tracepoint(tp, fn)
+        fd = self._load_with_callback("uw_sys_enter", "uw_step_sys", _BPF_PROG_TYPE_RAW_TRACEPOINT)
+        self._links.append(attach_raw_tracepoint_fd(fd, "sys_enter"))
+        self._attached = True
+
+    # ------------------------------------------------------------------------------- processes
+    def track(self, tgid: int) -> None:
+        """Load ``tgid``'s mappings and tables, then sample it (and the children it forks)."""
+        self.refresh_maps(tgid)
+        value = self._m["tracked"].leaf_type()
+        value.execs_left = 0
+        self._m["tracked"].set(tgid, value)
+
+    def forget(self, tgid: int) -> None:
+        """Drop the mappings kept for symbolising samples of a process that has exited."""
+        self._procs.pop(tgid, None)
+
+    def untrack(self, tgid: int) -> None:
+        self._m["tracked"].delete(tgid)
+        self._m["uw_procs"].delete(tgid)
+        self._procs.pop(tgid, None)
+
+    def refresh_maps(self, tgid: int) -> bool:
+        """Re-read /proc/TGID/maps and update the BPF mapping table; False when the process is gone."""
+        try:
+            maps = module_mappings(tgid, self._addrspace_of, self.proc_root)
+        except OSError:
+            return False
+        proc = _Proc(maps)
+        entry = self._m["uw_procs"].leaf_type()
+        mappings = maps.mappings[: self.max_maps]
+        for i, mm in enumerate(mappings):
+            mod = self._module_for(mm)
+            proc.modules[mm.start] = mod
+            slot = entry.m[i]
+            slot.start, slot.end, slot.module = mm.start, mm.end, mod.module_id
+            slot.bias = mm.bias & (2**64 - 1)
+        entry.n = len(mappings)
+        self._m["uw_procs"].set(tgid, entry)
+        self._procs[tgid] = proc
+        return True
+
+    def _identity(self, path: str) -> tuple[int, int, int, int] | None:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+    def _addrspace_of(self, path: str) -> AddressSpace | None:
+        ident = self._identity(path)
+        if ident is None:
+            return None
+        mod = self._modules.get(ident)
+        if mod is None:
+            mod = self._load_module(path, ident)
+        return mod.addrspace if mod is not None else None
+
+    def _module_for(self, mm: ModuleMapping) -> _Module:
+        ident = self._identity(mm.open_path)
+        mod = self._modules.get(ident) if ident else None
+        if mod is None:
+            raise BPFError(f"module {mm.path} changed while its mappings were read")
+        return mod
+
+    def _load_module(self, path: str, ident: tuple[int, int, int, int]) -> _Module | None:
+        try:
+            image = ElfImage(path)
+        except BinaryError:
+            return None
+        table: cfi.UnwindTable | None
+        try:
+            table = cfi.load_table(path, self.cache, image)
+        except (ValueError, IndexError, struct.error):
+            table = None  # corrupt CFI: unwinding through it is flagged no_table
+        mod = _Module(NO_MODULE, image.path, image.build_id(), image.addrspace, table)
+        # Modules with the same build-id share one slice of rows.
+        for other in self._modules.values():
+            if other.build_id and other.build_id == mod.build_id and other.module_id != NO_MODULE \
+                    and other.table is not None and table is not None and other.table.starts == table.starts:
+                mod.module_id, mod.rows = other.module_id, other.rows
+                break
+        else:
+            if table is not None:
+                self._upload_table(mod, table)
+        self._modules[ident] = mod
+        return mod
+
+    def _upload_table(self, mod: _Module, table: cfi.UnwindTable) -> None:
+        n = len(table)
+        if n == 0 or table.starts[-1] >= 1 << 32:
+            return  # nothing to search, or vaddrs beyond 4 GiB: flagged no_table when hit
+        if self._next_module >= self.max_modules or self._next_entry + n > self.max_entries:
+            return
+        local_to_global: list[int] = []
+        new_rules: list[tuple[int, object]] = []
+        for rule in table.rules:
+            rid = self._rule_ids.get(rule)
+            if rid is None:
+                if len(self._rule_ids) >= self.max_rules:
+                    return
+                rid = self._rule_ids[rule] = len(self._rule_ids)
+                v = self._m["uw_rules"].leaf_type()
+                v.kind, v.rbp_kind, v.aux = rule.kind, rule.rbp_kind, rule.aux & 0xFF
+                v.cfa_off, v.rbp_off, v.ra_off = rule.cfa_off, rule.rbp_off, rule.ra_off
+                new_rules.append((rid, v))
+            local_to_global.append(rid)
+        if new_rules:
+            self._m["uw_rules"].update_many(new_rules)
+        etype = self._m["uw_entries"].leaf_type
+        first = self._next_entry
+        items = []
+        for i, (start, lrid) in enumerate(zip(table.starts, table.rule_ids, strict=True)):
+            e = etype()
+            e.vaddr, e.rule = start, local_to_global[lrid]
+            items.append((first + i, e))
+        self._m["uw_entries"].update_many(items)
+        mv = self._m["uw_modules"].leaf_type()
+        mv.first, mv.count = first, n
+        self._m["uw_modules"].set(self._next_module, mv)
+        mod.module_id, mod.rows = self._next_module, n
+        self._next_module += 1
+        self._next_entry += n
+
+    # ---------------------------------------------------------------------------------- events
+    def _on_record(self, raw: bytes) -> None:
+        kind = struct.unpack_from("<I", raw, 8)[0]
+        if kind == _EV_MAPS:
+            self._stale.add(struct.unpack_from("<I", raw, 12)[0])
+            return
+        sample = UnwoundSample.decode(raw)
+        if sample.reason in ("unknown_pc", "no_maps"):
+            self._stale.add(sample.tgid)
+        if sample.flags & FLAG_NEW:
+            self.contexts[sample.key] = sample
+        self._pending.append(sample)
+
+    def _on_process_event(self, raw: bytes) -> None:
+        ev = SamplerEvent.decode(raw)
+        if ev.kind == "exec":
+            self._procs.pop(ev.tgid, None)
+            self._stale.add(ev.tgid)
+        elif ev.kind == "fork":
+            parent = self._procs.get(ev.tgid)
+            if parent is not None and ev.aux not in self._procs:
+                self._procs[ev.aux] = parent  # until it execs, a child has its parent's mappings
+
+    def poll(self, timeout_ms: int = 0) -> list[UnwoundSample]:
+        """Samples that arrived since the last call (waits up to ``timeout_ms`` when there are none).
+        Processes whose mappings changed are re-read here."""
+        self.module.ring_buffer_consume()
+        if not self._pending and timeout_ms != 0:
+            self.module.ring_buffer_poll(timeout_ms)
+        for tgid in sorted(self._stale):
+            if self._m["tracked"].get(tgid) is not None:
+                self.refresh_maps(tgid)
+        self._stale.clear()
+        out, self._pending = self._pending, []
+        return out
+
+    def counts(self) -> dict[tuple[int, int], int]:
+        """Aggregated mode: samples per context key (see :attr:`contexts` for each key's sample)."""
+        return {(int(k.h1), int(k.h2)): int(v.count) for k, v in self._m["uw_counts"].items()}
+
+    # ---------------------------------------------------------------------------- symbolisation
+    def symbolize(self, tgid: int, pc: int) -> ResolvedPc | None:
+        """(module, build-id, ELF vaddr) of a runtime pc in the process's current mappings."""
+        proc = self._procs.get(tgid)
+        if proc is None:
+            return None
+        mm = proc.maps.find(pc)
+        if mm is None:
+            return None
+        mod = proc.modules.get(mm.start)
+        return ResolvedPc(mm.path, mod.build_id if mod else None, mm.vaddr(pc))
+
+    # ------------------------------------------------------------------------------- reporting
+    def stats(self) -> dict[str, int]:
+        return {name: int(self._m["uw_stats"].get(i) or 0) for i, name in enumerate(STATS)}
+
+    def table_rows(self) -> int:
+        return self._next_entry
+
+    def map_memory_bytes(self) -> dict[str, int]:
+        """Allocated size of the big maps (preallocated arrays/hashes), for the memory report."""
+        out: dict[str, int] = {}
+        for name in ("uw_entries", "uw_procs", "uw_counts", "uw_rules", "uw_modules"):
+            m = self._m[name]
+            out[name] = m.max_entries * (ctypes.sizeof(m.leaf_type) + ctypes.sizeof(m.key_type))
+        state = self.module.map("uw_state")
+        out["uw_state"] = state.max_entries * ctypes.sizeof(state.leaf_type)
+        arena = self.module.map("uw_arena")
+        out["uw_arena"] = arena.max_entries * 8
+        return out
+
+    def close(self) -> None:
+        for fd in self._links + self._fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self._links.clear()
+        self._fds.clear()
+        self.module.cleanup()
+
+    def __enter__(self) -> UnwindSampler:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def tracepoint_field_offset(category: str, event: str, name: str) -> int:
+    """Offset of a tracepoint field in its record, from the tracefs format file."""
+    base = tracefs_dir()
+    path = os.path.join(base or "/sys/kernel/tracing", "events", category, event, "format")
+    try:
+        with open(path, encoding="ascii") as fh:
+            for line in fh:
+                parts = [p.strip() for p in line.strip().split(";")]
+                if parts and parts[0].startswith("field:") and parts[0].split()[-1] == name:
+                    return int(parts[1].split(":")[1])
+    except OSError as exc:
+        raise BPFError(f"cannot read tracepoint format {path}: {exc.strerror}") from None
+    raise BPFError(f"tracepoint {category}:{event} has no field {name}")
+
+
+def _count_cpus(text: str) -> int:
+    """Number of CPUs in a kernel cpu list such as ``0-3,8``."""
+    n = 0
+    for part in text.strip().split(","):
+        if not part:
+            continue
+        lo, _, hi = part.partition("-")
+        n = max(n, int(hi or lo) + 1)
+    return n
