@@ -51,6 +51,8 @@
 #define UW_OP_COMPARE 2
 
 #define UW_NO_MODULE 0xffffffff
+#define UW_WIN_BYTES 4096
+#define UW_WIN_WORDS (UW_WIN_BYTES / 8)
 #define UW_MAPS_PENDING 1
 
 #define UW_STAT_SAMPLES 0
@@ -134,6 +136,12 @@ struct uw_state {
     u32 c_count;
     u32 mismatch;
     u64 arena_off; // COPY / COMPARE
+    u64 r_lo;      // cached row: ELF vaddrs [r_lo, r_hi) of module c_module use rule r_id
+    u64 r_hi;
+    u32 r_id;
+    u32 r_module;
+    u64 win_base;  // stack window: the user page at win_base is copied into win (odd: none)
+    u64 win[UW_WIN_WORDS];
     struct uw_sample s;
 };
 
@@ -229,11 +237,16 @@ static __always_inline int uw_find_mapping(struct uw_state *st, u64 pc) {
     return 0;
 }
 
-// The rule for ELF vaddr v: the last row with vaddr <= v in the module's slice.
+// The rule for ELF vaddr v: the last row with vaddr <= v in the module's slice (the row found
+// last time is checked first: recursion repeats return addresses).
 static __always_inline struct uw_rule *uw_find_rule(struct uw_state *st, u64 v) {
     u32 lo = 0, hi = st->c_count;
     if (v >= 0x100000000ULL)
         return 0;
+    if (st->r_module == st->c_module && v >= st->r_lo && v < st->r_hi) {
+        u32 rid = st->r_id;
+        return uw_rules.lookup(&rid);
+    }
 #pragma unroll
     for (int i = 0; i < UW_ENTRIES_LOG2 + 1; i++) {
         if (lo >= hi)
@@ -255,7 +268,35 @@ static __always_inline struct uw_rule *uw_find_rule(struct uw_state *st, u64 v) 
     if (!e)
         return 0;
     u32 rid = e->rule;
+    st->r_lo = e->vaddr;
+    st->r_hi = 0x100000000ULL;
+    if (lo < st->c_count) {
+        u32 nidx = idx + 1;
+        struct uw_entry *ne = uw_entries.lookup(&nidx);
+        if (ne)
+            st->r_hi = ne->vaddr;
+    }
+    st->r_id = rid;
+    st->r_module = st->c_module;
     return uw_rules.lookup(&rid);
+}
+
+// Read one stack word through a window: one bpf_probe_read_user copies the whole page holding
+// addr (a constant size, never crossing into a page that may be unmapped), and the frames above
+// usually lie in the same page, so most frames cost no user copy at all.
+static __always_inline int uw_read(struct uw_state *st, u64 addr, u64 *out) {
+    if (addr - st->win_base >= UW_WIN_BYTES || (addr & 7)) {
+        if (addr & 7)
+            return bpf_probe_read_user(out, 8, (void *)addr);
+        u64 page = addr & ~(u64)(UW_WIN_BYTES - 1);
+        if (bpf_probe_read_user(st->win, UW_WIN_BYTES, (void *)page) != 0) {
+            st->win_base = 1;  // nothing cached (an odd base never matches an aligned addr)
+            return bpf_probe_read_user(out, 8, (void *)addr);
+        }
+        st->win_base = page;
+    }
+    *out = st->win[((addr - st->win_base) >> 3) & (UW_WIN_WORDS - 1)];
+    return 0;
 }
 
 static __always_inline long uw_finish(struct uw_state *st, u32 reason) {
@@ -288,34 +329,32 @@ static __always_inline long uw_unwind_step(struct uw_state *st) {
         if (r)
             kind = r->kind;
     }
-    u64 sp = st->sp, cfa = 0, ra = 0, bp = st->bp;
     if (kind == UW_KIND_END || (kind == UW_KIND_NONE && pc == 0))
         return uw_finish(st, 0);
+
+    // Decide which stack words to read (return address, saved rbp, signal frame's rsp), then read
+    // them in one loop: one copy of the read code keeps the verifier's work small.
+    u64 sp = st->sp, bp = st->bp, cfa = 0;
+    u64 addr[3] = {0, 0, 0};
+    u32 nread = 1;
+    int fp = 0;
     if (!r || kind == UW_KIND_NONE) {
         // no CFI: frame-pointer rule, only where rbp looks like a frame pointer
         if (!st->bp_valid || bp < sp || bp - sp > (8ULL << 20) || (bp & 7))
             return uw_finish(st, st->c_module == UW_NO_MODULE ? UW_WHY_NO_TABLE : UW_WHY_NO_CFI);
-        if (bpf_probe_read_user(&ra, 8, (void *)(bp + 8)) || bpf_probe_read_user(&bp, 8, (void *)bp))
-            return uw_finish(st, UW_WHY_READ_FAULT);
-        cfa = st->bp + 16;
-        st->s.fp_frames++;
+        cfa = bp + 16;
+        addr[0] = bp + 8;
+        addr[1] = bp;
+        nread = 2;
+        fp = 1;
     } else if (kind == UW_KIND_SIGNAL) {
-        u64 nsp = 0, nip = 0, nbp = 0;
-        if (bpf_probe_read_user(&nsp, 8, (void *)(sp + r->cfa_off)) ||
-            bpf_probe_read_user(&nip, 8, (void *)(sp + r->ra_off)))
-            return uw_finish(st, UW_WHY_READ_FAULT);
+        addr[0] = sp + r->ra_off;
+        addr[1] = sp + r->cfa_off;
+        nread = 2;
         if (r->rbp_kind == UW_RBP_AT_SP) {
-            if (bpf_probe_read_user(&nbp, 8, (void *)(sp + r->rbp_off)))
-                return uw_finish(st, UW_WHY_READ_FAULT);
-            st->bp = nbp;
-            st->bp_valid = 1;
-        } else {
-            st->bp_valid = 0;
+            addr[2] = sp + r->rbp_off;
+            nread = 3;
         }
-        st->sp = nsp;
-        st->pc = nip;
-        st->exact = 1;  // the interrupted instruction itself, not a return address
-        return 0;
     } else {
         if (kind == UW_KIND_RSP) {
             cfa = sp + r->cfa_off;
@@ -328,14 +367,36 @@ static __always_inline long uw_unwind_step(struct uw_state *st) {
         } else {
             return uw_finish(st, UW_WHY_UNSUPPORTED);
         }
-        if (bpf_probe_read_user(&ra, 8, (void *)(cfa + r->ra_off)))
-            return uw_finish(st, UW_WHY_READ_FAULT);
+        addr[0] = cfa + r->ra_off;
         if (r->rbp_kind == UW_RBP_AT_CFA) {
-            if (bpf_probe_read_user(&bp, 8, (void *)(cfa + r->rbp_off)))
-                return uw_finish(st, UW_WHY_READ_FAULT);
-        } else if (r->rbp_kind != UW_RBP_SAME) {
-            st->bp_valid = 0;
+            addr[1] = cfa + r->rbp_off;
+            nread = 2;
         }
+    }
+    u64 val[3] = {0, 0, 0};
+#pragma nounroll
+    for (u32 k = 0; k < 3; k++) {
+        if (k >= nread)
+            break;
+        if (uw_read(st, addr[k], &val[k]))
+            return uw_finish(st, UW_WHY_READ_FAULT);
+    }
+    if (kind == UW_KIND_SIGNAL) {
+        st->pc = val[0];
+        st->sp = val[1];
+        st->bp = val[2];
+        st->bp_valid = nread == 3;
+        st->exact = 1;  // the interrupted instruction itself, not a return address
+        return 0;
+    }
+    u64 ra = val[0];
+    if (fp) {
+        bp = val[1];
+        st->s.fp_frames++;
+    } else if (nread == 2) {
+        bp = val[1];
+    } else if (r->rbp_kind != UW_RBP_SAME) {
+        st->bp_valid = 0;
     }
     if (ra == 0)
         return uw_finish(st, 0);  // conventional end of the stack
@@ -367,19 +428,29 @@ static __always_inline long uw_arena_step(struct uw_state *st, u32 i) {
     return 0;
 }
 
-static __always_inline long uw_step(u32 slot, u32 i) {
+static __always_inline long uw_step(u32 slot) {
     struct uw_state *st = uw_state.lookup(&slot);
     if (!st)
         return 1;
-    if (st->op == UW_OP_UNWIND)
-        return uw_unwind_step(st);
+    return uw_unwind_step(st);
+}
+
+static __always_inline long uw_arena_slot(u32 slot, u32 i) {
+    struct uw_state *st = uw_state.lookup(&slot);
+    if (!st)
+        return 1;
     return uw_arena_step(st, i);
 }
 
-// bpf_loop callbacks (one per program kind: each program's state is in its own slot, so a CPU
-// sample interrupting a syscall sample on the same CPU does not clobber it).
-long uw_step_sys(u64 i) { return uw_step(bpf_get_smp_processor_id() * 2, (u32)i); }
-long uw_step_cpu(u64 i) { return uw_step(bpf_get_smp_processor_id() * 2 + 1, (u32)i); }
+// bpf_loop callbacks, two per program kind (each program's state is in its own slot, so a CPU
+// sample interrupting a syscall sample on the same CPU does not clobber it).  The verifier checks
+// a callback once per call site, so the big unwind step and the small arena copy/compare step are
+// separate callbacks; Python tells their call sites apart by the loop count (UW_UNWIND_LOOPS for
+// the unwind loop, UW_MAX_DEPTH for the arena loops).
+long uw_step_sys(u64 i) { return uw_step(bpf_get_smp_processor_id() * 2); }
+long uw_step_cpu(u64 i) { return uw_step(bpf_get_smp_processor_id() * 2 + 1); }
+long uw_arena_sys(u64 i) { return uw_arena_slot(bpf_get_smp_processor_id() * 2, (u32)i); }
+long uw_arena_cpu(u64 i) { return uw_arena_slot(bpf_get_smp_processor_id() * 2 + 1, (u32)i); }
 
 static __always_inline void uw_emit(struct uw_state *st) {
     u32 n = st->s.n;
@@ -393,7 +464,7 @@ static __always_inline void uw_emit(struct uw_state *st) {
 }
 
 // Count the context in the kernel; only contexts not seen before go to userspace.
-static __always_inline void uw_aggregate(struct uw_state *st, void *loop_cb) {
+static __always_inline void uw_aggregate(struct uw_state *st, void *arena_cb) {
     struct uw_key key = {st->s.h1, st->s.h2};
     struct uw_count *c = uw_counts.lookup(&key);
     if (c) {
@@ -401,7 +472,7 @@ static __always_inline void uw_aggregate(struct uw_state *st, void *loop_cb) {
             st->op = UW_OP_COMPARE;
             st->mismatch = 0;
             st->arena_off = c->arena_off;
-            bpf_loop(UW_MAX_DEPTH, loop_cb, 0, 0);
+            bpf_loop(UW_MAX_DEPTH, arena_cb, 0, 0);
             if (!st->mismatch) {
                 __sync_fetch_and_add(&c->count, 1);
                 return;
@@ -425,7 +496,7 @@ static __always_inline void uw_aggregate(struct uw_state *st, void *loop_cb) {
     }
     st->op = UW_OP_COPY;
     st->arena_off = off;
-    bpf_loop(UW_MAX_DEPTH, loop_cb, 0, 0);
+    bpf_loop(UW_MAX_DEPTH, arena_cb, 0, 0);
     struct uw_count nc = {};
     nc.count = 1;
     nc.arena_off = off;
@@ -443,7 +514,10 @@ static __always_inline void uw_aggregate(struct uw_state *st, void *loop_cb) {
     uw_emit(st);
 }
 
-static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u64 sp, u64 bp, void *loop_cb) {
+#define UW_UNWIND_LOOPS (UW_MAX_DEPTH + 1)
+
+static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u64 sp, u64 bp, void *loop_cb,
+                                      void *arena_cb) {
     struct uw_state *st = uw_state.lookup(&slot);
     if (!st)
         return;
@@ -457,6 +531,8 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
     st->op = UW_OP_UNWIND;
     st->c_start = 0;
     st->c_end = 0;
+    st->r_module = UW_NO_MODULE;
+    st->win_base = 1;
     st->s.ktime_ns = bpf_ktime_get_ns();
     st->s.kind = UW_EV_SAMPLE;
     st->s.tgid = tgid;
@@ -471,7 +547,7 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
     if (ip == 0 && sp == 0) {
         st->s.reason = UW_WHY_NO_REGS;
     } else {
-        bpf_loop(UW_MAX_DEPTH + 1, loop_cb, 0, 0);
+        bpf_loop(UW_UNWIND_LOOPS, loop_cb, 0, 0);
         if (!st->done)
             st->s.reason = UW_WHY_MAX_DEPTH;
     }
@@ -486,7 +562,7 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
     u32 k = UW_CFG_AGGREGATE;
     u64 *agg = uw_config.lookup(&k);
     if (agg && *agg)
-        uw_aggregate(st, loop_cb);
+        uw_aggregate(st, arena_cb);
     else
         uw_emit(st);
 }
@@ -546,7 +622,7 @@ int uw_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
     bpf_probe_read_kernel(&ip, sizeof(ip), &regs->ip);
     bpf_probe_read_kernel(&sp, sizeof(sp), &regs->sp);
     bpf_probe_read_kernel(&bp, sizeof(bp), &regs->bp);
-    uw_sample(bpf_get_smp_processor_id() * 2, pid_tgid, (s32)nr, ip, sp, bp, uw_step_sys);
+    uw_sample(bpf_get_smp_processor_id() * 2, pid_tgid, (s32)nr, ip, sp, bp, uw_step_sys, uw_arena_sys);
     return 0;
 }
 
@@ -572,7 +648,7 @@ int uw_cpu_sample(struct bpf_perf_event_data *ctx) {
             bpf_probe_read_kernel(&bp, sizeof(bp), &regs->bp);
         }
     }
-    uw_sample(bpf_get_smp_processor_id() * 2 + 1, pid_tgid, -1, ip, sp, bp, uw_step_cpu);
+    uw_sample(bpf_get_smp_processor_id() * 2 + 1, pid_tgid, -1, ip, sp, bp, uw_step_cpu, uw_arena_cpu);
     return 0;
 }
 

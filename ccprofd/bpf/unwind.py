@@ -63,6 +63,7 @@ _BPF_PROG_TYPE_PERF_EVENT = 7
 _BPF_PROG_TYPE_RAW_TRACEPOINT = 17
 _BPF_CALL = 0x85
 _LD_IMM64 = 0x18
+_MOV64_IMM = 0xB7
 
 
 @dataclass(frozen=True, slots=True)
@@ -130,29 +131,40 @@ def unwind_source() -> str:
     return resources.files("ccprofd.bpf").joinpath(C_SOURCE).read_text(encoding="utf-8")
 
 
-def link_loop_callback(main: bytes, callback: bytes) -> bytes:
-    """``main`` followed by ``callback``, with every ``bpf_loop`` call's callback argument (the
-    ``ld_imm64`` into r2 before the call, left unrelocated by bcc) pointed at the callback."""
-    insns = bytearray(main + callback)
+def link_loop_callbacks(main: bytes, callbacks: dict[int, bytes]) -> tuple[bytes, list[int]]:
+    """``main`` followed by the callbacks, with each ``bpf_loop`` call's callback argument (the
+    ``ld_imm64`` into r2 before the call, left unrelocated by bcc) pointed at its callback, chosen
+    by the call's loop count (the ``mov r1, imm`` before it): ``callbacks`` maps loop counts to
+    callback code.  Returns the instructions and each callback's first instruction index."""
+    insns = bytearray(main)
+    starts: dict[int, int] = {}
+    for nr_loops, code in callbacks.items():
+        starts[nr_loops] = len(insns) // 8
+        insns += code
     n_main = len(main) // 8
     patched = 0
     for j in range(n_main):
         code, _regs, _off, imm = struct.unpack_from("<BBhi", insns, j * 8)
         if code != _BPF_CALL or imm != rawbpf.BPF_FUNC_LOOP:
             continue
-        for k in range(j - 1, max(-1, j - 16), -1):
-            kcode, kregs, _, _ = struct.unpack_from("<BBhi", insns, k * 8)
-            if kcode == _LD_IMM64 and kregs & 0x0F == 2:
-                if kregs >> 4 not in (0, 4):
-                    raise BPFError("bpf_loop callback argument is not a function address")
-                struct.pack_into("<BBhi", insns, k * 8, _LD_IMM64, (4 << 4) | 2, 0, n_main - k - 1)
-                patched += 1
+        ld = loops = None
+        for k in range(j - 1, max(-1, j - 24), -1):
+            kcode, kregs, _, kimm = struct.unpack_from("<BBhi", insns, k * 8)
+            if kcode in (_BPF_CALL, 0x95):  # another call or an exit: out of this call's set-up
                 break
-        else:
-            raise BPFError("cannot find the callback argument of a bpf_loop call")
+            if ld is None and kcode == _LD_IMM64 and kregs & 0x0F == 2:
+                ld = k
+            elif loops is None and kcode == _MOV64_IMM and kregs & 0x0F == 1:
+                loops = kimm
+        if ld is None or loops is None or loops not in starts:
+            raise BPFError(f"cannot link the callback of the bpf_loop call at instruction {j}")
+        if struct.unpack_from("<B", insns, ld * 8 + 1)[0] >> 4 not in (0, 4):
+            raise BPFError("bpf_loop callback argument is not a function address")
+        struct.pack_into("<BBhi", insns, ld * 8, _LD_IMM64, (4 << 4) | 2, 0, starts[loops] - ld - 1)
+        patched += 1
     if patched == 0:
         raise BPFError("program makes no bpf_loop call")
-    return bytes(insns)
+    return bytes(insns), list(starts.values())
 
 
 class _RawTpAttr(ctypes.Structure):
@@ -261,14 +273,17 @@ class UnwindSampler:
         self._m["syscall_set"].clear()
         self._m["syscall_set"].update_many([(n, 1) for n in nrs])
 
-    def _load_with_callback(self, prog: str, callback: str, prog_type: int) -> int:
+    def _load_with_callbacks(self, prog: str, callbacks: dict[int, str], prog_type: int) -> int:
+        """Load ``prog`` with its bpf_loop callbacks (loop count -> callback function name)."""
         raw = self.module.raw  # bcc's compiled instructions; the adapter has no accessor for them
         main = bytes(raw.dump_func(prog.encode()))
-        insns = link_loop_callback(main, bytes(raw.dump_func(callback.encode())))
-        btf = rawbpf.btf_load(rawbpf.int_btf([prog, callback]))
+        insns, starts = link_loop_callbacks(main, {n: bytes(raw.dump_func(cb.encode()))
+                                                   for n, cb in callbacks.items()})
+        names = [prog, *callbacks.values()]
+        btf = rawbpf.btf_load(rawbpf.int_btf(names))
         try:
             fd = rawbpf.prog_load(prog_type, insns, name=prog[:15], btf_fd=btf,
-                                  func_info=[(0, 3), (len(main) // 8, 4)])
+                                  func_info=[(0, 3)] + [(start, 4 + i) for i, start in enumerate(starts)])
         finally:
             os.close(btf)
         self._fds.append(fd)
@@ -282,7 +297,9 @@ class UnwindSampler:
                        ("sched:sched_process_exec", "uw_exec"), ("sched:sched_process_exec", "ccprof_exec"),
                        ("sched:sched_process_exit", "uw_exit"), ("sched:sched_process_exit", "ccprof_exit")):
             self.module.attach_tracepoint(tp, fn)
-        fd = self._load_with_callback("uw_sys_enter", "uw_step_sys", _BPF_PROG_TYPE_RAW_TRACEPOINT)
+        fd = self._load_with_callbacks(
+            "uw_sys_enter", {self.max_depth + 1: "uw_step_sys", self.max_depth: "uw_arena_sys"},
+            _BPF_PROG_TYPE_RAW_TRACEPOINT)
         self._links.append(attach_raw_tracepoint_fd(fd, "sys_enter"))
         self._attached = True
 
