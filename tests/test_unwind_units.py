@@ -1,0 +1,109 @@
+"""Unit tests of the unwinder's userspace parts: /proc/PID/maps parsing and load bias (against a fake
+/proc root and against readelf's program headers), the bpf_loop callback linker, sample decoding."""
+
+from __future__ import annotations
+
+import struct
+import subprocess
+from pathlib import Path
+
+import pytest
+from bpf_helpers import pt_loads
+
+from ccprofd.bpf import rawbpf
+from ccprofd.bpf.errors import BPFError
+from ccprofd.bpf.unwind import UnwoundSample, link_loop_callbacks
+from ccprofd.callgraph.elfimage import ElfImage
+from ccprofd.decode.procmaps import module_mappings, parse_maps, read_maps
+
+LIBC = "/usr/lib/x86_64-linux-gnu/libc.so.6"
+
+
+def _fake_proc(tmp: Path, pid: int, lines: list[str]) -> str:
+    d = tmp / "proc" / str(pid)
+    d.mkdir(parents=True)
+    (d / "maps").write_text("\n".join(lines) + "\n")
+    return str(tmp / "proc")
+
+
+def test_parse_maps_fields() -> None:
+    text = ("55d0c0a00000-55d0c0a01000 r-xp 00001000 08:01 1234   /usr/bin/prog with space\n"
+            "7ffd1c1f0000-7ffd1c1f2000 r-xp 00000000 00:00 0          [vdso]\n"
+            "garbage line\n"
+            "7f0000000000-7f0000001000 rw-p 00000000 00:00 0 \n")
+    maps = parse_maps(text)
+    assert [m.path for m in maps] == ["/usr/bin/prog with space", "[vdso]", ""]
+    assert maps[0].start == 0x55D0C0A00000 and maps[0].offset == 0x1000 and maps[0].executable
+    assert maps[0].file_backed and not maps[1].file_backed and not maps[2].executable
+
+
+def test_load_bias_from_fake_proc_matches_readelf(tmp_path: Path) -> None:
+    """A libc text mapping at an arbitrary base: bias = base - (page-aligned vaddr of the PT_LOAD
+    whose page-aligned offset is the mapping's offset), with PT_LOADs read by readelf."""
+    text_seg = next((va, off) for va, _sz, off in pt_loads(Path(LIBC)) if va != 0)
+    page = 0x1000
+    base = 0x7F1234500000
+    map_off = text_seg[1] & ~(page - 1)
+    root = _fake_proc(tmp_path, 42, [
+        f"{base:x}-{base + 0x10000:x} r-xp {map_off:08x} 08:01 99 {LIBC}",
+        "7ffd00000000-7ffd00002000 r-xp 00000000 00:00 0 [vdso]",
+    ])
+    pm = module_mappings(42, lambda p: ElfImage(p).addrspace, root)
+    assert len(pm.mappings) == 1 and [m.path for m in pm.other_exec] == ["[vdso]"]
+    mm = pm.mappings[0]
+    assert mm.bias == base - (text_seg[0] & ~(page - 1))
+    assert pm.find(base + 0x10) is mm and pm.find(base + 0x10000) is None
+    assert mm.vaddr(base + 0x10) == (text_seg[0] & ~(page - 1)) + 0x10
+
+
+def test_real_process_bias_translates_a_libc_function_to_its_nm_address() -> None:
+    """In this very process: the runtime address of libc's getppid (ctypes) translated with the
+    computed bias is the address ``nm -D`` gives for it."""
+    import ctypes
+    import os
+
+    libc = ctypes.CDLL(None)
+    runtime = ctypes.cast(libc.getppid, ctypes.c_void_p).value
+    assert runtime is not None
+    pm = module_mappings(os.getpid(), lambda p: ElfImage(p).addrspace)
+    mm = pm.find(runtime)
+    assert mm is not None and "libc" in mm.path
+    nm = subprocess.run(["nm", "-D", "--defined-only", mm.open_path], capture_output=True, text=True).stdout
+    addrs = {int(line.split()[0], 16) for line in nm.splitlines()
+             if len(line.split()) == 3 and line.split()[2].split("@")[0] == "getppid"}
+    assert mm.vaddr(runtime) in addrs
+    assert read_maps(os.getpid())
+
+
+def _insn(code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> bytes:
+    return rawbpf.insn(code, dst, src, off, imm)
+
+
+def test_link_loop_callbacks_points_each_call_at_its_callback() -> None:
+    main = (_insn(0xB7, 1, imm=4097) + _insn(0x18, 2) + _insn(0) + _insn(0x85, imm=181)  # unwind loop
+            + _insn(0xB7, 1, imm=4096) + _insn(0x18, 2) + _insn(0) + _insn(0x85, imm=181)  # arena loop
+            + _insn(0xB7, 0) + _insn(0x95))
+    cb_a, cb_b = _insn(0xB7, 0) + _insn(0x95), _insn(0xB7, 0, imm=1) + _insn(0x95)
+    linked, starts = link_loop_callbacks(main, {4097: cb_a, 4096: cb_b})
+    assert starts == [10, 12] and len(linked) == len(main) + 32
+    for ld_at, target in ((1, 10), (5, 12)):
+        code, regs, _, imm = struct.unpack_from("<BBhi", linked, ld_at * 8)
+        assert (code, regs >> 4, regs & 15) == (0x18, 4, 2)
+        assert ld_at + imm + 1 == target
+
+
+def test_link_loop_callbacks_refuses_what_it_cannot_link() -> None:
+    no_count = _insn(0x18, 2) + _insn(0) + _insn(0x85, imm=181) + _insn(0x95)
+    with pytest.raises(BPFError):
+        link_loop_callbacks(no_count, {1: _insn(0x95)})
+    with pytest.raises(BPFError):
+        link_loop_callbacks(_insn(0xB7, 0) + _insn(0x95), {1: _insn(0x95)})
+
+
+def test_sample_decoding() -> None:
+    raw = struct.pack("<QIIIiIIIIQQ", 123, 16, 10, 11, 110, 3, 0, 1, 1, 7, 8) + struct.pack("<3Q", 1, 2, 3)
+    s = UnwoundSample.decode(raw)
+    got = (s.tgid, s.tid, s.syscall, s.pcs, s.complete, s.fp_frames, s.key)
+    assert got == (10, 11, 110, (1, 2, 3), True, 1, (7, 8))
+    cpu = UnwoundSample.decode(struct.pack("<QIIIiIIIIQQ", 1, 16, 1, 1, -1, 0, 1, 0, 0, 0, 0))
+    assert cpu.syscall is None and cpu.event == "cpu" and cpu.reason == "max_depth" and not cpu.complete
