@@ -23,24 +23,51 @@ from ccprofd.daemon.source import BinaryInfo, ProcessInfo, SourceCounters, Threa
 BUILD_ID = "0123456789abcdef0123456789abcdef01234567"
 
 
-def frame(function: str, site: int, *, module: str = "/opt/app/bin", build_id: str = BUILD_ID,
-          analysed: bool = True) -> dict[str, Any]:
-    return {"function": function, "module": module, "build_id": build_id, "analysed": analysed,
-            "call_site": hex(site), "return_address": hex(site + 5) if analysed else None}
+def frame(
+    function: str, site: int, *, module: str = "/opt/app/bin", build_id: str = BUILD_ID, analysed: bool = True
+) -> dict[str, Any]:
+    return {
+        "function": function,
+        "module": module,
+        "build_id": build_id,
+        "analysed": analysed,
+        "call_site": hex(site),
+        "return_address": hex(site + 5) if analysed else None,
+    }
 
 
-def sample(frames: list[dict[str, Any]], syscall: str = "write", *, pid: int = 4242, tid: int = 4242,
-           event: str = "syscall", complete: bool = True,
-           time_ns: int = 1_700_000_000_000_000_000) -> dict[str, Any]:
-    return {"time_ns": time_ns, "pid": pid, "tid": tid, "event": event,
-            "syscall": syscall if event == "syscall" else None, "complete": complete, "frames": frames}
+def sample(
+    frames: list[dict[str, Any]],
+    syscall: str = "write",
+    *,
+    pid: int = 4242,
+    tid: int = 4242,
+    event: str = "syscall",
+    complete: bool = True,
+    time_ns: int = 1_700_000_000_000_000_000,
+) -> dict[str, Any]:
+    return {
+        "time_ns": time_ns,
+        "pid": pid,
+        "tid": tid,
+        "event": event,
+        "syscall": syscall if event == "syscall" else None,
+        "complete": complete,
+        "frames": frames,
+    }
 
 
 class FakeSource:
     """Samples pushed with :meth:`push` come out of :meth:`poll`; counters are settable."""
 
-    def __init__(self, target: TargetConfig, samples: Iterable[dict[str, Any]] = (), *,
-                 fail_start: str | None = None, log_path: str | None = None) -> None:
+    def __init__(
+        self,
+        target: TargetConfig,
+        samples: Iterable[dict[str, Any]] = (),
+        *,
+        fail_start: str | None = None,
+        log_path: str | None = None,
+    ) -> None:
         self.target = target
         self.queue: queue.Queue[dict[str, Any]] = queue.Queue()
         for s in samples:
@@ -54,15 +81,28 @@ class FakeSource:
         self.verify_mismatches = 0
         self.dropped: dict[str, int] = {}
         self.current_mode = target.mode
-        self.pids = {4242: [ThreadContext(4242, True, (frame("main", 0x1100), frame("serve", 0x1200)), "app"),
-                            ThreadContext(4243, False, (frame("worker", 0x1300),), "app-worker")]}
+        self.pids = {
+            4242: [
+                ThreadContext(4242, True, (frame("main", 0x1100), frame("serve", 0x1200)), "app"),
+                ThreadContext(4243, False, (frame("worker", 0x1300),), "app-worker"),
+            ]
+        }
         self.lock = threading.Lock()
 
     def _log(self, event: str) -> None:
         if self.log_path:
             with open(self.log_path, "a") as fh:
-                fh.write(json.dumps({"event": event, "target": self.target.name, "mode": self.current_mode,
-                                     "pid": os.getpid()}) + "\n")
+                fh.write(
+                    json.dumps(
+                        {
+                            "event": event,
+                            "target": self.target.name,
+                            "mode": self.current_mode,
+                            "pid": os.getpid(),
+                        }
+                    )
+                    + "\n"
+                )
 
     def push(self, *samples: dict[str, Any]) -> None:
         for s in samples:
@@ -88,8 +128,10 @@ class FakeSource:
         return self.current_mode
 
     def processes(self) -> list[ProcessInfo]:
-        return [ProcessInfo(pid, self.target.path or "/opt/app/bin", BUILD_ID, len(threads), "app", 77)
-                for pid, threads in self.pids.items()]
+        return [
+            ProcessInfo(pid, self.target.path or "/opt/app/bin", BUILD_ID, len(threads), "app", 77)
+            for pid, threads in self.pids.items()
+        ]
 
     def binaries(self) -> list[BinaryInfo]:
         return [BinaryInfo(self.target.path or "/opt/app/bin", BUILD_ID, 77, True)]
@@ -100,14 +142,23 @@ class FakeSource:
         return list(self.pids[pid])
 
     def callgraph_stats(self) -> dict[str, Any]:
-        return {self.target.path or "/opt/app/bin": {"functions": 12, "direct_call_sites": 30,
-                                                     "build_id": BUILD_ID,
-                                                     "encodings": {"valence": {"acyclic_bits": 3}}}}
+        return {
+            self.target.path or "/opt/app/bin": {
+                "functions": 12,
+                "direct_call_sites": 30,
+                "build_id": BUILD_ID,
+                "encodings": {"valence": {"acyclic_bits": 3}},
+            }
+        }
 
     def counters(self) -> SourceCounters:
-        return SourceCounters(probe_hits=self.probe_hits, verify_mismatches=self.verify_mismatches,
-                              decode_errors=self.decode_errors, dropped=dict(self.dropped),
-                              map_entries={"thread_state": len(self.pids)})
+        return SourceCounters(
+            probe_hits=self.probe_hits,
+            verify_mismatches=self.verify_mismatches,
+            decode_errors=self.decode_errors,
+            dropped=dict(self.dropped),
+            map_entries={"thread_state": len(self.pids)},
+        )
 
     def close(self) -> None:
         if not self.closed:
@@ -142,3 +193,40 @@ def make_fake_source(target: TargetConfig, daemon: DaemonConfig) -> FakeSource:
                     if s.pop("target", target.name) == target.name:
                         samples.append(s)
     return FakeSource(target, samples, log_path=os.environ.get("CCPROFD_FAKE_LOG"))
+
+
+def short_tmpdir() -> str:
+    """A fresh directory with a short path (Unix socket paths are limited to 107 bytes)."""
+    import tempfile
+
+    return tempfile.mkdtemp(prefix="ccp", dir="/tmp")
+
+
+def config_text(
+    workdir: str, targets: str = "", *, daemon_extra: str = "", grpc_listen: str | None = None
+) -> str:
+    """A daemon config for tests: state and socket under ``workdir``, metrics on a free port."""
+    listen = grpc_listen or f"unix://{workdir}/ccprofd.sock"
+    return (
+        f'[daemon]\nstate_dir = "{workdir}/state"\ngrpc_listen = "{listen}"\n'
+        f'metrics_listen = "127.0.0.1:0"\n{daemon_extra}\n{targets}'
+    )
+
+
+TARGET_APP = '[[target]]\nname = "app"\npath = "/opt/app/bin"\nsyscalls = ["write", "openat"]\n'
+TARGET_DB = '[[target]]\nname = "db"\npid = 999999\nmode = "instrumented"\n'
+
+
+def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.02) -> Any:
+    """Poll ``predicate`` until truthy (returns its value) or fail after ``timeout`` seconds.
+    A liveness bound for asynchronous hand-offs, not a performance assertion."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        value = predicate()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout} s: {predicate}")
+        time.sleep(interval)

@@ -307,7 +307,8 @@ def parse_config(text: str, source: str = "<config>", *,
     seen: dict[str, int] = {}
     for i, t in enumerate(targets):
         if t.name in seen:
-            raise chk.fail(("target", i, "name"),
+            key = "name" if ("target", i, "name") in chk.lines else t.kind
+            raise chk.fail(("target", i, key),
                            f"duplicate target name {t.name!r} (also target[{seen[t.name]}]); set name = ...")
         seen[t.name] = i
     return Config(source, daemon, targets)

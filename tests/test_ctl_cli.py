@@ -1,0 +1,176 @@
+"""``ccprofctl`` as a user runs it (a subprocess) against a daemon serving a real Unix socket."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from daemon_fakes import TARGET_APP, FakeFactory, config_text, frame, sample, short_tmpdir, wait_for
+
+from ccprofd.daemon.config import parse_config
+from ccprofd.daemon.service import Daemon
+from ccprofd.daemon.store import context_id
+
+WRITE_CTX = [frame("main", 0x1139), frame("emit", 0x1180)]
+OPEN_CTX = [frame("main", 0x1145), frame("load", 0x11A0)]
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[Daemon, FakeFactory, str]]:
+    workdir = short_tmpdir()
+    factory = FakeFactory()
+    daemon = Daemon(
+        parse_config(
+            config_text(workdir, TARGET_APP + '[[target]]\nname="cpuapp"\npid=77\nperf_sample_hz = 50\n')
+        ),
+        factory,
+    )
+    daemon.start()
+    src = factory.sources["app"]
+    src.push(*[sample(WRITE_CTX) for _ in range(5)], *[sample(OPEN_CTX, "openat") for _ in range(2)])
+    factory.sources["cpuapp"].push(*[sample(WRITE_CTX, event="cpu") for _ in range(4)])
+    wait_for(lambda: daemon.targets["app"].store.samples == 7 and daemon.targets["cpuapp"].store.samples == 4)
+    try:
+        yield daemon, factory, f"{workdir}/ccprofd.sock"
+    finally:
+        daemon.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def ctl(sock: str, *args: str, binary: bool = False) -> subprocess.CompletedProcess[bytes]:
+    return subprocess.run(
+        [sys.executable, "-m", "ccprofd.ctl", "--socket", sock, *args], capture_output=True, timeout=60
+    )
+
+
+def test_targets_text_and_json(served: tuple[Daemon, FakeFactory, str]) -> None:
+    _, _, sock = served
+    text = ctl(sock, "targets")
+    assert text.returncode == 0, text.stderr
+    assert "app: path /opt/app/bin  mode unwind" in text.stdout.decode()
+    assert "pid 4242" in text.stdout.decode()
+    out = ctl(sock, "targets", "--json")
+    targets = {t["name"]: t for t in json.loads(out.stdout)}
+    assert targets["app"]["processes"][0]["pid"] == 4242 and targets["cpuapp"]["perf_sample_hz"] == 50
+    assert json.loads(ctl(sock, "--format", "json", "targets").stdout) == json.loads(out.stdout)
+
+
+def test_contexts_json_uses_the_tracer_frame_format(served: tuple[Daemon, FakeFactory, str]) -> None:
+    _, _, sock = served
+    out = ctl(sock, "contexts", "4242", "--json")
+    assert out.returncode == 0, out.stderr
+    doc = json.loads(out.stdout)
+    t0 = next(t for t in doc["threads"] if t["tid"] == 4242)
+    assert t0["frames"][0] == frame("main", 0x1100) and t0["complete"] is True
+    assert "[incomplete" in ctl(sock, "contexts", "4242").stdout.decode()
+
+
+def test_hot_text_json_folded_pprof(served: tuple[Daemon, FakeFactory, str], tmp_path: Path) -> None:
+    _, _, sock = served
+    doc = json.loads(ctl(sock, "hot", "--target", "app", "--json").stdout)
+    assert doc["total_samples"] == 7
+    assert [(c["syscall"], c["count"], c["context"], c["frames"]) for c in doc["contexts"]] == [
+        ("write", 5, context_id(WRITE_CTX), WRITE_CTX),
+        ("openat", 2, context_id(OPEN_CTX), OPEN_CTX),
+    ]
+    top1 = json.loads(ctl(sock, "hot", "--target", "app", "--top", "1", "--json").stdout)
+    assert [c["count"] for c in top1["contexts"]] == [5]
+    folded = ctl(sock, "hot", "--target", "app", "--format", "folded").stdout.decode()
+    assert folded.splitlines() == ["main;emit;syscall:write 5", "main;load;syscall:openat 2"]
+    text = ctl(sock, "hot").stdout.decode()
+    assert "syscall write" in text and "emit" in text
+    out = ctl(
+        sock,
+        "hot",
+        "--target",
+        "cpuapp",
+        "--by",
+        "cpu",
+        "--format",
+        "pprof",
+        "--output",
+        str(tmp_path / "cpu.pb.gz"),
+    )
+    assert out.returncode == 0, out.stderr
+    from ccprofd.export.gen import profile_pb2
+
+    prof = profile_pb2.Profile.FromString(gzip.decompress((tmp_path / "cpu.pb.gz").read_bytes()))
+    assert [list(s.value) for s in prof.sample] == [[4, 4 * 20_000_000]] and prof.period == 20_000_000
+    piped = ctl(sock, "hot", "--format", "pprof")
+    assert gzip.decompress(piped.stdout)  # to a pipe: allowed
+
+
+def test_stats(served: tuple[Daemon, FakeFactory, str]) -> None:
+    _, _, sock = served
+    doc = json.loads(ctl(sock, "stats", "app", "--json").stdout)
+    assert doc["binaries"][0]["stats"]["functions"] == 12  # integral again, not 12.0
+    assert "functions" in ctl(sock, "stats", "app").stdout.decode()
+
+
+def test_stream_json_lines(served: tuple[Daemon, FakeFactory, str]) -> None:
+    daemon, factory, sock = served
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ccprofd.ctl",
+            "--socket",
+            sock,
+            "stream",
+            "--json",
+            "--count",
+            "3",
+            "--target",
+            "app",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    wait_for(lambda: daemon.samples.subscribers() >= 1, timeout=30)
+
+    def push() -> None:
+        while proc.poll() is None:
+            factory.sources["app"].push(sample(OPEN_CTX, "openat"))
+            time.sleep(0.05)
+
+    threading.Thread(target=push, daemon=True).start()
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    lines = [json.loads(line) for line in out.decode().splitlines()]
+    assert len(lines) == 3
+    assert all(x["syscall"] == "openat" and x["frames"] == OPEN_CTX and x["target"] == "app" for x in lines)
+
+
+def test_alerts_duration_ends_cleanly(served: tuple[Daemon, FakeFactory, str]) -> None:
+    _, _, sock = served
+    out = ctl(sock, "alerts", "--duration", "0.5")
+    assert out.returncode == 0 and out.stdout == b"", out.stderr
+
+
+def test_errors_and_exit_codes(served: tuple[Daemon, FakeFactory, str]) -> None:
+    _, _, sock = served
+    unknown_pid = ctl(sock, "contexts", "1")
+    assert (
+        unknown_pid.returncode == 2
+        and unknown_pid.stderr.decode().strip() == "ccprofctl: no target follows pid 1"
+    )
+    unknown_target = ctl(sock, "stats", "nope")
+    assert unknown_target.returncode == 2 and b"no target 'nope'" in unknown_target.stderr
+    unreachable = ctl("/nonexistent/ccprofd.sock", "--timeout", "2", "targets")
+    assert unreachable.returncode == 1
+    assert unreachable.stderr.decode().startswith("ccprofctl: cannot reach ccprofd at unix:///nonexistent/")
+    assert len(unreachable.stderr.decode().strip().splitlines()) == 1
+    bad_format = ctl(sock, "targets", "--format", "pprof")
+    assert bad_format.returncode == 2 and b"applies to 'hot' only" in bad_format.stderr
+    usage = ctl(sock, "contexts", "abc")
+    assert usage.returncode == 2 and b"Traceback" not in usage.stderr
+    tls_on_unix = ctl(sock, "--tls-ca", "/x", "targets")
+    assert tls_on_unix.returncode == 2

@@ -1,0 +1,307 @@
+"""Daemon lifecycle: the real ``ccprofd run`` process (scripted sample source in place of the tracer)
+speaking the notify protocol to a NOTIFY_SOCKET this test owns, SIGHUP reloads (good and bad),
+SIGTERM shutdown; and in-process: target retry, config changes, the probe-hit budget switch."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from daemon_fakes import TARGET_APP, FakeFactory, config_text, frame, sample, short_tmpdir, wait_for
+
+from ccprofd.daemon.config import parse_config
+from ccprofd.daemon.notify import Notifier
+from ccprofd.daemon.service import Daemon
+from ccprofd.export.gen import ccprofd_pb2 as pb
+from ccprofd.export.gen import ccprofd_pb2_grpc as pb_grpc
+
+TESTS = Path(__file__).resolve().parent
+ROOT = TESTS.parent
+
+
+@pytest.fixture
+def workdir() -> Iterator[str]:
+    d = short_tmpdir()
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+class NotifyListener:
+    """The systemd side of sd_notify: a datagram socket collecting what the daemon sends."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(path)
+        self.sock.setblocking(False)
+        self.messages: list[dict[str, str]] = []
+
+    def drain(self) -> None:
+        while True:
+            try:
+                data = self.sock.recv(4096)
+            except BlockingIOError:
+                return
+            self.messages.append(dict(line.split("=", 1) for line in data.decode().splitlines()))
+
+    def wait(self, key: str, count: int = 1, timeout: float = 60) -> list[dict[str, str]]:
+        def enough() -> bool:
+            self.drain()
+            return sum(key in m for m in self.messages) >= count
+
+        wait_for(enough, timeout=timeout)
+        return [m for m in self.messages if key in m]
+
+
+def test_notifier_protocol_against_a_test_socket(workdir: str) -> None:
+    listener = NotifyListener(f"{workdir}/notify")
+    n = Notifier(
+        {"NOTIFY_SOCKET": listener.path, "WATCHDOG_USEC": "2000000", "WATCHDOG_PID": str(os.getpid())}
+    )
+    assert n.enabled and n.watchdog_interval == 1.0
+    assert n.watchdog_due(now=100.0)
+    assert n.ready("2/2 targets attached") and n.watchdog(now=100.0) and n.stopping()
+    assert not n.watchdog_due(now=100.5) and n.watchdog_due(now=101.0)
+    listener.drain()
+    assert listener.messages == [
+        {"READY": "1", "MAINPID": str(os.getpid()), "STATUS": "2/2 targets attached"},
+        {"WATCHDOG": "1"},
+        {"STOPPING": "1"},
+    ]
+    other_pid = Notifier({"NOTIFY_SOCKET": listener.path, "WATCHDOG_USEC": "2000000", "WATCHDOG_PID": "1"})
+    assert other_pid.watchdog_interval is None  # the watchdog is meant for another process
+    off = Notifier({})
+    assert not off.enabled and not off.ready() and off.watchdog_interval is None
+
+
+def test_notifier_abstract_socket() -> None:
+    name = f"ccprofd-test-{os.getpid()}"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind("\0" + name)
+    sock.settimeout(5)
+    assert Notifier({"NOTIFY_SOCKET": "@" + name}).notify("READY=1")
+    assert sock.recv(100) == b"READY=1"
+    sock.close()
+
+
+def grpc_targets(sock: str) -> dict[str, str]:
+    with grpc.insecure_channel(f"unix:{sock}") as ch:
+        resp = pb_grpc.ProfilerStub(ch).ListTargets(pb.ListTargetsRequest(), timeout=10)
+    return {t.name: t.state for t in resp.targets}
+
+
+def test_daemon_process_notify_reload_and_shutdown(workdir: str) -> None:
+    config = Path(workdir) / "ccprofd.toml"
+    config.write_text(config_text(workdir, TARGET_APP))
+    samples = Path(workdir) / "samples.jsonl"
+    samples.write_text(
+        "".join(
+            json.dumps(dict(sample([frame("main", 0x10), frame("w", 0x20)]), target="app")) + "\n"
+            for _ in range(3)
+        )
+    )
+    events = Path(workdir) / "events.jsonl"
+    listener = NotifyListener(f"{workdir}/notify")
+    env = dict(
+        os.environ,
+        NOTIFY_SOCKET=listener.path,
+        WATCHDOG_USEC="300000",
+        PYTHONPATH=str(TESTS),
+        CCPROFD_FAKE_SAMPLES=str(samples),
+        CCPROFD_FAKE_LOG=str(events),
+    )
+    env.pop("WATCHDOG_PID", None)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ccprofd.cli",
+            "run",
+            "--config",
+            str(config),
+            "--source-factory",
+            "daemon_fakes:make_fake_source",
+        ],
+        env=env,
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        ready = listener.wait("READY")
+        assert ready[0]["MAINPID"] == str(proc.pid) and ready[0]["STATUS"] == "1/1 targets attached"
+        assert len(listener.wait("WATCHDOG", count=3)) >= 3  # keep-alives from the main loop
+        sock = f"{workdir}/ccprofd.sock"
+        assert grpc_targets(sock) == {"app": "attached"}
+
+        # SIGHUP with an added target: app untouched, db started.
+        config.write_text(config_text(workdir, TARGET_APP + '[[target]]\nname = "db"\npid = 31337\n'))
+        proc.send_signal(signal.SIGHUP)
+        listener.wait("RELOADING")
+        wait_for(lambda: grpc_targets(sock) == {"app": "attached", "db": "attached"})
+        # SIGHUP with a bad config: rejected with file:line:key, the running config stays.
+        config.write_text(
+            config_text(workdir, TARGET_APP + '[[target]]\nname = "db"\npid = 31337\nmode = "x"\n')
+        )
+        proc.send_signal(signal.SIGHUP)
+        listener.wait("RELOADING", count=2)
+        listener.wait("READY", count=3)
+        assert grpc_targets(sock) == {"app": "attached", "db": "attached"}
+
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0, err
+    assert f"{config}:" in err and "target[1].mode" in err and "keeping the running configuration" in err
+    assert "Traceback" not in err
+    listener.drain()
+    assert "STOPPING" in listener.messages[-1]
+    log = [json.loads(line) for line in events.read_text().splitlines()]
+    assert [(e["event"], e["target"]) for e in log] == [
+        ("start", "app"),
+        ("start", "db"),
+        ("close", "app"),
+        ("close", "db"),
+    ]
+    assert not os.path.exists(f"{workdir}/ccprofd.sock")
+
+
+def test_bad_config_exits_2_with_one_line(workdir: str) -> None:
+    config = Path(workdir) / "bad.toml"
+    config.write_text('[daemon]\nstate_dir = "/x"\n\n[[target]]\npath = "/a"\ncolour = "red"\n')
+    out = subprocess.run(
+        [sys.executable, "-m", "ccprofd.cli", "run", "--config", str(config)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert out.returncode == 2
+    assert out.stderr.strip().splitlines() == [
+        f"ccprofd: {config}:6: target[0].colour: unknown key (known keys: anomaly, cgroup, encoding, "
+        "max_probe_hits_per_sec, mode, name, path, perf_sample_hz, pid, scope, syscalls, verify)"
+    ]
+    ok = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ccprofd.cli",
+            "run",
+            "--check",
+            "--config",
+            str(ROOT / "systemd" / "ccprofd.toml"),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert ok.returncode == 0 and "OK (0 targets)" in ok.stdout
+
+
+def test_missing_tracer_is_a_one_line_failure(workdir: str) -> None:
+    config = Path(workdir) / "c.toml"
+    config.write_text(config_text(workdir, TARGET_APP))
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "ccprofd.cli",
+            "run",
+            "--config",
+            str(config),
+            "--source-factory",
+            "no_such_module:make",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=60,
+    )
+    assert out.returncode == 1 and out.stderr.startswith(
+        "ccprofd: sample source 'no_such_module:make' is not"
+    )
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_failed_target_is_retried_on_reload_and_changed_targets_restart(workdir: str) -> None:
+    factory = FakeFactory(fail={"app": "binary not found"})
+    daemon = Daemon(parse_config(config_text(workdir, TARGET_APP)), factory)
+    daemon.start()
+    try:
+        assert daemon.targets["app"].state == "failed" and daemon.targets["app"].error == "binary not found"
+        factory.fail.clear()
+        daemon.apply(parse_config(config_text(workdir, TARGET_APP)))
+        assert daemon.targets["app"].state == "attached"
+        first = factory.sources["app"]
+        first.push(sample([frame("main", 0x10)]))
+        wait_for(lambda: daemon.targets["app"].store.samples == 1)
+        # Same config: nothing restarts.
+        daemon.apply(parse_config(config_text(workdir, TARGET_APP)))
+        assert factory.sources["app"] is first and not first.closed
+        # Changed config: re-attached with the new settings; counts carry on (same store).
+        daemon.apply(parse_config(config_text(workdir, TARGET_APP + "perf_sample_hz = 99\n")))
+        assert first.closed and factory.sources["app"] is not first
+        assert factory.sources["app"].target.perf_sample_hz == 99
+        assert daemon.targets["app"].store.samples == 1
+        # Removed: detached.
+        second = factory.sources["app"]
+        daemon.apply(parse_config(config_text(workdir)))
+        assert second.closed and daemon.targets == {}
+    finally:
+        daemon.stop()
+
+
+def test_probe_hit_budget_switches_to_unwind_mode(workdir: str) -> None:
+    factory = FakeFactory()
+    target = (
+        '[[target]]\nname = "hot"\npath = "/opt/hot"\nmode = "instrumented"\nmax_probe_hits_per_sec = 1000\n'
+    )
+    daemon = Daemon(parse_config(config_text(workdir, target)), factory)
+    daemon.start()
+    try:
+        src = factory.sources["hot"]
+        daemon.check_budgets(now=10.0)
+        src.probe_hits = 500
+        daemon.check_budgets(now=11.0)  # 500/s: within budget
+        assert factory.sources["hot"] is src and daemon.targets["hot"].mode() == "instrumented"
+        src.probe_hits = 5000
+        daemon.check_budgets(now=12.0)  # 4500/s: over
+        rt = daemon.targets["hot"]
+        assert src.closed and factory.sources["hot"].target.mode == "unwind" and rt.mode() == "unwind"
+        assert rt.mode_switches == {"probe_hit_budget": 1}
+        assert rt.counters().probe_hits == 5000  # carried over: the exported counter stays monotonic
+    finally:
+        daemon.stop()
+
+
+def test_stop_closes_every_source_even_after_a_source_failure(workdir: str) -> None:
+    factory = FakeFactory()
+    daemon = Daemon(
+        parse_config(config_text(workdir, TARGET_APP + '[[target]]\nname = "b"\npid = 5\n')), factory
+    )
+    daemon.start()
+
+    def broken(timeout_ms: int) -> list[dict[str, object]]:
+        raise OSError("ring buffer gone")
+
+    factory.sources["b"].poll = broken  # type: ignore[method-assign]
+    wait_for(lambda: daemon.targets["b"].state == "failed")
+    assert daemon.targets["b"].error == "ring buffer gone"
+    daemon.stop()
+    assert all(s.closed for s in factory.built)
+    time.sleep(0)  # no background thread left to touch the sources

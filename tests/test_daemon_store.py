@@ -1,0 +1,165 @@
+"""Hot-context store: context ids, counting, bounded memory, and the metric promotion rule
+(bounded series, monotonic counters, ``other`` = never-promoted contexts only)."""
+
+from __future__ import annotations
+
+import random
+
+from daemon_fakes import frame, sample
+
+from ccprofd.daemon.store import OTHER, TargetStore, context_id
+
+S = 1_000_000_000
+T0 = 1_700_000_000 * S
+
+
+_SITES: dict[str, int] = {}
+
+
+def ctx(*names: str) -> list[dict[str, object]]:
+    """Frames with one call site per function name (the context id sees call sites, not names)."""
+    return [frame(n, _SITES.setdefault(n, 0x1000 + 0x10 * len(_SITES))) for n in names]
+
+
+def test_context_id_depends_on_build_id_and_call_sites_only() -> None:
+    a = [frame("main", 0x1139), frame("work", 0x1150)]
+    # Same frames as another tracer mode might report them: other names/return addresses, int sites.
+    b = [dict(f, function=f"{f['function']}_renamed", return_address=None) for f in a]
+    c = [dict(f, call_site=int(str(f["call_site"]), 16)) for f in a]
+    assert context_id(a) == context_id(b) == context_id(c)
+    assert len(context_id(a)) == 12 and int(context_id(a), 16) >= 0
+    assert context_id(a) != context_id([a[0], frame("work", 0x1151)])  # other call site
+    assert context_id(a) != context_id([a[0], dict(a[1], build_id="ff" * 20)])  # other binary
+    assert context_id(a) != context_id(a[::-1])  # order matters
+    assert context_id(a) != context_id(a, complete=False)  # a suffix is not a whole chain
+    assert context_id(a[:1]) != context_id(a)
+
+
+def test_counts_per_syscall_and_context() -> None:
+    store = TargetStore()
+    for _ in range(7):
+        store.add(sample(ctx("main", "a")), T0)
+    for _ in range(3):
+        store.add(sample(ctx("main", "a"), "openat"), T0)
+    store.add(sample(ctx("main", "b")), T0)
+    store.add(sample(ctx("main", "b"), complete=False), T0)
+    hot = store.hot("syscall", 10)
+    rows = [(h.syscall, h.count, h.leaf, h.complete) for h in hot]
+    assert rows[:2] == [("write", 7, "a", True), ("openat", 3, "a", True)]
+    assert sorted(rows[2:]) == [("write", 1, "b", False), ("write", 1, "b", True)]  # tie: any order
+    assert hot[0].frames[1]["function"] == "a" and hot[0].frames[1]["call_site"] == "0x1010"
+    assert store.total("syscall") == 12 and store.total("syscall", syscall="openat") == 3
+    assert store.counters()["incomplete"] == 1
+    assert store.hot("syscall", 1)[0].count == 7 and store.hot("cpu", 5) == []
+
+
+def test_since_uses_time_buckets() -> None:
+    store = TargetStore(bucket_seconds=10, history_seconds=3600)
+    store.add(sample(ctx("main", "old")), T0)
+    store.add(sample(ctx("main", "new")), T0 + 100 * S)
+    store.add(sample(ctx("main", "new")), T0 + 101 * S)
+    assert [(h.leaf, h.count) for h in store.hot("syscall", 5, since_ns=T0 + 50 * S)] == [("new", 2)]
+    assert {h.leaf: h.count for h in store.hot("syscall", 5)} == {"old": 1, "new": 2}
+    assert store.total("syscall", since_ns=T0 + 50 * S) == 2
+
+
+def series_map(store: TargetStore, now: int) -> dict[tuple[str, str], int]:
+    return {(s.syscall, s.context): s.value for s in store.scrape(now)}
+
+
+def test_promotion_keeps_series_monotonic_and_other_for_never_promoted() -> None:
+    store = TargetStore(top_k=2, max_series=3, promotion_window_seconds=60)
+    hot1, hot2, cold = ctx("main", "h1"), ctx("main", "h2"), ctx("main", "c")
+    for _ in range(10):
+        store.add(sample(hot1), T0)
+    for _ in range(5):
+        store.add(sample(hot2), T0)
+    store.add(sample(cold), T0)
+    first = series_map(store, T0 + S)
+    # Contexts promoted at their first scrape are exported with their full counts.
+    assert first == {("write", context_id(hot1)): 10, ("write", context_id(hot2)): 5, ("write", OTHER): 1}
+    # Later: a new context becomes the hottest; hot1 goes cold but stays exported, unchanged.
+    hot3 = ctx("main", "h3")
+    for _ in range(20):
+        store.add(sample(hot3), T0 + 120 * S)
+    store.add(sample(cold), T0 + 120 * S)
+    second = series_map(store, T0 + 121 * S)
+    assert second[("write", context_id(hot1))] == 10 and second[("write", context_id(hot2))] == 5
+    assert second[("write", context_id(hot3))] == 20
+    assert second[("write", OTHER)] == 2  # only the never-promoted context
+    assert sum(second.values()) == store.total("syscall") == 37
+    # max_series reached: a further hot context stays in "other"; exported series never shrink.
+    hot4 = ctx("main", "h4")
+    for _ in range(50):
+        store.add(sample(hot4), T0 + 240 * S)
+    third = series_map(store, T0 + 241 * S)
+    assert ("write", context_id(hot4)) not in third and third[("write", OTHER)] == 52
+    for key, value in second.items():
+        assert third[key] >= value
+
+
+def test_late_promotion_moves_only_unexported_samples() -> None:
+    """A context that was already counted in an exported "other" keeps those samples there."""
+    store = TargetStore(top_k=1, max_series=5, promotion_window_seconds=60)
+    a, b = ctx("main", "a"), ctx("main", "b")
+    for _ in range(3):
+        store.add(sample(a), T0)
+    store.add(sample(b), T0)
+    assert series_map(store, T0 + S) == {("write", context_id(a)): 3, ("write", OTHER): 1}
+    for _ in range(4):
+        store.add(sample(b), T0 + 200 * S)  # a is out of the window now, b is the top-1
+    after = series_map(store, T0 + 201 * S)
+    assert after == {("write", context_id(a)): 3, ("write", context_id(b)): 4, ("write", OTHER): 1}
+
+
+def test_random_streams_keep_every_counter_monotonic_and_the_sum_exact() -> None:
+    rng = random.Random(7)
+    store = TargetStore(
+        top_k=3,
+        max_series=6,
+        max_contexts=40,
+        promotion_window_seconds=30,
+        bucket_seconds=5,
+        history_seconds=60,
+    )
+    contexts = [ctx("main", f"f{i}") for i in range(60)]
+    seen: dict[tuple[str, str], int] = {}
+    now = T0
+    for _ in range(40):
+        for _ in range(rng.randrange(1, 80)):
+            store.add(
+                sample(rng.choice(contexts[: rng.randrange(1, 61)]), rng.choice(["write", "read"])), now
+            )
+        now += rng.randrange(1, 20) * S
+        exported = series_map(store, now)
+        for key, value in seen.items():
+            assert exported.get(key, -1) >= value, key
+        seen = exported
+        assert sum(exported.values()) == store.samples
+        assert len([k for k in exported if k[1] != OTHER]) <= 6
+
+
+def test_full_table_counts_new_contexts_as_dropped_not_lost() -> None:
+    store = TargetStore(max_contexts=2, history_seconds=60, bucket_seconds=10)
+    store.add(sample(ctx("main", "a")), T0)
+    store.add(sample(ctx("main", "b")), T0)
+    store.add(sample(ctx("main", "c")), T0 + S)
+    assert store.context_count() == 2
+    assert store.counters()["dropped"] == {"context_table_full": 1}
+    exported = series_map(store, T0 + 2 * S)
+    assert sum(exported.values()) == 3  # still counted (under "other" or its own series)
+    # After the history, an old never-promoted context may be evicted to make room.
+    store2 = TargetStore(max_contexts=1, history_seconds=60, bucket_seconds=10)
+    store2.add(sample(ctx("main", "a")), T0)
+    store2.add(sample(ctx("main", "b")), T0 + 120 * S)
+    assert [h.leaf for h in store2.hot()] == ["b"]
+    assert store2.counters()["dropped"] == {"context_evicted": 1}
+    assert sum(v for v in series_map(store2, T0 + 121 * S).values()) == 2
+
+
+def test_frames_are_interned_across_contexts() -> None:
+    store = TargetStore()
+    prefix = [frame(f"f{i}", 0x2000 + i) for i in range(50)]
+    for leaf in range(20):
+        store.add(sample([*prefix, frame(f"leaf{leaf}", 0x3000 + leaf)]), T0)
+    assert store.counters()["frames"] == 50 + 20

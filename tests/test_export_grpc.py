@@ -1,0 +1,337 @@
+"""The ccprofd.v1 gRPC service through a real channel on a real Unix socket (and TCP + mutual TLS),
+with the standard health service and server reflection.  The tracer is replaced by a scripted
+source (tests/daemon_fakes.py); everything from the store to the wire is real."""
+
+from __future__ import annotations
+
+import grp
+import os
+import shutil
+import stat
+import subprocess
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from daemon_fakes import (
+    TARGET_APP,
+    TARGET_DB,
+    FakeFactory,
+    config_text,
+    frame,
+    sample,
+    short_tmpdir,
+    wait_for,
+)
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
+from ccprofd.daemon.config import parse_config
+from ccprofd.daemon.service import Daemon
+from ccprofd.daemon.store import context_id
+from ccprofd.export.gen import ccprofd_pb2 as pb
+from ccprofd.export.gen import ccprofd_pb2_grpc as pb_grpc
+
+WRITE_CTX = [frame("main", 0x1139), frame("emit", 0x1180)]
+OPEN_CTX = [frame("main", 0x1145), frame("load", 0x11A0), frame("read_cfg", 0x11C4)]
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[Daemon, FakeFactory, str]]:
+    workdir = short_tmpdir()
+    factory = FakeFactory()
+    daemon = Daemon(parse_config(config_text(workdir, TARGET_APP + TARGET_DB)), factory)
+    daemon.start()
+    try:
+        yield daemon, factory, f"{workdir}/ccprofd.sock"
+    finally:
+        daemon.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def stub(path: str) -> pb_grpc.ProfilerStub:
+    return pb_grpc.ProfilerStub(grpc.insecure_channel(f"unix:{path}"))
+
+
+def feed(daemon: Daemon, factory: FakeFactory) -> None:
+    src = factory.sources["app"]
+    src.push(*[sample(WRITE_CTX, "write") for _ in range(6)], *[sample(OPEN_CTX, "openat") for _ in range(2)])
+    src.push(sample([frame("main", 0x1139), frame("spin", 0x1190)], event="cpu"))
+    wait_for(lambda: daemon.targets["app"].store.samples == 9)
+
+
+def test_socket_is_0660_and_owned_by_the_ccprofd_group_when_it_exists(
+    served: tuple[Daemon, FakeFactory, str],
+) -> None:
+    _, _, path = served
+    st = os.stat(path)
+    assert stat.S_ISSOCK(st.st_mode) and stat.S_IMODE(st.st_mode) == 0o660
+    try:
+        assert st.st_gid == grp.getgrnam("ccprofd").gr_gid
+    except KeyError:
+        assert st.st_gid == os.getgid()
+
+
+def test_list_targets(served: tuple[Daemon, FakeFactory, str]) -> None:
+    daemon, factory, path = served
+    feed(daemon, factory)
+    resp = stub(path).ListTargets(pb.ListTargetsRequest(), timeout=10)
+    by_name = {t.name: t for t in resp.targets}
+    app, db = by_name["app"], by_name["db"]
+    assert (app.kind, app.spec, app.mode, app.state, list(app.syscalls), app.samples) == (
+        "path",
+        "/opt/app/bin",
+        "unwind",
+        "attached",
+        ["write", "openat"],
+        9,
+    )
+    assert [(b.path, b.build_id) for b in app.binaries] == [("/opt/app/bin", frame("x", 0)["build_id"])]
+    assert [(p.pid, p.threads) for p in app.processes] == [(4242, 2)]
+    assert (db.kind, db.spec, db.mode, db.configured_mode) == (
+        "pid",
+        "999999",
+        "instrumented",
+        "instrumented",
+    )
+
+
+def test_get_thread_contexts(served: tuple[Daemon, FakeFactory, str]) -> None:
+    _, _, path = served
+    resp = stub(path).GetThreadContexts(pb.GetThreadContextsRequest(pid=4242), timeout=10)
+    assert resp.pid == 4242 and resp.target in ("app", "db")
+    threads = {t.tid: t for t in resp.threads}
+    assert [f.function for f in threads[4242].frames] == ["main", "serve"] and threads[4242].complete
+    assert threads[4242].frames[0].call_site == 0x1100 and threads[4242].frames[0].return_address == 0x1105
+    assert not threads[4243].complete
+    with pytest.raises(grpc.RpcError) as info:
+        stub(path).GetThreadContexts(pb.GetThreadContextsRequest(pid=1), timeout=10)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND and "pid 1" in (info.value.details() or "")
+
+
+def test_get_hot_contexts(served: tuple[Daemon, FakeFactory, str]) -> None:
+    daemon, factory, path = served
+    feed(daemon, factory)
+    resp = stub(path).GetHotContexts(pb.GetHotContextsRequest(target="app", top_k=5), timeout=10)
+    assert resp.total_samples == 8
+    got = [(h.syscall, h.count, h.leaf, h.context, [f.function for f in h.frames]) for h in resp.contexts]
+    assert got == [
+        ("write", 6, "emit", context_id(WRITE_CTX), ["main", "emit"]),
+        ("openat", 2, "read_cfg", context_id(OPEN_CTX), ["main", "load", "read_cfg"]),
+    ]
+    one = stub(path).GetHotContexts(pb.GetHotContextsRequest(top_k=1), timeout=10)
+    assert [h.count for h in one.contexts] == [6] and one.total_samples == 8
+    cpu = stub(path).GetHotContexts(pb.GetHotContextsRequest(target="app", by=pb.HOT_BY_CPU), timeout=10)
+    assert [(h.event, h.leaf, h.count) for h in cpu.contexts] == [("cpu", "spin", 1)]
+    with pytest.raises(grpc.RpcError) as info:
+        stub(path).GetHotContexts(pb.GetHotContextsRequest(target="nope"), timeout=10)
+    assert info.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_get_call_graph_stats(served: tuple[Daemon, FakeFactory, str]) -> None:
+    _, _, path = served
+    resp = stub(path).GetCallGraphStats(pb.GetCallGraphStatsRequest(target="app"), timeout=10)
+    (b,) = resp.binaries
+    assert b.path == "/opt/app/bin" and b.stats["functions"] == 12
+    assert b.stats["encodings"]["valence"]["acyclic_bits"] == 3
+
+
+def test_stream_samples_live_with_filter(served: tuple[Daemon, FakeFactory, str]) -> None:
+    daemon, factory, path = served
+    call = stub(path).StreamSamples(pb.SampleFilter(target="app", syscalls=["openat"]), timeout=30)
+    received: list[pb.Sample] = []
+
+    def consume() -> None:
+        for msg in call:
+            received.append(msg)
+            if len(received) == 2:
+                call.cancel()
+                return
+
+    t = threading.Thread(target=consume)
+    t.start()
+    wait_for(lambda: daemon.samples.subscribers() == 1)
+    feed(daemon, factory)
+    t.join(timeout=30)
+    assert [(m.syscall, m.target, m.context, m.pid) for m in received] == [
+        ("openat", "app", context_id(OPEN_CTX), 4242)
+    ] * 2
+    assert [f.function for f in received[0].frames] == ["main", "load", "read_cfg"]
+    wait_for(lambda: daemon.samples.subscribers() == 0)
+
+
+def test_stream_alerts(served: tuple[Daemon, FakeFactory, str]) -> None:
+    daemon, _, path = served
+    call = stub(path).StreamAlerts(pb.AlertFilter(kinds=["unseen_context"]), timeout=30)
+    received: list[pb.Alert] = []
+
+    def consume() -> None:
+        for msg in call:
+            received.append(msg)
+            call.cancel()
+            return
+
+    t = threading.Thread(target=consume)
+    t.start()
+    wait_for(lambda: daemon.alerts.subscribers() == 1)
+    daemon.alerts.publish({"kind": "incomplete_context", "target": "app", "syscall": "openat"})
+    daemon.alerts.publish(
+        {
+            "kind": "unseen_context",
+            "target": "app",
+            "syscall": "openat",
+            "pid": 7,
+            "tid": 8,
+            "time_ns": 5,
+            "args": {"path": "/etc/shadow"},
+            "frames": OPEN_CTX,
+            "nearest": [{"frames": WRITE_CTX, "count": 4, "common_prefix": 1}],
+        }
+    )
+    t.join(timeout=30)
+    (alert,) = received
+    assert (alert.kind, alert.pid, alert.tid, dict(alert.args)) == (
+        "unseen_context",
+        7,
+        8,
+        {"path": "/etc/shadow"},
+    )
+    assert [f.function for f in alert.frames] == ["main", "load", "read_cfg"]
+    assert alert.nearest[0].count == 4 and alert.nearest[0].common_prefix == 1
+
+
+def test_health_and_reflection(served: tuple[Daemon, FakeFactory, str]) -> None:
+    _, _, path = served
+    channel = grpc.insecure_channel(f"unix:{path}")
+    health = health_pb2_grpc.HealthStub(channel)
+    for service in ("", "ccprofd.v1.Profiler"):
+        resp = health.Check(health_pb2.HealthCheckRequest(service=service), timeout=10)
+        assert resp.status == health_pb2.HealthCheckResponse.SERVING
+    refl = reflection_pb2_grpc.ServerReflectionStub(channel)
+    responses = list(
+        refl.ServerReflectionInfo(
+            iter([reflection_pb2.ServerReflectionRequest(list_services="")]), timeout=10
+        )
+    )
+    names = {s.name for s in responses[0].list_services_response.service}
+    assert {"ccprofd.v1.Profiler", "grpc.health.v1.Health"} <= names
+
+
+def test_stale_socket_is_replaced_and_a_live_one_refused(tmp_path: Path) -> None:
+    from ccprofd.export.grpc_server import ServerError
+
+    workdir = short_tmpdir()
+    sock = f"{workdir}/ccprofd.sock"
+    import socket as socketmod
+
+    s = socketmod.socket(socketmod.AF_UNIX)
+    s.bind(sock)
+    s.close()  # bound, never listening: what a SIGKILLed daemon leaves behind
+    d1 = Daemon(parse_config(config_text(workdir)), FakeFactory())
+    d1.start()
+    try:
+        assert stub(sock).ListTargets(pb.ListTargetsRequest(), timeout=10).targets == []
+        d2 = Daemon(parse_config(config_text(workdir)), FakeFactory())
+        with pytest.raises(ServerError, match="another process is serving it"):
+            d2.start()
+        d2.stop()
+        assert stub(sock).ListTargets(pb.ListTargetsRequest(), timeout=10).targets == []
+    finally:
+        d1.stop()
+    assert not os.path.exists(sock)
+    shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _openssl(*args: str) -> None:
+    subprocess.run(["openssl", *args], check=True, capture_output=True)
+
+
+def make_pki(d: Path) -> None:
+    """A CA, a server certificate for 127.0.0.1 and a client certificate, made with openssl."""
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        str(d / "ca.key"),
+        "-out",
+        str(d / "ca.pem"),
+        "-days",
+        "2",
+        "-subj",
+        "/CN=ccprofd-test-ca",
+    )
+    for name, ext in (
+        ("server", "subjectAltName=IP:127.0.0.1,DNS:localhost"),
+        ("client", "extendedKeyUsage=clientAuth"),
+    ):
+        _openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            str(d / f"{name}.key"),
+            "-out",
+            str(d / f"{name}.csr"),
+            "-subj",
+            f"/CN=ccprofd-{name}",
+        )
+        (d / f"{name}.ext").write_text(ext + "\n")
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            str(d / f"{name}.csr"),
+            "-CA",
+            str(d / "ca.pem"),
+            "-CAkey",
+            str(d / "ca.key"),
+            "-CAcreateserial",
+            "-out",
+            str(d / f"{name}.pem"),
+            "-days",
+            "2",
+            "-extfile",
+            str(d / f"{name}.ext"),
+        )
+
+
+def test_tcp_with_mutual_tls(tmp_path: Path) -> None:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl not installed")
+    make_pki(tmp_path)
+    extra = (
+        f'tls_cert = "{tmp_path}/server.pem"\ntls_key = "{tmp_path}/server.key"\n'
+        f'tls_client_ca = "{tmp_path}/ca.pem"\n'
+    )
+    daemon = Daemon(
+        parse_config(
+            config_text(str(tmp_path), TARGET_APP, daemon_extra=extra, grpc_listen="tcp://127.0.0.1:0")
+        ),
+        FakeFactory(),
+    )
+    daemon.start()
+    try:
+        address = daemon.grpc_address.removeprefix("tcp://")
+        ca = (tmp_path / "ca.pem").read_bytes()
+        creds = grpc.ssl_channel_credentials(
+            ca, (tmp_path / "client.key").read_bytes(), (tmp_path / "client.pem").read_bytes()
+        )
+        with grpc.secure_channel(address, creds) as ch:
+            resp = pb_grpc.ProfilerStub(ch).ListTargets(pb.ListTargetsRequest(), timeout=10)
+            assert [t.name for t in resp.targets] == ["app"]
+        with (
+            grpc.secure_channel(address, grpc.ssl_channel_credentials(ca)) as ch,
+            pytest.raises(grpc.RpcError) as info,
+        ):
+            pb_grpc.ProfilerStub(ch).ListTargets(pb.ListTargetsRequest(), timeout=10)
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # no client certificate: handshake refused
+        with grpc.insecure_channel(address) as ch, pytest.raises(grpc.RpcError):
+            pb_grpc.ProfilerStub(ch).ListTargets(pb.ListTargetsRequest(), timeout=5)
+    finally:
+        daemon.stop()

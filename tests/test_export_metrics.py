@@ -1,0 +1,120 @@
+"""Prometheus /metrics scraped over real HTTP and parsed with prometheus-client's text parser."""
+
+from __future__ import annotations
+
+import shutil
+import urllib.request
+from collections.abc import Iterator
+
+import pytest
+from daemon_fakes import (
+    TARGET_APP,
+    TARGET_DB,
+    FakeFactory,
+    config_text,
+    frame,
+    sample,
+    short_tmpdir,
+    wait_for,
+)
+from prometheus_client.parser import text_string_to_metric_families
+
+from ccprofd.daemon.config import parse_config
+from ccprofd.daemon.service import Daemon
+from ccprofd.daemon.store import context_id
+
+Labels = tuple[tuple[str, str], ...]
+
+
+@pytest.fixture
+def served() -> Iterator[tuple[Daemon, FakeFactory]]:
+    workdir = short_tmpdir()
+    factory = FakeFactory()
+    daemon = Daemon(
+        parse_config(config_text(workdir, TARGET_APP + TARGET_DB, daemon_extra="top_k = 2\n")), factory
+    )
+    daemon.start()
+    try:
+        yield daemon, factory
+    finally:
+        daemon.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def scrape(daemon: Daemon) -> dict[str, dict[Labels, float]]:
+    address = daemon.metrics_address
+    assert address is not None
+    with urllib.request.urlopen(f"http://{address[0]}:{address[1]}/metrics", timeout=10) as resp:
+        assert resp.status == 200
+        text = resp.read().decode()
+    out: dict[str, dict[Labels, float]] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out.setdefault(s.name, {})[tuple(sorted(s.labels.items()))] = s.value
+    return out
+
+
+def ctx_series(m: dict[str, dict[Labels, float]], target: str) -> dict[tuple[str, str, str], float]:
+    return {
+        (d["syscall"], d["context"], d["leaf"]): v
+        for labels, v in m["ccprofd_context_samples_total"].items()
+        if (d := dict(labels))["target"] == target
+    }
+
+
+def test_hot_context_series_count_every_sample(served: tuple[Daemon, FakeFactory]) -> None:
+    daemon, factory = served
+    a = [frame("main", 0x10), frame("a", 0x20)]
+    b = [frame("main", 0x10), frame("b", 0x30)]
+    c = [frame("main", 0x10), frame("c", 0x40)]
+    src = factory.sources["app"]
+    src.push(*[sample(a) for _ in range(9)], *[sample(b, "openat") for _ in range(4)], sample(c))
+    src.push(*[sample(b, event="cpu") for _ in range(3)], sample(c, complete=False))
+    src.probe_hits, src.decode_errors, src.dropped = 123, 2, {"ringbuf_full": 5}
+    wait_for(lambda: daemon.targets["app"].store.samples == 18)
+    m = scrape(daemon)
+    # top_k = 2: the two hottest contexts get series with their full counts, the rest is "other".
+    assert ctx_series(m, "app") == {
+        ("write", context_id(a), "a"): 9,
+        ("openat", context_id(b), "b"): 4,
+        ("write", "other", ""): 2,
+        ("openat", "other", ""): 0,
+    }
+    cpu = {dict(k)["context"]: v for k, v in m["ccprofd_cpu_samples_total"].items()}
+    assert cpu == {context_id(b): 3, "other": 0}
+    assert m["ccprofd_probe_hits_total"][(("target", "app"),)] == 123
+    assert m["ccprofd_decode_errors_total"][(("target", "app"),)] == 2
+    assert m["ccprofd_contexts_incomplete_total"][(("target", "app"),)] == 1
+    assert m["ccprofd_samples_dropped_total"][(("reason", "ringbuf_full"), ("target", "app"))] == 5
+    assert m["ccprofd_mode"][(("mode", "unwind"), ("target", "app"))] == 1
+    assert m["ccprofd_mode"][(("mode", "instrumented"), ("target", "app"))] == 0
+    assert m["ccprofd_mode"][(("mode", "instrumented"), ("target", "db"))] == 1
+    assert m["ccprofd_attached_processes"][(("target", "app"),)] == 1
+    assert m["ccprofd_bpf_map_entries"][(("map", "thread_state"),)] == 2  # summed over both targets
+    assert m["ccprofd_verify_mismatches_total"][(("target", "db"),)] == 0
+    assert "process_resident_memory_bytes" in m and "process_cpu_seconds_total" in m
+
+    # More samples: series stay, stay monotonic, the cold context keeps counting under "other".
+    src.push(*[sample(c) for _ in range(20)])
+    wait_for(lambda: daemon.targets["app"].store.samples == 38)
+    m2 = scrape(daemon)
+    after = ctx_series(m2, "app")
+    assert after[("write", context_id(a), "a")] == 9 and after[("openat", context_id(b), "b")] == 4
+    # c became one of the top 2 since the last scrape: the 20 samples never exported move with it.
+    assert after[("write", context_id(c), "c")] == 20 and after[("write", "other", "")] == 2
+    assert sum(after.values()) == 35  # every syscall sample exactly once
+
+
+def test_failed_target_is_down_and_says_why(served: tuple[Daemon, FakeFactory]) -> None:
+    _daemon, _ = served
+    workdir = short_tmpdir()
+    factory = FakeFactory(fail={"app": "cannot attach: no such binary"})
+    d2 = Daemon(parse_config(config_text(workdir, TARGET_APP)), factory)
+    d2.start()
+    try:
+        m = scrape(d2)
+        assert m["ccprofd_target_up"][(("target", "app"),)] == 0
+        assert d2.targets["app"].error == "cannot attach: no such binary"
+    finally:
+        d2.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
