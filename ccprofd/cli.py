@@ -73,6 +73,38 @@ def _print_table(stats: dict[str, Any]) -> None:
             print(f"  {k.replace('_', ' '):<{width}}  {v}")
 
 
+# --------------------------------------------------------------------------------------- trace
+def cmd_trace(args: argparse.Namespace) -> int:
+    """``ccprofd trace``: calling contexts at each syscall of ``-- CMD`` or ``-p PID``."""
+    from .daemon.tracer import TraceError, TraceOptions, attach_session, open_session, run
+    from .export.jsonl import write_jsonl, write_text
+
+    command = list(args.command or [])
+    if command and command[0] == "--":
+        command = command[1:]
+    if bool(command) == (args.pid is not None):
+        raise UsageError("give exactly one of -p PID and -- CMD [ARGS...]")
+    if args.sample_hz < 0:
+        raise UsageError("--sample-hz must be positive")
+    options = TraceOptions(mode=args.mode, syscalls=args.syscalls, encoding=args.encoding, scope=args.scope,
+                           sample_hz=args.sample_hz, verify=args.verify,
+                           cache_dir=str(args.cache_dir) if args.cache_dir else None)
+    try:
+        out = open(args.output, "w", encoding="utf-8") if args.output else sys.stderr  # noqa: SIM115
+    except OSError as exc:
+        raise UsageError(f"cannot write {args.output}: {exc.strerror}") from None
+    writer = write_jsonl if args.format == "jsonl" else write_text
+    try:
+        try:
+            session = open_session(command, options=options) if command else attach_session(args.pid, options)
+        except TraceError as exc:
+            raise UsageError(str(exc)) from None
+        return run(session, lambda s: writer(out, s.to_json()), launched=bool(command))
+    finally:
+        if out is not sys.stderr:
+            out.close()
+
+
 # ---------------------------------------------------------------------------------------- main
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
@@ -98,6 +130,33 @@ def build_parser() -> argparse.ArgumentParser:
                     help="analysis cache directory (default: $CCPROFD_CACHE_DIR or ~/.cache/ccprofd)")
     an.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
     an.set_defaults(func=cmd_analyze)
+
+    tr = sub.add_parser(
+        "trace", help="calling context of every syscall of a command or process (like strace -k)",
+        description="Run CMD (or attach to PID) with calling-context probes and report, for every selected "
+                    "syscall, the exact chain of calls of the analysed binary that reached it. The command's "
+                    "stdin/stdout/stderr and exit status pass through; samples go to --output or stderr.",
+        epilog="Exit status: the command's own (128+N if killed by signal N); 125 if ccprofd fails while "
+               "the command runs; 2 for bad input; 1 if tracing cannot start.")
+    tr.add_argument("--mode", choices=["instrumented", "unwind"], default="instrumented",
+                    help="how contexts are obtained (default: instrumented)")
+    tr.add_argument("--syscalls", default="all", metavar="LIST",
+                    help="comma-separated syscall names to sample, or 'all' (default)")
+    tr.add_argument("--format", choices=["text", "jsonl"], default="text",
+                    help="output format (default text)")
+    tr.add_argument("--output", "-o", metavar="FILE", help="write samples to FILE instead of stderr")
+    tr.add_argument("--encoding", choices=["valence", "pcce", "hcce"], default="valence",
+                    help="calling-context encoding (instrumented mode implements valence)")
+    tr.add_argument("--scope", metavar="FUNCTION_REGEX",
+                    help="instrument only the call graph below functions whose name matches")
+    tr.add_argument("--sample-hz", type=int, default=0, metavar="N", help="also take CPU samples at N Hz")
+    tr.add_argument("--verify", action="store_true",
+                    help="cross-check each sample with a frame-pointer stack walk (frame-pointer targets)")
+    tr.add_argument("--cache-dir", type=_path_arg, default=None, help="analysis cache directory")
+    tr.add_argument("-p", "--pid", type=int, help="attach to the running process PID")
+    tr.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]",
+                    help="the command to run traced")
+    tr.set_defaults(func=cmd_trace)
 
     from .anomaly_cli import add_commands as add_anomaly_commands  # learn, detect, model (issue 7)
 

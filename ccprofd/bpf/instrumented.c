@@ -1,0 +1,698 @@
+// ccprofd instrumented mode: per-thread Valence state maintained by uprobes, no return probes.
+//
+// Compiled as the prelude of syscall_sampler.c (which provides tracked-process filtering, fork
+// following and the syscall ring buffer); CCPROF_SYSCALL_HOOK fills each syscall event's context.
+//
+// Per thread (a slot of cc_states, found through cc_slot_of[tid]) the state is a stack of
+// *pieces*, one per probe event that changed the context: the recorded stack pointer of the frame
+// it belongs to, the return address expected in the word below it, and a snapshot of the encoded
+// state (acycID words, recID length, segment count) from *before* the piece.  A piece is dead once
+// its frame is gone; at every event the dead pieces are dropped first and the state restored from
+// the snapshot of the lowest dropped piece (Encoder.unwind semantics), so nothing has to run when
+// a function returns, longjmps or unwinds an exception.
+//
+// Live pieces are sorted by recorded sp (each new piece belongs to a frame nested in the previous
+// ones), so "drop every piece whose frame lies below the current frame" is a binary search.  The
+// current frame is known exactly at probes (CFA from .eh_frame: sp- or rbp-based, per site) and
+// bounded at samples (sp + 8).  A few top pieces are then checked against the stack word below
+// their recorded sp: a sibling call made at the same stack depth, or a return address overwritten
+// since, means the piece is dead.
+//
+// Compile-time parameters (set by instrumented.py): ACYC_WORDS, MAX_PIECES, MAX_SEGS, EMIT_SEGS,
+// REC_BITS, REC_WORDS, REC_EMIT_WORDS, NPROBES, NCALLSITES, NSLOTS, LOG2_MAX_PIECES.  None of them
+// changes the code's size with the target binary: per-site data lives in maps.
+
+#include <asm/ptrace.h>  // struct pt_regs (the sampler includes it too, after this prelude)
+
+#define CC_NONE 0xffffffffu
+
+// piece kinds
+#define K_CALL 1      // acyc / cyclic edge at a call instruction
+#define K_TAIL 2      // acyc / cyclic edge at a tail jmp (recorded sp = the frame's CFA)
+#define K_EXIT 3      // call leaving the binary (PLT, GOT)
+#define K_TAILEXIT 4  // tail jmp leaving the binary
+#define K_ROOT 5      // root edge: the thread's first analysed function
+#define K_SEG 6       // segment: entry from outside code / an indirect call / unknown (anchor)
+
+// site flags (the probe plan's reasons)
+#define F_ACYC 1
+#define F_CYCLIC 2
+#define F_EXIT 4
+#define F_OUTSIDE 8
+#define F_INDIRECT 16
+#define F_SCOPE 32
+
+// thread state flags
+#define ST_INCOMPLETE_BASE 1  // frames above the first event are unknown (attached to a running thread)
+#define ST_FROZEN 2           // a push failed (bounds): nothing is recorded until that frame is gone
+#define ST_FORK_PENDING 4     // copied at fork; a thread of the same process resets at first use
+#define ST_BIAS 8             // bias is known
+#define ST_READFAIL 16        // a stack word could not be read: liveness was assumed
+
+// sample flags
+#define SF_NOSTATE 1
+#define SF_FROZEN 2
+#define SF_INCOMPLETE_BASE 4
+#define SF_SEGS_TRUNC 8
+#define SF_REC_TRUNC 16
+#define SF_READFAIL 32
+#define SF_BIAS 64
+
+// return-address table values
+#define RS_INDIRECT 0x80000000u
+#define RS_IN_SCOPE 0x40000000u
+#define RS_INDEX 0x3fffffffu
+
+// config slots
+#define CFG_LAUNCH_TGID 0
+#define CFG_LAUNCHED 1
+#define CFG_SCOPED 2
+
+// statistics
+#define S_SITE 0
+#define S_TAIL 1
+#define S_ENTRY 2
+#define S_SAMPLES 3
+#define S_PUSH 4
+#define S_DROPPED 5
+#define S_FROZEN 6
+#define S_NO_SLOT 7
+#define S_READFAIL 8
+#define S_FORK_COPIES 9
+#define S_RET_DEAD 10
+#define S_RINGBUF_FULL 11
+#define NR_CC_STATS 16
+
+#define RET_CHECKS 4
+
+struct cc_site {
+    u64 vaddr;
+    u64 ret_vaddr;
+    u64 mask[ACYC_WORDS];
+    u64 val[ACYC_WORDS];
+    u32 flags;
+    u32 rec_code;
+    u32 callsite;
+    s32 cfa_reg;  // 7 rsp, 6 rbp, -1 unknown
+    s64 cfa_off;
+};
+
+struct cc_piece {
+    u64 sp;
+    u64 ret;
+    u32 probe;
+    u32 aux;  // K_EXIT/K_TAILEXIT/K_SEG: callsite id of the exit (CC_NONE: unknown)
+    u32 kind;
+    u32 rec_before;
+    u32 nsegs_before;
+    u32 pad;
+    u64 acyc_before[ACYC_WORDS];
+};
+
+struct cc_state {
+    u32 n;
+    u32 rec_len;
+    u32 nsegs;
+    u32 flags;
+    u64 frozen_sp;
+    u64 bias;
+    u32 parent_tgid;
+    u32 lost;
+    u64 search_pos;  // scratch of cc_cut
+    u64 acyc[ACYC_WORDS];
+    u32 segs[MAX_SEGS];
+    u64 rec[REC_WORDS];
+    struct cc_piece p[MAX_PIECES];
+};
+
+struct cc_seg_out {
+    u64 saved[ACYC_WORDS];
+    u32 rec_height;
+    u32 aux;
+    u32 probe;
+    u32 pad;
+};
+
+struct cc_sample {
+    u32 flags;
+    u32 depth;
+    u32 top_kind;
+    u32 top_probe;
+    u32 top_aux;
+    u32 rec_len;
+    u32 nsegs;
+    u32 rec_base;  // index of the first emitted recID word
+    u64 bias;
+    u64 acyc[ACYC_WORDS];
+    struct cc_seg_out segs[EMIT_SEGS];  // the innermost segments, outermost first
+    u64 rec[REC_EMIT_WORDS];
+};
+
+// One context sample, sent through cc_events with only the used recID words (variable size).
+struct cc_record {
+    u64 ktime_ns;  // bpf_ktime_get_ns (CLOCK_MONOTONIC)
+    u32 tgid;
+    u32 tid;
+    s32 nr;        // syscall number; -1 for CPU samples
+    u32 event;     // 1 syscall, 2 cpu
+    u64 ip;
+    u64 sp;
+    struct cc_sample cc;
+};
+
+#define EV_CC_SYSCALL 1
+#define EV_CC_CPU 2
+
+// The sampler's event is small and zeroed with memset: the context goes to our own ring buffer.
+#define CCPROF_SYSCALL_HOOK(ctx, regs, e) cc_emit((e)->ktime_ns, (e)->nr, EV_CC_SYSCALL, (e)->ip, (e)->sp)
+
+BPF_ARRAY(cc_sites, struct cc_site, NPROBES);
+BPF_HASH(cc_ret_sites, u64, u32, NCALLSITES);
+// The value type bcc sees is an opaque blob: bcc generates printf/scanf helpers for every map value
+// type, element by element, which for MAX_PIECES pieces costs seconds of compile time.
+// (CC_STATE_WORDS comes from Python as a number: bcc writes array bounds into a JSON type description
+// as spelled, so an expression there breaks it.)
+struct cc_state_blob {
+    u64 b[CC_STATE_WORDS];
+};
+_Static_assert(sizeof(struct cc_state) <= CC_STATE_WORDS * 8, "CC_STATE_WORDS too small");
+BPF_ARRAY(cc_states, struct cc_state_blob, NSLOTS);
+BPF_HASH(cc_slot_of, u32, u32, NSLOTS);
+BPF_QUEUE(cc_free, u32, NSLOTS);
+BPF_ARRAY(cc_config, u64, 4);
+BPF_PERCPU_ARRAY(cc_stats, u64, NR_CC_STATS);
+BPF_PERCPU_ARRAY(cc_scratch, struct cc_record, 2);  // [event - 1]: a CPU sample may interrupt a syscall one
+BPF_RINGBUF_OUTPUT(cc_events, CC_RINGBUF_PAGES);
+
+// Index masking the compiler cannot drop (it would otherwise reason the mask away from earlier
+// bounds checks, and the verifier, which tracks less, would reject the access).
+static __always_inline u32 cc_ix(u32 i, u32 mask) {
+    asm volatile("" : "+r"(i));
+    return i & mask;
+}
+#define PIX(i) cc_ix((i), MAX_PIECES - 1)
+#define SIX(i) cc_ix((i), MAX_SEGS - 1)
+#define RIX(i) cc_ix((i), REC_WORDS - 1)
+
+// 1 when a >= b (unsigned), without a branch (see cc_cut).
+static __always_inline u64 cc_ge(u64 a, u64 b) {
+    asm volatile("" : "+r"(a), "+r"(b));
+    u64 d = a - b;
+    u64 borrow = ((~a & b) | ((~a | b) & d)) >> 63;
+    asm volatile("" : "+r"(borrow));
+    return 1 - borrow;
+}
+
+static __always_inline void cc_stat(u32 idx) {
+    u64 *v = cc_stats.lookup(&idx);
+    if (v)
+        (*v)++;
+}
+
+static __always_inline u64 cc_cfg(u32 k) {
+    u64 *v = cc_config.lookup(&k);
+    return v ? *v : 0;
+}
+
+static __always_inline void cc_reset(struct cc_state *s, u32 flags) {
+    s->n = 0;
+    s->rec_len = 0;
+    s->nsegs = 0;
+    s->flags = flags;
+    s->frozen_sp = 0;
+    s->lost = 0;
+#pragma unroll
+    for (int w = 0; w < ACYC_WORDS; w++)
+        s->acyc[w] = 0;
+}
+
+// The calling thread's state, or NULL when the thread is not traced.
+static __always_inline struct cc_state *cc_state_of_current(void) {
+    u64 pid_tgid = bpf_get_current_pid_tgid();
+    u32 tid = (u32)pid_tgid;
+    u32 *slot = cc_slot_of.lookup(&tid);
+    if (!slot)
+        return 0;
+    u32 k = *slot;
+    struct cc_state *s = (struct cc_state *)cc_states.lookup(&k);
+    if (!s)
+        return 0;
+    if (s->flags & ST_FORK_PENDING) {
+        if ((u32)(pid_tgid >> 32) == s->parent_tgid)
+            cc_reset(s, 0);  // a new thread: its stack starts empty
+        else
+            s->flags &= ~ST_FORK_PENDING;  // a new process: keeps the parent's context
+    }
+    return s;
+}
+
+// Restore the state to what it was before piece m, dropping pieces m..n-1.
+static __always_inline void cc_truncate(struct cc_state *s, u32 m) {
+    if (m >= s->n)
+        return;
+    struct cc_piece *p = &s->p[PIX(m)];
+    s->rec_len = p->rec_before;
+    s->nsegs = p->nsegs_before;
+#pragma unroll
+    for (int w = 0; w < ACYC_WORDS; w++)
+        s->acyc[w] = p->acyc_before[w];
+    s->n = m;
+}
+
+// Drop the pieces whose frames are gone: every piece recorded below `limit` (the current frame's
+// CFA), then top pieces whose return address is no longer in the word below their recorded sp.
+static __always_inline void cc_cut(struct cc_state *s, u64 limit) {
+    // Branch-free binary search for the number of pieces recorded at or above `limit`.  The running
+    // position lives in map memory, whose contents the verifier does not track: in registers it
+    // would be split into every reachable value (2^LOG2_MAX_PIECES verifier paths).
+    u64 n = s->n;
+    s->search_pos = 0;
+#pragma unroll
+    for (int j = LOG2_MAX_PIECES; j >= 0; j--) {
+        u64 step = 1ULL << j;
+        u64 pos = s->search_pos;
+        u64 cand = pos + step;
+        u64 v = s->p[PIX((u32)(cand - 1))].sp;
+        u64 ok = cc_ge(n, cand) & cc_ge(v, limit);
+        s->search_pos = pos + step * ok;
+    }
+    u64 pos = s->search_pos;
+    if (pos < n) {
+        cc_stat(S_DROPPED);
+        cc_truncate(s, (u32)pos);
+    }
+#pragma unroll
+    for (int k = 0; k < RET_CHECKS; k++) {
+        u32 n = s->n;
+        if (n == 0 || n > MAX_PIECES)
+            break;
+        struct cc_piece *top = &s->p[PIX(n - 1)];
+        u64 word = 0;
+        if (bpf_probe_read_user(&word, sizeof(word), (void *)(top->sp - 8)) != 0) {
+            s->flags |= ST_READFAIL;
+            cc_stat(S_READFAIL);
+            break;
+        }
+        if (word == top->ret)
+            break;
+        cc_stat(S_RET_DEAD);
+        cc_truncate(s, n - 1);
+    }
+    if ((s->flags & ST_FROZEN) && s->frozen_sp < limit)
+        s->flags &= ~ST_FROZEN;
+}
+
+// Append a piece (snapshotting the state before it); NULL when full (the thread freezes).
+static __always_inline struct cc_piece *cc_push(struct cc_state *s, u64 sp, u64 ret, u32 probe, u32 kind,
+                                                u32 aux) {
+    u32 n = s->n;
+    if (n >= MAX_PIECES) {
+        s->flags |= ST_FROZEN;
+        s->frozen_sp = sp;
+        cc_stat(S_FROZEN);
+        return 0;
+    }
+    struct cc_piece *p = &s->p[PIX(n)];
+    p->sp = sp;
+    p->ret = ret;
+    p->probe = probe;
+    p->aux = aux;
+    p->kind = kind;
+    p->rec_before = s->rec_len;
+    p->nsegs_before = s->nsegs;
+#pragma unroll
+    for (int w = 0; w < ACYC_WORDS; w++)
+        p->acyc_before[w] = s->acyc[w];
+    s->n = n + 1;
+    cc_stat(S_PUSH);
+    return p;
+}
+
+static __always_inline void cc_set_acyc(struct cc_state *s, struct cc_site *si) {
+#pragma unroll
+    for (int w = 0; w < ACYC_WORDS; w++)
+        s->acyc[w] = (s->acyc[w] & ~si->mask[w]) | si->val[w];
+}
+
+static __always_inline void cc_push_rec(struct cc_state *s, u32 code) {
+#if REC_BITS > 0
+    u32 pos = s->rec_len;
+    u32 w = RIX(pos >> 6);
+    u32 sh = pos & 63;
+    u64 m = ((1ULL << REC_BITS) - 1);
+    s->rec[w] = (s->rec[w] & ~(m << sh)) | ((u64)code << sh);
+    if (sh + REC_BITS > 64) {
+        u32 w1 = RIX(w + 1);
+        s->rec[w1] = (s->rec[w1] & ~(m >> (64 - sh))) | ((u64)code >> (64 - sh));
+    }
+    s->rec_len = pos + REC_BITS;
+#endif
+}
+
+static __always_inline void cc_push_segment(struct cc_state *s, u64 sp, u64 ret, u32 probe, u32 aux) {
+    if (s->nsegs >= MAX_SEGS) {
+        s->flags |= ST_FROZEN;
+        s->frozen_sp = sp;
+        cc_stat(S_FROZEN);
+        return;
+    }
+    u32 idx = s->n;
+    if (!cc_push(s, sp, ret, probe, K_SEG, aux))
+        return;
+    s->segs[SIX(s->nsegs)] = idx;
+    s->nsegs += 1;
+#pragma unroll
+    for (int w = 0; w < ACYC_WORDS; w++)
+        s->acyc[w] = 0;
+}
+
+static __always_inline u64 cc_read_word(struct cc_state *s, u64 addr) {
+    u64 word = 0;
+    if (bpf_probe_read_user(&word, sizeof(word), (void *)addr) != 0) {
+        s->flags |= ST_READFAIL;
+        cc_stat(S_READFAIL);
+    }
+    return word;
+}
+
+static __always_inline u64 cc_cfa(struct pt_regs *ctx, struct cc_site *si) {
+    // Both registers are loaded unconditionally: a load whose address depends on cfa_reg would be a
+    // "modified ctx pointer" to the verifier.
+    u64 sp = ctx->sp;
+    u64 bp = ctx->bp;
+    asm volatile("" : "+r"(sp), "+r"(bp));
+    if (si->cfa_reg == 6)
+        return bp + si->cfa_off;
+    if (si->cfa_reg == 7)
+        return sp + si->cfa_off;
+    return sp + 8;  // no CFI: only the stack pointer bounds the frame
+}
+
+// An anchor: the thread's context above this frame is unknown (attached mid-run, --scope).
+static __always_inline void cc_anchor_if_empty(struct cc_state *s, u64 cfa, u32 probe) {
+    if (s->n == 0 && (s->flags & ST_INCOMPLETE_BASE))
+        cc_push_segment(s, cfa, cc_read_word(s, cfa - 8), probe, CC_NONE);
+}
+
+// Probe on a call instruction.
+int cc_site_probe(struct pt_regs *ctx) {
+    struct cc_state *s = cc_state_of_current();
+    if (!s)
+        return 0;
+    u32 id = (u32)bpf_get_attach_cookie(ctx);
+    struct cc_site *si = cc_sites.lookup(&id);
+    if (!si)
+        return 0;
+    cc_stat(S_SITE);
+    s->bias = ctx->ip - si->vaddr;
+    s->flags |= ST_BIAS;
+    u64 cfa = cc_cfa(ctx, si);
+    cc_cut(s, cfa);
+    if (s->flags & ST_FROZEN)
+        return 0;
+    cc_anchor_if_empty(s, cfa, id);
+    u64 ret = si->ret_vaddr + s->bias;
+    if (si->flags & F_EXIT) {
+        cc_push(s, ctx->sp, ret, id, K_EXIT, si->callsite);
+    } else if (si->flags & F_CYCLIC) {
+        if (cc_push(s, ctx->sp, ret, id, K_CALL, si->callsite))
+            cc_push_rec(s, si->rec_code);
+    } else if (si->flags & F_ACYC) {
+        if (cc_push(s, ctx->sp, ret, id, K_CALL, si->callsite))
+            cc_set_acyc(s, si);
+    }
+    return 0;
+}
+
+// Probe on a tail jmp: the callee replaces the frame, so the piece lives as long as the frame
+// (recorded sp = CFA, expected return address = the one already on the stack).
+int cc_tail_probe(struct pt_regs *ctx) {
+    struct cc_state *s = cc_state_of_current();
+    if (!s)
+        return 0;
+    u32 id = (u32)bpf_get_attach_cookie(ctx);
+    struct cc_site *si = cc_sites.lookup(&id);
+    if (!si)
+        return 0;
+    cc_stat(S_TAIL);
+    s->bias = ctx->ip - si->vaddr;
+    s->flags |= ST_BIAS;
+    u64 cfa = cc_cfa(ctx, si);
+    cc_cut(s, cfa);
+    if (s->flags & ST_FROZEN)
+        return 0;
+    cc_anchor_if_empty(s, cfa, id);
+    u64 ret = cc_read_word(s, cfa - 8);
+    if (si->flags & F_EXIT) {
+        cc_push(s, cfa, ret, id, K_TAILEXIT, si->callsite);
+    } else if (si->flags & F_CYCLIC) {
+        if (cc_push(s, cfa, ret, id, K_TAIL, si->callsite))
+            cc_push_rec(s, si->rec_code);
+    } else if (si->flags & F_ACYC) {
+        if (cc_push(s, cfa, ret, id, K_TAIL, si->callsite))
+            cc_set_acyc(s, si);
+    }
+    return 0;
+}
+
+// Probe on the entry of a root function (sp points at the return address).
+int cc_entry_probe(struct pt_regs *ctx) {
+    struct cc_state *s = cc_state_of_current();
+    if (!s)
+        return 0;
+    u32 id = (u32)bpf_get_attach_cookie(ctx);
+    struct cc_site *si = cc_sites.lookup(&id);
+    if (!si)
+        return 0;
+    cc_stat(S_ENTRY);
+    u64 bias = ctx->ip - si->vaddr;
+    s->bias = bias;
+    s->flags |= ST_BIAS;
+    u64 cfa = ctx->sp + 8;
+    u64 ra = cc_read_word(s, ctx->sp);
+    u64 rv = ra - bias;
+    u32 *rs = cc_ret_sites.lookup(&rv);
+    u32 indirect_cs = CC_NONE;
+    if (rs) {
+        u32 v = *rs;
+        if (v & RS_INDIRECT)
+            indirect_cs = v & RS_INDEX;  // called by an indirect call of the binary
+        else if ((v & RS_IN_SCOPE) || !(si->flags & F_SCOPE))
+            return 0;  // a direct call the call graph has: its own probe (if any) encoded it
+    }
+    cc_cut(s, cfa);
+    if (s->flags & ST_FROZEN)
+        return 0;
+    u32 n = s->n;
+    if (n > MAX_PIECES)
+        return 0;
+    u32 aux = CC_NONE;
+    if (n > 0) {
+        struct cc_piece *top = &s->p[PIX(n - 1)];
+        if (top->probe == id && top->sp == cfa && (top->kind == K_ROOT || top->kind == K_SEG))
+            return 0;  // the entry instruction is also a loop head: same activation
+        if (top->kind == K_EXIT || top->kind == K_TAILEXIT)
+            aux = top->aux;  // entered from the library the binary called there
+    }
+    if (indirect_cs != CC_NONE) {
+        // With no known context below (attached mid-run) the caller's own context is unknown.
+        if (n > 0 || !(s->flags & ST_INCOMPLETE_BASE))
+            aux = indirect_cs;
+    } else if (si->flags & F_SCOPE) {
+        aux = CC_NONE;  // the context above a --scope function is not recorded
+    } else if (n == 0 && !(s->flags & ST_INCOMPLETE_BASE)) {
+        if (cc_push(s, cfa, ra, id, K_ROOT, CC_NONE))
+            cc_set_acyc(s, si);  // the thread's first analysed function: the root edge's code
+        return 0;
+    }
+    cc_push_segment(s, cfa, ra, id, aux);
+    return 0;
+}
+
+// Fill a syscall sample: drop what died since the last probe, then copy the context out.
+// Returns the number of recID words filled in.
+static __always_inline u32 cc_fill_sample(u64 sp, struct cc_sample *out) {
+    struct cc_state *s = cc_state_of_current();
+    cc_stat(S_SAMPLES);
+    out->top_kind = 0;
+    out->top_probe = CC_NONE;
+    out->top_aux = CC_NONE;
+    out->depth = 0;
+    out->nsegs = 0;
+    out->rec_len = 0;
+    out->rec_base = 0;
+    out->bias = 0;
+    if (!s) {
+        out->flags = SF_NOSTATE;
+        return 0;
+    }
+    cc_cut(s, sp + 8);
+    u32 f = 0;
+    if (s->flags & ST_FROZEN)
+        f |= SF_FROZEN;
+    if (s->flags & ST_INCOMPLETE_BASE)
+        f |= SF_INCOMPLETE_BASE;
+    if (s->flags & ST_READFAIL)
+        f |= SF_READFAIL;
+    if (s->flags & ST_BIAS)
+        f |= SF_BIAS;
+    u32 n = s->n;
+    out->depth = n;
+    out->bias = s->bias;
+    if (n > 0 && n <= MAX_PIECES) {
+        struct cc_piece *top = &s->p[PIX(n - 1)];
+        out->top_kind = top->kind;
+        out->top_probe = top->probe;
+        out->top_aux = top->aux;
+    }
+#pragma unroll
+    for (int w = 0; w < ACYC_WORDS; w++)
+        out->acyc[w] = s->acyc[w];
+    u32 nsegs = s->nsegs;
+    if (nsegs > MAX_SEGS)
+        nsegs = MAX_SEGS;
+    out->nsegs = nsegs;
+    u32 first = 0;
+    if (nsegs > EMIT_SEGS) {
+        first = nsegs - EMIT_SEGS;
+        f |= SF_SEGS_TRUNC;
+    }
+#pragma unroll
+    for (int i = 0; i < EMIT_SEGS; i++) {
+        u32 j = first + i;
+        if (j < nsegs) {
+            u32 pi = s->segs[SIX(j)];
+            struct cc_piece *p = &s->p[PIX(pi)];
+#pragma unroll
+            for (int w = 0; w < ACYC_WORDS; w++)
+                out->segs[i].saved[w] = p->acyc_before[w];
+            out->segs[i].rec_height = p->rec_before;
+            out->segs[i].aux = p->aux;
+            out->segs[i].probe = p->probe;
+        }
+    }
+    u32 rl = s->rec_len;
+    out->rec_len = rl;
+    u32 words = (rl + 63) >> 6;
+    u32 base = 0;
+    if (words > REC_EMIT_WORDS) {
+        base = words - REC_EMIT_WORDS;
+        words = REC_EMIT_WORDS;
+        f |= SF_REC_TRUNC;
+    }
+    out->rec_base = base;
+    if (words > 0 && words <= REC_EMIT_WORDS && base < REC_WORDS)
+        bpf_probe_read_kernel(out->rec, words * 8, &s->rec[RIX(base)]);
+    else
+        words = 0;
+    out->flags = f;
+    return words;
+}
+
+static __always_inline void cc_emit(u64 ktime, s32 nr, u32 event, u64 ip, u64 sp) {
+    u64 pid_tgid = bpf_get_current_pid_tgid();
+    u32 kl = CFG_LAUNCH_TGID;
+    u64 *launch = cc_config.lookup(&kl);
+    if (launch && *launch == (pid_tgid >> 32) && cc_cfg(CFG_LAUNCHED) == 0)
+        return;  // ccprofd's own child before it execs the command: not the traced program yet
+    u32 idx = event - 1;
+    struct cc_record *r = cc_scratch.lookup(&idx);
+    if (!r)
+        return;
+    r->ktime_ns = ktime;
+    r->tgid = pid_tgid >> 32;
+    r->tid = (u32)pid_tgid;
+    r->nr = nr;
+    r->event = event;
+    r->ip = ip;
+    r->sp = sp;
+    u32 words = cc_fill_sample(sp, &r->cc);
+    if (words > REC_EMIT_WORDS)
+        words = REC_EMIT_WORDS;
+    u64 size = sizeof(struct cc_record) - (REC_EMIT_WORDS - words) * 8;
+    if (size > sizeof(struct cc_record))
+        return;
+    if (cc_events.ringbuf_output(r, size, 0) != 0)
+        cc_stat(S_RINGBUF_FULL);
+}
+
+// Fork and thread creation: the child starts with a copy of the parent's state; its first event
+// decides whether it is a thread (reset) or a process (keeps it).
+// Tracepoint arguments are read at offsets taken from tracefs (CC_FORK_CHILD_PID_OFF,
+// CC_EXEC_OLD_PID_OFF): bcc generates one struct per tracepoint and the sampler already has them.
+int cc_fork(void *args) {
+    struct cc_state *s = cc_state_of_current();
+    if (!s)
+        return 0;
+    u32 child = (u32)*(s32 *)((char *)args + CC_FORK_CHILD_PID_OFF);
+    u32 slot = 0;
+    if (cc_free.pop(&slot) != 0) {
+        cc_stat(S_NO_SLOT);
+        return 0;
+    }
+    struct cc_state *c = (struct cc_state *)cc_states.lookup(&slot);
+    if (!c)
+        return 0;
+    c->n = s->n;
+    c->rec_len = s->rec_len;
+    c->nsegs = s->nsegs;
+    c->flags = (s->flags & ~ST_READFAIL) | ST_FORK_PENDING;
+    c->frozen_sp = s->frozen_sp;
+    c->bias = s->bias;
+    c->parent_tgid = (u32)(bpf_get_current_pid_tgid() >> 32);
+    c->lost = 0;
+#pragma unroll
+    for (int w = 0; w < ACYC_WORDS; w++)
+        c->acyc[w] = s->acyc[w];
+    bpf_probe_read_kernel(c->segs, sizeof(c->segs), s->segs);
+    bpf_probe_read_kernel(c->rec, sizeof(c->rec), s->rec);
+    u32 n = s->n;
+    if (n > MAX_PIECES)
+        n = MAX_PIECES;
+    if (n > 0)
+        bpf_probe_read_kernel(c->p, n * sizeof(struct cc_piece), s->p);
+    if (cc_slot_of.update(&child, &slot) != 0) {
+        cc_free.push(&slot, 0);
+        cc_stat(S_NO_SLOT);
+        return 0;
+    }
+    cc_stat(S_FORK_COPIES);
+    return 0;
+}
+
+static __always_inline void cc_release(u32 tid) {
+    u32 *slot = cc_slot_of.lookup(&tid);
+    if (!slot)
+        return;
+    u32 k = *slot;
+    cc_slot_of.delete(&tid);
+    cc_free.push(&k, 0);
+}
+
+int cc_exit(void *args) {
+    cc_release((u32)bpf_get_current_pid_tgid());
+    return 0;
+}
+
+// The launch exec (the traced command replacing ccprofd's child) starts a fresh context; any other
+// exec replaces the analysed image: stop keeping state for it.
+int cc_exec(void *args) {
+    u64 pid_tgid = bpf_get_current_pid_tgid();
+    u32 tgid = pid_tgid >> 32;
+    u32 old = (u32)*(s32 *)((char *)args + CC_EXEC_OLD_PID_OFF);
+    if (old != (u32)pid_tgid)
+        cc_release(old);
+    u32 k = CFG_LAUNCH_TGID;
+    u64 *launch = cc_config.lookup(&k);
+    u32 kl = CFG_LAUNCHED;
+    u64 *launched = cc_config.lookup(&kl);
+    if (launch && launched && *launch == tgid && *launched == 0) {
+        *launched = 1;
+        struct cc_state *s = cc_state_of_current();
+        if (s)
+            cc_reset(s, 0);
+        return 0;
+    }
+    cc_release((u32)pid_tgid);
+    return 0;
+}

@@ -1,0 +1,415 @@
+"""Instrumented mode's BPF side: load ``instrumented.c`` for a probe plan, attach it, drain samples.
+
+The C program (see its header comment for the per-thread state and the no-return-probe rule) is
+compiled as the prelude of the syscall sampler, which contributes tracked-process filtering, fork
+following and the syscall ring buffer; each syscall event carries the thread's encoded context
+(:class:`RawContext`).  Per-site data (bit masks, recID codes, CFA rules, reasons) goes into array
+maps indexed by the uprobe_multi attach cookie, so the compiled code does not depend on the target
+binary's size.
+
+Only plans with ``acyc_op == "set"`` (Valence) are supported: the BPF side implements "set bits"
+and recID pushes; PCCE/HCCE's additive ids are not implemented here.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import re
+import struct
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any
+
+from ccprofd.bpf.bcc_adapter import BccModule
+from ccprofd.bpf.errors import BPFError
+from ccprofd.bpf.features import tracefs_dir
+from ccprofd.bpf.probeplan import (
+    CCOL,
+    PCOL,
+    R_CYCLIC,
+    R_PLT_EXIT,
+    R_SCOPE,
+    ProbePlan,
+)
+from ccprofd.bpf.syscall_sampler import SyscallSampler, monotonic_to_realtime_ns
+from ccprofd.bpf.uprobe_multi import UprobeMultiLink, attach_uprobe_multi
+from ccprofd.encode.plan import COL
+
+C_SOURCE = "instrumented.c"
+NONE32 = 0xFFFFFFFF
+
+# piece kinds (instrumented.c K_*)
+K_CALL, K_TAIL, K_EXIT, K_TAILEXIT, K_ROOT, K_SEG = 1, 2, 3, 4, 5, 6
+EXIT_KINDS = frozenset({K_EXIT, K_TAILEXIT})
+
+# sample flags (SF_*)
+SF_NOSTATE, SF_FROZEN, SF_INCOMPLETE_BASE, SF_SEGS_TRUNC, SF_REC_TRUNC, SF_READFAIL, SF_BIAS = (
+    1, 2, 4, 8, 16, 32, 64)
+INCOMPLETE_FLAGS = SF_NOSTATE | SF_FROZEN | SF_INCOMPLETE_BASE | SF_SEGS_TRUNC | SF_REC_TRUNC | SF_READFAIL
+
+ST_INCOMPLETE_BASE = 1
+RS_INDIRECT, RS_IN_SCOPE = 0x80000000, 0x40000000
+CFG_LAUNCH_TGID, CFG_LAUNCHED = 0, 1
+
+STATS = ("site_hits", "tail_hits", "entry_hits", "samples", "pushes", "cuts", "frozen", "no_slot",
+         "read_failures", "fork_copies", "ret_dead", "ringbuf_full")
+PROGRAMS = {"site": "cc_site_probe", "tail": "cc_tail_probe", "entry": "cc_entry_probe"}
+
+BPF_MAP_UPDATE_ELEM = 2
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """Bounds of BPF-side memory; past them a sample says ``complete: false``.
+
+    ``max_pieces``: probe events kept per thread (about one per probed frame on the stack; a
+    recursion deeper than this is reported incomplete).  ``max_segments``: nested entries from
+    outside code.  ``emit_segments``/``rec_emit_words``: what one sample carries.  ``slots``:
+    threads traced at once.
+    """
+
+    max_pieces: int = 8192
+    max_segments: int = 64
+    emit_segments: int = 16
+    rec_emit_words: int = 256
+    slots: int = 64
+    ringbuf_pages: int = 512
+
+    def check(self) -> None:
+        for name in ("max_pieces", "max_segments", "ringbuf_pages"):
+            v = getattr(self, name)
+            if v < 1 or v & (v - 1):
+                raise BPFError(f"{name} must be a power of two, not {v}")
+        if not 1 <= self.emit_segments <= self.max_segments:
+            raise BPFError("emit_segments must be between 1 and max_segments")
+        if self.slots < 1 or self.rec_emit_words < 1:
+            raise BPFError("slots and rec_emit_words must be positive")
+
+
+@dataclass(frozen=True, slots=True)
+class RawSegment:
+    saved: tuple[int, ...]
+    rec_height: int
+    aux: int  # callsite id of the exit the segment was entered through, NONE32 if unknown
+    probe: int  # entry (or anchoring) probe id
+
+
+@dataclass(frozen=True, slots=True)
+class RawContext:
+    """One sample as the BPF side reports it: where the thread is and its encoded context."""
+
+    event: str  # "syscall" | "cpu"
+    time_ns: int  # CLOCK_REALTIME
+    pid: int
+    tid: int
+    syscall: int | None
+    ip: int
+    sp: int
+    flags: int
+    depth: int
+    top_kind: int
+    top_probe: int
+    top_aux: int
+    bias: int
+    acyc: tuple[int, ...]
+    rec: int
+    rec_len: int
+    rec_base: int
+    segments: tuple[RawSegment, ...] = field(default=())
+
+
+@dataclass(frozen=True, slots=True)
+class ProcessEvent:
+    """fork / exec / exit of a traced process (from the sampler)."""
+
+    kind: str
+    time_ns: int
+    pid: int
+    tid: int
+    aux: int
+
+
+class SampleLayout:
+    """Byte layout of ``struct cc_record`` (header + ``struct cc_sample``) for given parameters."""
+
+    def __init__(self, acyc_words: int, emit_segs: int, rec_emit_words: int) -> None:
+        self.w = acyc_words
+        self.emit_segs = emit_segs
+        self.rec_words = rec_emit_words
+        self._rec = struct.Struct("<QIIiIQQ")
+        self._head = struct.Struct("<8IQ")
+        self._acyc = struct.Struct(f"<{acyc_words}Q")
+        self._seg = struct.Struct(f"<{acyc_words}Q4I")
+        self.fixed = self._rec.size + self._head.size + self._acyc.size + emit_segs * self._seg.size
+        self.size = self.fixed + rec_emit_words * 8
+
+    def parse(self, raw: bytes) -> RawContext:
+        ktime, tgid, tid, nr, event, ip, sp = self._rec.unpack_from(raw)
+        off = self._rec.size
+        flags, depth, top_kind, top_probe, top_aux, rec_len, nsegs, rec_base, bias = \
+            self._head.unpack_from(raw, off)
+        off += self._head.size
+        acyc = self._acyc.unpack_from(raw, off)
+        off += self._acyc.size
+        segs: list[RawSegment] = []
+        for i in range(min(nsegs, self.emit_segs)):
+            vals = self._seg.unpack_from(raw, off + i * self._seg.size)
+            segs.append(RawSegment(tuple(vals[:self.w]), vals[self.w], vals[self.w + 1], vals[self.w + 2]))
+        off += self.emit_segs * self._seg.size
+        rec = int.from_bytes(raw[off:], "little")
+        if not flags & SF_REC_TRUNC:
+            rec &= (1 << rec_len) - 1
+        return RawContext("syscall" if event == 1 else "cpu", monotonic_to_realtime_ns(ktime), tgid, tid,
+                          nr if nr >= 0 else None, ip, sp, flags, depth, top_kind, top_probe, top_aux, bias,
+                          tuple(acyc), rec, rec_len, rec_base, tuple(segs))
+
+
+def _words(value: int, n: int) -> list[int]:
+    return [(value >> (64 * i)) & 0xFFFFFFFFFFFFFFFF for i in range(n)]
+
+
+def site_table(probe_plan: ProbePlan, plan: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """Per probe id, what its BPF program does (plain values; the map rows are built from these)."""
+    if plan.get("acyc_op") != "set":
+        raise BPFError(f"instrumented mode implements Valence ('set') plans, not {plan.get('scheme')!r}")
+    rows = plan["sites"]
+    w = probe_plan.acyc_words
+    out: list[dict[str, Any]] = []
+    for p in probe_plan.probes:
+        reasons = p[PCOL["reasons"]]
+        sid = p[PCOL["plan_site"]]
+        mask = val = 0
+        rec_code = 0
+        flags = 0
+        if reasons & R_PLT_EXIT:
+            flags |= 4
+        row = rows[sid] if sid >= 0 else None
+        if row is not None and not reasons & R_PLT_EXIT:
+            lo, hi, code = row[COL["lo"]], row[COL["hi"]], row[COL["code"]]
+            if row[COL["reasons"]] & R_CYCLIC:
+                flags |= 2
+                rec_code = int(row[COL["rec_code"]])
+            elif code and lo is not None and hi is not None:
+                flags |= 1
+                mask = ((1 << (hi - lo)) - 1) << lo
+                val = int(code) << lo
+        flags |= reasons & (8 | 16 | R_SCOPE)
+        if p[PCOL["kind"]] in ("site", "tail") and not flags & (1 | 2 | 4):
+            raise BPFError(f"probe at {p[PCOL['vaddr']]:#x} has nothing to do (reasons {reasons})")
+        cs = p[PCOL["callsite"]]
+        length = probe_plan.callsites[cs][CCOL["length"]] if cs >= 0 else 0
+        out.append({"vaddr": p[PCOL["vaddr"]], "ret_vaddr": p[PCOL["vaddr"]] + length,
+                    "mask": _words(mask, w), "val": _words(val, w), "flags": flags, "rec_code": rec_code,
+                    "callsite": cs if cs >= 0 else NONE32, "cfa_reg": p[PCOL["cfa_reg"]],
+                    "cfa_off": p[PCOL["cfa_off"]]})
+    return out
+
+
+def ret_table(probe_plan: ProbePlan) -> list[tuple[int, int]]:
+    """Return address vaddr -> callsite id | RS_INDIRECT | RS_IN_SCOPE, for every call instruction."""
+    scope = set(probe_plan.in_scope) if probe_plan.in_scope is not None else None
+    out: list[tuple[int, int]] = []
+    for i, c in enumerate(probe_plan.callsites):
+        if c[CCOL["is_jump"]]:
+            continue
+        v = i
+        if c[CCOL["kind"]] == "indirect":
+            v |= RS_INDIRECT
+        if scope is None or c[CCOL["caller"]] in scope:
+            v |= RS_IN_SCOPE
+        out.append((c[CCOL["vaddr"]] + c[CCOL["length"]], v))
+    return out
+
+
+def tracepoint_field_offset(category: str, event: str, name: str) -> int:
+    """Byte offset of a tracepoint field, from its tracefs format (layouts differ by kernel)."""
+    base = tracefs_dir()
+    if base is None:
+        raise BPFError("tracefs is not mounted (mount -t tracefs tracefs /sys/kernel/tracing)")
+    path = os.path.join(base, "events", category, event, "format")
+    try:
+        with open(path, encoding="ascii") as fh:
+            for line in fh:
+                m = re.search(r"field:[^;]*[ *]" + re.escape(name) + r";\s*offset:(\d+);", line)
+                if m:
+                    return int(m.group(1))
+    except OSError as exc:
+        raise BPFError(f"cannot read {path}: {exc.strerror}") from None
+    raise BPFError(f"tracepoint {category}:{event} has no field {name}")
+
+
+def _pow2_at_least(n: int) -> int:
+    p = 1
+    while p < n:
+        p <<= 1
+    return p
+
+
+class _MapUpdateAttr(ctypes.Structure):
+    _fields_ = [("map_fd", ctypes.c_uint32), ("_pad", ctypes.c_uint32), ("key", ctypes.c_uint64),
+                ("value", ctypes.c_uint64), ("flags", ctypes.c_uint64)]
+
+
+class InstrumentedBPF:
+    """Compile, fill and attach instrumented mode for one probe plan; drain its samples."""
+
+    def __init__(self, probe_plan: ProbePlan, plan: Mapping[str, Any], *,
+                 syscalls: Iterable[int] | None = None, limits: Limits = Limits()) -> None:
+        limits.check()
+        self.probe_plan = probe_plan
+        self.limits = limits
+        self.sites = site_table(probe_plan, plan)
+        w = probe_plan.acyc_words
+        rec_bits = probe_plan.rec_code_bits
+        rec_words = _pow2_at_least(max(1, (limits.max_pieces * rec_bits + 127) // 64))
+        rec_emit = min(limits.rec_emit_words, rec_words)
+        self.layout = SampleLayout(w, limits.emit_segments, rec_emit)
+        log2 = limits.max_pieces.bit_length() - 1
+        piece = 40 + 8 * w  # struct cc_piece
+        header = 48 + 8 * w + 4 * limits.max_segments
+        state_bytes = (header + 7) // 8 * 8 + 8 * rec_words + piece * limits.max_pieces
+        fork_off = tracepoint_field_offset("sched", "sched_process_fork", "child_pid")
+        exec_off = tracepoint_field_offset("sched", "sched_process_exec", "old_pid")
+        defines = {"ACYC_WORDS": w, "MAX_PIECES": limits.max_pieces, "LOG2_MAX_PIECES": log2,
+                   "MAX_SEGS": limits.max_segments, "EMIT_SEGS": limits.emit_segments, "REC_BITS": rec_bits,
+                   "REC_WORDS": rec_words, "REC_EMIT_WORDS": rec_emit, "NPROBES": max(1, len(self.sites)),
+                   "NCALLSITES": max(1, len(probe_plan.callsites)), "NSLOTS": limits.slots,
+                   "CC_RINGBUF_PAGES": limits.ringbuf_pages, "CC_STATE_WORDS": state_bytes // 8,
+                   "CC_FORK_CHILD_PID_OFF": fork_off, "CC_EXEC_OLD_PID_OFF": exec_off}
+        prelude = "".join(f"#define {k} {v}\n" for k, v in defines.items())
+        prelude += resources.files("ccprofd.bpf").joinpath(C_SOURCE).read_text(encoding="utf-8")
+        self.sampler = SyscallSampler(syscalls=syscalls, max_tracked=max(4096, 2 * limits.slots),
+                                      ringbuf_pages=64, prelude=prelude)
+        self.module: BccModule = self.sampler.module
+        self._contexts: list[RawContext] = []
+        self.module.open_ring_buffer("cc_events", lambda raw: self._contexts.append(self.layout.parse(raw)))
+        self._links: list[UprobeMultiLink] = []
+        self._attached = False
+        self._fill_maps()
+
+    # ---------------------------------------------------------------------------------- set-up
+    def _fill_maps(self) -> None:
+        m = self.module.map("cc_sites")
+        items = []
+        for i, s in enumerate(self.sites):
+            v = m.leaf_type()
+            v.vaddr = s["vaddr"]
+            v.ret_vaddr = s["ret_vaddr"]
+            for j in range(self.probe_plan.acyc_words):
+                v.mask[j] = s["mask"][j]
+                v.val[j] = s["val"][j]
+            v.flags = s["flags"]
+            v.rec_code = s["rec_code"]
+            v.callsite = s["callsite"]
+            v.cfa_reg = s["cfa_reg"]
+            v.cfa_off = s["cfa_off"]
+            items.append((i, v))
+        m.update_many(items)
+        rets = self.module.map("cc_ret_sites")
+        rets.update_many(ret_table(self.probe_plan))
+        self._queue_fill("cc_free", range(self.limits.slots))
+
+    def _queue_fill(self, name: str, values: Iterable[int]) -> None:
+        """Push values onto a BPF queue map (the adapter has no queue wrapper): BPF_MAP_UPDATE_ELEM
+        with a NULL key, through the raw syscall."""
+        from ccprofd.bpf.rawbpf import bpf
+
+        fd = int(self.module.raw.get_table(name.encode()).map_fd)
+        for v in values:
+            val = ctypes.c_uint32(v)
+            attr = _MapUpdateAttr(map_fd=fd, key=0, value=ctypes.addressof(val), flags=0)
+            bpf(BPF_MAP_UPDATE_ELEM, attr, f"pushing onto BPF queue {name}")
+
+    def attach(self) -> None:
+        """Attach the process tracepoints, the syscall sampler and every probe (uprobe_multi)."""
+        if self._attached:
+            return
+        self.module.attach_tracepoint("sched:sched_process_fork", "cc_fork")
+        self.module.attach_tracepoint("sched:sched_process_exit", "cc_exit")
+        self.module.attach_tracepoint("sched:sched_process_exec", "cc_exec")
+        self.sampler.attach()
+        path = self.probe_plan.binary["path"]
+        by_kind: dict[str, list[int]] = {}
+        for i, p in enumerate(self.probe_plan.probes):
+            by_kind.setdefault(p[PCOL["kind"]], []).append(i)
+        for kind, ids in sorted(by_kind.items()):
+            fd = self.module.load_func(PROGRAMS[kind], "kprobe", attach_type=48)
+            offsets = [self.probe_plan.probes[i][PCOL["offset"]] for i in ids]
+            self._links.append(attach_uprobe_multi(fd, path, offsets, ids))
+        self._attached = True
+
+    def load_programs(self) -> None:
+        """Verify the three probe programs without attaching (for compile-time measurements)."""
+        for name in PROGRAMS.values():
+            self.module.load_func(name, "kprobe", attach_type=48)
+
+    # ------------------------------------------------------------------------------- threads
+    def track_launch(self, pid: int) -> None:
+        """Trace ``pid`` (a child of ours that will exec the target): its exec starts a fresh context."""
+        cfg = self.module.map("cc_config")
+        cfg.set(CFG_LAUNCH_TGID, pid)
+        cfg.set(CFG_LAUNCHED, 0)
+        self.add_thread(pid, incomplete=False)
+        self.sampler.track(pid, execs=1)
+
+    def track_running(self, pid: int, tids: Sequence[int]) -> None:
+        """Trace an already running process: its threads' frames above the first event are unknown."""
+        for tid in tids:
+            self.add_thread(tid, incomplete=True)
+        self.sampler.track(pid)
+
+    def add_thread(self, tid: int, *, incomplete: bool) -> None:
+        """Give thread ``tid`` a state slot (userspace side of the slot allocator)."""
+        from ccprofd.bpf.rawbpf import bpf
+
+        fd = int(self.module.raw.get_table(b"cc_free").map_fd)
+        slot = ctypes.c_uint32(0)
+        attr = _MapUpdateAttr(map_fd=fd, key=0, value=ctypes.addressof(slot), flags=0)
+        bpf(21, attr, "taking a state slot")  # BPF_MAP_LOOKUP_AND_DELETE_ELEM: pop
+        states = self.module.map("cc_states")
+        st = states.leaf_type()  # an opaque blob (see instrumented.c): write the header by offset
+        # n, rec_len, nsegs, flags
+        header = struct.pack("<4I", 0, 0, 0, ST_INCOMPLETE_BASE if incomplete else 0)
+        ctypes.memmove(ctypes.addressof(st), header, len(header))
+        states.set(int(slot.value), st)
+        self.module.map("cc_slot_of").set(tid, int(slot.value))
+
+    # --------------------------------------------------------------------------------- events
+    def poll(self, timeout_ms: int = 0) -> list[RawContext | ProcessEvent]:
+        """Samples and process events that arrived since the last call, in time order."""
+        out: list[RawContext | ProcessEvent] = []
+        for ev in self.sampler.poll(timeout_ms):
+            if ev.kind != "syscall":  # syscall contexts come through cc_events
+                t = monotonic_to_realtime_ns(ev.time_ns)
+                out.append(ProcessEvent(ev.kind, t, ev.tgid, ev.tid, ev.aux))
+        out.extend(self._contexts)
+        self._contexts = []
+        out.sort(key=lambda e: e.time_ns)
+        return out
+
+    def stats(self) -> dict[str, int]:
+        m = self.module.map("cc_stats")
+        out = {name: int(m.get(i) or 0) for i, name in enumerate(STATS)}
+        out.update({f"sampler_{k}": v for k, v in self.sampler.stats().items()})
+        out["probes"] = len(self.probe_plan.probes)
+        return out
+
+    def close(self) -> None:
+        for link in self._links:
+            link.close()
+        self._links.clear()
+        self.sampler.close()
+
+    def __enter__(self) -> InstrumentedBPF:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["EXIT_KINDS", "INCOMPLETE_FLAGS", "K_CALL", "K_EXIT", "K_ROOT", "K_SEG", "K_TAIL", "K_TAILEXIT",
+           "InstrumentedBPF", "Limits", "ProcessEvent", "RawContext", "RawSegment", "SampleLayout",
+           "ret_table", "site_table"]
+

@@ -1,0 +1,75 @@
+"""x86-64 syscall numbers <-> names, for ``--syscalls write,openat`` and for the ``syscall`` field.
+
+Read from the system's ``asm/unistd_64.h`` (the kernel UAPI header that defines ``__NR_<name>``);
+a small built-in table covers machines without it.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+
+HEADERS = ("/usr/include/x86_64-linux-gnu/asm/unistd_64.h", "/usr/include/asm/unistd_64.h")
+_DEFINE = re.compile(r"^#define __NR_(\w+)\s+(\d+)\s*$")
+
+# The common ones, in case no header is installed (numbers are the x86-64 ABI, which never changes).
+_FALLBACK = {
+    "read": 0, "write": 1, "open": 2, "close": 3, "stat": 4, "fstat": 5, "lstat": 6, "poll": 7,
+    "lseek": 8, "mmap": 9, "mprotect": 10, "munmap": 11, "brk": 12, "rt_sigaction": 13,
+    "rt_sigprocmask": 14, "rt_sigreturn": 15, "ioctl": 16, "pread64": 17, "pwrite64": 18, "readv": 19,
+    "writev": 20, "access": 21, "pipe": 22, "select": 23, "sched_yield": 24, "mremap": 25, "madvise": 28,
+    "dup": 32, "dup2": 33, "nanosleep": 35, "getpid": 39, "socket": 41, "connect": 42, "accept": 43,
+    "sendto": 44, "recvfrom": 45, "clone": 56, "fork": 57, "vfork": 58, "execve": 59, "exit": 60,
+    "wait4": 61, "kill": 62, "uname": 63, "fcntl": 72, "getcwd": 79, "chdir": 80, "rename": 82,
+    "mkdir": 83, "rmdir": 84, "unlink": 87, "readlink": 89, "getuid": 102, "getgid": 104, "geteuid": 107,
+    "getegid": 108, "getppid": 110, "sigaltstack": 131, "arch_prctl": 158, "gettid": 186, "futex": 202,
+    "getdents64": 217, "set_tid_address": 218, "clock_gettime": 228, "clock_nanosleep": 230,
+    "exit_group": 231, "tgkill": 234, "openat": 257, "newfstatat": 262, "set_robust_list": 273,
+    "pipe2": 293, "prlimit64": 302, "getrandom": 318, "execveat": 322, "rseq": 334, "clone3": 435,
+}
+
+
+@functools.cache
+def syscall_numbers() -> dict[str, int]:
+    """name -> number."""
+    for path in HEADERS:
+        try:
+            with open(path, encoding="ascii", errors="replace") as fh:
+                table = {m.group(1): int(m.group(2)) for line in fh if (m := _DEFINE.match(line))}
+        except OSError:
+            continue
+        if table:
+            return table
+    return dict(_FALLBACK)
+
+
+@functools.cache
+def syscall_table() -> dict[int, str]:
+    """number -> name."""
+    return {nr: name for name, nr in syscall_numbers().items()}
+
+
+def syscall_name(nr: int | None) -> str | None:
+    if nr is None:
+        return None
+    return syscall_table().get(nr, f"syscall_{nr}")
+
+
+def parse_syscalls(text: str | None) -> list[int] | None:
+    """``"write,openat"`` -> numbers; ``None``/``"all"`` -> None (every syscall).  Raises ValueError
+    naming the first unknown syscall."""
+    if text is None or text.strip() == "all":
+        return None
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    if not names:
+        raise ValueError("--syscalls needs a comma-separated list of syscall names, or 'all'")
+    table = syscall_numbers()
+    out: list[int] = []
+    for n in names:
+        if n.isdigit():
+            out.append(int(n))
+        elif n in table:
+            out.append(table[n])
+        else:
+            raise ValueError(f"unknown syscall {n!r}")
+    return out

@@ -1,0 +1,230 @@
+"""Symbolisation: an instrumented-mode sample -> decoded path -> JSON frames (outermost first).
+
+Input: a :class:`ccprofd.bpf.instrumented.RawContext` (where the thread is and its encoded context),
+the probe plan (call sites, function ranges, names) and the encoding plan (for the decoder).  Output:
+:class:`Frame` values in the issue-4 format.  Nothing here reads the binary or the call graph.
+
+How a sample becomes a path:
+
+* the *current node* is the function holding the sampled instruction pointer when it is in the
+  binary, else the function that left the binary through the innermost recorded exit (a PLT call,
+  a call through an import's GOT slot, a tail jump into the PLT); otherwise the node is not known and
+  only the context of the innermost recorded piece is reported (``complete: false``);
+* segments become :class:`~ccprofd.encode.segments.Segment` records whose ``site`` is the call site
+  the binary left through (so the frame below a callback names it, and an ``analysed: false`` frame
+  for the library function in between is inserted) or ``OUTSIDE`` when unknown (then the decoder
+  stops there and the sample is incomplete);
+* the decoder (``decoder_for(plan)``) returns ``[(caller, callee, site), ...]``; each edge's site
+  gives the caller frame's ``call_site``/``return_address`` (``tail_call`` for jumps).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from bisect import bisect_right
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from ccprofd.bpf.instrumented import (
+    EXIT_KINDS,
+    INCOMPLETE_FLAGS,
+    K_CALL,
+    K_TAIL,
+    NONE32,
+    SF_BIAS,
+    SF_REC_TRUNC,
+    SF_SEGS_TRUNC,
+    RawContext,
+)
+from ccprofd.bpf.probeplan import CCOL, PCOL, ProbePlan
+from ccprofd.callgraph.model import ROOT
+from ccprofd.decode import CachingDecoder, DecodeError, UnknownCaller, decoder_for
+from ccprofd.encode.plan import COL
+from ccprofd.encode.segments import OUTSIDE, Edge, EncodedState, Segment
+
+
+@dataclass(slots=True)
+class Frame:
+    """One frame of a reported context."""
+
+    function: str | None
+    module: str | None
+    build_id: str | None
+    analysed: bool
+    call_site: int | None = None
+    return_address: int | None = None
+    tail_call: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "function": self.function, "module": self.module, "build_id": self.build_id,
+            "analysed": self.analysed,
+            "call_site": f"{self.call_site:#x}" if self.call_site is not None else None,
+            "return_address": f"{self.return_address:#x}" if self.return_address is not None else None,
+        }
+        if self.tail_call:
+            d["tail_call"] = True
+        return d
+
+
+def demangle(names: Iterable[str]) -> dict[str, str]:
+    """Demangled forms of C++ names (``_Z...``), through one batched ``c++filt`` run; names it cannot
+    demangle (or every name, when c++filt is missing) map to themselves."""
+    mangled = sorted({n for n in names if n.startswith("_Z")})
+    out = {n: n for n in mangled}
+    tool = shutil.which("c++filt")
+    if not mangled or tool is None:
+        return out
+    try:
+        proc = subprocess.run([tool], input="\n".join(mangled) + "\n", capture_output=True, text=True,
+                              timeout=60, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return out
+    lines = proc.stdout.splitlines()
+    if len(lines) == len(mangled):
+        out.update(zip(mangled, lines, strict=True))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    """A symbolised sample: its frames and whether they are the whole context."""
+
+    frames: list[Frame]
+    complete: bool
+    reason: str | None = None  # why incomplete (for statistics), None when complete
+
+
+class Symbolizer:
+    """Decodes and symbolises samples of one probe plan (compiled once, cached per context)."""
+
+    def __init__(self, probe_plan: ProbePlan, plan: Mapping[str, Any]) -> None:
+        self.pp = probe_plan
+        self.plan = plan
+        self.decoder = CachingDecoder(decoder_for(plan))
+        self.module: str = probe_plan.binary["path"]
+        self.build_id: str | None = probe_plan.binary.get("build_id")
+        pretty = demangle(probe_plan.names.values())
+        self.names = {n: pretty.get(name, name) for n, name in probe_plan.names.items()}
+        self._fn_starts = [r[0] for r in probe_plan.functions]
+        self._cs_index = {c[CCOL["vaddr"]]: i for i, c in enumerate(probe_plan.callsites)}
+        self._rows = plan["sites"]
+        self.errors = 0
+
+    # ------------------------------------------------------------------------------- helpers
+    def function_at(self, vaddr: int) -> int | None:
+        i = bisect_right(self._fn_starts, vaddr) - 1
+        if i >= 0:
+            lo, hi, node = self.pp.functions[i]
+            if lo <= vaddr < hi:
+                return int(node)
+        return None
+
+    def _frame(self, node: int) -> Frame:
+        return Frame(self.names.get(node, f"node_{node}"), self.module, self.build_id, True)
+
+    def _outside(self, name: str | None) -> Frame:
+        return Frame(name, None, None, False)
+
+    def _callsite_name(self, index: int) -> str | None:
+        """The library function a call site enters (PLT target or GOT import), if known."""
+        tgt = self.pp.callsites[index][CCOL["target"]]
+        if tgt is not None and tgt < 0 and tgt != ROOT:
+            return self.names.get(tgt)
+        return self.pp.imports.get(index)
+
+    def _link(self, frames: list[Frame], site: int, into_binary: bool) -> None:
+        """Set the innermost frame's call site; when the callee was entered from library code the
+        binary called at ``site``, add that library function's (unanalysed) frame."""
+        prev = frames[-1]
+        index = self._cs_index.get(site)
+        if index is None:
+            return
+        cs = self.pp.callsites[index]
+        prev.call_site = site
+        if cs[CCOL["is_jump"]]:
+            prev.tail_call = True
+        else:
+            prev.return_address = site + cs[CCOL["length"]]
+        if into_binary:
+            ext = self._callsite_name(index)
+            if ext is not None or cs[CCOL["kind"]] == "plt":
+                frames.append(self._outside(ext))
+
+    # -------------------------------------------------------------------------------- decode
+    def state_of(self, s: RawContext) -> EncodedState:
+        segs: list[Segment] = []
+        probes, callsites = self.pp.probes, self.pp.callsites
+        for i, seg in enumerate(s.segments):
+            callee = probes[seg.probe][PCOL["node"]]
+            unknown = seg.aux == NONE32 or (i == 0 and s.flags & SF_SEGS_TRUNC)
+            if unknown:
+                segs.append(Segment(seg.saved, seg.rec_height, OUTSIDE, callee, None))
+            else:
+                cs = callsites[seg.aux]
+                segs.append(Segment(seg.saved, seg.rec_height, cs[CCOL["vaddr"]], callee, cs[CCOL["caller"]]))
+        return EncodedState(acyc=s.acyc, rec=s.rec, rec_len=s.rec_len, segments=tuple(segs))
+
+    def _top_callee(self, s: RawContext) -> int | None:
+        if s.top_probe == NONE32 or s.top_probe >= len(self.pp.probes):
+            return None
+        p = self.pp.probes[s.top_probe]
+        if s.top_kind in (K_CALL, K_TAIL):
+            return int(self._rows[p[PCOL["plan_site"]]][COL["callee"]])
+        return int(p[PCOL["node"]])
+
+    def decode(self, s: RawContext) -> Decoded:
+        complete = not s.flags & INCOMPLETE_FLAGS
+        reason = None if complete else f"flags={s.flags:#x}"
+        ipv = s.ip - s.bias if s.flags & SF_BIAS else None
+        node = self.function_at(ipv) if ipv is not None else None
+        exit_site: int | None = None
+        if node is None:
+            if s.top_kind in EXIT_KINDS and s.top_aux != NONE32:
+                exit_cs = self.pp.callsites[s.top_aux]
+                node = int(exit_cs[CCOL["caller"]])
+                exit_site = exit_cs[CCOL["vaddr"]]
+            elif s.depth == 0:
+                return Decoded([], complete, reason)  # no analysed frame on the stack
+            else:
+                node = self._top_callee(s)
+                complete, reason = False, "left the binary through an unprobed path"
+                if node is None:
+                    return Decoded([], False, reason)
+        if s.flags & SF_REC_TRUNC:
+            return Decoded([], False, "recID larger than a sample carries")
+        try:
+            path = self.decoder.decode(self.state_of(s), node)
+        except UnknownCaller as exc:
+            path, complete, reason = exc.partial, False, "caller of a segment unknown"
+        except DecodeError as exc:
+            self.errors += 1
+            return Decoded([], False, f"decode error: {exc}")
+        frames = self.frames_of(path, node)
+        inner = frames[-1]
+        if exit_site is not None:
+            self._link(frames, exit_site, into_binary=False)
+        elif ipv is not None and self.function_at(ipv) is not None:
+            inner.call_site = ipv  # the syscall (or sampled) instruction itself
+        return Decoded(frames, complete, reason)
+
+    def frames_of(self, path: list[Edge], node: int) -> list[Frame]:
+        """Frames for a decoded path ending at ``node`` (outermost first)."""
+        if not path:
+            return [self._frame(node)]
+        start = 0
+        if path[0][0] == ROOT:
+            first = path[0][1]
+            start = 1
+        else:
+            first = path[0][0]
+        frames = [self._frame(first)]
+        for _caller, callee, site in path[start:]:
+            if site == OUTSIDE:
+                frames.append(self._outside(None))
+            elif site:
+                self._link(frames, site, into_binary=True)
+            frames.append(self._frame(callee))
+        return frames
