@@ -73,7 +73,7 @@ class Limits:
     max_pieces: int = 8192
     max_segments: int = 64
     emit_segments: int = 16
-    rec_emit_words: int = 256
+    rec_emit_words: int = 1024
     slots: int = 64
     ringbuf_pages: int = 512
 

@@ -30,10 +30,9 @@ from typing import Any
 from ccprofd.bpf.instrumented import (
     EXIT_KINDS,
     INCOMPLETE_FLAGS,
-    K_CALL,
-    K_TAIL,
     NONE32,
     SF_BIAS,
+    SF_FROZEN,
     SF_REC_TRUNC,
     SF_SEGS_TRUNC,
     RawContext,
@@ -41,7 +40,6 @@ from ccprofd.bpf.instrumented import (
 from ccprofd.bpf.probeplan import CCOL, PCOL, ProbePlan
 from ccprofd.callgraph.model import ROOT
 from ccprofd.decode import CachingDecoder, DecodeError, UnknownCaller, decoder_for
-from ccprofd.encode.plan import COL
 from ccprofd.encode.segments import OUTSIDE, Edge, EncodedState, Segment
 
 
@@ -167,14 +165,6 @@ class Symbolizer:
                 segs.append(Segment(seg.saved, seg.rec_height, cs[CCOL["vaddr"]], callee, cs[CCOL["caller"]]))
         return EncodedState(acyc=s.acyc, rec=s.rec, rec_len=s.rec_len, segments=tuple(segs))
 
-    def _top_callee(self, s: RawContext) -> int | None:
-        if s.top_probe == NONE32 or s.top_probe >= len(self.pp.probes):
-            return None
-        p = self.pp.probes[s.top_probe]
-        if s.top_kind in (K_CALL, K_TAIL):
-            return int(self._rows[p[PCOL["plan_site"]]][COL["callee"]])
-        return int(p[PCOL["node"]])
-
     def decode(self, s: RawContext) -> Decoded:
         complete = not s.flags & INCOMPLETE_FLAGS
         reason = None if complete else f"flags={s.flags:#x}"
@@ -189,12 +179,18 @@ class Symbolizer:
             elif s.depth == 0:
                 return Decoded([], complete, reason)  # no analysed frame on the stack
             else:
-                node = self._top_callee(s)
-                complete, reason = False, "left the binary through an unprobed path"
-                if node is None:
-                    return Decoded([], False, reason)
+                # The thread left the binary through a path with no probe: the recorded context is
+                # only a prefix of the truth, and an incomplete sample reports innermost frames.
+                return Decoded([], False, "left the binary through an unprobed path")
+        if s.flags & SF_FROZEN:
+            # Deeper than the per-thread bound: only the outermost frames are recorded (a prefix).
+            return Decoded([], False, "per-thread state full")
         if s.flags & SF_REC_TRUNC:
-            return Decoded([], False, "recID larger than a sample carries")
+            path = self._innermost_recursion(s, node)
+            frames = self.frames_of(path, node)
+            if exit_site is not None:
+                self._link(frames, exit_site, into_binary=False)
+            return Decoded(frames, False, "recID larger than a sample carries")
         try:
             path = self.decoder.decode(self.state_of(s), node)
         except UnknownCaller as exc:
@@ -209,6 +205,29 @@ class Symbolizer:
         elif ipv is not None and self.function_at(ipv) is not None:
             inner.call_site = ipv  # the syscall (or sampled) instruction itself
         return Decoded(frames, complete, reason)
+
+    def _innermost_recursion(self, s: RawContext, node: int) -> list[Edge]:
+        """When only the top of recID was sent: the innermost cyclic edges it names, as long as each
+        ends at the current node (Algorithm 4's recID step); the rest of the path is unknown."""
+        dec = self.decoder.decoder
+        rec_map: list[int] = self.plan["tables"].get("rec_map", [])
+        bits = int(self.plan["rec_code_bits"])
+        if not bits or node not in dec.index:
+            return []
+        floor = max([seg.rec_height for seg in s.segments] + [s.rec_base * 64])
+        m = dec.index[node]
+        out: list[Edge] = []
+        pos = s.rec_len
+        while pos - bits >= floor:
+            code = (s.rec >> (pos - bits - s.rec_base * 64)) & ((1 << bits) - 1)
+            if code >= len(rec_map) or dec.callee[rec_map[code]] != m:
+                break
+            e = rec_map[code]
+            out.append(dec.edge[e])
+            m = dec.caller[e]
+            pos -= bits
+        out.reverse()
+        return out
 
     def frames_of(self, path: list[Edge], node: int) -> list[Frame]:
         """Frames for a decoded path ending at ``node`` (outermost first)."""
