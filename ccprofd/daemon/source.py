@@ -109,7 +109,7 @@ class SampleSource(Protocol):
 SourceFactory = Callable[[TargetConfig, DaemonConfig], SampleSource]
 """Builds the (not yet started) source of one target; the default is the tracer's ``make_source``."""
 
-TRACER_FACTORY = "ccprofd.daemon.tracer:make_source"
+TRACER_FACTORY = "ccprofd.daemon.tracer_source:make_source"
 
 
 def load_factory(spec: str = TRACER_FACTORY) -> SourceFactory:

@@ -85,6 +85,9 @@ class ProfilerServicer(pb_grpc.ProfilerServicer):
         except UnknownProcess as exc:
             context.abort(grpc.StatusCode.NOT_FOUND, str(exc).strip("'\""))
             raise  # unreachable: abort raises
+        except NotImplementedError as exc:
+            context.abort(grpc.StatusCode.UNIMPLEMENTED, str(exc))
+            raise
         except (OSError, RuntimeError) as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE,
                           f"cannot read the contexts of pid {request.pid}: {exc}")

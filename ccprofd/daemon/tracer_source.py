@@ -1,0 +1,222 @@
+"""The daemon's :class:`~ccprofd.daemon.source.SampleSource` over the tracer's modes
+(:mod:`ccprofd.daemon.tracer`): one prepared mode (analysis, plan, probes) per binary inode, fed with
+the processes of the target.
+
+Which processes: a ``path`` target follows every process whose executable is that inode; a ``pid``
+target that process; a ``cgroup`` target every process listed in ``cgroup.procs`` (one mode per
+distinct binary).  The set is rescanned every second; a process found by a rescan is tracked from
+then on with its threads' contexts flagged incomplete until their frames are known (the tracer
+decides that), never guessed.  A process in another mount namespace is analysed through
+``/proc/PID/root`` and reported with its host pid.  The daemon's own pid is never tracked.
+
+Left for the tracer to provide (see the daemon's README section): tracking new processes from their
+first instruction (an exec hook keyed by inode), live per-thread context reads
+(``thread_contexts`` raises NotImplementedError until then), per-source probe-hit counters.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from ccprofd.daemon.config import DaemonConfig, TargetConfig
+from ccprofd.daemon.source import BinaryInfo, ProcessInfo, SourceCounters, ThreadContext, UnknownProcess
+
+RESCAN_S = 1.0
+Inode = tuple[int, int]
+
+
+@dataclass
+class _Binary:
+    path: str
+    inode: Inode
+    mode: Any
+    build_id: str = ""
+
+
+def _exe_of(pid: int) -> tuple[str, Inode] | None:
+    """The executable ``pid`` runs, as a path the daemon can open, and its (dev, inode)."""
+    try:
+        st = os.stat(f"/proc/{pid}/exe")
+        link = os.readlink(f"/proc/{pid}/exe")
+    except OSError:
+        return None
+    if link.endswith(" (deleted)"):
+        return None
+    inode = (st.st_dev, st.st_ino)
+    for candidate in (link, f"/proc/{pid}/root{link}"):
+        try:
+            cst = os.stat(candidate)
+        except OSError:
+            continue
+        if (cst.st_dev, cst.st_ino) == inode:
+            return candidate, inode
+    return None
+
+
+def _tids(pid: int) -> list[int]:
+    try:
+        return sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+    except OSError:
+        return []
+
+
+def _comm(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/comm") as fh:
+            return fh.read().strip()
+    except OSError:
+        return ""
+
+
+class TracerSource:
+    def __init__(self, target: TargetConfig, daemon: DaemonConfig) -> None:
+        from ccprofd.daemon.tracer import TraceOptions
+
+        self.target = target
+        self.options = TraceOptions(
+            mode=target.mode, syscalls=",".join(target.syscalls) if target.syscalls else None,
+            encoding=target.encoding, scope=target.scope, sample_hz=target.perf_sample_hz,
+            verify=target.verify, cache_dir=str(daemon.state_dir / "cache"))
+        self.binaries_by_inode: dict[Inode, _Binary] = {}
+        self.tracked: dict[int, Inode] = {}
+        self.self_pid = os.getpid()
+        self.decode_errors = 0
+        self._last_scan = 0.0
+
+    # ------------------------------------------------------------------------------ discovery
+    def _candidates(self) -> Iterable[int]:
+        t = self.target
+        if t.pid is not None:
+            return [t.pid]
+        if t.cgroup is not None:
+            try:
+                with open(os.path.join(t.cgroup, "cgroup.procs")) as fh:
+                    return [int(x) for x in fh.read().split()]
+            except OSError:
+                return []
+        return [int(p) for p in os.listdir("/proc") if p.isdigit()]
+
+    def _binary_for(self, path: str, inode: Inode) -> _Binary:
+        from ccprofd.daemon.tracer import make_mode
+
+        b = self.binaries_by_inode.get(inode)
+        if b is None:
+            mode = make_mode(path, self.options)
+            mode.prepare()
+            b = _Binary(path, inode, mode, mode.build_id or "")
+            self.binaries_by_inode[inode] = b
+        return b
+
+    def _scan(self) -> None:
+        self._last_scan = time.monotonic()
+        want: Inode | None = None
+        if self.target.path is not None:
+            try:
+                st = os.stat(self.target.path)
+                want = (st.st_dev, st.st_ino)
+            except OSError:
+                want = None
+        alive = set()
+        for pid in self._candidates():
+            if pid == self.self_pid:
+                continue
+            if pid in self.tracked:
+                if os.path.exists(f"/proc/{pid}"):
+                    alive.add(pid)
+                continue
+            exe = _exe_of(pid)
+            if exe is None:
+                continue
+            path, inode = exe
+            if self.target.path is not None and inode != want:
+                continue
+            binary = self._binary_for(self.target.path if inode == want and self.target.path else path, inode)
+            binary.mode.track_running(pid, _tids(pid))
+            self.tracked[pid] = inode
+            alive.add(pid)
+        for pid in set(self.tracked) - alive:
+            del self.tracked[pid]
+
+    # ------------------------------------------------------------------------ SampleSource
+    def start(self) -> None:
+        if self.target.path is not None:
+            st = os.stat(self.target.path)  # a missing binary fails the target with one line
+            self._binary_for(self.target.path, (st.st_dev, st.st_ino))
+        self._scan()
+        if self.target.pid is not None and not self.tracked:
+            raise RuntimeError(f"no process {self.target.pid} (or it runs a deleted executable)")
+
+    def poll(self, timeout_ms: int) -> list[dict[str, Any]]:
+        if time.monotonic() - self._last_scan >= RESCAN_S:
+            self._scan()
+        out: list[dict[str, Any]] = []
+        binaries = list(self.binaries_by_inode.values())
+        if not binaries:
+            time.sleep(timeout_ms / 1000)
+            return out
+        share = max(1, timeout_ms // len(binaries))
+        for b in binaries:
+            out.extend(s.to_json() for s in b.mode.poll(share))
+        return out
+
+    def mode(self) -> str:
+        return self.target.mode
+
+    def processes(self) -> list[ProcessInfo]:
+        out = []
+        for pid, inode in sorted(self.tracked.items()):
+            b = self.binaries_by_inode[inode]
+            out.append(ProcessInfo(pid, b.path, b.build_id, len(_tids(pid)), _comm(pid), inode[1]))
+        return out
+
+    def binaries(self) -> list[BinaryInfo]:
+        return [BinaryInfo(b.path, b.build_id, inode[1], True) for inode, b in self.binaries_by_inode.items()]
+
+    def thread_contexts(self, pid: int) -> list[ThreadContext]:
+        if pid not in self.tracked:
+            raise UnknownProcess(f"no target follows pid {pid}")
+        raise NotImplementedError("live per-thread contexts are not provided by the tracer yet")
+
+    def callgraph_stats(self) -> dict[str, Any]:
+        from pathlib import Path
+
+        from ccprofd.callgraph import analyze_binary, graph_stats
+        from ccprofd.encode.report import encoding_report
+
+        out: dict[str, Any] = {}
+        cache = Path(self.options.cache_dir) if self.options.cache_dir else None
+        for b in self.binaries_by_inode.values():
+            graph = analyze_binary(b.path, cache_dir=cache)
+            stats: dict[str, Any] = dict(graph_stats(graph))
+            stats["encodings"] = encoding_report(graph, [self.target.encoding], cache_dir=cache)
+            stats["tracer"] = b.mode.summary()
+            out[b.path] = stats
+        return out
+
+    def counters(self) -> SourceCounters:
+        dropped: dict[str, int] = {}
+        errors = 0
+        maps: dict[str, int] = {}
+        for b in self.binaries_by_inode.values():
+            summary = b.mode.summary()
+            errors += int(summary.get("decode_errors") or 0)
+            for key, value in (summary.get("bpf") or {}).items():
+                if isinstance(value, int) and ("full" in key or "lost" in key or "drop" in key):
+                    dropped[key] = dropped.get(key, 0) + value
+        return SourceCounters(decode_errors=errors, dropped=dropped, map_entries=maps)
+
+    def close(self) -> None:
+        for b in self.binaries_by_inode.values():
+            with contextlib.suppress(Exception):  # one failing close must not keep the others attached
+                b.mode.close()
+        self.binaries_by_inode.clear()
+        self.tracked.clear()
+
+
+def make_source(target: TargetConfig, daemon: DaemonConfig) -> TracerSource:
+    return TracerSource(target, daemon)
