@@ -83,7 +83,7 @@ HASH=$(sha256sum pyproject.toml | cut -d' ' -f1)
 if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$HASH" ]; then
   say "installing ccprofd and its Python dependencies into .venv"
   .venv/bin/python -m pip install -q --upgrade pip >/dev/null
-  .venv/bin/python -m pip install -q -e ".[dev]"
+  .venv/bin/python -m pip install -q -e ".[dev,bench]"
   echo "$HASH" > "$STAMP"
 fi
 .venv/bin/python -c 'import bcc' || { say "import bcc failed inside .venv"; exit 1; }
