@@ -12,9 +12,10 @@ import contextlib
 import gc
 import marshal
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from ccprofd.atomicfile import atomic_write_bytes
 
 CACHE_FORMAT = 3  # bump whenever the analysis output changes meaning
 
@@ -25,27 +26,6 @@ def default_cache_dir() -> Path:
         return Path(env)
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return Path(base) / "ccprofd"
-
-
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write via temp file + fsync + rename, so a crash never leaves a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        dfd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
 
 
 class AnalysisCache:

@@ -38,17 +38,16 @@ Plans are cached as ``<cache_dir>/plans/<key>.json``, written atomically.
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import hashlib
 import json
 import os
-import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from ccprofd.atomicfile import atomic_write_bytes
 from ccprofd.callgraph.model import BinaryInfo, CallGraph
 from ccprofd.encode.bits import words_for_bits
 from ccprofd.encode.edges import (
@@ -217,24 +216,7 @@ def plan_path(cache_dir: str | os.PathLike[str], key: str) -> Path:
 
 def save_plan(plan: Mapping[str, Any], path: str | os.PathLike[str]) -> None:
     """Write atomically: a reader sees either the old file or the complete new one."""
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".plan-", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(plan, fh, separators=(",", ":"))
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    dfd = os.open(target.parent, os.O_RDONLY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    atomic_write_bytes(path, json.dumps(plan, separators=(",", ":")).encode())
 
 
 def check_plan(plan: Mapping[str, Any]) -> None:
