@@ -105,7 +105,7 @@ class InstrumentedMode:
         from ccprofd.callgraph import analyze_binary
         from ccprofd.callgraph.elfimage import ElfImage
         from ccprofd.decode.frames import Symbolizer
-        from ccprofd.encode import get_plan
+        from ccprofd.encode import build_plan, get_plan
 
         try:
             nrs = parse_syscalls(self.options.syscalls)
@@ -116,6 +116,9 @@ class InstrumentedMode:
         cache = Path(self.options.cache_dir) if self.options.cache_dir else None
         graph = analyze_binary(self.path, cache_dir=cache)
         plan = get_plan(graph, self.options.encoding, cache_dir=cache)
+        if plan["binary"].get("content_hash") != graph.binary.content_hash:
+            # The plan cache is keyed by build-id, which a stripped copy shares with its original.
+            plan = build_plan(graph, self.options.encoding)
         image = ElfImage(self.path)
         from ccprofd.bpf.probeplan import ProbePlanError
 
