@@ -247,6 +247,14 @@ class BccModule:
         return self._b
 
     # -- programs ---------------------------------------------------------------------------------
+    def function_bytes(self, name: str) -> bytes:
+        """The compiled (not yet loaded) instructions of function ``name``, for loaders that must
+        patch them before loading (e.g. ``bpf_loop`` callbacks bcc cannot relocate)."""
+        try:
+            return bytes(self._b.dump_func(name.encode()))
+        except Exception as exc:
+            raise BPFError(f"no compiled BPF function {name}: {exc}") from None
+
     def load_func(self, name: str, prog_type: ProgType | int, *, attach_type: int = -1) -> int:
         """Load (verify) program ``name``; return its fd.  ``attach_type=48`` prepares a kprobe-type
         program for uprobe_multi links.  Loading twice returns the same fd."""

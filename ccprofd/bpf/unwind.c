@@ -41,6 +41,9 @@
 
 #define UW_EV_SAMPLE 16
 #define UW_EV_MAPS 17
+#define UW_EV_HIT 18
+#define UW_SAMPLE_HDR_BYTES 56
+#define UE_ANALYSED 0x80000000u
 
 #define UW_F_NEW 1          // first sample of a context (aggregated mode)
 #define UW_F_COLLISION 2    // same 128-bit hash as a different stored context: not merged
@@ -69,6 +72,7 @@
 
 #define UW_CFG_AGGREGATE 0
 #define UW_CFG_SAMPLE_CPU_ALL 1
+#define UW_CFG_EMIT_HITS 2
 
 struct uw_rule {
     u8 kind;
@@ -95,14 +99,93 @@ struct uw_mapping {
     u64 end;
     u64 bias;    // runtime = vaddr + bias
     u32 module;  // uw_modules index, UW_NO_MODULE without a table
-    u32 pad;
+    u32 info;    // UE_ANALYSED | module key (userspace's id of the file, for unanalysed frames)
 };
 
 struct uw_proc {
     u32 n;
     u32 gen;
+    u64 start_stack;  // the main thread's initial rsp (/proc/PID/stat): the stack ends there
     struct uw_mapping m[UW_MAX_MAPS];
 };
+
+#define UW_EXACT_BIT (1ULL << 63)
+#define UE_NONE 0xffffffffu
+
+#ifdef UE_ENABLED
+// The Valence encoding of one unwound stack (see unwind_plan.py / unwind_mode.py).  Its first
+// UE_HDR_WORDS words, then the used segments, recID words and unanalysed frames, are the context
+// that is hashed, stored in the arena and compared.
+#define UE_F_ANCHOR 1       // the frames above the first segment are unknown (caller NONE)
+#define UE_F_SEG_OVF 2      // too many segments: restarted (anchor) at an inner frame
+#define UE_F_REC_OVF 4      // recID full: restarted (anchor) at an inner frame
+#define UE_F_UNAN_OVF 8     // too many unanalysed frames: the innermost ones are not recorded
+#define UE_F_INNER_EXACT 16 // the innermost analysed frame's pc is exact (syscall/sample in the binary)
+
+#define UE_SEGW (UE_ACYC_WORDS + 4)
+#define UE_HDR_WORDS (4 + UE_ACYC_WORDS)
+#define UE_OFF_SEGS UE_HDR_WORDS
+#define UE_OFF_REC (UE_OFF_SEGS + UE_MAX_SEGS * UE_SEGW)
+#define UE_OFF_UNAN (UE_OFF_REC + UE_REC_WORDS)
+#define UE_TOTAL_WORDS (UE_OFF_UNAN + 2 * UE_MAX_UNAN)
+
+struct ue_seg {
+    u64 saved[UE_ACYC_WORDS];
+    u32 rec_height;
+    u32 callee;  // dense node
+    u32 caller;  // dense node, UE_NONE: unknown (anchor)
+    u32 pad;
+    s64 site;    // call-site vaddr, -1 OUTSIDE
+    u64 ret;     // the caller's return address (vaddr) when its pc was one, else 0
+};
+
+struct ue_rec {
+    u32 node;    // dense node of the innermost analysed frame, UE_NONE: none
+    u32 flags;   // UE_F_*
+    u32 rec_len;
+    u32 nsegs;
+    u64 inner;   // vaddr of the innermost analysed frame's pc
+    u32 nunan;
+    u32 nframes; // analysed frames encoded (since the anchor)
+    u64 acyc[UE_ACYC_WORDS];
+    struct ue_seg segs[UE_MAX_SEGS];
+    u64 rec[UE_REC_WORDS];
+    u64 unan[2 * UE_MAX_UNAN];  // per unanalysed frame: (analysed frame index | module key << 32, vaddr | exact << 63)
+};
+
+struct ue_func {
+    u32 start;
+    u32 end;
+    u32 node;
+    u32 flags;  // 1: skip (the ELF entry function)
+};
+
+struct ue_edge_key {
+    u64 ret;     // return-address vaddr, 0 for root edges
+    u32 callee;  // dense node
+    u32 pad;
+};
+
+struct ue_row {
+    u64 mask[UE_ACYC_WORDS];
+    u64 val[UE_ACYC_WORDS];
+    u32 nrec;
+    u32 rec[UE_ROW_REC];
+};
+
+// walking state of the encoding pass
+struct ue_work {
+    u32 cur;
+    u32 cur_exact;
+    u64 cur_v;
+    u32 gap;
+    u32 pad;
+    u64 f_lo;
+    u64 f_hi;
+    u32 f_node;
+    u32 f_flags;
+};
+#endif
 
 // ring buffer record (and the sample part of the per-CPU state); pcs innermost first
 struct uw_sample {
@@ -117,7 +200,10 @@ struct uw_sample {
     u32 flags;     // UW_F_*
     u64 h1;
     u64 h2;
-    u64 pcs[UW_MAX_DEPTH];
+#ifdef UE_ENABLED
+    struct ue_rec e;
+#endif
+    u64 pcs[UW_MAX_DEPTH];  // bit 63 (UW_EXACT_BIT): the pc is exact, not a return address
 };
 
 struct uw_state {
@@ -140,6 +226,12 @@ struct uw_state {
     u64 r_hi;
     u32 r_id;
     u32 r_module;
+#ifdef UE_ENABLED
+    struct ue_work w;
+    u32 c_info;    // cached mapping's info
+    u32 alen;      // words of the context (hash, arena)
+#endif
+    u64 start_stack;
     u64 win_base;  // stack window: the user page at win_base is copied into win (odd: none)
     u64 win[UW_WIN_WORDS];
     struct uw_sample s;
@@ -171,6 +263,10 @@ BPF_ARRAY(uw_modules, struct uw_module, UW_MAX_MODULES);
 BPF_HASH(uw_procs, u32, struct uw_proc, UW_MAX_PROCS);
 BPF_HASH(uw_parent, u32, u32, UW_MAX_PROCS);          // child pid -> parent tgid (fork)
 BPF_HASH(uw_pending, u32, u32, UW_MAX_PROCS);         // tgid -> exec mmap/mprotect seen
+// tgid -> execs left at which to stop: a process ccprofd launched stops (SIGSTOP) after exec and
+// after each new executable mapping until userspace has loaded its mappings (it sends SIGCONT),
+// so no sample of it is taken with stale mappings.  Only for children of ccprofd itself.
+BPF_HASH(uw_stop, u32, u32, UW_MAX_PROCS);
 BPF_ARRAY(uw_state, struct uw_state, UW_NSLOTS);
 BPF_HASH(uw_counts, struct uw_key, struct uw_count, UW_MAX_CONTEXTS);
 BPF_ARRAY(uw_arena, u64, UW_ARENA_WORDS);
@@ -198,6 +294,7 @@ static __always_inline int uw_find_mapping(struct uw_state *st, u64 pc) {
     struct uw_proc *p = uw_procs.lookup(&tgid);
     if (!p)
         return -UW_WHY_NO_MAPS;
+    st->start_stack = p->start_stack;
     u32 lo = 0, hi = p->n;
     if (hi > UW_MAX_MAPS)
         hi = UW_MAX_MAPS;
@@ -224,6 +321,9 @@ static __always_inline int uw_find_mapping(struct uw_state *st, u64 pc) {
     st->c_end = p->m[i].end;
     st->c_bias = p->m[i].bias;
     st->c_module = p->m[i].module;
+#ifdef UE_ENABLED
+    st->c_info = p->m[i].info;
+#endif
     st->c_first = 0;
     st->c_count = 0;
     if (st->c_module != UW_NO_MODULE) {
@@ -312,7 +412,7 @@ static __always_inline long uw_unwind_step(struct uw_state *st) {
     u32 n = st->s.n;
     if (n >= UW_MAX_DEPTH)
         return uw_finish(st, UW_WHY_MAX_DEPTH);
-    st->s.pcs[n & (UW_MAX_DEPTH - 1)] = pc;
+    st->s.pcs[n & (UW_MAX_DEPTH - 1)] = pc | (st->exact ? UW_EXACT_BIT : 0);
     st->s.n = n + 1;
     uw_mix(st, pc);
 
@@ -339,6 +439,9 @@ static __always_inline long uw_unwind_step(struct uw_state *st) {
     u32 nread = 1;
     int fp = 0;
     if (!r || kind == UW_KIND_NONE) {
+        // The main thread's first frame (the loader's _start often has no CFI) ends the stack.
+        if (sp == st->start_stack)
+            return uw_finish(st, 0);
         // no CFI: frame-pointer rule, only where rbp looks like a frame pointer
         if (!st->bp_valid || bp < sp || bp - sp > (8ULL << 20) || (bp & 7))
             return uw_finish(st, st->c_module == UW_NO_MODULE ? UW_WHY_NO_TABLE : UW_WHY_NO_CFI);
@@ -409,14 +512,274 @@ static __always_inline long uw_unwind_step(struct uw_state *st) {
     return 0;
 }
 
+#ifdef UE_ENABLED
+BPF_ARRAY(ue_funcs, struct ue_func, UE_MAX_FUNCS);
+BPF_HASH(ue_edges, struct ue_edge_key, struct ue_row, UE_MAX_EDGES);
+BPF_HASH(ue_sites, u64, u64, UE_MAX_SITES);  // return-address vaddr -> call-instruction vaddr
+BPF_ARRAY(ue_config, u64, 4);                // [0] functions, [1] dense index of the virtual root
+
+// Word k of the context: the header, the used segments, the used recID words, the unanalysed frames.
+static __always_inline int ue_word(struct uw_state *st, u32 k, u64 *out) {
+    struct ue_rec *e = &st->s.e;
+    u32 hs = UE_HDR_WORDS + e->nsegs * UE_SEGW;
+    u32 r = (e->rec_len + 63) / 64;
+    u32 phys;
+    if (k < hs)
+        phys = k;
+    else if (k < hs + r)
+        phys = k - hs + UE_OFF_REC;
+    else
+        phys = k - (hs + r) + UE_OFF_UNAN;
+    if (phys >= UE_TOTAL_WORDS)
+        return -1;
+    *out = ((u64 *)e)[phys];
+    return 0;
+}
+
+static __always_inline void ue_seg_at(struct ue_rec *e, u32 idx, u32 callee, u32 caller, s64 site, u64 ret) {
+    struct ue_seg *g = &e->segs[idx & (UE_MAX_SEGS - 1)];
+#pragma unroll
+    for (int w = 0; w < UE_ACYC_WORDS; w++) {
+        g->saved[w] = e->acyc[w];
+        e->acyc[w] = 0;
+    }
+    g->rec_height = e->rec_len;
+    g->callee = callee;
+    g->caller = caller;
+    g->pad = 0;
+    g->site = site;
+    g->ret = ret;
+    e->nsegs = idx + 1;
+}
+
+// Forget everything above `callee`: the context restarts there with an unknown caller.
+static __always_inline void ue_anchor(struct ue_rec *e, u32 callee, u32 why) {
+#pragma unroll
+    for (int w = 0; w < UE_ACYC_WORDS; w++)
+        e->acyc[w] = 0;
+    e->rec_len = 0;
+    e->nunan = 0;
+    e->nframes = 0;
+    e->flags |= UE_F_ANCHOR | why;
+    ue_seg_at(e, 0, callee, UE_NONE, -1, 0);
+}
+
+// Encoder.enter_from_outside / unencoded_call: save acycID and the recID height, restart at callee.
+static __always_inline void ue_segment(struct ue_rec *e, u32 callee, u32 caller, s64 site, u64 ret) {
+    u32 n = e->nsegs;
+    if (n >= UE_MAX_SEGS) {
+        ue_anchor(e, callee, UE_F_SEG_OVF);
+        return;
+    }
+    ue_seg_at(e, n, callee, caller, site, ret);
+}
+
+static __always_inline int ue_push_rec(struct ue_rec *e, u32 code) {
+#if UE_REC_BITS > 0
+    u32 pos = e->rec_len;
+    if (pos + UE_REC_BITS > UE_REC_WORDS * 64)
+        return -1;
+    u32 w = (pos >> 6) & (UE_REC_WORDS - 1);
+    u32 sh = pos & 63;
+    u64 m = ((1ULL << UE_REC_BITS) - 1);
+    e->rec[w] = (e->rec[w] & ~(m << sh)) | ((u64)code << sh);
+    if (sh + UE_REC_BITS > 64) {
+        u32 w1 = (w + 1) & (UE_REC_WORDS - 1);
+        e->rec[w1] = (e->rec[w1] & ~(m >> (64 - sh))) | ((u64)code >> (64 - sh));
+    }
+    e->rec_len = pos + UE_REC_BITS;
+    return 0;
+#else
+    return -1;
+#endif
+}
+
+// Encoder.call for one edge (or a call plus the tail jumps that replaced its callee).
+static __always_inline void ue_apply(struct ue_rec *e, struct ue_row *r, u32 callee) {
+#pragma unroll
+    for (int w = 0; w < UE_ACYC_WORDS; w++)
+        e->acyc[w] = (e->acyc[w] & ~r->mask[w]) | r->val[w];
+#pragma unroll
+    for (int k = 0; k < UE_ROW_REC; k++) {
+        if (k >= r->nrec)
+            break;
+        if (ue_push_rec(e, r->rec[k]) < 0) {
+            ue_anchor(e, callee, UE_F_REC_OVF);
+            return;
+        }
+    }
+}
+
+// The analysed function holding ELF vaddr v (last range found is checked first).
+static __always_inline int ue_function(struct uw_state *st, u64 v, u32 *node, u32 *flags) {
+    if (v >= st->w.f_lo && v < st->w.f_hi) {
+        *node = st->w.f_node;
+        *flags = st->w.f_flags;
+        return 0;
+    }
+    if (v >= 0x100000000ULL)
+        return -1;
+    u32 k0 = 0;
+    u64 *nf = ue_config.lookup(&k0);
+    if (!nf)
+        return -1;
+    u32 lo = 0, hi = (u32)*nf;
+    if (hi > UE_MAX_FUNCS)
+        hi = UE_MAX_FUNCS;
+#pragma unroll
+    for (int i = 0; i < UE_FUNCS_LOG2 + 1; i++) {
+        if (lo >= hi)
+            break;
+        u32 mid = (lo + hi) / 2;
+        struct ue_func *f = ue_funcs.lookup(&mid);
+        if (!f)
+            return -1;
+        if (f->start <= (u32)v)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    if (lo == 0)
+        return -1;
+    u32 idx = lo - 1;
+    struct ue_func *f = ue_funcs.lookup(&idx);
+    if (!f || (u32)v >= f->end)
+        return -1;
+    st->w.f_lo = f->start;
+    st->w.f_hi = f->end;
+    st->w.f_node = f->node;
+    st->w.f_flags = f->flags;
+    *node = f->node;
+    *flags = f->flags;
+    return 0;
+}
+
+// One frame of the encoding pass, outermost first (i = 0 is the outermost unwound frame).
+static __always_inline long ue_step(struct uw_state *st, u32 i) {
+    u32 n = st->s.n;
+    if (i >= n || n > UW_MAX_DEPTH)
+        return 1;
+    u32 j = n - 1 - i;
+    u64 raw = st->s.pcs[j & (UW_MAX_DEPTH - 1)];
+    u64 pc = raw & ~UW_EXACT_BIT;
+    u32 exact = raw >> 63;
+    struct ue_rec *e = &st->s.e;
+    if (!(pc >= st->c_start && pc < st->c_end)) {
+        if (uw_find_mapping(st, pc) < 0) {
+            st->c_start = 0;
+            st->c_end = 0;
+            st->c_bias = 0;
+            st->c_info = 0xffff;
+        }
+    }
+    u32 info = st->c_info;
+    u64 v = pc - st->c_bias;
+    u32 node = UE_NONE, fflags = 0;
+    if (info & UE_ANALYSED) {
+        if (ue_function(st, exact ? v : v - 1, &node, &fflags) < 0 || (fflags & 1))
+            node = UE_NONE;
+    }
+    if (node == UE_NONE) {
+        if (st->w.cur == UE_NONE)
+            return 0;  // above the thread's first analysed frame: not part of the context
+        u32 k = e->nunan;
+        if (k >= UE_MAX_UNAN) {
+            e->flags |= UE_F_UNAN_OVF;
+            return 0;
+        }
+        e->unan[(2 * k) & (2 * UE_MAX_UNAN - 1)] = (u64)(e->nframes - 1) | ((u64)(info & 0xffff) << 32);
+        e->unan[(2 * k + 1) & (2 * UE_MAX_UNAN - 1)] = v | (exact ? UW_EXACT_BIT : 0);
+        e->nunan = k + 1;
+        st->w.gap++;
+        return 0;
+    }
+    u32 cur = st->w.cur;
+    if (cur == UE_NONE) {
+        if (st->s.reason) {
+            ue_anchor(e, node, 0);  // the unwind stopped early: frames above are unknown
+        } else {
+            struct ue_edge_key key = {0, node, 0};
+            struct ue_row *row = ue_edges.lookup(&key);
+            if (row) {
+                ue_apply(e, row, node);
+            } else {
+                u32 k1 = 1;
+                u64 *root = ue_config.lookup(&k1);
+                ue_segment(e, node, root ? (u32)*root : UE_NONE, -1, 0);
+            }
+        }
+    } else if (st->w.cur_exact) {
+        ue_segment(e, node, cur, -1, 0);  // the caller was interrupted (signal): no call site
+    } else {
+        struct ue_row *row = 0;
+        if (st->w.gap == 0) {
+            struct ue_edge_key key = {st->w.cur_v, node, 0};
+            row = ue_edges.lookup(&key);
+        }
+        if (row) {
+            ue_apply(e, row, node);
+        } else {
+            u64 cv = st->w.cur_v;
+            u64 *site = ue_sites.lookup(&cv);
+            ue_segment(e, node, cur, site ? (s64)*site : -1, cv);
+        }
+    }
+    e->nframes++;
+    st->w.cur = node;
+    st->w.cur_v = v;
+    st->w.cur_exact = exact;
+    st->w.gap = 0;
+    return 0;
+}
+
+static __always_inline long ue_hash_step(struct uw_state *st, u32 k) {
+    if (k >= st->alen)
+        return 1;
+    u64 word = 0;
+    if (ue_word(st, k, &word) < 0)
+        return 1;
+    uw_mix(st, word);
+    return 0;
+}
+
+static __always_inline void ue_reset(struct uw_state *st) {
+    struct ue_rec *e = &st->s.e;
+    e->node = UE_NONE;
+    e->flags = 0;
+    e->rec_len = 0;
+    e->nsegs = 0;
+    e->inner = 0;
+    e->nunan = 0;
+    e->nframes = 0;
+#pragma unroll
+    for (int w = 0; w < UE_ACYC_WORDS; w++)
+        e->acyc[w] = 0;
+    st->w.cur = UE_NONE;
+    st->w.cur_exact = 0;
+    st->w.cur_v = 0;
+    st->w.gap = 0;
+    st->w.f_lo = 0;
+    st->w.f_hi = 0;
+}
+#define UW_CTX_LEN(st) ((st)->alen)
+#else
+#define UW_CTX_LEN(st) ((st)->s.n)
+#endif
+
 static __always_inline long uw_arena_step(struct uw_state *st, u32 i) {
-    if (i >= st->s.n)
+    if (i >= UW_CTX_LEN(st))
         return 1;
     u32 idx = (u32)(st->arena_off + i);
     u64 *w = uw_arena.lookup(&idx);
     if (!w)
         return 1;
+#ifdef UE_ENABLED
+    u64 pc = 0;
+    if (ue_word(st, i, &pc) < 0)
+        return 1;
+#else
     u64 pc = st->s.pcs[i & (UW_MAX_DEPTH - 1)];
+#endif
     if (st->op == UW_OP_COPY) {
         *w = pc;
         return 0;
@@ -442,39 +805,85 @@ static __always_inline long uw_arena_slot(u32 slot, u32 i) {
     return uw_arena_step(st, i);
 }
 
-// bpf_loop callbacks, two per program kind (each program's state is in its own slot, so a CPU
+// bpf_loop callbacks, one set per program kind (each program's state is in its own slot, so a CPU
 // sample interrupting a syscall sample on the same CPU does not clobber it).  The verifier checks
-// a callback once per call site, so the big unwind step and the small arena copy/compare step are
-// separate callbacks; Python tells their call sites apart by the loop count (UW_UNWIND_LOOPS for
-// the unwind loop, UW_MAX_DEPTH for the arena loops).
+// a callback once per call site, so each loop has its own small callback; Python tells their call
+// sites apart by the loop count (UW_UNWIND_LOOPS, UW_ARENA_LOOPS, UE_ENC_LOOPS, UE_HASH_LOOPS).
 long uw_step_sys(u64 i) { return uw_step(bpf_get_smp_processor_id() * 2); }
 long uw_step_cpu(u64 i) { return uw_step(bpf_get_smp_processor_id() * 2 + 1); }
 long uw_arena_sys(u64 i) { return uw_arena_slot(bpf_get_smp_processor_id() * 2, (u32)i); }
 long uw_arena_cpu(u64 i) { return uw_arena_slot(bpf_get_smp_processor_id() * 2 + 1, (u32)i); }
+#ifdef UE_ENABLED
+static __always_inline long ue_enc_slot(u32 slot, u32 i) {
+    struct uw_state *st = uw_state.lookup(&slot);
+    if (!st)
+        return 1;
+    return ue_step(st, i);
+}
+static __always_inline long ue_hash_slot(u32 slot, u32 i) {
+    struct uw_state *st = uw_state.lookup(&slot);
+    if (!st)
+        return 1;
+    return ue_hash_step(st, i);
+}
+long ue_enc_sys(u64 i) { return ue_enc_slot(bpf_get_smp_processor_id() * 2, (u32)i); }
+long ue_enc_cpu(u64 i) { return ue_enc_slot(bpf_get_smp_processor_id() * 2 + 1, (u32)i); }
+long ue_hash_sys(u64 i) { return ue_hash_slot(bpf_get_smp_processor_id() * 2, (u32)i); }
+long ue_hash_cpu(u64 i) { return ue_hash_slot(bpf_get_smp_processor_id() * 2 + 1, (u32)i); }
+#define UE_CALLBACKS_SYS , ue_enc_sys, ue_hash_sys
+#define UE_CALLBACKS_CPU , ue_enc_cpu, ue_hash_cpu
+#define UE_CALLBACK_PARAMS , void *enc_cb, void *hash_cb
+#else
+#define UE_CALLBACKS_SYS
+#define UE_CALLBACKS_CPU
+#define UE_CALLBACK_PARAMS
+#endif
 
-static __always_inline void uw_emit(struct uw_state *st) {
+static __always_inline int uw_emit(struct uw_state *st) {
     u32 n = st->s.n;
     if (n > UW_MAX_DEPTH)
         n = UW_MAX_DEPTH;
     u64 size = sizeof(struct uw_sample) - sizeof(st->s.pcs) + (u64)n * 8;
     if (size > sizeof(struct uw_sample))
         size = sizeof(struct uw_sample);
-    if (uw_events.ringbuf_output(&st->s, size, 0) != 0)
+    if (uw_events.ringbuf_output(&st->s, size, 0) != 0) {
         uw_stat(UW_STAT_RINGBUF_FULL, 1);
+        return -1;
+    }
+    return 0;
+}
+
+// A known context: only the header (time, thread, syscall, key) when every sample is wanted.
+static __always_inline void uw_emit_hit(struct uw_state *st) {
+    u32 k = UW_CFG_EMIT_HITS;
+    u64 *on = uw_config.lookup(&k);
+    if (!on || !*on)
+        return;
+    st->s.kind = UW_EV_HIT;
+    if (uw_events.ringbuf_output(&st->s, UW_SAMPLE_HDR_BYTES, 0) != 0)
+        uw_stat(UW_STAT_RINGBUF_FULL, 1);
+    st->s.kind = UW_EV_SAMPLE;
 }
 
 // Count the context in the kernel; only contexts not seen before go to userspace.
 static __always_inline void uw_aggregate(struct uw_state *st, void *arena_cb) {
     struct uw_key key = {st->s.h1, st->s.h2};
     struct uw_count *c = uw_counts.lookup(&key);
+    u32 len = UW_CTX_LEN(st);
     if (c) {
-        if (c->len == st->s.n && c->tgid == st->s.tgid && c->nr == st->s.nr && c->reason == st->s.reason) {
+#ifdef UE_ENABLED
+        int same = c->len == len && c->nr == st->s.nr && c->reason == st->s.reason;
+#else
+        int same = c->len == len && c->tgid == st->s.tgid && c->nr == st->s.nr && c->reason == st->s.reason;
+#endif
+        if (same) {
             st->op = UW_OP_COMPARE;
             st->mismatch = 0;
             st->arena_off = c->arena_off;
-            bpf_loop(UW_MAX_DEPTH, arena_cb, 0, 0);
+            bpf_loop(UW_ARENA_LOOPS, arena_cb, 0, 0);
             if (!st->mismatch) {
                 __sync_fetch_and_add(&c->count, 1);
+                uw_emit_hit(st);
                 return;
             }
         }
@@ -487,8 +896,8 @@ static __always_inline void uw_aggregate(struct uw_state *st, void *arena_cb) {
     u64 *top = uw_arena_top.lookup(&zero);
     if (!top)
         return;
-    u64 off = __sync_fetch_and_add(top, (u64)st->s.n);
-    if (off + st->s.n > UW_ARENA_WORDS) {
+    u64 off = __sync_fetch_and_add(top, (u64)len);
+    if (off + len > UW_ARENA_WORDS) {
         uw_stat(UW_STAT_ARENA_FULL, 1);
         st->s.flags |= UW_F_UNAGGREGATED;
         uw_emit(st);
@@ -496,28 +905,30 @@ static __always_inline void uw_aggregate(struct uw_state *st, void *arena_cb) {
     }
     st->op = UW_OP_COPY;
     st->arena_off = off;
-    bpf_loop(UW_MAX_DEPTH, arena_cb, 0, 0);
+    bpf_loop(UW_ARENA_LOOPS, arena_cb, 0, 0);
     struct uw_count nc = {};
     nc.count = 1;
     nc.arena_off = off;
-    nc.len = st->s.n;
+    nc.len = len;
     nc.tgid = st->s.tgid;
     nc.nr = st->s.nr;
     nc.reason = st->s.reason;
     if (uw_counts.update(&key, &nc) != 0) {  // full
         uw_stat(UW_STAT_COUNTS_FULL, 1);
         st->s.flags |= UW_F_UNAGGREGATED;
-    } else {
-        st->s.flags |= UW_F_NEW;
-        uw_stat(UW_STAT_NEW, 1);
+        uw_emit(st);
+        return;
     }
-    uw_emit(st);
+    st->s.flags |= UW_F_NEW;
+    uw_stat(UW_STAT_NEW, 1);
+    if (uw_emit(st) != 0)
+        uw_counts.delete(&key);  // userspace never saw it: the next occurrence is new again
 }
 
 #define UW_UNWIND_LOOPS (UW_MAX_DEPTH + 1)
 
 static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u64 sp, u64 bp, void *loop_cb,
-                                      void *arena_cb) {
+                                      void *arena_cb UE_CALLBACK_PARAMS) {
     struct uw_state *st = uw_state.lookup(&slot);
     if (!st)
         return;
@@ -551,8 +962,26 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
         if (!st->done)
             st->s.reason = UW_WHY_MAX_DEPTH;
     }
+#ifdef UE_ENABLED
+    ue_reset(st);
+    bpf_loop(UE_ENC_LOOPS, enc_cb, 0, 0);
+    {
+        struct ue_rec *e = &st->s.e;
+        e->node = st->w.cur;
+        e->inner = st->w.cur_v;
+        if (st->w.cur_exact)
+            e->flags |= UE_F_INNER_EXACT;
+        st->alen = UE_HDR_WORDS + e->nsegs * UE_SEGW + (e->rec_len + 63) / 64 + 2 * e->nunan;
+    }
+    st->s.h1 = 0x243F6A8885A308D3ULL;
+    st->s.h2 = 0x13198A2E03707344ULL;
+    bpf_loop(UE_HASH_LOOPS, hash_cb, 0, 0);
+    uw_mix(st, ((u64)st->s.reason << 32) | (u32)nr);
+    uw_mix(st, st->alen);
+#else
     uw_mix(st, ((u64)tgid << 32) | (u32)nr);
     uw_mix(st, ((u64)st->s.reason << 32) | st->s.n);
+#endif
     uw_stat(UW_STAT_SAMPLES, 1);
     uw_stat(UW_STAT_FRAMES, st->s.n);
     if (st->s.fp_frames)
@@ -587,6 +1016,8 @@ static __always_inline void uw_watch_maps(u32 tgid, long nr, struct pt_regs *reg
     u32 *pending = uw_pending.lookup(&tgid);
     if (pending) {
         uw_pending.delete(&tgid);
+        if (uw_stop.lookup(&tgid))
+            bpf_send_signal(19);  // SIGSTOP until userspace has re-read the mappings
         struct uw_maps_event *e = uw_events.ringbuf_reserve(sizeof(struct uw_maps_event));
         if (e) {
             e->ktime_ns = bpf_ktime_get_ns();
@@ -610,8 +1041,9 @@ static __always_inline void uw_watch_maps(u32 tgid, long nr, struct pt_regs *reg
 int uw_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
     u64 pid_tgid = bpf_get_current_pid_tgid();
     u32 tgid = pid_tgid >> 32;
-    if (!tracked.lookup(&tgid))
-        return 0;
+    struct ccprof_tracked *t = tracked.lookup(&tgid);
+    if (!t || t->execs_left)
+        return 0;  // not tracked, or a launcher that has not exec'd the target yet
     long nr = (long)ctx->args[1];
     struct pt_regs *regs = (struct pt_regs *)ctx->args[0];
     uw_inherit(tgid);
@@ -622,7 +1054,8 @@ int uw_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
     bpf_probe_read_kernel(&ip, sizeof(ip), &regs->ip);
     bpf_probe_read_kernel(&sp, sizeof(sp), &regs->sp);
     bpf_probe_read_kernel(&bp, sizeof(bp), &regs->bp);
-    uw_sample(bpf_get_smp_processor_id() * 2, pid_tgid, (s32)nr, ip, sp, bp, uw_step_sys, uw_arena_sys);
+    uw_sample(bpf_get_smp_processor_id() * 2, pid_tgid, (s32)nr, ip, sp, bp, uw_step_sys, uw_arena_sys
+              UE_CALLBACKS_SYS);
     return 0;
 }
 
@@ -631,7 +1064,8 @@ int uw_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
 int uw_cpu_sample(struct bpf_perf_event_data *ctx) {
     u64 pid_tgid = bpf_get_current_pid_tgid();
     u32 tgid = pid_tgid >> 32;
-    if (!tracked.lookup(&tgid))
+    struct ccprof_tracked *t = tracked.lookup(&tgid);
+    if (!t || t->execs_left)
         return 0;
     uw_inherit(tgid);
     u64 ip = 0, sp = 0, bp = 0, cs = 0;
@@ -648,7 +1082,8 @@ int uw_cpu_sample(struct bpf_perf_event_data *ctx) {
             bpf_probe_read_kernel(&bp, sizeof(bp), &regs->bp);
         }
     }
-    uw_sample(bpf_get_smp_processor_id() * 2 + 1, pid_tgid, -1, ip, sp, bp, uw_step_cpu, uw_arena_cpu);
+    uw_sample(bpf_get_smp_processor_id() * 2 + 1, pid_tgid, -1, ip, sp, bp, uw_step_cpu, uw_arena_cpu
+              UE_CALLBACKS_CPU);
     return 0;
 }
 
@@ -667,6 +1102,15 @@ int uw_exec(void *args) {
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
     uw_procs.delete(&tgid);  // a new image: userspace loads its mappings (EV_EXEC)
     uw_parent.delete(&tgid);
+    u32 *stop = uw_stop.lookup(&tgid);
+    if (stop) {
+        if (*stop > 0) {
+            __sync_fetch_and_add(stop, -1);
+            bpf_send_signal(19);
+        } else {
+            uw_stop.delete(&tgid);  // exec of another program: not ours any more
+        }
+    }
     return 0;
 }
 
@@ -682,6 +1126,7 @@ int uw_exit(void *args) {
     if (group_dead) {
         uw_procs.delete(&tgid);
         uw_pending.delete(&tgid);
+        uw_stop.delete(&tgid);
     }
     return 0;
 }

@@ -23,6 +23,19 @@ flag and reason).  With ``aggregate=True`` contexts are counted in the kernel un
 of (pcs, tgid, syscall, completeness); the full pc list is stored once in an arena map and compared
 on every hit, so a hash collision is counted and reported, never merged; only new contexts reach
 userspace.  :meth:`UnwindSampler.symbolize` maps runtime pcs to (module, build-id, ELF vaddr).
+
+With an ``encoding`` (:class:`ccprofd.bpf.unwind_plan.UnwindEncoding`, built from the analysed
+binary's call graph and Valence plan) a second pass encodes each unwound stack in BPF, outermost
+analysed frame first, into the plan's ``acycID``/``recID``/segments (the state instrumented mode
+would hold), plus the unanalysed frames (module key, vaddr) inside the context; aggregation then
+keys on a 128-bit hash of that encoded context and the syscall number, the context itself is the
+arena entry compared on every hit, and each new context reaches userspace as an
+:class:`EncodedRecord`.  ``emit_hits`` also sends a small record (time, thread, key) per repeated
+context, for per-sample output such as ``ccprofd trace``.
+
+Processes started by ccprofd (``track(pid, launched=True)``, before their exec) are stopped with
+SIGSTOP by BPF at exec and at each new executable mapping until :meth:`poll` has loaded their
+mappings, then continued: their samples are never taken with stale mappings.
 """
 
 from __future__ import annotations
@@ -30,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import signal
 import struct
 from dataclasses import dataclass, field
 from importlib import resources
@@ -39,6 +53,7 @@ from ccprofd.bpf.bcc_adapter import BccModule, BpfMap
 from ccprofd.bpf.errors import BPFError
 from ccprofd.bpf.features import tracefs_dir
 from ccprofd.bpf.syscall_sampler import NR_SYSCALL_SLOTS, SamplerEvent, sampler_source, tracepoint_has_field
+from ccprofd.bpf.unwind_plan import NO_NODE, UnwindEncoding
 from ccprofd.callgraph import cfi
 from ccprofd.callgraph.addrspace import AddressSpace
 from ccprofd.callgraph.cache import AnalysisCache
@@ -53,10 +68,17 @@ NO_MODULE = 0xFFFFFFFF
 REASONS = {0: None, 1: "max_depth", 2: "unknown_pc", 3: "no_maps", 4: "no_cfi", 5: "unsupported_cfi",
            6: "rbp_lost", 7: "read_fault", 8: "bad_frame", 9: "no_table", 10: "no_user_regs"}
 FLAG_NEW, FLAG_COLLISION, FLAG_UNAGGREGATED = 1, 2, 4
+FLAG_HIT = 0x100  # userspace only: a header-only record of a context sent before
+EXACT_BIT = 1 << 63
+UE_ANALYSED = 0x80000000
+UNKNOWN_MODULE_KEY = 0xFFFF
+# encoded-context flags (struct ue_rec)
+UE_F_ANCHOR, UE_F_SEG_OVF, UE_F_REC_OVF, UE_F_UNAN_OVF, UE_F_INNER_EXACT = 1, 2, 4, 8, 16
+UE_ROW_REC = 4
 STATS = ("samples", "incomplete", "frames", "fp_frames", "collisions", "arena_full", "counts_full",
          "ringbuf_full", "new_contexts", "procs_inherited")
 
-_EV_SAMPLE, _EV_MAPS = 16, 17
+_EV_SAMPLE, _EV_MAPS, _EV_HIT = 16, 17, 18
 _SAMPLE_HDR = struct.Struct("<QIIIiIIIIQQ")  # struct uw_sample up to pcs
 _BPF_RAW_TRACEPOINT_OPEN = 17
 _BPF_PROG_TYPE_PERF_EVENT = 7
@@ -81,6 +103,8 @@ class UnwoundSample:
     fp_frames: int
     flags: int
     key: tuple[int, int]
+    exact: tuple[bool, ...] = ()  # per pc: exact (innermost, interrupted by a signal), not a return address
+    encoded: EncodedRecord | None = None
 
     @property
     def complete(self) -> bool:
@@ -91,11 +115,107 @@ class UnwoundSample:
         return "cpu" if self.syscall is None else "syscall"
 
     @classmethod
-    def decode(cls, raw: bytes) -> UnwoundSample:
-        t, _kind, tgid, tid, nr, n, reason, fp, flags, h1, h2 = _SAMPLE_HDR.unpack_from(raw)
-        pcs = struct.unpack_from(f"<{n}Q", raw, _SAMPLE_HDR.size)
-        return cls(t, tgid, tid, None if nr < 0 else nr, pcs, REASONS.get(reason, f"reason_{reason}"), fp,
-                   flags, (h1, h2))
+    def decode(cls, raw: bytes, layout: RecordLayout | None = None) -> UnwoundSample:
+        t, kind, tgid, tid, nr, n, reason, fp, flags, h1, h2 = _SAMPLE_HDR.unpack_from(raw)
+        why = REASONS.get(reason, f"reason_{reason}")
+        if kind == _EV_HIT:
+            return cls(t, tgid, tid, None if nr < 0 else nr, (), why, fp, flags | FLAG_HIT, (h1, h2))
+        off = _SAMPLE_HDR.size
+        enc = None
+        if layout is not None:
+            enc = layout.parse(raw, off)
+            off += layout.size
+        tagged = struct.unpack_from(f"<{n}Q", raw, off)
+        pcs = tuple(p & ~EXACT_BIT for p in tagged)
+        exact = tuple(bool(p & EXACT_BIT) for p in tagged)
+        return cls(t, tgid, tid, None if nr < 0 else nr, pcs, why, fp, flags, (h1, h2), exact, enc)
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedSegment:
+    """One segment of an encoded context (dense node indices; ``caller`` NO_NODE: unknown)."""
+
+    saved: tuple[int, ...]
+    rec_height: int
+    callee: int
+    caller: int
+    site: int  # call-site vaddr, -1 OUTSIDE
+    ret: int  # the caller frame's return address (vaddr), 0 when its pc was not one
+
+
+@dataclass(frozen=True, slots=True)
+class UnanalysedFrame:
+    """A frame outside the analysed binary (or outside its functions) inside the context."""
+
+    after: int  # index of the analysed frame (outermost = 0) it lies below
+    module_key: int
+    vaddr: int
+    exact: bool
+
+
+@dataclass(frozen=True, slots=True)
+class EncodedRecord:
+    """The context BPF encoded for one stack (struct ue_rec), dense node indices."""
+
+    node: int  # innermost analysed frame, NO_NODE: none
+    flags: int
+    inner: int  # vaddr of the innermost analysed frame's pc
+    nframes: int
+    acyc: tuple[int, ...]
+    rec: int
+    rec_len: int
+    segments: tuple[EncodedSegment, ...]
+    unanalysed: tuple[UnanalysedFrame, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class RecordLayout:
+    """Sizes of struct ue_rec (they follow the compile-time parameters)."""
+
+    acyc_words: int
+    max_segs: int
+    rec_words: int
+    max_unan: int
+
+    @property
+    def seg_words(self) -> int:
+        return self.acyc_words + 4
+
+    @property
+    def hdr_words(self) -> int:
+        return 4 + self.acyc_words
+
+    @property
+    def total_words(self) -> int:
+        return self.hdr_words + self.max_segs * self.seg_words + self.rec_words + 2 * self.max_unan
+
+    @property
+    def size(self) -> int:
+        return 8 * self.total_words
+
+    def parse(self, raw: bytes, off: int) -> EncodedRecord:
+        w = self.acyc_words
+        node, flags, rec_len, nsegs, inner, nunan, nframes = struct.unpack_from("<IIIIQII", raw, off)
+        acyc = struct.unpack_from(f"<{w}Q", raw, off + 32)
+        segs = []
+        base = off + 8 * self.hdr_words
+        for i in range(min(nsegs, self.max_segs)):
+            p = base + 8 * self.seg_words * i
+            saved = struct.unpack_from(f"<{w}Q", raw, p)
+            rh, callee, caller, _pad, site, ret = struct.unpack_from("<IIIIqQ", raw, p + 8 * w)
+            segs.append(EncodedSegment(saved, rh, callee, caller, site, ret))
+        rbase = base + 8 * self.seg_words * self.max_segs
+        nwords = min((rec_len + 63) // 64, self.rec_words)
+        rec = 0
+        for i, word in enumerate(struct.unpack_from(f"<{nwords}Q", raw, rbase)):
+            rec |= word << (64 * i)
+        rec &= (1 << rec_len) - 1
+        ubase = rbase + 8 * self.rec_words
+        unan = []
+        for i in range(min(nunan, self.max_unan)):
+            a, v = struct.unpack_from("<QQ", raw, ubase + 16 * i)
+            unan.append(UnanalysedFrame(a & 0xFFFFFFFF, (a >> 32) & 0xFFFF, v & ~EXACT_BIT, bool(v & EXACT_BIT)))
+        return EncodedRecord(node, flags, inner, nframes, tuple(acyc), rec, rec_len, tuple(segs), tuple(unan))
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +235,10 @@ class _Module:
     addrspace: AddressSpace
     table: cfi.UnwindTable | None
     rows: int = 0
+    key: int = UNKNOWN_MODULE_KEY  # module key (unanalysed frames name their module by it)
+    analysed: bool = False
+    view_path: str = ""  # the path as the process sees it (path is where we opened it)
+    readable: str = ""  # where to read the file from here once the process is gone
 
 
 @dataclass(slots=True)
@@ -204,12 +328,25 @@ class UnwindSampler:
         ringbuf_pages: int = 2048,
         cache: AnalysisCache | None = None,
         proc_root: str = DEFAULT_PROC_ROOT,
+        encoding: UnwindEncoding | None = None,
+        max_segments: int = 64,
+        max_unanalysed: int = 128,
+        emit_hits: bool = False,
     ) -> None:
         if max_depth < 1 or max_depth & (max_depth - 1):
             raise BPFError(f"max_depth must be a power of two, not {max_depth}")
         if max_maps < 2 or max_maps & (max_maps - 1):
             raise BPFError(f"max_maps must be a power of two, not {max_maps}")
-        if ringbuf_pages * 4096 < 2 * (max_depth * 8 + _SAMPLE_HDR.size):
+        self.encoding = encoding
+        self.layout: RecordLayout | None = None
+        if encoding is not None:
+            for name, v in (("max_segments", max_segments), ("max_unanalysed", max_unanalysed)):
+                if v < 1 or v & (v - 1):
+                    raise BPFError(f"{name} must be a power of two, not {v}")
+            rec_words = _pow2_at_least(max_depth * encoding.rec_code_bits // 64 + 2)
+            self.layout = RecordLayout(encoding.acyc_words, max_segments, rec_words, max_unanalysed)
+        record = _SAMPLE_HDR.size + (self.layout.size if self.layout else 0) + max_depth * 8
+        if ringbuf_pages * 4096 < 2 * record:
             raise BPFError("ring buffer too small for one sample at max_depth")
         self.max_depth = max_depth
         self.max_maps = max_maps
@@ -231,6 +368,20 @@ class UnwindSampler:
             "UW_MAX_RULES": max_rules, "UW_NSLOTS": 2 * ncpu, "UW_ARENA_WORDS": arena_words,
             "UW_MAX_CONTEXTS": max_contexts, "UW_RINGBUF_PAGES": ringbuf_pages,
         }
+        self._loops = {"unwind": max_depth + 1, "arena": max_depth}
+        if encoding is not None and self.layout is not None:
+            lay = self.layout
+            nfuncs = max(1, len(encoding.functions))
+            self._loops = {"unwind": max_depth + 1, "enc": max_depth + 2,
+                           "hash": lay.total_words + max_depth + 3, "arena": lay.total_words + max_depth + 4}
+            defines.update({
+                "UE_ENABLED": 1, "UE_ACYC_WORDS": lay.acyc_words, "UE_REC_BITS": encoding.rec_code_bits,
+                "UE_REC_WORDS": lay.rec_words, "UE_MAX_SEGS": lay.max_segs, "UE_MAX_UNAN": lay.max_unan,
+                "UE_MAX_FUNCS": nfuncs, "UE_FUNCS_LOG2": _log2_ceil(nfuncs),
+                "UE_MAX_EDGES": max(1, len(encoding.edges)), "UE_MAX_SITES": max(1, len(encoding.callsites)),
+                "UE_ROW_REC": UE_ROW_REC, "UE_ENC_LOOPS": self._loops["enc"],
+                "UE_HASH_LOOPS": self._loops["hash"]})
+        defines["UW_ARENA_LOOPS"] = self._loops["arena"]
         text = "".join(f"#define {k} {v}\n" for k, v in defines.items())
         if tracepoint_has_field("sched", "sched_process_exit", "group_dead"):
             text += "#define HAVE_GROUP_DEAD 1\n"
@@ -250,12 +401,19 @@ class UnwindSampler:
         self._next_entry = 0
         self._next_module = 0
         self.contexts: dict[tuple[int, int], UnwoundSample] = {}
+        self._module_keys: dict[int, _Module] = {}
+        self._stopping: set[int] = set()  # launched processes BPF stops until their maps are loaded
+        self._perf_fds: list[int] = []
+        self.process_events: list[SamplerEvent] = []
         self._m: dict[str, BpfMap] = {name: self.module.map(name) for name in (
             "tracked", "syscall_set", "config", "uw_rules", "uw_entries", "uw_modules", "uw_procs",
-            "uw_counts", "uw_config", "uw_stats", "uw_arena_top")}
+            "uw_counts", "uw_config", "uw_stats", "uw_arena_top", "uw_stop")}
         self.module.open_ring_buffer("uw_events", self._on_record)
         self.module.open_ring_buffer("events", self._on_process_event)
         self._m["uw_config"].set(0, 1 if aggregate else 0)
+        self._m["uw_config"].set(2, 1 if emit_hits else 0)
+        if encoding is not None:
+            self._upload_encoding(encoding)
         self.aggregate = aggregate
         self.set_syscalls(syscalls)
 
@@ -275,10 +433,8 @@ class UnwindSampler:
 
     def _load_with_callbacks(self, prog: str, callbacks: dict[int, str], prog_type: int) -> int:
         """Load ``prog`` with its bpf_loop callbacks (loop count -> callback function name)."""
-        raw = self.module.raw  # bcc's compiled instructions; the adapter has no accessor for them
-        main = bytes(raw.dump_func(prog.encode()))
-        insns, starts = link_loop_callbacks(main, {n: bytes(raw.dump_func(cb.encode()))
-                                                   for n, cb in callbacks.items()})
+        main = self.module.function_bytes(prog)
+        insns, starts = link_loop_callbacks(main, {n: self.module.function_bytes(cb) for n, cb in callbacks.items()})
         names = [prog, *callbacks.values()]
         btf = rawbpf.btf_load(rawbpf.int_btf(names))
         try:
@@ -297,18 +453,41 @@ class UnwindSampler:
                        ("sched:sched_process_exec", "uw_exec"), ("sched:sched_process_exec", "ccprof_exec"),
                        ("sched:sched_process_exit", "uw_exit"), ("sched:sched_process_exit", "ccprof_exit")):
             self.module.attach_tracepoint(tp, fn)
-        fd = self._load_with_callbacks(
-            "uw_sys_enter", {self.max_depth + 1: "uw_step_sys", self.max_depth: "uw_arena_sys"},
-            _BPF_PROG_TYPE_RAW_TRACEPOINT)
+        fd = self._load_with_callbacks("uw_sys_enter", self._callbacks("sys"), _BPF_PROG_TYPE_RAW_TRACEPOINT)
         self._links.append(attach_raw_tracepoint_fd(fd, "sys_enter"))
         self._attached = True
 
+    def _callbacks(self, kind: str) -> dict[int, str]:
+        """bpf_loop callbacks of the sys/cpu program, by loop count."""
+        names = {"unwind": f"uw_step_{kind}", "arena": f"uw_arena_{kind}", "enc": f"ue_enc_{kind}",
+                 "hash": f"ue_hash_{kind}"}
+        return {count: names[loop] for loop, count in self._loops.items()}
+
+    def attach_cpu_sampling(self, hz: int) -> None:
+        """CPU-clock samples of every tracked process (all threads, children included) at ``hz``:
+        one software perf event per CPU runs the unwinder, which keeps only tracked processes."""
+        if hz <= 0:
+            raise BPFError(f"sampling frequency must be positive, not {hz}")
+        fd = self._load_with_callbacks("uw_cpu_sample", self._callbacks("cpu"), _BPF_PROG_TYPE_PERF_EVENT)
+        for cpu in _online_cpus():
+            pfd = perf_event_open_cpu_clock(cpu, hz)
+            self._perf_fds.append(pfd)
+            perf_event_set_bpf(pfd, fd)
+
     # ------------------------------------------------------------------------------- processes
-    def track(self, tgid: int) -> None:
-        """Load ``tgid``'s mappings and tables, then sample it (and the children it forks)."""
-        self.refresh_maps(tgid)
+    def track(self, tgid: int, *, launched: bool = False) -> None:
+        """Load ``tgid``'s mappings and tables, then sample it (and the children it forks).
+
+        ``launched``: ``tgid`` is a child of ours that has not exec'd the target yet; tracking
+        survives that one exec, and BPF stops the process at it (and at each later executable
+        mapping) until :meth:`poll` has loaded the new mappings."""
+        if launched:
+            self._m["uw_stop"].set(tgid, 1)
+            self._stopping.add(tgid)
+        else:
+            self.refresh_maps(tgid)
         value = self._m["tracked"].leaf_type()
-        value.execs_left = 0
+        value.execs_left = 1 if launched else 0
         self._m["tracked"].set(tgid, value)
 
     def forget(self, tgid: int) -> None:
@@ -335,7 +514,9 @@ class UnwindSampler:
             slot = entry.m[i]
             slot.start, slot.end, slot.module = mm.start, mm.end, mod.module_id
             slot.bias = mm.bias & (2**64 - 1)
+            slot.info = mod.key | (UE_ANALYSED if mod.analysed else 0)
         entry.n = len(mappings)
+        entry.start_stack = _start_stack(tgid, self.proc_root)
         self._m["uw_procs"].set(tgid, entry)
         self._procs[tgid] = proc
         return True
@@ -374,6 +555,12 @@ class UnwindSampler:
         except (ValueError, IndexError, struct.error):
             table = None  # corrupt CFI: unwinding through it is flagged no_table
         mod = _Module(NO_MODULE, image.path, image.build_id(), image.addrspace, table)
+        mod.view_path = _process_view(path, self.proc_root)
+        # read it later (symbols) from the path the process uses when that is the same file here
+        mod.readable = mod.view_path if _same_file(mod.view_path, path) else path
+        mod.key = min(len(self._module_keys), UNKNOWN_MODULE_KEY - 1)
+        self._module_keys.setdefault(mod.key, mod)
+        mod.analysed = self._is_analysed(mod)
         # Modules with the same build-id share one slice of rows.
         for other in self._modules.values():
             if other.build_id and other.build_id == mod.build_id and other.module_id != NO_MODULE \
@@ -385,6 +572,57 @@ class UnwindSampler:
                 self._upload_table(mod, table)
         self._modules[ident] = mod
         return mod
+
+    def _is_analysed(self, mod: _Module) -> bool:
+        if self.encoding is None:
+            return False
+        want = self.encoding.binary
+        if want.get("build_id") and mod.build_id:
+            return bool(want["build_id"] == mod.build_id)
+        return os.path.realpath(mod.path) == os.path.realpath(str(want.get("path")))
+
+    def module_of_key(self, key: int) -> tuple[str, str | None, str] | None:
+        """(path as the process sees it, build-id, a path to read it from here) of the module an
+        unanalysed frame names by its key."""
+        mod = self._module_keys.get(key)
+        if mod is None:
+            return None
+        return mod.view_path or mod.path, mod.build_id, mod.readable or mod.path
+
+    def _upload_encoding(self, enc: UnwindEncoding) -> None:
+        """The analysed binary's function ranges, edge rows and call sites (unwind_plan.py)."""
+        if enc.functions and max(f[1] for f in enc.functions) >= 1 << 32:
+            raise BPFError("unwind mode cannot encode a binary with code above 4 GiB")
+        funcs = self.module.map("ue_funcs")
+        ft = funcs.leaf_type
+        items = []
+        for i, (lo, hi, node, flags) in enumerate(enc.functions):
+            f = ft()
+            f.start, f.end, f.node, f.flags = lo, hi, node, flags
+            items.append((i, f))
+        if items:
+            funcs.update_many(items)
+        edges = self.module.map("ue_edges")
+        kt, vt = edges.key_type, edges.leaf_type
+        rows = []
+        for (ret, callee), row in enc.edges.items():
+            k = kt()
+            k.ret, k.callee, k.pad = ret, callee, 0
+            v = vt()
+            for w in range(enc.acyc_words):
+                v.mask[w], v.val[w] = row.mask[w], row.val[w]
+            v.nrec = len(row.rec)
+            for i, code in enumerate(row.rec):
+                v.rec[i] = code
+            rows.append((k, v))
+        if rows:
+            edges.update_many(rows)
+        sites = self.module.map("ue_sites")
+        if enc.callsites:
+            sites.update_many(list(enc.callsites.items()))
+        cfg = self.module.map("ue_config")
+        cfg.set(0, len(enc.functions))
+        cfg.set(1, enc.root_index)
 
     def _upload_table(self, mod: _Module, table: cfi.UnwindTable) -> None:
         n = len(table)
@@ -428,7 +666,7 @@ class UnwindSampler:
         if kind == _EV_MAPS:
             self._stale.add(struct.unpack_from("<I", raw, 12)[0])
             return
-        sample = UnwoundSample.decode(raw)
+        sample = UnwoundSample.decode(raw, self.layout)
         if sample.reason in ("unknown_pc", "no_maps"):
             self._stale.add(sample.tgid)
         if sample.flags & FLAG_NEW:
@@ -437,6 +675,7 @@ class UnwindSampler:
 
     def _on_process_event(self, raw: bytes) -> None:
         ev = SamplerEvent.decode(raw)
+        self.process_events.append(ev)
         if ev.kind == "exec":
             self._procs.pop(ev.tgid, None)
             self._stale.add(ev.tgid)
@@ -454,6 +693,9 @@ class UnwindSampler:
         for tgid in sorted(self._stale):
             if self._m["tracked"].get(tgid) is not None:
                 self.refresh_maps(tgid)
+            if tgid in self._stopping:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(tgid, signal.SIGCONT)  # BPF stopped it until its mappings were loaded
         self._stale.clear()
         out, self._pending = self._pending, []
         return out
@@ -473,6 +715,19 @@ class UnwindSampler:
             return None
         mod = proc.modules.get(mm.start)
         return ResolvedPc(mm.path, mod.build_id if mod else None, mm.vaddr(pc))
+
+    def resolve(self, tgid: int, pc: int) -> tuple[int, bool, int] | None:
+        """(module key, in the analysed binary, ELF vaddr) of a runtime pc, as BPF saw it."""
+        proc = self._procs.get(tgid)
+        if proc is None:
+            return None
+        mm = proc.maps.find(pc)
+        if mm is None:
+            return None
+        mod = proc.modules.get(mm.start)
+        if mod is None:
+            return None
+        return mod.key, mod.analysed, mm.vaddr(pc)
 
     # ------------------------------------------------------------------------------- reporting
     def stats(self) -> dict[str, int]:
@@ -494,11 +749,16 @@ class UnwindSampler:
         return out
 
     def close(self) -> None:
-        for fd in self._links + self._fds:
+        for tgid in self._stopping:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(tgid, signal.SIGCONT)  # never leave a launched process stopped
+        self._stopping.clear()
+        for fd in self._perf_fds + self._links + self._fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._links.clear()
         self._fds.clear()
+        self._perf_fds.clear()
         self.module.cleanup()
 
     def __enter__(self) -> UnwindSampler:
@@ -532,3 +792,100 @@ def _count_cpus(text: str) -> int:
         lo, _, hi = part.partition("-")
         n = max(n, int(hi or lo) + 1)
     return n
+
+
+def _process_view(open_path: str, proc_root: str) -> str:
+    """``/proc/PID/root/usr/lib/x.so`` -> ``/usr/lib/x.so`` (how the process names its file)."""
+    prefix = proc_root.rstrip("/") + "/"
+    if open_path.startswith(prefix):
+        rest = open_path[len(prefix):]
+        pid, sep, tail = rest.partition("/root/")
+        if sep and pid.isdigit():
+            return "/" + tail
+    return open_path
+
+
+def _start_stack(pid: int, proc_root: str) -> int:
+    """The main thread's initial stack pointer (``startstack``, field 28 of /proc/PID/stat)."""
+    try:
+        with open(os.path.join(proc_root, str(pid), "stat"), encoding="ascii", errors="replace") as fh:
+            fields = fh.read().rpartition(")")[2].split()
+        return int(fields[25])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def _online_cpus() -> list[int]:
+    try:
+        with open("/sys/devices/system/cpu/online") as fh:
+            text = fh.read().strip()
+    except OSError:
+        return list(range(os.cpu_count() or 1))
+    cpus: list[int] = []
+    for part in text.split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+class _PerfEventAttr(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_uint32), ("size", ctypes.c_uint32), ("config", ctypes.c_uint64),
+                ("sample_freq", ctypes.c_uint64), ("sample_type", ctypes.c_uint64),
+                ("read_format", ctypes.c_uint64), ("flags", ctypes.c_uint64),
+                ("wakeup_events", ctypes.c_uint32), ("bp_type", ctypes.c_uint32),
+                ("config1", ctypes.c_uint64), ("config2", ctypes.c_uint64),
+                ("branch_sample_type", ctypes.c_uint64), ("sample_regs_user", ctypes.c_uint64),
+                ("sample_stack_user", ctypes.c_uint32), ("clockid", ctypes.c_int32),
+                ("sample_regs_intr", ctypes.c_uint64), ("aux_watermark", ctypes.c_uint32),
+                ("sample_max_stack", ctypes.c_uint16), ("_reserved2", ctypes.c_uint16),
+                ("aux_sample_size", ctypes.c_uint32), ("_reserved3", ctypes.c_uint32),
+                ("sig_data", ctypes.c_uint64), ("config3", ctypes.c_uint64)]
+
+
+_SYS_PERF_EVENT_OPEN = 298
+_PERF_TYPE_SOFTWARE = 1
+_PERF_COUNT_SW_CPU_CLOCK = 0
+_PERF_FLAG_DISABLED = 1 << 0
+_PERF_FLAG_FREQ = 1 << 10
+_PERF_EVENT_IOC_ENABLE = 0x2400
+_PERF_EVENT_IOC_SET_BPF = 0x40042408
+_PERF_FLAG_FD_CLOEXEC = 1 << 3
+
+
+def perf_event_open_cpu_clock(cpu: int, hz: int) -> int:
+    """A disabled software CPU-clock sampling event on one CPU (all tasks), ``hz`` samples/s."""
+    attr = _PerfEventAttr()
+    attr.type = _PERF_TYPE_SOFTWARE
+    attr.size = ctypes.sizeof(_PerfEventAttr)
+    attr.config = _PERF_COUNT_SW_CPU_CLOCK
+    attr.sample_freq = hz
+    attr.flags = _PERF_FLAG_DISABLED | _PERF_FLAG_FREQ
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = libc.syscall(_SYS_PERF_EVENT_OPEN, ctypes.byref(attr), -1, cpu, -1, _PERF_FLAG_FD_CLOEXEC)
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise BPFError(f"perf_event_open(cpu-clock, cpu {cpu}) failed: {os.strerror(err)}")
+    return int(fd)
+
+
+def perf_event_set_bpf(perf_fd: int, prog_fd: int) -> None:
+    """Attach a raw-loaded BPF_PROG_TYPE_PERF_EVENT program to a perf event and enable it."""
+    import fcntl
+
+    try:
+        fcntl.ioctl(perf_fd, _PERF_EVENT_IOC_SET_BPF, prog_fd)
+        fcntl.ioctl(perf_fd, _PERF_EVENT_IOC_ENABLE, 0)
+    except OSError as exc:
+        raise BPFError(f"attaching the CPU sampler to a perf event failed: {exc.strerror}") from None

@@ -178,7 +178,9 @@ def make_mode(binary: str, options: TraceOptions) -> Mode:
     if options.mode == "instrumented":
         return InstrumentedMode(binary, options)
     if options.mode == "unwind":
-        raise TraceError("--mode unwind is not available in this build of ccprofd trace yet")
+        from ccprofd.bpf.unwind_mode import UnwindMode
+
+        return UnwindMode(binary, options)
     raise TraceError(f"unknown --mode {options.mode!r} (expected one of {', '.join(MODES)})")
 
 

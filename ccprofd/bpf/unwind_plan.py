@@ -1,0 +1,238 @@
+"""The unwind-encoding plan: what the BPF unwinder needs to encode an unwound stack with a Valence plan.
+
+Input: the call graph of the analysed binary and its encoding plan (``scheme == "valence"``).  Output:
+a plain, JSON-able :class:`UnwindEncoding` -- the single input of the encoding tables loaded into BPF
+maps by :mod:`ccprofd.bpf.unwind` and of userspace decoding in :mod:`ccprofd.bpf.unwind_mode`.
+
+The unwound stack is walked from the outermost analysed frame inwards, doing exactly what
+:class:`ccprofd.encode.Encoder` does for the calls that built that stack:
+
+* ``functions``: sorted ``[start, end, dense node, flags]`` ELF vaddr ranges (gcc's ``.cold``
+  fragments are extra ranges of their owner), so a frame's function is found from its pc (``ra - 1``
+  for return addresses).  ``FN_SKIP`` marks the function holding the ELF entry point (``_start``):
+  it only calls into libc's start-up code, which enters ``main`` from outside.
+* ``edges``: ``(return-address vaddr, callee dense node) -> row``; a row is what the call does to
+  the state: acycID ``mask``/``val`` words (Valence "set bits [lo, hi) to code") and the recID codes
+  it pushes.  Return address 0 keys the root edges (virtual root -> the thread's first analysed
+  function).  A call whose direct target reached the callee through a chain of tail jumps (only
+  the last function is on the stack) gets the composite row of that chain, but only when the chain
+  is the only one the graph allows and no function on it makes an indirect jump (else the edge is
+  left to the segment rule below: the stack frames are still exact, only the tail-call frames are
+  not reported).
+* ``callsites``: return-address vaddr -> call-instruction vaddr (every ``call`` of the graph).  A
+  frame pair the plan has no edge for becomes a segment: at that call site when the caller's
+  return address follows a known call (an indirect call, a call into a library that called back),
+  else at ``OUTSIDE`` (the caller was interrupted by a signal, or its call is not in the graph).
+
+Dense node indices are positions in ``plan["nodes"]``; ``NO_NODE`` stands for "unknown".
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_right
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from ccprofd.callgraph.model import ROOT, CallGraph
+from ccprofd.encode.plan import COL, R_CYCLIC
+
+UNWIND_ENCODING_VERSION = 1
+NO_NODE = 0xFFFFFFFF
+FN_SKIP = 1
+MAX_TAIL_CHAIN = 4  # tail jumps followed from a call's direct target
+MAX_ROW_REC = 4  # recID codes one row may push (a composite tail chain pushes one per cyclic edge)
+
+
+class UnwindPlanError(ValueError):
+    """The plan cannot be used to encode unwound stacks (wrong scheme, other binary)."""
+
+
+@dataclass(slots=True)
+class Row:
+    """What one call (or one call + tail chain) does to the encoded state."""
+
+    mask: list[int]
+    val: list[int]
+    rec: list[int] = field(default_factory=list)
+    sites: list[int] = field(default_factory=list)  # plan site ids applied, in order (for tests)
+
+
+@dataclass
+class UnwindEncoding:
+    """See the module docstring.  ``edges`` keys are ``(ret vaddr, dense callee)``."""
+
+    binary: dict[str, Any]
+    plan_key: str | None
+    acyc_words: int
+    rec_code_bits: int
+    nodes: list[int]
+    root_index: int
+    functions: list[list[int]]
+    edges: dict[tuple[int, int], Row]
+    callsites: dict[int, int]
+    call_lengths: dict[int, int]  # call-instruction vaddr -> length (for return addresses)
+    jump_sites: set[int]  # vaddrs of tail-jump sites (their edges are tail calls)
+    stats: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self._starts = [f[0] for f in self.functions]
+
+    def function_at(self, vaddr: int) -> tuple[int, int] | None:
+        """(dense node, flags) of the function holding ``vaddr``, or None."""
+        i = bisect_right(self._starts, vaddr) - 1
+        if i >= 0:
+            lo, hi, node, flags = self.functions[i]
+            if lo <= vaddr < hi:
+                return node, flags
+        return None
+
+
+def _row_of(plan_row: list[Any], words: int) -> Row:
+    mask = [0] * words
+    val = [0] * words
+    rec: list[int] = []
+    if plan_row[COL["reasons"]] & R_CYCLIC:
+        rec.append(int(plan_row[COL["rec_code"]]))
+    elif plan_row[COL["code"]]:
+        _set_bits(mask, val, int(plan_row[COL["lo"]]), int(plan_row[COL["hi"]]), int(plan_row[COL["code"]]))
+    return Row(mask, val, rec)
+
+
+def _set_bits(mask: list[int], val: list[int], lo: int, hi: int, code: int) -> None:
+    """Compose "set bits [lo, hi) to code" into a (mask, val) pair of 64-bit words."""
+    for bit in range(lo, hi):
+        w, b = divmod(bit, 64)
+        mask[w] |= 1 << b
+        if (code >> (bit - lo)) & 1:
+            val[w] |= 1 << b
+        else:
+            val[w] &= ~(1 << b)
+
+
+def _compose(first: Row, then: Row) -> Row:
+    mask = [a | b for a, b in zip(first.mask, then.mask, strict=True)]
+    val = [(v1 & ~m2) | v2 for v1, m2, v2 in zip(first.val, then.mask, then.val, strict=True)]
+    return Row(mask, val, first.rec + then.rec, first.sites + then.sites)
+
+
+def build_unwind_encoding(graph: CallGraph, plan: Mapping[str, Any]) -> UnwindEncoding:
+    """The encoding tables of ``plan`` (built from ``graph``) for unwound stacks."""
+    if plan.get("scheme") != "valence":
+        raise UnwindPlanError(f"unwind mode encodes with valence, not {plan.get('scheme')!r}")
+    b = graph.binary
+    if plan["binary"].get("content_hash") != b.content_hash:
+        raise UnwindPlanError(f"encoding plan {plan.get('identity')} was not built for {b.path}")
+    g = graph.graph
+    nodes: list[int] = list(plan["nodes"])
+    dense = {n: i for i, n in enumerate(nodes)}
+    words = int(plan["acyc_words"])
+
+    entry_fn = None
+    for n in graph.functions():
+        d = g.nodes[n]
+        if d["addr"] <= b.entry < d["addr"] + d["size"]:
+            entry_fn = n
+    functions: list[list[int]] = []
+    for n in graph.functions():
+        d = g.nodes[n]
+        if n not in dense:
+            continue
+        flags = FN_SKIP if n == entry_fn else 0
+        ranges = ([(d["addr"], d["addr"] + d["size"])] if d["size"] > 0 else []) + \
+            [tuple(r) for r in d.get("fragments") or []]
+        for lo, hi in ranges:
+            functions.append([int(lo), int(hi), dense[n], flags])
+    functions.sort()
+    # Overlapping ranges (aliases, bad symbol sizes) would make the lookup ambiguous: clip them.
+    clipped: list[list[int]] = []
+    for f in functions:
+        if clipped and f[0] < clipped[-1][1]:
+            if f[0] == clipped[-1][0]:
+                continue
+            clipped[-1][1] = f[0]
+        clipped.append(f)
+    functions = clipped
+
+    ret_of: dict[int, int] = {}
+    callsites: dict[int, int] = {}
+    call_lengths: dict[int, int] = {}
+    jump_sites: set[int] = set()
+    indirect_jumpers: set[int] = set()
+    for s in graph.sites:
+        call_lengths[s.address] = s.length
+        if s.is_jump:
+            jump_sites.add(s.address)
+            if s.kind == "indirect":
+                indirect_jumpers.add(s.function)
+            continue
+        ret_of[s.address] = s.return_address
+        callsites[s.return_address] = s.address
+
+    rows = plan["sites"]
+    ci, ki, si, kd = COL["caller"], COL["callee"], COL["site"], COL["kind"]
+    edges: dict[tuple[int, int], Row] = {}
+    tails: dict[int, list[tuple[int, int]]] = {}  # caller -> [(callee, plan site id)] over tail edges
+    stats = {"edges": 0, "root_edges": 0, "tail_composites": 0, "tail_ambiguous": 0}
+    for sid, r in enumerate(rows):
+        caller, callee, site = r[ci], r[ki], r[si]
+        if g.nodes[callee]["kind"] != "function":
+            continue  # calls into the PLT: the library frames below are unanalysed
+        if caller == ROOT:
+            row = _row_of(r, words)
+            row.sites = [sid]
+            edges[(0, dense[callee])] = row
+            stats["root_edges"] += 1
+            continue
+        if r[kd] == "tail" or site in jump_sites:
+            tails.setdefault(caller, []).append((callee, sid))
+            continue
+        ret = ret_of.get(site)
+        if ret is None:
+            continue
+        row = _row_of(r, words)
+        row.sites = [sid]
+        edges[(ret, dense[callee])] = row
+        stats["edges"] += 1
+
+    # Composite rows: a call whose direct target tail-jumped (possibly several times) to the callee.
+    for (ret, _callee), base in list(edges.items()):
+        if ret == 0:
+            continue
+        target = nodes[_callee]
+        if target in indirect_jumpers or target not in tails:
+            continue
+        paths: dict[int, list[list[int]]] = {}
+
+        def walk(node: int, chain: list[int], seen: frozenset[int]) -> None:
+            for nxt, sid in tails.get(node, []):
+                if nxt in seen:
+                    continue
+                path = [*chain, sid]
+                paths.setdefault(nxt, []).append(path)
+                if len(path) < MAX_TAIL_CHAIN and nxt not in indirect_jumpers:
+                    walk(nxt, path, seen | {nxt})
+
+        walk(target, [], frozenset({target}))
+        for end, found in paths.items():
+            key = (ret, dense[end])
+            if key in edges:
+                continue
+            if len(found) != 1:
+                stats["tail_ambiguous"] += 1
+                continue
+            row = base
+            for sid in found[0]:
+                step = _row_of(rows[sid], words)
+                step.sites = [sid]
+                row = _compose(row, step)
+            if len(row.rec) > MAX_ROW_REC:
+                continue
+            edges[key] = row
+            stats["tail_composites"] += 1
+
+    return UnwindEncoding(
+        binary={"path": b.path, "build_id": b.build_id, "content_hash": b.content_hash},
+        plan_key=plan.get("key"), acyc_words=words, rec_code_bits=int(plan["rec_code_bits"]), nodes=nodes,
+        root_index=dense[ROOT], functions=functions, edges=edges, callsites=callsites,
+        call_lengths=call_lengths, jump_sites=jump_sites, stats=stats)
