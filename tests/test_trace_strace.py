@@ -27,8 +27,8 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 def trace(cmd: list[str], syscalls: list[str], tmp_path: pathlib.Path, *extra: str,
           check: bool = True) -> tuple[list[dict[str, Any]], subprocess.CompletedProcess[str]]:
     out = tmp_path / "samples.jsonl"
-    argv = [sys.executable, "-m", "ccprofd.cli", "trace", "--format", "jsonl", "--syscalls", ",".join(syscalls),
-            "--output", str(out), *extra, "--", *cmd]
+    argv = [sys.executable, "-m", "ccprofd.cli", "trace", "--format", "jsonl",
+            "--syscalls", ",".join(syscalls), "--output", str(out), *extra, "--", *cmd]
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=600)
     if check:
         assert proc.returncode == 0, proc.stderr
@@ -93,7 +93,8 @@ def test_tail_frames_and_callbacks_are_reported(tmp_path: pathlib.Path) -> None:
     frame between a caller and its callback, in the places the sources put them."""
     binary = pathlib.Path(build("tailcall", opt="O2", pie=True))
     samples, _ = trace([str(binary)], ["getppid"], tmp_path)
-    chains = [[(f["function"], bool(f.get("tail_call"))) for f in s["frames"]] for s in samples if s["frames"]]
+    chains = [[(f["function"], bool(f.get("tail_call"))) for f in s["frames"]]
+              for s in samples if s["frames"]]
     assert [("main", False), ("chain", True), ("step", True), ("finish", False)] in chains
     assert [("main", False), ("tail_plt", True)] in chains
     assert [("main", False), ("notail", False), ("finish", False)] in chains

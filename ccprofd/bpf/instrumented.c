@@ -25,6 +25,9 @@
 #include <asm/ptrace.h>  // struct pt_regs (the sampler includes it too, after this prelude)
 
 #define CC_NONE 0xffffffffu
+#ifndef CC_ARG_LEN
+#define CC_ARG_LEN 256
+#endif
 
 // piece kinds
 #define K_CALL 1      // acyc / cyclic edge at a call instruction
@@ -61,7 +64,8 @@
 // return-address table values
 #define RS_INDIRECT 0x80000000u
 #define RS_IN_SCOPE 0x40000000u
-#define RS_INDEX 0x3fffffffu
+#define RS_VIA_PLT 0x20000000u
+#define RS_INDEX 0x1fffffffu
 
 // config slots
 #define CFG_LAUNCH_TGID 0
@@ -95,6 +99,8 @@ struct cc_site {
     u32 callsite;
     s32 cfa_reg;  // 7 rsp, 6 rbp, -1 unknown
     s64 cfa_off;
+    u32 node;  // entry probes: the entered function (dense index)
+    u32 pad;
 };
 
 struct cc_piece {
@@ -157,6 +163,7 @@ struct cc_record {
     u32 event;     // 1 syscall, 2 cpu
     u64 ip;
     u64 sp;
+    char arg[CC_ARG_LEN];  // path argument of open/openat/execve..., NUL-terminated (empty: none/unreadable)
     struct cc_sample cc;
 };
 
@@ -164,10 +171,13 @@ struct cc_record {
 #define EV_CC_CPU 2
 
 // The sampler's event is small and zeroed with memset: the context goes to our own ring buffer.
-#define CCPROF_SYSCALL_HOOK(ctx, regs, e) cc_emit((e)->ktime_ns, (e)->nr, EV_CC_SYSCALL, (e)->ip, (e)->sp)
+#define CCPROF_SYSCALL_HOOK(ctx, regs, e) \
+    cc_emit((e)->ktime_ns, (e)->nr, EV_CC_SYSCALL, (e)->ip, (e)->sp, cc_path_arg((regs), (e)->nr))
 
 BPF_ARRAY(cc_sites, struct cc_site, NPROBES);
 BPF_HASH(cc_ret_sites, u64, u32, NCALLSITES);
+BPF_ARRAY(cc_cs_callee, u32, NCALLSITES);          // callsite id -> direct callee (dense), CC_NONE
+BPF_HASH(cc_tail_reach, u64, u8, NTAILREACH);      // (g << 32 | f): g tail-jumps (transitively) to f
 // The value type bcc sees is an opaque blob: bcc generates printf/scanf helpers for every map value
 // type, element by element, which for MAX_PIECES pieces costs seconds of compile time.
 // (CC_STATE_WORDS comes from Python as a number: bcc writes array bounds into a JSON type description
@@ -472,13 +482,24 @@ int cc_entry_probe(struct pt_regs *ctx) {
     u64 ra = cc_read_word(s, ctx->sp);
     u64 rv = ra - bias;
     u32 *rs = cc_ret_sites.lookup(&rv);
-    u32 indirect_cs = CC_NONE;
+    u32 site_cs = CC_NONE;
     if (rs) {
         u32 v = *rs;
-        if (v & RS_INDIRECT)
-            indirect_cs = v & RS_INDEX;  // called by an indirect call of the binary
-        else if ((v & RS_IN_SCOPE) || !(si->flags & F_SCOPE))
-            return 0;  // a direct call the call graph has: its own probe (if any) encoded it
+        u32 cs = v & RS_INDEX;
+        if (v & (RS_INDIRECT | RS_VIA_PLT)) {
+            site_cs = cs;  // called by an indirect call / a PLT call of the binary
+        } else {
+            // A direct call: of this function, or of one that tail-jumps here (edges the encoding
+            // has, whose probes did the work); anything else came by an indirect tail jump.
+            u32 *g = cc_cs_callee.lookup(&cs);
+            u64 key = g ? (((u64)*g << 32) | si->node) : 0;
+            if (g && (*g == si->node || cc_tail_reach.lookup(&key))) {
+                if ((v & RS_IN_SCOPE) || !(si->flags & F_SCOPE))
+                    return 0;
+            } else {
+                site_cs = cs;
+            }
+        }
     }
     cc_cut(s, cfa);
     if (s->flags & ST_FROZEN)
@@ -489,15 +510,18 @@ int cc_entry_probe(struct pt_regs *ctx) {
     u32 aux = CC_NONE;
     if (n > 0) {
         struct cc_piece *top = &s->p[PIX(n - 1)];
-        if (top->probe == id && top->sp == cfa && (top->kind == K_ROOT || top->kind == K_SEG))
-            return 0;  // the entry instruction is also a loop head: same activation
+        if (top->probe == id && top->sp == cfa && top->ret == ra && (top->kind == K_ROOT || top->kind == K_SEG))
+            return 0;  // the entry instruction is also a loop head (or the same call again): same context
         if (top->kind == K_EXIT || top->kind == K_TAILEXIT)
-            aux = top->aux;  // entered from the library the binary called there
+            aux = top->aux;  // entered from the library the binary called (or tail-jumped into) there
     }
-    if (indirect_cs != CC_NONE) {
+    // Pieces recorded for this very frame slot belong to earlier occupants of it (an earlier call
+    // from the same call site, or the frame a tail jump just replaced): drop them too.
+    cc_cut(s, cfa + 1);
+    n = s->n;
+    if (site_cs != CC_NONE) {
         // With no known context below (attached mid-run) the caller's own context is unknown.
-        if (n > 0 || !(s->flags & ST_INCOMPLETE_BASE))
-            aux = indirect_cs;
+        aux = (n > 0 || !(s->flags & ST_INCOMPLETE_BASE)) ? site_cs : CC_NONE;
     } else if (si->flags & F_SCOPE) {
         aux = CC_NONE;  // the context above a --scope function is not recorded
     } else if (n == 0 && !(s->flags & ST_INCOMPLETE_BASE)) {
@@ -589,7 +613,18 @@ static __always_inline u32 cc_fill_sample(u64 sp, struct cc_sample *out) {
     return words;
 }
 
-static __always_inline void cc_emit(u64 ktime, s32 nr, u32 event, u64 ip, u64 sp) {
+// The user pointer to the path argument of the syscalls whose path is cheap to report (x86-64
+// numbers: open, creat, execve take it in rdi; openat, openat2, execveat in rsi), else 0.
+static __always_inline u64 cc_path_arg(struct pt_regs *regs, long nr) {
+    u64 v = 0;
+    if (nr == 2 || nr == 85 || nr == 59)
+        bpf_probe_read_kernel(&v, sizeof(v), &regs->di);
+    else if (nr == 257 || nr == 437 || nr == 322)
+        bpf_probe_read_kernel(&v, sizeof(v), &regs->si);
+    return v;
+}
+
+static __always_inline void cc_emit(u64 ktime, s32 nr, u32 event, u64 ip, u64 sp, u64 argp) {
     u64 pid_tgid = bpf_get_current_pid_tgid();
     u32 kl = CFG_LAUNCH_TGID;
     u64 *launch = cc_config.lookup(&kl);
@@ -606,6 +641,9 @@ static __always_inline void cc_emit(u64 ktime, s32 nr, u32 event, u64 ip, u64 sp
     r->event = event;
     r->ip = ip;
     r->sp = sp;
+    r->arg[0] = 0;
+    if (argp && bpf_probe_read_user_str(r->arg, sizeof(r->arg), (void *)argp) < 0)
+        r->arg[0] = 0;  // not resident at syscall entry: reported without the argument
     u32 words = cc_fill_sample(sp, &r->cc);
     if (words > REC_EMIT_WORDS)
         words = REC_EMIT_WORDS;

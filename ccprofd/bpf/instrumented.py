@@ -50,7 +50,7 @@ SF_NOSTATE, SF_FROZEN, SF_INCOMPLETE_BASE, SF_SEGS_TRUNC, SF_REC_TRUNC, SF_READF
 INCOMPLETE_FLAGS = SF_NOSTATE | SF_FROZEN | SF_INCOMPLETE_BASE | SF_SEGS_TRUNC | SF_REC_TRUNC | SF_READFAIL
 
 ST_INCOMPLETE_BASE = 1
-RS_INDIRECT, RS_IN_SCOPE = 0x80000000, 0x40000000
+RS_INDIRECT, RS_IN_SCOPE, RS_VIA_PLT = 0x80000000, 0x40000000, 0x20000000
 CFG_LAUNCH_TGID, CFG_LAUNCHED = 0, 1
 
 STATS = ("site_hits", "tail_hits", "entry_hits", "samples", "pushes", "cuts", "frozen", "no_slot",
@@ -58,6 +58,7 @@ STATS = ("site_hits", "tail_hits", "entry_hits", "samples", "pushes", "cuts", "f
 PROGRAMS = {"site": "cc_site_probe", "tail": "cc_tail_probe", "entry": "cc_entry_probe"}
 
 BPF_MAP_UPDATE_ELEM = 2
+ARG_LEN = 256  # instrumented.c CC_ARG_LEN
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,7 +73,7 @@ class Limits:
 
     max_pieces: int = 8192
     max_segments: int = 64
-    emit_segments: int = 16
+    emit_segments: int = 64
     rec_emit_words: int = 1024
     slots: int = 64
     ringbuf_pages: int = 512
@@ -118,6 +119,7 @@ class RawContext:
     rec_len: int
     rec_base: int
     segments: tuple[RawSegment, ...] = field(default=())
+    arg: str | None = None  # the syscall's path argument (open*, exec*), when readable at entry
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +140,7 @@ class SampleLayout:
         self.w = acyc_words
         self.emit_segs = emit_segs
         self.rec_words = rec_emit_words
-        self._rec = struct.Struct("<QIIiIQQ")
+        self._rec = struct.Struct(f"<QIIiIQQ{ARG_LEN}s")
         self._head = struct.Struct("<8IQ")
         self._acyc = struct.Struct(f"<{acyc_words}Q")
         self._seg = struct.Struct(f"<{acyc_words}Q4I")
@@ -146,7 +148,7 @@ class SampleLayout:
         self.size = self.fixed + rec_emit_words * 8
 
     def parse(self, raw: bytes) -> RawContext:
-        ktime, tgid, tid, nr, event, ip, sp = self._rec.unpack_from(raw)
+        ktime, tgid, tid, nr, event, ip, sp, arg = self._rec.unpack_from(raw)
         off = self._rec.size
         flags, depth, top_kind, top_probe, top_aux, rec_len, nsegs, rec_base, bias = \
             self._head.unpack_from(raw, off)
@@ -163,7 +165,8 @@ class SampleLayout:
             rec &= (1 << rec_len) - 1
         return RawContext("syscall" if event == 1 else "cpu", monotonic_to_realtime_ns(ktime), tgid, tid,
                           nr if nr >= 0 else None, ip, sp, flags, depth, top_kind, top_probe, top_aux, bias,
-                          tuple(acyc), rec, rec_len, rec_base, tuple(segs))
+                          tuple(acyc), rec, rec_len, rec_base, tuple(segs),
+                          arg.split(b"\0", 1)[0].decode("utf-8", "surrogateescape") or None)
 
 
 def _words(value: int, n: int) -> list[int]:
@@ -176,6 +179,7 @@ def site_table(probe_plan: ProbePlan, plan: Mapping[str, Any]) -> list[dict[str,
         raise BPFError(f"instrumented mode implements Valence ('set') plans, not {plan.get('scheme')!r}")
     rows = plan["sites"]
     w = probe_plan.acyc_words
+    dense = dense_nodes(probe_plan)
     out: list[dict[str, Any]] = []
     for p in probe_plan.probes:
         reasons = p[PCOL["reasons"]]
@@ -203,12 +207,18 @@ def site_table(probe_plan: ProbePlan, plan: Mapping[str, Any]) -> list[dict[str,
         out.append({"vaddr": p[PCOL["vaddr"]], "ret_vaddr": p[PCOL["vaddr"]] + length,
                     "mask": _words(mask, w), "val": _words(val, w), "flags": flags, "rec_code": rec_code,
                     "callsite": cs if cs >= 0 else NONE32, "cfa_reg": p[PCOL["cfa_reg"]],
-                    "cfa_off": p[PCOL["cfa_off"]]})
+                    "cfa_off": p[PCOL["cfa_off"]], "node": dense.get(p[PCOL["node"]], NONE32)})
     return out
 
 
+def dense_nodes(probe_plan: ProbePlan) -> dict[int, int]:
+    """Node id -> the small index the BPF maps use for it."""
+    return {n: i for i, n in enumerate(sorted(probe_plan.names))}
+
+
 def ret_table(probe_plan: ProbePlan) -> list[tuple[int, int]]:
-    """Return address vaddr -> callsite id | RS_INDIRECT | RS_IN_SCOPE, for every call instruction."""
+    """Return address vaddr -> callsite id | RS_INDIRECT | RS_VIA_PLT | RS_IN_SCOPE, for every call
+    instruction."""
     scope = set(probe_plan.in_scope) if probe_plan.in_scope is not None else None
     out: list[tuple[int, int]] = []
     for i, c in enumerate(probe_plan.callsites):
@@ -217,6 +227,8 @@ def ret_table(probe_plan: ProbePlan) -> list[tuple[int, int]]:
         v = i
         if c[CCOL["kind"]] == "indirect":
             v |= RS_INDIRECT
+        elif c[CCOL["kind"]] == "plt":
+            v |= RS_VIA_PLT  # a PLT call can land in the binary's own exported functions
         if scope is None or c[CCOL["caller"]] in scope:
             v |= RS_IN_SCOPE
         out.append((c[CCOL["vaddr"]] + c[CCOL["length"]], v))
@@ -276,7 +288,9 @@ class InstrumentedBPF:
                    "MAX_SEGS": limits.max_segments, "EMIT_SEGS": limits.emit_segments, "REC_BITS": rec_bits,
                    "REC_WORDS": rec_words, "REC_EMIT_WORDS": rec_emit, "NPROBES": max(1, len(self.sites)),
                    "NCALLSITES": max(1, len(probe_plan.callsites)), "NSLOTS": limits.slots,
-                   "CC_RINGBUF_PAGES": limits.ringbuf_pages, "CC_STATE_WORDS": state_bytes // 8,
+                   "NTAILREACH": max(1, len(probe_plan.tail_entries)),
+                   "CC_RINGBUF_PAGES": limits.ringbuf_pages, "CC_ARG_LEN": ARG_LEN,
+                   "CC_STATE_WORDS": state_bytes // 8,
                    "CC_FORK_CHILD_PID_OFF": fork_off, "CC_EXEC_OLD_PID_OFF": exec_off}
         prelude = "".join(f"#define {k} {v}\n" for k, v in defines.items())
         prelude += resources.files("ccprofd.bpf").joinpath(C_SOURCE).read_text(encoding="utf-8")
@@ -305,10 +319,19 @@ class InstrumentedBPF:
             v.callsite = s["callsite"]
             v.cfa_reg = s["cfa_reg"]
             v.cfa_off = s["cfa_off"]
+            v.node = s["node"]
             items.append((i, v))
         m.update_many(items)
         rets = self.module.map("cc_ret_sites")
         rets.update_many(ret_table(self.probe_plan))
+        dense = dense_nodes(self.probe_plan)
+        callee = self.module.map("cc_cs_callee")
+        callee.update_many([(i, dense[c[CCOL["target"]]] if c[CCOL["kind"]] in ("direct", "tail")
+                             and c[CCOL["target"]] in dense else NONE32)
+                            for i, c in enumerate(self.probe_plan.callsites)])
+        if self.probe_plan.tail_entries:
+            self.module.map("cc_tail_reach").update_many(
+                [((dense[g] << 32) | dense[f], 1) for g, f in self.probe_plan.tail_entries])
         self._queue_fill("cc_free", range(self.limits.slots))
 
     def _queue_fill(self, name: str, values: Iterable[int]) -> None:

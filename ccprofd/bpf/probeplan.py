@@ -103,6 +103,7 @@ class ProbePlan:
     scope: str | None = None
     in_scope: list[int] | None = None
     imports: dict[int, str] = field(default_factory=dict)
+    tail_entries: list[list[int]] = field(default_factory=list)
     stats: dict[str, Any] = field(default_factory=dict)
     format: str = PROBE_PLAN_FORMAT
     version: int = PROBE_PLAN_VERSION
@@ -334,6 +335,20 @@ def build_probe_plan(graph: CallGraph, plan: Mapping[str, Any], image: ElfImage,
         pending.append(("entry", va, reasons, root_site.get(r, -1), -1, r))
         stats["scope_entry" if reasons & R_SCOPE else "entry"] += 1
 
+    # Which functions can reach an entry-probed root through direct tail jumps only: a return address
+    # of a call to one of them on the stack at the root's entry is that call's own (encoded) path.
+    tail_entries: list[list[int]] = []
+    for r in sorted(entries):
+        seen: set[int] = set()
+        todo = [r]
+        while todo:
+            n = todo.pop()
+            for u, _v, kind in g.in_edges(n, data="kind"):
+                if kind == "tail" and u != ROOT and u not in seen and u != r:
+                    seen.add(u)
+                    todo.append(u)
+        tail_entries.extend([u, r] for u in sorted(seen))
+
     site_vas = [p[1] for p in pending if p[0] != "entry"]
     eh = image.sections.get(".eh_frame")
     rules = cfa_rules(image.section_bytes(eh), eh.vaddr, site_vas) if eh is not None else {}
@@ -362,7 +377,8 @@ def build_probe_plan(graph: CallGraph, plan: Mapping[str, Any], image: ElfImage,
         acyc_words=int(plan["acyc_words"]), rec_code_bits=int(plan["rec_code_bits"]),
         names=names, functions=fn_ranges, callsites=callsites, probes=probes,
         sample_points=sample_points, scope=scope,
-        in_scope=sorted(in_scope) if scope is not None else None, imports=imports, stats=stats)
+        in_scope=sorted(in_scope) if scope is not None else None, imports=imports,
+        tail_entries=tail_entries, stats=stats)
 
 
 def _entry_function(graph: CallGraph) -> int | None:

@@ -58,10 +58,15 @@ class TraceSample:
     syscall: str | None
     complete: bool
     frames: list[dict[str, Any]] = field(default_factory=list)
+    #: Cheap syscall arguments, e.g. {"path": ...} for open*/execve* (absent when unknown).
+    args: dict[str, str] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"time_ns": self.time_ns, "pid": self.pid, "tid": self.tid, "event": self.event,
-                "syscall": self.syscall, "complete": self.complete, "frames": self.frames}
+        out: dict[str, Any] = {"time_ns": self.time_ns, "pid": self.pid, "tid": self.tid, "event": self.event,
+                               "syscall": self.syscall, "complete": self.complete, "frames": self.frames}
+        if self.args:
+            out["args"] = self.args
+        return out
 
 
 class Mode(Protocol):
@@ -155,7 +160,8 @@ class InstrumentedMode:
                 key = (d.reason or "?").split(":")[0]
                 self.reasons[key] = self.reasons.get(key, 0) + 1
             out.append(TraceSample(ev.time_ns, ev.pid, ev.tid, ev.event, syscall_name(ev.syscall), d.complete,
-                                   [f.to_json() for f in d.frames]))
+                                   [f.to_json() for f in d.frames],
+                                   _path_args(syscall_name(ev.syscall), ev.arg)))
         return out
 
     def summary(self) -> dict[str, Any]:
@@ -172,6 +178,13 @@ class InstrumentedMode:
         if self._bpf is not None:
             self._bpf.close()
             self._bpf = None
+
+
+def _path_args(syscall: str | None, arg: str | None) -> dict[str, str] | None:
+    """A sample's cheap arguments: the kernel's name for the path argument (exec*: filename)."""
+    if arg is None:
+        return None
+    return {"filename" if (syscall or "").startswith("exec") else "path": arg}
 
 
 def make_mode(binary: str, options: TraceOptions) -> Mode:
@@ -308,9 +321,11 @@ def _gated_child(path: str, argv: Sequence[str]) -> tuple[int, int]:
 
 
 def open_session(argv: Sequence[str], *, syscalls: Sequence[str] | str | None = None,
-                 options: TraceOptions | None = None) -> Session:
+                 options: TraceOptions | None = None,
+                 on_launch: Callable[[int], None] | None = None) -> Session:
     """Start ``argv`` traced: probes attached before it execs, so contexts are complete from the
-    first instruction of ``main``.  ``syscalls``: names (or a comma-separated string); None = all."""
+    first instruction of ``main``.  ``syscalls``: names (or a comma-separated string); None = all.
+    ``on_launch(pid)`` runs before the child is released (e.g. to put it under enforcement too)."""
     opts = options or TraceOptions()
     if syscalls is not None and not isinstance(syscalls, str):
         syscalls = ",".join(syscalls)
@@ -322,6 +337,8 @@ def open_session(argv: Sequence[str], *, syscalls: Sequence[str] | str | None = 
     try:
         mode.prepare()
         mode.track_launch(pid)
+        if on_launch is not None:
+            on_launch(pid)
     except BaseException:
         os.close(gate)  # the child exits without running the command
         with contextlib.suppress(ChildProcessError):

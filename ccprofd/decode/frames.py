@@ -133,7 +133,7 @@ class Symbolizer:
             return self.names.get(tgt)
         return self.pp.imports.get(index)
 
-    def _link(self, frames: list[Frame], site: int, into_binary: bool) -> None:
+    def _link(self, frames: list[Frame], site: int, into_binary: bool, callee: int | None = None) -> None:
         """Set the innermost frame's call site; when the callee was entered from library code the
         binary called at ``site``, add that library function's (unanalysed) frame."""
         prev = frames[-1]
@@ -148,6 +148,8 @@ class Symbolizer:
             prev.return_address = site + cs[CCOL["length"]]
         if into_binary:
             ext = self._callsite_name(index)
+            if ext is not None and callee is not None and ext == self.pp.names.get(callee):
+                return  # a PLT call of the binary's own exported function: no library frame between
             if ext is not None or cs[CCOL["kind"]] == "plt":
                 frames.append(self._outside(ext))
 
@@ -244,6 +246,6 @@ class Symbolizer:
             if site == OUTSIDE:
                 frames.append(self._outside(None))
             elif site:
-                self._link(frames, site, into_binary=True)
+                self._link(frames, site, into_binary=True, callee=callee)
             frames.append(self._frame(callee))
         return frames
