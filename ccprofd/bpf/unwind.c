@@ -927,8 +927,10 @@ static __always_inline void uw_aggregate(struct uw_state *st, void *arena_cb) {
 
 #define UW_UNWIND_LOOPS (UW_MAX_DEPTH + 1)
 
+// `can_aggregate` is a constant per program: the CPU sampler sends every sample (the aggregation
+// code would double its verification cost past the verifier's limit; CPU samples are few).
 static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u64 sp, u64 bp, void *loop_cb,
-                                      void *arena_cb UE_CALLBACK_PARAMS) {
+                                      void *arena_cb, int can_aggregate UE_CALLBACK_PARAMS) {
     struct uw_state *st = uw_state.lookup(&slot);
     if (!st)
         return;
@@ -990,7 +992,7 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
         uw_stat(UW_STAT_INCOMPLETE, 1);
     u32 k = UW_CFG_AGGREGATE;
     u64 *agg = uw_config.lookup(&k);
-    if (agg && *agg)
+    if (can_aggregate && agg && *agg)
         uw_aggregate(st, arena_cb);
     else
         uw_emit(st);
@@ -1054,13 +1056,15 @@ int uw_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
     bpf_probe_read_kernel(&ip, sizeof(ip), &regs->ip);
     bpf_probe_read_kernel(&sp, sizeof(sp), &regs->sp);
     bpf_probe_read_kernel(&bp, sizeof(bp), &regs->bp);
-    uw_sample(bpf_get_smp_processor_id() * 2, pid_tgid, (s32)nr, ip, sp, bp, uw_step_sys, uw_arena_sys
+    uw_sample(bpf_get_smp_processor_id() * 2, pid_tgid, (s32)nr, ip, sp, bp, uw_step_sys, uw_arena_sys, 1
               UE_CALLBACKS_SYS);
     return 0;
 }
 
-// CPU-clock sample of a tracked process: unwind from its user registers (from the interrupted
-// context when it was in user mode, else from the saved user registers of the task).
+// CPU-clock sample of a tracked process: unwind from its user registers.  The task's pt_regs (top
+// of its kernel stack) hold them whether the tick interrupted user mode (saved at the interrupt
+// entry) or a syscall (saved at the syscall entry), so one code path serves both (two would
+// double the verifier's work).
 int uw_cpu_sample(struct bpf_perf_event_data *ctx) {
     u64 pid_tgid = bpf_get_current_pid_tgid();
     u32 tgid = pid_tgid >> 32;
@@ -1068,21 +1072,13 @@ int uw_cpu_sample(struct bpf_perf_event_data *ctx) {
     if (!t || t->execs_left)
         return 0;
     uw_inherit(tgid);
-    u64 ip = 0, sp = 0, bp = 0, cs = 0;
-    bpf_probe_read_kernel(&cs, sizeof(cs), &ctx->regs.cs);
-    if ((cs & 3) == 3) {
-        bpf_probe_read_kernel(&ip, sizeof(ip), &ctx->regs.ip);
-        bpf_probe_read_kernel(&sp, sizeof(sp), &ctx->regs.sp);
-        bpf_probe_read_kernel(&bp, sizeof(bp), &ctx->regs.bp);
-    } else {
-        struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs((struct task_struct *)bpf_get_current_task_btf());
-        if (regs) {
-            bpf_probe_read_kernel(&ip, sizeof(ip), &regs->ip);
-            bpf_probe_read_kernel(&sp, sizeof(sp), &regs->sp);
-            bpf_probe_read_kernel(&bp, sizeof(bp), &regs->bp);
-        }
-    }
-    uw_sample(bpf_get_smp_processor_id() * 2 + 1, pid_tgid, -1, ip, sp, bp, uw_step_cpu, uw_arena_cpu
+    u64 ip = 0, sp = 0, bp = 0;
+    // (a NULL regs makes the reads fail and leave zeros: "no user registers")
+    struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs((struct task_struct *)bpf_get_current_task_btf());
+    bpf_probe_read_kernel(&ip, sizeof(ip), &regs->ip);
+    bpf_probe_read_kernel(&sp, sizeof(sp), &regs->sp);
+    bpf_probe_read_kernel(&bp, sizeof(bp), &regs->bp);
+    uw_sample(bpf_get_smp_processor_id() * 2 + 1, pid_tgid, -1, ip, sp, bp, uw_step_cpu, uw_arena_cpu, 0
               UE_CALLBACKS_CPU);
     return 0;
 }

@@ -53,7 +53,7 @@ from ccprofd.bpf.bcc_adapter import BccModule, BpfMap
 from ccprofd.bpf.errors import BPFError
 from ccprofd.bpf.features import tracefs_dir
 from ccprofd.bpf.syscall_sampler import NR_SYSCALL_SLOTS, SamplerEvent, sampler_source, tracepoint_has_field
-from ccprofd.bpf.unwind_plan import NO_NODE, UnwindEncoding
+from ccprofd.bpf.unwind_plan import UnwindEncoding
 from ccprofd.callgraph import cfi
 from ccprofd.callgraph.addrspace import AddressSpace
 from ccprofd.callgraph.cache import AnalysisCache
@@ -214,7 +214,8 @@ class RecordLayout:
         unan = []
         for i in range(min(nunan, self.max_unan)):
             a, v = struct.unpack_from("<QQ", raw, ubase + 16 * i)
-            unan.append(UnanalysedFrame(a & 0xFFFFFFFF, (a >> 32) & 0xFFFF, v & ~EXACT_BIT, bool(v & EXACT_BIT)))
+            unan.append(UnanalysedFrame(a & 0xFFFFFFFF, (a >> 32) & 0xFFFF, v & ~EXACT_BIT,
+                                        bool(v & EXACT_BIT)))
         return EncodedRecord(node, flags, inner, nframes, tuple(acyc), rec, rec_len, tuple(segs), tuple(unan))
 
 
@@ -434,7 +435,8 @@ class UnwindSampler:
     def _load_with_callbacks(self, prog: str, callbacks: dict[int, str], prog_type: int) -> int:
         """Load ``prog`` with its bpf_loop callbacks (loop count -> callback function name)."""
         main = self.module.function_bytes(prog)
-        insns, starts = link_loop_callbacks(main, {n: self.module.function_bytes(cb) for n, cb in callbacks.items()})
+        insns, starts = link_loop_callbacks(main, {n: self.module.function_bytes(cb)
+                                                   for n, cb in callbacks.items()})
         names = [prog, *callbacks.values()]
         btf = rawbpf.btf_load(rawbpf.int_btf(names))
         try:
@@ -468,7 +470,8 @@ class UnwindSampler:
         one software perf event per CPU runs the unwinder, which keeps only tracked processes."""
         if hz <= 0:
             raise BPFError(f"sampling frequency must be positive, not {hz}")
-        fd = self._load_with_callbacks("uw_cpu_sample", self._callbacks("cpu"), _BPF_PROG_TYPE_PERF_EVENT)
+        callbacks = {n: name for n, name in self._callbacks("cpu").items() if "arena" not in name}
+        fd = self._load_with_callbacks("uw_cpu_sample", callbacks, _BPF_PROG_TYPE_PERF_EVENT)
         for cpu in _online_cpus():
             pfd = perf_event_open_cpu_clock(cpu, hz)
             self._perf_fds.append(pfd)

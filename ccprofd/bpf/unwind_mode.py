@@ -88,7 +88,7 @@ class ModuleSymbols:
                             rows[lo] = (lo, lo + size, sym.name)
         except (OSError, ValueError, ImportError):
             rows = {}
-        except Exception:  # noqa: BLE001 - malformed ELF: no names, never a crash
+        except Exception:  # malformed ELF: no names, never a crash
             rows = {}
         self._rows = sorted(rows.values())
         self._starts = [r[0] for r in self._rows]
@@ -172,12 +172,14 @@ class UnwindSymbolizer:
             self.errors += 1
             return Decoded([], False, f"decode error: {exc}")
         nodes = self.nodes
-        seg_ret = {(s.site, nodes[s.callee], nodes[s.caller]): s.ret for s in rec.segments if s.caller != NO_NODE}
+        seg_ret = {(s.site, nodes[s.callee], nodes[s.caller]): s.ret
+                   for s in rec.segments if s.caller != NO_NODE}
         frames = self._path_frames(path, node, seg_ret)
         stack_frames = [i for i, f in enumerate(frames) if not f.tail_call]
         if len(stack_frames) != rec.nframes:
             self.errors += 1
-            return Decoded([], False, f"decode error: {len(stack_frames)} frames decoded, {rec.nframes} unwound")
+            return Decoded([], False, f"decode error: {len(stack_frames)} frames decoded, "
+                                      f"{rec.nframes} unwound")
         inner = frames[-1]
         if rec.flags & UE_F_INNER_EXACT:
             inner.call_site = rec.inner
@@ -380,12 +382,13 @@ class UnwindMode:
         out: list[Any] = []
         for s in raw:
             if s.flags & FLAG_HIT:
-                d = self._decoded.get(s.key)
-                if d is None:
+                known = self._decoded.get(s.key)
+                if known is None:
                     self.lost += 1
-                    d = Decoded([], False, "context record lost")
+                    known = Decoded([], False, "context record lost")
+                d = known
             elif s.flags & FLAG_NEW:
-                d = self._decoded[s.key]
+                d = self._decoded.get(s.key) or self._decode(s)
             else:
                 d = self._decode(s)
             self.samples_seen += 1
@@ -439,6 +442,11 @@ class UnwindMode:
         if self.sampler is not None:
             self.sampler.close()
             self.sampler = None
+            if getattr(self.options, "verify", False):
+                import sys
+
+                print(f"ccprofd: verify: {self.verify_checked} contexts checked, {self.verify_mismatches} "
+                      f"mismatches against the reference encoder", file=sys.stderr)
 
 
 def stack_frames(sampler: Any, s: UnwoundSample) -> list[StackFrame] | None:

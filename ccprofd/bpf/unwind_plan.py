@@ -116,6 +116,24 @@ def _compose(first: Row, then: Row) -> Row:
     return Row(mask, val, first.rec + then.rec, first.sites + then.sites)
 
 
+def _tail_paths(start: int, tails: Mapping[int, list[tuple[int, int]]],
+                indirect_jumpers: set[int]) -> dict[int, list[list[int]]]:
+    """Every simple chain of tail edges from ``start`` (at most MAX_TAIL_CHAIN long), by end node,
+    as lists of plan site ids; chains do not continue through functions with indirect jumps."""
+    paths: dict[int, list[list[int]]] = {}
+    todo: list[tuple[int, list[int], frozenset[int]]] = [(start, [], frozenset({start}))]
+    while todo:
+        node, chain, seen = todo.pop()
+        for nxt, sid in tails.get(node, []):
+            if nxt in seen:
+                continue
+            path = [*chain, sid]
+            paths.setdefault(nxt, []).append(path)
+            if len(path) < MAX_TAIL_CHAIN and nxt not in indirect_jumpers:
+                todo.append((nxt, path, seen | {nxt}))
+    return paths
+
+
 def build_unwind_encoding(graph: CallGraph, plan: Mapping[str, Any]) -> UnwindEncoding:
     """The encoding tables of ``plan`` (built from ``graph``) for unwound stacks."""
     if plan.get("scheme") != "valence":
@@ -202,18 +220,7 @@ def build_unwind_encoding(graph: CallGraph, plan: Mapping[str, Any]) -> UnwindEn
         target = nodes[_callee]
         if target in indirect_jumpers or target not in tails:
             continue
-        paths: dict[int, list[list[int]]] = {}
-
-        def walk(node: int, chain: list[int], seen: frozenset[int]) -> None:
-            for nxt, sid in tails.get(node, []):
-                if nxt in seen:
-                    continue
-                path = [*chain, sid]
-                paths.setdefault(nxt, []).append(path)
-                if len(path) < MAX_TAIL_CHAIN and nxt not in indirect_jumpers:
-                    walk(nxt, path, seen | {nxt})
-
-        walk(target, [], frozenset({target}))
+        paths = _tail_paths(target, tails, indirect_jumpers)
         for end, found in paths.items():
             key = (ret, dense[end])
             if key in edges:
