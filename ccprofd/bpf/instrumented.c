@@ -178,20 +178,24 @@ BPF_ARRAY(cc_sites, struct cc_site, NPROBES);
 BPF_HASH(cc_ret_sites, u64, u32, NCALLSITES);
 BPF_ARRAY(cc_cs_callee, u32, NCALLSITES);          // callsite id -> direct callee (dense), CC_NONE
 BPF_HASH(cc_tail_reach, u64, u8, NTAILREACH);      // (g << 32 | f): g tail-jumps (transitively) to f
-// The value type bcc sees is an opaque blob: bcc generates printf/scanf helpers for every map value
-// type, element by element, which for MAX_PIECES pieces costs seconds of compile time.
-// (CC_STATE_WORDS comes from Python as a number: bcc writes array bounds into a JSON type description
-// as spelled, so an expression there breaks it.)
+// The value types bcc sees are opaque char blobs: bcc generates printf/scanf helpers for every map
+// value type, element by element (seconds of compile time for the piece stack and the sample
+// record); a char array is one string to it.  The sizes come from Python as plain numbers (bcc
+// writes array bounds into a JSON type description as spelled, so an expression there breaks it).
 struct cc_state_blob {
-    u64 b[CC_STATE_WORDS];
+    char b[CC_STATE_BYTES];
 };
-_Static_assert(sizeof(struct cc_state) <= CC_STATE_WORDS * 8, "CC_STATE_WORDS too small");
+_Static_assert(sizeof(struct cc_state) <= CC_STATE_BYTES, "CC_STATE_BYTES too small");
+struct cc_record_blob {
+    char b[CC_RECORD_BYTES];
+};
+_Static_assert(sizeof(struct cc_record) <= CC_RECORD_BYTES, "CC_RECORD_BYTES too small");
 BPF_ARRAY(cc_states, struct cc_state_blob, NSLOTS);
 BPF_HASH(cc_slot_of, u32, u32, NSLOTS);
 BPF_QUEUE(cc_free, u32, NSLOTS);
 BPF_ARRAY(cc_config, u64, 4);
 BPF_PERCPU_ARRAY(cc_stats, u64, NR_CC_STATS);
-BPF_PERCPU_ARRAY(cc_scratch, struct cc_record, 2);  // [event - 1]: a CPU sample may interrupt a syscall one
+BPF_PERCPU_ARRAY(cc_scratch, struct cc_record_blob, 2);  // [event - 1]: a CPU sample may interrupt a syscall one
 BPF_RINGBUF_OUTPUT(cc_events, CC_RINGBUF_PAGES);
 
 // Index masking the compiler cannot drop (it would otherwise reason the mask away from earlier
@@ -631,7 +635,7 @@ static __always_inline void cc_emit(u64 ktime, s32 nr, u32 event, u64 ip, u64 sp
     if (launch && *launch == (pid_tgid >> 32) && cc_cfg(CFG_LAUNCHED) == 0)
         return;  // ccprofd's own child before it execs the command: not the traced program yet
     u32 idx = event - 1;
-    struct cc_record *r = cc_scratch.lookup(&idx);
+    struct cc_record *r = (struct cc_record *)cc_scratch.lookup(&idx);
     if (!r)
         return;
     r->ktime_ns = ktime;

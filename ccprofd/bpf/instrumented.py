@@ -290,7 +290,7 @@ class InstrumentedBPF:
                    "NCALLSITES": max(1, len(probe_plan.callsites)), "NSLOTS": limits.slots,
                    "NTAILREACH": max(1, len(probe_plan.tail_entries)),
                    "CC_RINGBUF_PAGES": limits.ringbuf_pages, "CC_ARG_LEN": ARG_LEN,
-                   "CC_STATE_WORDS": state_bytes // 8,
+                   "CC_STATE_BYTES": state_bytes, "CC_RECORD_BYTES": self.layout.size,
                    "CC_FORK_CHILD_PID_OFF": fork_off, "CC_EXEC_OLD_PID_OFF": exec_off}
         prelude = "".join(f"#define {k} {v}\n" for k, v in defines.items())
         prelude += resources.files("ccprofd.bpf").joinpath(C_SOURCE).read_text(encoding="utf-8")
