@@ -1,7 +1,8 @@
 """``ccprofd learn``, ``ccprofd detect`` and ``ccprofd model``: the anomaly detector without the daemon.
 
-Samples come either from a traced command (``-- CMD [ARGS...]``, through the tracer's session API
-once it is available) or from a JSONL file written by ``ccprofd trace --format jsonl`` (``--samples
+Samples come either from a traced command (``-- CMD [ARGS...]``, through the tracer's session API:
+probes attached before the command runs, its exit status passed through, 125 when tracing fails
+mid-run) or from a JSONL file written by ``ccprofd trace --format jsonl`` (``--samples
 FILE``).  Kept out of cli.py so that file stays a thin dispatcher; cli.py calls
 :func:`add_commands`.
 """
@@ -11,9 +12,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import shutil
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import IO, Any
 
 from ccprofd.daemon.anomaly import (
@@ -94,49 +94,99 @@ def _parse_syscalls(text: str | None) -> list[str] | None:
     return names
 
 
-def _traced_command(argv: Sequence[str], syscalls: list[str] | None) -> Any:
-    """The tracer's session for ``-- CMD`` (samples + the command's exit status)."""
+def _open_traced(args: argparse.Namespace, syscalls: list[str] | None,
+                 on_launch: Callable[[int], None] | None = None) -> Any:
+    """The tracer's session for ``-- CMD``: probes attached before the command execs."""
+    from ccprofd.bpf.errors import BPFError
+    from ccprofd.daemon import tracer
+
     try:
-        from ccprofd.daemon import tracer  # type: ignore[attr-defined]
-    except ImportError:
-        raise _Unavailable("tracing a command needs the tracer (ccprofd/daemon/tracer.py), which this build "
-                     "does not have yet; record samples with `ccprofd trace --format jsonl` and pass "
-                     "--samples FILE") from None
-    if shutil.which(argv[0]) is None:
-        raise _Usage(f"command not found: {argv[0]}")
-    return tracer.open_session(list(argv), syscalls=syscalls)  # pragma: no cover - tracer not landed
+        opts = tracer.TraceOptions(mode=args.mode, syscalls=",".join(syscalls) if syscalls else None,
+                                   cache_dir=args.cache_dir)
+        return tracer.open_session(list(args.command), options=opts, on_launch=on_launch)
+    except tracer.TraceError as exc:
+        raise _Usage(str(exc)) from None
+    except (BPFError, OSError) as exc:
+        raise _Unavailable(f"cannot start tracing: {str(exc).strip().splitlines()[0]}") from None
+
+
+def _target_binary(argv: Sequence[str]) -> tuple[str, str]:
+    """(path, build-id) of the command's executable; models are keyed by build-id, so a binary
+    without one is refused before anything runs."""
+    from ccprofd.callgraph.elfimage import ElfImage
+    from ccprofd.daemon import tracer
+
+    try:
+        path = tracer.resolve_command(argv)
+        bid = ElfImage(path).build_id()
+    except tracer.TraceError as exc:
+        raise _Usage(str(exc)) from None
+    except (OSError, ValueError) as exc:
+        raise _Usage(f"{argv[0]}: cannot read the executable: {exc}") from None
+    if not bid:
+        raise _Usage(f"{path} has no GNU build-id note; anomaly models are keyed by build-id "
+                     "(link with -Wl,--build-id)")
+    return path, bid
+
+
+def _run_session(session: Any, write: Callable[[dict[str, Any]], None]) -> int:
+    """Stream the session's samples to ``write``: the command's status, 125 if tracing failed."""
+    from ccprofd.daemon import tracer
+
+    return int(tracer.run(session, lambda s: write(s.to_json()), launched=True))
 
 
 # ------------------------------------------------------------------------------------- learn
+class _LearnSink:
+    """Learns samples as they arrive (never buffered: the periodic flush bounds what a kill loses)."""
+
+    def __init__(self, args: argparse.Namespace, syscalls: list[str] | None) -> None:
+        self.args = args
+        self.syscalls = syscalls
+        self.learners: dict[str, tuple[Learner, PeriodicFlusher]] = {}
+        self.samples = 0
+
+    def add(self, target: tuple[str, str], sample: dict[str, Any]) -> None:
+        bid, path = target
+        entry = self.learners.get(bid)
+        if entry is None:
+            learner = Learner(TargetModel(bid, path), syscalls=self.syscalls,
+                              transitions=self.args.transitions)
+            entry = self.learners[bid] = (learner, PeriodicFlusher(self.args.model, learner,
+                                                                   self.args.flush_interval))
+        entry[0].observe(sample)
+        entry[1].maybe_flush()
+        self.samples += 1
+
+    def finish(self) -> None:
+        for _, flusher in self.learners.values():
+            flusher.flush()
+        print(f"ccprofd: learned {self.samples} samples of {len(self.learners)} target(s) into "
+              f"{self.args.model}", file=sys.stderr)
+
+
 def cmd_learn(args: argparse.Namespace) -> int:
     syscalls = _parse_syscalls(args.syscalls)
     _check_model_readable(args.model)
+    sink = _LearnSink(args, syscalls)
     if args.samples is None:
-        session = _traced_command(args.command, syscalls)
-        target = (session.build_id, session.path)
-        _learn_stream(args, ((target, s) for s in session.samples()), syscalls)
-        return int(session.wait())
-    samples = [s for s in _read_jsonl(args.samples) if syscalls is None or s.get("syscall") in syscalls]
-    _learn_stream(args, _by_target(samples), syscalls)
+        path, bid = _target_binary(args.command)
+        target = (bid, path)
+        # The run counts even when it made no sample: a run is what the learning curve counts.
+        sink.learners[bid] = (learner := Learner(TargetModel(bid, path), syscalls=syscalls,
+                                                 transitions=args.transitions),
+                              PeriodicFlusher(args.model, learner, args.flush_interval))
+        session = _open_traced(args, syscalls)
+        try:
+            status = _run_session(session, lambda s: sink.add(target, s))
+        finally:
+            sink.finish()
+        return status
+    for target_, s in _by_target([s for s in _read_jsonl(args.samples)
+                                  if syscalls is None or s.get("syscall") in syscalls]):
+        sink.add(target_, s)
+    sink.finish()
     return 0
-
-
-def _learn_stream(args: argparse.Namespace, pairs: Iterator[tuple[tuple[str, str], dict[str, Any]]],
-                  syscalls: list[str] | None) -> None:
-    """Learn as samples arrive (never buffered: the periodic flush bounds what a kill loses)."""
-    learners: dict[str, tuple[Learner, PeriodicFlusher]] = {}
-    n = 0
-    for (bid, path), s in pairs:
-        entry = learners.get(bid)
-        if entry is None:
-            learner = Learner(TargetModel(bid, path), syscalls=syscalls, transitions=args.transitions)
-            entry = learners[bid] = (learner, PeriodicFlusher(args.model, learner, args.flush_interval))
-        entry[0].observe(s)
-        entry[1].maybe_flush()
-        n += 1
-    for _, flusher in learners.values():
-        flusher.flush()
-    print(f"ccprofd: learned {n} samples of {len(learners)} target(s) into {args.model}", file=sys.stderr)
 
 
 def _check_model_readable(path: str) -> None:
@@ -147,8 +197,57 @@ def _check_model_readable(path: str) -> None:
 
 
 # ------------------------------------------------------------------------------------ detect
+class _Enforcement:
+    """``detect --enforce``: the kernel-side enforcer of the model, and the link between its
+    denials and the detector's alerts (same pid, tid and syscall)."""
+
+    def __init__(self, path: str, model: TargetModel) -> None:
+        from ccprofd.bpf.errors import BPFError
+        from ccprofd.bpf.lsm_enforce import Enforcer
+
+        try:
+            self.enforcer = Enforcer(path, model, enforce=True)
+        except BPFError as exc:
+            raise _Unavailable(f"cannot enforce: {str(exc).strip().splitlines()[0]}") from None
+        self.pending: dict[tuple[int, int, str], list[str]] = {}
+        self.denied = 0
+        if self.enforcer.mode != "lsm":
+            print(f"ccprofd: enforcing by SIGKILL at syscall entry ({self.enforcer.lsm_error}); "
+                  "a denied syscall may still complete", file=sys.stderr)
+        if self.enforcer.allowed.unkeyed:
+            print(f"ccprofd: {self.enforcer.allowed.unkeyed} model context(s) cannot be keyed for "
+                  "enforcement (no frame-pointer chain to them): they will be denied", file=sys.stderr)
+
+    def collect(self) -> None:
+        from ccprofd.bpf.syscall_names import syscall_name
+
+        for d in self.enforcer.poll(0):
+            self.denied += 1
+            key = (d.pid, d.tid, syscall_name(d.syscall_nr) or str(d.syscall_nr))
+            self.pending.setdefault(key, []).append(d.verdict)
+
+    def annotate(self, alert: dict[str, Any]) -> dict[str, Any]:
+        self.collect()
+        alert["action"] = "enforce"
+        verdicts = self.pending.get((alert["pid"], alert["tid"], alert["syscall"]))
+        alert["denied"] = bool(verdicts)
+        if verdicts:
+            alert["verdict"] = verdicts.pop(0)
+        return alert
+
+    def close(self) -> None:
+        self.collect()
+        for (pid, tid, syscall), verdicts in sorted(self.pending.items()):
+            for verdict in verdicts:
+                print(f"ccprofd: enforcement {verdict} {syscall} of pid {pid} tid {tid} (its context "
+                      "has no key in the model; the detector did not report it)", file=sys.stderr)
+        self.enforcer.close()
+
+
 def cmd_detect(args: argparse.Namespace) -> int:
     syscalls = _parse_syscalls(args.syscalls)
+    if args.enforce and args.samples is not None:
+        raise _Usage("--enforce needs a command to run (-- CMD), not --samples")
     try:
         models = load_models(args.model, missing_ok=False)
     except ModelFileError as exc:
@@ -156,24 +255,36 @@ def cmd_detect(args: argparse.Namespace) -> int:
     opts = DetectorOptions(collapse_recursion=args.collapse_recursion, transitions=args.transitions,
                            min_count=args.min_count, alert_interval_seconds=args.alert_interval)
     with _alert_stream(args.output) as stream:
-        writer = AlertWriter(stream)
-        detectors: dict[str, Detector] = {}
-        pairs: Iterator[tuple[tuple[str, str], dict[str, Any]]]
-        session = None
-        if args.samples is None:
-            session = _traced_command(args.command, syscalls)
-            target = (session.build_id, session.path)
-            pairs = ((target, s) for s in session.samples())
-        else:
-            pairs = _by_target([s for s in _read_jsonl(args.samples)
-                                if syscalls is None or s.get("syscall") in syscalls])
-        for (bid, path), s in pairs:
-            det = detectors.get(bid)
-            if det is None:
-                det = detectors[bid] = _detector_for(models, bid, path, opts)
-            for alert in det.check(s):
-                writer.write(alert)
-    return int(session.wait()) if session is not None else 0
+        if args.samples is not None:
+            writer = AlertWriter(stream)
+            detectors: dict[str, Detector] = {}
+            for (bid, path), s in _by_target([s for s in _read_jsonl(args.samples)
+                                               if syscalls is None or s.get("syscall") in syscalls]):
+                det = detectors.get(bid)
+                if det is None:
+                    det = detectors[bid] = _detector_for(models, bid, path, opts)
+                for alert in det.check(s):
+                    writer.write(alert)
+            return 0
+        path, bid = _target_binary(args.command)
+        det = _detector_for(models, bid, path, opts)
+        enforcement = _Enforcement(path, det.model) if args.enforce else None
+
+        def write(sample: dict[str, Any]) -> None:
+            for alert in det.check(sample):
+                d = alert.to_dict()
+                if enforcement is not None:
+                    d = enforcement.annotate(d)
+                stream.write(json.dumps(d, separators=(",", ":")) + "\n")
+                stream.flush()
+
+        try:
+            hook = None if enforcement is None else enforcement.enforcer.track_launch
+            session = _open_traced(args, syscalls, on_launch=hook)
+            return _run_session(session, write)
+        finally:
+            if enforcement is not None:
+                enforcement.close()
 
 
 def _detector_for(models: ModelSet, build_id: str, path: str, opts: DetectorOptions) -> Detector:
@@ -302,8 +413,13 @@ def _positive_float(text: str) -> float:
 
 
 def _source_args(p: argparse.ArgumentParser) -> None:
+    from ccprofd.daemon.tracer import DEFAULT_MODE, MODES
+
     p.add_argument("--syscalls", metavar="LIST|all", default=None,
                    help="comma-separated syscall names to model (default: all)")
+    p.add_argument("--mode", choices=MODES, default=DEFAULT_MODE,
+                   help=f"tracer mode for -- CMD (default {DEFAULT_MODE}); contexts are the same in both")
+    p.add_argument("--cache-dir", default=None, metavar="DIR", help="analysis cache directory")
     p.add_argument("--samples", metavar="FILE", default=None,
                    help="read decoded samples from a `ccprofd trace --format jsonl` file ('-': stdin) "
                         "instead of tracing a command")
@@ -367,6 +483,10 @@ def add_commands(sub: Any) -> None:
                     help="contexts learned fewer than N times count as unseen (default 1)")
     de.add_argument("--alert-interval", type=float, default=60.0, metavar="SECONDS",
                     help="repeat the same alert at most once per interval (default 60; 0: always)")
+    de.add_argument("--enforce", action="store_true",
+                    help="also deny hooked operations (open, exec, connect) from contexts outside the model: "
+                         "BPF LSM -EPERM where loadable, else SIGKILL at syscall entry (the syscall may "
+                         "complete); the target needs frame pointers")
     _source_args(de)
     de.set_defaults(func=_run(cmd_detect))
 

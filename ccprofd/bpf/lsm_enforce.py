@@ -17,6 +17,7 @@ expressible as finite keys and are reported, not enforced.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 import subprocess
@@ -27,7 +28,7 @@ from importlib import resources
 from ccprofd.bpf.errors import BPFError
 from ccprofd.bpf.syscall_sampler import SamplerEvent, SyscallSampler
 from ccprofd.callgraph.addrspace import AddressSpace
-from ccprofd.daemon.anomaly import TargetModel
+from ccprofd.daemon.anomaly import TAIL_CALL, TargetModel
 
 LSM_FILE = "/sys/kernel/security/lsm"
 SECURITYFS = "/sys/kernel/security"
@@ -45,6 +46,7 @@ KEY_PRIME = 0x100000001B3
 KEY_NONE = KEY_SEED
 _MASK = (1 << 64) - 1
 VERDICTS = {1: "allowed", 2: "denied", 3: "killed"}
+ENF_ARMED, ENF_ACTIVE = 1, 2  # enf_procs values (lsm_enforce.c)
 _EXTRA = struct.Struct("<QII")
 
 
@@ -115,8 +117,14 @@ def allowed_keys(model: TargetModel, addrspace: AddressSpace, *, lsm: bool) -> A
 
 def _key_of(model: TargetModel, frames: Sequence[tuple[str, str, str | None]],
             aspace: AddressSpace) -> int | None:
-    if not frames:
-        return KEY_NONE
+    # Library frames inward of the binary's last call (unwind mode reports them) are below the
+    # PLT call the kernel side keys on.
+    n = len(frames)
+    while n and frames[n - 1][0] != model.build_id:
+        n -= 1
+    if n == 0:
+        return KEY_NONE  # no frame of the binary: the loader, or code the binary never called into
+    frames = frames[:n]
     inner = frames[-1]
     if inner[0] != model.build_id or inner[2] is None:
         return None
@@ -129,6 +137,8 @@ def _key_of(model: TargetModel, frames: Sequence[tuple[str, str, str | None]],
             ret = model.return_addresses.get((mid, call_site)) if call_site is not None else None
             if ret is None:
                 return None
+            if ret == TAIL_CALL:
+                continue  # replaced by its callee: not on the stack the kernel walks
             rets.append(aspace.vaddr_to_offset(int(ret, 16)))
     except ValueError:
         return None
@@ -231,12 +241,29 @@ class Enforcer:
                 os._exit(127)
         os.close(r)
         try:
-            self._procs.set(pid, 1)  # armed: active from its exec of the target on
-            self.sampler.track(pid, execs=1)
+            self.track_launch(pid)
         finally:
             os.write(w, b"g")
             os.close(w)
         return pid
+
+    def track_launch(self, pid: int) -> None:
+        """Enforce on ``pid``, a child that has yet to exec the target (someone else's launcher,
+        e.g. the tracer's gated child): armed now, active from its exec of the target on."""
+        self._procs.set(pid, ENF_ARMED)
+        self.sampler.track(pid, execs=1)
+
+    def track_running(self, pid: int) -> None:
+        """Enforce on ``pid``, already running the target (the daemon).  Its threads have no
+        recorded PLT call until their next one: a hooked syscall made before that is keyed as
+        KEY_NONE (no context in the binary), as for code outside the binary."""
+        self._procs.set(pid, ENF_ACTIVE)
+        self.sampler.track(pid)
+
+    def untrack(self, pid: int) -> None:
+        self._procs.delete(pid)
+        with contextlib.suppress(KeyError, BPFError):
+            self.sampler.untrack(pid)
 
     def poll(self, timeout_ms: int = 0) -> list[Denial]:
         out: list[Denial] = []

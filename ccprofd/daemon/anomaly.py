@@ -34,6 +34,8 @@ ContextKey = tuple[str, tuple[FrameKey, ...]]
 THREAD_START = None
 
 DEFAULT_MAX_CYCLE = 16
+#: The "return address" of a call site reached by a tail jump: none on the machine stack.
+TAIL_CALL = "tail"
 _BROKEN = ("", ())  # a thread's previous sample was incomplete: no transition from it
 
 
@@ -176,7 +178,7 @@ class TargetModel:
     allow_rules: list[AllowRule] = field(default_factory=list)
     #: module id -> path, for display.
     modules: dict[str, str] = field(default_factory=dict)
-    #: (module id, call site) -> return address (vaddr hex), for enforcement keys.
+    #: (module id, call site) -> return address (vaddr hex) or TAIL_CALL, for enforcement keys.
     return_addresses: dict[tuple[str, str], str] = field(default_factory=dict)
 
     # -- learning ----------------------------------------------------------------------------
@@ -192,7 +194,10 @@ class TargetModel:
             if mid not in self.modules and f.get("module"):
                 self.modules[mid] = str(f["module"])
             site, ret = f.get("call_site"), f.get("return_address")
-            if site is not None and ret is not None:
+            if site is not None and f.get("tail_call"):
+                # A tail jump leaves no return address on the machine stack: a stack walk skips it.
+                self.return_addresses.setdefault((mid, str(site)), TAIL_CALL)
+            elif site is not None and ret is not None:
                 self.return_addresses.setdefault((mid, str(site)), str(ret))
 
     def learned_syscall(self, syscall: str) -> bool:

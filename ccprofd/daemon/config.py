@@ -31,6 +31,9 @@ targets.  Schema (defaults in brackets)::
     max_probe_hits_per_sec = 0                        instrumented-mode ceiling; 0 = none
     verify = false                                    frame-pointer cross-check (instrumented)
     [target.anomaly]                                  (issue 7) action = "off"|"learn"|"detect"|"enforce"
+    model = PATH                                      [STATE_DIR/anomaly/NAME.model.json]
+    flush_seconds = 30, alert_interval_seconds = 60   learning flush; repeat of the same alert
+    collapse_recursion = false, transitions = false
 """
 
 from __future__ import annotations
@@ -81,6 +84,7 @@ class AnomalyConfig:
     collapse_recursion: bool = False
     transitions: bool = False
     flush_seconds: float = 30.0
+    model: str | None = None  # model file; None: STATE_DIR/anomaly/TARGET.model.json
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,7 +274,7 @@ _TARGET_KEYS: dict[str, Any] = {k: None for k in (
     "name", "path", "pid", "cgroup", "syscalls", "perf_sample_hz", "encoding", "mode", "scope",
     "max_probe_hits_per_sec", "verify", "anomaly")}
 _ANOMALY_KEYS: dict[str, Any] = {k: None for k in (
-    "action", "alert_interval_seconds", "collapse_recursion", "transitions", "flush_seconds")}
+    "action", "alert_interval_seconds", "collapse_recursion", "transitions", "flush_seconds", "model")}
 _SYSCALL_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 
 
@@ -454,7 +458,11 @@ def _parse_anomaly(chk: _Checker, where: tuple[Any, ...], raw: Any) -> AnomalyCo
             raise chk.fail((*where, key), f"must be > 0, got {value}")
         return value
 
+    model = chk.get(tbl, where, "model", str, None)
+    if model is not None and not os.path.isabs(model):
+        raise chk.fail((*where, "model"), f"must be an absolute path, got {model!r}")
     return AnomalyConfig(
+        model=model,
         action=chk.choice(tbl, where, "action", ANOMALY_ACTIONS, d.action),
         alert_interval_seconds=seconds("alert_interval_seconds", d.alert_interval_seconds),
         collapse_recursion=bool(chk.get(tbl, where, "collapse_recursion", bool, d.collapse_recursion)),

@@ -127,6 +127,11 @@ class Daemon:
         self._grpc: Any = None
         self._metrics: Any = None
         self.stopping = False
+        # Issue 7: [target.anomaly] learn/detect/enforce, fed as a sample observer.
+        from ccprofd.daemon.anomaly_runtime import AnomalyMonitor
+
+        self.anomaly = AnomalyMonitor(self)
+        self.observers.append(self.anomaly.observe)
 
     # ------------------------------------------------------------------------------ targets
     def _new_store(self, d: DaemonConfig) -> TargetStore:
@@ -273,6 +278,7 @@ class Daemon:
         os.makedirs(d.state_dir, mode=0o750, exist_ok=True)
         for tc in self.config.targets:
             self.start_target(tc)
+        self.anomaly.start()
         self._start_servers(d)
         attached = sum(rt.state == "attached" for rt in self.targets.values())
         status = f"{attached}/{len(self.targets)} targets attached"
@@ -359,6 +365,7 @@ class Daemon:
             self._grpc.begin_shutdown()
         for name in list(self.targets):
             self.stop_target(name)
+        self.anomaly.close()  # after the pumps stopped: the final flush has every sample
         self._stop_servers()
         log.info("stopped: every probe detached")
 

@@ -95,11 +95,29 @@ class DaemonCollector(Collector):
                 map_totals[m] = map_totals.get(m, 0) + n
         for m, n in sorted(map_totals.items()):
             maps.add_metric([m], n)
+        yield from _anomaly_families(self.daemon)
         reloads = CounterMetricFamily("ccprofd_reloads", "Configuration reloads (SIGHUP)", labels=["result"])
         for result, n in sorted(self.daemon.reloads.items()):
             reloads.add_metric([result], n)
         yield from (ctx, cpu, hits, verify, mode, switches, dropped, incomplete, decode_err, attached, up,
                     contexts, maps, reloads)
+
+
+def _anomaly_families(daemon: Daemon) -> Iterator[Metric]:
+    """Issue 7: alerts per target, syscall and kind; binaries whose model is missing or outdated."""
+    alerts = CounterMetricFamily("ccprofd_alerts", "Anomaly alerts published (after rate limiting)",
+                                 labels=["target", "syscall", "kind"])
+    relearn = GaugeMetricFamily("ccprofd_anomaly_needs_learning",
+                                "1 per binary of a detect/enforce target that no model applies to "
+                                "(reason=upgraded: models of older build-ids are kept, not applied)",
+                                labels=["target", "binary", "build_id", "reason"])
+    monitor = getattr(daemon, "anomaly", None)
+    if monitor is not None:
+        for target, syscall, kind, n in monitor.alert_counts():
+            alerts.add_metric([target, syscall, kind], n)
+        for target, binary, build_id, reason in monitor.needs_learning():
+            relearn.add_metric([target, binary, build_id, reason], 1.0)
+    yield from (alerts, relearn)
 
 
 def _count_processes(rt: Any) -> int:

@@ -1,0 +1,306 @@
+"""The anomaly detector inside the daemon: ``[target.anomaly] action = "learn" | "detect" |
+"enforce"`` applied to each target's sample stream.
+
+Data flow (one way): the daemon's pump threads hand every decoded sample to :meth:`AnomalyMonitor.observe`
+(a sample observer) -> per (target, build-id) a :class:`~ccprofd.daemon.anomaly.Learner` (flushed
+into the target's model file every ``flush_seconds`` and at shutdown, so a SIGKILL loses at most one
+interval) or a :class:`~ccprofd.daemon.detector.Detector` -> alerts, each published on the daemon's
+alert bus (gRPC ``StreamAlerts``), counted for ``ccprofd_alerts_total{target, syscall, kind}`` and
+logged as one structured line.  ``enforce`` also loads the kernel-side
+:class:`~ccprofd.bpf.lsm_enforce.Enforcer` for the binary and puts the target's processes under it.
+
+A sample belongs to the binary of its process (``SampleSource.processes()``: pid -> build-id).  A
+binary whose build-id has no model while the file has models of the same path under other build-ids
+was upgraded: it is reported (log line + ``ccprofd_anomaly_needs_learning``) and nothing is applied
+to it; the old models stay in the file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from ccprofd.daemon.anomaly import Learner, ModelSet, TargetModel
+from ccprofd.daemon.config import AnomalyConfig
+from ccprofd.daemon.detector import Detector, DetectorOptions
+from ccprofd.daemon.modelstore import ModelFileError, ModelStore, PeriodicFlusher, load_or_quarantine
+
+if TYPE_CHECKING:
+    from ccprofd.daemon.service import Daemon, TargetRuntime
+
+log = logging.getLogger("ccprofd")
+TICK_S = 1.0
+
+
+@dataclass
+class _Binary:
+    """What one target does with one of its binaries (one build-id)."""
+
+    build_id: str
+    path: str
+    learner: Learner | None = None
+    flusher: PeriodicFlusher | None = None
+    detector: Detector | None = None
+    enforcer: Any = None
+    enforced_pids: set[int] = field(default_factory=set)
+    needs_learning: str = ""  # "" | "no_model" | "upgraded"
+
+
+@dataclass
+class _Target:
+    name: str
+    config: AnomalyConfig
+    model_path: Path
+    models: ModelSet
+    binaries: dict[str, _Binary] = field(default_factory=dict)
+    pid_build: dict[int, tuple[str, str]] = field(default_factory=dict)
+    alerts: dict[tuple[str, str], int] = field(default_factory=dict)  # (syscall, kind) -> n
+    denials: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+def model_path(state_dir: Path, target: str, config: AnomalyConfig) -> Path:
+    """The model file of a target: ``[target.anomaly] model``, else under the state directory."""
+    return Path(config.model) if config.model else ModelStore(state_dir).path_for(target)
+
+
+class AnomalyMonitor:
+    """Learn/detect/enforce for every target whose anomaly action is not "off"."""
+
+    def __init__(self, daemon: Daemon) -> None:
+        self.daemon = daemon
+        self.targets: dict[str, _Target] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Flush and enforcement bookkeeping run on their own thread, off the sample path."""
+        self._thread = threading.Thread(target=self._run, name="anomaly", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        """Final flush of every learner (SIGTERM, SIGINT) and detach of the enforcers."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        with self._lock:
+            targets, self.targets = list(self.targets.values()), {}
+        for t in targets:
+            self._retire(t)
+
+    def _run(self) -> None:
+        while not self._stop.wait(TICK_S):
+            try:
+                self.tick()
+            except Exception as exc:  # the monitor must outlive one failing flush or poll
+                log.error("anomaly: %s", _one_line(exc))
+
+    def tick(self) -> None:
+        """Flush learners that are due, retire targets that went away or changed, enforce on new
+        processes, and collect the enforcers' denials."""
+        running = {rt.name: rt for rt in self.daemon.runtimes()}
+        with self._lock:
+            items = list(self.targets.items())
+        for name, t in items:
+            rt = running.get(name)
+            if rt is None or rt.config.anomaly != t.config:
+                with self._lock:
+                    self.targets.pop(name, None)
+                self._retire(t)
+                continue
+            with t.lock:
+                for b in t.binaries.values():
+                    if b.flusher is not None:
+                        self._flush(t, b, force=False)
+                    if b.enforcer is not None:
+                        self._enforce_processes(t, b, rt)
+                        self._collect_denials(t, b)
+
+    def _retire(self, t: _Target) -> None:
+        with t.lock:
+            for b in t.binaries.values():
+                if b.flusher is not None:
+                    self._flush(t, b, force=True)
+                if b.enforcer is not None:
+                    self._collect_denials(t, b)
+                    with contextlib.suppress(Exception):
+                        b.enforcer.close()
+                    b.enforcer = None
+
+    def _flush(self, t: _Target, b: _Binary, *, force: bool) -> None:
+        assert b.flusher is not None
+        try:
+            if force:
+                b.flusher.flush()
+            else:
+                b.flusher.maybe_flush()
+        except (ModelFileError, OSError) as exc:
+            log.error("target %s: anomaly model %s not written: %s", t.name, t.model_path, _one_line(exc))
+
+    # -------------------------------------------------------------------------------- samples
+    def observe(self, target: str, sample: dict[str, Any]) -> None:
+        """The daemon's sample observer (called on the target's pump thread)."""
+        rt = self.daemon.targets.get(target)
+        if rt is None or rt.config.anomaly.action == "off":
+            return
+        t = self._target(rt)
+        with t.lock:
+            binary = self._binary_of(t, rt, int(sample.get("pid", 0)))
+            if binary is None:
+                return
+            if binary.learner is not None:
+                binary.learner.observe(sample)
+            elif binary.detector is not None:
+                for alert in binary.detector.check(sample):
+                    self._publish(t, binary, alert.to_dict(), alert.log_line())
+
+    def _target(self, rt: TargetRuntime) -> _Target:
+        t = self.targets.get(rt.name)
+        if t is not None and t.config == rt.config.anomaly:
+            return t
+        with self._lock:
+            t = self.targets.get(rt.name)
+            if t is None or t.config != rt.config.anomaly:
+                path = model_path(self.daemon.config.daemon.state_dir, rt.name, rt.config.anomaly)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                models = load_or_quarantine(
+                    path, lambda msg: log.error("target %s: anomaly %s", rt.name, msg))
+                t = _Target(rt.name, rt.config.anomaly, path, models)
+                self.targets[rt.name] = t
+                log.info("target %s: anomaly %s, model %s (%d build(s))", rt.name, t.config.action, path,
+                         len(models.targets))
+        return t
+
+    def _binary_of(self, t: _Target, rt: TargetRuntime, pid: int) -> _Binary | None:
+        known = t.pid_build.get(pid)
+        if known is None and rt.source is not None:
+            try:
+                for p in rt.source.processes():
+                    t.pid_build[p.pid] = (p.build_id, p.binary)
+            except Exception as exc:
+                log.debug("target %s: processes() failed: %s", t.name, exc)
+            known = t.pid_build.get(pid)
+        if known is None or not known[0]:
+            return None
+        bid, path = known
+        b = t.binaries.get(bid)
+        if b is None:
+            b = t.binaries[bid] = self._new_binary(t, bid, path)
+        return b
+
+    def _new_binary(self, t: _Target, bid: str, path: str) -> _Binary:
+        b = _Binary(bid, path)
+        cfg = t.config
+        if cfg.action == "learn":
+            b.learner = Learner(TargetModel(bid, path), transitions=cfg.transitions)
+            b.flusher = PeriodicFlusher(t.model_path, b.learner, cfg.flush_seconds)
+            return b
+        model = t.models.targets.get(bid)
+        if model is None:
+            stale = t.models.stale_for(path, bid)
+            b.needs_learning = "upgraded" if stale else "no_model"
+            if stale:
+                log.warning("target %s: %s has build-id %s; its model is for %s: kept, not applied; "
+                            "re-learn (action = \"learn\")", t.name, path, bid,
+                            ", ".join(m.build_id for m in stale))
+            else:
+                log.warning("target %s: no anomaly model for %s (build-id %s) in %s: nothing is checked; "
+                            "learn first (action = \"learn\")", t.name, path, bid, t.model_path)
+            return b
+        opts = DetectorOptions(collapse_recursion=cfg.collapse_recursion, transitions=cfg.transitions,
+                               alert_interval_seconds=cfg.alert_interval_seconds)
+        try:
+            b.detector = Detector(model, opts)
+        except ValueError as exc:
+            log.error("target %s: %s", t.name, exc)
+            return b
+        if cfg.action == "enforce":
+            b.enforcer = self._enforcer(t, path, model)
+        return b
+
+    def _enforcer(self, t: _Target, path: str, model: TargetModel) -> Any:
+        from ccprofd.bpf.lsm_enforce import Enforcer
+
+        try:
+            enf = Enforcer(path, model, enforce=True)
+        except Exception as exc:
+            log.error("target %s: cannot enforce (detecting only): %s", t.name, _one_line(exc))
+            return None
+        how = ("BPF LSM (-EPERM)" if enf.mode == "lsm"
+               else f"SIGKILL at syscall entry, the syscall may complete ({enf.lsm_error})")
+        log.warning("target %s: enforcing the model of %s by %s", t.name, path, how)
+        return enf
+
+    def _enforce_processes(self, t: _Target, b: _Binary, rt: TargetRuntime) -> None:
+        src = rt.source
+        if src is None:
+            return
+        try:
+            pids = {p.pid for p in src.processes() if p.build_id == b.build_id}
+        except Exception:
+            return
+        for pid in pids - b.enforced_pids:
+            try:
+                b.enforcer.track_running(pid)
+                b.enforced_pids.add(pid)
+            except Exception as exc:
+                log.error("target %s: cannot enforce on pid %d: %s", t.name, pid, _one_line(exc))
+        for pid in b.enforced_pids - pids:
+            b.enforcer.untrack(pid)
+            b.enforced_pids.discard(pid)
+
+    def _collect_denials(self, t: _Target, b: _Binary) -> None:
+        from ccprofd.bpf.syscall_names import syscall_name
+
+        for d in b.enforcer.poll(0):
+            t.denials += 1
+            log.warning("ccprofd enforcement target=%s verdict=%s syscall=%s pid=%d tid=%d hook=%s "
+                        "build_id=%s", t.name, d.verdict, syscall_name(d.syscall_nr), d.pid, d.tid, d.hook,
+                        b.build_id)
+
+    def _publish(self, t: _Target, b: _Binary, alert: dict[str, Any], line: str) -> None:
+        alert["target"] = t.name
+        alert["action"] = t.config.action
+        key = (str(alert["syscall"]), str(alert["kind"]))
+        t.alerts[key] = t.alerts.get(key, 0) + 1
+        self.daemon.alerts.publish(alert)
+        log.warning("%s target=%s action=%s", line, t.name, t.config.action)
+
+    # -------------------------------------------------------------------------------- reports
+    def alert_counts(self) -> Iterator[tuple[str, str, str, int]]:
+        """(target, syscall, kind, alerts) for ``ccprofd_alerts_total``."""
+        with self._lock:
+            items = list(self.targets.values())
+        for t in items:
+            for (syscall, kind), n in sorted(t.alerts.items()):
+                yield t.name, syscall, kind, n
+
+    def needs_learning(self) -> Iterator[tuple[str, str, str, str]]:
+        """(target, binary path, build-id, reason) of binaries nothing is applied to."""
+        with self._lock:
+            items = list(self.targets.values())
+        for t in items:
+            for b in list(t.binaries.values()):
+                if b.needs_learning:
+                    yield t.name, b.path, b.build_id, b.needs_learning
+
+    def learning(self) -> Iterator[tuple[str, str, int]]:
+        """(target, build-id, samples learned since the last flush)."""
+        with self._lock:
+            items = list(self.targets.values())
+        for t in items:
+            for b in list(t.binaries.values()):
+                if b.learner is not None:
+                    yield t.name, b.build_id, b.learner.model.samples
+
+
+def _one_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
