@@ -23,6 +23,7 @@
 // changes the code's size with the target binary: per-site data lives in maps.
 
 #include <asm/ptrace.h>  // struct pt_regs (the sampler includes it too, after this prelude)
+#include <uapi/linux/bpf_perf_event.h>
 
 #define CC_NONE 0xffffffffu
 #ifndef CC_ARG_LEN
@@ -656,6 +657,22 @@ static __always_inline void cc_emit(u64 ktime, s32 nr, u32 event, u64 ip, u64 sp
         return;
     if (cc_events.ringbuf_output(r, size, 0) != 0)
         cc_stat(S_RINGBUF_FULL);
+}
+
+// CPU-clock sample (--sample-hz) of a traced thread.  The task's pt_regs hold its user registers
+// whether the tick interrupted user mode or a syscall (then: the registers at syscall entry).
+int cc_cpu_sample(struct bpf_perf_event_data *ctx) {
+    u32 tid = (u32)bpf_get_current_pid_tgid();
+    if (!cc_slot_of.lookup(&tid))
+        return 0;
+    u64 ip = 0, sp = 0;
+    struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs((struct task_struct *)bpf_get_current_task_btf());
+    bpf_probe_read_kernel(&ip, sizeof(ip), &regs->ip);
+    bpf_probe_read_kernel(&sp, sizeof(sp), &regs->sp);
+    if (!sp)
+        return 0;  // no user registers (a kernel thread, or an exiting task)
+    cc_emit(bpf_ktime_get_ns(), -1, EV_CC_CPU, ip, sp, 0);
+    return 0;
 }
 
 // Fork and thread creation: the child starts with a copy of the parent's state; its first event

@@ -363,6 +363,12 @@ class InstrumentedBPF:
             self._links.append(attach_uprobe_multi(fd, path, offsets, ids))
         self._attached = True
 
+    def attach_cpu_sampling(self, hz: int) -> None:
+        """CPU-clock samples (``event: cpu``) of every traced thread at ``hz`` per CPU."""
+        if hz <= 0:
+            raise BPFError(f"sampling frequency must be positive, not {hz}")
+        self.module.attach_perf_event("cc_cpu_sample", sample_freq=hz)
+
     def load_programs(self) -> None:
         """Verify the three probe programs without attaching (for compile-time measurements)."""
         for name in PROGRAMS.values():

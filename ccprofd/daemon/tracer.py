@@ -118,6 +118,8 @@ class InstrumentedMode:
             raise TraceError(str(exc)) from None
         if self.options.encoding != "valence":
             raise TraceError(f"--encoding {self.options.encoding}: instrumented mode implements valence only")
+        if self.options.verify:
+            raise TraceError("--verify is implemented in --mode unwind only (instrumented mode: not yet)")
         cache = Path(self.options.cache_dir) if self.options.cache_dir else None
         graph = analyze_binary(self.path, cache_dir=cache)
         plan = get_plan(graph, self.options.encoding, cache_dir=cache)
@@ -138,6 +140,8 @@ class InstrumentedMode:
         self._sym = Symbolizer(pp, plan)
         self._bpf = InstrumentedBPF(pp, plan, syscalls=nrs)
         self._bpf.attach()
+        if self.options.sample_hz:
+            self._bpf.attach_cpu_sampling(int(self.options.sample_hz))
 
     def track_launch(self, pid: int) -> None:
         self._bpf.track_launch(pid)

@@ -1,0 +1,185 @@
+"""``ccprofd trace`` as a command: exit status pass-through, stdio, bad input, -p PID, CPU samples.
+
+Expected values come from the test programs' sources and objdump, never from ccprofd's output.
+"""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import re
+import signal
+import subprocess
+import sys
+import time
+from typing import Any
+
+import pytest
+from bpf_helpers import compile_c
+from conftest import require_bpf, require_tool
+from programs.build import build
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+
+
+def ccprofd(*args: str, timeout: float = 600, **kw: Any) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ccprofd.cli", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=timeout, **kw)
+
+
+def one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
+    lines = [ln for ln in proc.stderr.splitlines() if ln.strip()]
+    assert lines and "Traceback" not in proc.stderr, proc.stderr
+    return lines[-1]
+
+
+# ------------------------------------------------------------------------------ bad input (exit 2)
+@pytest.mark.parametrize(("argv", "message"), [
+    (["trace"], "give exactly one of"),
+    (["trace", "-p", "1", "--", "/bin/true"], "give exactly one of"),
+    (["trace", "--", "/nonexistent/cmd"], "command not found"),
+    (["trace", "--", "/etc/passwd"], "not an executable"),
+    (["trace", "--syscalls", "write,nosuchcall", "--", "/bin/true"], "unknown syscall 'nosuchcall'"),
+    (["trace", "-p", "999999999"], "no process 999999999"),
+    (["trace", "--scope", "(", "--", "/bin/true"], "not a valid regular expression"),
+    (["trace", "--scope", "^no_such_function_anywhere$", "--", "/bin/true"], "matches no function"),
+    (["trace", "--encoding", "pcce", "--", "/bin/true"], "implements valence only"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv: list[str], message: str) -> None:
+    if "--scope" in argv or "--encoding" in argv:
+        require_bpf()  # these get as far as analysing the binary
+    proc = ccprofd(*argv)
+    assert proc.returncode == 2, proc.stderr
+    assert message in one_line_error(proc)
+
+
+def test_script_is_rejected_with_a_hint(tmp_path: pathlib.Path) -> None:
+    script = tmp_path / "s.sh"
+    script.write_text("#!/bin/sh\necho hi\n")
+    script.chmod(0o755)
+    proc = ccprofd("trace", "--", str(script))
+    assert proc.returncode == 2
+    assert "trace its interpreter" in one_line_error(proc)
+
+
+# ----------------------------------------------------------------------------- running commands
+@pytest.mark.bpf
+def test_exit_status_stdio_and_default_output(tmp_path: pathlib.Path) -> None:
+    require_bpf()
+    prog = compile_c(tmp_path, "exit3", r"""
+        #include <stdio.h>
+        #include <unistd.h>
+        int main(void) {
+            char buf[16];
+            ssize_t n = read(0, buf, sizeof buf);
+            printf("got %zd\n", n);
+            fprintf(stderr, "to stderr\n");
+            return 3;
+        }""", "-O0")
+    proc = ccprofd("trace", "--syscalls", "read,write", "--", str(prog), input="hello")
+    assert proc.returncode == 3  # the command's status passes through
+    assert proc.stdout == "got 5\n"  # its stdout is untouched: samples go to stderr
+    assert "to stderr" in proc.stderr
+    assert re.search(r"\] read\n > \S+exit3\(main\) call_site=0x[0-9a-f]+ return_address=0x", proc.stderr)
+
+    out = tmp_path / "s.jsonl"
+    proc = ccprofd("trace", "--syscalls", "read", "--format", "jsonl", "--output", str(out), "--",
+                   str(prog), input="x")
+    assert proc.returncode == 3
+    assert proc.stderr == "to stderr\n"  # with --output nothing else is written to stderr
+    samples = [json.loads(line) for line in out.read_text().splitlines()]
+    reads = [s for s in samples if s["frames"]]
+    assert len(reads) == 1
+    s = reads[0]
+    assert set(s) >= {"time_ns", "pid", "tid", "event", "syscall", "complete", "frames"}
+    assert s["event"] == "syscall" and s["syscall"] == "read" and s["complete"] is True
+    assert abs(s["time_ns"] - time.time_ns()) < 600 * 10**9  # CLOCK_REALTIME
+    (f,) = s["frames"]
+    assert f["function"] == "main" and f["module"] == str(prog) and f["analysed"] is True
+    assert f["build_id"] and re.fullmatch(r"[0-9a-f]+", f["build_id"])
+    # call_site is main's call to read@plt, per objdump; return_address the next instruction
+    dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(prog)], capture_output=True, text=True,
+                         check=True).stdout
+    calls = re.findall(r"^\s*([0-9a-f]+):\s+call\s+[0-9a-f]+ <read@plt>", dis, re.M)
+    assert f["call_site"] == f"0x{int(calls[0], 16):x}"
+    assert int(f["return_address"], 16) == int(calls[0], 16) + 5
+
+
+@pytest.mark.bpf
+def test_killed_command_reports_128_plus_signal(tmp_path: pathlib.Path) -> None:
+    require_bpf()
+    prog = compile_c(tmp_path, "killself", r"""
+        #include <signal.h>
+        #include <unistd.h>
+        int main(void) { kill(getpid(), SIGTERM); pause(); return 0; }""")
+    proc = ccprofd("trace", "--syscalls", "kill", "--", str(prog))
+    assert proc.returncode == 128 + signal.SIGTERM
+
+
+@pytest.mark.bpf
+def test_attach_to_running_process_is_flagged_and_a_suffix(tmp_path: pathlib.Path) -> None:
+    """-p PID: the frames above the first probe event are unknown, so every sample is
+    complete: false -- and what it reports is the innermost part of the true stack."""
+    require_bpf()
+    prog = compile_c(tmp_path, "loop", r"""
+        #include <stdlib.h>
+        #include <unistd.h>
+        volatile long sink;
+        __attribute__((noinline)) void leaf(void) { sink = getppid(); }
+        __attribute__((noinline)) void mid(int n) { if (n) mid(n - 1); else leaf(); sink++; }
+        __attribute__((noinline)) void outer(void) { mid(3); sink++; }
+        int main(int argc, char **argv) {
+            int rounds = argc > 1 ? atoi(argv[1]) : 20;
+            for (int i = 0; i < rounds; i++) { usleep(50000); outer(); }
+            return 0;
+        }""", "-O1")
+    target = subprocess.Popen([str(prog), "2400"])
+    out = tmp_path / "p.jsonl"
+    tracer = subprocess.Popen([sys.executable, "-m", "ccprofd.cli", "trace", "--syscalls", "getppid",
+                               "--format", "jsonl", "--output", str(out), "-p", str(target.pid)], cwd=REPO,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and (not out.exists() or out.read_text().count("\n") < 5):
+            time.sleep(0.2)
+        tracer.send_signal(signal.SIGINT)  # Ctrl-C detaches
+        _, err = tracer.communicate(timeout=60)
+        assert target.poll() is None  # detaching left the process running
+    finally:
+        target.kill()
+        target.wait()
+    assert tracer.returncode == 0, err
+    samples = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(samples) >= 5
+    truth = ["main", "outer", "mid", "mid", "mid", "mid", "leaf"]  # from the source: mid(3) recurses 3x
+    for s in samples:
+        assert s["complete"] is False
+        names = [f["function"] for f in s["frames"]]
+        assert names and names == truth[len(truth) - len(names):], names
+
+
+@pytest.mark.bpf
+def test_cpu_samples_follow_real_call_sites() -> None:
+    """--sample-hz: CPU samples (event "cpu") decoded like syscalls.  Each complete sample's frames
+    must chain through real call instructions (objdump): every return address follows a call whose
+    target is the next frame's function."""
+    require_bpf()
+    require_tool("objdump")
+    binary = pathlib.Path(build("recursion", opt="O2", pie=True))
+    proc = ccprofd("trace", "--syscalls", "getppid", "--sample-hz", "997", "--format", "jsonl", "--",
+                   str(binary), "2500")
+    assert proc.returncode == 0
+    samples = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
+    cpu = [s for s in samples if s["event"] == "cpu" and s["complete"] and s["frames"]]
+    assert len(cpu) >= 3
+    dis = subprocess.run(["objdump", "-d", "-w", str(binary)], capture_output=True, text=True,
+                         check=True).stdout
+    call_after: dict[int, str] = {}
+    for m in re.finditer(r"^\s*([0-9a-f]+):\t((?:[0-9a-f]{2} )+)\s*\tcall\s+[0-9a-f]+ <([^>@]+)", dis, re.M):
+        call_after[int(m.group(1), 16) + len(m.group(2).split())] = m.group(3)
+    for s in cpu:
+        frames = s["frames"]
+        assert frames[0]["function"] == "main"
+        for outer, inner in zip(frames, frames[1:], strict=False):
+            assert call_after.get(int(outer["return_address"], 16)) == inner["function"], (outer, inner)
+        assert frames[-1]["return_address"] is None  # the sampled instruction is not a call
