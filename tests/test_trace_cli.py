@@ -5,6 +5,7 @@ Expected values come from the test programs' sources and objdump, never from ccp
 
 from __future__ import annotations
 
+import itertools
 import json
 import pathlib
 import re
@@ -180,6 +181,6 @@ def test_cpu_samples_follow_real_call_sites() -> None:
     for s in cpu:
         frames = s["frames"]
         assert frames[0]["function"] == "main"
-        for outer, inner in zip(frames, frames[1:], strict=False):
+        for outer, inner in itertools.pairwise(frames):
             assert call_after.get(int(outer["return_address"], 16)) == inner["function"], (outer, inner)
         assert frames[-1]["return_address"] is None  # the sampled instruction is not a call
