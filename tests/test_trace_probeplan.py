@@ -92,7 +92,7 @@ def test_edge_probes_follow_the_plan_codes() -> None:
         coded = bool(row[COL["reasons"]] & R_CYCLIC) or bool(row[COL["code"]])
         assert (sid in probed) == coded, (hex(row[COL["site"]]), row)
         if sid in probed:
-            fn, mnem, tgt = calls[row[COL["site"]]]
+            _fn, mnem, tgt = calls[row[COL["site"]]]
             assert (mnem == "jmp") == (probed[sid][PCOL["kind"]] == "tail")
             assert tgt == graph.name(row[COL["callee"]])
     # Every recursive call site of recursion.c is a cyclic probe (6 cyclic edges in the source).
@@ -113,7 +113,7 @@ def test_unreachable_callees_carry_no_probes(tmp_path: pathlib.Path) -> None:
         __attribute__((noinline)) long b(void) { return leaf("de") + a(); }
         __attribute__((noinline)) void io(void) { sink = getppid(); }
         int main(void) { sink = a() + b(); io(); return 0; }""", "-O1")
-    graph, plan, pp = plan_for(prog)
+    graph, _plan, pp = plan_for(prog)
     names = {n: graph.name(n) for n in graph.functions()}
     probed_callers = {names.get(p[PCOL["node"]]) for p in pp.probes if p[PCOL["kind"]] != "entry"}
     assert not probed_callers & {"a", "b", "leaf"}
@@ -130,7 +130,8 @@ def readelf_cfa(binary: pathlib.Path) -> list[tuple[int, int, str]]:
                           text=True, check=True).stdout
     rows: list[tuple[int, int, str]] = []
     for block in re.split(r"\n(?=[0-9a-f]{8} [0-9a-f]+ [0-9a-f]+ FDE )", text):
-        m = re.match(r"[0-9a-f]{8} [0-9a-f]+ [0-9a-f]+ FDE cie=[0-9a-f]+ pc=([0-9a-f]+)\.\.([0-9a-f]+)", block)
+        m = re.match(r"[0-9a-f]{8} [0-9a-f]+ [0-9a-f]+ FDE cie=[0-9a-f]+ pc=([0-9a-f]+)\.\.([0-9a-f]+)",
+                     block)
         if not m:
             continue
         end = int(m.group(2), 16)
