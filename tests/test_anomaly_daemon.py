@@ -40,8 +40,8 @@ SOURCE = ROOT / "tests" / "programs" / "anomaly_server.c"
 HIDDEN = ("worker", "dispatch", "cmd_debug", "raw_open")
 
 
-def compile_server(out: Path, variant: int) -> Path:
-    subprocess.run(["gcc", "-O2", "-g", "-pthread", f"-DVARIANT={variant}", "-I", str(SOURCE.parent),
+def compile_server(out: Path, variant: int, *flags: str) -> Path:
+    subprocess.run(["gcc", "-O2", "-g", "-pthread", f"-DVARIANT={variant}", *flags, "-I", str(SOURCE.parent),
                     "-o", str(out), str(SOURCE)], check=True)
     return out
 
@@ -119,7 +119,8 @@ class Daemon:
         self._reader.join(10)
 
 
-def write_config(path: Path, workdir: str, binary: Path, model: Path, action: str) -> None:
+def write_config(path: Path, workdir: str, binary: Path, model: Path | None, action: str) -> None:
+    model_line = f'model = "{model}"' if model is not None else ""
     path.write_text(f"""
 [daemon]
 state_dir = "{workdir}/state"
@@ -133,7 +134,7 @@ syscalls = ["openat"]
 mode = "instrumented"
 [target.anomaly]
 action = "{action}"
-model = "{model}"
+{model_line}
 flush_seconds = 1
 alert_interval_seconds = 3600
 """)
@@ -259,3 +260,42 @@ def test_daemon_learn_kill_restart_detect_upgrade(bpf: None, workdir: str, tmp_p
         for d in daemons:
             d.kill()
         server.close()
+
+
+@pytest.mark.bpf
+def test_daemon_enforce_kills_at_the_hidden_open(bpf: None, workdir: str, tmp_path: Path) -> None:
+    """action = "enforce" on a running process (frame pointers: the enforcer keys contexts by a
+    frame-pointer walk): normal commands run on; the hidden openat kills the process before its
+    result reaches the program ("done 7" never appears).  The model file is the default one under
+    the state directory."""
+    binary = compile_server(Path(workdir) / "srv", 0, "-fno-omit-frame-pointer")
+    data = tmp_path / "data.txt"
+    data.write_text("data\n")
+    config = Path(workdir) / "ccprofd.toml"
+    model = Path(workdir) / "state" / "anomaly" / "srv.model.json"
+    server = Server(binary)
+    d: Daemon | None = None
+    try:
+        write_config(config, workdir, binary, None, "learn")
+        d = Daemon(config, workdir)
+        wait_for(lambda: d is not None and d.follows(server.proc.pid), timeout=300)
+        assert server.run("cat", str(data)) == "done 5\n"
+        assert server.run("count", str(data)) == "done 1005\n"
+        wait_for(lambda: model.exists() and len(openat_chains(model)) == 2, timeout=60)
+        write_config(config, workdir, binary, None, "enforce")
+        d.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: d is not None and d.logged("reloaded"), timeout=300)
+        wait_for(lambda: d is not None and d.logged("enforcing the model"), timeout=120)
+        assert server.run("count", str(data)) == "done 1005\n"
+        assert server.run("cat", str(data)) == "done 5\n"
+        assert server.run("debug", str(data)) == ""  # killed: EOF on its stdout
+        assert server.proc.wait(timeout=30) == -signal.SIGKILL
+        wait_for(lambda: d is not None and d.logged("verdict=killed syscall=openat"), timeout=60)
+        err = d.stop()
+        assert "ccprofd alert kind=unseen_context syscall=openat" in err and "action=enforce" in err
+        assert "Traceback" not in err
+    finally:
+        if d is not None:
+            d.kill()
+        if server.proc.poll() is None:
+            server.close()

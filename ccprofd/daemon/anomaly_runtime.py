@@ -7,7 +7,9 @@ into the target's model file every ``flush_seconds`` and at shutdown, so a SIGKI
 interval) or a :class:`~ccprofd.daemon.detector.Detector` -> alerts, each published on the daemon's
 alert bus (gRPC ``StreamAlerts``), counted for ``ccprofd_alerts_total{target, syscall, kind}`` and
 logged as one structured line.  ``enforce`` also loads the kernel-side
-:class:`~ccprofd.bpf.lsm_enforce.Enforcer` for the binary and puts the target's processes under it.
+:class:`~ccprofd.bpf.lsm_enforce.Enforcer` for the binary and puts the target's processes under it
+(checked every second: a process found by the daemon's rescan is unenforced until then, and its
+threads' first hooked syscall before any PLT call is keyed as "no context in the binary").
 
 A sample belongs to the binary of its process (``SampleSource.processes()``: pid -> build-id).  A
 binary whose build-id has no model while the file has models of the same path under other build-ids
@@ -106,13 +108,17 @@ class AnomalyMonitor:
         """Flush learners that are due, retire targets that went away or changed, enforce on new
         processes, and collect the enforcers' denials."""
         running = {rt.name: rt for rt in self.daemon.runtimes()}
+        for live in running.values():
+            if live.config.anomaly.action != "off" and live.source is not None:
+                self._prepare(live)
         with self._lock:
             items = list(self.targets.items())
         for name, t in items:
             rt = running.get(name)
             if rt is None or rt.config.anomaly != t.config:
                 with self._lock:
-                    self.targets.pop(name, None)
+                    if self.targets.get(name) is t:
+                        del self.targets[name]
                 self._retire(t)
                 continue
             with t.lock:
@@ -122,6 +128,21 @@ class AnomalyMonitor:
                     if b.enforcer is not None:
                         self._enforce_processes(t, b, rt)
                         self._collect_denials(t, b)
+
+    def _prepare(self, rt: TargetRuntime) -> None:
+        """Set up every binary the target's processes run before their next sample arrives: an
+        enforcer must be in place before the first offending syscall, not after it."""
+        t = self._target(rt)
+        assert rt.source is not None
+        try:
+            procs = rt.source.processes()
+        except Exception:
+            return
+        with t.lock:
+            for p in procs:
+                t.pid_build[p.pid] = (p.build_id, p.binary)
+                if p.build_id and p.build_id not in t.binaries:
+                    t.binaries[p.build_id] = self._new_binary(t, p.build_id, p.binary)
 
     def _retire(self, t: _Target) -> None:
         with t.lock:
@@ -167,15 +188,22 @@ class AnomalyMonitor:
             return t
         with self._lock:
             t = self.targets.get(rt.name)
-            if t is None or t.config != rt.config.anomaly:
-                path = model_path(self.daemon.config.daemon.state_dir, rt.name, rt.config.anomaly)
-                path.parent.mkdir(parents=True, exist_ok=True)
-                models = load_or_quarantine(
-                    path, lambda msg: log.error("target %s: anomaly %s", rt.name, msg))
-                t = _Target(rt.name, rt.config.anomaly, path, models)
-                self.targets[rt.name] = t
-                log.info("target %s: anomaly %s, model %s (%d build(s))", rt.name, t.config.action, path,
-                         len(models.targets))
+            if t is not None and t.config == rt.config.anomaly:
+                return t
+            old = self.targets.pop(rt.name, None)
+        if old is not None:
+            self._retire(old)  # reconfigured: flushed before the new action reads the model
+        path = model_path(self.daemon.config.daemon.state_dir, rt.name, rt.config.anomaly)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        models = load_or_quarantine(path, lambda msg: log.error("target %s: anomaly %s", rt.name, msg))
+        t = _Target(rt.name, rt.config.anomaly, path, models)
+        with self._lock:
+            other = self.targets.get(rt.name)
+            if other is not None and other.config == t.config:
+                return other  # the pump thread and the tick thread raced: keep the first
+            self.targets[rt.name] = t
+        log.info("target %s: anomaly %s, model %s (%d build(s))", rt.name, t.config.action, path,
+                 len(models.targets))
         return t
 
     def _binary_of(self, t: _Target, rt: TargetRuntime, pid: int) -> _Binary | None:
