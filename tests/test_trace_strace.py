@@ -139,3 +139,43 @@ def test_deeper_than_the_state_bound_is_flagged(tmp_path: pathlib.Path) -> None:
     after = [s for s in samples if s["syscall"] == "write" and s["time_ns"] > flagged[-1]["time_ns"]]
     assert after and all(s["complete"] for s in after)
     assert stats.samples_compared >= 8
+
+
+CONDITIONAL_TAIL_CALL = r"""
+#include <unistd.h>
+volatile long sink;
+__attribute__((noinline, noipa)) int target(int x) { sink = getppid(); return x; }
+int maybe(int x);
+/* maybe(x): x > 0 ? target(x) -- a conditional tail call (jg target), as clang and hand-written
+ * code emit it -- : getppid(). */
+__asm__(".text\n.globl maybe\n.type maybe, @function\nmaybe:\n.cfi_startproc\n"
+        "\ttest %edi, %edi\n\tjg target\n"
+        "\tsub $8, %rsp\n.cfi_def_cfa_offset 16\n\tcall getppid\n\txor %eax, %eax\n"
+        "\tadd $8, %rsp\n.cfi_def_cfa_offset 8\n\tret\n.cfi_endproc\n.size maybe, .-maybe\n");
+int main(int argc, char **argv) {
+    (void)argv;
+    sink = target(argc);    /* a second caller, so maybe -> target carries a code (a probe) */
+    sink = maybe(0);        /* falls through: no call to target happens */
+    sink = maybe(5);        /* tail-calls target */
+    sink = maybe(-1);
+    return 0;
+}
+"""
+
+
+@pytest.mark.bpf
+def test_conditional_tail_call(tmp_path: pathlib.Path) -> None:
+    """A probe on ``jg target`` fires whether or not the jump is taken: only a taken one may record
+    the tail edge (the condition is evaluated on EFLAGS)."""
+    from bpf_helpers import compile_c
+
+    binary = compile_c(tmp_path, "jcc", CONDITIONAL_TAIL_CALL, "-O2", "-fno-pie", "-no-pie")
+    oracle = run_strace([str(binary)], ["getppid"])
+    samples, _ = trace([str(binary)], ["getppid"], tmp_path)
+    stats = check_against(oracle, samples, binary)
+    assert stats.samples_compared == 4 and stats.incomplete_samples == 0
+    chains = [[(f["function"], bool(f.get("tail_call"))) for f in s["frames"]]
+              for s in samples if s["frames"]]
+    assert chains == [[("main", False), ("target", False)], [("main", False), ("maybe", False)],
+                      [("main", False), ("maybe", True), ("target", False)],
+                      [("main", False), ("maybe", False)]]

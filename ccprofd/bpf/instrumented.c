@@ -101,7 +101,7 @@ struct cc_site {
     s32 cfa_reg;  // 7 rsp, 6 rbp, -1 unknown
     s64 cfa_off;
     u32 node;  // entry probes: the entered function (dense index)
-    u32 pad;
+    s32 cond;  // tail probes on a conditional jump: x86 condition code; -1 unconditional
 };
 
 struct cc_piece {
@@ -439,6 +439,24 @@ int cc_site_probe(struct pt_regs *ctx) {
     return 0;
 }
 
+// Whether a jcc with condition code `cc` jumps, given the flags before it executes.
+static __always_inline int cc_jump_taken(struct pt_regs *ctx, s32 cc) {
+    u64 fl = ctx->flags;
+    int cf = fl & 1, pf = (fl >> 2) & 1, zf = (fl >> 6) & 1, sf = (fl >> 7) & 1, of = (fl >> 11) & 1;
+    int r;
+    switch (cc >> 1) {
+    case 0: r = of; break;
+    case 1: r = cf; break;
+    case 2: r = zf; break;
+    case 3: r = cf | zf; break;
+    case 4: r = sf; break;
+    case 5: r = pf; break;
+    case 6: r = sf != of; break;
+    default: r = zf | (sf != of); break;
+    }
+    return (cc & 1) ? !r : r;
+}
+
 // Probe on a tail jmp: the callee replaces the frame, so the piece lives as long as the frame
 // (recorded sp = CFA, expected return address = the one already on the stack).
 int cc_tail_probe(struct pt_regs *ctx) {
@@ -449,6 +467,8 @@ int cc_tail_probe(struct pt_regs *ctx) {
     struct cc_site *si = cc_sites.lookup(&id);
     if (!si)
         return 0;
+    if (si->cond >= 0 && !cc_jump_taken(ctx, si->cond))
+        return 0;  // a conditional tail call that falls through: no call happens
     cc_stat(S_TAIL);
     s->bias = ctx->ip - si->vaddr;
     s->flags |= ST_BIAS;

@@ -207,7 +207,8 @@ def site_table(probe_plan: ProbePlan, plan: Mapping[str, Any]) -> list[dict[str,
         out.append({"vaddr": p[PCOL["vaddr"]], "ret_vaddr": p[PCOL["vaddr"]] + length,
                     "mask": _words(mask, w), "val": _words(val, w), "flags": flags, "rec_code": rec_code,
                     "callsite": cs if cs >= 0 else NONE32, "cfa_reg": p[PCOL["cfa_reg"]],
-                    "cfa_off": p[PCOL["cfa_off"]], "node": dense.get(p[PCOL["node"]], NONE32)})
+                    "cfa_off": p[PCOL["cfa_off"]], "node": dense.get(p[PCOL["node"]], NONE32),
+                    "cond": p[PCOL["cond"]]})
     return out
 
 
@@ -320,6 +321,7 @@ class InstrumentedBPF:
             v.cfa_reg = s["cfa_reg"]
             v.cfa_off = s["cfa_off"]
             v.node = s["node"]
+            v.cond = s["cond"]
             items.append((i, v))
         m.update_many(items)
         rets = self.module.map("cc_ret_sites")

@@ -26,11 +26,12 @@ and no indirect call); calls to pure library functions (``strlen``...); the ELF 
 Schema (``PROBE_PLAN_VERSION`` 1), all addresses ELF virtual addresses:
 ``binary`` {path, build_id, identity}; ``encoding`` {scheme, key}; ``acyc_words``;
 ``rec_code_bits``; ``names`` {node: name}; ``functions`` [[start, end, node]] sorted (fragments are
-extra ranges of their owner); ``callsites`` [[vaddr, length, kind, caller, target|None, is_jump]]
-(every call/jmp site of the graph, indexed by *callsite id*); ``probes`` [[kind, vaddr, file offset,
-reasons, plan site id|-1, callsite id|-1, cfa reg|-1, cfa offset, node]] indexed by *probe id* (the
-attach cookie), ``node`` being the caller for site/tail probes and the entered function for entry
-probes; ``scope`` regex or None; ``stats``.
+extra ranges of their owner); ``callsites`` [[vaddr, length, kind, caller, target|None, is_jump,
+instruction bytes hex]] (every call/jmp site of the graph, indexed by *callsite id*); ``probes``
+[[kind, vaddr, file offset, reasons, plan site id|-1, callsite id|-1, cfa reg|-1, cfa offset, node,
+cond]] indexed by *probe id* (the attach cookie), ``node`` being the caller for site/tail probes and
+the entered function for entry probes, ``cond`` the x86 condition code of a conditional tail jump
+(-1: unconditional); ``scope`` regex or None; ``stats``.
 """
 
 from __future__ import annotations
@@ -60,9 +61,10 @@ R_SCOPE = 32  # entry of a --scope function: its callers are unknown (anchor seg
 REASONS = {**REASON_BITS, "scope": R_SCOPE}
 
 PROBE_KINDS = ("site", "tail", "entry")
-PROBE_COLUMNS = ["kind", "vaddr", "offset", "reasons", "plan_site", "callsite", "cfa_reg", "cfa_off", "node"]
+PROBE_COLUMNS = ["kind", "vaddr", "offset", "reasons", "plan_site", "callsite", "cfa_reg", "cfa_off", "node",
+                 "cond"]
 PCOL = {name: i for i, name in enumerate(PROBE_COLUMNS)}
-CALLSITE_COLUMNS = ["vaddr", "length", "kind", "caller", "target", "is_jump"]
+CALLSITE_COLUMNS = ["vaddr", "length", "kind", "caller", "target", "is_jump", "bytes"]
 CCOL = {name: i for i, name in enumerate(CALLSITE_COLUMNS)}
 
 # Library functions that neither enter the kernel nor call back into the program: a call to one
@@ -195,6 +197,20 @@ def got_target(operand: str | None, address: int, length: int, slots: Mapping[in
     return slots.get(slot)
 
 
+def jump_condition(code: bytes) -> int:
+    """The x86 condition code (0-15) of a conditional jump (``jcc rel8``/``jcc rel32``), -1 for any
+    other instruction.  A tail call can be conditional (``je other_function``): its probe fires
+    whether or not the branch is taken, so the BPF program evaluates the condition on EFLAGS."""
+    i = 0
+    while i < len(code) and code[i] in (0x2E, 0x3E, 0xF2):  # branch hints, bnd prefix
+        i += 1
+    if i < len(code) and 0x70 <= code[i] <= 0x7F:
+        return code[i] & 0x0F
+    if i + 1 < len(code) and code[i] == 0x0F and 0x80 <= code[i + 1] <= 0x8F:
+        return code[i + 1] & 0x0F
+    return -1
+
+
 def _reaching(graph: CallGraph, seeds: set[int]) -> set[int]:
     """Functions from which a seed is reachable through direct and tail edges."""
     g = graph.graph
@@ -277,7 +293,7 @@ def build_probe_plan(graph: CallGraph, plan: Mapping[str, Any], image: ElfImage,
         if s.address in cs_index:
             continue
         cs_index[s.address] = len(callsites)
-        callsites.append([s.address, s.length, s.kind, s.function, s.target, s.is_jump])
+        callsites.append([s.address, s.length, s.kind, s.function, s.target, s.is_jump, s.bytes_hex])
 
     probes: list[list[Any]] = []
     stats = {"acyc": 0, "cyclic": 0, "plt_exit": 0, "got_exit": 0, "entry": 0, "scope_entry": 0,
@@ -358,7 +374,8 @@ def build_probe_plan(graph: CallGraph, plan: Mapping[str, Any], image: ElfImage,
         else:
             rule = rules.get(va)
             reg, off = (rule.reg, rule.offset) if rule is not None and rule.reg in (RSP, RBP) else (-1, 0)
-        probes.append([kind, va, image.addrspace.vaddr_to_offset(va), reasons, sid, cs, reg, off, node])
+        cond = jump_condition(bytes.fromhex(callsites[cs][CCOL["bytes"]])) if kind == "tail" else -1
+        probes.append([kind, va, image.addrspace.vaddr_to_offset(va), reasons, sid, cs, reg, off, node, cond])
     stats["probes"] = len(probes)
     stats["no_cfa"] = sum(1 for p in probes if p[PCOL["cfa_reg"]] < 0)
     stats["reaching_functions"] = len(reach)
