@@ -134,7 +134,8 @@ def main() -> int:
         ("calls (test program)", [str(build("calls", opt="O2"))], "all"),
         ("recursion 1000 (test program)", [str(build("recursion", opt="O2")), "1000"], "all"),
         ("python3.11 json round trips",
-         ["/usr/bin/python3.11", "-c", "import json\nfor i in range(2000): json.loads(json.dumps({'a': [i]}))"],
+         ["/usr/bin/python3.11", "-c",
+          "import json\nfor i in range(2000): json.loads(json.dumps({'a': [i]}))"],
          "all"),
     ]
     print("| workload | calls | probe hits | hits / 1,000 calls | syscalls sampled | hits / syscall "
