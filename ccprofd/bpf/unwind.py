@@ -493,6 +493,11 @@ class UnwindSampler:
         value.execs_left = 1 if launched else 0
         self._m["tracked"].set(tgid, value)
 
+    def preload(self, path: str) -> bool:
+        """Load (and upload) the unwind table of an object a process will map, ahead of time, so
+        the stop at its exec or dlopen is short; False when it is not a usable ELF file."""
+        return self._addrspace_of(path) is not None
+
     def forget(self, tgid: int) -> None:
         """Drop the mappings kept for symbolising samples of a process that has exited."""
         self._procs.pop(tgid, None)

@@ -351,6 +351,9 @@ class UnwindMode:
         cache = Path(self.options.cache_dir) if self.options.cache_dir else None
         graph = analyze_binary(self.path, cache_dir=cache)
         self.plan = get_plan(graph, "valence", cache_dir=cache)
+        if self.plan["binary"].get("content_hash") != graph.binary.content_hash:
+            # a plan cached for another file with the same build-id (e.g. the unstripped twin)
+            self.plan = get_plan(graph, "valence", cache_dir=cache, use_cache=False)
         try:
             self.encoding = build_unwind_encoding(graph, self.plan)
         except UnwindPlanError as exc:
@@ -358,6 +361,8 @@ class UnwindMode:
         self.build_id = graph.binary.build_id
         self.sampler = UnwindSampler(syscalls=nrs, aggregate=True, emit_hits=True, encoding=self.encoding)
         self.symbolizer = UnwindSymbolizer(self.encoding, self.plan, self.sampler.module_of_key)
+        for path in load_set(self.path):
+            self.sampler.preload(path)
         self.sampler.attach()
         if self.options.sample_hz:
             self.sampler.attach_cpu_sampling(int(self.options.sample_hz))
@@ -447,6 +452,55 @@ class UnwindMode:
 
                 print(f"ccprofd: verify: {self.verify_checked} contexts checked, {self.verify_mismatches} "
                       f"mismatches against the reference encoder", file=sys.stderr)
+
+
+LIBRARY_DIRS = ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib64", "/lib",
+                "/usr/lib")
+
+
+def load_set(binary: str, limit: int = 64) -> list[str]:
+    """The binary, its interpreter and the shared objects it needs (DT_NEEDED, searched in its
+    RPATH/RUNPATH and the standard directories): what the process will map at exec, so their
+    tables can be loaded before it runs.  Objects not found here are loaded when they are mapped."""
+    from elftools.elf.dynamic import DynamicSection
+    from elftools.elf.elffile import ELFFile
+
+    out: list[str] = []
+    todo = [binary]
+    seen: set[str] = set()
+    while todo and len(out) < limit:
+        path = os.path.realpath(todo.pop(0))
+        if path in seen:
+            continue
+        seen.add(path)
+        try:
+            with open(path, "rb") as fh:
+                elf = ELFFile(fh)
+                out.append(path)
+                needed: list[str] = []
+                dirs: list[str] = []
+                for seg in elf.iter_segments():
+                    if seg["p_type"] == "PT_INTERP":
+                        todo.append(str(seg.get_interp_name()))  # type: ignore[attr-defined]
+                for sec in elf.iter_sections():
+                    if not isinstance(sec, DynamicSection):
+                        continue
+                    for tag in sec.iter_tags():
+                        if tag.entry.d_tag == "DT_NEEDED":
+                            needed.append(str(getattr(tag, "needed", "")))
+                        elif tag.entry.d_tag in ("DT_RPATH", "DT_RUNPATH"):
+                            value = str(getattr(tag, "rpath", None) or getattr(tag, "runpath", ""))
+                            dirs += [d.replace("$ORIGIN", os.path.dirname(path))
+                                     for d in value.split(":") if d]
+        except Exception:  # not an ELF file we can read: it is loaded (or flagged) when mapped
+            continue
+        for name in needed:
+            for d in (*dirs, *LIBRARY_DIRS):
+                cand = os.path.join(d, name)
+                if os.path.exists(cand):
+                    todo.append(cand)
+                    break
+    return out
 
 
 def stack_frames(sampler: Any, s: UnwoundSample) -> list[StackFrame] | None:
