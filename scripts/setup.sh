@@ -89,9 +89,12 @@ fi
 .venv/bin/python -c 'import bcc' || { say "import bcc failed inside .venv"; exit 1; }
 if [ -f scripts/gen_proto.sh ]; then bash scripts/gen_proto.sh; fi
 
-ln -sfn "$ROOT/.venv/bin/ccprofd" /usr/local/bin/ccprofd
-ln -sfn "$ROOT/.venv/bin/ccprofctl" /usr/local/bin/ccprofctl
-say "ready: $(command -v ccprofd), $(command -v ccprofctl)"
+# CCPROFD_SKIP_LINKS=1 leaves /usr/local/bin alone (a second checkout beside an installed one).
+if [ "${CCPROFD_SKIP_LINKS:-0}" != 1 ]; then
+  ln -sfn "$ROOT/.venv/bin/ccprofd" /usr/local/bin/ccprofd
+  ln -sfn "$ROOT/.venv/bin/ccprofctl" /usr/local/bin/ccprofctl
+fi
+say "ready: $ROOT/.venv/bin/ccprofd, $ROOT/.venv/bin/ccprofctl"
 
 # ---- 5. the main job on the bundled example --------------------------------------------------------
 if [ "$DEMO" = 1 ]; then
