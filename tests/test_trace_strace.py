@@ -179,3 +179,52 @@ def test_conditional_tail_call(tmp_path: pathlib.Path) -> None:
     assert chains == [[("main", False), ("target", False)], [("main", False), ("maybe", False)],
                       [("main", False), ("maybe", True), ("target", False)],
                       [("main", False), ("maybe", False)]]
+
+
+COROUTINE = r"""
+#include <stdlib.h>
+#include <ucontext.h>
+#include <unistd.h>
+volatile long sink;
+static ucontext_t main_ctx, co_ctx;
+__attribute__((noinline)) void co_leaf(int round) { sink = getppid() + round; }
+__attribute__((noinline)) void co(void) {
+    co_leaf(1);
+    swapcontext(&co_ctx, &main_ctx);   /* yield */
+    co_leaf(2);                        /* resumed in the middle: no entry probe sees this */
+}
+__attribute__((noinline)) void driver(void) {
+    swapcontext(&main_ctx, &co_ctx);   /* run co until it yields */
+    sink = getppid();
+    swapcontext(&main_ctx, &co_ctx);   /* resume it */
+    sink = getppid();
+}
+int main(void) {
+    size_t size = 1 << 16;
+    char *stack = malloc(size);
+    getcontext(&co_ctx);
+    co_ctx.uc_stack.ss_sp = stack;
+    co_ctx.uc_stack.ss_size = size;
+    co_ctx.uc_link = &main_ctx;
+    makecontext(&co_ctx, co, 0);
+    driver();
+    sink = getppid();
+    return 0;
+}
+"""
+
+
+@pytest.mark.bpf
+def test_stack_switch_is_flagged_not_wrong(tmp_path: pathlib.Path) -> None:
+    """makecontext/swapcontext: the coroutine runs on a heap stack, where a debugger sees only co's
+    frames.  Its syscalls are reported as that suffix, complete: false (the caller across the switch
+    is not on that stack); main's own syscalls stay exact and complete."""
+    from bpf_helpers import compile_c
+
+    binary = compile_c(tmp_path, "coroutine", COROUTINE, "-O1")
+    oracle = run_strace([str(binary)], ["getppid"])
+    samples, _ = trace([str(binary)], ["getppid"], tmp_path)
+    check_against(oracle, samples, binary)
+    got = [(s["complete"], [f["function"] for f in s["frames"]]) for s in samples if s["frames"]]
+    assert got == [(False, ["co", "co_leaf"]), (True, ["main", "driver"]), (False, ["co", "co_leaf"]),
+                   (True, ["main", "driver"]), (True, ["main"])]

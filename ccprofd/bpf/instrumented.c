@@ -89,6 +89,7 @@
 #define NR_CC_STATS 16
 
 #define RET_CHECKS 4
+#define STACK_SWITCH_GAP (64ULL << 20)  // farther than any one stack reaches: another stack
 
 struct cc_site {
     u64 vaddr;
@@ -292,6 +293,16 @@ static __always_inline void cc_cut(struct cc_state *s, u64 limit) {
         s->search_pos = pos + step * ok;
     }
     u64 pos = s->search_pos;
+    if (pos == 0 && n > 0 && limit - s->p[0].sp > STACK_SWITCH_GAP) {
+        // Everything, the thread's outermost recorded frame included, lies far below this event.
+        // If that frame's return address is still in place it may well be alive and this event on
+        // another stack (sigaltstack, makecontext) above it: from now on, the context above what
+        // is recorded next is not known.
+        struct cc_piece *base = &s->p[0];
+        u64 word = 0;
+        if (bpf_probe_read_user(&word, sizeof(word), (void *)(base->sp - 8)) == 0 && word == base->ret)
+            s->flags |= ST_INCOMPLETE_BASE;
+    }
     if (pos < n) {
         cc_stat(S_DROPPED);
         cc_truncate(s, (u32)pos);
@@ -404,8 +415,17 @@ static __always_inline u64 cc_cfa(struct pt_regs *ctx, struct cc_site *si) {
 }
 
 // An anchor: the thread's context above this frame is unknown (attached mid-run, --scope).
+// Also when the innermost live piece is a call *out of* the binary: binary code running inside a
+// library call was entered by a path no probe saw (a callback into a function without an entry
+// probe, a context switch), so its callers are unknown too.
 static __always_inline void cc_anchor_if_empty(struct cc_state *s, u64 cfa, u32 probe) {
-    if (s->n == 0 && (s->flags & ST_INCOMPLETE_BASE))
+    u32 n = s->n;
+    int unknown = n == 0 && (s->flags & ST_INCOMPLETE_BASE);
+    if (n > 0 && n <= MAX_PIECES) {
+        struct cc_piece *top = &s->p[PIX(n - 1)];
+        unknown = top->kind == K_EXIT || top->kind == K_TAILEXIT;
+    }
+    if (unknown)
         cc_push_segment(s, cfa, cc_read_word(s, cfa - 8), probe, CC_NONE);
 }
 
@@ -537,8 +557,10 @@ int cc_entry_probe(struct pt_regs *ctx) {
         struct cc_piece *top = &s->p[PIX(n - 1)];
         if (top->probe == id && top->sp == cfa && top->ret == ra && (top->kind == K_ROOT || top->kind == K_SEG))
             return 0;  // the entry instruction is also a loop head (or the same call again): same context
-        if (top->kind == K_EXIT || top->kind == K_TAILEXIT)
-            aux = top->aux;  // entered from the library the binary called (or tail-jumped into) there
+        // Entered from the library the binary called (or tail-jumped into) there -- unless this
+        // frame is on another stack (makecontext, sigaltstack): then its callers are unknown.
+        if ((top->kind == K_EXIT || top->kind == K_TAILEXIT) && top->sp - cfa < STACK_SWITCH_GAP)
+            aux = top->aux;
     }
     // Pieces recorded for this very frame slot belong to earlier occupants of it (an earlier call
     // from the same call site, or the frame a tail jump just replaced): drop them too.
