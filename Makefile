@@ -1,0 +1,17 @@
+# Benchmarks.  `make bench` regenerates the evaluation report (docs/results.md, docs/results-summary.md,
+# docs/results.json, docs/report-*.png) on this machine; `make bench-ci` runs the reduced version into a
+# temporary directory (what CI runs through tests/test_report_reduced.py).  Both need root (BPF).
+PYTHON ?= .venv/bin/python
+BENCH_OUT ?= docs
+
+.PHONY: bench bench-setup bench-ci
+
+bench-setup:
+	bash bench/setup.sh
+
+bench: bench-setup
+	$(PYTHON) bench/report.py --out $(BENCH_OUT)
+
+bench-ci:
+	out=$$(mktemp -d /tmp/ccprofd-bench-ci-XXXXXX) && $(PYTHON) bench/report.py --reduced --out "$$out" && \
+	  echo "reduced report in $$out"
