@@ -140,7 +140,7 @@ def workloads(work: Path, reduced: bool) -> list[Workload]:
     out: list[Workload] = []
 
     bash = shutil.which("bash") or "/bin/bash"
-    reps, depth = (30, 10) if r else (200, 20)
+    reps, depth = (30, 10) if r else (100, 15)
     (work / "rec.sh").write_text(BASH_SCRIPT.format(reps=reps, depth=depth))
     out.append(
         Workload(
@@ -155,7 +155,7 @@ def workloads(work: Path, reduced: bool) -> list[Workload]:
 
     py = "/usr/bin/python3.11"
     if os.path.exists(py):
-        reps, depth = (20, 10) if r else (200, 40)
+        reps, depth = (20, 10) if r else (30, 20)
         (work / "rec.py").write_text(PY_RECURSIVE.format(reps=reps, depth=depth))
         out.append(
             Workload(
@@ -169,7 +169,7 @@ def workloads(work: Path, reduced: bool) -> list[Workload]:
                 env=py_env,
             )
         )
-        reps, depth = (100, 8) if r else (2000, 12)
+        reps, depth = (100, 8) if r else (100, 12)
         (work / "json_rt.py").write_text(PY_JSON.format(reps=reps, depth=depth))
         out.append(
             Workload(
@@ -183,7 +183,7 @@ def workloads(work: Path, reduced: bool) -> list[Workload]:
             )
         )
 
-    size = 256 * 1024 if r else 8 * 2**20
+    size = 256 * 1024 if r else 4 * 2**20
     data = work / f"text-{size}.txt"
     if not data.exists():
         _text_file(data, size)
@@ -201,7 +201,7 @@ def workloads(work: Path, reduced: bool) -> list[Workload]:
         )
     xzb = shutil.which("xz")
     if xzb:
-        xsize = size // 8
+        xsize = size // 4
         xdata = work / f"text-{xsize}.txt"
         if not xdata.exists():
             _text_file(xdata, xsize, seed=9)
@@ -233,7 +233,7 @@ def workloads(work: Path, reduced: bool) -> list[Workload]:
         )
     lua = shutil.which("lua5.4")
     if lua:
-        reps, depth = (20, 10) if r else (300, 40)
+        reps, depth = (20, 10) if r else (200, 30)
         (work / "rec.lua").write_text(LUA_SCRIPT.format(reps=reps, depth=depth))
         out.append(
             Workload(
