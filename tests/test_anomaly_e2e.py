@@ -181,7 +181,8 @@ def test_detect_enforce_blocks_the_hidden_open_and_exec(data: dict[str, str], tm
         out = tmp_path / "alerts.jsonl"
         if out.exists():
             out.unlink()
-        r = ccprofd("detect", "--enforce", "--model", str(model), "--syscalls", SYSCALLS, "--output", str(out),
+        r = ccprofd("detect", "--enforce", "--model", str(model), "--syscalls", SYSCALLS,
+                    "--output", str(out),
                     "--", prog, *cmds)
         return r, alerts_of(out)
 
