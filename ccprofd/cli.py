@@ -76,7 +76,7 @@ def _print_table(stats: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------------------- trace
 def cmd_trace(args: argparse.Namespace) -> int:
     """``ccprofd trace``: calling contexts at each syscall of ``-- CMD`` or ``-p PID``."""
-    from .daemon.tracer import TraceError, TraceOptions, attach_session, open_session, run
+    from .daemon.tracer import DEFAULT_MODE, TraceError, TraceOptions, attach_session, open_session, run
     from .export.jsonl import write_jsonl, write_text
 
     command = list(args.command or [])
@@ -86,7 +86,10 @@ def cmd_trace(args: argparse.Namespace) -> int:
         raise UsageError("give exactly one of -p PID and -- CMD [ARGS...]")
     if args.sample_hz < 0:
         raise UsageError("--sample-hz must be positive")
-    options = TraceOptions(mode=args.mode, syscalls=args.syscalls, encoding=args.encoding, scope=args.scope,
+    mode = args.mode or ("instrumented" if args.scope else DEFAULT_MODE)
+    if args.scope and mode != "instrumented":
+        raise UsageError("--scope needs --mode instrumented (unwind mode always sees the whole stack)")
+    options = TraceOptions(mode=mode, syscalls=args.syscalls, encoding=args.encoding, scope=args.scope,
                            sample_hz=args.sample_hz, verify=args.verify,
                            cache_dir=str(args.cache_dir) if args.cache_dir else None)
     try:
@@ -138,8 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
                     "stdin/stdout/stderr and exit status pass through; samples go to --output or stderr.",
         epilog="Exit status: the command's own (128+N if killed by signal N); 125 if ccprofd fails while "
                "the command runs; 2 for bad input; 1 if tracing cannot start.")
-    tr.add_argument("--mode", choices=["instrumented", "unwind"], default="instrumented",
-                    help="how contexts are obtained (default: instrumented)")
+    tr.add_argument("--mode", choices=["instrumented", "unwind"], default=None,
+                    help="how contexts are obtained: unwind (default; BPF unwinds with .eh_frame at each "
+                         "sample) or instrumented (uprobes keep the context; the default with --scope)")
     tr.add_argument("--syscalls", default="all", metavar="LIST",
                     help="comma-separated syscall names to sample, or 'all' (default)")
     tr.add_argument("--format", choices=["text", "jsonl"], default="text",

@@ -23,6 +23,9 @@ from programs.build import build
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
+INSTRUMENTED = ("--mode", "instrumented")  # these tests check instrumented-mode behaviour
+
+
 def ccprofd(*args: str, timeout: float = 600, **kw: Any) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "ccprofd.cli", *args], capture_output=True, text=True,
                           cwd=REPO, timeout=timeout, **kw)
@@ -58,7 +61,7 @@ def test_script_is_rejected_with_a_hint(tmp_path: pathlib.Path) -> None:
     script = tmp_path / "s.sh"
     script.write_text("#!/bin/sh\necho hi\n")
     script.chmod(0o755)
-    proc = ccprofd("trace", "--", str(script))
+    proc = ccprofd("trace", *INSTRUMENTED, "--", str(script))
     assert proc.returncode == 2
     assert "trace its interpreter" in one_line_error(proc)
 
@@ -77,15 +80,15 @@ def test_exit_status_stdio_and_default_output(tmp_path: pathlib.Path) -> None:
             fprintf(stderr, "to stderr\n");
             return 3;
         }""", "-O0")
-    proc = ccprofd("trace", "--syscalls", "read,write", "--", str(prog), input="hello")
+    proc = ccprofd("trace", *INSTRUMENTED, "--syscalls", "read,write", "--", str(prog), input="hello")
     assert proc.returncode == 3  # the command's status passes through
     assert proc.stdout == "got 5\n"  # its stdout is untouched: samples go to stderr
     assert "to stderr" in proc.stderr
     assert re.search(r"\] read\n > \S+exit3\(main\) call_site=0x[0-9a-f]+ return_address=0x", proc.stderr)
 
     out = tmp_path / "s.jsonl"
-    proc = ccprofd("trace", "--syscalls", "read", "--format", "jsonl", "--output", str(out), "--",
-                   str(prog), input="x")
+    proc = ccprofd("trace", *INSTRUMENTED, "--syscalls", "read", "--format", "jsonl", "--output", str(out),
+                   "--", str(prog), input="x")
     assert proc.returncode == 3
     assert proc.stderr == "to stderr\n"  # with --output nothing else is written to stderr
     samples = [json.loads(line) for line in out.read_text().splitlines()]
@@ -113,7 +116,7 @@ def test_killed_command_reports_128_plus_signal(tmp_path: pathlib.Path) -> None:
         #include <signal.h>
         #include <unistd.h>
         int main(void) { kill(getpid(), SIGTERM); pause(); return 0; }""")
-    proc = ccprofd("trace", "--syscalls", "kill", "--", str(prog))
+    proc = ccprofd("trace", *INSTRUMENTED, "--syscalls", "kill", "--", str(prog))
     assert proc.returncode == 128 + signal.SIGTERM
 
 
@@ -136,9 +139,9 @@ def test_attach_to_running_process_is_flagged_and_a_suffix(tmp_path: pathlib.Pat
         }""", "-O1")
     target = subprocess.Popen([str(prog), "2400"])
     out = tmp_path / "p.jsonl"
-    tracer = subprocess.Popen([sys.executable, "-m", "ccprofd.cli", "trace", "--syscalls", "getppid",
-                               "--format", "jsonl", "--output", str(out), "-p", str(target.pid)], cwd=REPO,
-                              stderr=subprocess.PIPE, text=True)
+    tracer = subprocess.Popen([sys.executable, "-m", "ccprofd.cli", "trace", *INSTRUMENTED,
+                               "--syscalls", "getppid", "--format", "jsonl", "--output", str(out),
+                               "-p", str(target.pid)], cwd=REPO, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.time() + 120
         while time.time() < deadline and (not out.exists() or out.read_text().count("\n") < 5):
@@ -167,8 +170,8 @@ def test_cpu_samples_follow_real_call_sites() -> None:
     require_bpf()
     require_tool("objdump")
     binary = pathlib.Path(build("recursion", opt="O2", pie=True))
-    proc = ccprofd("trace", "--syscalls", "getppid", "--sample-hz", "997", "--format", "jsonl", "--",
-                   str(binary), "2500")
+    proc = ccprofd("trace", *INSTRUMENTED, "--syscalls", "getppid", "--sample-hz", "997", "--format", "jsonl",
+                   "--", str(binary), "2500")
     assert proc.returncode == 0
     samples = [json.loads(line) for line in proc.stderr.splitlines() if line.startswith("{")]
     cpu = [s for s in samples if s["event"] == "cpu" and s["complete"] and s["frames"]]

@@ -27,7 +27,7 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 def trace(cmd: list[str], syscalls: list[str], tmp_path: pathlib.Path, *extra: str,
           check: bool = True) -> tuple[list[dict[str, Any]], subprocess.CompletedProcess[str]]:
     out = tmp_path / "samples.jsonl"
-    argv = [sys.executable, "-m", "ccprofd.cli", "trace", "--format", "jsonl",
+    argv = [sys.executable, "-m", "ccprofd.cli", "trace", "--mode", "instrumented", "--format", "jsonl",
             "--syscalls", ",".join(syscalls), "--output", str(out), *extra, "--", *cmd]
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=600)
     if check:

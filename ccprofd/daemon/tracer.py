@@ -29,7 +29,7 @@ from typing import Any, Protocol
 from ccprofd.bpf.errors import BPFError
 
 MODES = ("instrumented", "unwind")
-DEFAULT_MODE = "instrumented"
+DEFAULT_MODE = "unwind"  # cheap; instrumented mode is for --scope and unwind-table-less code
 
 
 class TraceError(Exception):

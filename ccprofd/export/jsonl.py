@@ -29,9 +29,6 @@ def format_text(sample: Mapping[str, Any]) -> str:
     lines = [head]
     for f in reversed(sample.get("frames") or []):
         name = f.get("function") or "?"
-        if not f.get("analysed", True):
-            lines.append(f" > ?({name}) [not analysed]")
-            continue
         parts = [f" > {f.get('module') or '?'}({name})"]
         if f.get("call_site"):
             parts.append(f"call_site={f['call_site']}")
@@ -39,6 +36,8 @@ def format_text(sample: Mapping[str, Any]) -> str:
             parts.append(f"return_address={f['return_address']}")
         if f.get("tail_call"):
             parts.append("[tail call]")
+        if not f.get("analysed", True):
+            parts.append("[not analysed]")
         lines.append(" ".join(parts))
     return "\n".join(lines) + "\n"
 
