@@ -45,7 +45,14 @@ REPO = BENCH.parent
 sys.path.insert(0, str(BENCH))
 sys.path.insert(1, str(REPO))
 
-from report_bpf import Baselines, bpf_stats_enabled, jsonable, run_untraced  # noqa: E402
+from report_bpf import (  # noqa: E402
+    Baselines,
+    bpf_stats_enabled,
+    jsonable,
+    owned_prog_stats,
+    run_untraced,
+    stats_delta,
+)
 from report_encode import decode_cost, encoding_lengths, plans_for  # noqa: E402
 from report_fidelity import fidelity, strace_oracle  # noqa: E402
 from report_static import binary_stats  # noqa: E402
@@ -372,6 +379,23 @@ def _lengths_json(lens: Any, event: str) -> dict[str, Any]:
 
 
 # -------------------------------------------------------------------------------- query cost
+def idle_cost(prog: str, seconds: float = 1.0) -> float | None:
+    """ns per run of a syscall program while it tracks nothing: the filter cost every other process's
+    syscalls pay (and add to its run time)."""
+    before = owned_prog_stats()
+    time.sleep(seconds)
+    t, c = stats_delta(before, owned_prog_stats(), prog)
+    return t / c if c else None
+
+
+def per_sample(run_ns: int, runs: int, samples: int, idle: float | None) -> float | None:
+    """BPF ns per sample: the program's run time over the samples, less the filter-only runs."""
+    if not samples:
+        return None
+    others = max(0, runs - samples) * (idle or 0.0)
+    return max(0.0, run_ns - others) / samples
+
+
 def run_query(baselines: Baselines | None, reduced: bool, work: Path) -> dict[str, Any]:
     """BPF time per sample at getppid() against stack depth: instrumented mode's context read, unwind
     mode's CFI walk + encoding, bpf_get_stack's frame-pointer walk (same program, same depths)."""
@@ -379,6 +403,11 @@ def run_query(baselines: Baselines | None, reduced: bool, work: Path) -> dict[st
 
     depths = (6, 32, 104, 1000) if reduced else (6, 32, 104, 1000, 4000)
     calls = 2000 if reduced else 20000
+
+    def calls_at(depth: int) -> int:
+        """Fewer calls on deep stacks: the tracer decodes every sample, thousands of frames each."""
+        return max(200, min(calls, 2_000_000 // depth))
+
     binary = build_program(work)
     go = work / "go.txt"
     go.write_text("x")
@@ -388,20 +417,22 @@ def run_query(baselines: Baselines | None, reduced: bool, work: Path) -> dict[st
     rows: dict[int, dict[str, Any]] = {d: {} for d in depths}
     variant_args: list[tuple[str, dict[str, Any]]] = [("instrumented", {}), ("unwind", {"variant": "unwind"})]
     for variant, kw in variant_args:
+        prog = "ccprof_sys_enter" if variant == "instrumented" else "uw_sys_enter"
         try:
             with Tracer(str(binary), syscalls="getppid", **kw) as tracer:
+                idle = idle_cost(prog)
+                out[f"{variant}_filter_ns"] = idle
                 for d in depths:
-                    argv = [str(binary), str(d - OUTSIDE_FRAMES), str(calls)]
-                    r = tracer.run(argv, stdin=str(go), keep_samples=True)
-                    prog = "ccprof_sys_enter" if variant == "instrumented" else "uw_sys_enter"
+                    argv = [str(binary), str(d - OUTSIDE_FRAMES), str(calls_at(d))]
+                    r = tracer.run(argv, stdin=str(go), keep_samples=50)
                     t, c = r.bpf.get(prog, (0, 0))
-                    n = len(r.samples)
+                    n = r.counters.get("samples", 0)
                     row = rows[d]
-                    row[f"{variant}_bpf_ns"] = t / n if n else None
-                    row[f"{variant}_runs_per_sample"] = c / n if n else None
-                    row[f"{variant}_wall_ns_per_call"] = 1e9 * r.seconds / calls
+                    row["calls"] = calls_at(d)
+                    row[f"{variant}_bpf_ns"] = per_sample(t, c, n, idle)
+                    row[f"{variant}_wall_ns_per_call"] = 1e9 * r.seconds / calls_at(d)
                     if variant == "instrumented":
-                        lens = encoding_lengths(r.samples[:50], graph, plans)
+                        lens = encoding_lengths(r.samples, graph, plans)
                         row["valence_words"] = lens.average("syscall", "valence")
                         row["pcce_words"] = lens.average("syscall", "pcce")
                         row["frames"] = lens.average("syscall", "plain")
@@ -409,29 +440,39 @@ def run_query(baselines: Baselines | None, reduced: bool, work: Path) -> dict[st
         except (NotMeasured, RuntimeError, OSError) as exc:
             out[f"{variant}_not_measured"] = not_measured(exc)["not_measured"]
     if baselines is not None:
-        from report_bpf import owned_prog_stats, stats_delta
-
+        baselines.module.attach_raw_tracepoint("sys_enter", "bl_sys_stack")
+        try:
+            idle = idle_cost("bl_sys_stack")
+        finally:
+            baselines.module.raw.detach_raw_tracepoint(tp=b"sys_enter")
+        out["get_stack_filter_ns"] = idle
         for d in depths:
-            argv = [str(binary), str(d - OUTSIDE_FRAMES), str(calls)]
+            argv = [str(binary), str(d - OUTSIDE_FRAMES), str(calls_at(d))]
             before = owned_prog_stats()
             gs = baselines.get_stack(argv, stdin=str(go))
             t, c = stats_delta(before, owned_prog_stats(), "bl_sys_stack")
-            rows[d]["get_stack_bpf_ns"] = t / c if c else None
+            rows[d]["get_stack_bpf_ns"] = per_sample(t, c, gs.stacks or 0, idle)
             rows[d]["get_stack_frames"] = (gs.frames or 0) / gs.stacks if gs.stacks else None
-            rows[d]["get_stack_wall_ns_per_call"] = 1e9 * gs.seconds / calls
+            rows[d]["get_stack_wall_ns_per_call"] = 1e9 * gs.seconds / calls_at(d)
     for d in depths:
         rows[d]["untraced_wall_ns_per_call"] = (
             1e9
             * run_untraced(
-                [str(binary), str(d - OUTSIDE_FRAMES), str(calls)], stdin=str(go), check=False
+                [str(binary), str(d - OUTSIDE_FRAMES), str(calls_at(d))], stdin=str(go), check=False
             ).seconds
-            / calls
+            / calls_at(d)
         )
     out["rows"] = {str(d): r for d, r in rows.items()}
     return out
 
 
 # ------------------------------------------------------------------------------------------ main
+def save(results: dict[str, Any], out: Path) -> None:
+    tmp = out / "results.json.tmp"
+    tmp.write_text(json.dumps(jsonable(results), indent=1, default=str) + "\n")
+    tmp.replace(out / "results.json")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reduced", action="store_true", help="small inputs, fewer repeats (CI)")
@@ -483,6 +524,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 with section(f"workload {w.name}", entry, "error"):
                     entry = run_workload(w, baselines, repeat, untraced_repeat)
                 results["workloads"].append(entry)
+                save(results, out)  # a killed run still leaves what it measured
             if not args.no_query:
                 q: dict[str, Any] = {}
                 with section("query cost", q, "result"):
@@ -492,7 +534,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 baselines.close()
     meta["load_end"] = os.getloadavg()[0]
     meta["duration_seconds"] = time.perf_counter() - t_start
-    (out / "results.json").write_text(json.dumps(jsonable(results), indent=1, default=str) + "\n")
+    save(results, out)
     from report_render import render
 
     render(results, out)

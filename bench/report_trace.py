@@ -145,8 +145,9 @@ class Tracer:
         *,
         stdin: str | None = None,
         env: dict[str, str] | None = None,
-        keep_samples: bool = True,
+        keep_samples: bool | int = True,
     ) -> TraceRun:
+        """Run one command; ``keep_samples``: all (True), none (False) or at most that many."""
         child = launch(argv, stdin=stdin, env=env)
         try:
             self.mode.track_launch(child.pid)
@@ -159,9 +160,11 @@ class Tracer:
         t0 = child.release()
         session = Session(self.mode, attached=child.pid)
         samples: list[dict[str, Any]] = []
+        limit = (1 << 62) if keep_samples is True else int(keep_samples)
         for batch in session.batches():
-            if keep_samples:
-                samples.extend(s.to_json() for s in batch)
+            room = limit - len(samples)
+            if room > 0:
+                samples.extend(s.to_json() for s in batch[:room])
         ex = reaper.wait()
         after = owned_prog_stats()
         after_c = _counters(self.mode.summary())
