@@ -397,6 +397,9 @@ class UnwindSampler:
         self._pending: list[UnwoundSample] = []
         self._stale: set[int] = set()
         self._procs: dict[int, _Proc] = {}
+        # Mappings replaced by an exec, with the exec's time: samples taken before it (still queued
+        # when the exec is seen) resolve against the image they were taken in.
+        self._before_exec: dict[int, list[tuple[int, _Proc]]] = {}
         self._modules: dict[tuple[int, int, int, int], _Module] = {}
         self._rule_ids: dict[cfi.Rule, int] = {}
         self._next_entry = 0
@@ -501,11 +504,13 @@ class UnwindSampler:
     def forget(self, tgid: int) -> None:
         """Drop the mappings kept for symbolising samples of a process that has exited."""
         self._procs.pop(tgid, None)
+        self._before_exec.pop(tgid, None)
 
     def untrack(self, tgid: int) -> None:
         self._m["tracked"].delete(tgid)
         self._m["uw_procs"].delete(tgid)
         self._procs.pop(tgid, None)
+        self._before_exec.pop(tgid, None)
 
     def refresh_maps(self, tgid: int) -> bool:
         """Re-read /proc/TGID/maps and update the BPF mapping table; False when the process is gone."""
@@ -685,7 +690,11 @@ class UnwindSampler:
         ev = SamplerEvent.decode(raw)
         self.process_events.append(ev)
         if ev.kind == "exec":
-            self._procs.pop(ev.tgid, None)
+            old = self._procs.pop(ev.tgid, None)
+            if old is not None:
+                history = self._before_exec.setdefault(ev.tgid, [])
+                history.append((ev.time_ns, old))
+                del history[:-4]  # bounded: only samples still queued at an exec need these
             self._stale.add(ev.tgid)
         elif ev.kind == "fork":
             parent = self._procs.get(ev.tgid)
@@ -724,9 +733,18 @@ class UnwindSampler:
         mod = proc.modules.get(mm.start)
         return ResolvedPc(mm.path, mod.build_id if mod else None, mm.vaddr(pc))
 
-    def resolve(self, tgid: int, pc: int) -> tuple[int, bool, int] | None:
-        """(module key, in the analysed binary, ELF vaddr) of a runtime pc, as BPF saw it."""
-        proc = self._procs.get(tgid)
+    def _proc_at(self, tgid: int, time_ns: int | None) -> _Proc | None:
+        """The process's mappings at ``time_ns`` (None: now)."""
+        if time_ns is not None:
+            for exec_time, before in self._before_exec.get(tgid, ()):
+                if time_ns < exec_time:
+                    return before
+        return self._procs.get(tgid)
+
+    def resolve(self, tgid: int, pc: int, time_ns: int | None = None) -> tuple[int, bool, int] | None:
+        """(module key, in the analysed binary, ELF vaddr) of a runtime pc, as BPF saw it at
+        ``time_ns`` (the sample's own time; default: the current mappings)."""
+        proc = self._proc_at(tgid, time_ns)
         if proc is None:
             return None
         mm = proc.maps.find(pc)

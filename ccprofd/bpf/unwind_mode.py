@@ -507,7 +507,7 @@ def stack_frames(sampler: Any, s: UnwoundSample) -> list[StackFrame] | None:
     """A sample's pcs as :class:`StackFrame` values, outermost first (None: mappings unknown)."""
     out: list[StackFrame] = []
     for pc, exact in zip(reversed(s.pcs), reversed(s.exact), strict=True):
-        info = sampler.resolve(s.tgid, pc)
+        info = sampler.resolve(s.tgid, pc, s.time_ns)
         if info is None:
             if out:
                 return None
