@@ -471,7 +471,14 @@ def md_cost(wls: Sequence[Mapping[str, Any]], meta: Mapping[str, Any]) -> list[s
         ],
         body,
     )
-    out += ["", f"![Figure 6]({FIGURES['fig6']})"]
+    out += [
+        "",
+        "Per-scheme cost (the paper's PCCE/HCCE bars): not measured: instrumented mode's BPF side "
+        "implements Valence only (`--encoding pcce|hcce` is refused), so every instrumented variant here "
+        "is Valence; the PCCE/HCCE lengths of section 2 are re-encoded, not maintained live.",
+        "",
+        f"![Figure 6]({FIGURES['fig6']})",
+    ]
     return out
 
 
