@@ -17,7 +17,10 @@ def graph_stats(graph: CallGraph) -> dict[str, Any]:
     sites = graph.sites
     direct_calls = sum(1 for s in sites if s.kind in ("direct", "plt") and s.length >= 5
                        and s.bytes_hex[-10:-8] == "e8")
-    sccs = [c for c in nx.strongly_connected_components(g.subgraph(internal))]
+    # The virtual root has no in-edges and externals no out-edges: both are singleton SCCs, so the
+    # SCCs of internal functions are those of the whole graph (cheaper than on a subgraph view).
+    internal_set = set(internal)
+    sccs = [c for c in nx.strongly_connected_components(g) if not c.isdisjoint(internal_set)]
     scc_of = {n: i for i, c in enumerate(sccs) for n in c}
     cyclic = [(u, v, k) for u, v, k in graph.call_edges()
               if u in scc_of and v in scc_of and scc_of[u] == scc_of[v]]
