@@ -802,7 +802,12 @@ def render(results: Mapping[str, Any], out: Path) -> None:
     if missing:
         lines += ["", "Figures not produced (no data): " + ", ".join(missing)]
     (out / "results.md").write_text("\n".join(lines) + "\n")
-    (out / "results-summary.md").write_text("\n".join(summary_lines(results, made)) + "\n")
+    summary = "\n".join(summary_lines(results, made)) + "\n"
+    (out / "results-summary.md").write_text(summary)
+    if out.resolve() == (Path(__file__).resolve().parent.parent / "docs"):
+        from common import update_readme_section  # the README's summary is this file, never typed
+
+        update_readme_section("results", summary)
 
 
 def summary_lines(results: Mapping[str, Any], made: Mapping[str, bool]) -> list[str]:

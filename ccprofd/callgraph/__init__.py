@@ -45,5 +45,7 @@ def analyze_binary(path: str | os.PathLike[str], *, cache_dir: Path | None = Non
             return graph
     graph = analyze_image(image, progress)
     if cache is not None:
-        cache.store("callgraph", key, {"graph": graph.to_dict(), "stats": graph_stats(graph)})
+        stats = graph_stats(graph)
+        cache.store("callgraph", key, {"graph": graph.to_dict(), "stats": stats})
+        graph.cached_stats = stats  # computed once, whether the caller reads them or not
     return graph

@@ -164,9 +164,10 @@ def _fold_fragments(image: ElfImage, table: FunctionTable, parts: dict[int, Swee
     frag_starts = {s for s, fn in table.by_start.items() if fn.fragment}
     entered_from: dict[int, int] = {}
     for start, part in parts.items():
+        end = table.by_start[start].end
         for b in part.branches:
-            if b.is_call or b.target is None:
-                continue
+            if b.is_call or b.target is None or start <= b.target < end:
+                continue  # calls, indirect jumps and jumps inside the function itself
             # gcc groups several cold blocks in one fragment: hot code may jump to any of them.
             dest = table.containing(b.target)
             if dest is not None and dest.fragment and dest.start != start:
@@ -216,8 +217,8 @@ def _jump_table_entries(image: ElfImage, parts: dict[int, SweepResult], wanted: 
                         break
                     if word in wanted:
                         found.setdefault(word, start)
-        if not any("ptr" not in b.operand for b in jumps):
-            continue
+        if image.elf_type != "DYN" or not any("ptr" not in b.operand for b in jumps):
+            continue  # relative tables are what position-independent code uses
         for base in part.code_refs:
             if space.is_executable(base) or space.segment_of(base) is None:
                 continue
