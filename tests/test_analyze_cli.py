@@ -137,7 +137,7 @@ def test_cache_hit_equals_cold_analysis(tmp_path: Path) -> None:
     files = list((tmp_path / "callgraph").iterdir())
     assert len(files) == 1
     warm = analyze_binary("/bin/true", cache_dir=tmp_path)
-    assert warm.cached_stats is not None and cold.cached_stats is None
+    assert warm.from_cache and not cold.from_cache
     assert sorted(cold.graph.edges(keys=True, data=True)) == sorted(warm.graph.edges(keys=True, data=True))
     assert dict(cold.graph.nodes(data=True)) == dict(warm.graph.nodes(data=True))
     assert cold.sites == warm.sites
@@ -153,7 +153,7 @@ def test_corrupt_cache_entry_is_a_miss(tmp_path: Path) -> None:
     (entry,) = (tmp_path / "callgraph").iterdir()
     entry.write_bytes(b"garbage")
     again = analyze_binary("/bin/true", cache_dir=tmp_path)
-    assert again.cached_stats is None  # re-analysed, not loaded
+    assert not again.from_cache  # re-analysed, not loaded
     assert AnalysisCache(tmp_path).load("callgraph", entry.name.split(".v")[0]) is not None  # rewritten
 
 

@@ -42,6 +42,7 @@ def analyze_binary(path: str | os.PathLike[str], *, cache_dir: Path | None = Non
             graph = CallGraph.from_dict(cached["graph"])
             graph.binary.path = image.path
             graph.cached_stats = cached["stats"]
+            graph.from_cache = True
             return graph
     graph = analyze_image(image, progress)
     if cache is not None:

@@ -81,7 +81,8 @@ class CallGraph:
         self._sites = sites
         self._rows: dict[str, Any] | None = None
         self.analysis_seconds = analysis_seconds
-        self.cached_stats: dict[str, Any] | None = None  # set on a cache hit (see ccprofd.callgraph)
+        self.cached_stats: dict[str, Any] | None = None  # statistics already computed (see graph_stats)
+        self.from_cache = False  # loaded from the analysis cache rather than analysed now
 
     @property
     def graph(self) -> nx.MultiDiGraph:
