@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 from anomaly_strace import strace_samples
-from conftest import require_bpf, require_tool
+from conftest import require_bpf, require_tool, skip_or_fail
 from programs.build import build
 
 from ccprofd.daemon.tracer import MODES, TraceError, TraceOptions, make_mode
@@ -37,7 +37,7 @@ def require_mode(mode: str, prog: str) -> None:
     try:
         make_mode(prog, TraceOptions(mode=mode))
     except TraceError as exc:
-        pytest.skip(f"tracer mode {mode} is not in this build: {exc}")
+        skip_or_fail(f"tracer mode {mode} is not in this build: {exc}")
 
 
 def chain(syscall: str, frames: list[dict[str, Any]]) -> Chain:

@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 from anomaly_strace import strace_samples
-from conftest import require_tool
+from conftest import require_tool, skip_or_fail
 from programs.build import build
 
 from ccprofd.bpf.lsm_enforce import (
@@ -90,7 +90,7 @@ def test_keys_from_frames() -> None:
 
 def test_lsm_status_reads_securityfs() -> None:
     if os.geteuid() != 0:
-        pytest.skip("mounting securityfs needs root")
+        skip_or_fail("mounting securityfs needs root")
     st = lsm_status()
     assert st.lsm_list == Path("/sys/kernel/security/lsm").read_text().strip()
     assert st.active == ("bpf" in st.lsm_list.split(","))

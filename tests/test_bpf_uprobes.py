@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 from bpf_helpers import compile_c, direct_call_sites, file_offset
-from conftest import require_tool
+from conftest import require_tool, skip_or_fail
 
 from ccprofd.bpf.bcc_adapter import BccModule
 from ccprofd.bpf.errors import BPFError
@@ -88,7 +88,7 @@ def test_uprobe_multi_attr_layout_matches_running_kernel_btf() -> None:
     """The ctypes layout equals the kernel's own ``union bpf_attr`` as described by its BTF."""
     bpftool = require_tool("bpftool")
     if not Path("/sys/kernel/btf/vmlinux").exists():
-        pytest.skip("no kernel BTF")
+        skip_or_fail("no kernel BTF")
     raw = subprocess.run(
         [bpftool, "btf", "dump", "file", "/sys/kernel/btf/vmlinux", "format", "raw"],
         capture_output=True,
