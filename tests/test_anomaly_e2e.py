@@ -181,9 +181,9 @@ def test_detect_enforce_blocks_the_hidden_open_and_exec(data: dict[str, str], tm
         out = tmp_path / "alerts.jsonl"
         if out.exists():
             out.unlink()
-        r = ccprofd("detect", "--enforce", "--model", str(model), "--syscalls", SYSCALLS,
-                    "--output", str(out),
-                    "--", prog, *cmds)
+        # The same tracer mode as learning: only instrumented mode sees tail-call frames.
+        r = ccprofd("detect", "--enforce", "--mode", "instrumented", "--model", str(model),
+                    "--syscalls", SYSCALLS, "--output", str(out), "--", prog, *cmds)
         return r, alerts_of(out)
 
     r, alerts = enforce("head", data["b"], "count", a, "run", "/bin/echo")

@@ -181,9 +181,13 @@ def test_cpu_samples_follow_real_call_sites() -> None:
     call_after: dict[int, str] = {}
     for m in re.finditer(r"^\s*([0-9a-f]+):\t((?:[0-9a-f]{2} )+)\s*\tcall\s+[0-9a-f]+ <([^>@]+)", dis, re.M):
         call_after[int(m.group(1), 16) + len(m.group(2).split())] = m.group(3)
+    # A sample may also land in the start-up/exit routines libc runs around main (DT_INIT, crtstuff).
+    around_main = {"main", "_init", "_fini", "frame_dummy", "register_tm_clones", "deregister_tm_clones",
+                   "__do_global_dtors_aux", "_start"}
+    assert any(s["frames"][0]["function"] == "main" for s in cpu)
     for s in cpu:
         frames = s["frames"]
-        assert frames[0]["function"] == "main"
+        assert frames[0]["function"] in around_main, frames[0]
         for outer, inner in itertools.pairwise(frames):
             assert call_after.get(int(outer["return_address"], 16)) == inner["function"], (outer, inner)
         assert frames[-1]["return_address"] is None  # the sampled instruction is not a call
