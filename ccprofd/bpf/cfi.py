@@ -17,6 +17,8 @@ from bisect import bisect_right
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from ccprofd.callgraph.ehframe import _read_encoded, _sleb, _uleb  # the one set of DWARF readers
+
 RSP = 7
 RBP = 6
 
@@ -29,50 +31,6 @@ class CfaRule:
 
     reg: int
     offset: int
-
-
-def _uleb(buf: bytes, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        b = buf[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        shift += 7
-        if b < 0x80:
-            return result, pos
-
-
-def _sleb(buf: bytes, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        b = buf[pos]
-        pos += 1
-        result |= (b & 0x7F) << shift
-        shift += 7
-        if b < 0x80:
-            if b & 0x40:
-                result -= 1 << shift
-            return result, pos
-
-
-_FIXED = {0x02: "<H", 0x03: "<I", 0x04: "<Q", 0x0A: "<h", 0x0B: "<i", 0x0C: "<q", 0x00: "<Q"}
-
-
-def _encoded(buf: bytes, pos: int, enc: int, field_vaddr: int, apply: bool = True) -> tuple[int, int]:
-    fmt = enc & 0x0F
-    if fmt == 0x01:
-        val, pos = _uleb(buf, pos)
-    elif fmt == 0x09:
-        val, pos = _sleb(buf, pos)
-    elif fmt in _FIXED:
-        f = _FIXED[fmt]
-        val = struct.unpack_from(f, buf, pos)[0]
-        pos += struct.calcsize(f)
-    else:
-        raise ValueError(f"unsupported DWARF pointer encoding {enc:#x}")
-    if apply and (enc & 0x70) == 0x10:
-        val += field_vaddr
-    return val & 0xFFFFFFFFFFFFFFFF, pos
 
 
 @dataclass(slots=True)
@@ -120,7 +78,7 @@ def _parse_cie(buf: bytes, pos: int, end: int) -> _Cie:
             elif ch == "P":
                 penc = buf[apos]
                 apos += 1
-                _, apos = _encoded(buf, apos, penc & 0x7F, 0, apply=False)
+                _, apos = _read_encoded(buf, apos, penc & 0x7F, 0, apply=False)
             elif ch in "SB":
                 continue
             else:
@@ -153,8 +111,8 @@ def _fdes(buf: bytes, section_vaddr: int) -> list[_Fde]:
         else:
             cie = cies.get(body - cie_id)
             if cie is not None:
-                pc_begin, pos = _encoded(buf, pos, cie.fde_enc, section_vaddr + pos)
-                pc_range, pos = _encoded(buf, pos, cie.fde_enc & 0x0F, 0, apply=False)
+                pc_begin, pos = _read_encoded(buf, pos, cie.fde_enc, section_vaddr + pos)
+                pc_range, pos = _read_encoded(buf, pos, cie.fde_enc & 0x0F, 0, apply=False)
                 if cie.has_z:
                     alen, pos = _uleb(buf, pos)
                     pos += alen
