@@ -47,6 +47,9 @@ def test_key_depends_on_identity_scheme_and_parameters() -> None:
     assert plan_key(replace(BIN, path="/elsewhere"), "pcce", base) == k  # identity, not path
     assert plan_key(replace(BIN, build_id="deadbeef"), "pcce", base) != k
     assert plan_key(replace(BIN, content_hash="1" * 64), "pcce", base) != k
+    # A stripped twin shares the build-id, not the content: it must not share the plan.
+    with_id = replace(BIN, build_id="deadbeef")
+    assert plan_key(replace(with_id, content_hash="2" * 64), "pcce", base) != plan_key(with_id, "pcce", base)
 
 
 def test_cache_round_trip_and_atomic_files(tmp_path: Path) -> None:
@@ -86,3 +89,29 @@ def test_wrong_version_is_refused(tmp_path: Path) -> None:
         load_plan(p)
     with pytest.raises(PlanError):
         decoder_for(plan)
+
+
+def test_stripped_twin_gets_its_own_cached_plan(tmp_path: Path) -> None:
+    """A stripped copy has its twin's build-id (checked with readelf here) but no symbols: the plan
+    cache must hand each its own plan, not the twin's names."""
+    import subprocess
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent / "programs"))
+    from build import build  # type: ignore[import-not-found]
+
+    from ccprofd.callgraph import analyze_binary
+
+    full = build("calls", opt="O0", pie=True, strip=False)
+    stripped = build("calls", opt="O0", pie=True, strip=True)
+
+    def note(p: str) -> str:
+        out = subprocess.run(["readelf", "-n", p], capture_output=True, text=True, check=True).stdout
+        return next(line.split()[-1] for line in out.splitlines() if "Build ID" in line)
+
+    assert note(full) == note(stripped)
+    plans = [get_plan(analyze_binary(p, cache_dir=tmp_path), "valence", cache_dir=tmp_path)
+             for p in (full, stripped)]
+    assert plans[0]["key"] != plans[1]["key"]
+    assert "main" in plans[0]["names"]
+    assert "main" not in plans[1]["names"]

@@ -85,9 +85,12 @@ def binary_identity(binary: BinaryInfo) -> str:
 
 
 def plan_key(binary: BinaryInfo, scheme: str, params: Mapping[str, Any]) -> str:
-    """Cache key: (identity, scheme, parameters incl. weights hash, plan format version)."""
-    blob = json.dumps({"v": PLAN_VERSION, "id": binary_identity(binary), "scheme": scheme,
-                       "params": dict(params)}, sort_keys=True)
+    """Cache key: (identity, content, scheme, parameters incl. weights hash, plan format version).
+
+    The content hash is part of the key because a stripped copy shares its twin's build-id but not
+    its symbols, hence not its function names or boundaries: one must never get the other's plan."""
+    blob = json.dumps({"v": PLAN_VERSION, "id": binary_identity(binary), "content": binary.content_hash,
+                       "scheme": scheme, "params": dict(params)}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
 
 
