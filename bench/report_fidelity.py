@@ -9,10 +9,7 @@ the target together) before its output is parsed.
 
 from __future__ import annotations
 
-import dataclasses
 import os
-import re
-import subprocess
 import sys
 import tempfile
 from collections import Counter
@@ -28,10 +25,7 @@ from fidelity import compare
 from strace_oracle import (
     BOOKKEEPING,
     Trace,
-    elf_layout,
-    entry_function,
     parse_strace,
-    same_file,
     strace_path,
 )
 
@@ -80,45 +74,6 @@ def strace_oracle(
     return OracleRun(trace, Timing(ex.at - t0, ex.cpu), requested)
 
 
-_FDE = re.compile(r"\bFDE\b.*\bpc=([0-9a-f]+)\.\.([0-9a-f]+)")
-
-
-def entry_fde(binary: str) -> tuple[int, int] | None:
-    """The ``.eh_frame`` FDE range (binutils' readelf, not ccprofd) holding the ELF entry point."""
-    entry = elf_layout(binary).entry
-    out = subprocess.run(["readelf", "--debug-dump=frames", binary], capture_output=True, text=True).stdout
-    for m in _FDE.finditer(out):
-        lo, hi = int(m.group(1), 16), int(m.group(2), 16)
-        if lo <= entry < hi:
-            return lo, hi
-    return None
-
-
-def drop_unnamed_entry_frames(trace: Trace, binary: str) -> int:
-    """``tests/fidelity.py`` drops the ELF entry function's frame (``_start``) by its symbol; a binary
-    with no symbol covering the entry (e.g. Debian's lua5.4) keeps it on the oracle side only.  Drop
-    it here too, by the entry's FDE range.  Returns the number of frames dropped."""
-    if entry_function(binary) is not None:
-        return 0
-    rng = entry_fde(binary)
-    if rng is None:
-        return 0
-    layout = elf_layout(binary)
-    dropped = 0
-    for task in trace.tasks:
-        for i, sc in enumerate(task.syscalls):
-            frames = list(sc.frames)
-            while frames and same_file(frames[-1].module, binary):
-                va = layout.vaddr_of_offset(frames[-1].offset)
-                if va is None or not rng[0] <= va - 1 < rng[1]:
-                    break
-                frames.pop()
-                dropped += 1
-            if len(frames) != len(sc.frames):
-                task.syscalls[i] = dataclasses.replace(sc, frames=tuple(frames))
-    return dropped
-
-
 @dataclass
 class Fidelity:
     compared: int = 0
@@ -129,7 +84,6 @@ class Fidelity:
     extra: int = 0
     other: int = 0  # thread/pid/syscall-order mismatches
     oracle_truncated: int = 0
-    entry_frames_dropped: int = 0  # oracle _start frames dropped by FDE range (no symbol covers it)
     examples: list[str] = field(default_factory=list)
 
     @property
@@ -148,7 +102,6 @@ class Fidelity:
                 "extra",
                 "other",
                 "oracle_truncated",
-                "entry_frames_dropped",
             )
         }
         d["fraction_equal"] = self.fraction_equal
@@ -158,7 +111,6 @@ class Fidelity:
 
 def fidelity(samples: Sequence[Mapping[str, Any]], oracle: Trace, binary: str) -> Fidelity:
     """Compare and count (see the module docstring)."""
-    dropped = drop_unnamed_entry_frames(oracle, binary)
     result = compare(samples, oracle, binary)
     st = result.stats
     kinds = Counter(m.kind for m in result.mismatches)
@@ -175,6 +127,5 @@ def fidelity(samples: Sequence[Mapping[str, Any]], oracle: Trace, binary: str) -
     out.incomplete_ok = st.incomplete_samples - wrong_incomplete
     # Missing samples are counted as compared by fidelity.compare's stats only when both sides exist.
     out.equal = max(0, st.samples_compared - wrong - out.incomplete_ok)
-    out.entry_frames_dropped = dropped
     out.examples = [m.render()[:600] for m in result.mismatches[:3]]
     return out

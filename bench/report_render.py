@@ -729,19 +729,6 @@ def md_fidelity(wls: Sequence[Mapping[str, Any]]) -> list[str]:
         )
     else:
         out.append("not measured: no workload produced samples and a strace oracle.")
-    dropped = [
-        w["name"]
-        for w in wls
-        if any((f or {}).get("entry_frames_dropped") for f in (w.get("fidelity") or {}).values())
-    ]
-    if dropped:
-        out += [
-            "",
-            "No symbol covers the ELF entry point of "
-            + ", ".join(f"`{n}`" for n in dropped)
-            + "'s binary, so the oracle cannot name `_start` to drop its frame as the comparison rules "
-            "ask; it was dropped by the `.eh_frame` FDE range holding the entry point (readelf).",
-        ]
     ex = [
         (w["name"], m, e)
         for w in wls

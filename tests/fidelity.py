@@ -178,8 +178,15 @@ def expected_frames(syscall: Syscall, binary: str | os.PathLike[str], *,
     """The oracle's frames of ``binary`` for one syscall, outermost first, as comparable frames."""
     tfs: list[TargetFrame] = target_frames(syscall.frames, binary, symbols_path=symbols_path)
     out = [Frame(t.function, t.entry, t.return_address, t.kind) for t in reversed(tfs)
-           if drop is None or t.entry != drop.start]
+           if drop is None or not _is_dropped(t, drop)]
     return tuple(out)
+
+
+def _is_dropped(frame: TargetFrame, drop: FunctionSymbol) -> bool:
+    """The oracle frame is in ``drop``: by entry, or by pc when ``drop`` is an unnamed FDE range."""
+    if frame.entry is not None and frame.entry == drop.start:
+        return True
+    return bool(drop.size) and drop.start <= frame.pc < drop.start + drop.size
 
 
 def _hex(value: Any) -> int | None:

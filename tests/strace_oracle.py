@@ -662,9 +662,22 @@ def _symbols_file(binary: str, symbols_path: str | os.PathLike[str] | None) -> s
 
 def entry_function(binary_path: str | os.PathLike[str], *,
                    symbols_path: str | os.PathLike[str] | None = None) -> FunctionSymbol | None:
-    """The function holding the ELF entry point (``_start``): process start-up code, not a context."""
+    """The function holding the ELF entry point (``_start``): process start-up code, not a context.
+
+    By symbol where one covers the entry, else by the ``.eh_frame`` FDE that covers it (binutils'
+    readelf): binaries such as Debian's lua5.4 export some symbols but none for ``_start``."""
     binary = os.path.realpath(binary_path)
-    return function_table(_symbols_file(binary, symbols_path)).containing(elf_layout(binary).entry)
+    entry = elf_layout(binary).entry
+    found = function_table(_symbols_file(binary, symbols_path)).containing(entry)
+    if found is not None and (not found.size or found.start <= entry < found.start + found.size):
+        return found
+    for line in _readelf("--debug-dump=frames", binary).splitlines():
+        m = _FDE.search(line)
+        if m:
+            lo, hi = int(m.group(1), 16), int(m.group(2), 16)
+            if lo <= entry < hi:
+                return FunctionSymbol(None, lo, hi - lo)
+    return None
 
 
 def analysed_syscalls(task: Task, binary_path: str | os.PathLike[str]) -> list[Syscall]:

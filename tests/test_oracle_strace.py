@@ -585,3 +585,28 @@ def test_compare_threads_and_processes() -> None:
         if s["tid"] != parent_tid:
             s["frames"] = [f for f in s["frames"] if f["function"] == "child_work"]
     _must_fail(lost, ftrace, forks, "frames")
+
+
+def test_entry_function_without_a_start_symbol_is_the_entry_fde(tmp_path: pathlib.Path) -> None:
+    """A binary that keeps symbols but none for ``_start`` (like Debian's lua5.4): the oracle's
+    entry function is the ``.eh_frame`` FDE holding the entry point, so ``_start`` frames are still
+    dropped on both sides.  The FDE is checked against ``readelf --debug-dump=frames`` here."""
+    from strace_oracle import entry_function
+
+    require_tool("objcopy")
+    src = build_program("calls", opt="O2", pie=True, strip=False)
+    no_start = tmp_path / "calls-no-start"
+    subprocess.run(["objcopy", "--strip-symbol=_start", src, str(no_start)], check=True)
+    entry = int(re.search(r"Entry point address:\s+(0x[0-9a-f]+)",
+                          subprocess.run(["readelf", "-h", str(no_start)], capture_output=True, text=True,
+                                         check=True).stdout).group(1), 16)  # type: ignore[union-attr]
+    fdes = [(int(a, 16), int(b, 16)) for a, b in re.findall(
+        r"FDE.*pc=([0-9a-f]+)\.\.([0-9a-f]+)",
+        subprocess.run(["readelf", "--debug-dump=frames", str(no_start)], capture_output=True, text=True,
+                       check=True).stdout)]
+    (lo, hi), = [(a, b) for a, b in fdes if a <= entry < b]
+    with_sym = entry_function(src)
+    assert with_sym is not None and with_sym.name == "_start" and with_sym.start == entry
+    fn = entry_function(no_start)
+    assert fn is not None and fn.name is None
+    assert (fn.start, fn.start + fn.size) == (lo, hi)
