@@ -20,11 +20,11 @@ import fcntl
 import json
 import os
 import re
-import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+from ccprofd.atomicfile import atomic_write_bytes
 from ccprofd.daemon.anomaly import Learner, ModelError, ModelSet, TargetModel
 
 
@@ -60,25 +60,8 @@ def load_models(path: str | os.PathLike[str], *, missing_ok: bool = True) -> Mod
 
 def save_models(path: str | os.PathLike[str], models: ModelSet) -> None:
     """Write atomically: temp file in the same directory, fsync, rename, fsync the directory."""
-    p = Path(path)
-    directory = p.parent if str(p.parent) else Path(".")
     text = json.dumps(models.to_dict(), separators=(",", ":"), sort_keys=True) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=f".{p.name}.", suffix=".tmp", dir=directory)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, p)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    atomic_write_bytes(path, text.encode("utf-8"))
 
 
 @contextlib.contextmanager
