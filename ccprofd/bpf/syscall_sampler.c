@@ -1,6 +1,7 @@
 // ccprofd syscall sampler: reports selected syscalls of tracked processes with the user registers
 // at syscall entry, and follows processes through fork (children inherit tracking) and exec
-// (tracking stops, unless the entry still has exec credit: see track()).
+// (tracking stops, unless the entry still has exec credit: see track(), or the new image is an exec
+// target: see exec_target.c, which is compiled before this file and before any prelude).
 //
 // Compile-time knobs (-D or a prelude; Python sets them): MAX_TRACKED (hash entries: tracked
 // processes + live threads they created), RINGBUF_PAGES (power of two), HAVE_GROUP_DEAD (the
@@ -23,12 +24,16 @@
 #define EV_EXIT 4
 
 #define TRACKED_VIA_FORK 1
+#define TRACKED_VIA_EXEC 2  // found at its exec of an exec target
+
+#define CCPROF_EXEC_TARGET (1ULL << 32)  // EV_EXEC aux flag: the new image is an exec target
 
 #define STAT_EVENTS 0
 #define STAT_RINGBUF_FULL 1
 #define STAT_TRACKED_FULL 2
 #define STAT_FORKS 3
 #define STAT_EXECS_STOPPED 4
+#define STAT_EXECS_FOUND 5
 #define NR_STATS 8
 
 #define CFG_ALL_SYSCALLS 0
@@ -47,7 +52,7 @@ struct ccprof_event {
     u64 ip;          // user registers at syscall entry (0 for process events)
     u64 sp;
     u64 bp;
-    u64 aux;         // EV_FORK: child pid; EV_EXEC: old pid; EV_EXIT: group died
+    u64 aux;         // EV_FORK: child pid; EV_EXEC: old pid | CCPROF_EXEC_TARGET; EV_EXIT: group died
 #ifdef CCPROF_EVENT_EXTRA
     CCPROF_EVENT_EXTRA
 #endif
@@ -144,23 +149,35 @@ int ccprof_fork(struct tracepoint__sched__sched_process_fork *args) {
     return 0;
 }
 
-// Runs in the new image after a successful exec.
+// Runs in the new image after a successful exec, before its first user instruction.  A tracked
+// process stays tracked through the exec it has credit for, or into an exec target; an untracked
+// process that execs an exec target starts being tracked here.  Userspace hears of both (EV_EXEC).
 int ccprof_exec(struct tracepoint__sched__sched_process_exec *args) {
     u64 pid_tgid = bpf_get_current_pid_tgid();
     u32 tgid = pid_tgid >> 32;
     struct ccprof_tracked *t = tracked.lookup(&tgid);
-    if (!t)
+    int target = ccprof_exec_is_target();
+    if (!t && !target)
         return 0;
     u32 old = (u32)args->old_pid;
     struct ccprof_event *e = ccprof_reserve(EV_EXEC, pid_tgid);
     if (e) {
-        e->aux = old;
+        e->aux = old | (target ? CCPROF_EXEC_TARGET : 0);
         ccprof_submit(e);
     }
     if (old != tgid)
         tracked.delete(&old);  // a non-leader thread exec'd: its tid entry is stale
-    if (t->execs_left > 0) {
+    if (t && t->execs_left > 0) {
         __sync_fetch_and_add(&t->execs_left, -1);
+        return 0;
+    }
+    if (target) {
+        struct ccprof_tracked n = {};
+        n.flags = TRACKED_VIA_EXEC;
+        if (tracked.update(&tgid, &n) != 0)
+            ccprof_stat(STAT_TRACKED_FULL);
+        else
+            ccprof_stat(STAT_EXECS_FOUND);
         return 0;
     }
     tracked.delete(&tgid);

@@ -4,7 +4,10 @@
 selected syscall number, the user ``ip``/``sp``/``bp`` at entry into a ring buffer.
 ``sched_process_fork`` makes children (and threads) of tracked processes tracked;
 ``sched_process_exec`` stops tracking (unless the entry was given exec credit, which is how a
-launcher tracks a child from before its exec of the target); ``sched_process_exit`` cleans up.
+launcher tracks a child from before its exec of the target), and starts tracking any process that
+execs an *exec target* (:meth:`SyscallSampler.follow_exec`: a binary by inode number, optionally
+only inside one cgroup; see exec_target.c), so processes started later are sampled from their
+first instruction; ``sched_process_exit`` cleans up.
 All BPF memory is bounded: the tracked-process hash (``max_tracked``) and the ring buffer
 (``ringbuf_pages``); overflows are counted in :meth:`SyscallSampler.stats`, never silent.
 """
@@ -18,15 +21,17 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 
-from ccprofd.bpf.bcc_adapter import BccModule
+from ccprofd.bpf.bcc_adapter import BccModule, BpfMap
 from ccprofd.bpf.errors import BPFError
 from ccprofd.bpf.features import tracefs_dir
 
 C_SOURCE = "syscall_sampler.c"
+EXEC_TARGET_SOURCE = "exec_target.c"
+EXEC_TARGET_FLAG = 1 << 32  # EV_EXEC aux: the new image is an exec target
 NR_SYSCALL_SLOTS = 1024
 
 KINDS = {1: "syscall", 2: "fork", 3: "exec", 4: "exit"}
-STATS = ("events", "ringbuf_full", "tracked_full", "forks", "execs_stopped")
+STATS = ("events", "ringbuf_full", "tracked_full", "forks", "execs_stopped", "execs_found")
 
 _EVENT = struct.Struct("<QIIIiQQQQ")  # struct ccprof_event without CCPROF_EVENT_EXTRA
 EVENT_SIZE = _EVENT.size
@@ -36,7 +41,8 @@ EVENT_SIZE = _EVENT.size
 class SamplerEvent:
     """One record from the ring buffer.  ``time_ns`` is CLOCK_MONOTONIC (see
     :func:`monotonic_to_realtime_ns`); ``syscall`` is None for process events; ``aux`` is the child
-    pid (fork), the old pid (exec), 1 (exit); ``extra`` holds CCPROF_EVENT_EXTRA bytes."""
+    pid (fork), the old pid (exec, with :data:`EXEC_TARGET_FLAG` when the new image is an exec
+    target), 1 (exit); ``extra`` holds CCPROF_EVENT_EXTRA bytes."""
 
     kind: str
     time_ns: int
@@ -65,6 +71,11 @@ class SamplerEvent:
             bytes(raw[EVENT_SIZE:]),
         )
 
+    @property
+    def exec_target(self) -> bool:
+        """An exec whose new image is an exec target (BPF started or kept tracking it)."""
+        return self.kind == "exec" and bool(self.aux & EXEC_TARGET_FLAG)
+
 
 def monotonic_to_realtime_ns(mono_ns: int) -> int:
     """Convert a bpf_ktime_get_ns() timestamp to CLOCK_REALTIME (offset measured now)."""
@@ -84,8 +95,43 @@ def tracepoint_has_field(category: str, event: str, field: str) -> bool:
         return False
 
 
+def exec_target_source() -> str:
+    """exec_target.c with the kernel struct offsets it needs (from the running kernel's BTF); without
+    BTF the offsets are left out and no exec matches (processes are then found by rescans only)."""
+    from ccprofd.bpf.kbtf import BTFError, exe_inode_offsets
+
+    try:
+        defines = "".join(f"#define {k} {v}\n" for k, v in exe_inode_offsets().items())
+    except BTFError:
+        defines = ""
+    return defines + resources.files("ccprofd.bpf").joinpath(EXEC_TARGET_SOURCE).read_text(encoding="utf-8")
+
+
 def sampler_source() -> str:
-    return resources.files("ccprofd.bpf").joinpath(C_SOURCE).read_text(encoding="utf-8")
+    """The sampler's C text (exec_target.c first; it is include-guarded, so a program that puts it
+    before its own prelude, as :class:`SyscallSampler` does, may include it again)."""
+    own = resources.files("ccprofd.bpf").joinpath(C_SOURCE).read_text(encoding="utf-8")
+    return exec_target_source() + own
+
+
+def set_exec_target(targets: BpfMap, inode: int, cgroup_id: int = 0) -> None:
+    """Track every process that execs the file with inode number ``inode`` (in cgroup ``cgroup_id``
+    only, unless 0).  BPF matches the inode number alone; callers confirm with /proc/PID/exe."""
+    if inode <= 0:
+        raise BPFError(f"bad inode number {inode}")
+    try:
+        targets.set(inode, cgroup_id)
+    except BPFError:
+        raise BPFError(f"cannot follow execs of inode {inode}: exec-target table full") from None
+
+
+def exe_matches(pid: int, inode: tuple[int, int]) -> bool:
+    """Whether process ``pid`` runs the file ``inode`` = (st_dev, st_ino) (its /proc/PID/exe)."""
+    try:
+        st = os.stat(f"/proc/{pid}/exe")
+    except OSError:
+        return False
+    return (st.st_dev, st.st_ino) == inode
 
 
 class SyscallSampler:
@@ -113,7 +159,9 @@ class SyscallSampler:
         if tracepoint_has_field("sched", "sched_process_exit", "group_dead"):
             defines.append("#define HAVE_GROUP_DEAD 1")
         self.max_tracked = max_tracked
-        self.module = BccModule("\n".join(defines) + "\n" + prelude + "\n" + sampler_source(), cflags)
+        # exec_target.c goes before the prelude too, so a prelude's exec hook can use it
+        text = "\n".join(defines) + "\n" + exec_target_source() + "\n" + prelude + "\n" + sampler_source()
+        self.module = BccModule(text, cflags)
         self._pending: list[SamplerEvent] = []
         self._attached = False
         self._tracked = self.module.map("tracked")
@@ -160,6 +208,15 @@ class SyscallSampler:
 
     def untrack(self, tgid: int) -> None:
         self._tracked.delete(tgid)
+
+    def follow_exec(self, inode: int, cgroup_id: int = 0) -> None:
+        """Track every process that execs the file with inode number ``inode`` (from its exec on;
+        only in cgroup ``cgroup_id`` unless 0).  Its EV_EXEC event has :attr:`SamplerEvent.exec_target`;
+        the match is by inode number only, so confirm it (:func:`exe_matches`) and untrack on a miss."""
+        set_exec_target(self.module.map("exec_targets"), inode, cgroup_id)
+
+    def unfollow_exec(self, inode: int) -> None:
+        self.module.map("exec_targets").delete(inode)
 
     def tracked(self) -> set[int]:
         """Keys of the tracked table: tracked tgids, plus tids of live threads they created."""
