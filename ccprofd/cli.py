@@ -150,7 +150,7 @@ def build_parser() -> argparse.ArgumentParser:
                     help="output format (default text)")
     tr.add_argument("--output", "-o", metavar="FILE", help="write samples to FILE instead of stderr")
     tr.add_argument("--encoding", choices=["valence", "pcce", "hcce"], default="valence",
-                    help="calling-context encoding (instrumented mode implements valence)")
+                    help="calling-context encoding of instrumented mode (unwind mode: valence only)")
     tr.add_argument("--scope", metavar="FUNCTION_REGEX",
                     help="instrument only the call graph below functions whose name matches")
     tr.add_argument("--sample-hz", type=int, default=0, metavar="N", help="also take CPU samples at N Hz")

@@ -1,4 +1,5 @@
-// ccprofd instrumented mode: per-thread Valence state maintained by uprobes, no return probes.
+// ccprofd instrumented mode: per-thread Valence / PCCE / HCCE state maintained by uprobes, no
+// return probes.
 //
 // Compiled as the prelude of syscall_sampler.c (which provides tracked-process filtering, fork
 // following and the syscall ring buffer); CCPROF_SYSCALL_HOOK fills each syscall event's context.
@@ -18,9 +19,23 @@
 // their recorded sp: a sibling call made at the same stack depth, or a return address overwritten
 // since, means the piece is dead.
 //
+// Schemes (the plan's acyc_op, compile-time ACYC_OP_ADD / PCCE_PAIRS):
+//  - Valence ("set"): an acyclic edge sets its bit range of acycID; a cyclic edge appends its
+//    REC_BITS-wide code to the recID bit string.
+//  - HCCE ("add"): an acyclic edge adds En(e) to the multi-word id (carry across ACYC_WORDS words);
+//    a cyclic edge appends its code to recID as Valence does.
+//  - PCCE ("add" + pairs): forward edges add as HCCE does; a back edge pushes the pair (id before
+//    it, back-edge code) and sets the id to the edge's code.  The pair stack lives in the same bit
+//    string as recID: one REC_BITS-wide record per pair, PAIR_CODE_BITS of code then PAIR_ID_BITS
+//    of saved id (the piece's snapshot holds the id too, but a sample must carry every pair).
+// Restoring a piece's snapshot undoes all three.  An id that does not fit (a carry out of the top
+// word, bits above PAIR_ID_BITS, or a code wider than the id: site flag F_OVERFLOW) is never
+// wrapped: the thread is frozen at that frame (samples say SF_OVERFLOW) until the frame is gone.
+//
 // Compile-time parameters (set by instrumented.py): ACYC_WORDS, MAX_PIECES, MAX_SEGS, EMIT_SEGS,
-// REC_BITS, REC_WORDS, REC_EMIT_WORDS, NPROBES, NCALLSITES, NSLOTS, LOG2_MAX_PIECES.  None of them
-// changes the code's size with the target binary: per-site data lives in maps.
+// REC_BITS, REC_WORDS, REC_EMIT_WORDS, NPROBES, NCALLSITES, NSLOTS, LOG2_MAX_PIECES, ACYC_OP_ADD,
+// PCCE_PAIRS, PAIR_CODE_BITS, PAIR_ID_BITS, ID_BITS.  None of them changes the code's size with the
+// target binary: per-site data lives in maps.
 
 #include <asm/ptrace.h>  // struct pt_regs (the sampler includes it too, after this prelude)
 #include <uapi/linux/bpf_perf_event.h>
@@ -45,6 +60,7 @@
 #define F_OUTSIDE 8
 #define F_INDIRECT 16
 #define F_SCOPE 32
+#define F_OVERFLOW 64  // the edge's code does not fit in ACYC_WORDS words
 
 // thread state flags
 #define ST_INCOMPLETE_BASE 1  // frames above the first event are unknown (attached to a running thread)
@@ -52,6 +68,7 @@
 #define ST_FORK_PENDING 4     // copied at fork; a thread of the same process resets at first use
 #define ST_BIAS 8             // bias is known
 #define ST_READFAIL 16        // a stack word could not be read: liveness was assumed
+#define ST_OVERFLOW 32        // frozen because an id did not fit (PCCE/HCCE)
 
 // sample flags
 #define SF_NOSTATE 1
@@ -61,6 +78,7 @@
 #define SF_REC_TRUNC 16
 #define SF_READFAIL 32
 #define SF_BIAS 64
+#define SF_OVERFLOW 128
 
 // return-address table values
 #define RS_INDIRECT 0x80000000u
@@ -86,7 +104,18 @@
 #define S_FORK_COPIES 9
 #define S_RET_DEAD 10
 #define S_RINGBUF_FULL 11
+#define S_OVERFLOW 12
 #define NR_CC_STATS 16
+
+#ifndef ACYC_OP_ADD
+#define ACYC_OP_ADD 0
+#endif
+#ifndef PCCE_PAIRS
+#define PCCE_PAIRS 0
+#endif
+#ifndef ID_BITS
+#define ID_BITS (64 * ACYC_WORDS)
+#endif
 
 #define RET_CHECKS 4
 #define STACK_SWITCH_GAP (64ULL << 20)  // farther than any one stack reaches: another stack
@@ -325,7 +354,7 @@ static __always_inline void cc_cut(struct cc_state *s, u64 limit) {
         cc_truncate(s, n - 1);
     }
     if ((s->flags & ST_FROZEN) && s->frozen_sp < limit)
-        s->flags &= ~ST_FROZEN;
+        s->flags &= ~(ST_FROZEN | ST_OVERFLOW);
 }
 
 // Append a piece (snapshotting the state before it); NULL when full (the thread freezes).
@@ -354,25 +383,106 @@ static __always_inline struct cc_piece *cc_push(struct cc_state *s, u64 sp, u64 
     return p;
 }
 
-static __always_inline void cc_set_acyc(struct cc_state *s, struct cc_site *si) {
-#pragma unroll
-    for (int w = 0; w < ACYC_WORDS; w++)
-        s->acyc[w] = (s->acyc[w] & ~si->mask[w]) | si->val[w];
+// Append the low `nbits` (1..64, a compile-time constant at every use) of v to the recID bit string.
+static __always_inline void cc_push_bits(struct cc_state *s, u64 v, u32 nbits) {
+    u32 pos = s->rec_len;
+    u32 w = RIX(pos >> 6);
+    u32 sh = pos & 63;
+    u64 m = nbits >= 64 ? ~0ULL : ((1ULL << nbits) - 1);
+    v &= m;
+    s->rec[w] = (s->rec[w] & ~(m << sh)) | (v << sh);
+    if (sh + nbits > 64) {  // then sh >= 1: both shifts below are < 64
+        u32 w1 = RIX(w + 1);
+        s->rec[w1] = (s->rec[w1] & ~(m >> (64 - sh))) | (v >> (64 - sh));
+    }
+    s->rec_len = pos + nbits;
 }
 
 static __always_inline void cc_push_rec(struct cc_state *s, u32 code) {
 #if REC_BITS > 0
-    u32 pos = s->rec_len;
-    u32 w = RIX(pos >> 6);
-    u32 sh = pos & 63;
-    u64 m = ((1ULL << REC_BITS) - 1);
-    s->rec[w] = (s->rec[w] & ~(m << sh)) | ((u64)code << sh);
-    if (sh + REC_BITS > 64) {
-        u32 w1 = RIX(w + 1);
-        s->rec[w1] = (s->rec[w1] & ~(m >> (64 - sh))) | ((u64)code >> (64 - sh));
-    }
-    s->rec_len = pos + REC_BITS;
+    cc_push_bits(s, code, REC_BITS);
 #endif
+}
+
+static __always_inline void cc_freeze(struct cc_state *s, u64 sp, u32 stat) {
+    s->flags |= ST_FROZEN;
+    s->frozen_sp = sp;
+    cc_stat(stat);
+}
+
+// The acyclic part of an edge: set its bits (Valence) or add its code (PCCE/HCCE).  Returns 0
+// when the resulting id does not fit (nothing is changed then).
+static __always_inline int cc_apply_acyc(struct cc_state *s, struct cc_site *si) {
+    if (si->flags & F_OVERFLOW)
+        return 0;
+#if ACYC_OP_ADD
+    u64 out[ACYC_WORDS];
+    u64 carry = 0;
+    u64 high = 0;  // bits at or above ID_BITS
+#pragma unroll
+    for (int w = 0; w < ACYC_WORDS; w++) {
+        u64 a = s->acyc[w];
+        u64 t = a + si->val[w];
+        u64 c1 = t < a;
+        u64 r = t + carry;
+        u64 c2 = r < t;
+        out[w] = r;
+        carry = c1 | c2;
+        if (ID_BITS - 64 * w < 64)
+            high |= ID_BITS <= 64 * w ? r : (r >> (ID_BITS - 64 * w));
+    }
+    if (carry | high)
+        return 0;
+#pragma unroll
+    for (int w = 0; w < ACYC_WORDS; w++)
+        s->acyc[w] = out[w];
+#else
+#pragma unroll
+    for (int w = 0; w < ACYC_WORDS; w++)
+        s->acyc[w] = (s->acyc[w] & ~si->mask[w]) | si->val[w];
+#endif
+    return 1;
+}
+
+// A cyclic edge: Valence/HCCE push the recID code; PCCE pushes (id, back-edge code) and sets the id
+// to the edge's code.
+static __always_inline int cc_apply_cyclic(struct cc_state *s, struct cc_site *si) {
+    if (si->flags & F_OVERFLOW)
+        return 0;
+#if PCCE_PAIRS
+#if PAIR_CODE_BITS > 0
+    cc_push_bits(s, si->rec_code, PAIR_CODE_BITS);
+#endif
+#pragma unroll
+    for (int w = 0; w < ACYC_WORDS; w++) {
+        if (PAIR_ID_BITS > 64 * w)
+            cc_push_bits(s, s->acyc[w], PAIR_ID_BITS - 64 * w >= 64 ? 64 : PAIR_ID_BITS - 64 * w);
+    }
+#if PAIR_CODE_BITS + PAIR_ID_BITS == 0
+    cc_push_bits(s, 0, 1);  // a record must take room: its count is the pair stack's height
+#endif
+#pragma unroll
+    for (int w = 0; w < ACYC_WORDS; w++)
+        s->acyc[w] = si->val[w];
+#else
+    cc_push_rec(s, si->rec_code);
+#endif
+    return 1;
+}
+
+// Push the piece of an edge probe (call or tail jump) and apply the edge; an id that would not
+// fit freezes the thread at this frame instead (flagged, never wrapped).
+static __always_inline void cc_edge(struct cc_state *s, struct cc_site *si, u64 sp, u64 ret, u32 id, u32 kind) {
+    if (!(si->flags & (F_CYCLIC | F_ACYC)))
+        return;
+    if (!cc_push(s, sp, ret, id, kind, si->callsite))
+        return;
+    int ok = (si->flags & F_CYCLIC) ? cc_apply_cyclic(s, si) : cc_apply_acyc(s, si);
+    if (!ok) {
+        cc_truncate(s, s->n - 1);
+        cc_freeze(s, sp, S_OVERFLOW);
+        s->flags |= ST_OVERFLOW;
+    }
 }
 
 static __always_inline void cc_push_segment(struct cc_state *s, u64 sp, u64 ret, u32 probe, u32 aux) {
@@ -447,15 +557,10 @@ int cc_site_probe(struct pt_regs *ctx) {
         return 0;
     cc_anchor_if_empty(s, cfa, id);
     u64 ret = si->ret_vaddr + s->bias;
-    if (si->flags & F_EXIT) {
+    if (si->flags & F_EXIT)
         cc_push(s, ctx->sp, ret, id, K_EXIT, si->callsite);
-    } else if (si->flags & F_CYCLIC) {
-        if (cc_push(s, ctx->sp, ret, id, K_CALL, si->callsite))
-            cc_push_rec(s, si->rec_code);
-    } else if (si->flags & F_ACYC) {
-        if (cc_push(s, ctx->sp, ret, id, K_CALL, si->callsite))
-            cc_set_acyc(s, si);
-    }
+    else
+        cc_edge(s, si, ctx->sp, ret, id, K_CALL);
     return 0;
 }
 
@@ -498,15 +603,10 @@ int cc_tail_probe(struct pt_regs *ctx) {
         return 0;
     cc_anchor_if_empty(s, cfa, id);
     u64 ret = cc_read_word(s, cfa - 8);
-    if (si->flags & F_EXIT) {
+    if (si->flags & F_EXIT)
         cc_push(s, cfa, ret, id, K_TAILEXIT, si->callsite);
-    } else if (si->flags & F_CYCLIC) {
-        if (cc_push(s, cfa, ret, id, K_TAIL, si->callsite))
-            cc_push_rec(s, si->rec_code);
-    } else if (si->flags & F_ACYC) {
-        if (cc_push(s, cfa, ret, id, K_TAIL, si->callsite))
-            cc_set_acyc(s, si);
-    }
+    else
+        cc_edge(s, si, cfa, ret, id, K_TAIL);
     return 0;
 }
 
@@ -572,8 +672,12 @@ int cc_entry_probe(struct pt_regs *ctx) {
     } else if (si->flags & F_SCOPE) {
         aux = CC_NONE;  // the context above a --scope function is not recorded
     } else if (n == 0 && !(s->flags & ST_INCOMPLETE_BASE)) {
-        if (cc_push(s, cfa, ra, id, K_ROOT, CC_NONE))
-            cc_set_acyc(s, si);  // the thread's first analysed function: the root edge's code
+        // The thread's first analysed function: the root edge's code.
+        if (cc_push(s, cfa, ra, id, K_ROOT, CC_NONE) && !cc_apply_acyc(s, si)) {
+            cc_truncate(s, s->n - 1);
+            cc_freeze(s, cfa, S_OVERFLOW);
+            s->flags |= ST_OVERFLOW;
+        }
         return 0;
     }
     cc_push_segment(s, cfa, ra, id, aux);
@@ -605,6 +709,8 @@ static __always_inline u32 cc_fill_sample(u64 sp, struct cc_sample *out) {
         f |= SF_INCOMPLETE_BASE;
     if (s->flags & ST_READFAIL)
         f |= SF_READFAIL;
+    if (s->flags & ST_OVERFLOW)
+        f |= SF_OVERFLOW;
     if (s->flags & ST_BIAS)
         f |= SF_BIAS;
     u32 n = s->n;
@@ -770,6 +876,22 @@ static __always_inline void cc_release(u32 tid) {
     cc_free.push(&k, 0);
 }
 
+// A state slot for thread `tid`, taken in BPF (userspace normally hands them out: add_thread).
+static __always_inline struct cc_state *cc_take_slot(u32 tid) {
+    u32 slot = 0;
+    if (cc_free.pop(&slot) != 0) {
+        cc_stat(S_NO_SLOT);
+        return 0;
+    }
+    struct cc_state *s = (struct cc_state *)cc_states.lookup(&slot);
+    if (!s || cc_slot_of.update(&tid, &slot) != 0) {
+        cc_free.push(&slot, 0);
+        cc_stat(S_NO_SLOT);
+        return 0;
+    }
+    return s;
+}
+
 int cc_exit(void *args) {
     cc_release((u32)bpf_get_current_pid_tgid());
     return 0;
@@ -790,6 +912,16 @@ int cc_exec(void *args) {
     if (launch && launched && *launch == tgid && *launched == 0) {
         *launched = 1;
         struct cc_state *s = cc_state_of_current();
+        if (s)
+            cc_reset(s, 0);
+        return 0;
+    }
+    if (ccprof_exec_is_target()) {
+        // a new process of the analysed binary (exec_target.c; the sampler tracks it from here):
+        // a fresh state before its first instruction, so its contexts are complete from main
+        struct cc_state *s = cc_state_of_current();
+        if (!s)
+            s = cc_take_slot((u32)pid_tgid);
         if (s)
             cc_reset(s, 0);
         return 0;

@@ -7,8 +7,10 @@ following and the syscall ring buffer; each syscall event carries the thread's e
 maps indexed by the uprobe_multi attach cookie, so the compiled code does not depend on the target
 binary's size.
 
-Only plans with ``acyc_op == "set"`` (Valence) are supported: the BPF side implements "set bits"
-and recID pushes; PCCE/HCCE's additive ids are not implemented here.
+Plans of the Valence (``acyc_op`` "set"), HCCE and PCCE ("add") schemes are supported; the scheme
+is a compile-time choice of the C code (:class:`SchemeParams`), the per-site codes are map data.
+PCCE's back-edge pairs share recID's bit string (one fixed-width record per pair) and are turned
+back into :attr:`RawContext.pairs` here, so the plan's own decoder reads every sample.
 """
 
 from __future__ import annotations
@@ -47,14 +49,20 @@ EXIT_KINDS = frozenset({K_EXIT, K_TAILEXIT})
 # sample flags (SF_*)
 SF_NOSTATE, SF_FROZEN, SF_INCOMPLETE_BASE, SF_SEGS_TRUNC, SF_REC_TRUNC, SF_READFAIL, SF_BIAS = (
     1, 2, 4, 8, 16, 32, 64)
-INCOMPLETE_FLAGS = SF_NOSTATE | SF_FROZEN | SF_INCOMPLETE_BASE | SF_SEGS_TRUNC | SF_REC_TRUNC | SF_READFAIL
+SF_OVERFLOW = 128  # frozen because a PCCE/HCCE id did not fit its words (never wrapped)
+INCOMPLETE_FLAGS = (SF_NOSTATE | SF_FROZEN | SF_INCOMPLETE_BASE | SF_SEGS_TRUNC | SF_REC_TRUNC | SF_READFAIL
+                    | SF_OVERFLOW)
+
+# site flags (instrumented.c F_*)
+F_ACYC, F_CYCLIC, F_EXIT, F_OVERFLOW = 1, 2, 4, 64
 
 ST_INCOMPLETE_BASE = 1
 RS_INDIRECT, RS_IN_SCOPE, RS_VIA_PLT = 0x80000000, 0x40000000, 0x20000000
 CFG_LAUNCH_TGID, CFG_LAUNCHED = 0, 1
 
 STATS = ("site_hits", "tail_hits", "entry_hits", "samples", "pushes", "cuts", "frozen", "no_slot",
-         "read_failures", "fork_copies", "ret_dead", "ringbuf_full")
+         "read_failures", "fork_copies", "ret_dead", "ringbuf_full", "overflows")
+SCHEMES = ("valence", "pcce", "hcce")
 PROGRAMS = {"site": "cc_site_probe", "tail": "cc_tail_probe", "entry": "cc_entry_probe"}
 
 BPF_MAP_UPDATE_ELEM = 2
@@ -120,6 +128,57 @@ class RawContext:
     rec_base: int
     segments: tuple[RawSegment, ...] = field(default=())
     arg: str | None = None  # the syscall's path argument (open*, exec*), when readable at entry
+    #: PCCE's back-edge stack, (saved id words, back-edge code) innermost last; then ``rec`` is 0 and
+    #: segment heights count pairs (as :class:`~ccprofd.encode.segments.Segment` expects).
+    pairs: tuple[tuple[tuple[int, ...], int], ...] = field(default=())
+
+
+@dataclass(frozen=True, slots=True)
+class SchemeParams:
+    """What the C code is compiled for, from a plan: how edges change the id and how wide recID's
+    records are.  ``id_bits``: bits an id may use (the plan's id width, at most the words'); an id
+    above it is flagged as overflow.  PCCE records are ``pair_code_bits`` of back-edge code then
+    ``pair_id_bits`` of saved id, ``rec_bits`` wide in all (at least 1, so the count is kept)."""
+
+    scheme: str
+    acyc_words: int
+    add: bool
+    pairs: bool
+    id_bits: int
+    rec_bits: int
+    pair_code_bits: int = 0
+    pair_id_bits: int = 0
+
+    @staticmethod
+    def of(plan: Mapping[str, Any]) -> SchemeParams:
+        scheme = plan.get("scheme")
+        op = plan.get("acyc_op")
+        if scheme not in SCHEMES or op not in ("set", "add"):
+            raise BPFError(f"instrumented mode implements {', '.join(SCHEMES)} plans, not {scheme!r}")
+        w = int(plan["acyc_words"])
+        code_bits = int(plan["rec_code_bits"])
+        if op == "set":
+            return SchemeParams(scheme, w, False, False, 64 * w, code_bits)
+        id_bits = min(int(plan["acyc_bits"]), 64 * w)
+        if scheme == "pcce":
+            width = max(1, code_bits + id_bits)
+            return SchemeParams(scheme, w, True, True, id_bits, width, code_bits, id_bits)
+        return SchemeParams(scheme, w, True, False, id_bits, code_bits)
+
+    def defines(self) -> dict[str, int]:
+        return {"ACYC_OP_ADD": int(self.add), "PCCE_PAIRS": int(self.pairs), "ID_BITS": self.id_bits,
+                "PAIR_CODE_BITS": self.pair_code_bits, "PAIR_ID_BITS": self.pair_id_bits}
+
+    def split_pairs(self, rec: int, rec_len: int) -> tuple[tuple[tuple[int, ...], int], ...]:
+        """PCCE records of a whole recID bit string -> (saved id words, code), outermost first."""
+        out = []
+        cmask = (1 << self.pair_code_bits) - 1
+        imask = (1 << self.pair_id_bits) - 1
+        for pos in range(0, rec_len - rec_len % self.rec_bits, self.rec_bits):
+            r = rec >> pos
+            ident = (r >> self.pair_code_bits) & imask
+            out.append((tuple(_words(ident, self.acyc_words)), r & cmask))
+        return tuple(out)
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,8 +195,10 @@ class ProcessEvent:
 class SampleLayout:
     """Byte layout of ``struct cc_record`` (header + ``struct cc_sample``) for given parameters."""
 
-    def __init__(self, acyc_words: int, emit_segs: int, rec_emit_words: int) -> None:
+    def __init__(self, acyc_words: int, emit_segs: int, rec_emit_words: int,
+                 scheme: SchemeParams | None = None) -> None:
         self.w = acyc_words
+        self.scheme = scheme
         self.emit_segs = emit_segs
         self.rec_words = rec_emit_words
         self._rec = struct.Struct(f"<QIIiIQQ{ARG_LEN}s")
@@ -161,12 +222,19 @@ class SampleLayout:
             segs.append(RawSegment(tuple(vals[:self.w]), vals[self.w], vals[self.w + 1], vals[self.w + 2]))
         off += self.emit_segs * self._seg.size
         rec = int.from_bytes(raw[off:], "little")
+        pairs: tuple[tuple[tuple[int, ...], int], ...] = ()
         if not flags & SF_REC_TRUNC:
             rec &= (1 << rec_len) - 1
+            if self.scheme is not None and self.scheme.pairs:
+                # PCCE: recID holds the pair stack; heights become pair counts.
+                rb = self.scheme.rec_bits
+                pairs = self.scheme.split_pairs(rec, rec_len)
+                segs = [RawSegment(g.saved, g.rec_height // rb, g.aux, g.probe) for g in segs]
+                rec, rec_len = 0, 0
         return RawContext("syscall" if event == 1 else "cpu", monotonic_to_realtime_ns(ktime), tgid, tid,
                           nr if nr >= 0 else None, ip, sp, flags, depth, top_kind, top_probe, top_aux, bias,
                           tuple(acyc), rec, rec_len, rec_base, tuple(segs),
-                          arg.split(b"\0", 1)[0].decode("utf-8", "surrogateescape") or None)
+                          arg.split(b"\0", 1)[0].decode("utf-8", "surrogateescape") or None, pairs)
 
 
 def _words(value: int, n: int) -> list[int]:
@@ -174,11 +242,17 @@ def _words(value: int, n: int) -> list[int]:
 
 
 def site_table(probe_plan: ProbePlan, plan: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """Per probe id, what its BPF program does (plain values; the map rows are built from these)."""
-    if plan.get("acyc_op") != "set":
-        raise BPFError(f"instrumented mode implements Valence ('set') plans, not {plan.get('scheme')!r}")
+    """Per probe id, what its BPF program does (plain values; the map rows are built from these).
+
+    Valence: ``mask``/``val`` are the edge's bit range and bits.  PCCE/HCCE: ``val`` is the code to
+    add (a PCCE back edge: the id after the push).  A code wider than the id's words is flagged
+    ``F_OVERFLOW``: a hit freezes the thread (flagged) instead of wrapping.
+    """
+    params = SchemeParams.of(plan)
     rows = plan["sites"]
     w = probe_plan.acyc_words
+    if w != params.acyc_words:
+        raise BPFError(f"probe plan has {w} id words, the encoding plan {params.acyc_words}")
     dense = dense_nodes(probe_plan)
     out: list[dict[str, Any]] = []
     for p in probe_plan.probes:
@@ -188,19 +262,27 @@ def site_table(probe_plan: ProbePlan, plan: Mapping[str, Any]) -> list[dict[str,
         rec_code = 0
         flags = 0
         if reasons & R_PLT_EXIT:
-            flags |= 4
+            flags |= F_EXIT
         row = rows[sid] if sid >= 0 else None
         if row is not None and not reasons & R_PLT_EXIT:
             lo, hi, code = row[COL["lo"]], row[COL["hi"]], row[COL["code"]]
             if row[COL["reasons"]] & R_CYCLIC:
-                flags |= 2
+                flags |= F_CYCLIC
                 rec_code = int(row[COL["rec_code"]])
-            elif code and lo is not None and hi is not None:
-                flags |= 1
+                if params.pairs:
+                    val = int(code)  # PCCE back edge: the id after the push
+            elif code and not params.add and lo is not None and hi is not None:
+                flags |= F_ACYC
                 mask = ((1 << (hi - lo)) - 1) << lo
                 val = int(code) << lo
+            elif code and params.add:
+                flags |= F_ACYC
+                val = int(code)
+            if val >> (64 * w):
+                flags |= F_OVERFLOW
+                mask = val = 0
         flags |= reasons & (8 | 16 | R_SCOPE)
-        if p[PCOL["kind"]] in ("site", "tail") and not flags & (1 | 2 | 4):
+        if p[PCOL["kind"]] in ("site", "tail") and not flags & (F_ACYC | F_CYCLIC | F_EXIT):
             raise BPFError(f"probe at {p[PCOL['vaddr']]:#x} has nothing to do (reasons {reasons})")
         cs = p[PCOL["callsite"]]
         length = probe_plan.callsites[cs][CCOL["length"]] if cs >= 0 else 0
@@ -273,12 +355,13 @@ class InstrumentedBPF:
         limits.check()
         self.probe_plan = probe_plan
         self.limits = limits
+        self.scheme = SchemeParams.of(plan)
         self.sites = site_table(probe_plan, plan)
         w = probe_plan.acyc_words
-        rec_bits = probe_plan.rec_code_bits
+        rec_bits = self.scheme.rec_bits
         rec_words = _pow2_at_least(max(1, (limits.max_pieces * rec_bits + 127) // 64))
         rec_emit = min(limits.rec_emit_words, rec_words)
-        self.layout = SampleLayout(w, limits.emit_segments, rec_emit)
+        self.layout = SampleLayout(w, limits.emit_segments, rec_emit, self.scheme)
         log2 = limits.max_pieces.bit_length() - 1
         piece = 40 + 8 * w  # struct cc_piece
         header = 48 + 8 * w + 4 * limits.max_segments
@@ -292,7 +375,8 @@ class InstrumentedBPF:
                    "NTAILREACH": max(1, len(probe_plan.tail_entries)),
                    "CC_RINGBUF_PAGES": limits.ringbuf_pages, "CC_ARG_LEN": ARG_LEN,
                    "CC_STATE_BYTES": state_bytes, "CC_RECORD_BYTES": self.layout.size,
-                   "CC_FORK_CHILD_PID_OFF": fork_off, "CC_EXEC_OLD_PID_OFF": exec_off}
+                   "CC_FORK_CHILD_PID_OFF": fork_off, "CC_EXEC_OLD_PID_OFF": exec_off,
+                   **self.scheme.defines()}
         prelude = "".join(f"#define {k} {v}\n" for k, v in defines.items())
         prelude += resources.files("ccprofd.bpf").joinpath(C_SOURCE).read_text(encoding="utf-8")
         self.sampler = SyscallSampler(syscalls=syscalls, max_tracked=max(4096, 2 * limits.slots),
@@ -441,6 +525,6 @@ class InstrumentedBPF:
 
 
 __all__ = ["EXIT_KINDS", "INCOMPLETE_FLAGS", "K_CALL", "K_EXIT", "K_ROOT", "K_SEG", "K_TAIL", "K_TAILEXIT",
-           "InstrumentedBPF", "Limits", "ProcessEvent", "RawContext", "RawSegment", "SampleLayout",
-           "ret_table", "site_table"]
+           "SF_OVERFLOW", "InstrumentedBPF", "Limits", "ProcessEvent", "RawContext", "RawSegment",
+           "SampleLayout", "SchemeParams", "ret_table", "site_table"]
 

@@ -116,16 +116,20 @@ class InstrumentedMode:
             nrs = parse_syscalls(self.options.syscalls)
         except ValueError as exc:
             raise TraceError(str(exc)) from None
-        if self.options.encoding != "valence":
-            raise TraceError(f"--encoding {self.options.encoding}: instrumented mode implements valence only")
+        if self.options.encoding not in ("valence", "pcce", "hcce"):
+            raise TraceError(f"--encoding {self.options.encoding}: instrumented mode implements valence, "
+                             "pcce and hcce (stack tags cannot be decoded exactly)")
         if self.options.verify:
             raise TraceError("--verify is implemented in --mode unwind only (instrumented mode: not yet)")
         cache = Path(self.options.cache_dir) if self.options.cache_dir else None
         graph = analyze_binary(self.path, cache_dir=cache)
         plan = get_plan(graph, self.options.encoding, cache_dir=cache)
+        words = int(plan["report"].get("words_needed") or 1)
+        if plan["report"].get("overflow"):  # PCCE/HCCE ids wider than one word: size the id to fit
+            plan = get_plan(graph, self.options.encoding, pcce_words=words, cache_dir=cache)
         if plan["binary"].get("content_hash") != graph.binary.content_hash:
             # The plan cache is keyed by build-id, which a stripped copy shares with its original.
-            plan = build_plan(graph, self.options.encoding)
+            plan = build_plan(graph, self.options.encoding, pcce_words=max(1, int(plan["acyc_words"])))
         image = ElfImage(self.path)
         from ccprofd.bpf.probeplan import ProbePlanError
 

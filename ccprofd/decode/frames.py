@@ -165,7 +165,7 @@ class Symbolizer:
             else:
                 cs = callsites[seg.aux]
                 segs.append(Segment(seg.saved, seg.rec_height, cs[CCOL["vaddr"]], callee, cs[CCOL["caller"]]))
-        return EncodedState(acyc=s.acyc, rec=s.rec, rec_len=s.rec_len, segments=tuple(segs))
+        return EncodedState(acyc=s.acyc, rec=s.rec, rec_len=s.rec_len, pairs=s.pairs, segments=tuple(segs))
 
     def decode(self, s: RawContext) -> Decoded:
         complete = not s.flags & INCOMPLETE_FLAGS
