@@ -89,9 +89,12 @@ def cmd_trace(args: argparse.Namespace) -> int:
     mode = args.mode or ("instrumented" if args.scope else DEFAULT_MODE)
     if args.scope and mode != "instrumented":
         raise UsageError("--scope needs --mode instrumented (unwind mode always sees the whole stack)")
+    if (args.edge_weights or args.save_edge_weights) and mode != "instrumented":
+        raise UsageError("--edge-weights and --save-edge-weights need --mode instrumented")
     options = TraceOptions(mode=mode, syscalls=args.syscalls, encoding=args.encoding, scope=args.scope,
                            sample_hz=args.sample_hz, verify=args.verify,
-                           cache_dir=str(args.cache_dir) if args.cache_dir else None)
+                           cache_dir=str(args.cache_dir) if args.cache_dir else None,
+                           edge_weights=args.edge_weights, save_edge_weights=args.save_edge_weights)
     try:
         out = open(args.output, "w", encoding="utf-8") if args.output else sys.stderr  # noqa: SIM115
     except OSError as exc:
@@ -155,7 +158,15 @@ def build_parser() -> argparse.ArgumentParser:
                     help="instrument only the call graph below functions whose name matches")
     tr.add_argument("--sample-hz", type=int, default=0, metavar="N", help="also take CPU samples at N Hz")
     tr.add_argument("--verify", action="store_true",
-                    help="cross-check each sample with a frame-pointer stack walk (frame-pointer targets)")
+                    help="cross-check each sample: unwind mode re-encodes its stack with the reference "
+                         "encoder; instrumented mode compares it with a frame-pointer walk (bpf_get_stack, "
+                         "up to 127 frames; skipped for binaries without frame pointers). Counts at exit")
+    tr.add_argument("--edge-weights", metavar="FILE",
+                    help="instrumented mode: build the plan with the call counts in FILE (from "
+                         "--save-edge-weights on the same binary); hot edges get the zero code, no probe")
+    tr.add_argument("--save-edge-weights", metavar="FILE",
+                    help="instrumented mode, profiling run: also count calls on every direct call site of "
+                         "the binary (slow: one probe hit per call) and write the counts to FILE at exit")
     tr.add_argument("--cache-dir", type=_path_arg, default=None, help="analysis cache directory")
     tr.add_argument("-p", "--pid", type=int, help="attach to the running process PID")
     tr.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]",

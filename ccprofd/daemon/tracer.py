@@ -45,6 +45,8 @@ class TraceOptions:
     sample_hz: int = 0
     verify: bool = False
     cache_dir: str | None = None
+    edge_weights: str | None = None  # instrumented mode: build the plan with the call counts in this file
+    save_edge_weights: str | None = None  # count every direct call site's hits; write them here at exit
 
 
 @dataclass(slots=True)
@@ -100,6 +102,12 @@ class InstrumentedMode:
         self.samples_seen = 0
         self.incomplete = 0
         self.reasons: dict[str, int] = {}
+        self._fp: Any = None  # --verify: the frame-pointer walk (ccprofd/bpf/fpverify.py)
+        self._verifier: Any = None
+        self.verify_skipped: str | None = None
+        self._counter: Any = None  # --save-edge-weights (ccprofd/bpf/callcount.py)
+        self._graph_binary: dict[str, Any] = {}
+        self._names: dict[int, str] = {}
 
     def prepare(self) -> None:
         from pathlib import Path
@@ -119,17 +127,17 @@ class InstrumentedMode:
         if self.options.encoding not in ("valence", "pcce", "hcce"):
             raise TraceError(f"--encoding {self.options.encoding}: instrumented mode implements valence, "
                              "pcce and hcce (stack tags cannot be decoded exactly)")
-        if self.options.verify:
-            raise TraceError("--verify is implemented in --mode unwind only (instrumented mode: not yet)")
         cache = Path(self.options.cache_dir) if self.options.cache_dir else None
         graph = analyze_binary(self.path, cache_dir=cache)
-        plan = get_plan(graph, self.options.encoding, cache_dir=cache)
+        weights = self._load_weights(graph)
+        plan = get_plan(graph, self.options.encoding, weights=weights, cache_dir=cache)
         words = int(plan["report"].get("words_needed") or 1)
         if plan["report"].get("overflow"):  # PCCE/HCCE ids wider than one word: size the id to fit
-            plan = get_plan(graph, self.options.encoding, pcce_words=words, cache_dir=cache)
+            plan = get_plan(graph, self.options.encoding, pcce_words=words, weights=weights, cache_dir=cache)
         if plan["binary"].get("content_hash") != graph.binary.content_hash:
             # The plan cache is keyed by build-id, which a stripped copy shares with its original.
-            plan = build_plan(graph, self.options.encoding, pcce_words=max(1, int(plan["acyc_words"])))
+            plan = build_plan(graph, self.options.encoding, pcce_words=max(1, int(plan["acyc_words"])),
+                              weights=weights)
         image = ElfImage(self.path)
         from ccprofd.bpf.probeplan import ProbePlanError
 
@@ -146,12 +154,116 @@ class InstrumentedMode:
         self._bpf.attach()
         if self.options.sample_hz:
             self._bpf.attach_cpu_sampling(int(self.options.sample_hz))
+        if self.options.verify:
+            self._prepare_verify(image, nrs)
+        if self.options.save_edge_weights:
+            from ccprofd.bpf.callcount import CallCounter, counted_sites
+
+            self._graph_binary = {"path": graph.binary.path, "build_id": graph.binary.build_id,
+                                  "content_hash": graph.binary.content_hash}
+            self._names = dict(pp.names)
+            self._counter = CallCounter(self.path, image.addrspace, counted_sites(graph.sites))
+            self._counter.attach()
+
+    def _load_weights(self, graph: Any) -> dict[tuple[int, int, int], int] | None:
+        """--edge-weights: the counts of a profiling run of this very binary (TraceError otherwise)."""
+        if not self.options.edge_weights:
+            return None
+        from ccprofd.encode.weightsfile import WeightsFileError, load_weights
+
+        try:
+            return load_weights(self.options.edge_weights, graph.binary.content_hash)
+        except WeightsFileError as exc:
+            raise TraceError(str(exc)) from None
+
+    def _prepare_verify(self, image: Any, nrs: Any) -> None:
+        """--verify: a frame-pointer walk at each sampled syscall, joined with the samples in poll().
+        A binary whose functions do not keep frame pointers is not checked (the walk would be wrong,
+        not the context): the exit line says so."""
+        from ccprofd.bpf.fpverify import (
+            CRT_FUNCTIONS,
+            PROLOGUE_BYTES,
+            FpStackSampler,
+            FpVerifier,
+            keeps_frame_pointers,
+        )
+        from ccprofd.bpf.probeplan import CCOL
+
+        sites: dict[int, int] = {}
+        for c in self.probe_plan.callsites:
+            if not c[CCOL["is_jump"]]:
+                sites[c[CCOL["caller"]]] = sites.get(c[CCOL["caller"]], 0) + 1
+        names = self.probe_plan.names
+        fp, total = keeps_frame_pointers(
+            (image.bytes_at(lo, min(PROLOGUE_BYTES, hi - lo)), sites[node])
+            for lo, hi, node in self.probe_plan.functions
+            if node in sites and not lo <= image.entry < hi and names.get(node) not in CRT_FUNCTIONS)
+        if total == 0 or fp * 3 < total * 2:
+            self.verify_skipped = (f"{self.path} does not keep frame pointers ({fp} of its {total} calls are "
+                                   "made by functions that set up rbp)")
+            return
+        self._fp = FpStackSampler(syscalls=nrs)
+        self._fp.attach()
+        self._verifier = FpVerifier(image.addrspace, pie=image.pie, bias_of=self._bias_of)
+        self._biases: dict[int, int | None] = {}
+        self._addrspace = image.addrspace
+
+    def _bias_of(self, tgid: int) -> int | None:
+        """Load bias of the binary in process ``tgid`` from its maps (None when it is gone)."""
+        if tgid not in self._biases:
+            from ccprofd.decode.procmaps import read_maps
+
+            bias = None
+            try:
+                for m in read_maps(tgid):
+                    if m.file_backed and os.path.realpath(m.path) == self.path:
+                        bias = self._addrspace.load_bias(m.start, m.offset)
+                        break
+            except (OSError, ValueError):
+                bias = None
+            if bias is None:
+                return None  # not cached: a later sample may find the process
+            self._biases[tgid] = bias
+        return self._biases[tgid]
 
     def track_launch(self, pid: int) -> None:
+        if self._fp is not None:
+            self._fp.track_launch(pid)
+        if self._counter is not None:
+            self._counter.track(pid)
         self._bpf.track_launch(pid)
 
     def track_running(self, pid: int, tids: Sequence[int]) -> None:
+        if self._fp is not None:
+            self._fp.track_running(pid)
+        if self._counter is not None:
+            self._counter.track(pid)
         self._bpf.track_running(pid, tids)
+
+    def follow_exec(self, inode: tuple[int, int], cgroup_id: int = 0) -> None:
+        """Track every process that execs the file ``inode`` = (st_dev, st_ino) from its first
+        instruction: the uprobes are attached to the inode for every process; BPF tracks the
+        process and gives it a fresh state at its exec."""
+        self._bpf.sampler.follow_exec(inode[1], cgroup_id)
+        self._exec_targets[inode[1]] = inode
+
+    def take_new_processes(self) -> list[int]:
+        """Processes found at their exec of a followed file since the last call (confirmed)."""
+        out, self._new_processes = self._new_processes, []
+        return out
+
+    def _exec_found(self, tgid: int) -> None:
+        from ccprofd.bpf.syscall_sampler import exe_matches
+
+        try:
+            ino = os.stat(f"/proc/{tgid}/exe").st_ino
+        except OSError:
+            return  # already gone: its samples stand, nothing to register
+        want = self._exec_targets.get(ino)
+        if want is not None and exe_matches(tgid, want):
+            self._new_processes.append(tgid)
+        else:  # the inode number matched another file: not ours
+            self._bpf.sampler.untrack(tgid)
 
     def poll(self, timeout_ms: int) -> list[TraceSample]:
         from ccprofd.bpf.instrumented import RawContext
@@ -167,9 +279,18 @@ class InstrumentedMode:
                 self.incomplete += 1
                 key = (d.reason or "?").split(":")[0]
                 self.reasons[key] = self.reasons.get(key, 0) + 1
+            if self._verifier is not None:
+                from ccprofd.bpf.instrumented import SF_BIAS
+
+                self._verifier.add_sample(tid=ev.tid, tgid=ev.pid,
+                                          syscall=ev.syscall if ev.event == "syscall" else None, ip=ev.ip,
+                                          sp=ev.sp, bias=ev.bias if ev.flags & SF_BIAS else None,
+                                          complete=d.complete, frames=d.frames)
             out.append(TraceSample(ev.time_ns, ev.pid, ev.tid, ev.event, syscall_name(ev.syscall), d.complete,
                                    [f.to_json() for f in d.frames],
                                    _path_args(syscall_name(ev.syscall), ev.arg)))
+        if self._fp is not None and self._verifier is not None:
+            self._verifier.add_walks(self._fp.poll())  # after the samples: their walks are in by now
         return out
 
     def summary(self) -> dict[str, Any]:
@@ -180,9 +301,49 @@ class InstrumentedMode:
             out["probes"] = self.probe_plan.stats
         if self._sym is not None:
             out["decode_errors"] = self._sym.errors
+        if self.options.verify:
+            if self.verify_skipped is not None:
+                out["verify"] = {"checked": 0, "mismatches": 0, "frames_checked": 0,
+                                 "skipped": self.verify_skipped}
+            elif self._verifier is not None:
+                out["verify"] = self._verifier.counts.to_json()
+                if self._fp is not None:
+                    out["verify"]["bpf"] = self._fp.stats()
         return out
 
     def close(self) -> None:
+        import sys
+
+        if self._counter is not None:
+            counter: Any = self._counter
+            self._counter = None
+            try:
+                if self.options.save_edge_weights:
+                    from ccprofd.encode.weightsfile import save_weights
+
+                    save_weights(self.options.save_edge_weights, self._graph_binary, counter.counts(),
+                                 self._names)
+            except OSError as exc:
+                print(f"ccprofd: cannot write edge weights {self.options.save_edge_weights}: "
+                      f"{exc.strerror or exc}", file=sys.stderr)
+            finally:
+                counter.close()
+        if self._fp is not None and self._verifier is not None:
+            fp: Any = self._fp
+            self._fp = None
+            try:
+                self._verifier.add_walks(fp.poll())
+                c = self._verifier.finish()
+            finally:
+                fp.close()
+            print(f"ccprofd: verify: {c.checked} contexts checked, {c.mismatches} mismatches against a "
+                  f"frame-pointer walk ({c.frames_checked} frames checked; {c.no_frames} samples whose walk "
+                  f"reached no frame of the binary, {c.unjoined} without a walk, {c.cpu_not_verified} CPU "
+                  "samples not verified)", file=sys.stderr)
+            for line in c.examples:
+                print(f"ccprofd: verify: mismatch: {line}", file=sys.stderr)
+        elif self.verify_skipped is not None and self._bpf is not None:
+            print(f"ccprofd: verify: skipped: {self.verify_skipped}", file=sys.stderr)
         if self._bpf is not None:
             self._bpf.close()
             self._bpf = None

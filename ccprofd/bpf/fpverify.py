@@ -1,0 +1,308 @@
+"""``--verify`` for instrumented mode: each syscall sample is also unwound in BPF by a frame-pointer
+walk (``bpf_get_stack`` with ``BPF_F_USER_STACK``, at most 127 frames) and compared with the context
+instrumented mode decoded for the same syscall.
+
+Three parts, each usable alone:
+
+* :class:`FpStackSampler` — the BPF side (``fpverify.c`` as the prelude of the syscall sampler):
+  one :class:`FpStack` per selected syscall of the tracked processes, into its own ring buffer.
+* :func:`compare_stack` — the comparison of one decoded context with one walk (pure; unit-tested
+  with deliberately corrupted contexts).
+* :class:`FpVerifier` — the join: a walk and a sample belong together when they are the same
+  syscall hit.  Both samplers track the same processes with the same syscall filter, so each thread's
+  walks are a superset of its samples in the same order; a sample is paired with the next walk of its
+  thread that has the same syscall number, user ip and user sp (walks skipped on the way were hits
+  instrumented mode did not report).  Timestamps are not used: the two programs read the clock at
+  different moments of the same hit.
+
+What is compared: the walk's return addresses that fall in the target binary's executable
+segments (translated to ELF vaddrs with the process's load bias), from the innermost one outwards
+until the first address outside the binary (past foreign code the rbp chain is not trustworthy:
+libraries are built without frame pointers), against the decoded frames' ``return_address`` values,
+innermost first.  The walk may lack the innermost one: a frameless library leaf (``write``) leaves
+``rbp`` at its caller's frame, so the return address of the binary's call into the library is never
+read; the alignment allows exactly that one-frame offset and nothing else.  When the decoded
+context is complete, the walk ended in foreign code, was not truncated and crossed no other binary
+frames, the outermost frames must line up too.  Incomplete samples are compared over their known
+(innermost) frames only.  CPU samples are not verified (a second perf event would fire at other
+moments).
+"""
+
+from __future__ import annotations
+
+import struct
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from typing import Any, Protocol
+
+from ccprofd.bpf.errors import BPFError
+from ccprofd.bpf.syscall_sampler import SyscallSampler
+
+C_SOURCE = "fpverify.c"
+MAX_FRAMES = 127  # bpf_get_stack's default limit (kernel.perf_event_max_stack)
+STATS = ("events", "ringbuf_full", "stack_failed")
+
+_HEAD = struct.Struct("<IIiIQQ")
+
+
+@dataclass(frozen=True, slots=True)
+class FpStack:
+    """One walk: the thread, the syscall, the user ip/sp at entry, and the walked addresses
+    (runtime addresses, innermost first; ``stack[0]`` is the ip)."""
+
+    tgid: int
+    tid: int
+    syscall: int
+    ip: int
+    sp: int
+    stack: tuple[int, ...]
+
+    @classmethod
+    def decode(cls, raw: bytes) -> FpStack:
+        tgid, tid, nr, n, ip, sp = _HEAD.unpack_from(raw)
+        n = min(n, MAX_FRAMES, (len(raw) - _HEAD.size) // 8)
+        stack = struct.unpack_from(f"<{n}Q", raw, _HEAD.size)
+        return cls(tgid, tid, nr, ip, sp, tuple(stack))
+
+    @property
+    def truncated(self) -> bool:
+        return len(self.stack) >= MAX_FRAMES
+
+
+class FpStackSampler:
+    """Compile and attach the walk; :meth:`poll` returns the walks that arrived since the last call."""
+
+    def __init__(self, *, syscalls: Iterable[int] | None = None, ringbuf_pages: int = 256) -> None:
+        if ringbuf_pages < 1 or ringbuf_pages & (ringbuf_pages - 1):
+            raise BPFError(f"ringbuf_pages must be a power of two, not {ringbuf_pages}")
+        prelude = (f"#define FP_MAX_FRAMES {MAX_FRAMES}\n#define FP_RINGBUF_PAGES {ringbuf_pages}\n"
+                   + resources.files("ccprofd.bpf").joinpath(C_SOURCE).read_text(encoding="utf-8"))
+        self.sampler = SyscallSampler(syscalls=syscalls, prelude=prelude)
+        self.module = self.sampler.module
+        self._stacks: list[FpStack] = []
+        self.module.open_ring_buffer("fp_events", lambda raw: self._stacks.append(FpStack.decode(raw)))
+
+    def attach(self) -> None:
+        self.sampler.attach()
+
+    def track_launch(self, pid: int) -> None:
+        """As instrumented mode tracks its launched child: from before its exec of the target."""
+        self.sampler.track(pid, execs=1)
+
+    def track_running(self, pid: int) -> None:
+        self.sampler.track(pid)
+
+    def poll(self) -> list[FpStack]:
+        self.sampler.poll(0)  # also drains the sampler's own (unused) events, so it never fills up
+        out, self._stacks = self._stacks, []
+        return out
+
+    def stats(self) -> dict[str, int]:
+        m = self.module.map("fp_stats")
+        out = {name: int(m.get(i) or 0) for i, name in enumerate(STATS)}
+        out.update({f"sampler_{k}": v for k, v in self.sampler.stats().items()})
+        return out
+
+    def close(self) -> None:
+        self.sampler.close()
+
+
+# ------------------------------------------------------------------------------- comparison
+class HasReturnAddress(Protocol):
+    @property
+    def return_address(self) -> int | None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class StackCheck:
+    """The outcome for one sample: frames compared and whether they disagreed."""
+
+    frames: int
+    mismatch: bool
+    detail: str = ""
+
+
+def compare_stack(frames: Sequence[HasReturnAddress], walk: Sequence[int | None], *, complete: bool,
+                  truncated: bool) -> StackCheck:
+    """Compare decoded ``frames`` (outermost first) with a walk (ELF vaddrs of the binary, ``None``
+    for addresses outside it; innermost first, ``walk[0]`` the sampled ip).  See the module docstring
+    for the rules."""
+    decoded = [f.return_address for f in reversed(frames) if f.return_address is not None]
+    i = 1
+    while i < len(walk) and walk[i] is None:
+        i += 1
+    start = i
+    while i < len(walk) and walk[i] is not None:
+        i += 1
+    run = [int(a) for a in walk[start:i] if a is not None]
+    if not run:
+        return StackCheck(0, False, "the walk reached no frame of the binary")
+    ended_outside = i < len(walk)
+    more_binary_later = any(a is not None for a in walk[i:])
+    if complete and not truncated and ended_outside and not more_binary_later \
+            and all(getattr(f, "analysed", True) for f in frames):
+        # The walk covered the binary's whole stack: both ends must line up.
+        j = len(decoded) - len(run)
+        if j in (0, 1) and decoded[j:] == run:
+            return StackCheck(len(run), False)
+        return StackCheck(min(len(run), len(decoded)), True,
+                          f"walk {_hex(run)} vs decoded {_hex(decoded)}")
+    best: StackCheck | None = None
+    for j in (0, 1):
+        n = min(len(run), len(decoded) - j)
+        if n <= 0:
+            continue
+        if run[:n] != decoded[j:j + n]:
+            continue
+        if complete and len(run) > len(decoded) - j:
+            continue  # the stack holds binary frames the decoded context lacks
+        best = StackCheck(n, False)
+        break
+    if best is not None:
+        return best
+    return StackCheck(min(len(run), len(decoded)), True, f"walk {_hex(run)} vs decoded {_hex(decoded)}")
+
+
+def _hex(values: Sequence[int]) -> str:
+    shown = ", ".join(f"{v:#x}" for v in values[:8])
+    return f"[{shown}{', ...' if len(values) > 8 else ''}]"
+
+
+# ------------------------------------------------------------------------------------ joining
+class BinaryAddresses(Protocol):
+    def is_executable(self, vaddr: int) -> bool: ...
+
+
+@dataclass
+class VerifyCounts:
+    """What ``--verify`` reports (``summary()["verify"]``)."""
+
+    checked: int = 0  # samples compared over at least one frame
+    mismatches: int = 0
+    frames_checked: int = 0
+    no_frames: int = 0  # joined, but the walk reached no frame of the binary
+    unjoined: int = 0  # syscall samples without a walk of the same hit
+    no_bias: int = 0  # PIE process whose load bias was unknown
+    cpu_not_verified: int = 0
+    examples: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"checked": self.checked, "mismatches": self.mismatches, "frames_checked": self.frames_checked,
+                "no_frames": self.no_frames, "unjoined": self.unjoined, "no_bias": self.no_bias,
+                "cpu_not_verified": self.cpu_not_verified}
+
+
+@dataclass
+class _Pending:
+    tid: int
+    tgid: int
+    syscall: int
+    ip: int
+    sp: int
+    bias: int | None
+    complete: bool
+    frames: Sequence[HasReturnAddress]
+
+
+class FpVerifier:
+    """Joins samples with walks and keeps the counts.  ``bias_of(tgid)`` gives a process's load bias
+    when a sample does not carry one (None when unknown)."""
+
+    def __init__(self, addrspace: BinaryAddresses, *, pie: bool, bias_of: Any = None,
+                 max_examples: int = 5) -> None:
+        self.addrspace = addrspace
+        self.pie = pie
+        self.bias_of = bias_of
+        self.counts = VerifyCounts()
+        self.max_examples = max_examples
+        self._walks: dict[int, deque[FpStack]] = {}
+        self._pending: dict[int, deque[_Pending]] = {}
+
+    def add_walks(self, walks: Iterable[FpStack]) -> None:
+        touched: set[int] = set()
+        for w in walks:
+            self._walks.setdefault(w.tid, deque()).append(w)
+            touched.add(w.tid)
+        for tid in touched:
+            self._drain(tid)
+
+    def add_sample(self, *, tid: int, tgid: int, syscall: int | None, ip: int, sp: int, bias: int | None,
+                   complete: bool, frames: Sequence[HasReturnAddress]) -> None:
+        if syscall is None:
+            self.counts.cpu_not_verified += 1
+            return
+        self._pending.setdefault(tid, deque()).append(
+            _Pending(tid, tgid, syscall, ip, sp, bias, complete, list(frames)))
+        self._drain(tid)
+
+    def finish(self) -> VerifyCounts:
+        """Samples still without a walk are counted as unjoined."""
+        for q in self._pending.values():
+            self.counts.unjoined += len(q)
+            q.clear()
+        return self.counts
+
+    def _drain(self, tid: int) -> None:
+        pending = self._pending.get(tid)
+        walks = self._walks.get(tid)
+        while pending and walks:
+            s = pending[0]
+            while walks and (walks[0].syscall, walks[0].ip, walks[0].sp) != (s.syscall, s.ip, s.sp):
+                walks.popleft()  # a hit instrumented mode did not report
+            if not walks:
+                return  # the walk of this hit has not arrived yet
+            self._check(pending.popleft(), walks.popleft())
+
+    def _check(self, s: _Pending, w: FpStack) -> None:
+        bias = s.bias
+        if bias is None:
+            bias = 0 if not self.pie else (self.bias_of(s.tgid) if self.bias_of is not None else None)
+        if bias is None:
+            self.counts.no_bias += 1
+            return
+        walk = [a - bias if self.addrspace.is_executable(a - bias) else None for a in w.stack]
+        result = compare_stack(s.frames, walk, complete=s.complete, truncated=w.truncated)
+        if result.frames == 0 and not result.mismatch:
+            self.counts.no_frames += 1
+            return
+        self.counts.checked += 1
+        self.counts.frames_checked += result.frames
+        if result.mismatch:
+            self.counts.mismatches += 1
+            if len(self.counts.examples) < self.max_examples:
+                self.counts.examples.append(f"tid {s.tid} syscall {s.syscall}: {result.detail}")
+
+
+PROLOGUE_BYTES = 32
+#: Start-up code the C runtime links into every program (assembly or built without frame pointers);
+#: it is not the program's own code and says nothing about how the program was compiled.
+CRT_FUNCTIONS = frozenset({"_start", "_init", "_fini", "deregister_tm_clones", "register_tm_clones",
+                           "__do_global_dtors_aux", "frame_dummy", "__libc_csu_init", "__libc_csu_fini",
+                           "_dl_relocate_static_pie"})
+
+
+def sets_up_frame_pointer(code: bytes) -> bool:
+    """From a function's first :data:`PROLOGUE_BYTES` bytes: ``push %rbp`` first (after an optional
+    ``endbr64``) and a ``mov %rsp,%rbp`` shortly after (at -O2 compilers schedule other
+    instructions in between)."""
+    if code.startswith(b"\xf3\x0f\x1e\xfa"):
+        code = code[4:]
+    return code.startswith(b"\x55") and b"\x48\x89\xe5" in code
+
+
+def keeps_frame_pointers(functions: Iterable[tuple[bytes, int]]) -> tuple[int, int]:
+    """(call sites in functions that set up rbp as a frame pointer, call sites looked at), for
+    ``(prologue bytes, number of call sites)`` per function: weighted by call sites, because the
+    frames a walk goes through are the ones that made calls."""
+    fp = total = 0
+    for code, sites in functions:
+        total += sites
+        if sets_up_frame_pointer(code):
+            fp += sites
+    return fp, total
+
+
+__all__ = ["CRT_FUNCTIONS", "MAX_FRAMES", "PROLOGUE_BYTES", "FpStack", "FpStackSampler", "FpVerifier",
+           "StackCheck", "VerifyCounts", "compare_stack", "keeps_frame_pointers", "sets_up_frame_pointer"]
