@@ -200,15 +200,17 @@ class TracerSource:
 
     def counters(self) -> SourceCounters:
         dropped: dict[str, int] = {}
-        errors = 0
+        errors = mismatches = 0
         maps: dict[str, int] = {}
         for b in self.binaries_by_inode.values():
             summary = b.mode.summary()
             errors += int(summary.get("decode_errors") or 0)
+            mismatches += int((summary.get("verify") or {}).get("mismatches") or 0)  # verify = true
             for key, value in (summary.get("bpf") or {}).items():
                 if isinstance(value, int) and ("full" in key or "lost" in key or "drop" in key):
                     dropped[key] = dropped.get(key, 0) + value
-        return SourceCounters(decode_errors=errors, dropped=dropped, map_entries=maps)
+        return SourceCounters(decode_errors=errors, verify_mismatches=mismatches, dropped=dropped,
+                              map_entries=maps)
 
     def close(self) -> None:
         for b in self.binaries_by_inode.values():
