@@ -265,8 +265,12 @@ BPF_HASH(uw_parent, u32, u32, UW_MAX_PROCS);          // child pid -> parent tgi
 BPF_HASH(uw_pending, u32, u32, UW_MAX_PROCS);         // tgid -> exec mmap/mprotect seen
 // tgid -> execs left at which to stop: a process ccprofd launched stops (SIGSTOP) after exec and
 // after each new executable mapping until userspace has loaded its mappings (it sends SIGCONT),
-// so no sample of it is taken with stale mappings.  Only for children of ccprofd itself.
+// so no sample of it is taken with stale mappings.  For children of ccprofd itself and for
+// processes that exec an exec target (exec_target.c; their entry is 0).
 BPF_HASH(uw_stop, u32, u32, UW_MAX_PROCS);
+// tgid -> 1 while BPF holds the process stopped: userspace releases every entry (after loading
+// its mappings), and so do close() and the hold guard (unwind.py) if the daemon dies.
+BPF_HASH(uw_held, u32, u32, UW_MAX_PROCS);
 BPF_ARRAY(uw_state, struct uw_state, UW_NSLOTS);
 BPF_HASH(uw_counts, struct uw_key, struct uw_count, UW_MAX_CONTEXTS);
 BPF_ARRAY(uw_arena, u64, UW_ARENA_WORDS);
@@ -274,6 +278,14 @@ BPF_ARRAY(uw_arena_top, u64, 1);
 BPF_ARRAY(uw_config, u64, 4);
 BPF_PERCPU_ARRAY(uw_stats, u64, UW_NR_STATS);
 BPF_RINGBUF_OUTPUT(uw_events, UW_RINGBUF_PAGES);
+
+// Stop the current process until userspace releases it.  The signal is sent first: an entry in
+// uw_held always means a SIGSTOP is already pending or delivered, so a release never comes early.
+static __always_inline void uw_hold(u32 tgid) {
+    bpf_send_signal(19);  // SIGSTOP (to the whole process)
+    u32 one = 1;
+    uw_held.update(&tgid, &one);
+}
 
 static __always_inline void uw_stat(u32 idx, u64 by) {
     u64 *v = uw_stats.lookup(&idx);
@@ -1019,7 +1031,7 @@ static __always_inline void uw_watch_maps(u32 tgid, long nr, struct pt_regs *reg
     if (pending) {
         uw_pending.delete(&tgid);
         if (uw_stop.lookup(&tgid))
-            bpf_send_signal(19);  // SIGSTOP until userspace has re-read the mappings
+            uw_hold(tgid);  // until userspace has re-read the mappings
         struct uw_maps_event *e = uw_events.ringbuf_reserve(sizeof(struct uw_maps_event));
         if (e) {
             e->ktime_ns = bpf_ktime_get_ns();
@@ -1099,13 +1111,17 @@ int uw_exec(void *args) {
     uw_procs.delete(&tgid);  // a new image: userspace loads its mappings (EV_EXEC)
     uw_parent.delete(&tgid);
     u32 *stop = uw_stop.lookup(&tgid);
-    if (stop) {
-        if (*stop > 0) {
-            __sync_fetch_and_add(stop, -1);
-            bpf_send_signal(19);
-        } else {
-            uw_stop.delete(&tgid);  // exec of another program: not ours any more
-        }
+    if (stop && *stop > 0) {
+        __sync_fetch_and_add(stop, -1);
+        uw_hold(tgid);
+    } else if (ccprof_exec_is_target()) {
+        // a new process of a followed binary (ccprof_exec tracks it): hold it at its first
+        // instruction until userspace has loaded its mappings, and at each new executable mapping
+        u32 zero = 0;
+        uw_stop.update(&tgid, &zero);
+        uw_hold(tgid);
+    } else if (stop) {
+        uw_stop.delete(&tgid);  // exec of another program: not ours any more
     }
     return 0;
 }
@@ -1123,6 +1139,7 @@ int uw_exit(void *args) {
         uw_procs.delete(&tgid);
         uw_pending.delete(&tgid);
         uw_stop.delete(&tgid);
+        uw_held.delete(&tgid);
     }
     return 0;
 }

@@ -33,9 +33,13 @@ arena entry compared on every hit, and each new context reaches userspace as an
 :class:`EncodedRecord`.  ``emit_hits`` also sends a small record (time, thread, key) per repeated
 context, for per-sample output such as ``ccprofd trace``.
 
-Processes started by ccprofd (``track(pid, launched=True)``, before their exec) are stopped with
-SIGSTOP by BPF at exec and at each new executable mapping until :meth:`poll` has loaded their
-mappings, then continued: their samples are never taken with stale mappings.
+Processes started by ccprofd (``track(pid, launched=True)``, before their exec), and processes
+that exec a binary followed with :meth:`UnwindSampler.follow_exec` (found by BPF at their exec, see
+exec_target.c), are stopped with SIGSTOP by BPF at exec and at each new executable mapping until
+:meth:`poll` has loaded their mappings, then continued: their samples are never taken with stale
+mappings.  Every stop is recorded in the ``uw_held`` map, and every entry there is released: by
+:meth:`poll`, by :meth:`close`, and, should this process die without closing (SIGKILL), by the hold
+guard (:mod:`ccprofd.bpf.holdguard`), a small process that outlives it.
 """
 
 from __future__ import annotations
@@ -47,12 +51,20 @@ import signal
 import struct
 from dataclasses import dataclass, field
 from importlib import resources
+from typing import Any
 
 from ccprofd.bpf import rawbpf
 from ccprofd.bpf.bcc_adapter import BccModule, BpfMap
 from ccprofd.bpf.errors import BPFError
 from ccprofd.bpf.features import tracefs_dir
-from ccprofd.bpf.syscall_sampler import NR_SYSCALL_SLOTS, SamplerEvent, sampler_source, tracepoint_has_field
+from ccprofd.bpf.syscall_sampler import (
+    NR_SYSCALL_SLOTS,
+    SamplerEvent,
+    exe_matches,
+    sampler_source,
+    set_exec_target,
+    tracepoint_has_field,
+)
 from ccprofd.bpf.unwind_plan import UnwindEncoding
 from ccprofd.callgraph import cfi
 from ccprofd.callgraph.addrspace import AddressSpace
@@ -407,11 +419,17 @@ class UnwindSampler:
         self.contexts: dict[tuple[int, int], UnwoundSample] = {}
         self._module_keys: dict[int, _Module] = {}
         self._stopping: set[int] = set()  # launched processes BPF stops until their maps are loaded
+        self._exec_targets: dict[int, tuple[int, int]] = {}  # inode number -> (st_dev, st_ino)
+        #: Processes BPF started tracking at their exec of a followed binary (confirmed through
+        #: /proc/PID/exe), for the caller to register; it empties the list.
+        self.new_processes: list[int] = []
+        self.exec_mismatches = 0  # inode-number matches that /proc/PID/exe did not confirm
+        self._guard: Any = None
         self._perf_fds: list[int] = []
         self.process_events: list[SamplerEvent] = []
         self._m: dict[str, BpfMap] = {name: self.module.map(name) for name in (
             "tracked", "syscall_set", "config", "uw_rules", "uw_entries", "uw_modules", "uw_procs",
-            "uw_counts", "uw_config", "uw_stats", "uw_arena_top", "uw_stop")}
+            "uw_counts", "uw_config", "uw_stats", "uw_arena_top", "uw_stop", "uw_held", "exec_targets")}
         self.module.open_ring_buffer("uw_events", self._on_record)
         self.module.open_ring_buffer("events", self._on_process_event)
         self._m["uw_config"].set(0, 1 if aggregate else 0)
@@ -488,6 +506,7 @@ class UnwindSampler:
         survives that one exec, and BPF stops the process at it (and at each later executable
         mapping) until :meth:`poll` has loaded the new mappings."""
         if launched:
+            self._start_guard()
             self._m["uw_stop"].set(tgid, 1)
             self._stopping.add(tgid)
         else:
@@ -495,6 +514,25 @@ class UnwindSampler:
         value = self._m["tracked"].leaf_type()
         value.execs_left = 1 if launched else 0
         self._m["tracked"].set(tgid, value)
+
+    def follow_exec(self, inode: tuple[int, int], cgroup_id: int = 0) -> None:
+        """Track every process that execs the file ``inode`` = (st_dev, st_ino), from its first
+        instruction (only inside cgroup ``cgroup_id`` unless 0).  BPF holds each such process at its
+        exec until :meth:`poll` has loaded its mappings; the process is then listed in
+        :attr:`new_processes`."""
+        self._start_guard()
+        set_exec_target(self._m["exec_targets"], inode[1], cgroup_id)
+        self._exec_targets[inode[1]] = inode
+
+    def unfollow_exec(self, inode: tuple[int, int]) -> None:
+        self._m["exec_targets"].delete(inode[1])
+        self._exec_targets.pop(inode[1], None)
+
+    def _start_guard(self) -> None:
+        if self._guard is None:
+            from ccprofd.bpf.holdguard import HoldGuard
+
+            self._guard = HoldGuard(self._m["uw_held"].fd)
 
     def preload(self, path: str) -> bool:
         """Load (and upload) the unwind table of an object a process will map, ahead of time, so
@@ -689,6 +727,8 @@ class UnwindSampler:
     def _on_process_event(self, raw: bytes) -> None:
         ev = SamplerEvent.decode(raw)
         self.process_events.append(ev)
+        if ev.exec_target:
+            self._exec_found(ev.tgid)
         if ev.kind == "exec":
             old = self._procs.pop(ev.tgid, None)
             if old is not None:
@@ -700,6 +740,42 @@ class UnwindSampler:
             parent = self._procs.get(ev.tgid)
             if parent is not None and ev.aux not in self._procs:
                 self._procs[ev.aux] = parent  # until it execs, a child has its parent's mappings
+
+    def _exec_found(self, tgid: int) -> None:
+        """BPF matched ``tgid``'s new image by inode number: confirm it is a followed file, else
+        stop tracking it (it is released by the next :meth:`_release_held`)."""
+        ino = self._exe_ino(tgid)
+        want = self._exec_targets.get(ino) if ino is not None else None
+        if want is not None and exe_matches(tgid, want):
+            self._stale.add(tgid)
+            if tgid not in self.new_processes:
+                self.new_processes.append(tgid)
+            return
+        if ino is not None or os.path.exists(f"/proc/{tgid}"):
+            self.exec_mismatches += 1
+            with contextlib.suppress(BPFError):
+                self._m["tracked"].delete(tgid)
+            with contextlib.suppress(BPFError):
+                self._m["uw_stop"].delete(tgid)
+
+    @staticmethod
+    def _exe_ino(tgid: int) -> int | None:
+        try:
+            return os.stat(f"/proc/{tgid}/exe").st_ino
+        except OSError:
+            return None
+
+    def _release_held(self, done: set[int], *, refresh: bool = True) -> None:
+        """Continue every process BPF holds, after loading its mappings if it is tracked (those in
+        ``done`` were loaded already in this poll)."""
+        held = [int(k) for k, _ in self._m["uw_held"].items()]
+        for tgid in held:
+            if refresh and tgid not in done and self._m["tracked"].get(tgid) is not None:
+                self.refresh_maps(tgid)
+            with contextlib.suppress(BPFError):
+                self._m["uw_held"].delete(tgid)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(tgid, signal.SIGCONT)
 
     def poll(self, timeout_ms: int = 0) -> list[UnwoundSample]:
         """Samples that arrived since the last call (waits up to ``timeout_ms`` when there are none).
@@ -713,6 +789,7 @@ class UnwindSampler:
             if tgid in self._stopping:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(tgid, signal.SIGCONT)  # BPF stopped it until its mappings were loaded
+        self._release_held(self._stale)
         self._stale.clear()
         out, self._pending = self._pending, []
         return out
@@ -779,13 +856,20 @@ class UnwindSampler:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(tgid, signal.SIGCONT)  # never leave a launched process stopped
         self._stopping.clear()
+        with contextlib.suppress(BPFError):
+            self._m["exec_targets"].clear()  # no new holds at exec from here on
         for fd in self._perf_fds + self._links + self._fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._links.clear()
         self._fds.clear()
         self._perf_fds.clear()
+        with contextlib.suppress(BPFError):
+            self._release_held(set(), refresh=False)
         self.module.cleanup()
+        if self._guard is not None:
+            self._guard.close()  # its last sweep runs with every program detached
+            self._guard = None
 
     def __enter__(self) -> UnwindSampler:
         return self

@@ -373,6 +373,16 @@ class UnwindMode:
     def track_running(self, pid: int, tids: Sequence[int]) -> None:
         self.sampler.track(pid)  # every thread: each sample unwinds its whole stack
 
+    def follow_exec(self, inode: tuple[int, int], cgroup_id: int = 0) -> None:
+        """Track every process that execs the file ``inode`` = (st_dev, st_ino) from its first
+        instruction (BPF holds it at exec until its mappings are loaded)."""
+        self.sampler.follow_exec(inode, cgroup_id)
+
+    def take_new_processes(self) -> list[int]:
+        """Processes found at their exec of a followed file since the last call (confirmed)."""
+        out, self.sampler.new_processes = self.sampler.new_processes, []
+        return list(out)
+
     # -------------------------------------------------------------------------------- samples
     def poll(self, timeout_ms: int) -> list[Any]:
         from ccprofd.bpf.syscall_names import syscall_name

@@ -74,7 +74,9 @@ class TraceSample:
 class Mode(Protocol):
     """How contexts are obtained.  ``prepare`` before the command runs (analysis, compile, attach);
     ``track_launch`` for our gated child (before it execs the target), ``track_running`` for -p;
-    ``poll`` returns decoded samples; ``summary`` statistics for the end-of-run report."""
+    ``follow_exec`` for every process that execs a file later (the daemon's path targets; found ones
+    come back from ``take_new_processes``); ``poll`` returns decoded samples; ``summary`` statistics
+    for the end-of-run report."""
 
     name: str
     path: str
@@ -83,6 +85,8 @@ class Mode(Protocol):
     def prepare(self) -> None: ...
     def track_launch(self, pid: int) -> None: ...
     def track_running(self, pid: int, tids: Sequence[int]) -> None: ...
+    def follow_exec(self, inode: tuple[int, int], cgroup_id: int = 0) -> None: ...
+    def take_new_processes(self) -> list[int]: ...
     def poll(self, timeout_ms: int) -> list[TraceSample]: ...
     def summary(self) -> dict[str, Any]: ...
     def close(self) -> None: ...
@@ -108,6 +112,8 @@ class InstrumentedMode:
         self._counter: Any = None  # --save-edge-weights (ccprofd/bpf/callcount.py)
         self._graph_binary: dict[str, Any] = {}
         self._names: dict[int, str] = {}
+        self._exec_targets: dict[int, tuple[int, int]] = {}
+        self._new_processes: list[int] = []
 
     def prepare(self) -> None:
         from pathlib import Path
@@ -266,11 +272,14 @@ class InstrumentedMode:
             self._bpf.sampler.untrack(tgid)
 
     def poll(self, timeout_ms: int) -> list[TraceSample]:
-        from ccprofd.bpf.instrumented import RawContext
+        from ccprofd.bpf.instrumented import ProcessEvent, RawContext
         from ccprofd.bpf.syscall_names import syscall_name
+        from ccprofd.bpf.syscall_sampler import EXEC_TARGET_FLAG
 
         out: list[TraceSample] = []
         for ev in self._bpf.poll(timeout_ms):
+            if isinstance(ev, ProcessEvent) and ev.kind == "exec" and ev.aux & EXEC_TARGET_FLAG:
+                self._exec_found(ev.pid)
             if not isinstance(ev, RawContext):
                 continue
             d = self._sym.decode(ev)

@@ -4,13 +4,22 @@ the processes of the target.
 
 Which processes: a ``path`` target follows every process whose executable is that inode; a ``pid``
 target that process; a ``cgroup`` target every process listed in ``cgroup.procs`` (one mode per
-distinct binary).  The set is rescanned every second; a process found by a rescan is tracked from
-then on with its threads' contexts flagged incomplete until their frames are known (the tracer
-decides that), never guessed.  A process in another mount namespace is analysed through
-``/proc/PID/root`` and reported with its host pid.  The daemon's own pid is never tracked.
+distinct binary).
 
-Left for the tracer to provide (see the daemon's README section): tracking new processes from their
-first instruction (an exec hook keyed by inode), live per-thread context reads
+New processes are tracked from their first instruction: each mode of a ``path`` target follows
+execs of its inode (``Mode.follow_exec``: BPF starts tracking a process at ``sched_process_exec``
+when its new image is that inode, before it runs; unwind mode holds it there until its mappings are
+loaded; instrumented mode's uprobes are attached to the inode for every process).  Each mode of a
+``cgroup`` target follows execs of its binary inside that cgroup.  Processes found that way are
+registered as soon as the mode reports them (``take_new_processes``), without waiting for a rescan.
+
+Processes already running at start (and, as a safety net, any process an exec hook missed, e.g.
+when a ring buffer was full) are found by a rescan every second and tracked from then on with
+their threads' contexts flagged incomplete until their frames are known (the tracer decides that),
+never guessed.  A process in another mount namespace is analysed through ``/proc/PID/root`` and
+reported with its host pid.  The daemon's own pid is never tracked.
+
+Left for the tracer to provide (see the daemon's README section): live per-thread context reads
 (``thread_contexts`` raises NotImplementedError until then), per-source probe-hit counters.
 """
 
@@ -36,6 +45,7 @@ class _Binary:
     inode: Inode
     mode: Any
     build_id: str = ""
+    following_execs: bool = False  # the mode tracks new processes of this inode from their exec
 
 
 def _exe_of(pid: int) -> tuple[str, Inode] | None:
@@ -86,9 +96,39 @@ class TracerSource:
         self.tracked: dict[int, Inode] = {}
         self.self_pid = os.getpid()
         self.decode_errors = 0
+        self.execs_found = 0  # processes registered through an exec hook (not a rescan)
         self._last_scan = 0.0
 
     # ------------------------------------------------------------------------------ discovery
+    def _follow_execs(self, binary: _Binary) -> None:
+        """Have ``binary``'s mode track every later exec of its inode (path targets: anywhere;
+        cgroup targets: inside the cgroup).  Without the hook (a mode or kernel that lacks it) new
+        processes are still found by the rescan, flagged incomplete until their frames are known."""
+        t = self.target
+        if binary.following_execs or t.pid is not None:
+            return
+        cgroup_id = 0
+        if t.cgroup is not None:
+            try:
+                cgroup_id = os.stat(t.cgroup).st_ino  # cgroup v2 id = the directory's inode number
+            except OSError:
+                return
+        follow = getattr(binary.mode, "follow_exec", None)
+        if follow is None:
+            return
+        follow(binary.inode, cgroup_id)
+        binary.following_execs = True
+
+    def _register_new(self, binary: _Binary) -> None:
+        """Processes the mode found at their exec of ``binary``: tracked from their first instruction."""
+        take = getattr(binary.mode, "take_new_processes", None)
+        if take is None:
+            return
+        for pid in take():
+            if pid != self.self_pid and os.path.exists(f"/proc/{pid}"):
+                self.tracked[pid] = binary.inode
+                self.execs_found += 1
+
     def _candidates(self) -> Iterable[int]:
         t = self.target
         if t.pid is not None:
@@ -136,6 +176,11 @@ class TracerSource:
             if self.target.path is not None and inode != want:
                 continue
             binary = self._binary_for(self.target.path if inode == want and self.target.path else path, inode)
+            self._follow_execs(binary)
+            self._register_new(binary)  # an exec hook may have found it already: not a running process
+            if pid in self.tracked:
+                alive.add(pid)
+                continue
             binary.mode.track_running(pid, _tids(pid))
             self.tracked[pid] = inode
             alive.add(pid)
@@ -146,22 +191,23 @@ class TracerSource:
     def start(self) -> None:
         if self.target.path is not None:
             st = os.stat(self.target.path)  # a missing binary fails the target with one line
-            self._binary_for(self.target.path, (st.st_dev, st.st_ino))
+            self._follow_execs(self._binary_for(self.target.path, (st.st_dev, st.st_ino)))
         self._scan()
         if self.target.pid is not None and not self.tracked:
             raise RuntimeError(f"no process {self.target.pid} (or it runs a deleted executable)")
 
     def poll(self, timeout_ms: int) -> list[dict[str, Any]]:
-        if time.monotonic() - self._last_scan >= RESCAN_S:
-            self._scan()
         out: list[dict[str, Any]] = []
         binaries = list(self.binaries_by_inode.values())
         if not binaries:
             time.sleep(timeout_ms / 1000)
-            return out
-        share = max(1, timeout_ms // len(binaries))
-        for b in binaries:
-            out.extend(s.to_json() for s in b.mode.poll(share))
+        else:
+            share = max(1, timeout_ms // len(binaries))
+            for b in binaries:
+                out.extend(s.to_json() for s in b.mode.poll(share))
+                self._register_new(b)  # found at exec: registered now, before any rescan
+        if time.monotonic() - self._last_scan >= RESCAN_S:
+            self._scan()
         return out
 
     def mode(self) -> str:
