@@ -1,0 +1,491 @@
+"""Daemon lifecycle end to end, with real BPF and the real ``ccprofd run`` process (issue 6):
+
+* ``SIGKILL`` leaves nothing attached: every BPF link and program the daemon held (read from its
+  ``/proc/PID/fdinfo``) disappears from the kernel (``bpftool``), no uprobe event names the binary,
+  and the traced program keeps running unharmed;
+* a binary upgrade (rename-over: new inode, new build-id) is picked up without a restart: a new
+  process of the new binary is analysed and tracked with samples carrying the new build-id, while the
+  process still running the old inode keeps being tracked with the old plan (old build-id);
+* a process in another mount and pid namespace, whose binary exists only on a tmpfs mounted inside
+  that namespace, is found (``pid`` and ``cgroup`` targets), analysed through ``/proc/PID/root``,
+  reported with its host pid, and its samples' call sites equal the ``call`` instructions objdump
+  lists in the binary.
+
+Build-ids are read with ``readelf -n`` and call sites with ``objdump -d``, never from ccprofd.
+Every wait is a generous liveness bound that fails with a message, not a timing assertion.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from bpf_helpers import direct_call_sites
+from conftest import require_tool, skip_or_fail
+from daemon_fakes import short_tmpdir, wait_for
+
+from ccprofd.export.gen import ccprofd_pb2 as pb
+from ccprofd.export.gen import ccprofd_pb2_grpc as pb_grpc
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = ["unwind", "instrumented"]
+
+# Reads commands on stdin: "a N" makes N getppid() from main > work_a > leaf, "b N" from
+# main > work_b > leaf, "n" prints how many it made so far; between commands (poll timeout 5 ms)
+# it keeps making getppid() from main > idle > leaf.  EOF: exit 0.  Prints "ready VERSION" first.
+PROGRAM = r"""
+#include <poll.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+#ifndef VERSION
+#define VERSION 1
+#endif
+static long made;
+__attribute__((noinline)) long leaf(void) { made++; return getppid(); }
+__attribute__((noinline)) long work_a(long n) {
+    long s = 0;
+    for (long i = 0; i < n; i++) s += leaf();
+    return s;
+}
+__attribute__((noinline)) long work_b(long n) {
+    long s = 0;
+    for (long i = 0; i < n; i++) s += leaf();
+    return s;
+}
+__attribute__((noinline)) long idle(void) { return leaf(); }
+int main(void) {
+    char line[64];
+    long n;
+    setvbuf(stdout, NULL, _IONBF, 0);
+    printf("ready %d\n", VERSION);
+    for (;;) {
+        struct pollfd p = {0, POLLIN, 0};
+        if (poll(&p, 1, 5) == 0) { idle(); continue; }
+        if (!fgets(line, sizeof line, stdin)) return 0;
+        if (sscanf(line, "a %ld", &n) == 1) printf("did %ld\n", work_a(n) > 0 ? n : -1);
+        else if (sscanf(line, "b %ld", &n) == 1) printf("did %ld\n", work_b(n) > 0 ? n : -1);
+        else if (strcmp(line, "n\n") == 0) printf("made %ld\n", made);
+    }
+}
+"""
+
+
+def build(out: Path, version: int) -> Path:
+    """gcc the test program with -DVERSION=version (a different build-id per version)."""
+    gcc = require_tool("gcc")
+    src = out.parent / f"lifecycle-v{version}.c"
+    src.write_text(PROGRAM)
+    subprocess.run(
+        [gcc, "-g", "-O1", "-fno-optimize-sibling-calls", f"-DVERSION={version}", "-o", str(out), str(src)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    return out
+
+
+def build_id(binary: Path) -> str:
+    """The GNU build-id per ``readelf -n`` (independent of ccprofd's ELF reader)."""
+    out = subprocess.run(
+        [require_tool("readelf"), "-n", str(binary)], capture_output=True, text=True, check=True
+    )
+    m = re.search(r"Build ID: ([0-9a-f]+)", out.stdout)
+    assert m, out.stdout
+    return m.group(1)
+
+
+class Program:
+    """A running test program driven over its stdin/stdout."""
+
+    def __init__(self, argv: list[str], **kw: Any) -> None:
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, **kw)
+        first = self.readline()
+        assert first.startswith("ready"), first
+        self.version = int(first.split()[1])
+
+    def readline(self) -> str:
+        assert self.proc.stdout is not None
+        return self.proc.stdout.readline()
+
+    def ask(self, command: str) -> str:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(command + "\n")
+        self.proc.stdin.flush()
+        return self.readline().strip()
+
+    def made(self) -> int:
+        reply = self.ask("n")
+        assert reply.startswith("made "), reply
+        return int(reply.split()[1])
+
+    def close(self) -> int:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+            try:
+                return self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        return self.proc.wait()
+
+
+class DaemonProc:
+    def __init__(self, workdir: str, targets: str) -> None:
+        self.workdir = workdir
+        config = Path(workdir) / "ccprofd.toml"
+        config.write_text(f"""
+[daemon]
+state_dir = "{workdir}/state"
+grpc_listen = "unix://{workdir}/ccprofd.sock"
+metrics_listen = ""
+top_k = 20
+{targets}
+""")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "ccprofd.cli", "run", "--config", str(config)],
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=open(Path(workdir) / "daemon.log", "w"),  # noqa: SIM115 - the child owns it
+            text=True,
+        )
+        self.channel = grpc.insecure_channel(f"unix:{workdir}/ccprofd.sock")
+        self.stub = pb_grpc.ProfilerStub(self.channel)
+
+    def log(self) -> str:
+        return (Path(self.workdir) / "daemon.log").read_text()
+
+    def targets(self) -> pb.ListTargetsResponse | None:
+        if self.proc.poll() is not None:
+            raise AssertionError(f"daemon exited ({self.proc.returncode}): {self.log()}")
+        try:
+            return self.stub.ListTargets(pb.ListTargetsRequest(), timeout=5)
+        except grpc.RpcError:
+            return None
+
+    def processes(self) -> dict[int, Any]:
+        resp = self.targets()
+        return {} if resp is None else {p.pid: p for t in resp.targets for p in t.processes}
+
+    def wait_tracked(self, pid: int, build: str | None = None) -> Any:
+        def tracked() -> Any:
+            p = self.processes().get(pid)
+            return p if p is not None and (build is None or p.build_id == build) else None
+
+        try:
+            return wait_for(tracked, timeout=300, interval=0.2)
+        except AssertionError:
+            raise AssertionError(
+                f"pid {pid} not tracked (build-id {build}): {self.targets()}\n{self.log()}"
+            ) from None
+
+    def hot(self, target: str) -> pb.GetHotContextsResponse:
+        return self.stub.GetHotContexts(
+            pb.GetHotContextsRequest(target=target, top_k=50, syscall="getppid"), timeout=30
+        )
+
+    def stop(self) -> None:
+        self.channel.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def workdir() -> Iterator[str]:
+    d = short_tmpdir()
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def target_toml(mode: str, spec: str) -> str:
+    return f'[[target]]\nname = "prog"\n{spec}\nsyscalls = ["getppid"]\nmode = "{mode}"\n'
+
+
+def bpf_ids(pid: int) -> tuple[set[int], set[int]]:
+    """(link ids, program ids) of the BPF objects ``pid`` holds file descriptors to."""
+    links: set[int] = set()
+    progs: set[int] = set()
+    for fd in os.listdir(f"/proc/{pid}/fdinfo"):
+        try:
+            text = Path(f"/proc/{pid}/fdinfo/{fd}").read_text()
+        except OSError:
+            continue
+        for line in text.splitlines():
+            key, _, value = line.partition(":")
+            if key == "link_id":
+                links.add(int(value))
+            elif key == "prog_id":
+                progs.add(int(value))
+    return links, progs
+
+
+def kernel_ids(kind: str) -> set[int]:
+    """Ids of every BPF ``kind`` ("link" or "prog") in the kernel now, via bpftool (the BPF syscall)."""
+    out = subprocess.run(
+        [require_tool("bpftool"), "-j", kind, "show"], capture_output=True, text=True, check=True
+    )
+    return {int(x["id"]) for x in json.loads(out.stdout or "[]")}
+
+
+def uprobe_events_naming(path: Path) -> list[str]:
+    """Lines of the tracefs uprobe_events that probe ``path`` (legacy, non-fd-owned uprobes)."""
+    for tracefs in ("/sys/kernel/tracing", "/sys/kernel/debug/tracing"):
+        events = Path(tracefs) / "uprobe_events"
+        if events.exists():
+            return [line for line in events.read_text().splitlines() if str(path) in line]
+    return []
+
+
+def contexts_by_function(hot: pb.GetHotContextsResponse) -> list[tuple[int, list[str], set[str]]]:
+    """(count, function names outermost first, build-ids of the program's frames) per context."""
+    out = []
+    for h in hot.contexts:
+        names = [f.function for f in h.frames]
+        builds = {f.build_id for f in h.frames if f.function in ("leaf", "work_a", "work_b", "idle", "main")}
+        out.append((int(h.count), names, builds))
+    return out
+
+
+# ----------------------------------------------------------------------------------- SIGKILL
+@pytest.mark.parametrize("mode", MODES)
+def test_sigkill_leaves_nothing_attached(bpf: None, workdir: str, mode: str) -> None:
+    binary = build(Path(workdir) / "prog", 1)
+    prog = Program([str(binary)])
+    daemon = DaemonProc(workdir, target_toml(mode, f'path = "{binary}"'))
+    try:
+        daemon.wait_tracked(prog.proc.pid)
+        assert prog.ask("a 50") == "did 50"
+        wait_for(lambda: daemon.hot("prog").total_samples >= 50, timeout=120, interval=0.2)
+        links, progs = bpf_ids(daemon.proc.pid)
+        assert progs, "the daemon holds no BPF program"
+        if mode == "instrumented":
+            assert links, "instrumented mode holds no BPF link (uprobe_multi)"
+        assert links <= kernel_ids("link") and progs <= kernel_ids("prog")
+        before = prog.made()
+
+        daemon.proc.send_signal(signal.SIGKILL)
+        assert daemon.proc.wait(timeout=60) == -signal.SIGKILL
+
+        def released() -> bool:
+            return not (links & kernel_ids("link")) and not (progs & kernel_ids("prog"))
+
+        try:
+            wait_for(released, timeout=120, interval=0.2)
+        except AssertionError:
+            raise AssertionError(
+                f"after SIGKILL the kernel still has links {sorted(links & kernel_ids('link'))} and programs "
+                f"{sorted(progs & kernel_ids('prog'))} of the daemon"
+            ) from None
+        assert not uprobe_events_naming(binary)
+        # The traced program is unharmed: still running, still making calls, answering, exiting 0.
+        assert prog.proc.poll() is None
+        wait_for(lambda: prog.made() > before + 20, timeout=60, interval=0.1)
+        assert prog.ask("b 7") == "did 7"
+        assert prog.close() == 0
+    finally:
+        daemon.stop()
+        prog.close()
+
+
+# ----------------------------------------------------------------------------------- upgrade
+@pytest.mark.parametrize("mode", MODES)
+def test_binary_upgrade_tracks_old_and_new_inode(bpf: None, workdir: str, mode: str) -> None:
+    bindir = Path(workdir) / "bin"
+    bindir.mkdir()
+    path = bindir / "prog"
+    build(path, 1)
+    old_build = build_id(path)
+    old_inode = path.stat().st_ino
+    old = Program([str(path)])
+    daemon = DaemonProc(workdir, target_toml(mode, f'path = "{path}"'))
+    new: Program | None = None
+    try:
+        assert daemon.wait_tracked(old.proc.pid).build_id == old_build
+        # Package upgrade: the new binary is written beside and renamed over (new inode).
+        build(bindir / "prog.new", 2)
+        new_build = build_id(bindir / "prog.new")
+        assert new_build != old_build
+        os.rename(bindir / "prog.new", path)
+        assert path.stat().st_ino != old_inode
+        new = Program([str(path)])
+        assert new.version == 2 and old.version == 1
+        p_new = daemon.wait_tracked(new.proc.pid, new_build)
+        procs = daemon.processes()
+        assert procs[old.proc.pid].build_id == old_build, "the old process lost its old plan"
+        assert p_new.inode == path.stat().st_ino and procs[old.proc.pid].inode == old_inode
+        binaries = {b.build_id for t in daemon.targets().targets for b in t.binaries}  # type: ignore[union-attr]
+        assert {old_build, new_build} <= binaries
+
+        # Distinct counts from each process: each context's frames carry its own binary's build-id.
+        n_old, n_new = 23, 31
+        assert old.ask(f"a {n_old}") == f"did {n_old}"
+        assert new.ask(f"b {n_new}") == f"did {n_new}"
+
+        def counts() -> dict[tuple[str, str], int]:
+            out: dict[tuple[str, str], int] = {}
+            for count, names, builds in contexts_by_function(daemon.hot("prog")):
+                for work in ("work_a", "work_b"):
+                    if work in names:
+                        assert len(builds) == 1, (names, builds)
+                        key = (work, next(iter(builds)))
+                        out[key] = out.get(key, 0) + count
+            return out
+
+        want = {("work_a", old_build): n_old, ("work_b", new_build): n_new}
+        try:
+            wait_for(lambda: counts() == want, timeout=120, interval=0.2)
+        except AssertionError:
+            raise AssertionError(f"hot contexts {counts()} != {want}") from None
+
+        # The old process exits: it is no longer tracked; the new one still is.
+        assert old.close() == 0
+        wait_for(lambda: old.proc.pid not in daemon.processes(), timeout=60, interval=0.2)
+        assert daemon.processes()[new.proc.pid].build_id == new_build
+    finally:
+        daemon.stop()
+        old.close()
+        if new is not None:
+            new.close()
+
+
+# --------------------------------------------------------------------------------- containers
+NS_SCRIPT = """
+set -e
+mount -t tmpfs ccprofd-test "$1"
+cp "$2" "$1/prog"
+exec "$1/prog"
+"""
+
+
+def host_child(parent: int) -> int:
+    """The pid (host view) of ``parent``'s only child."""
+
+    def find() -> int | None:
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+                return int(entry)
+        return None
+
+    return int(wait_for(find, timeout=30, interval=0.05))
+
+
+@pytest.mark.parametrize(("mode", "kind"), [("unwind", "pid"), ("instrumented", "pid"), ("unwind", "cgroup")])
+def test_process_in_other_mount_and_pid_namespace(bpf: None, workdir: str, mode: str, kind: str) -> None:
+    unshare = require_tool("unshare")
+    src = build(Path(workdir) / "prog-src", 1)
+    private = Path(workdir) / "private"
+    private.mkdir()
+    cgroup: Path | None = None
+    preexec = None
+    if kind == "cgroup":
+        root = Path("/sys/fs/cgroup")
+        if not (root / "cgroup.controllers").exists():
+            skip_or_fail("cgroup v2 not mounted at /sys/fs/cgroup")
+        cgroup = root / f"ccprofd-test-{os.getpid()}-{int(time.time())}"
+        cgroup.mkdir()
+
+        def preexec() -> None:  # join the cgroup before exec: every descendant is in it
+            (cgroup / "cgroup.procs").write_text(str(os.getpid()))
+
+    ns = Program(
+        [
+            unshare,
+            "--mount",
+            "--pid",
+            "--fork",
+            "--mount-proc",
+            "--propagation",
+            "private",
+            "sh",
+            "-c",
+            NS_SCRIPT,
+            "sh",
+            str(private),
+            str(src),
+        ],
+        preexec_fn=preexec,
+    )
+    pid = host_child(ns.proc.pid)
+    daemon: DaemonProc | None = None
+    try:
+        # The binary exists only inside the namespace; from the host, /proc/PID/root reaches it.
+        inner = os.readlink(f"/proc/{pid}/exe")
+        assert inner == f"{private}/prog"
+        assert not (private / "prog").exists()
+        assert os.path.samefile(f"/proc/{pid}/root{inner}", f"/proc/{pid}/exe")
+        assert os.readlink(f"/proc/{pid}/ns/pid") != os.readlink("/proc/self/ns/pid")
+        spec = f"pid = {pid}" if kind == "pid" else f'cgroup = "{cgroup}"'
+        daemon = DaemonProc(workdir, target_toml(mode, spec))
+        p = daemon.wait_tracked(pid, build_id(src))  # reported with its host pid
+        assert p.inode == os.stat(f"/proc/{pid}/exe").st_ino
+
+        n_a, n_b = 17, 29
+        assert ns.ask(f"a {n_a}") == f"did {n_a}"
+        assert ns.ask(f"b {n_b}") == f"did {n_b}"
+        # Call sites as objdump lists them in the binary (same bytes as the copy in the namespace).
+        sites = {(s.function, s.target): s.vaddr for s in direct_call_sites(src)}
+
+        def work_contexts() -> dict[str, tuple[int, list[Any]]]:
+            out: dict[str, tuple[int, list[Any]]] = {}
+            for h in daemon.hot("prog").contexts:  # type: ignore[union-attr]
+                names = [f.function for f in h.frames]
+                for work in ("work_a", "work_b"):
+                    if work in names:
+                        out[work] = (out.get(work, (0, []))[0] + int(h.count), list(h.frames))
+            return out
+
+        try:
+            wait_for(
+                lambda: {k: c for k, (c, _) in work_contexts().items()} == {"work_a": n_a, "work_b": n_b},
+                timeout=120,
+                interval=0.2,
+            )
+        except AssertionError:
+            raise AssertionError(f"hot contexts {work_contexts()}\n{daemon.log()}") from None
+        for work, (_, frames) in work_contexts().items():
+            # Frames are outermost first; a frame's call_site is where it called the next one.
+            names = [f.function for f in frames]
+            i = names.index(work)
+            assert names[i - 1] == "main" and names[i + 1] == "leaf", names
+            assert frames[i - 1].call_site == sites[("main", work)], (work, frames)
+            assert frames[i].call_site == sites[(work, "leaf")], (work, frames)
+            assert {frames[j].build_id for j in (i - 1, i, i + 1)} == {build_id(src)}
+    finally:
+        if daemon is not None:
+            daemon.stop()
+        ns.close()
+        if cgroup is not None:
+            _remove_cgroup(cgroup)
+
+
+def _remove_cgroup(cgroup: Path) -> None:
+    def empty() -> bool:
+        return not (cgroup / "cgroup.procs").read_text().split()
+
+    try:
+        wait_for(empty, timeout=30, interval=0.1)
+        cgroup.rmdir()
+    except (OSError, AssertionError):
+        pass
