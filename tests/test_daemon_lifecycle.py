@@ -328,9 +328,11 @@ def test_binary_upgrade_tracks_old_and_new_inode(bpf: None, workdir: str, mode: 
         p_new = daemon.wait_tracked(new.proc.pid, new_build)
         procs = daemon.processes()
         assert procs[old.proc.pid].build_id == old_build, "the old process lost its old plan"
-        assert p_new.inode == path.stat().st_ino and procs[old.proc.pid].inode == old_inode
-        binaries = {b.build_id for t in daemon.targets().targets for b in t.binaries}  # type: ignore[union-attr]
-        assert {old_build, new_build} <= binaries
+        resp = daemon.targets()
+        assert resp is not None
+        binaries = {(b.build_id, b.inode) for t in resp.targets for b in t.binaries}
+        assert {(old_build, old_inode), (new_build, path.stat().st_ino)} <= binaries, binaries
+        assert p_new.build_id == new_build
 
         # Distinct counts from each process: each context's frames carry its own binary's build-id.
         n_old, n_new = 23, 31
@@ -438,8 +440,11 @@ def test_process_in_other_mount_and_pid_namespace(bpf: None, workdir: str, mode:
         assert os.readlink(f"/proc/{pid}/ns/pid") != os.readlink("/proc/self/ns/pid")
         spec = f"pid = {pid}" if kind == "pid" else f'cgroup = "{cgroup}"'
         daemon = DaemonProc(workdir, target_toml(mode, spec))
-        p = daemon.wait_tracked(pid, build_id(src))  # reported with its host pid
-        assert p.inode == os.stat(f"/proc/{pid}/exe").st_ino
+        daemon.wait_tracked(pid, build_id(src))  # reported with its host pid
+        resp = daemon.targets()
+        assert resp is not None
+        inodes = {b.inode for t in resp.targets for b in t.binaries if b.build_id == build_id(src)}
+        assert inodes == {os.stat(f"/proc/{pid}/exe").st_ino}  # attached to the inode it runs
 
         n_a, n_b = 17, 29
         assert ns.ask(f"a {n_a}") == f"did {n_a}"
