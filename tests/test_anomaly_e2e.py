@@ -119,8 +119,7 @@ def test_learn_then_detect_exactly_the_hidden_paths(mode: str, data: dict[str, s
     assert len(alerts) == len(expected)  # the repeated read of the same context: rate-limited
     assert all(a["kind"] == "unseen_context" and a["complete"] for a in alerts)
     [opened] = [a for a in alerts if a["syscall"] == "openat"]
-    if mode == "instrumented":  # the unwind mode does not report syscall arguments yet
-        assert opened["args"] == {"path": data["a"]}
+    assert opened["args"] == {"path": data["a"]}
     # The nearest known openat contexts share main > run_script > dispatch.
     assert opened["nearest"] and all(n["common_prefix"] == 3 for n in opened["nearest"])
 
@@ -141,8 +140,7 @@ def test_execve_from_an_unseen_context(mode: str, data: dict[str, str], tmp_path
     [alert] = alerts_of(out)
     expected = strace_chains([prog, "shell", "/bin/echo"]) - strace_chains([prog, "run", "/bin/echo"])
     assert {chain(alert["syscall"], alert["frames"])} == {c for c in expected if c[0] == "execve"}
-    if mode == "instrumented":
-        assert alert["args"] == {"filename": "/bin/echo"}
+    assert alert["args"] == {"filename": "/bin/echo"}
     nearest = chain("execve", alert["nearest"][0]["frames"])  # the learned execve context
     assert nearest[1][-2:] == ("run_program", "do_exec")
 

@@ -12,7 +12,7 @@ from bpf_helpers import pt_loads
 
 from ccprofd.bpf import rawbpf
 from ccprofd.bpf.errors import BPFError
-from ccprofd.bpf.unwind import UnwoundSample, link_loop_callbacks
+from ccprofd.bpf.unwind import ARG_LEN, FLAG_HIT, UnwoundSample, link_loop_callbacks
 from ccprofd.callgraph.elfimage import ElfImage
 from ccprofd.decode.procmaps import module_mappings, parse_maps, read_maps
 
@@ -101,9 +101,18 @@ def test_link_loop_callbacks_refuses_what_it_cannot_link() -> None:
 
 
 def test_sample_decoding() -> None:
-    raw = struct.pack("<QIIIiIIIIQQ", 123, 16, 10, 11, 110, 3, 0, 1, 1, 7, 8) + struct.pack("<3Q", 1, 2, 3)
+    path = b"/tmp/x.txt\0"
+    arg = path + bytes(ARG_LEN - len(path))
+    raw = struct.pack("<QIIIiIIIIQQII", 123, 16, 10, 11, 257, 3, 0, 1, 1, 7, 8, len(path), 0) + arg \
+        + struct.pack("<3Q", 1, 2, 3)
     s = UnwoundSample.decode(raw)
-    got = (s.tgid, s.tid, s.syscall, s.pcs, s.complete, s.fp_frames, s.key)
-    assert got == (10, 11, 110, (1, 2, 3), True, 1, (7, 8))
-    cpu = UnwoundSample.decode(struct.pack("<QIIIiIIIIQQ", 1, 16, 1, 1, -1, 0, 1, 0, 0, 0, 0))
+    got = (s.tgid, s.tid, s.syscall, s.pcs, s.complete, s.fp_frames, s.key, s.arg)
+    assert got == (10, 11, 257, (1, 2, 3), True, 1, (7, 8), "/tmp/x.txt")
+    cpu = UnwoundSample.decode(struct.pack("<QIIIiIIIIQQII", 1, 16, 1, 1, -1, 0, 1, 0, 0, 0, 0, 0, 0)
+                               + bytes(ARG_LEN))
     assert cpu.syscall is None and cpu.event == "cpu" and cpu.reason == "max_depth" and not cpu.complete
+    assert cpu.arg is None
+    # a repeated context's header-only record carries the sample's own argument
+    hit = UnwoundSample.decode(struct.pack("<QIIIiIIIIQQII", 5, 18, 2, 2, 59, 4, 0, 0, 0, 7, 8, len(path), 0)
+                               + path)
+    assert hit.flags & FLAG_HIT and hit.pcs == () and hit.arg == "/tmp/x.txt" and hit.key == (7, 8)

@@ -42,7 +42,8 @@
 #define UW_EV_SAMPLE 16
 #define UW_EV_MAPS 17
 #define UW_EV_HIT 18
-#define UW_SAMPLE_HDR_BYTES 56
+#define UW_SAMPLE_HDR_BYTES 64  // struct uw_sample up to arg
+#define UW_ARG_LEN 4096         // PATH_MAX
 #define UE_ANALYSED 0x80000000u
 
 #define UW_F_NEW 1          // first sample of a context (aggregated mode)
@@ -200,6 +201,11 @@ struct uw_sample {
     u32 flags;     // UW_F_*
     u64 h1;
     u64 h2;
+    u32 arg_len;   // bytes of arg with its NUL, 0: the syscall has no path argument or it was unreadable
+    u32 arg_pad;
+    // The sample's own path argument (open*, creat, exec*): not part of the context, so a repeated
+    // context's header-only record carries it too.  PATH_MAX bytes: never truncated.
+    char arg[UW_ARG_LEN];
 #ifdef UE_ENABLED
     struct ue_rec e;
 #endif
@@ -865,14 +871,18 @@ static __always_inline int uw_emit(struct uw_state *st) {
     return 0;
 }
 
-// A known context: only the header (time, thread, syscall, key) when every sample is wanted.
+// A known context: only the header (time, thread, syscall, key) and the sample's path argument
+// when every sample is wanted.
 static __always_inline void uw_emit_hit(struct uw_state *st) {
     u32 k = UW_CFG_EMIT_HITS;
     u64 *on = uw_config.lookup(&k);
     if (!on || !*on)
         return;
     st->s.kind = UW_EV_HIT;
-    if (uw_events.ringbuf_output(&st->s, UW_SAMPLE_HDR_BYTES, 0) != 0)
+    u64 size = UW_SAMPLE_HDR_BYTES + (u64)st->s.arg_len;
+    if (size > UW_SAMPLE_HDR_BYTES + UW_ARG_LEN)
+        size = UW_SAMPLE_HDR_BYTES + UW_ARG_LEN;
+    if (uw_events.ringbuf_output(&st->s, size, 0) != 0)
         uw_stat(UW_STAT_RINGBUF_FULL, 1);
     st->s.kind = UW_EV_SAMPLE;
 }
@@ -941,8 +951,8 @@ static __always_inline void uw_aggregate(struct uw_state *st, void *arena_cb) {
 
 // `can_aggregate` is a constant per program: the CPU sampler sends every sample (the aggregation
 // code would double its verification cost past the verifier's limit; CPU samples are few).
-static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u64 sp, u64 bp, void *loop_cb,
-                                      void *arena_cb, int can_aggregate UE_CALLBACK_PARAMS) {
+static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u64 sp, u64 bp, u64 argp,
+                                      void *loop_cb, void *arena_cb, int can_aggregate UE_CALLBACK_PARAMS) {
     struct uw_state *st = uw_state.lookup(&slot);
     if (!st)
         return;
@@ -969,6 +979,14 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
     st->s.flags = 0;
     st->s.h1 = 0x243F6A8885A308D3ULL;
     st->s.h2 = 0x13198A2E03707344ULL;
+    st->s.arg_len = 0;
+    if (argp) {
+        // read before the unwind, as the kernel will read it (a page not resident makes the
+        // read fail: the sample is reported without its argument)
+        long got = bpf_probe_read_user_str(st->s.arg, UW_ARG_LEN, (void *)argp);
+        if (got > 0)
+            st->s.arg_len = (u32)got;
+    }
     if (ip == 0 && sp == 0) {
         st->s.reason = UW_WHY_NO_REGS;
     } else {
@@ -1052,6 +1070,18 @@ static __always_inline void uw_watch_maps(u32 tgid, long nr, struct pt_regs *reg
     }
 }
 
+// The user pointer to the path argument of the syscalls whose path is cheap to report (x86-64:
+// open, creat, execve take it in rdi; openat, openat2, execveat in rsi), else 0 -- the same set
+// as instrumented mode's cc_path_arg.
+static __always_inline u64 uw_path_arg(struct pt_regs *regs, long nr) {
+    u64 v = 0;
+    if (nr == 2 || nr == 85 || nr == 59)
+        bpf_probe_read_kernel(&v, sizeof(v), &regs->di);
+    else if (nr == 257 || nr == 437 || nr == 322)
+        bpf_probe_read_kernel(&v, sizeof(v), &regs->si);
+    return v;
+}
+
 int uw_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
     u64 pid_tgid = bpf_get_current_pid_tgid();
     u32 tgid = pid_tgid >> 32;
@@ -1068,8 +1098,8 @@ int uw_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
     bpf_probe_read_kernel(&ip, sizeof(ip), &regs->ip);
     bpf_probe_read_kernel(&sp, sizeof(sp), &regs->sp);
     bpf_probe_read_kernel(&bp, sizeof(bp), &regs->bp);
-    uw_sample(bpf_get_smp_processor_id() * 2, pid_tgid, (s32)nr, ip, sp, bp, uw_step_sys, uw_arena_sys, 1
-              UE_CALLBACKS_SYS);
+    uw_sample(bpf_get_smp_processor_id() * 2, pid_tgid, (s32)nr, ip, sp, bp, uw_path_arg(regs, nr), uw_step_sys,
+              uw_arena_sys, 1 UE_CALLBACKS_SYS);
     return 0;
 }
 
@@ -1090,7 +1120,7 @@ int uw_cpu_sample(struct bpf_perf_event_data *ctx) {
     bpf_probe_read_kernel(&ip, sizeof(ip), &regs->ip);
     bpf_probe_read_kernel(&sp, sizeof(sp), &regs->sp);
     bpf_probe_read_kernel(&bp, sizeof(bp), &regs->bp);
-    uw_sample(bpf_get_smp_processor_id() * 2 + 1, pid_tgid, -1, ip, sp, bp, uw_step_cpu, uw_arena_cpu, 0
+    uw_sample(bpf_get_smp_processor_id() * 2 + 1, pid_tgid, -1, ip, sp, bp, 0, uw_step_cpu, uw_arena_cpu, 0
               UE_CALLBACKS_CPU);
     return 0;
 }

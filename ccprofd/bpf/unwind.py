@@ -91,7 +91,8 @@ STATS = ("samples", "incomplete", "frames", "fp_frames", "collisions", "arena_fu
          "ringbuf_full", "new_contexts", "procs_inherited")
 
 _EV_SAMPLE, _EV_MAPS, _EV_HIT = 16, 17, 18
-_SAMPLE_HDR = struct.Struct("<QIIIiIIIIQQ")  # struct uw_sample up to pcs
+_SAMPLE_HDR = struct.Struct("<QIIIiIIIIQQII")  # struct uw_sample up to arg
+ARG_LEN = 4096  # UW_ARG_LEN: the path argument's buffer (PATH_MAX)
 _BPF_RAW_TRACEPOINT_OPEN = 17
 _BPF_PROG_TYPE_PERF_EVENT = 7
 _BPF_PROG_TYPE_RAW_TRACEPOINT = 17
@@ -117,6 +118,9 @@ class UnwoundSample:
     key: tuple[int, int]
     exact: tuple[bool, ...] = ()  # per pc: exact (innermost, interrupted by a signal), not a return address
     encoded: EncodedRecord | None = None
+    #: The syscall's path argument (open*, creat, exec*) read at its entry; None when it has none
+    #: or it was not readable then (this sample's own, also for a repeated context).
+    arg: str | None = None
 
     @property
     def complete(self) -> bool:
@@ -128,11 +132,15 @@ class UnwoundSample:
 
     @classmethod
     def decode(cls, raw: bytes, layout: RecordLayout | None = None) -> UnwoundSample:
-        t, kind, tgid, tid, nr, n, reason, fp, flags, h1, h2 = _SAMPLE_HDR.unpack_from(raw)
+        t, kind, tgid, tid, nr, n, reason, fp, flags, h1, h2, arg_len, _ = _SAMPLE_HDR.unpack_from(raw)
         why = REASONS.get(reason, f"reason_{reason}")
+        arg = None
+        if 0 < arg_len <= ARG_LEN:
+            text = raw[_SAMPLE_HDR.size:_SAMPLE_HDR.size + arg_len].split(b"\0", 1)[0]
+            arg = text.decode("utf-8", "surrogateescape")
         if kind == _EV_HIT:
-            return cls(t, tgid, tid, None if nr < 0 else nr, (), why, fp, flags | FLAG_HIT, (h1, h2))
-        off = _SAMPLE_HDR.size
+            return cls(t, tgid, tid, None if nr < 0 else nr, (), why, fp, flags | FLAG_HIT, (h1, h2), arg=arg)
+        off = _SAMPLE_HDR.size + ARG_LEN
         enc = None
         if layout is not None:
             enc = layout.parse(raw, off)
@@ -140,7 +148,7 @@ class UnwoundSample:
         tagged = struct.unpack_from(f"<{n}Q", raw, off)
         pcs = tuple(p & ~EXACT_BIT for p in tagged)
         exact = tuple(bool(p & EXACT_BIT) for p in tagged)
-        return cls(t, tgid, tid, None if nr < 0 else nr, pcs, why, fp, flags, (h1, h2), exact, enc)
+        return cls(t, tgid, tid, None if nr < 0 else nr, pcs, why, fp, flags, (h1, h2), exact, enc, arg)
 
 
 @dataclass(frozen=True, slots=True)
@@ -358,7 +366,7 @@ class UnwindSampler:
                     raise BPFError(f"{name} must be a power of two, not {v}")
             rec_words = _pow2_at_least(max_depth * encoding.rec_code_bits // 64 + 2)
             self.layout = RecordLayout(encoding.acyc_words, max_segments, rec_words, max_unanalysed)
-        record = _SAMPLE_HDR.size + (self.layout.size if self.layout else 0) + max_depth * 8
+        record = _SAMPLE_HDR.size + ARG_LEN + (self.layout.size if self.layout else 0) + max_depth * 8
         if ringbuf_pages * 4096 < 2 * record:
             raise BPFError("ring buffer too small for one sample at max_depth")
         self.max_depth = max_depth

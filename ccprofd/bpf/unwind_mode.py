@@ -386,7 +386,7 @@ class UnwindMode:
     # -------------------------------------------------------------------------------- samples
     def poll(self, timeout_ms: int) -> list[Any]:
         from ccprofd.bpf.syscall_names import syscall_name
-        from ccprofd.daemon.tracer import TraceSample
+        from ccprofd.daemon.tracer import TraceSample, _path_args
 
         raw = self.sampler.poll(timeout_ms)
         for s in raw:  # new contexts first: a hit may overtake its context's record
@@ -412,9 +412,9 @@ class UnwindMode:
                 self.incomplete += 1
                 key = (d.reason or "?").split(":")[0]
                 self.reasons[key] = self.reasons.get(key, 0) + 1
-            out.append(TraceSample(s.time_ns + self._clock_offset, s.tgid, s.tid, s.event,
-                                   syscall_name(s.syscall) if s.syscall is not None else None, d.complete,
-                                   [f.to_json() for f in d.frames]))
+            name = syscall_name(s.syscall) if s.syscall is not None else None
+            out.append(TraceSample(s.time_ns + self._clock_offset, s.tgid, s.tid, s.event, name, d.complete,
+                                   [f.to_json() for f in d.frames], _path_args(name, s.arg)))
         return out
 
     def _decode(self, s: UnwoundSample) -> Decoded:
