@@ -1,0 +1,276 @@
+"""A snapshot of every thread of a running process: registers and unwound stack, taken with ptrace.
+
+Why ptrace: a thread blocked in ``read`` or ``nanosleep`` makes no syscall and hits no probe, so no
+BPF program sees its stack; ``PTRACE_SEIZE`` + ``PTRACE_INTERRUPT`` stops it for the time of one
+``PTRACE_GETREGS`` and a walk of its stack (read through ``/proc/PID/mem``), then ``PTRACE_DETACH``
+lets it go on.  Unlike ``PTRACE_ATTACH`` this sends no ``SIGSTOP``: the process sees no signal, and a
+syscall the stop interrupted is restarted by the kernel (``-ERESTARTSYS`` -> re-executed,
+``-ERESTART_RESTARTBLOCK`` -> ``restart_syscall``), so the program observes neither ``EINTR`` nor a
+shorter sleep (tests/test_threadsnap.py checks both).  A signal that arrives during the stop is
+handed back at detach.  Every thread is stopped before any is read, so the snapshot is one moment
+of the process; unwind tables are loaded *before* the stop, so the stop lasts only the walks.
+
+ptrace calls are made by the calling OS thread from seize to detach (the kernel ties a tracee to the
+tracing thread); :func:`snapshot` does the whole cycle in one call.  Errors are values: a process
+that is gone, ptrace refused (no ``CAP_SYS_PTRACE``, Yama, already traced by a debugger or strace --
+the tracer's pid is named) give :attr:`ProcessSnapshot.error`; a thread that exits meanwhile is
+left out.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import ctypes.util
+import errno
+import os
+import signal
+import struct
+from dataclasses import dataclass, field
+
+from ccprofd.callgraph import cfi
+from ccprofd.callgraph.addrspace import AddressSpace
+from ccprofd.callgraph.cache import AnalysisCache
+from ccprofd.decode.procmaps import DEFAULT_PROC_ROOT, ModuleMapping, ProcessMaps, module_mappings
+from ccprofd.decode.userstack import StackMemory, UnwoundStack, UserRegs, unwind
+
+PTRACE_GETREGS = 12
+PTRACE_DETACH = 17
+PTRACE_SEIZE = 0x4206
+PTRACE_INTERRUPT = 0x4207
+PTRACE_EVENT_STOP = 128
+WALL = 0x40000000  # __WALL: wait for threads (clone children) too
+
+
+class _UserRegs(ctypes.Structure):
+    """x86-64 ``struct user_regs_struct`` (sys/user.h)."""
+
+    _fields_ = [(name, ctypes.c_ulonglong) for name in (
+        "r15", "r14", "r13", "r12", "rbp", "rbx", "r11", "r10", "r9", "r8", "rax", "rcx", "rdx", "rsi",
+        "rdi", "orig_rax", "rip", "cs", "eflags", "rsp", "ss", "fs_base", "gs_base", "ds", "es", "fs",
+        "gs")]
+
+
+_libc: ctypes.CDLL | None = None
+
+
+def _ptrace(request: int, tid: int, addr: int = 0, data: int = 0) -> None:
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        _libc.ptrace.restype = ctypes.c_long
+        _libc.ptrace.argtypes = [ctypes.c_long, ctypes.c_long, ctypes.c_void_p, ctypes.c_void_p]
+    if _libc.ptrace(request, tid, ctypes.c_void_p(addr), ctypes.c_void_p(data)) == -1:
+        err = ctypes.get_errno()
+        raise OSError(err, os.strerror(err))
+
+
+@dataclass(frozen=True, slots=True)
+class ThreadSnapshot:
+    """One thread at the moment of the stop (``stack`` None when it could not be read: ``error``)."""
+
+    tid: int
+    comm: str
+    regs: UserRegs | None
+    stack: UnwoundStack | None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class ProcessSnapshot:
+    """Every thread of one process; ``error`` (one line) when the process could not be stopped."""
+
+    pid: int
+    threads: list[ThreadSnapshot] = field(default_factory=list)
+    maps: ProcessMaps | None = None
+    error: str | None = None
+
+
+def _read_text(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return fh.read()
+    except OSError:
+        return ""
+
+
+def tracer_of(pid: int, proc_root: str = DEFAULT_PROC_ROOT) -> int:
+    """The pid already ptracing ``pid`` (``TracerPid`` of /proc/PID/status), 0 when none."""
+    for line in _read_text(os.path.join(proc_root, str(pid), "status")).splitlines():
+        if line.startswith("TracerPid:"):
+            with contextlib.suppress(ValueError):
+                return int(line.split()[1])
+    return 0
+
+
+def _refused(pid: int, exc: OSError, proc_root: str) -> str:
+    tracer = tracer_of(pid, proc_root)
+    if tracer:
+        comm = _read_text(os.path.join(proc_root, str(tracer), "comm")).strip() or "?"
+        return f"ptrace refused: pid {pid} is already traced by pid {tracer} ({comm})"
+    return f"ptrace refused for pid {pid}: {exc.strerror} (needs CAP_SYS_PTRACE and a Yama ptrace_scope " \
+           f"that allows it)"
+
+
+def _start_stack(pid: int, proc_root: str) -> int:
+    fields = _read_text(os.path.join(proc_root, str(pid), "stat")).rpartition(")")[2].split()
+    try:
+        return int(fields[25])
+    except (IndexError, ValueError):
+        return 0
+
+
+def _tids(pid: int, proc_root: str) -> list[int]:
+    try:
+        return sorted(int(t) for t in os.listdir(os.path.join(proc_root, str(pid), "task")) if t.isdigit())
+    except OSError:
+        return []
+
+
+@dataclass(slots=True)
+class _Module:
+    addrspace: AddressSpace
+    build_id: str | None
+    table: cfi.UnwindTable | None
+
+
+class ModuleCache:
+    """ELF facts of the objects processes map -- PT_LOAD segments, build-id, unwind table -- kept
+    per file identity (dev, inode, size, mtime) so a repeated snapshot reads nothing again; tables
+    come from :func:`ccprofd.callgraph.cfi.load_table` (the analysis cache, by build-id)."""
+
+    def __init__(self, cache: AnalysisCache | None = None) -> None:
+        self.cache = cache
+        self._mods: dict[tuple[int, int, int, int], _Module | None] = {}
+
+    def _get(self, path: str) -> _Module | None:
+        try:
+            st = os.stat(path)
+        except OSError:
+            return None
+        ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+        if ident not in self._mods:
+            self._mods[ident] = self._load(path)
+        return self._mods[ident]
+
+    def _load(self, path: str) -> _Module | None:
+        from ccprofd.callgraph.elfimage import ElfImage
+        from ccprofd.callgraph.errors import BinaryError
+
+        try:
+            image = ElfImage(path)
+        except (OSError, BinaryError, ValueError):
+            return None
+        try:
+            table: cfi.UnwindTable | None = cfi.load_table(path, self.cache, image)
+        except (ValueError, IndexError, struct.error):
+            table = None  # corrupt CFI: a walk reaching it stops with no_table
+        return _Module(image.addrspace, image.build_id(), table)
+
+    def addrspace_of(self, path: str) -> AddressSpace | None:
+        mod = self._get(path)
+        return mod.addrspace if mod is not None else None
+
+    def table_of(self, mapping: ModuleMapping) -> cfi.UnwindTable | None:
+        mod = self._get(mapping.open_path)
+        return mod.table if mod is not None else None
+
+    def build_id_of(self, mapping: ModuleMapping) -> str | None:
+        mod = self._get(mapping.open_path)
+        return mod.build_id if mod is not None else None
+
+
+def snapshot(pid: int, modules: ModuleCache, *, proc_root: str = DEFAULT_PROC_ROOT,
+             max_depth: int = 4096) -> ProcessSnapshot:
+    """Stop every thread of ``pid``, unwind each, let them go (see the module docstring)."""
+    out = ProcessSnapshot(pid)
+    tids = _tids(pid, proc_root)
+    if not tids:
+        out.error = f"no process {pid}"
+        return out
+    try:
+        maps = module_mappings(pid, modules.addrspace_of, proc_root)
+    except OSError as exc:
+        out.error = f"cannot read the mappings of pid {pid}: {exc.strerror or exc}"
+        return out
+    out.maps = maps
+    tables: dict[int, cfi.UnwindTable | None] = {m.start: modules.table_of(m) for m in maps.mappings}
+    start_stack = _start_stack(pid, proc_root)
+    try:
+        mem = os.open(os.path.join(proc_root, str(pid), "mem"), os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as exc:
+        if exc.errno in (errno.EACCES, errno.EPERM):
+            out.error = _refused(pid, exc, proc_root)
+        else:
+            out.error = f"cannot open the memory of pid {pid}: {exc.strerror or exc}"
+        return out
+    seized: list[int] = []
+    pending: dict[int, int] = {}  # tid -> signal to hand back at detach
+    try:
+        for tid in tids:
+            try:
+                _ptrace(PTRACE_SEIZE, tid)
+            except OSError as exc:
+                if exc.errno == errno.ESRCH:
+                    continue  # the thread exited since it was listed
+                out.error = _refused(pid, exc, proc_root)
+                return out
+            seized.append(tid)
+            with contextlib.suppress(OSError):
+                _ptrace(PTRACE_INTERRUPT, tid)
+        stopped: list[int] = []
+        for tid in seized:
+            sig = _wait_stop(tid)
+            if sig is None:
+                continue  # exited
+            pending[tid] = sig
+            stopped.append(tid)
+
+        def read(addr: int, n: int) -> bytes | None:
+            try:
+                return os.pread(mem, n, addr)
+            except (OSError, OverflowError, ValueError):
+                return None
+
+        memory = StackMemory(read)
+        for tid in stopped:
+            comm = _read_text(os.path.join(proc_root, str(pid), "task", str(tid), "comm")).strip()
+            raw = _UserRegs()
+            try:
+                _ptrace(PTRACE_GETREGS, tid, 0, ctypes.addressof(raw))
+            except OSError as exc:
+                out.threads.append(ThreadSnapshot(tid, comm, None, None, f"PTRACE_GETREGS: {exc.strerror}"))
+                continue
+            regs = UserRegs(raw.rip, raw.rsp, raw.rbp)
+            stack = unwind(regs, memory.word, maps, lambda m: tables.get(m.start),
+                           start_stack=start_stack if tid == pid else 0, max_depth=max_depth)
+            out.threads.append(ThreadSnapshot(tid, comm, regs, stack))
+    finally:
+        for tid in seized:
+            with contextlib.suppress(OSError):  # gone meanwhile: nothing to detach
+                _ptrace(PTRACE_DETACH, tid, 0, pending.get(tid, 0))
+        os.close(mem)
+    return out
+
+
+def _wait_stop(tid: int) -> int | None:
+    """Wait for the seized thread's stop; the signal to re-inject at detach (0 for the interrupt's
+    own stop), or None when the thread exited instead."""
+    while True:
+        try:
+            _, status = os.waitpid(tid, WALL)
+        except ChildProcessError:
+            return None
+        except InterruptedError:
+            continue
+        if os.WIFEXITED(status) or os.WIFSIGNALED(status):
+            return None
+        if not os.WIFSTOPPED(status):
+            continue
+        event = status >> 16
+        sig = os.WSTOPSIG(status)
+        if event == PTRACE_EVENT_STOP:
+            return 0  # the interrupt (or a group-stop, which resumes as it was at detach)
+        if event == 0 and sig != signal.SIGTRAP:
+            return sig  # signal-delivery-stop: the signal was dequeued, deliver it at detach
+        return 0
