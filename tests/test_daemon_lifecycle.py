@@ -74,8 +74,8 @@ int main(void) {
         struct pollfd p = {0, POLLIN, 0};
         if (poll(&p, 1, 5) == 0) { idle(); continue; }
         if (!fgets(line, sizeof line, stdin)) return 0;
-        if (sscanf(line, "a %ld", &n) == 1) printf("did %ld\n", work_a(n) > 0 ? n : -1);
-        else if (sscanf(line, "b %ld", &n) == 1) printf("did %ld\n", work_b(n) > 0 ? n : -1);
+        if (sscanf(line, "a %ld", &n) == 1) printf("did %ld\n", work_a(n) >= 0 ? n : -1);
+        else if (sscanf(line, "b %ld", &n) == 1) printf("did %ld\n", work_b(n) >= 0 ? n : -1);
         else if (strcmp(line, "n\n") == 0) printf("made %ld\n", made);
     }
 }
@@ -180,6 +180,9 @@ top_k = 20
 
     def wait_tracked(self, pid: int, build: str | None = None) -> Any:
         def tracked() -> Any:
+            resp = self.targets()
+            failed = [f"{t.name}: {t.error}" for t in resp.targets if t.state == "failed"] if resp else []
+            assert not failed, f"target failed: {failed}"
             p = self.processes().get(pid)
             return p if p is not None and (build is None or p.build_id == build) else None
 
@@ -402,9 +405,10 @@ def test_process_in_other_mount_and_pid_namespace(bpf: None, workdir: str, mode:
     cgroup: Path | None = None
     preexec = None
     if kind == "cgroup":
-        root = Path("/sys/fs/cgroup")
-        if not (root / "cgroup.controllers").exists():
-            skip_or_fail("cgroup v2 not mounted at /sys/fs/cgroup")
+        root = cgroup_root()
+        if root is None:
+            skip_or_fail("no cgroup hierarchy mounted")
+        assert root is not None
         cgroup = root / f"ccprofd-test-{os.getpid()}-{int(time.time())}"
         cgroup.mkdir()
 
@@ -483,6 +487,16 @@ def test_process_in_other_mount_and_pid_namespace(bpf: None, workdir: str, mode:
         ns.close()
         if cgroup is not None:
             _remove_cgroup(cgroup)
+
+
+def cgroup_root() -> Path | None:
+    """A writable cgroup hierarchy: the cgroup2 mount if there is one, else a v1 hierarchy."""
+    mounts = [line.split() for line in Path("/proc/self/mounts").read_text().splitlines()]
+    for fstype in ("cgroup2", "cgroup"):
+        for m in mounts:
+            if m[2] == fstype and (Path(m[1]) / "cgroup.procs").exists():
+                return Path(m[1])
+    return None
 
 
 def _remove_cgroup(cgroup: Path) -> None:

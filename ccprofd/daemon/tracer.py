@@ -98,7 +98,8 @@ class InstrumentedMode:
     name = "instrumented"
 
     def __init__(self, binary: str, options: TraceOptions) -> None:
-        self.path = os.path.realpath(binary)
+        # /proc/PID/root/...: a binary in another mount namespace; resolving it would leave that namespace.
+        self.path = binary if binary.startswith("/proc/") else os.path.realpath(binary)
         self.options = options
         self.build_id: str | None = None
         self._bpf: Any = None
