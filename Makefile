@@ -4,13 +4,19 @@
 PYTHON ?= .venv/bin/python
 BENCH_OUT ?= docs
 
-.PHONY: bench bench-setup bench-ci
+.PHONY: bench bench-setup bench-ci bench-daemon
 
 bench-setup:
 	bash bench/setup.sh
 
 bench: bench-setup
 	$(PYTHON) bench/report.py --out $(BENCH_OUT)
+	$(PYTHON) bench/daemon.py --update-readme
+
+# The daemon's cost at 10k syscalls/s (both modes, untraced and bcc syscount beside it), start-up
+# and stop; rewrites the README's bench:daemon section (~10 minutes).
+bench-daemon: bench-setup
+	$(PYTHON) bench/daemon.py --update-readme
 
 bench-ci:
 	out=$$(mktemp -d /tmp/ccprofd-bench-ci-XXXXXX) && $(PYTHON) bench/report.py --reduced --out "$$out" && \

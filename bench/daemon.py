@@ -300,6 +300,7 @@ class Case:
     tracer_cpu_pct: float | None = None
     rss_steady_mb: float | None = None
     rss_peak_mb: float | None = None
+    rss_anon_mb: float | None = None  # of the RSS, anonymous memory (the rest is mapped files: bcc/LLVM)
     dropped: int | None = None
     scrape_ms: list[float] = field(default_factory=list)
     counted: dict[str, int] | None = None
@@ -404,6 +405,7 @@ def run_daemon_case(binary: Path, rate: int, seconds: float, mode: str) -> Case:
             tracer_cpu_pct=100 * (cpu1 - cpu0) / result.wall_s,
             rss_steady_mb=statistics.median(monitor.rss) if monitor.rss else None,
             rss_peak_mb=status_mb(daemon.proc.pid, "VmHWM"),
+            rss_anon_mb=status_mb(daemon.proc.pid, "RssAnon"),
             dropped=dropped_samples(daemon, "wl"),
             scrape_ms=monitor.scrape_ms,
             counted=counted,
@@ -439,6 +441,7 @@ def run_syscount(binary: Path, rate: int, seconds: float) -> Case | None:
     result = finish_workload(proc)
     cpu1 = cpu_seconds(tool.pid)
     peak = status_mb(tool.pid, "VmHWM")
+    anon = status_mb(tool.pid, "RssAnon")
     monitor.stop.set()
     monitor.join()
     tool.send_signal(signal.SIGINT)
@@ -451,6 +454,7 @@ def run_syscount(binary: Path, rate: int, seconds: float) -> Case | None:
         tracer_cpu_pct=100 * (cpu1 - cpu0) / result.wall_s,
         rss_steady_mb=statistics.median(monitor.rss) if monitor.rss else None,
         rss_peak_mb=peak,
+        rss_anon_mb=anon,
         counts_ok=writes == result.made + 1,
         extra={"writes": writes},
     )
@@ -526,6 +530,7 @@ def render(cases: list[Case], startup: dict[str, dict[str, Any]], rate: int, sec
         ],
         f"≤ {TARGETS['rss_mb']:.0f} MB",
     )
+    row("of which anonymous (RssAnon, at the end)", [fmt(c.rss_anon_mb, ".0f", " MB") for c in cases])
     row(
         "samples dropped",
         ["—" if c.dropped is None else f"{c.dropped}{mark(c.dropped == 0)}" for c in cases],

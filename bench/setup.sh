@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # Benchmark set-up (run by `make bench`, as root): the Debian packages of the benchmark subjects that
-# the main set-up does not install (sqlite3 and lua5.4 CLIs), and the bench extra (matplotlib) in
+# the main set-up does not install (sqlite3 and lua5.4 CLIs, bcc's tools), and the bench extra (matplotlib) in
 # .venv.  Idempotent; does nothing when everything is present.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 say() { printf 'bench/setup: %s\n' "$*" >&2; }
 
-PACKAGES=(sqlite3 lua5.4 strace bpftool)
+PACKAGES=(sqlite3 lua5.4 strace bpftool bpfcc-tools)  # bpfcc-tools: syscount, bench/daemon.py's baseline
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
