@@ -306,6 +306,8 @@ static __always_inline void cc_truncate(struct cc_state *s, u32 m) {
 
 // Drop the pieces whose frames are gone: every piece recorded below `limit` (the current frame's
 // CFA), then top pieces whose return address is no longer in the word below their recorded sp.
+static __always_inline void cc_cut_base(struct cc_state *s);
+
 static __always_inline void cc_cut(struct cc_state *s, u64 limit) {
     // Branch-free binary search for the number of pieces recorded at or above `limit`.  The running
     // position lives in map memory, whose contents the verifier does not track: in registers it
@@ -355,6 +357,29 @@ static __always_inline void cc_cut(struct cc_state *s, u64 limit) {
     }
     if ((s->flags & ST_FROZEN) && s->frozen_sp < limit)
         s->flags &= ~(ST_FROZEN | ST_OVERFLOW);
+}
+
+// The thread's outermost recorded frame has returned when its return address is gone from the word
+// below its recorded sp: main returned and exit() now runs atexit handlers and destructors in frames
+// that reuse main's stack, where stale pieces above them can pass the top-piece checks by chance
+// (their words not yet overwritten).  Everything recorded is nested in that frame, so it all goes.
+// Checked at entry probes and samples only: the events a frame can be re-entered through.
+static __always_inline void cc_cut_base(struct cc_state *s) {
+    u32 n = s->n;
+    if (n == 0 || n > MAX_PIECES)
+        return;
+    struct cc_piece *base = &s->p[0];
+    u64 word = 0;
+    if (bpf_probe_read_user(&word, sizeof(word), (void *)(base->sp - 8)) != 0) {
+        s->flags |= ST_READFAIL;
+        cc_stat(S_READFAIL);
+        return;
+    }
+    if (word != base->ret) {
+        cc_stat(S_RET_DEAD);
+        cc_truncate(s, 0);
+        s->flags &= ~ST_FROZEN;  // the frame that could not be recorded was nested in it too
+    }
 }
 
 // Append a piece (snapshotting the state before it); NULL when full (the thread freezes).
@@ -647,6 +672,7 @@ int cc_entry_probe(struct pt_regs *ctx) {
         }
     }
     cc_cut(s, cfa);
+    cc_cut_base(s);
     if (s->flags & ST_FROZEN)
         return 0;
     u32 n = s->n;
@@ -702,6 +728,7 @@ static __always_inline u32 cc_fill_sample(u64 sp, struct cc_sample *out) {
         return 0;
     }
     cc_cut(s, sp + 8);
+    cc_cut_base(s);
     u32 f = 0;
     if (s->flags & ST_FROZEN)
         f |= SF_FROZEN;

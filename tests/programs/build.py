@@ -39,6 +39,7 @@ PROGRAMS: dict[str, str] = {
     "sighandler": "signal handler that makes syscalls",
     "forks": "fork; child and parent make syscalls from different chains",
     "execs": "syscalls, then exec of /bin/echo",
+    "exithandlers": "syscalls from atexit handlers and a destructor after main returned",
 }
 
 Opt = Literal["O0", "O2"]
