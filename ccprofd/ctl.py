@@ -223,6 +223,10 @@ def cmd_targets(args: argparse.Namespace, channel: Any, fmt: str, w: _Writer) ->
                    + ("" if b.attached else "  (not attached)"))
         for p in t.processes:
             w.line(f"  pid {p.pid:<8} threads {p.threads:<4} {p.comm:<16} {p.binary}")
+        for n in t.needs_learning:
+            why = "upgraded: the model of an older build is kept, not applied" if n.reason == "upgraded" \
+                else "no model"
+            w.line(f"  needs re-learning: {n.binary}  build-id {n.build_id or '-'}  ({why})")
     return EXIT_OK
 
 
@@ -231,14 +235,15 @@ def cmd_contexts(args: argparse.Namespace, channel: Any, fmt: str, w: _Writer) -
     from ccprofd.export.messages import frames_from_pb
 
     resp = _stub(channel).GetThreadContexts(pb.GetThreadContextsRequest(pid=args.pid), timeout=args.timeout)
-    threads = [{"tid": t.tid, "comm": t.comm, "complete": t.complete, "frames": frames_from_pb(t.frames)}
-               for t in resp.threads]
+    threads = [{"tid": t.tid, "comm": t.comm, "complete": t.complete, "reason": t.reason or None,
+                "frames": frames_from_pb(t.frames)} for t in resp.threads]
     if fmt == "json":
         w.json({"pid": resp.pid, "target": resp.target, "mode": resp.mode, "threads": threads})
         return EXIT_OK
     w.line(f"pid {resp.pid} (target {resp.target}, {resp.mode} mode): {len(threads)} threads")
     for t in threads:
-        w.line(f"  tid {t['tid']} {t['comm']}" + ("" if t["complete"] else "  [incomplete: prefix unknown]"))
+        w.line(f"  tid {t['tid']} {t['comm']}"
+               + ("" if t["complete"] else f"  [incomplete: {t['reason'] or 'prefix unknown'}]"))
         _frames_text(t["frames"], w)
     return EXIT_OK
 

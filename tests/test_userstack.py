@@ -44,7 +44,8 @@ def all_blocked(pid: int) -> bool:
         for t in tasks:
             state = Path(f"/proc/{pid}/task/{t}/stat").read_text().rpartition(")")[2].split()[0]
             call = Path(f"/proc/{pid}/task/{t}/syscall").read_text().split()[0]
-            if state != "S" or call == "running" or call not in ("0", "35", "230"):
+            # 219: restart_syscall, how the kernel resumes a nanosleep a ptrace stop interrupted
+            if state != "S" or call == "running" or call not in ("0", "35", "230", "219"):
                 return False
     except OSError:
         return False

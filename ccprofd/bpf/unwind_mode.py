@@ -464,6 +464,16 @@ class UnwindMode:
                 print(f"ccprofd: verify: {self.verify_checked} contexts checked, {self.verify_mismatches} "
                       f"mismatches against the reference encoder", file=sys.stderr)
 
+    def thread_contexts(self, pid: int) -> dict[str, Any]:
+        """Every thread's context now, unwound from a brief ptrace stop with the CFI tables
+        (ccprofd/daemon/threadsnap.py): ``{"pid", "error", "threads": [...]}``."""
+        from ccprofd.daemon.threadsnap import ContextReader
+
+        reader = getattr(self, "_contexts", None)
+        if reader is None:
+            reader = self._contexts = ContextReader(self.path, self.options.cache_dir)
+        return reader.read(pid)
+
 
 LIBRARY_DIRS = ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/lib64", "/usr/lib64", "/lib",
                 "/usr/lib")

@@ -56,6 +56,7 @@ class ThreadContext:
     complete: bool
     frames: tuple[Mapping[str, Any], ...]
     comm: str = ""
+    reason: str | None = None  # why incomplete (the unwinder's reason), None when complete
 
 
 @dataclass(frozen=True, slots=True)

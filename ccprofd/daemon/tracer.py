@@ -321,6 +321,16 @@ class InstrumentedMode:
                     out["verify"]["bpf"] = self._fp.stats()
         return out
 
+    def thread_contexts(self, pid: int) -> dict[str, Any]:
+        """Every thread's context now, unwound from a brief ptrace stop with the CFI tables
+        (ccprofd/daemon/threadsnap.py): ``{"pid", "error", "threads": [...]}``."""
+        from ccprofd.daemon.threadsnap import ContextReader
+
+        reader = getattr(self, "_contexts", None)
+        if reader is None:
+            reader = self._contexts = ContextReader(self.path, self.options.cache_dir)
+        return reader.read(pid)
+
     def close(self) -> None:
         import sys
 

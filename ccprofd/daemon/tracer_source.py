@@ -19,8 +19,9 @@ their threads' contexts flagged incomplete until their frames are known (the tra
 never guessed.  A process in another mount namespace is analysed through ``/proc/PID/root`` and
 reported with its host pid.  The daemon's own pid is never tracked.
 
-Left for the tracer to provide (see the daemon's README section): live per-thread context reads
-(``thread_contexts`` raises NotImplementedError until then), per-source probe-hit counters.
+Per-thread contexts (``thread_contexts``) come from a brief ptrace stop of the process, each thread
+unwound with the same CFI tables as the BPF unwinder (ccprofd/daemon/threadsnap.py), in both modes.
+Left for the tracer to provide (see the daemon's README section): per-source probe-hit counters.
 """
 
 from __future__ import annotations
@@ -224,9 +225,19 @@ class TracerSource:
         return [BinaryInfo(b.path, b.build_id, inode[1], True) for inode, b in self.binaries_by_inode.items()]
 
     def thread_contexts(self, pid: int) -> list[ThreadContext]:
-        if pid not in self.tracked:
+        inode = self.tracked.get(pid)
+        binary = self.binaries_by_inode.get(inode) if inode is not None else None
+        if binary is None:
             raise UnknownProcess(f"no target follows pid {pid}")
-        raise NotImplementedError("live per-thread contexts are not provided by the tracer yet")
+        got = binary.mode.thread_contexts(pid)  # a ptrace snapshot unwound with the CFI tables
+        if got["error"]:
+            if got["error"].startswith("ptrace refused"):
+                raise PermissionError(got["error"])
+            if got["error"].startswith("no process"):
+                raise UnknownProcess(got["error"])  # it exited since it was listed
+            raise RuntimeError(got["error"])
+        return [ThreadContext(t["tid"], t["complete"], tuple(t["frames"]), t["comm"], t["reason"])
+                for t in got["threads"]]
 
     def callgraph_stats(self) -> dict[str, Any]:
         from pathlib import Path

@@ -77,7 +77,19 @@ class ProfilerServicer(pb_grpc.ProfilerServicer):
                                     comm=p.comm)
             except Exception as exc:
                 t.error = f"cannot list processes: {exc}"
+        self._needs_learning(out)
         return out
+
+    def _needs_learning(self, out: Any) -> None:
+        """Issue 7: binaries no anomaly model applies to (upgraded: the old model is kept, unused)."""
+        monitor = getattr(self.daemon, "anomaly", None)
+        if monitor is None:
+            return
+        by_name = {t.name: t for t in out.targets}
+        for target, binary, build_id, reason in monitor.needs_learning():
+            t = by_name.get(target)
+            if t is not None:
+                t.needs_learning.add(binary=binary, build_id=build_id, reason=reason)
 
     def GetThreadContexts(self, request: Any, context: grpc.ServicerContext) -> Any:
         try:
@@ -88,6 +100,9 @@ class ProfilerServicer(pb_grpc.ProfilerServicer):
         except NotImplementedError as exc:
             context.abort(grpc.StatusCode.UNIMPLEMENTED, str(exc))
             raise
+        except PermissionError as exc:  # ptrace refused (already traced, no CAP_SYS_PTRACE): say so
+            context.abort(grpc.StatusCode.PERMISSION_DENIED, str(exc))
+            raise
         except (OSError, RuntimeError) as exc:
             context.abort(grpc.StatusCode.UNAVAILABLE,
                           f"cannot read the contexts of pid {request.pid}: {exc}")
@@ -95,7 +110,7 @@ class ProfilerServicer(pb_grpc.ProfilerServicer):
         out = pb.GetThreadContextsResponse(pid=request.pid, target=rt.name, mode=rt.mode())
         for th in threads:
             out.threads.add(tid=th.tid, comm=th.comm, complete=th.complete,
-                            frames=messages.frames_to_pb(th.frames))
+                            frames=messages.frames_to_pb(th.frames), reason=th.reason or "")
         return out
 
     def GetHotContexts(self, request: Any, context: grpc.ServicerContext) -> Any:

@@ -56,8 +56,11 @@ NOINLINE static long blocking_read(int fd, struct result *res) {
 }
 
 NOINLINE long down_read(long n) {
-    if (n == 0)
-        return blocking_read(pipe_reader[0], &r_reader);
+    if (n == 0) {
+        long got = blocking_read(pipe_reader[0], &r_reader);
+        sink = got;  /* not a tail call: the caller's frame stays on the stack */
+        return got;
+    }
     long r = down_read(n - 1);
     sink = r;
     return r + 1;
@@ -86,8 +89,11 @@ NOINLINE long down_sleep(long n) {
 }
 
 NOINLINE long down_sig(long n) {
-    if (n == 0)
-        return blocking_read(pipe_handler[0], &r_handler);
+    if (n == 0) {
+        long got = blocking_read(pipe_handler[0], &r_handler);
+        sink = got;
+        return got;
+    }
     long r = down_sig(n - 1);
     sink = r;
     return r + 1;
@@ -97,7 +103,9 @@ NOINLINE long down_main(long n) {
     if (n == 0) {
         printf("ready %d\n", (int)getpid());
         fflush(stdout);
-        return blocking_read(0, &r_main);
+        long got = blocking_read(0, &r_main);
+        sink = got;
+        return got;
     }
     long r = down_main(n - 1);
     sink = r;

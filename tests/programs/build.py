@@ -39,6 +39,7 @@ PROGRAMS: dict[str, str] = {
     "sighandler": "signal handler that makes syscalls",
     "forks": "fork; child and parent make syscalls from different chains",
     "execs": "syscalls, then exec of /bin/echo",
+    "vdso_loop": "clock_gettime/gettimeofday loops answered in the vDSO; a syscall made by the vDSO",
     "exithandlers": "syscalls from atexit handlers and a destructor after main returned",
 }
 

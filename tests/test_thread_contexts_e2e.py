@@ -1,0 +1,169 @@
+"""``GetThreadContexts`` end to end: the real ``ccprofd run`` on a config naming
+tests/programs/blocked.c (four threads blocked at known depths: read, nanosleep, read inside a signal
+handler, the main thread's read), ``ccprofctl contexts PID --format json`` over the real Unix
+socket, and every thread's frames compared with what gdb -- attached afterwards, the threads still
+blocked where they were -- walks for that thread: the same number of frames, the same modules, each
+return address at gdb's pc, each analysed frame's name gdb's, and each analysed caller's
+``call_site`` the ``call`` instruction objdump lists right before that return address, calling the
+next frame's function.  Then the program is released and must print what it prints untraced (no
+EINTR, the sleep not cut short) and exit 0.  Unwind mode (default) and instrumented mode.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from bpf_helpers import direct_call_sites, pt_loads
+from conftest import require_tool
+from daemon_fakes import short_tmpdir, wait_for
+from test_userstack import EXPECTED_OUTPUT, all_blocked, blocked_program, release
+
+from ccprofd.daemon.threadsnap import tracer_of
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPTH = 6
+
+
+@pytest.fixture
+def workdir() -> Iterator[str]:
+    d = short_tmpdir()
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def ctl(sock: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ccprofd.ctl", "--socket", sock, *args], capture_output=True,
+                          text=True, timeout=300, cwd=ROOT)
+
+
+def vaddr_of(module: str, offset: int) -> int:
+    """File offset -> ELF vaddr through the PT_LOAD segments (readelf)."""
+    for vaddr, filesz, off in pt_loads(Path(module)):
+        if off <= offset < off + filesz:
+            return offset - off + vaddr
+    raise AssertionError(f"offset {offset:#x} not in a PT_LOAD of {module}")
+
+
+def check_thread(frames: list[dict[str, object]], gdb_frames: list[object], binary: Path,
+                 calls: dict[int, tuple[int, str]]) -> None:
+    """One thread's JSON frames (outermost first) against gdb's walk (innermost first)."""
+    want = list(reversed(gdb_frames))
+    assert len(frames) == len(want), ([f["function"] for f in frames], [g.name for g in want])  # type: ignore[attr-defined]
+    real_binary = os.path.realpath(binary)
+    for i, (f, g) in enumerate(zip(frames, want, strict=True)):
+        exact = i == len(want) - 1 or want[i + 1].sigtramp  # type: ignore[attr-defined]
+        module = os.path.realpath(g.module)  # type: ignore[attr-defined]
+        assert f["module"] is not None and os.path.realpath(str(f["module"])) == module
+        v = vaddr_of(module, g.offset)  # type: ignore[attr-defined]
+        if exact:
+            assert f["return_address"] is None
+        else:
+            assert f["return_address"] == f"{v:#x}", (i, f, g)
+        if module != real_binary or g.name == "_start":  # type: ignore[attr-defined]
+            assert f["analysed"] is False and f["call_site"] is None
+            continue
+        assert f["analysed"] is True and f["function"] == g.name, (f, g)  # type: ignore[attr-defined]
+        if exact:
+            assert f["call_site"] == f"{v:#x}"
+            continue
+        site, callee = calls[v]  # objdump: the call right before this return address
+        assert f["call_site"] == f"{site:#x}"
+        inner = frames[i + 1]
+        if callee.endswith("@plt"):  # into a library (whose name may be an alias: raise/gsignal)
+            assert inner["analysed"] is False and inner["module"] != f["module"]
+        else:
+            assert callee == inner["function"]
+
+
+@pytest.mark.parametrize("mode,variant", [
+    pytest.param("unwind", {"opt": "O2", "frame_pointer": False}, id="unwind-O2-omit-frame-pointer"),
+    pytest.param("instrumented", {"opt": "O0"}, id="instrumented-O0"),
+])
+def test_contexts_equal_gdb(bpf: None, workdir: str, mode: str, variant: dict[str, object]) -> None:
+    from gdb_threads import gdb_threads
+
+    require_tool("gdb")
+    with blocked_program(DEPTH, **variant) as prog:
+        binary = Path(os.readlink(f"/proc/{prog.pid}/exe"))
+        config = Path(workdir) / "ccprofd.toml"
+        config.write_text(f"""
+[daemon]
+state_dir = "{workdir}/state"
+grpc_listen = "unix://{workdir}/ccprofd.sock"
+metrics_listen = "127.0.0.1:0"
+
+[[target]]
+name = "blocked"
+path = "{binary}"
+syscalls = ["getppid"]
+mode = "{mode}"
+""")
+        daemon = subprocess.Popen([sys.executable, "-m", "ccprofd.cli", "run", "--config", str(config)],
+                                  cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        sock = f"{workdir}/ccprofd.sock"
+        try:
+            def tracked() -> bool:
+                if daemon.poll() is not None:
+                    raise AssertionError(f"daemon exited: {daemon.communicate()[1]}")
+                if not os.path.exists(sock):
+                    return False
+                out = ctl(sock, "targets", "--json")
+                return out.returncode == 0 and any(
+                    p["pid"] == prog.pid for t in json.loads(out.stdout) for p in t.get("processes", []))
+
+            wait_for(tracked, timeout=300)
+            wait_for(lambda: all_blocked(prog.pid), timeout=60)
+            out = ctl(sock, "contexts", str(prog.pid), "--format", "json")
+            assert out.returncode == 0, out.stderr
+            doc = json.loads(out.stdout)
+            assert doc["pid"] == prog.pid and doc["target"] == "blocked" and doc["mode"] == mode
+            text = ctl(sock, "contexts", str(prog.pid))
+            assert text.returncode == 0
+            assert f"pid {prog.pid} (target blocked, {mode} mode): 4 threads" in text.stdout
+
+            wait_for(lambda: all_blocked(prog.pid), timeout=60)
+            gdb = gdb_threads(prog.pid)
+            assert sorted(gdb) == sorted(t["tid"] for t in doc["threads"])
+            calls = {c.vaddr + 5: (c.vaddr, c.target) for c in direct_call_sites(binary)}  # e8 rel32: 5 bytes
+            chains = set()
+            for t in doc["threads"]:
+                assert t["complete"] is True and t["reason"] is None
+                check_thread(t["frames"], list(gdb[t["tid"]].frames), binary, calls)
+                chains.add(tuple(f["function"] for f in t["frames"] if f["analysed"]))
+            for fn in ("down_read", "down_sleep", "down_sig", "down_main"):
+                assert any(fn in c for c in chains), (fn, chains)
+            if variant["opt"] == "O0":  # at -O0 every level of the recursion is a frame
+                assert any(c.count("down_sig") == DEPTH + 1 and "on_usr2" in c and "handler_main" in c
+                           for c in chains)
+
+            # ptrace refused (strace holds the process): one line saying so, non-zero exit
+            strace = require_tool("strace")
+            tracer = subprocess.Popen([strace, "-qq", "-o", "/dev/null", "-p", str(prog.pid)],
+                                      stderr=subprocess.DEVNULL)
+            try:
+                wait_for(lambda: tracer_of(prog.pid) == tracer.pid, timeout=60)
+                refused = ctl(sock, "contexts", str(prog.pid))
+                assert refused.returncode != 0 and "Traceback" not in refused.stderr
+                assert f"already traced by pid {tracer.pid} (strace)" in refused.stderr
+                assert len(refused.stderr.strip().splitlines()) == 1
+            finally:
+                tracer.terminate()
+                tracer.wait()
+            unknown = ctl(sock, "contexts", "1")
+            assert unknown.returncode != 0 and "pid 1" in unknown.stderr
+            wait_for(lambda: all_blocked(prog.pid), timeout=60)
+            assert release(prog) == (EXPECTED_OUTPUT, 0)
+        finally:
+            daemon.terminate()
+            try:
+                daemon.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                daemon.wait()
