@@ -16,9 +16,11 @@ Three parts, each usable alone:
   different moments of the same hit.
 
 What is compared: the walk's return addresses that fall in the target binary's executable
-segments (translated to ELF vaddrs with the process's load bias), from the innermost one outwards
-until the first address outside the binary (past foreign code the rbp chain is not trustworthy:
-libraries are built without frame pointers), against the decoded frames' ``return_address`` values,
+segments (translated to ELF vaddrs with the process's load bias), from the first one after the
+sampled ip outwards until the first address outside the binary (an outside address right after the
+ip -- a signal frame's ``__restore_rt``, a library frame, a garbage ``rbp`` -- means nothing is
+compared; past foreign code the rbp chain is not trustworthy: libraries are built without frame
+pointers), against the decoded frames' ``return_address`` values,
 innermost first.  The walk may lack the innermost one: a frameless library leaf (``write``) leaves
 ``rbp`` at its caller's frame, so the return address of the binary's call into the library is never
 read; the alignment allows exactly that one-frame offset and nothing else.  When the decoded
@@ -130,13 +132,13 @@ def compare_stack(frames: Sequence[HasReturnAddress], walk: Sequence[int | None]
     for addresses outside it; innermost first, ``walk[0]`` the sampled ip).  See the module docstring
     for the rules."""
     decoded = [f.return_address for f in reversed(frames) if f.return_address is not None]
+    # The run starts right after the ip: an address outside the binary there is a library frame
+    # with a frame pointer, a signal frame (__restore_rt) or a garbage rbp -- in every case what
+    # follows is no longer known to continue the innermost binary frame's chain.
     i = 1
-    while i < len(walk) and walk[i] is None:
-        i += 1
-    start = i
     while i < len(walk) and walk[i] is not None:
         i += 1
-    run = [int(a) for a in walk[start:i] if a is not None]
+    run = [int(a) for a in walk[1:i] if a is not None]
     if not run:
         return StackCheck(0, False, "the walk reached no frame of the binary")
     ended_outside = i < len(walk)
@@ -275,34 +277,21 @@ class FpVerifier:
                 self.counts.examples.append(f"tid {s.tid} syscall {s.syscall}: {result.detail}")
 
 
-PROLOGUE_BYTES = 32
-#: Start-up code the C runtime links into every program (assembly or built without frame pointers);
-#: it is not the program's own code and says nothing about how the program was compiled.
-CRT_FUNCTIONS = frozenset({"_start", "_init", "_fini", "deregister_tm_clones", "register_tm_clones",
-                           "__do_global_dtors_aux", "frame_dummy", "__libc_csu_init", "__libc_csu_fini",
-                           "_dl_relocate_static_pie"})
+def frame_pointer_calls(rules: Iterable[int]) -> tuple[int, int]:
+    """(calls made with the CFA defined from ``rbp``, calls with a known CFA rule), for the
+    ``.eh_frame`` rule kind (:mod:`ccprofd.callgraph.cfi`) at each call instruction of the binary.
+    A function compiled with frame pointers defines its CFA from ``rbp`` once its frame is set up —
+    also in split-off ``.cold`` parts, which a prologue check would miss — and one without them from
+    ``rsp``, so this says whether the walk can go through the binary's frames."""
+    from ccprofd.callgraph.cfi import CFA_RBP, CFA_RSP
 
-
-def sets_up_frame_pointer(code: bytes) -> bool:
-    """From a function's first :data:`PROLOGUE_BYTES` bytes: ``push %rbp`` first (after an optional
-    ``endbr64``) and a ``mov %rsp,%rbp`` shortly after (at -O2 compilers schedule other
-    instructions in between)."""
-    if code.startswith(b"\xf3\x0f\x1e\xfa"):
-        code = code[4:]
-    return code.startswith(b"\x55") and b"\x48\x89\xe5" in code
-
-
-def keeps_frame_pointers(functions: Iterable[tuple[bytes, int]]) -> tuple[int, int]:
-    """(call sites in functions that set up rbp as a frame pointer, call sites looked at), for
-    ``(prologue bytes, number of call sites)`` per function: weighted by call sites, because the
-    frames a walk goes through are the ones that made calls."""
     fp = total = 0
-    for code, sites in functions:
-        total += sites
-        if sets_up_frame_pointer(code):
-            fp += sites
+    for kind in rules:
+        if kind in (CFA_RBP, CFA_RSP):
+            total += 1
+            fp += kind == CFA_RBP
     return fp, total
 
 
-__all__ = ["CRT_FUNCTIONS", "MAX_FRAMES", "PROLOGUE_BYTES", "FpStack", "FpStackSampler", "FpVerifier",
-           "StackCheck", "VerifyCounts", "compare_stack", "keeps_frame_pointers", "sets_up_frame_pointer"]
+__all__ = ["MAX_FRAMES", "FpStack", "FpStackSampler", "FpVerifier", "StackCheck", "VerifyCounts",
+           "compare_stack", "frame_pointer_calls"]

@@ -187,27 +187,16 @@ class InstrumentedMode:
         """--verify: a frame-pointer walk at each sampled syscall, joined with the samples in poll().
         A binary whose functions do not keep frame pointers is not checked (the walk would be wrong,
         not the context): the exit line says so."""
-        from ccprofd.bpf.fpverify import (
-            CRT_FUNCTIONS,
-            PROLOGUE_BYTES,
-            FpStackSampler,
-            FpVerifier,
-            keeps_frame_pointers,
-        )
+        from ccprofd.bpf.fpverify import FpStackSampler, FpVerifier, frame_pointer_calls
         from ccprofd.bpf.probeplan import CCOL
+        from ccprofd.callgraph.cfi import build_table
 
-        sites: dict[int, int] = {}
-        for c in self.probe_plan.callsites:
-            if not c[CCOL["is_jump"]]:
-                sites[c[CCOL["caller"]]] = sites.get(c[CCOL["caller"]], 0) + 1
-        names = self.probe_plan.names
-        fp, total = keeps_frame_pointers(
-            (image.bytes_at(lo, min(PROLOGUE_BYTES, hi - lo)), sites[node])
-            for lo, hi, node in self.probe_plan.functions
-            if node in sites and not lo <= image.entry < hi and names.get(node) not in CRT_FUNCTIONS)
-        if total == 0 or fp * 3 < total * 2:
-            self.verify_skipped = (f"{self.path} does not keep frame pointers ({fp} of its {total} calls are "
-                                   "made by functions that set up rbp)")
+        table = build_table(image)
+        fp, total = frame_pointer_calls(table.lookup(c[CCOL["vaddr"]]).kind for c in self.probe_plan.callsites
+                                        if not c[CCOL["is_jump"]])
+        if total == 0 or fp * 10 < total * 9:
+            self.verify_skipped = (f"{self.path} does not keep frame pointers (.eh_frame: {fp} of its "
+                                   f"{total} calls are made with the frame defined from rbp)")
             return
         self._fp = FpStackSampler(syscalls=nrs)
         self._fp.attach()
