@@ -233,6 +233,8 @@ def test_daemon_learn_kill_restart_detect_upgrade(bpf: None, workdir: str, tmp_p
         assert d.metrics("ccprofd_alerts_total") == {
             (("kind", "unseen_context"), ("syscall", "openat"), ("target", "srv")): 1.0}
         assert d.metrics("ccprofd_anomaly_needs_learning") == {}
+        listed = d.stub.ListTargets(pb.ListTargetsRequest(), timeout=5).targets
+        assert not any(t.needs_learning for t in listed)
 
         # -- upgrade: another build at the same path ---------------------------------------
         new = compile_server(Path(workdir) / "srv.new", 1)
@@ -247,6 +249,18 @@ def test_daemon_learn_kill_restart_detect_upgrade(bpf: None, workdir: str, tmp_p
 
             [labels] = wait_for(reported, timeout=60)
             assert dict(labels)["reason"] == "upgraded" and dict(labels)["build_id"] != learned.build_id
+            # ListTargets says the same through the real gRPC channel, with the running build's id
+            # as readelf reads it, and ccprofctl targets prints it
+            notes = subprocess.run(["readelf", "-n", str(binary)], capture_output=True, text=True,
+                                   check=True).stdout
+            new_build_id = notes.split("Build ID:")[1].split()[0]
+            [srv] = [t for t in d.stub.ListTargets(pb.ListTargetsRequest(), timeout=5).targets
+                     if t.name == "srv"]
+            assert [(n.binary, n.build_id, n.reason) for n in srv.needs_learning] == [
+                (dict(labels)["binary"], new_build_id, "upgraded")]
+            text = subprocess.run([sys.executable, "-m", "ccprofd.ctl", "--socket", f"{workdir}/ccprofd.sock",
+                                   "targets"], capture_output=True, text=True, timeout=60).stdout
+            assert f"needs re-learning: {dict(labels)['binary']}  build-id {new_build_id}  (upgraded" in text
         finally:
             upgraded.close()
         err = d.stop()
