@@ -1,8 +1,9 @@
-"""End to end with real BPF: the real ``ccprofd run`` process (the tracer's instrumented mode through
-:mod:`ccprofd.daemon.tracer_source`) on a config naming a test program, the program running, every
-RPC through a real gRPC channel on the Unix socket, ``/metrics`` over HTTP with the hot-context
-counts checked against the syscalls the program made, SIGHUP with a changed config, SIGTERM, and
-no uprobe link left afterwards (``bpftool link show``)."""
+"""End to end with real BPF, in each tracer mode (unwind, the default, and instrumented): the real
+``ccprofd run`` process (the tracer through :mod:`ccprofd.daemon.tracer_source`) on a config naming a
+test program, the program running, every RPC through a real gRPC channel on the Unix socket,
+``/metrics`` over HTTP with the hot-context counts checked against the syscalls the program made,
+SIGHUP with a changed config, SIGTERM, and no BPF link or program of the daemon left afterwards
+(its link and program ids, read from its own fds while it ran, absent from ``bpftool``)."""
 
 from __future__ import annotations
 
@@ -72,6 +73,31 @@ def uprobe_links() -> set[int]:
     }
 
 
+def daemon_bpf_objects(pid: int) -> tuple[dict[int, str], set[int]]:
+    """(link id -> link type, program ids) of the BPF links and programs ``pid`` holds fds of
+    (``/proc/PID/fdinfo``: the kernel's own record, whatever library made them)."""
+    links: dict[int, str] = {}
+    progs: set[int] = set()
+    for fd in os.listdir(f"/proc/{pid}/fdinfo"):
+        try:
+            with open(f"/proc/{pid}/fdinfo/{fd}") as fh:
+                info = dict(line.split(":", 1) for line in fh.read().splitlines() if ":" in line)
+        except OSError:
+            continue
+        info = {k.strip(): v.strip() for k, v in info.items()}
+        if "link_id" in info:
+            links[int(info["link_id"])] = info.get("link_type", "?")
+        if "prog_id" in info and "link_id" not in info:
+            progs.add(int(info["prog_id"]))
+    return links, progs
+
+
+def bpftool_ids(kind: str) -> set[int]:
+    bpftool = require_tool("bpftool")
+    out = subprocess.run([bpftool, "-j", kind, "show"], capture_output=True, text=True, check=True).stdout
+    return {int(obj["id"]) for obj in json.loads(out or "[]")}
+
+
 @pytest.fixture
 def workdir() -> Iterator[str]:
     d = short_tmpdir()
@@ -79,7 +105,7 @@ def workdir() -> Iterator[str]:
     shutil.rmtree(d, ignore_errors=True)
 
 
-def write_config(path: Path, workdir: str, binary: Path, syscalls: str) -> None:
+def write_config(path: Path, workdir: str, binary: Path, syscalls: str, mode: str) -> None:
     path.write_text(f"""
 [daemon]
 state_dir = "{workdir}/state"
@@ -91,18 +117,18 @@ top_k = 5
 name = "prog"
 path = "{binary}"
 syscalls = {syscalls}
-mode = "instrumented"
+mode = "{mode}"
 """)
 
 
-def test_daemon_end_to_end(bpf: None, workdir: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["unwind", "instrumented"])
+def test_daemon_end_to_end(bpf: None, workdir: str, tmp_path: Path, mode: str) -> None:
     binary = compile_c(tmp_path, "e2eprog", PROGRAM, "-O0", "-fno-omit-frame-pointer")
-    before = uprobe_links()
     prog = subprocess.Popen([str(binary)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert prog.stdout is not None and prog.stdin is not None
     assert prog.stdout.readline() == "ready\n"
     config = Path(workdir) / "ccprofd.toml"
-    write_config(config, workdir, binary, '["getppid"]')
+    write_config(config, workdir, binary, '["getppid"]', mode)
     daemon = subprocess.Popen(
         [sys.executable, "-m", "ccprofd.cli", "run", "--config", str(config)],
         cwd=ROOT,
@@ -125,7 +151,14 @@ def test_daemon_end_to_end(bpf: None, workdir: str, tmp_path: Path) -> None:
             return any(p.pid == prog.pid for t in resp.targets for p in t.processes)
 
         wait_for(tracked, timeout=300)
-        assert uprobe_links() - before, "the daemon attached no uprobe link"
+        links, progs = daemon_bpf_objects(daemon.pid)
+        # instrumented mode: uprobe_multi links on the program; unwind mode: the unwinder at
+        # raw_syscalls:sys_enter (ids of the daemon's own links: other processes' come and go)
+        want = "uprobe" if mode == "instrumented" else "raw_tracepoint"
+        assert any(want in kind for kind in links.values()), links
+        assert progs
+        if mode == "instrumented":
+            assert uprobe_links() & set(links), "bpftool lists none of the daemon's links as uprobe links"
         prog.stdin.write("go\n")
         prog.stdin.flush()
         assert prog.stdout.readline() == "done 1\n"
@@ -140,10 +173,18 @@ def test_daemon_end_to_end(bpf: None, workdir: str, tmp_path: Path) -> None:
         # (the process was running at attach, so the tracer may flag them incomplete and report only
         # the suffix it knows — but never merge or split them).
         rows = [(h.count, h.leaf, h.syscall, h.context) for h in hot.contexts]
-        assert sorted((c, leaf, sc) for c, leaf, sc, _ in rows) == [
-            (N_B, "leaf", "getppid"),
-            (N_A, "leaf", "getppid"),
+        # unwind mode also reports the frames inward of the program's: libc's getppid is the leaf
+        leaf = "getppid" if mode == "unwind" else "leaf"
+        assert sorted((c, lf, sc) for c, lf, sc, _ in rows) == [
+            (N_B, leaf, "getppid"),
+            (N_A, leaf, "getppid"),
         ], hot
+        chains = {h.count: [f.function for f in h.frames if f.analysed] for h in hot.contexts}
+        if mode == "unwind":  # a whole stack unwound at each sample: complete although attached late
+            assert chains == {N_A: ["main", "work_a", "leaf"], N_B: ["main", "work_b", "leaf"]}, hot
+            assert all(h.complete and h.frames[-1].module.endswith("libc.so.6") for h in hot.contexts)
+        else:
+            assert all(chain[-1:] == ["leaf"] for chain in chains.values()), hot
         assert hot.total_samples == N_A + N_B
         counts = {ctx: c for c, _, _, ctx in rows}
 
@@ -165,7 +206,7 @@ def test_daemon_end_to_end(bpf: None, workdir: str, tmp_path: Path) -> None:
         assert sum(series.values()) == N_A + N_B
 
         # SIGHUP with a changed config (another syscall set): re-attached, still serving.
-        write_config(config, workdir, binary, '["getppid", "write"]')
+        write_config(config, workdir, binary, '["getppid", "write"]', mode)
         daemon.send_signal(signal.SIGHUP)
 
         def reloaded() -> bool:
@@ -176,6 +217,9 @@ def test_daemon_end_to_end(bpf: None, workdir: str, tmp_path: Path) -> None:
 
         wait_for(reloaded, timeout=300)
         wait_for(tracked, timeout=300)
+        reloaded_links, reloaded_progs = daemon_bpf_objects(daemon.pid)
+        links.update(reloaded_links)
+        progs |= reloaded_progs
 
         daemon.send_signal(signal.SIGTERM)
         _, err = daemon.communicate(timeout=120)
@@ -187,7 +231,8 @@ def test_daemon_end_to_end(bpf: None, workdir: str, tmp_path: Path) -> None:
             daemon.wait()
         prog.stdin.close()
         prog.wait(timeout=30)
-    assert not (uprobe_links() - before), "uprobe links left attached after SIGTERM"
+    assert not set(links) & bpftool_ids("link"), "links of the daemon left after SIGTERM"
+    assert not progs & bpftool_ids("prog"), "programs of the daemon left loaded after SIGTERM"
     assert not os.path.exists(sock)
 
 
