@@ -487,7 +487,11 @@ def _gated_child(path: str, argv: Sequence[str]) -> tuple[int, int]:
             os.close(r)
             if go != b"x":
                 os._exit(125)
-            signal.signal(signal.SIGINT, signal.SIG_DFL)
+            # Python ignores SIGPIPE and SIGXFSZ and an ignored disposition survives exec: give
+            # the command the dispositions its shell would (`ccprofd trace -- yes | head` must end
+            # by SIGPIPE, not loop on EPIPE), as subprocess's restore_signals does.
+            for sig in (signal.SIGINT, signal.SIGPIPE, signal.SIGXFSZ):
+                signal.signal(sig, signal.SIG_DFL)
             os.execv(path, list(argv))
         except OSError as exc:
             with contextlib.suppress(OSError):
