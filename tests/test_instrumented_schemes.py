@@ -139,13 +139,13 @@ def test_scheme_stripped(scheme: str, name: str, pie: bool, tmp_path: pathlib.Pa
 
 # ------------------------------------------------------------------------------ state level
 def _recorded_states(monkeypatch: pytest.MonkeyPatch, argv: list[str],
-                     scheme: str) -> Iterator[tuple[Any, int, list[Any], dict[str, Any]]]:
+                     scheme: str) -> Iterator[tuple[Any, int, list[Any], Mapping[str, Any]]]:
     """Run ``argv`` traced in-process and yield, per decoded sample, (EncodedState from BPF, node,
     decoded path, the plan): what the symboliser handed the plan's decoder."""
     from ccprofd.daemon import tracer
     from ccprofd.decode import CachingDecoder
 
-    seen: list[tuple[Any, int, list[Any], dict[str, Any]]] = []
+    seen: list[tuple[Any, int, list[Any], Mapping[str, Any]]] = []
     real = CachingDecoder.decode
 
     def recording(self: CachingDecoder, state: Any, node: int) -> list[Any]:
