@@ -166,3 +166,43 @@ def test_errors_are_one_line_values() -> None:
             time.sleep(0.01)
         assert snapshot(proc.pid, ModuleCache()).error is None  # free again once strace detached
         assert release(proc) == (EXPECTED_OUTPUT, 0)
+
+
+def test_threads_stopped_in_the_vdso_unwind_through_its_own_eh_frame() -> None:
+    """A thread spinning in clock_gettime (answered inside the vDSO): the process is group-stopped
+    (SIGSTOP) at arbitrary moments until one snapshot finds the thread's pc in [vdso]; that snapshot
+    is then compared with gdb attached to the same stopped process (the threads do not move)."""
+    import signal
+
+    require_tool("gdb")
+    exe = programs.build("vdso_loop", opt="O2", frame_pointer=False)
+    proc = subprocess.Popen([str(exe), str(10**15)], stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == b"vdso_loop: start\n"
+        modules = ModuleCache()
+        for _ in range(500):
+            os.kill(proc.pid, signal.SIGSTOP)
+            while Path(f"/proc/{proc.pid}/stat").read_text().rpartition(")")[2].split()[0] != "T":
+                time.sleep(0.001)
+            snap = snapshot(proc.pid, modules)
+            assert snap.error is None
+            (th,) = snap.threads
+            assert th.stack is not None and th.stack.complete, th.stack
+            inner = th.stack.frames[-1]
+            if inner.module is not None and inner.module.path == "[vdso]":
+                break
+            os.kill(proc.pid, signal.SIGCONT)
+        else:
+            pytest.fail("no stop landed in the vDSO in 500 tries")
+        # back in its group stop after our detach (woken only to re-enter it, it runs no user code:
+        # gdb attached now sees the very stack the snapshot saw)
+        while Path(f"/proc/{proc.pid}/stat").read_text().rpartition(")")[2].split()[0] != "T":
+            time.sleep(0.001)
+        (g,) = gdb_threads(proc.pid).values()
+        assert [f.pc for f in reversed(th.stack.frames)] == [f.pc for f in g.frames]
+        assert g.frames[0].module == "[vdso]"
+        names = [f.name for f in g.frames]
+        assert "spin_monotonic" in names and "main" in names
+    finally:
+        proc.kill()
+        proc.wait()
