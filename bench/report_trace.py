@@ -30,37 +30,28 @@ class NotMeasured(Exception):
 
 class WeightedInstrumentedMode(InstrumentedMode):
     """Instrumented mode whose Valence plan is built with edge weights (hot incoming edges get the
-    all-zero code, hence no probe).  Same steps as :meth:`InstrumentedMode.prepare` otherwise."""
+    all-zero code, hence no probe): ``ccprofd trace --edge-weights FILE``, the in-memory counts of the
+    profiling run written to a temporary weights file first."""
 
     def __init__(self, binary: str, options: TraceOptions, weights: Mapping[EdgeKey, int]) -> None:
-        super().__init__(binary, options)
-        self.weights = dict(weights)
+        import dataclasses
+        import tempfile
 
-    def prepare(self) -> None:
-        from ccprofd.bpf.instrumented import InstrumentedBPF
-        from ccprofd.bpf.probeplan import build_probe_plan
-        from ccprofd.bpf.syscall_names import parse_syscalls
         from ccprofd.callgraph import analyze_binary
-        from ccprofd.callgraph.elfimage import ElfImage
-        from ccprofd.decode.frames import Symbolizer
-        from ccprofd.encode import get_plan
+        from ccprofd.encode.weightsfile import save_weights
 
-        nrs = parse_syscalls(self.options.syscalls)
-        cache = Path(self.options.cache_dir) if self.options.cache_dir else None
-        graph = analyze_binary(self.path, cache_dir=cache)
-        plan = get_plan(graph, self.options.encoding, weights=self.weights, cache_dir=cache)
-        pp = build_probe_plan(
-            graph,
-            plan,
-            ElfImage(self.path),
-            sample_points="all" if self.options.sample_hz else "syscalls",
-            scope=self.options.scope,
-        )
-        self.build_id = graph.binary.build_id
-        self.probe_plan = pp
-        self._sym = Symbolizer(pp, plan)
-        self._bpf = InstrumentedBPF(pp, plan, syscalls=nrs)
-        self._bpf.attach()
+        graph = analyze_binary(binary, cache_dir=Path(options.cache_dir) if options.cache_dir else None)
+        fd, self.weights_file = tempfile.mkstemp(prefix="ccprofd-weights-", suffix=".json")
+        os.close(fd)
+        b = graph.binary
+        identity = {"path": b.path, "build_id": b.build_id, "content_hash": b.content_hash}
+        save_weights(self.weights_file, identity, weights)
+        super().__init__(binary, dataclasses.replace(options, edge_weights=self.weights_file))
+
+    def close(self) -> None:
+        super().close()
+        with contextlib.suppress(OSError):
+            os.unlink(self.weights_file)
 
 
 @dataclass
