@@ -9,8 +9,9 @@ Sections (each one degrades to "not measured: <reason>" instead of failing the r
 
 1. static statistics per binary (report_static.py);
 2. per workload (report_workloads.py): untraced runs; every direct call site probed (call counts,
-   edge weights, cost); ``bpf_get_stack`` at every syscall; ccprofd instrumented mode (default plan,
-   hot-edge zero codes from the counted weights, ``--scope``) and unwind mode (with CPU-clock
+   edge weights, cost); ``bpf_get_stack`` at every syscall; ccprofd instrumented mode (default Valence
+   plan, PCCE and HCCE plans maintained live, hot-edge zero codes from the counted weights,
+   ``--scope``) and unwind mode (with CPU-clock
    samples); ``strace -f -k`` of the same command, which is also the correctness oracle; encoding
    lengths of every sample re-encoded under PCCE/Valence/HCCE (report_encode.py); userspace decode
    cost;
@@ -267,6 +268,9 @@ def run_workload(
     samples: dict[str, list[list[dict[str, Any]]]] = {}
     specs: list[tuple[str, dict[str, Any]]] = [
         ("instrumented", {}),
+        # Per-scheme instrumentation cost (Figure 6's PCCE/HCCE bars): the same mode, other plans.
+        ("instrumented_pcce", {"encoding": "pcce"}),
+        ("instrumented_hcce", {"encoding": "hcce"}),
         ("instrumented_hot", {"weights": weights} if weights else {}),
         ("instrumented_scope", {}),
         ("unwind", {"variant": "unwind", "sample_hz": CPU_SAMPLE_HZ}),
@@ -286,7 +290,7 @@ def run_workload(
             with Tracer(w.binary, **kw) as tracer:
                 summary, first = _traced(w, tracer, repeat)
             variants[name] = summary
-            if name in ("instrumented", "unwind"):
+            if name in ("instrumented", "instrumented_pcce", "instrumented_hcce", "unwind"):
                 samples[name] = [r.samples for r in first]  # per invocation
 
     untraced = variants.get("untraced", {})

@@ -2,10 +2,10 @@
 Session classes (what ``ccprofd trace`` runs), launched through :func:`report_bpf.launch` like every
 baseline so that wall times are comparable.
 
-Variants: ``instrumented`` (the default Valence plan), ``instrumented`` with hot-edge zero coding
-(the plan built with edge weights from a profiling run, :class:`WeightedInstrumentedMode`),
-``--scope``, and ``unwind`` when the tracer has it (otherwise :class:`NotMeasured` carries the
-tracer's own one-line reason).
+Variants: ``instrumented`` (the default Valence plan, or ``encoding="pcce"|"hcce"`` for the
+per-scheme cost), ``instrumented`` with hot-edge zero coding (the plan built with edge weights from a
+profiling run, :class:`WeightedInstrumentedMode`), ``--scope``, and ``unwind`` when the tracer has it
+(otherwise :class:`NotMeasured` carries the tracer's own one-line reason).
 """
 
 from __future__ import annotations
@@ -105,13 +105,15 @@ class Tracer:
         syscalls: str | None = None,
         sample_hz: int = 0,
         cache_dir: str | None = None,
+        encoding: str = "valence",
     ) -> None:
         import time
 
         self.variant = variant
         mode_name = "unwind" if variant.startswith("unwind") else "instrumented"
         opts = TraceOptions(
-            mode=mode_name, syscalls=syscalls, scope=scope, cache_dir=cache_dir, sample_hz=sample_hz
+            mode=mode_name, syscalls=syscalls, scope=scope, cache_dir=cache_dir, sample_hz=sample_hz,
+            encoding=encoding,
         )
         path = os.path.realpath(binary)
         t0 = time.perf_counter()

@@ -98,6 +98,14 @@ def test_numbers_are_consistent(report: tuple[pathlib.Path, dict[str, Any]]) -> 
         assert avg["valence"] <= avg["pcce"]  # recursive workloads: Valence's recID is the shorter one
         fid = w["fidelity"]["instrumented"]
         assert fid["compared"] > 0 and fid["wrong"] == 0, fid
+        # Per-scheme instrumentation cost: PCCE and HCCE plans maintained live, checked like Valence.
+        for scheme in ("pcce", "hcce"):
+            sv = v[f"instrumented_{scheme}"]
+            assert "not_measured" not in sv and "error" not in sv, sv
+            assert sv["samples"] > 0 and sv["probe_hits"] > 0, (scheme, sv)
+            assert sv["ratio_wall"] > 0 and sv["hits_per_1000_calls"] > 0
+            sf = w["fidelity"][f"instrumented_{scheme}"]
+            assert sf["compared"] > 0 and sf["wrong"] == 0, (scheme, sf)
     # recursion.c at depth 100: the deepest sample has > 100 frames of the binary, in one word per frame
     assert wls["test:recursion"]["lengths"]["max"]["plain"] > 100
     q = results["query"]
