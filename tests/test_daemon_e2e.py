@@ -197,7 +197,7 @@ def test_daemon_end_to_end(bpf: None, workdir: str, tmp_path: Path, mode: str) -
         (thread,) = stub.GetThreadContexts(pb.GetThreadContextsRequest(pid=prog.pid), timeout=60).threads
         assert thread.tid == prog.pid and thread.complete
         assert [f.function for f in thread.frames if f.analysed] == ["main"]
-        assert thread.frames[-1].module.endswith("libc.so.6") and thread.frames[0].function == "_start"
+        assert thread.frames[-1].module.endswith("libc.so.6") and thread.frames[0].function == "main"
 
         # Prometheus: the hot-context series of work_a/work_b carry the same counts.
         metrics = scrape_metrics(daemon)

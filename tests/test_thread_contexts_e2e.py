@@ -2,11 +2,14 @@
 tests/programs/blocked.c (four threads blocked at known depths: read, nanosleep, read inside a signal
 handler, the main thread's read), ``ccprofctl contexts PID --format json`` over the real Unix
 socket, and every thread's frames compared with what gdb -- attached afterwards, the threads still
-blocked where they were -- walks for that thread: the same number of frames, the same modules, each
+blocked where they were -- walks for that thread: the same frames (from the outermost analysed
+one down, as in a sample; gdb's start-up frames above it are checked to be unanalysed), modules, each
 return address at gdb's pc, each analysed frame's name gdb's, and each analysed caller's
 ``call_site`` the ``call`` instruction objdump lists right before that return address, calling the
 next frame's function.  Then the program is released and must print what it prints untraced (no
-EINTR, the sleep not cut short) and exit 0.  Unwind mode (default) and instrumented mode.
+EINTR, the sleep not cut short) and exit 0.  Unwind mode (default) and instrumented mode.  And the
+frames equal, thread by thread, the JSON frames ``ccprofd trace`` (unwind mode) sampled at the
+entry of the syscall each thread is blocked in: the same stack, the tracer's own frame contract.
 """
 
 from __future__ import annotations
@@ -54,9 +57,16 @@ def vaddr_of(module: str, offset: int) -> int:
 def check_thread(frames: list[dict[str, object]], gdb_frames: list[object], binary: Path,
                  calls: dict[int, tuple[int, str]]) -> None:
     """One thread's JSON frames (outermost first) against gdb's walk (innermost first)."""
-    want = list(reversed(gdb_frames))
-    assert len(frames) == len(want), ([f["function"] for f in frames], [g.name for g in want])  # type: ignore[attr-defined]
     real_binary = os.path.realpath(binary)
+    want = list(reversed(gdb_frames))
+    # as in a sample, the frames begin at the outermost analysed one: gdb's start-up frames above it
+    # (_start, __libc_start_main, start_thread, clone3) are left out, and only those
+    cut = len(want) - len(frames)
+    assert cut >= 0, ([f["function"] for f in frames], [g.name for g in want])  # type: ignore[attr-defined]
+    for g in want[:cut]:
+        assert os.path.realpath(g.module) != real_binary or g.name == "_start", g  # type: ignore[attr-defined]
+    want = want[cut:]
+    assert frames[0]["analysed"] is True
     for i, (f, g) in enumerate(zip(frames, want, strict=True)):
         exact = i == len(want) - 1 or want[i + 1].sigtramp  # type: ignore[attr-defined]
         module = os.path.realpath(g.module)  # type: ignore[attr-defined]
@@ -167,3 +177,49 @@ mode = "{mode}"
             except subprocess.TimeoutExpired:
                 daemon.kill()
                 daemon.wait()
+
+
+def test_snapshot_frames_equal_the_tracers_samples_of_the_same_stacks(bpf: None, tmp_path: Path) -> None:
+    """The frame contract is the tracer's: while ``ccprofd trace`` (unwind mode) runs blocked.c, each
+    thread's last sample -- taken at the entry of the read/nanosleep it then blocks in, i.e. on the
+    very stack it is blocked with -- must carry the same JSON frames as a snapshot of that thread."""
+    from test_userstack import programs
+
+    from ccprofd.daemon.threadsnap import ContextReader
+
+    exe = programs.build("blocked", opt="O2", frame_pointer=False)
+    out = tmp_path / "samples.jsonl"
+    trace = subprocess.Popen([sys.executable, "-m", "ccprofd.cli", "trace", "--mode", "unwind",
+                              "--syscalls", "read,clock_nanosleep", "--format", "jsonl", "--output", str(out),
+                              "--", str(exe), "4"], cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             stderr=subprocess.PIPE, text=True)
+    try:
+        assert trace.stdout is not None and trace.stdin is not None
+        line = trace.stdout.readline()
+        assert line.startswith("ready "), trace.stderr.read() if trace.stderr else line
+        pid = int(line.split()[1])
+        wait_for(lambda: all_blocked(pid), timeout=120)
+
+        def last_samples() -> dict[int, dict[str, object]]:
+            last: dict[int, dict[str, object]] = {}
+            for row in out.read_text().splitlines() if out.exists() else []:
+                s = json.loads(row)
+                last[s["tid"]] = s
+            blocking = {t: s for t, s in last.items() if s["syscall"] in ("read", "clock_nanosleep")}
+            return blocking if len(blocking) == 4 else {}
+
+        samples = wait_for(last_samples, timeout=120)
+        snap = ContextReader(str(exe)).read(pid)
+        assert snap["error"] is None
+        assert sorted(samples) == sorted(t["tid"] for t in snap["threads"])
+        for t in snap["threads"]:
+            s = samples[t["tid"]]
+            assert s["complete"] is True and t["complete"] is True
+            assert t["frames"] == s["frames"], t["tid"]
+        assert any(f["function"] == "on_usr2" for t in snap["threads"] for f in t["frames"])
+        stdout, _ = trace.communicate("go\n", timeout=300)
+        assert (stdout, trace.returncode) == (EXPECTED_OUTPUT, 0)
+    finally:
+        if trace.poll() is None:
+            trace.kill()
+            trace.wait()

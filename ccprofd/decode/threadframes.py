@@ -14,8 +14,8 @@ The frame contract is the one of ``ccprofd trace`` in unwind mode (ccprofd/bpf/u
 * the vDSO is a module named ``[vdso]`` (its image read from the process, see threadsnap.py);
 * a pc in no file mapping (JIT code, a deleted file): all null but ``return_address``.
 
-Tail calls leave no trace on the stack, so no ``tail_call`` frame appears here; gdb shows none
-either.  Frames are outermost first.
+Frames are outermost first and, as in a sample, begin at the outermost analysed frame.  Tail calls
+leave no trace on the stack, so no ``tail_call`` frame appears here; gdb shows none either.
 """
 
 from __future__ import annotations
@@ -120,5 +120,10 @@ class FrameDecoder:
         return Frame(self._name(m, lookup), m.path, self.build_id_of(m), False, None, None if f.exact else v)
 
     def frames(self, raw: Iterable[RawFrame]) -> list[Frame]:
-        """JSON-able frames, in the order given (outermost first for a stack)."""
-        return [self.frame(f) for f in raw]
+        """JSON-able frames of a stack (outermost first), from its outermost analysed frame down, as
+        the tracer reports a sample (the start-up frames above ``main`` or a thread's start routine
+        -- ``_start``, ``__libc_start_main``, ``start_thread``, ``clone3`` -- are left out).  A stack
+        with no analysed frame is reported whole (a sample would have no frame at all)."""
+        out = [self.frame(f) for f in raw]
+        first = next((i for i, f in enumerate(out) if f.analysed), 0)
+        return out[first:]
