@@ -63,6 +63,7 @@ own ``execve`` has ``exe = None`` and a later ``execve("/bin/echo")`` has the an
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import os
 import pathlib
@@ -211,6 +212,62 @@ def run_strace(cmd: Sequence[str], syscalls: Iterable[str], *, cwd: str | os.Pat
     trace.stdout = proc.stdout
     trace.stderr = proc.stderr
     return trace
+
+
+class AttachedStrace:
+    """``strace -f -k -p PID`` attached to a running process (:func:`attach_strace`); :meth:`finish`
+    waits for the process to end (strace exits with it) and parses what strace saw."""
+
+    def __init__(self, proc: subprocess.Popen[str], out_file: pathlib.Path, requested: frozenset[str],
+                 tmp: tempfile.TemporaryDirectory[str], pid: int, exe: str) -> None:
+        self.pid = pid
+        self.exe = exe
+        self.proc = proc
+        self.out_file = out_file
+        self.requested = requested
+        self._tmp = tmp
+
+    def finish(self, timeout: float | None = None) -> Trace:
+        try:
+            _, err = self.proc.communicate(timeout=timeout)
+            text = self.out_file.read_text(errors="replace") if self.out_file.exists() else ""
+        finally:
+            self._tmp.cleanup()
+        if not text.strip():
+            raise OracleError(f"strace -p produced no output (exit {self.proc.returncode}): {err.strip()}")
+        trace = parse_strace(text, requested=self.requested)
+        trace.stderr = err
+        # Attached, strace saw no clone or exec: every task is a thread of `pid` running `exe`.
+        for task in trace.tasks:
+            task.pid = self.pid
+            task.syscalls = [dataclasses.replace(sc, exe=self.exe) for sc in task.syscalls]
+        return trace
+
+
+def attach_strace(pid: int, syscalls: Iterable[str], *, threads: int = 1) -> AttachedStrace:
+    """Attach ``strace -f -k`` to the running process ``pid`` and return once strace reports every
+    one of its ``threads`` attached (strace's own "attached" lines on stderr)."""
+    require_stack_trace()
+    requested = frozenset(syscalls)
+    traced = sorted(requested | BOOKKEEPING)
+    exe = os.path.realpath(f"/proc/{pid}/exe")
+    tmp = tempfile.TemporaryDirectory(prefix="strace-oracle-")
+    out_file = pathlib.Path(tmp.name) / "strace.out"
+    argv = [strace_path(), "-f", "-k", "-e", "trace=" + ",".join(traced), "-o", str(out_file), "-p", str(pid)]
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            text=True, errors="replace")
+    assert proc.stderr is not None
+    seen: list[str] = []
+    while True:
+        line = proc.stderr.readline()
+        if not line:
+            tmp.cleanup()
+            raise OracleError(f"strace -p {pid} ended before attaching: {''.join(seen).strip()}")
+        seen.append(line)
+        m = re.search(r"Process \d+ attached(?: with (\d+) threads)?", line)
+        if m and int(m.group(1) or 1) >= threads:
+            break
+    return AttachedStrace(proc, out_file, requested, tmp, pid, exe)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -386,6 +386,10 @@ class InstrumentedBPF:
         self.module.open_ring_buffer("cc_events", lambda raw: self._contexts.append(self.layout.parse(raw)))
         self._links: list[UprobeMultiLink] = []
         self._attached = False
+        self.rec_words = rec_words
+        self.state_bytes = state_bytes
+        #: -p seeding (seed.py): per process, tid -> None (seeded, complete) or why not
+        self.seed_report: dict[int, dict[int, str | None]] = {}
         self._fill_maps()
 
     # ---------------------------------------------------------------------------------- set-up
@@ -469,11 +473,34 @@ class InstrumentedBPF:
         self.add_thread(pid, incomplete=False)
         self.sampler.track(pid, execs=1)
 
-    def track_running(self, pid: int, tids: Sequence[int]) -> None:
-        """Trace an already running process: its threads' frames above the first event are unknown."""
+    def track_running(self, pid: int, tids: Sequence[int], *, seed: bool = True,
+                      cache_dir: str | None = None) -> None:
+        """Trace an already running process: its threads' frames above the first event are unknown
+        until each thread is seeded by one unwind at attach (``seed``, see seed.py; the probes are
+        attached first, so what they record after the stop builds on the seeded state)."""
         for tid in tids:
             self.add_thread(tid, incomplete=True)
         self.sampler.track(pid)
+        if seed and self._attached:
+            from ccprofd.bpf.seed import seed_process
+
+            self.seed_report[pid] = seed_process(self, pid, cache_dir=cache_dir)
+
+    def write_state(self, tid: int, blob: bytes) -> bool:
+        """Overwrite thread ``tid``'s ``struct cc_state`` (False: the thread has no slot)."""
+        try:
+            slot = self.module.map("cc_slot_of").get(tid)
+        except KeyError:
+            return False
+        if slot is None:
+            return False
+        states = self.module.map("cc_states")
+        st = states.leaf_type()
+        if len(blob) > ctypes.sizeof(st):
+            raise BPFError("seeded state larger than a state slot")
+        ctypes.memmove(ctypes.addressof(st), blob, len(blob))
+        states.set(int(slot), st)
+        return True
 
     def add_thread(self, tid: int, *, incomplete: bool) -> None:
         """Give thread ``tid`` a state slot (userspace side of the slot allocator)."""

@@ -26,6 +26,7 @@ import errno
 import os
 import signal
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -237,8 +238,13 @@ class ModuleCache:
 
 
 def snapshot(pid: int, modules: ModuleCache, *, proc_root: str = DEFAULT_PROC_ROOT,
-             max_depth: int = 4096) -> ProcessSnapshot:
-    """Stop every thread of ``pid``, unwind each, let them go (see the module docstring)."""
+             max_depth: int = 4096,
+             while_stopped: Callable[[ThreadSnapshot, Callable[[int], int | None]], None] | None = None
+             ) -> ProcessSnapshot:
+    """Stop every thread of ``pid``, unwind each, let them go (see the module docstring).
+
+    ``while_stopped(thread, read_word)`` runs for each unwound thread before any is let go (seeding
+    instrumented mode's state from the stack must happen while the stack is that one)."""
     out = ProcessSnapshot(pid)
     tids = _tids(pid, proc_root)
     if not tids:
@@ -301,6 +307,8 @@ def snapshot(pid: int, modules: ModuleCache, *, proc_root: str = DEFAULT_PROC_RO
             stack = unwind(regs, memory.word, maps, lambda m: tables.get(m.start),
                            start_stack=start_stack if tid == pid else 0, max_depth=max_depth)
             out.threads.append(ThreadSnapshot(tid, comm, regs, stack))
+            if while_stopped is not None:
+                while_stopped(out.threads[-1], memory.word)
     finally:
         for tid in seized:
             with contextlib.suppress(OSError):  # gone meanwhile: nothing to detach

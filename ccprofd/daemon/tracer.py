@@ -234,7 +234,7 @@ class InstrumentedMode:
             self._fp.track_running(pid)
         if self._counter is not None:
             self._counter.track(pid)
-        self._bpf.track_running(pid, tids)
+        self._bpf.track_running(pid, tids, cache_dir=self.options.cache_dir)  # seeds each thread (seed.py)
 
     def follow_exec(self, inode: tuple[int, int], cgroup_id: int = 0) -> None:
         """Track every process that execs the file ``inode`` = (st_dev, st_ino) from its first
@@ -300,6 +300,9 @@ class InstrumentedMode:
             out["probes"] = self.probe_plan.stats
         if self._sym is not None:
             out["decode_errors"] = self._sym.errors
+        if self._bpf is not None and self._bpf.seed_report:
+            out["seeding"] = {str(p): {str(t): r for t, r in th.items()}
+                              for p, th in self._bpf.seed_report.items()}
         if self.options.verify:
             if self.verify_skipped is not None:
                 out["verify"] = {"checked": 0, "mismatches": 0, "frames_checked": 0,
@@ -550,6 +553,14 @@ def attach_session(pid: int, options: TraceOptions) -> Session:
     except BaseException:
         mode.close()
         raise
+    seeded = mode.summary().get("seeding", {}).get(str(pid))
+    if seeded is not None:  # one line once the threads run again: what is complete from now on
+        import sys
+
+        bad = {t: r for t, r in seeded.items() if r is not None}
+        why = "".join(f"; {'thread ' + t if t != '0' else 'all'} not seeded: {r}" for t, r in bad.items())
+        print(f"ccprofd: attached to pid {pid}: {len(seeded) - len(bad)} of {len(seeded)} threads seeded by "
+              f"one unwind{why}", file=sys.stderr, flush=True)
     return Session(mode, attached=pid)
 
 
