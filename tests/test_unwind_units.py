@@ -1,20 +1,26 @@
 """Unit tests of the unwinder's userspace parts: /proc/PID/maps parsing and load bias (against a fake
-/proc root and against readelf's program headers), the bpf_loop callback linker, sample decoding."""
+/proc root and against readelf's program headers), the bpf_loop callback linker, sample decoding, the
+unwind-encoding cache."""
 
 from __future__ import annotations
 
 import struct
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 from bpf_helpers import pt_loads
+from programs.build import build
 
-from ccprofd.bpf import rawbpf
+from ccprofd.bpf import rawbpf, unwind_plan
 from ccprofd.bpf.errors import BPFError
 from ccprofd.bpf.unwind import ARG_LEN, FLAG_HIT, UnwoundSample, link_loop_callbacks
+from ccprofd.callgraph import analyze_binary
+from ccprofd.callgraph.cache import AnalysisCache
 from ccprofd.callgraph.elfimage import ElfImage
 from ccprofd.decode.procmaps import module_mappings, parse_maps, read_maps
+from ccprofd.encode import get_plan
 
 LIBC = "/usr/lib/x86_64-linux-gnu/libc.so.6"
 
@@ -116,3 +122,31 @@ def test_sample_decoding() -> None:
     hit = UnwoundSample.decode(struct.pack("<QIIIiIIIIQQII", 5, 18, 2, 2, 59, 4, 0, 0, 0, 7, 8, len(path), 0)
                                + path)
     assert hit.flags & FLAG_HIT and hit.pcs == () and hit.arg == "/tmp/x.txt" and hit.key == (7, 8)
+
+
+def test_unwind_encoding_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The encoding is stored once per plan and read back equal; a stripped twin (same build-id,
+    other content) never gets its twin's entry; a damaged entry is rebuilt."""
+    cache = AnalysisCache(tmp_path / "cache")
+    built = []
+    real_build = unwind_plan.build_unwind_encoding
+
+    def counting_build(graph: Any, plan: Any) -> Any:
+        built.append(graph.binary.path)
+        return real_build(graph, plan)
+
+    monkeypatch.setattr(unwind_plan, "build_unwind_encoding", counting_build)
+    encodings = {}
+    for strip in (False, True, False, True):
+        binary = str(build("calls", opt="O2", strip=strip))
+        graph = analyze_binary(binary, cache_dir=tmp_path / "cache")
+        plan = get_plan(graph, "valence", cache_dir=tmp_path / "cache", use_cache=False)
+        enc = unwind_plan.cached_unwind_encoding(graph, plan, cache)
+        assert unwind_plan.encoding_to_plain(enc) == unwind_plan.encoding_to_plain(real_build(graph, plan))
+        encodings[strip] = enc
+    assert len(built) == 2  # once per file, then from the cache
+    assert encodings[False].binary["content_hash"] != encodings[True].binary["content_hash"]
+    for entry in (tmp_path / "cache" / unwind_plan.CACHE_KIND).iterdir():
+        entry.write_bytes(b"torn")
+    unwind_plan.cached_unwind_encoding(graph, plan, cache)
+    assert len(built) == 3

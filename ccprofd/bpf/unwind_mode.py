@@ -14,7 +14,7 @@ How a record becomes frames (outermost first):
   jump (a chain the stack cannot show but the plan encoded, see unwind_plan.py); a segment at
   ``OUTSIDE`` leaves them null (the caller was interrupted by a signal) unless the stack held a
   return address there;
-* frames outside the analysed binary (libc, the loader, the vDSO-less rest) come with the record as
+* frames outside the analysed binary (libc, the loader, the vDSO, ...) come with the record as
   (module key, vaddr) after the analysed frame they lie below; they carry ``analysed: false``,
   their module, build-id, the function name from the object's ``.symtab``/``.dynsym`` when one
   covers the address, and their own return address (null for the innermost frame, whose pc is the
@@ -336,8 +336,9 @@ class UnwindMode:
 
         from ccprofd.bpf.syscall_names import parse_syscalls
         from ccprofd.bpf.unwind import UnwindSampler
-        from ccprofd.bpf.unwind_plan import UnwindPlanError, build_unwind_encoding
+        from ccprofd.bpf.unwind_plan import UnwindPlanError, cached_unwind_encoding
         from ccprofd.callgraph import analyze_binary
+        from ccprofd.callgraph.cache import AnalysisCache
         from ccprofd.daemon.tracer import TraceError
         from ccprofd.encode import get_plan
 
@@ -356,11 +357,12 @@ class UnwindMode:
             # a plan cached for another file with the same build-id (e.g. the unstripped twin)
             self.plan = get_plan(graph, "valence", cache_dir=cache, use_cache=False)
         try:
-            self.encoding = build_unwind_encoding(graph, self.plan)
+            self.encoding = cached_unwind_encoding(graph, self.plan, AnalysisCache(cache))
         except UnwindPlanError as exc:
             raise TraceError(str(exc)) from None
         self.build_id = graph.binary.build_id
-        self.sampler = UnwindSampler(syscalls=nrs, aggregate=True, emit_hits=True, encoding=self.encoding)
+        self.sampler = UnwindSampler(syscalls=nrs, aggregate=True, emit_hits=True, encoding=self.encoding,
+                                     cache=AnalysisCache(cache))
         self.symbolizer = UnwindSymbolizer(self.encoding, self.plan, self.sampler.module_of_key)
         for path in load_set(self.path):
             self.sampler.preload(path)

@@ -34,6 +34,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ccprofd.callgraph.cache import AnalysisCache
 from ccprofd.callgraph.model import ROOT, CallGraph
 from ccprofd.encode.plan import COL, R_CYCLIC
 
@@ -243,3 +244,49 @@ def build_unwind_encoding(graph: CallGraph, plan: Mapping[str, Any]) -> UnwindEn
         plan_key=plan.get("key"), acyc_words=words, rec_code_bits=int(plan["rec_code_bits"]), nodes=nodes,
         root_index=dense[ROOT], functions=functions, edges=edges, callsites=callsites,
         call_lengths=call_lengths, jump_sites=jump_sites, stats=stats)
+
+
+CACHE_KIND = "unwind-encoding"
+
+
+def encoding_to_plain(enc: UnwindEncoding) -> dict[str, Any]:
+    """A plain (marshal-able) copy of ``enc``."""
+    return {"version": UNWIND_ENCODING_VERSION, "binary": dict(enc.binary), "plan_key": enc.plan_key,
+            "acyc_words": enc.acyc_words, "rec_code_bits": enc.rec_code_bits, "nodes": list(enc.nodes),
+            "root_index": enc.root_index, "functions": [list(f) for f in enc.functions],
+            "edges": {k: (r.mask, r.val, r.rec, r.sites) for k, r in enc.edges.items()},
+            "callsites": dict(enc.callsites), "call_lengths": dict(enc.call_lengths),
+            "jump_sites": set(enc.jump_sites), "stats": dict(enc.stats)}
+
+
+def encoding_from_plain(d: Mapping[str, Any]) -> UnwindEncoding:
+    return UnwindEncoding(
+        binary=dict(d["binary"]), plan_key=d["plan_key"], acyc_words=int(d["acyc_words"]),
+        rec_code_bits=int(d["rec_code_bits"]), nodes=list(d["nodes"]), root_index=int(d["root_index"]),
+        functions=[list(f) for f in d["functions"]],
+        edges={k: Row(m, v, r, s) for k, (m, v, r, s) in d["edges"].items()},  # marshal made fresh lists
+        callsites=dict(d["callsites"]), call_lengths=dict(d["call_lengths"]), jump_sites=set(d["jump_sites"]),
+        stats=dict(d["stats"]))
+
+
+def cached_unwind_encoding(graph: CallGraph, plan: Mapping[str, Any], cache: AnalysisCache) -> UnwindEncoding:
+    """:func:`build_unwind_encoding`, from ``cache`` when it holds the encoding of this plan (keyed by
+    the plan's key -- binary identity, content hash, scheme, parameters -- the graph's size and the
+    encoding format; the cache's own format version is in its file names), else built and stored
+    (atomically)."""
+    if plan.get("scheme") != "valence" or not plan.get("key") or \
+            plan["binary"].get("content_hash") != graph.binary.content_hash:
+        return build_unwind_encoding(graph, plan)  # refused there with the reason, or not cacheable
+    g = graph.graph
+    key = f"{plan['key']}-n{g.number_of_nodes()}-e{g.number_of_edges()}-u{UNWIND_ENCODING_VERSION}"
+    plain = cache.load(CACHE_KIND, key)
+    if isinstance(plain, dict) and plain.get("version") == UNWIND_ENCODING_VERSION \
+            and plain.get("plan_key") == plan["key"] \
+            and plain.get("binary", {}).get("content_hash") == graph.binary.content_hash:
+        try:
+            return encoding_from_plain(plain)
+        except (KeyError, TypeError, ValueError):
+            pass  # a damaged entry: rebuilt and replaced below
+    enc = build_unwind_encoding(graph, plan)
+    cache.store(CACHE_KIND, key, encoding_to_plain(enc))
+    return enc
