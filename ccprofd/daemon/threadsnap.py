@@ -26,6 +26,7 @@ import errno
 import os
 import signal
 import struct
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -86,6 +87,7 @@ class ProcessSnapshot:
     threads: list[ThreadSnapshot] = field(default_factory=list)
     maps: ProcessMaps | None = None
     error: str | None = None
+    stopped_ns: int = 0  # how long the process was held: first PTRACE_SEIZE to last PTRACE_DETACH
 
 
 def _read_text(path: str) -> str:
@@ -268,6 +270,7 @@ def snapshot(pid: int, modules: ModuleCache, *, proc_root: str = DEFAULT_PROC_RO
         return out
     seized: list[int] = []
     pending: dict[int, int] = {}  # tid -> signal to hand back at detach
+    t0 = time.monotonic_ns()
     try:
         for tid in tids:
             try:
@@ -313,6 +316,8 @@ def snapshot(pid: int, modules: ModuleCache, *, proc_root: str = DEFAULT_PROC_RO
         for tid in seized:
             with contextlib.suppress(OSError):  # gone meanwhile: nothing to detach
                 _ptrace(PTRACE_DETACH, tid, 0, pending.get(tid, 0))
+        if seized:
+            out.stopped_ns = time.monotonic_ns() - t0
         os.close(mem)
     return out
 

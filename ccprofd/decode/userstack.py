@@ -83,6 +83,7 @@ def unwind(regs: UserRegs, read_word: WordReader, maps: ProcessMaps, table_of: T
     bp_valid = True
     exact = True
     tables: dict[int, cfi.UnwindTable | None] = {}
+    where: dict[tuple[int, bool], tuple[ModuleMapping | None, int | None, bool, cfi.Rule | None]] = {}
 
     def done(reason: str | None) -> UnwoundStack:
         return UnwoundStack(tuple(reversed(inner_first)), reason)
@@ -90,19 +91,24 @@ def unwind(regs: UserRegs, read_word: WordReader, maps: ProcessMaps, table_of: T
     while True:
         if len(inner_first) >= max_depth:
             return done("max_depth")
-        mod = maps.find(pc)
-        vaddr = mod.vaddr(pc) if mod is not None else None
+        hit = where.get((pc, exact))
+        if hit is None:  # recursion repeats return addresses: look each up once per walk
+            mod = maps.find(pc)
+            vaddr = mod.vaddr(pc) if mod is not None else None
+            known = mod is not None or pc == 0 or any(m.start <= pc < m.end for m in maps.other_exec)
+            rule: cfi.Rule | None = None
+            if mod is not None:
+                if mod.start not in tables:
+                    tables[mod.start] = table_of(mod)
+                table = tables[mod.start]
+                if table is not None and len(table):
+                    rule = table.lookup(mod.vaddr(pc if exact else pc - 1))
+            hit = where[(pc, exact)] = (mod, vaddr, known, rule)
+        mod, vaddr, known, rule = hit
         frame_at = len(inner_first)
         inner_first.append(RawFrame(pc, exact, mod, vaddr))
-        if mod is None and pc != 0 and not any(m.start <= pc < m.end for m in maps.other_exec):
+        if not known:
             return done("unknown_pc")
-        rule: cfi.Rule | None = None
-        if mod is not None:
-            if mod.start not in tables:
-                tables[mod.start] = table_of(mod)
-            table = tables[mod.start]
-            if table is not None and len(table):
-                rule = table.lookup(mod.vaddr(pc if exact else pc - 1))
         kind = rule.kind if rule is not None else cfi.NONE
         if kind == cfi.END or (kind == cfi.NONE and pc == 0):
             return done(None)
