@@ -478,13 +478,28 @@ class InstrumentedBPF:
         """Trace an already running process: its threads' frames above the first event are unknown
         until each thread is seeded by one unwind at attach (``seed``, see seed.py; the probes are
         attached first, so what they record after the stop builds on the seeded state)."""
-        for tid in tids:
-            self.add_thread(tid, incomplete=True)
-        self.sampler.track(pid)
+        tracked = False
+
+        def start_tracking() -> None:
+            # Called while every thread of the process is stopped (seeding) or without a stop: no
+            # sample or probe event of the process can fall between its tracking and its seeding.
+            nonlocal tracked
+            tracked = True
+            try:
+                live = {int(t) for t in os.listdir(f"/proc/{pid}/task") if t.isdigit()}
+            except OSError:
+                live = set()
+            for tid in sorted(set(tids) | live):
+                self.add_thread(tid, incomplete=True)
+            self.sampler.track(pid)
+
         if seed and self._attached:
             from ccprofd.bpf.seed import seed_process
 
-            self.seed_report[pid] = seed_process(self, pid, cache_dir=cache_dir)
+            self.seed_report[pid] = seed_process(self, pid, cache_dir=cache_dir,
+                                                 start_tracking=start_tracking)
+        if not tracked:
+            start_tracking()
 
     def write_state(self, tid: int, blob: bytes) -> bool:
         """Overwrite thread ``tid``'s ``struct cc_state`` (False: the thread has no slot)."""

@@ -417,16 +417,27 @@ def seeder_for(bpf: Any) -> tuple[Seeder, SeedParams]:
     return Seeder(pp, bpf.sites, dict(ret_table(pp)), cs_callee, tail_reach, params), params
 
 
-def seed_process(bpf: Any, pid: int, *, cache_dir: str | None = None) -> dict[int, str | None]:
+def seed_process(bpf: Any, pid: int, *, cache_dir: str | None = None,
+                 start_tracking: Callable[[], None] | None = None) -> dict[int, str | None]:
     """Stop each thread of ``pid`` once, unwind it and write the state the probes would hold into its
-    slot; tid -> None when seeded (its contexts complete from now on), else why not (left flagged)."""
+    slot; tid -> None when seeded (its contexts complete from now on), else why not (left flagged).
+
+    ``start_tracking`` (give the threads their slots, let the sampler follow the process) runs once
+    every thread is stopped, before the first is seeded: no event falls between the two."""
     from ccprofd.callgraph.cache import AnalysisCache
     from ccprofd.daemon.threadsnap import ModuleCache, ThreadSnapshot, snapshot
 
     seeder, params = seeder_for(bpf)
     out: dict[int, str | None] = {}
 
+    started = False
+
     def write(th: ThreadSnapshot, read_word: WordReader) -> None:
+        nonlocal started
+        if not started:
+            started = True
+            if start_tracking is not None:
+                start_tracking()
         if th.stack is None:
             out[th.tid] = th.error or "no registers"
             return
