@@ -242,6 +242,7 @@ def test_id_overflow_is_flagged_not_wrapped(monkeypatch: pytest.MonkeyPatch, tmp
     site = f"{hit['site']:#x}"
     under = [s for s in samples if not s["complete"]]
     assert overflows >= 1 and under, (hit, summary.get("bpf"), samples)
+    assert summary["incomplete_reasons"].get("id overflow") == len(under), summary
     assert all(not s["frames"] for s in under)  # flagged, and nothing guessed
     complete = [s for s in samples if s["complete"] and s["frames"]]
     assert complete and all(f.get("call_site") != site for s in complete for f in s["frames"])

@@ -33,6 +33,7 @@ from ccprofd.bpf.instrumented import (
     NONE32,
     SF_BIAS,
     SF_FROZEN,
+    SF_OVERFLOW,
     SF_REC_TRUNC,
     SF_SEGS_TRUNC,
     RawContext,
@@ -170,6 +171,8 @@ class Symbolizer:
     def decode(self, s: RawContext) -> Decoded:
         complete = not s.flags & INCOMPLETE_FLAGS
         reason = None if complete else f"flags={s.flags:#x}"
+        if s.flags & SF_OVERFLOW:  # a PCCE/HCCE id outgrew its words: nothing below it is known
+            return Decoded([], False, "id overflow")
         ipv = s.ip - s.bias if s.flags & SF_BIAS else None
         node = self.function_at(ipv) if ipv is not None else None
         exit_site: int | None = None
