@@ -7,13 +7,17 @@ owned by file descriptors, so a SIGKILLed daemon leaves nothing attached -- but 
 holding would stay stopped for ever: a production outage.  So each sampler that can hold starts
 this guard, a separate small process that keeps its own descriptor of the ``uw_held`` map (the map
 outlives the daemon) and the read end of a pipe whose write end only the daemon has.  When the pipe
-reaches end of file (the daemon closed it, exited or was killed), the guard continues every held
-process that is still stopped, sweeps again shortly after (programs may detach a moment after the
-pipe closes), and exits.  It ignores SIGINT/SIGTERM/SIGHUP (a service manager signals the whole
-group; the guard must outlive the daemon) and runs in its own session.
+reaches end of file (the daemon closed it after a clean end, exited or was killed), the guard
+continues every held process, and keeps sweeping until the daemon is gone (or
+ended cleanly) and no new hold has appeared for a while: the kernel detaches a dead process's
+programs a little after its descriptors close (link release is deferred), and until then a continued
+process can be held again at its next executable mapping.  It ignores SIGINT/SIGTERM/SIGHUP (a
+service manager signals the whole group; the guard must outlive the daemon) and runs in its own
+session.
 
-Residual risk, documented: the guard itself being SIGKILLed before the daemon (e.g. ``kill -9`` of
-the whole control group) leaves a held process stopped; ``ccprofd`` logs the guard's pid.
+Residual risk: the guard itself being SIGKILLed before the daemon dies (``kill -9`` of the whole
+control group, the OOM killer choosing it) leaves a process held at that moment stopped; ``kill
+-CONT`` continues it.  Also a process a user stopped on purpose while it was held is continued.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ import time
 BPF_MAP_LOOKUP_ELEM = 1
 BPF_MAP_DELETE_ELEM = 3
 BPF_MAP_GET_NEXT_KEY = 4
-SWEEP_DELAYS_S = (0.0, 0.1, 0.5)
+SWEEP_INTERVAL_S = 0.05
+QUIET_S = 2.0  # after the daemon is gone: exit once no hold has been seen for this long
 
 
 class _MapKeyAttr(ctypes.Structure):
@@ -66,23 +71,18 @@ def _delete(map_fd: int, tgid: int) -> None:
         bpf(BPF_MAP_DELETE_ELEM, _MapKeyAttr(map_fd=map_fd, key=ctypes.addressof(key)), "releasing")
 
 
-def _stopped(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            return fh.read().rpartition(b")")[2].split()[0] == b"T"
-    except (OSError, IndexError):
-        return False
-
-
 def sweep(map_fd: int) -> list[int]:
-    """Continue every held process that is stopped; returns those continued."""
+    """Continue every held process; returns those continued.  Not only those already stopped: the
+    SIGSTOP of a hold may still be pending (the process finishes its syscall first), and a SIGCONT
+    sent now discards it -- an entry dropped without one would leave that process stopped."""
     released = []
     for tgid in held_tgids(map_fd):
-        if _stopped(tgid):
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(tgid, signal.SIGCONT)
-                released.append(tgid)
+        # the entry goes first: once continued, the process may be held again at once (its next
+        # executable mapping) and that new entry must survive
         _delete(map_fd, tgid)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(tgid, signal.SIGCONT)
+            released.append(tgid)
     return released
 
 
@@ -93,7 +93,7 @@ class HoldGuard:
         r, w = os.pipe()
         try:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "ccprofd.bpf.holdguard", str(held_map_fd), str(r)],
+                [sys.executable, "-m", "ccprofd.bpf.holdguard", str(held_map_fd), str(r), str(os.getpid())],
                 pass_fds=(held_map_fd, r), stdin=subprocess.DEVNULL, start_new_session=True)
         finally:
             os.close(r)
@@ -104,32 +104,54 @@ class HoldGuard:
     def pid(self) -> int:
         return self.proc.pid
 
-    def close(self, timeout: float = 5.0) -> None:
+    def close(self) -> None:
+        """A clean end (every program of ours is detached): the guard sweeps until no hold has
+        appeared for a while (detaching completes asynchronously), then exits on its own."""
         if self._w >= 0:
+            with contextlib.suppress(OSError):
+                os.write(self._w, b"c")
             os.close(self._w)
             self._w = -1
         with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout)
+            self.proc.wait(0)  # reap it if it is done already; otherwise it finishes alone
 
 
 def main(argv: list[str]) -> int:
-    map_fd, pipe_fd = int(argv[0]), int(argv[1])
+    map_fd, pipe_fd, daemon = int(argv[0]), int(argv[1]), int(argv[2])
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
+    clean = False
     while True:
         try:
-            if not os.read(pipe_fd, 4096):
-                break
+            data = os.read(pipe_fd, 4096)
         except InterruptedError:
             continue
         except OSError:
             break
-    for delay in SWEEP_DELAYS_S:
-        time.sleep(delay)
+        if not data:
+            break
+        clean = clean or b"c" in data
+    quiet_since = time.monotonic()
+    while True:
         released = sweep(map_fd)
         if released:
+            quiet_since = time.monotonic()
             print(f"ccprofd hold guard: continued held process(es) {released}", file=sys.stderr)
-    return 0
+        if clean or not _alive(daemon):
+            if time.monotonic() - quiet_since >= QUIET_S:
+                return 0
+        else:
+            quiet_since = time.monotonic()
+        time.sleep(SWEEP_INTERVAL_S)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` still runs (a zombie has released its descriptors: not alive here)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as fh:
+            return fh.read().rpartition(b")")[2].split()[0] not in (b"Z", b"X")
+    except (OSError, IndexError):
+        return False
 
 
 if __name__ == "__main__":

@@ -857,9 +857,8 @@ class UnwindSampler:
         for tgid in sorted(self._stale):
             if self._m["tracked"].get(tgid) is not None:
                 self.refresh_maps(tgid)
-            if tgid in self._stopping:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(tgid, signal.SIGCONT)  # BPF stopped it until its mappings were loaded
+        # BPF stopped these until their mappings were loaded (launched and exec-found processes):
+        # continued only here, each after its entry is gone, so a hold right after is never lost
         self._release_held(self._stale)
         self._stale.clear()
         out, self._pending = self._pending, []
