@@ -24,7 +24,14 @@ import pytest
 from conftest import require_bpf, require_tool
 from programs.build import build
 
-from ccprofd.bpf.fpverify import MAX_FRAMES, FpStack, FpVerifier, compare_stack, frame_pointer_calls
+from ccprofd.bpf.fpverify import (
+    JOIN_SLACK_NS,
+    MAX_FRAMES,
+    FpStack,
+    FpVerifier,
+    compare_stack,
+    frame_pointer_calls,
+)
 from ccprofd.callgraph.cfi import CFA_RBP, CFA_RSP, NONE, PLT
 from ccprofd.decode.frames import Frame
 
@@ -124,8 +131,8 @@ class Exec:
         return 0x1000 <= vaddr < 0x2000
 
 
-def walk_of(tid: int, nr: int, ip: int, sp: int, stack: list[int]) -> FpStack:
-    return FpStack(tid, tid, nr, ip, sp, tuple(stack))
+def walk_of(tid: int, nr: int, ip: int, sp: int, stack: list[int], time_ns: int = 1000) -> FpStack:
+    return FpStack(time_ns, tid, tid, nr, ip, sp, tuple(stack))
 
 
 def test_join_pairs_samples_with_their_own_hit() -> None:
@@ -136,19 +143,34 @@ def test_join_pairs_samples_with_their_own_hit() -> None:
     good = [0x7F0000000000, 0x1205 + bias, 0x1101 + bias, 0x7F0000001000]
     bad = [0x7F0000000000, 0x1207 + bias, 0x1101 + bias, 0x7F0000001000]
     v.add_walks([walk_of(7, 1, 0x7F0000000000, 0x7FFF0, bad)])  # an unreported hit (other sp)
-    v.add_sample(tid=7, tgid=7, syscall=1, ip=0x7F0000000000, sp=0x7FFE0, bias=bias, complete=True,
-                 frames=TRUTH)
+    v.add_sample(time_ns=1000, tid=7, tgid=7, syscall=1, ip=0x7F0000000000, sp=0x7FFE0, bias=bias,
+                 complete=True, frames=TRUTH)
     assert v.counts.checked == 0  # waiting for its walk
     v.add_walks([walk_of(7, 1, 0x7F0000000000, 0x7FFE0, good)])
     assert (v.counts.checked, v.counts.mismatches, v.counts.frames_checked) == (1, 0, 2)
-    v.add_sample(tid=7, tgid=7, syscall=1, ip=0x7F0000000000, sp=0x7FFE0, bias=bias, complete=True,
-                 frames=TRUTH)
+    v.add_sample(time_ns=1000, tid=7, tgid=7, syscall=1, ip=0x7F0000000000, sp=0x7FFE0, bias=bias,
+                 complete=True, frames=TRUTH)
     v.add_walks([walk_of(7, 1, 0x7F0000000000, 0x7FFE0, bad)])
     assert (v.counts.checked, v.counts.mismatches) == (2, 1)
-    v.add_sample(tid=8, tgid=7, syscall=1, ip=1, sp=2, bias=bias, complete=True, frames=TRUTH)
-    v.add_sample(tid=8, tgid=7, syscall=None, ip=1, sp=2, bias=bias, complete=True, frames=TRUTH)
+    for nr in (1, None):
+        v.add_sample(time_ns=1000, tid=8, tgid=7, syscall=nr, ip=1, sp=2, bias=bias, complete=True,
+                     frames=TRUTH)
     c = v.finish()
     assert (c.unjoined, c.cpu_not_verified) == (1, 1)
+
+
+def test_join_never_pairs_a_sample_with_a_later_hit() -> None:
+    """A sample whose own walk is missing (its process was not walked yet) is not paired with a
+    later hit that happens to have the same syscall, ip and sp."""
+    v = FpVerifier(Exec(), pie=False)
+    stack = [0x7F0000000000, 0x1205, 0x1101, 0x7F0000001000]
+    v.add_sample(time_ns=1000, tid=9, tgid=9, syscall=1, ip=0x7F0000000000, sp=0x7FFE0, bias=0,
+                 complete=True, frames=frames(0x1101, 0x1207, 0x1309))  # would mismatch
+    v.add_sample(time_ns=1000 + 5 * JOIN_SLACK_NS, tid=9, tgid=9, syscall=1, ip=0x7F0000000000, sp=0x7FFE0,
+                 bias=0, complete=True, frames=TRUTH)
+    v.add_walks([walk_of(9, 1, 0x7F0000000000, 0x7FFE0, stack, time_ns=1000 + 5 * JOIN_SLACK_NS + 300)])
+    c = v.finish()
+    assert (c.checked, c.mismatches, c.unjoined) == (1, 0, 1)
 
 
 def test_frame_pointer_calls_counts_cfa_rules() -> None:

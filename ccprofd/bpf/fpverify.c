@@ -16,6 +16,7 @@
 #define FP_NR_STATS 4
 
 struct fp_record {
+    u64 ktime_ns;  // the sampler's bpf_ktime_get_ns for this hit (CLOCK_MONOTONIC)
     u32 tgid;
     u32 tid;
     s32 nr;
@@ -34,12 +35,13 @@ static __always_inline void fp_stat(u32 idx) {
         (*v)++;
 }
 
-static __always_inline void fp_emit(void *ctx, u32 tgid, u32 tid, s32 nr, u64 ip, u64 sp) {
+static __always_inline void fp_emit(void *ctx, u64 ktime, u32 tgid, u32 tid, s32 nr, u64 ip, u64 sp) {
     struct fp_record *r = fp_events.ringbuf_reserve(sizeof(struct fp_record));
     if (!r) {
         fp_stat(FP_STAT_RINGBUF_FULL);
         return;
     }
+    r->ktime_ns = ktime;
     r->tgid = tgid;
     r->tid = tid;
     r->nr = nr;
@@ -55,4 +57,5 @@ static __always_inline void fp_emit(void *ctx, u32 tgid, u32 tid, s32 nr, u64 ip
     fp_stat(FP_STAT_EVENTS);
 }
 
-#define CCPROF_SYSCALL_HOOK(ctx, regs, e) fp_emit((ctx), (e)->tgid, (e)->tid, (e)->nr, (e)->ip, (e)->sp)
+#define CCPROF_SYSCALL_HOOK(ctx, regs, e) \
+    fp_emit((ctx), (e)->ktime_ns, (e)->tgid, (e)->tid, (e)->nr, (e)->ip, (e)->sp)

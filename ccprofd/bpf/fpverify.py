@@ -40,20 +40,28 @@ from importlib import resources
 from typing import Any, Protocol
 
 from ccprofd.bpf.errors import BPFError
-from ccprofd.bpf.syscall_sampler import SyscallSampler
+from ccprofd.bpf.syscall_sampler import SyscallSampler, monotonic_to_realtime_ns
 
 C_SOURCE = "fpverify.c"
 MAX_FRAMES = 127  # bpf_get_stack's default limit (kernel.perf_event_max_stack)
 STATS = ("events", "ringbuf_full", "stack_failed")
 
-_HEAD = struct.Struct("<IIiIQQ")
+_HEAD = struct.Struct("<QIIiIQQ")
+#: A walk more than this much later than a sample cannot be of the sample's hit (the two programs
+#: run within microseconds of each other at one hit; clock conversions differ by far less).
+JOIN_SLACK_NS = 1_000_000
+#: Walks no sample claimed are dropped once this much older than their thread's newest walk (hits
+#: instrumented mode does not report, e.g. of a process it stopped tracking).
+KEEP_UNCLAIMED_NS = 2_000_000_000
 
 
 @dataclass(frozen=True, slots=True)
 class FpStack:
-    """One walk: the thread, the syscall, the user ip/sp at entry, and the walked addresses
-    (runtime addresses, innermost first; ``stack[0]`` is the ip)."""
+    """One walk: when (CLOCK_REALTIME, converted as instrumented samples are), the thread, the
+    syscall, the user ip/sp at entry, and the walked addresses (runtime addresses, innermost first;
+    ``stack[0]`` is the ip)."""
 
+    time_ns: int
     tgid: int
     tid: int
     syscall: int
@@ -63,10 +71,10 @@ class FpStack:
 
     @classmethod
     def decode(cls, raw: bytes) -> FpStack:
-        tgid, tid, nr, n, ip, sp = _HEAD.unpack_from(raw)
+        ktime, tgid, tid, nr, n, ip, sp = _HEAD.unpack_from(raw)
         n = min(n, MAX_FRAMES, (len(raw) - _HEAD.size) // 8)
         stack = struct.unpack_from(f"<{n}Q", raw, _HEAD.size)
-        return cls(tgid, tid, nr, ip, sp, tuple(stack))
+        return cls(monotonic_to_realtime_ns(ktime), tgid, tid, nr, ip, sp, tuple(stack))
 
     @property
     def truncated(self) -> bool:
@@ -95,6 +103,10 @@ class FpStackSampler:
 
     def track_running(self, pid: int) -> None:
         self.sampler.track(pid)
+
+    def follow_exec(self, inode: int, cgroup_id: int = 0) -> None:
+        """As instrumented mode follows later execs of its binary (daemon path targets)."""
+        self.sampler.follow_exec(inode, cgroup_id)
 
     def poll(self) -> list[FpStack]:
         self.sampler.poll(0)  # also drains the sampler's own (unused) events, so it never fills up
@@ -198,6 +210,7 @@ class VerifyCounts:
 
 @dataclass
 class _Pending:
+    time_ns: int
     tid: int
     tgid: int
     syscall: int
@@ -229,14 +242,19 @@ class FpVerifier:
             touched.add(w.tid)
         for tid in touched:
             self._drain(tid)
+            q = self._walks[tid]
+            if q and not self._pending.get(tid):
+                newest = q[-1].time_ns
+                while q and q[0].time_ns < newest - KEEP_UNCLAIMED_NS:
+                    q.popleft()
 
-    def add_sample(self, *, tid: int, tgid: int, syscall: int | None, ip: int, sp: int, bias: int | None,
-                   complete: bool, frames: Sequence[HasReturnAddress]) -> None:
+    def add_sample(self, *, time_ns: int, tid: int, tgid: int, syscall: int | None, ip: int, sp: int,
+                   bias: int | None, complete: bool, frames: Sequence[HasReturnAddress]) -> None:
         if syscall is None:
             self.counts.cpu_not_verified += 1
             return
         self._pending.setdefault(tid, deque()).append(
-            _Pending(tid, tgid, syscall, ip, sp, bias, complete, list(frames)))
+            _Pending(time_ns, tid, tgid, syscall, ip, sp, bias, complete, list(frames)))
         self._drain(tid)
 
     def finish(self) -> VerifyCounts:
@@ -250,12 +268,18 @@ class FpVerifier:
         pending = self._pending.get(tid)
         walks = self._walks.get(tid)
         while pending and walks:
-            s = pending[0]
-            while walks and (walks[0].syscall, walks[0].ip, walks[0].sp) != (s.syscall, s.ip, s.sp):
-                walks.popleft()  # a hit instrumented mode did not report
-            if not walks:
-                return  # the walk of this hit has not arrived yet
-            self._check(pending.popleft(), walks.popleft())
+            s, w = pending[0], walks[0]
+            same_hit = ((w.syscall, w.ip, w.sp) == (s.syscall, s.ip, s.sp)
+                        and w.time_ns >= s.time_ns - JOIN_SLACK_NS)
+            if w.time_ns > s.time_ns + JOIN_SLACK_NS:
+                # Later than the sample's own hit: that walk is missing (its process was not
+                # tracked yet, or the ring buffer was full); never pair the sample with another hit.
+                pending.popleft()
+                self.counts.unjoined += 1
+            elif same_hit:
+                self._check(pending.popleft(), walks.popleft())
+            else:
+                walks.popleft()  # an earlier hit instrumented mode did not report
 
     def _check(self, s: _Pending, w: FpStack) -> None:
         bias = s.bias
@@ -293,5 +317,5 @@ def frame_pointer_calls(rules: Iterable[int]) -> tuple[int, int]:
     return fp, total
 
 
-__all__ = ["MAX_FRAMES", "FpStack", "FpStackSampler", "FpVerifier", "StackCheck", "VerifyCounts",
-           "compare_stack", "frame_pointer_calls"]
+__all__ = ["JOIN_SLACK_NS", "MAX_FRAMES", "FpStack", "FpStackSampler", "FpVerifier", "StackCheck",
+           "VerifyCounts", "compare_stack", "frame_pointer_calls"]

@@ -241,6 +241,8 @@ class InstrumentedMode:
         instruction: the uprobes are attached to the inode for every process; BPF tracks the
         process and gives it a fresh state at its exec."""
         self._bpf.sampler.follow_exec(inode[1], cgroup_id)
+        if self._fp is not None:
+            self._fp.follow_exec(inode[1], cgroup_id)  # --verify: walks of the same processes
         self._exec_targets[inode[1]] = inode
 
     def take_new_processes(self) -> list[int]:
@@ -281,7 +283,7 @@ class InstrumentedMode:
             if self._verifier is not None:
                 from ccprofd.bpf.instrumented import SF_BIAS
 
-                self._verifier.add_sample(tid=ev.tid, tgid=ev.pid,
+                self._verifier.add_sample(time_ns=ev.time_ns, tid=ev.tid, tgid=ev.pid,
                                           syscall=ev.syscall if ev.event == "syscall" else None, ip=ev.ip,
                                           sp=ev.sp, bias=ev.bias if ev.flags & SF_BIAS else None,
                                           complete=d.complete, frames=d.frames)
