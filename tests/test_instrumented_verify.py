@@ -283,3 +283,22 @@ def test_verify_catches_a_broken_decoder(monkeypatch: pytest.MonkeyPatch) -> Non
     v = session.summary()["verify"]
     assert n > 0
     assert v["mismatches"] > 0, v
+
+
+def test_daemon_counts_verify_mismatches_of_its_modes() -> None:
+    """``ccprofd_verify_mismatches_total`` comes from SourceCounters.verify_mismatches: the tracer
+    source sums what each of its modes reports in ``summary()["verify"]``."""
+    from ccprofd.daemon.tracer_source import TracerSource, _Binary
+
+    class Reporting:
+        def __init__(self, verify: dict[str, int] | None) -> None:
+            self.verify = verify
+
+        def summary(self) -> dict[str, Any]:
+            return {"decode_errors": 0, **({"verify": self.verify} if self.verify else {})}
+
+    src = TracerSource.__new__(TracerSource)
+    src.binaries_by_inode = {(1, i): _Binary(f"/bin/{i}", (1, i), Reporting(v))
+                             for i, v in enumerate([{"checked": 9, "mismatches": 2}, None,
+                                                    {"checked": 4, "mismatches": 3}])}
+    assert src.counters().verify_mismatches == 5
