@@ -302,3 +302,47 @@ def test_daemon_counts_verify_mismatches_of_its_modes() -> None:
                              for i, v in enumerate([{"checked": 9, "mismatches": 2}, None,
                                                     {"checked": 4, "mismatches": 3}])}
     assert src.counters().verify_mismatches == 5
+
+
+@pytest.mark.bpf
+def test_verify_when_attached_to_a_running_process(tmp_path: pathlib.Path) -> None:
+    """-p PID --verify: the walk sampler tracks the attached process like instrumented mode does;
+    its samples are checked and agree."""
+    import signal
+    import time
+
+    require_bpf()
+    src = tmp_path / "loop.c"
+    src.write_text(r"""
+        #include <stdlib.h>
+        #include <unistd.h>
+        volatile long sink;
+        __attribute__((noinline)) void leaf(void) { sink = getppid(); }
+        __attribute__((noinline)) void mid(int n) { if (n) mid(n - 1); else leaf(); sink++; }
+        __attribute__((noinline)) void outer(void) { mid(3); sink++; }
+        int main(int argc, char **argv) {
+            int rounds = argc > 1 ? atoi(argv[1]) : 20;
+            for (int i = 0; i < rounds; i++) { usleep(50000); outer(); }
+            return 0;
+        }""")
+    prog = tmp_path / "loop"
+    subprocess.run([require_tool("gcc"), "-O1", "-g", "-fno-omit-frame-pointer", "-o", str(prog), str(src)],
+                   check=True)
+    target = subprocess.Popen([str(prog), "2400"])
+    out = tmp_path / "p.jsonl"
+    tracer = subprocess.Popen([sys.executable, "-m", "ccprofd.cli", "trace", "--mode", "instrumented",
+                               "--verify", "--syscalls", "getppid", "--format", "jsonl", "--output", str(out),
+                               "-p", str(target.pid)], cwd=REPO, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.time() + 120  # waiting for samples to exist, not a performance limit
+        while time.time() < deadline and (not out.exists() or out.read_text().count("\n") < 5):
+            time.sleep(0.2)
+        tracer.send_signal(signal.SIGINT)
+        _, err = tracer.communicate(timeout=60)
+    finally:
+        target.kill()
+        target.wait()
+    assert tracer.returncode == 0, err
+    checked, mismatches, frames_checked = verify_line(err)
+    assert mismatches == 0, err
+    assert checked >= 3 and frames_checked >= 4 * checked, err  # outer, mid x4 (leaf's own is skipped)
