@@ -183,7 +183,8 @@ def stop_daemon(daemon: subprocess.Popen[str]) -> str:
 
 
 @pytest.mark.parametrize("mode", ["unwind", "instrumented"])
-def test_new_processes_sampled_from_first_instruction(bpf: None, workdir: str, tmp_path: Path, mode: str) -> None:
+def test_new_processes_sampled_from_first_instruction(bpf: None, workdir: str, tmp_path: Path,
+                                                      mode: str) -> None:
     binary = compile_c(tmp_path, "newproc", PROGRAM, "-O1", "-fno-omit-frame-pointer")
     linkdir = tmp_path / "links"
     linkdir.mkdir()
@@ -246,6 +247,68 @@ def test_new_processes_sampled_from_first_instruction(bpf: None, workdir: str, t
         err = stop_daemon(daemon)
     assert daemon.returncode == 0, err
     assert "Traceback" not in err, err
+
+
+# A new process that forks a child (followed: its syscalls are the binary's) and another child that
+# execs /bin/true (tracking stops at that exec: /bin/true's syscalls are not the binary's).
+FORKING = r"""
+#include <unistd.h>
+#include <sys/wait.h>
+#include <sys/syscall.h>
+__attribute__((noinline)) long leaf(void) { return syscall(SYS_getppid); }
+__attribute__((noinline)) void child_work(void) { for (int i = 0; i < 4; i++) leaf(); }
+__attribute__((noinline)) void spawn_true(void) {
+    pid_t p = fork();
+    if (p == 0) { execl("/bin/true", "true", (char *)0); _exit(127); }
+    waitpid(p, 0, 0);
+}
+int main(void) {
+    pid_t p = fork();
+    if (p == 0) { child_work(); _exit(0); }
+    waitpid(p, 0, 0);
+    spawn_true();
+    return leaf() > 0 ? 0 : 1;
+}
+"""
+
+
+@pytest.mark.parametrize("mode", ["unwind", "instrumented"])
+def test_new_process_children_followed(bpf: None, workdir: str, tmp_path: Path, mode: str) -> None:
+    """A process found at its exec: its fork children are followed, an exec into another program
+    stops tracking that child; every task's syscalls, in order, with strace -f -k's frames."""
+    binary = compile_c(tmp_path, "forking", FORKING, "-O1", "-fno-omit-frame-pointer")
+    names = strace_syscalls([str(binary)])
+    assert names["getppid"] == 5 and names["execve"] == 1  # the child's exec of /bin/true
+    daemon, stub = start_daemon(workdir, binary, mode)
+    stream = SampleStream(stub, "prog")
+    try:
+        subprocess.run([str(binary)], check=True)  # warm-up: the stream is live once it shows
+        wait_for(lambda: stream.pids(), timeout=120)
+        time.sleep(1.0)
+        seen = stream.pids()
+        run = subprocess.run([str(binary)], check=True)
+        assert run.returncode == 0
+
+        def settled() -> list[Any] | None:
+            with stream._lock:
+                mine = [s for s in stream.samples if s.pid not in seen]
+            exits = [s for s in mine if s.syscall == "exit_group"]
+            return mine if len(exits) >= 2 and len({s.pid for s in mine}) == 3 else None
+
+        wait_for(settled, timeout=120)
+        time.sleep(0.5)
+        with stream._lock:
+            mine = [as_dict(s) for s in stream.samples if s.pid not in seen]
+        assert all(s["complete"] for s in mine), [s for s in mine if not s["complete"]][:3]
+        oracle = run_strace([str(binary)], sorted(names))
+        result = compare(mine, oracle, binary)
+        result.assert_ok()
+        assert result.stats.threads_compared == 3  # the parent, the worker child, the exec'ing child
+        assert result.stats.samples_compared == len(mine)
+    finally:
+        stream.close()
+        err = stop_daemon(daemon)
+    assert daemon.returncode == 0, err
 
 
 def _state(pid: int) -> str:
