@@ -165,6 +165,24 @@ def test_errors_are_one_line_values() -> None:
         while not all_blocked(proc.pid):
             time.sleep(0.01)
         assert snapshot(proc.pid, ModuleCache()).error is None  # free again once strace detached
+        # held by ourselves (e.g. a snapshot or the attach-time seeding in progress): said so
+        from ccprofd.daemon import threadsnap
+
+        tids = sorted(int(t) for t in os.listdir(f"/proc/{proc.pid}/task"))
+        held = tids[-1]  # refused at the last thread: the ones seized before must all be let go
+        threadsnap._ptrace(threadsnap.PTRACE_SEIZE, held)
+        try:
+            busy = snapshot(proc.pid, ModuleCache())
+            assert busy.error is not None and "held by this process already" in busy.error
+        finally:
+            threadsnap._ptrace(threadsnap.PTRACE_INTERRUPT, held)
+            assert threadsnap._wait_stop(held) == 0
+            threadsnap._ptrace(threadsnap.PTRACE_DETACH, held)
+        assert all(threadsnap.tracer_of(proc.pid) == 0 for _ in tids)
+        for t in tids:  # none of the threads seized before the refusal is left traced
+            status = Path(f"/proc/{proc.pid}/task/{t}/status").read_text()
+            assert "TracerPid:\t0\n" in status, t
+        assert snapshot(proc.pid, ModuleCache()).error is None
         assert release(proc) == (EXPECTED_OUTPUT, 0)
 
 

@@ -109,6 +109,9 @@ def tracer_of(pid: int, proc_root: str = DEFAULT_PROC_ROOT) -> int:
 
 def _refused(pid: int, exc: OSError, proc_root: str) -> str:
     tracer = tracer_of(pid, proc_root)
+    if tracer == os.getpid():
+        return f"ptrace refused: pid {pid} is held by this process already (another snapshot, or the " \
+               f"attach-time seeding of its threads); try again"
     if tracer:
         comm = _read_text(os.path.join(proc_root, str(tracer), "comm")).strip() or "?"
         return f"ptrace refused: pid {pid} is already traced by pid {tracer} ({comm})"
@@ -314,6 +317,15 @@ def snapshot(pid: int, modules: ModuleCache, *, proc_root: str = DEFAULT_PROC_RO
                 while_stopped(out.threads[-1], memory.word)
     finally:
         for tid in seized:
+            if tid not in pending:
+                # seized but never waited for (a later thread was refused, or an error): PTRACE_DETACH
+                # works only on a stopped tracee, and one left seized would hang at its next signal
+                with contextlib.suppress(OSError):
+                    _ptrace(PTRACE_INTERRUPT, tid)
+                sig = _wait_stop(tid)
+                if sig is None:
+                    continue  # exited
+                pending[tid] = sig
             with contextlib.suppress(OSError):  # gone meanwhile: nothing to detach
                 _ptrace(PTRACE_DETACH, tid, 0, pending.get(tid, 0))
         if seized:
