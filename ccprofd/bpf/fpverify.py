@@ -32,6 +32,7 @@ moments).
 
 from __future__ import annotations
 
+import functools
 import struct
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -78,7 +79,18 @@ class FpStack:
 
     @property
     def truncated(self) -> bool:
-        return len(self.stack) >= MAX_FRAMES
+        return len(self.stack) >= stack_limit()
+
+
+@functools.cache
+def stack_limit() -> int:
+    """Frames a walk can return: :data:`MAX_FRAMES`, or less when ``kernel.perf_event_max_stack``
+    is set lower (then a walk of that length was cut short, not the whole stack)."""
+    try:
+        with open("/proc/sys/kernel/perf_event_max_stack", encoding="ascii") as fh:
+            return max(1, min(MAX_FRAMES, int(fh.read().strip())))
+    except (OSError, ValueError):
+        return MAX_FRAMES
 
 
 class FpStackSampler:
