@@ -301,7 +301,7 @@ class Case:
     rss_steady_mb: float | None = None
     rss_peak_mb: float | None = None
     rss_anon_mb: float | None = None  # of the RSS, anonymous memory (the rest is mapped files: bcc/LLVM)
-    dropped: int | None = None
+    dropped: dict[str, int] | None = None  # by reason
     scrape_ms: list[float] = field(default_factory=list)
     counted: dict[str, int] | None = None
     counts_ok: bool | None = None
@@ -339,20 +339,20 @@ def hot_counts(daemon: Daemon, target: str) -> tuple[dict[str, int], int, int]:
     return out, incomplete, int(resp.total_samples)
 
 
-def dropped_samples(daemon: Daemon, target: str) -> int:
+def dropped_samples(daemon: Daemon, target: str) -> dict[str, int]:
+    """``ccprofd_samples_dropped_total`` of ``target`` by reason (non-zero ones)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     with urllib.request.urlopen(daemon.metrics_url(), timeout=30) as resp:
         text = resp.read().decode()
-    total = 0
+    out: dict[str, int] = {}
     for family in text_string_to_metric_families(text):
         if family.name == "ccprofd_samples_dropped":
-            total += sum(
-                int(s.value)
-                for s in family.samples
-                if s.name.endswith("_total") and s.labels.get("target") == target
-            )
-    return total
+            for s in family.samples:
+                if s.name.endswith("_total") and s.labels.get("target") == target and s.value:
+                    reason = s.labels.get("reason", "?")
+                    out[reason] = out.get(reason, 0) + int(s.value)
+    return out
 
 
 def run_untraced(binary: Path, rate: int, seconds: float) -> Case:
@@ -533,7 +533,14 @@ def render(cases: list[Case], startup: dict[str, dict[str, Any]], rate: int, sec
     row("of which anonymous (RssAnon, at the end)", [fmt(c.rss_anon_mb, ".0f", " MB") for c in cases])
     row(
         "samples dropped",
-        ["—" if c.dropped is None else f"{c.dropped}{mark(c.dropped == 0)}" for c in cases],
+        [
+            "—"
+            if c.dropped is None
+            else f"{sum(c.dropped.values()):,}"
+            + "".join(f" ({reason})" for reason in sorted(c.dropped))
+            + mark(not c.dropped)
+            for c in cases
+        ],
         "0",
     )
     row(
