@@ -110,6 +110,9 @@
 #ifndef ACYC_OP_ADD
 #define ACYC_OP_ADD 0
 #endif
+#ifndef SCOPE_PAGES
+#define SCOPE_PAGES 0  // --scope: stack pages copied at a scope entry for the prefix unwind
+#endif
 #ifndef PCCE_PAIRS
 #define PCCE_PAIRS 0
 #endif
@@ -154,7 +157,7 @@ struct cc_state {
     u64 frozen_sp;
     u64 bias;
     u32 parent_tgid;
-    u32 lost;
+    u32 scope_seq;  // --scope: entries into a scope function so far (a prefix record's join key)
     u64 search_pos;  // scratch of cc_cut
     u64 acyc[ACYC_WORDS];
     u32 segs[MAX_SEGS];
@@ -265,7 +268,6 @@ static __always_inline void cc_reset(struct cc_state *s, u32 flags) {
     s->nsegs = 0;
     s->flags = flags;
     s->frozen_sp = 0;
-    s->lost = 0;
 #pragma unroll
     for (int w = 0; w < ACYC_WORDS; w++)
         s->acyc[w] = 0;
@@ -398,6 +400,7 @@ static __always_inline struct cc_piece *cc_push(struct cc_state *s, u64 sp, u64 
     p->probe = probe;
     p->aux = aux;
     p->kind = kind;
+    p->pad = 0;
     p->rec_before = s->rec_len;
     p->nsegs_before = s->nsegs;
 #pragma unroll
@@ -635,6 +638,62 @@ int cc_tail_probe(struct pt_regs *ctx) {
     return 0;
 }
 
+#if SCOPE_PAGES > 0
+// --scope: what userspace needs for one unwind of the stack above a scope function's entry -- its
+// registers and the stack pages from the one holding sp upwards (SCOPE_PAGES at most, stopping at the
+// first unreadable page).  The segment just pushed gets the entry's per-thread sequence number (in
+// its piece's pad, emitted with the segment), so a sample joins the prefix of its own entry.
+struct cc_scope_rec {
+    u64 ktime_ns;
+    u32 tgid;
+    u32 tid;
+    u32 seq;
+    u32 pages;
+    u64 ip;
+    u64 sp;
+    u64 bp;
+    u64 base;
+    char data[SCOPE_PAGES * 4096];
+};
+BPF_RINGBUF_OUTPUT(cc_scope_events, SCOPE_RINGBUF_PAGES);
+
+static __always_inline void cc_scope_prefix(struct pt_regs *ctx, struct cc_state *s, u64 cfa, u32 id) {
+    u32 n = s->n;
+    if (n == 0 || n > MAX_PIECES)
+        return;
+    struct cc_piece *top = &s->p[PIX(n - 1)];
+    if (top->kind != K_SEG || top->sp != cfa || top->probe != id)
+        return;  // not pushed (the thread is frozen)
+    u32 seq = s->scope_seq + 1;
+    s->scope_seq = seq;
+    top->pad = seq;
+    struct cc_scope_rec *r = cc_scope_events.ringbuf_reserve(sizeof(struct cc_scope_rec));
+    if (!r) {
+        cc_stat(S_RINGBUF_FULL);
+        return;
+    }
+    u64 pid_tgid = bpf_get_current_pid_tgid();
+    r->ktime_ns = bpf_ktime_get_ns();
+    r->tgid = pid_tgid >> 32;
+    r->tid = (u32)pid_tgid;
+    r->seq = seq;
+    r->ip = ctx->ip;
+    r->sp = ctx->sp;
+    r->bp = ctx->bp;
+    u64 base = ctx->sp & ~4095ULL;
+    r->base = base;
+    u32 pages = 0;
+#pragma unroll
+    for (int i = 0; i < SCOPE_PAGES; i++) {
+        if (bpf_probe_read_user(&r->data[i * 4096], 4096, (void *)(base + i * 4096ULL)) != 0)
+            break;
+        pages = i + 1;
+    }
+    r->pages = pages;
+    cc_scope_events.ringbuf_submit(r, 0);
+}
+#endif
+
 // Probe on the entry of a root function (sp points at the return address).
 int cc_entry_probe(struct pt_regs *ctx) {
     struct cc_state *s = cc_state_of_current();
@@ -707,6 +766,10 @@ int cc_entry_probe(struct pt_regs *ctx) {
         return 0;
     }
     cc_push_segment(s, cfa, ra, id, aux);
+#if SCOPE_PAGES > 0
+    if (si->flags & F_SCOPE)
+        cc_scope_prefix(ctx, s, cfa, id);
+#endif
     return 0;
 }
 
@@ -773,6 +836,7 @@ static __always_inline u32 cc_fill_sample(u64 sp, struct cc_sample *out) {
             out->segs[i].rec_height = p->rec_before;
             out->segs[i].aux = p->aux;
             out->segs[i].probe = p->probe;
+            out->segs[i].pad = p->pad;  // a --scope segment: its entry's sequence number
         }
     }
     u32 rl = s->rec_len;
@@ -874,7 +938,7 @@ int cc_fork(void *args) {
     c->frozen_sp = s->frozen_sp;
     c->bias = s->bias;
     c->parent_tgid = (u32)(bpf_get_current_pid_tgid() >> 32);
-    c->lost = 0;
+    c->scope_seq = s->scope_seq;
 #pragma unroll
     for (int w = 0; w < ACYC_WORDS; w++)
         c->acyc[w] = s->acyc[w];

@@ -20,7 +20,7 @@ import os
 import re
 import struct
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib import resources
 from typing import Any
 
@@ -85,6 +85,8 @@ class Limits:
     rec_emit_words: int = 1024
     slots: int = 64
     ringbuf_pages: int = 512
+    #: --scope: stack pages copied at each scope entry for the unwind of the prefix above it
+    scope_pages: int = 8
 
     def check(self) -> None:
         for name in ("max_pieces", "max_segments", "ringbuf_pages"):
@@ -103,6 +105,7 @@ class RawSegment:
     rec_height: int
     aux: int  # callsite id of the exit the segment was entered through, NONE32 if unknown
     probe: int  # entry (or anchoring) probe id
+    seq: int = 0  # a --scope entry's per-thread sequence number (its ScopeEntry), else 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +185,32 @@ class SchemeParams:
 
 
 @dataclass(frozen=True, slots=True)
+class ScopeEntry:
+    """A --scope function entered from outside the scope: registers and a copy of the stack pages
+    from the one holding ``sp`` upwards (``base``: address of ``stack[0]``), for one unwind of the
+    frames above it (ccprofd/decode/scopeprefix.py).  Samples under it carry ``seq`` in their
+    outermost segment."""
+
+    time_ns: int
+    pid: int
+    tid: int
+    seq: int
+    ip: int
+    sp: int
+    bp: int
+    base: int
+    stack: bytes
+
+    HEADER = struct.Struct("<QIIIIQQQQ")
+
+    @classmethod
+    def parse(cls, raw: bytes) -> ScopeEntry:
+        ktime, tgid, tid, seq, pages, ip, sp, bp, base = cls.HEADER.unpack_from(raw)
+        data = bytes(raw[cls.HEADER.size:cls.HEADER.size + 4096 * pages])
+        return cls(monotonic_to_realtime_ns(ktime), tgid, tid, seq, ip, sp, bp, base, data)
+
+
+@dataclass(frozen=True, slots=True)
 class ProcessEvent:
     """fork / exec / exit of a traced process (from the sampler)."""
 
@@ -219,7 +248,8 @@ class SampleLayout:
         segs: list[RawSegment] = []
         for i in range(min(nsegs, self.emit_segs)):
             vals = self._seg.unpack_from(raw, off + i * self._seg.size)
-            segs.append(RawSegment(tuple(vals[:self.w]), vals[self.w], vals[self.w + 1], vals[self.w + 2]))
+            segs.append(RawSegment(tuple(vals[:self.w]), vals[self.w], vals[self.w + 1], vals[self.w + 2],
+                                   vals[self.w + 3]))
         off += self.emit_segs * self._seg.size
         rec = int.from_bytes(raw[off:], "little")
         pairs: tuple[tuple[tuple[int, ...], int], ...] = ()
@@ -229,7 +259,7 @@ class SampleLayout:
                 # PCCE: recID holds the pair stack; heights become pair counts.
                 rb = self.scheme.rec_bits
                 pairs = self.scheme.split_pairs(rec, rec_len)
-                segs = [RawSegment(g.saved, g.rec_height // rb, g.aux, g.probe) for g in segs]
+                segs = [RawSegment(g.saved, g.rec_height // rb, g.aux, g.probe, g.seq) for g in segs]
                 rec, rec_len = 0, 0
         return RawContext("syscall" if event == 1 else "cpu", monotonic_to_realtime_ns(ktime), tgid, tid,
                           nr if nr >= 0 else None, ip, sp, flags, depth, top_kind, top_probe, top_aux, bias,
@@ -352,6 +382,12 @@ class InstrumentedBPF:
 
     def __init__(self, probe_plan: ProbePlan, plan: Mapping[str, Any], *,
                  syscalls: Iterable[int] | None = None, limits: Limits = Limits()) -> None:
+        pages = os.environ.get("CCPROFD_SCOPE_STACK_PAGES")  # --scope prefix copy size (README)
+        if pages is not None:
+            if not pages.isdigit() or not 0 <= int(pages) <= 64:
+                raise BPFError(f"CCPROFD_SCOPE_STACK_PAGES must be a number of pages from 0 to 64, "
+                               f"not {pages!r}")
+            limits = replace(limits, scope_pages=int(pages))
         limits.check()
         self.probe_plan = probe_plan
         self.limits = limits
@@ -376,6 +412,8 @@ class InstrumentedBPF:
                    "CC_RINGBUF_PAGES": limits.ringbuf_pages, "CC_ARG_LEN": ARG_LEN,
                    "CC_STATE_BYTES": state_bytes, "CC_RECORD_BYTES": self.layout.size,
                    "CC_FORK_CHILD_PID_OFF": fork_off, "CC_EXEC_OLD_PID_OFF": exec_off,
+                   "SCOPE_PAGES": limits.scope_pages if probe_plan.scope is not None else 0,
+                   "SCOPE_RINGBUF_PAGES": _pow2_at_least(8 * (limits.scope_pages + 1)),
                    **self.scheme.defines()}
         prelude = "".join(f"#define {k} {v}\n" for k, v in defines.items())
         prelude += resources.files("ccprofd.bpf").joinpath(C_SOURCE).read_text(encoding="utf-8")
@@ -384,6 +422,10 @@ class InstrumentedBPF:
         self.module: BccModule = self.sampler.module
         self._contexts: list[RawContext] = []
         self.module.open_ring_buffer("cc_events", lambda raw: self._contexts.append(self.layout.parse(raw)))
+        self._scope_entries: list[ScopeEntry] = []
+        if probe_plan.scope is not None and limits.scope_pages > 0:
+            self.module.open_ring_buffer("cc_scope_events",
+                                         lambda raw: self._scope_entries.append(ScopeEntry.parse(raw)))
         self._links: list[UprobeMultiLink] = []
         self._attached = False
         self.rec_words = rec_words
@@ -534,15 +576,22 @@ class InstrumentedBPF:
         self.module.map("cc_slot_of").set(tid, int(slot.value))
 
     # --------------------------------------------------------------------------------- events
-    def poll(self, timeout_ms: int = 0) -> list[RawContext | ProcessEvent]:
+    def poll(self, timeout_ms: int = 0) -> list[RawContext | ProcessEvent | ScopeEntry]:
         """Samples and process events that arrived since the last call, in time order."""
-        out: list[RawContext | ProcessEvent] = []
-        for ev in self.sampler.poll(timeout_ms):
+        out: list[RawContext | ProcessEvent | ScopeEntry] = []
+        events = self.sampler.poll(timeout_ms)
+        if self._scope_entries is not None and self.probe_plan.scope is not None:
+            # A poll consumes only the rings that signalled: drain them all once more, so every scope
+            # entry submitted before a sample of this batch is in the batch (entry before its samples).
+            self.module.ring_buffer_consume()
+        for ev in events:
             if ev.kind != "syscall":  # syscall contexts come through cc_events
                 t = monotonic_to_realtime_ns(ev.time_ns)
                 out.append(ProcessEvent(ev.kind, t, ev.tgid, ev.tid, ev.aux))
         out.extend(self._contexts)
         self._contexts = []
+        out.extend(self._scope_entries)
+        self._scope_entries = []
         out.sort(key=lambda e: e.time_ns)
         return out
 
@@ -568,5 +617,5 @@ class InstrumentedBPF:
 
 __all__ = ["EXIT_KINDS", "INCOMPLETE_FLAGS", "K_CALL", "K_EXIT", "K_ROOT", "K_SEG", "K_TAIL", "K_TAILEXIT",
            "SF_OVERFLOW", "InstrumentedBPF", "Limits", "ProcessEvent", "RawContext", "RawSegment",
-           "SampleLayout", "SchemeParams", "ret_table", "site_table"]
+           "SampleLayout", "SchemeParams", "ScopeEntry", "ret_table", "site_table"]
 

@@ -115,6 +115,7 @@ class InstrumentedMode:
         self._names: dict[int, str] = {}
         self._exec_targets: dict[int, tuple[int, int]] = {}
         self._new_processes: list[int] = []
+        self._scope: Any = None  # --scope: prefixes above scope entries (ccprofd/decode/scopeprefix.py)
 
     def prepare(self) -> None:
         from pathlib import Path
@@ -157,6 +158,10 @@ class InstrumentedMode:
         self.build_id = graph.binary.build_id
         self.probe_plan = pp
         self._sym = Symbolizer(pp, plan)
+        if self.options.scope:
+            from ccprofd.decode.scopeprefix import live_prefixes
+
+            self._scope = live_prefixes(pp, self._sym.names, self.options.cache_dir)
         self._bpf = InstrumentedBPF(pp, plan, syscalls=nrs)
         self._bpf.attach()
         if self.options.sample_hz:
@@ -264,7 +269,7 @@ class InstrumentedMode:
             self._bpf.sampler.untrack(tgid)
 
     def poll(self, timeout_ms: int) -> list[TraceSample]:
-        from ccprofd.bpf.instrumented import ProcessEvent, RawContext
+        from ccprofd.bpf.instrumented import ProcessEvent, RawContext, ScopeEntry
         from ccprofd.bpf.syscall_names import syscall_name
         from ccprofd.bpf.syscall_sampler import EXEC_TARGET_FLAG
 
@@ -272,9 +277,13 @@ class InstrumentedMode:
         for ev in self._bpf.poll(timeout_ms):
             if isinstance(ev, ProcessEvent) and ev.kind == "exec" and ev.aux & EXEC_TARGET_FLAG:
                 self._exec_found(ev.pid)
+            if isinstance(ev, ScopeEntry) and self._scope is not None:
+                self._scope.add(ev)
             if not isinstance(ev, RawContext):
                 continue
             d = self._sym.decode(ev)
+            if self._scope is not None:
+                d = self._scope.join(ev, d)
             self.samples_seen += 1
             if not d.complete:
                 self.incomplete += 1
@@ -302,6 +311,8 @@ class InstrumentedMode:
             out["probes"] = self.probe_plan.stats
         if self._sym is not None:
             out["decode_errors"] = self._sym.errors
+        if self._scope is not None:
+            out["scope_prefix"] = self._scope.summary()
         if self._bpf is not None and self._bpf.seed_report:
             out["seeding"] = {str(p): {str(t): r for t, r in th.items()}
                               for p, th in self._bpf.seed_report.items()}

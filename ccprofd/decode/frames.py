@@ -173,6 +173,10 @@ class Symbolizer:
         reason = None if complete else f"flags={s.flags:#x}"
         if s.flags & SF_OVERFLOW:  # a PCCE/HCCE id outgrew its words: nothing below it is known
             return Decoded([], False, "id overflow")
+        if self.pp.scope is not None and s.depth == 0:
+            # --scope: nothing recorded means the thread is outside the scope, where calls carry no
+            # probes -- its frames are not known (not "no analysed frame on the stack").
+            return Decoded([], False, "outside the --scope functions")
         ipv = s.ip - s.bias if s.flags & SF_BIAS else None
         node = self.function_at(ipv) if ipv is not None else None
         exit_site: int | None = None
