@@ -614,6 +614,17 @@ class InstrumentedBPF:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def read_state(self, tid: int) -> bytes | None:
+        """Thread ``tid``'s ``struct cc_state`` as BPF holds it now, None when it has no slot (for
+        GetThreadContexts: ccprofd/daemon/livestate.py decodes it; nothing is written back)."""
+        slot = self.module.map("cc_slot_of").get(tid)
+        if slot is None:
+            return None
+        st = self.module.map("cc_states").get(int(slot))
+        if st is None:
+            return None
+        return ctypes.string_at(ctypes.addressof(st), ctypes.sizeof(st))
+
 
 __all__ = ["EXIT_KINDS", "INCOMPLETE_FLAGS", "K_CALL", "K_EXIT", "K_ROOT", "K_SEG", "K_TAIL", "K_TAILEXIT",
            "SF_OVERFLOW", "InstrumentedBPF", "Limits", "ProcessEvent", "RawContext", "RawSegment",

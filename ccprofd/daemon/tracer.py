@@ -327,13 +327,14 @@ class InstrumentedMode:
         return out
 
     def thread_contexts(self, pid: int) -> dict[str, Any]:
-        """Every thread's context now, unwound from a brief ptrace stop with the CFI tables
-        (ccprofd/daemon/threadsnap.py): ``{"pid", "error", "threads": [...]}``."""
-        from ccprofd.daemon.threadsnap import ContextReader
+        """Every thread's context now, from its live per-thread BPF state, made current during a brief
+        ptrace stop (ccprofd/daemon/livestate.py): ``{"pid", "error", "threads": [...]}``."""
+        from ccprofd.daemon.livestate import LiveContextReader
 
         reader = getattr(self, "_contexts", None)
         if reader is None:
-            reader = self._contexts = ContextReader(self.path, self.options.cache_dir)
+            reader = self._contexts = LiveContextReader(self._bpf, self._sym, self.path,
+                                                        self.options.cache_dir)
         return reader.read(pid)
 
     def close(self) -> None:
