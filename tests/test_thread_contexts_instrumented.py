@@ -10,6 +10,8 @@ a call of the next frame's function; with frame pointers kept, gdb (prologue ana
 threads too and every frame equals its walk (library frames at gdb's pcs, or one stand-in for a run of
 them).  Without frame pointers gdb cannot walk the binary, so the source + objdump check is the oracle.
 The ptrace + CFI walk of the same process (the unwind-mode path) is checked to fall short, for contrast.
+A copy started before the daemon (attached mid-run, seeded only where a CFI walk of the thread is whole)
+is flagged ``bpf-state: frames above ... unknown`` where it was not seeded.
 
 Unit: the userspace cut drops the pieces of frames that returned (a thread back from a deep recursion,
 now blocked shallower: its BPF state still holds the deep pieces, as BPF drops them only at the next
@@ -272,6 +274,17 @@ syscalls = ["getppid"]
 mode = "instrumented"
 """)
     sock = f"{workdir}/ccprofd.sock"
+    # one copy running before the daemon: attached mid-run, its threads seeded only where a CFI walk of
+    # them is whole -- without unwind tables, not at all (then flagged, never guessed)
+    early = subprocess.Popen([str(binary), str(DEPTH)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             text=True)
+    try:
+        assert early.stdout is not None and early.stdout.readline().startswith("ready ")
+        wait_for(lambda: all_blocked(early.pid), timeout=60)
+    except BaseException:
+        early.kill()
+        early.wait()
+        raise
     daemon = subprocess.Popen([sys.executable, "-m", "ccprofd.cli", "run", "--config", str(config)],
                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     prog: subprocess.Popen[str] | None = None
@@ -326,10 +339,30 @@ mode = "instrumented"
 
         wait_for(lambda: all_blocked(pid), timeout=60)
         assert release(prog) == (EXPECTED_OUTPUT, 0)
+
+        wait_for(lambda: any(p["pid"] == early.pid for t in targets() for p in t.get("processes", [])),  # type: ignore[index, attr-defined]
+                 timeout=120)
+        wait_for(lambda: all_blocked(early.pid), timeout=60)
+        out = ctl(sock, "contexts", str(early.pid), "--format", "json")
+        assert out.returncode == 0, out.stderr
+        threads = json.loads(out.stdout)["threads"]
+        assert len(threads) == 4
+        unseeded = "bpf-state: frames above the thread's first probe event are unknown"
+        for t in threads:
+            if t["complete"]:  # seeded (a whole CFI walk at attach, through frame pointers)
+                assert t["reason"] is None and frame_pointer
+                check_by_source(t["frames"], calls)
+            else:
+                assert t["reason"].startswith(unseeded), t
+        # the main thread's walk cannot cross _start without tables: never seeded
+        assert sum(not t["complete"] for t in threads) >= (1 if frame_pointer else 4)
+        wait_for(lambda: all_blocked(early.pid), timeout=60)
+        assert release(early) == (EXPECTED_OUTPUT, 0)
     finally:
-        if prog is not None and prog.poll() is None:
-            prog.kill()
-            prog.wait()
+        for p in (prog, early):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
         daemon.terminate()
         try:
             daemon.wait(timeout=60)
