@@ -266,12 +266,25 @@ def contexts_by_function(hot: pb.GetHotContextsResponse) -> list[tuple[int, list
 
 
 # ----------------------------------------------------------------------------------- SIGKILL
+@pytest.mark.parametrize("started", ["before", "after"])
 @pytest.mark.parametrize("mode", MODES)
-def test_sigkill_leaves_nothing_attached(bpf: None, workdir: str, mode: str) -> None:
+def test_sigkill_leaves_nothing_attached(bpf: None, workdir: str, mode: str, started: str) -> None:
+    """``started``: the program runs before the daemon starts (found running) or is started after
+    it (followed from its exec, when the tracer may hold it until its mappings are loaded)."""
     binary = build(Path(workdir) / "prog", 1)
-    prog = Program([str(binary)])
+    prog: Program | None = None
+    if started == "before":
+        prog = Program([str(binary)])
     daemon = DaemonProc(workdir, target_toml(mode, f'path = "{binary}"'))
     try:
+        if prog is None:
+
+            def attached() -> bool:
+                resp = daemon.targets()
+                return resp is not None and all(t.state == "attached" for t in resp.targets)
+
+            wait_for(attached, timeout=300, interval=0.2)
+            prog = Program([str(binary)])
         daemon.wait_tracked(prog.proc.pid)
         assert prog.ask("a 50") == "did 50"
         wait_for(lambda: daemon.hot("prog").total_samples >= 50, timeout=120, interval=0.2)
@@ -303,7 +316,8 @@ def test_sigkill_leaves_nothing_attached(bpf: None, workdir: str, mode: str) -> 
         assert prog.close() == 0
     finally:
         daemon.stop()
-        prog.close()
+        if prog is not None:
+            prog.close()
 
 
 # ----------------------------------------------------------------------------------- upgrade
@@ -458,7 +472,7 @@ def test_process_in_other_mount_and_pid_namespace(bpf: None, workdir: str, mode:
 
         def work_contexts() -> dict[str, tuple[int, list[Any]]]:
             out: dict[str, tuple[int, list[Any]]] = {}
-            for h in daemon.hot("prog").contexts:  # type: ignore[union-attr]
+            for h in daemon.hot("prog").contexts:
                 names = [f.function for f in h.frames]
                 for work in ("work_a", "work_b"):
                     if work in names:
