@@ -6,7 +6,7 @@ calling contexts, gated on stdin so the tracer is attached first.  Cases, in one
 * untraced;
 * under the real ``ccprofd run --config`` daemon (a ``path`` target on the workload binary), once per
   tracer mode (unwind = default, instrumented): daemon CPU (utime+stime from /proc/PID/stat over the
-  workload's run plus the drain of its samples, as % of one core), RSS (VmRSS sampled every second,
+  workload's run plus the drain of its samples, as % of one core), RSS (VmRSS sampled every 0.5-1 s,
   VmHWM at the end), ``ccprofd_samples_dropped_total``, /metrics scrape latency (one GET every 2 s
   during the run; those scrapes are part of the CPU figure), and per-context counts from
   ``GetHotContexts`` against the counts the workload itself made;
@@ -268,7 +268,7 @@ def finish_workload(proc: subprocess.Popen[str]) -> WorkloadResult:
 
 
 class Monitor(threading.Thread):
-    """Samples a tracer's RSS every second and (for the daemon) scrapes /metrics every 2 s."""
+    """Samples a tracer's RSS (every 0.5 s, or 1 s without scrapes); scrapes /metrics every 2 s."""
 
     def __init__(self, pid: int, metrics_url: str | None) -> None:
         super().__init__(daemon=True)
