@@ -46,7 +46,8 @@ def _wait_line(stream: Any, needle: str, what: str) -> str:
 
 
 def run_attached(binary: pathlib.Path, depth: int, threads: int, tmp_path: pathlib.Path, *,
-                 strace_first: bool = False) -> tuple[list[dict[str, Any]], Any, str]:
+                 strace_first: bool = False,
+                 encoding: str = "valence") -> tuple[list[dict[str, Any]], Any, str]:
     """Park the program, attach ccprofd (and strace), release it; (samples, oracle, attach line)."""
     prog = subprocess.Popen([str(binary), str(depth), str(threads)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, text=True)
@@ -62,7 +63,7 @@ def run_attached(binary: pathlib.Path, depth: int, threads: int, tmp_path: pathl
         out = tmp_path / "samples.jsonl"
         tracer = subprocess.Popen(
             [sys.executable, "-m", "ccprofd.cli", "trace", "--mode", "instrumented", "--format", "jsonl",
-             "--syscalls", ",".join(SYSCALLS), "--output", str(out), "-p", str(pid)],
+             "--syscalls", ",".join(SYSCALLS), "--encoding", encoding, "--output", str(out), "-p", str(pid)],
             cwd=REPO, stderr=subprocess.PIPE, text=True)
         assert tracer.stderr is not None
         attach_line = _wait_line(tracer.stderr, "attached to pid", "ccprofd trace")
@@ -107,6 +108,19 @@ def test_attach_seeds_every_thread(variant: dict[str, Any], depth: int, threads:
     result = compare(samples, oracle, binary, sample_task_order=[t.tid for t in oracle.tasks])
     assert result.ok, result.report()
     assert result.stats.samples_compared == len(getppid)
+    assert result.stats.incomplete_samples == 0
+
+
+@pytest.mark.parametrize("encoding", ["pcce", "hcce"])
+def test_attach_seeds_pcce_and_hcce(encoding: str, tmp_path: pathlib.Path) -> None:
+    """The seeded state follows the plan's scheme (PCCE back-edge pairs, HCCE additions)."""
+    binary = build("seeding", opt="O0", pie=True)
+    samples, oracle, line = run_attached(binary, 40, 1, tmp_path, encoding=encoding)
+    assert "2 of 2 threads seeded" in line, line
+    getppid = [s for s in samples if s["syscall"] == "getppid"]
+    assert len(getppid) >= 30 and all(s["complete"] for s in getppid)
+    result = compare(samples, oracle, binary, sample_task_order=[t.tid for t in oracle.tasks])
+    assert result.ok, result.report()
     assert result.stats.incomplete_samples == 0
 
 
