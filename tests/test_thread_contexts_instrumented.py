@@ -13,6 +13,10 @@ The ptrace + CFI walk of the same process (the unwind-mode path) is checked to f
 A copy started before the daemon (attached mid-run, seeded only where a CFI walk of the thread is whole)
 is flagged ``bpf-state: frames above ... unknown`` where it was not seeded.
 
+And tests/programs/stale.c: main returned from a recursion 41 deep and blocks in park() through an
+inline syscall, with no probe event since -- the real BPF state still holds the recursion's pieces;
+the context is main -> park, as gdb walks it (without the userspace cut it is a decode error).
+
 Unit: the userspace cut drops the pieces of frames that returned (a thread back from a deep recursion,
 now blocked shallower: its BPF state still holds the deep pieces, as BPF drops them only at the next
 probe event), the state layout reads back what seed.py writes, and the spliced library frames line up
@@ -363,6 +367,79 @@ mode = "instrumented"
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait()
+        daemon.terminate()
+        try:
+            daemon.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
+            daemon.wait()
+
+
+def test_contexts_after_a_returned_deep_recursion_drop_its_stale_pieces(bpf: None, workdir: str) -> None:
+    """tests/programs/stale.c: main returned from deep^41 and blocks in park() through an inline
+    syscall, no probe event since the return -- the thread's BPF state still holds the recursion's
+    pieces; the context read now is main -> park, as gdb walks it."""
+    from gdb_threads import gdb_threads
+    from test_userstack import programs
+
+    require_tool("gdb")
+    binary = programs.build("stale", opt="O0")
+    config = Path(workdir) / "ccprofd.toml"
+    config.write_text(f"""
+[daemon]
+state_dir = "{workdir}/state"
+grpc_listen = "unix://{workdir}/ccprofd.sock"
+metrics_listen = "127.0.0.1:0"
+
+[[target]]
+name = "stale"
+path = "{binary}"
+syscalls = ["getppid"]
+mode = "instrumented"
+""")
+    sock = f"{workdir}/ccprofd.sock"
+    daemon = subprocess.Popen([sys.executable, "-m", "ccprofd.cli", "run", "--config", str(config)],
+                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    prog: subprocess.Popen[str] | None = None
+    try:
+        def targets() -> list[dict[str, object]]:
+            if daemon.poll() is not None:
+                raise AssertionError(f"daemon exited: {daemon.communicate()[1]}")
+            if not os.path.exists(sock):
+                return []
+            out = ctl(sock, "targets", "--json")
+            return json.loads(out.stdout) if out.returncode == 0 else []
+
+        def parked(pid: int) -> bool:
+            try:
+                state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
+                return state == "S" and Path(f"/proc/{pid}/syscall").read_text().split()[0] == "0"
+            except OSError:
+                return False
+
+        wait_for(lambda: any(b.get("attached") for t in targets() for b in t.get("binaries", [])),  # type: ignore[attr-defined]
+                 timeout=300)
+        prog = subprocess.Popen([str(binary), "40"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert prog.stdout is not None and prog.stdout.readline().startswith("ready ")
+        pid = prog.pid
+        wait_for(lambda: parked(pid), timeout=60)
+        wait_for(lambda: any(p["pid"] == pid for t in targets() for p in t.get("processes", [])),  # type: ignore[index, attr-defined]
+                 timeout=120)
+        out = ctl(sock, "contexts", str(pid), "--format", "json")
+        assert out.returncode == 0, out.stderr
+        (t,) = json.loads(out.stdout)["threads"]
+        assert t["complete"] is True and t["reason"] is None, t
+        assert [f["function"] for f in t["frames"]] == ["main", "park"]
+        calls = {c.vaddr + 5: (c.vaddr, c.target) for c in direct_call_sites(binary)}
+        wait_for(lambda: parked(pid), timeout=60)
+        match_gdb(t["frames"], list(gdb_threads(pid)[pid].frames), binary, calls)
+        wait_for(lambda: parked(pid), timeout=60)
+        stdout, _ = prog.communicate("go\n", timeout=120)
+        assert (stdout, prog.returncode) == ("done 40 1\n", 0)
+    finally:
+        if prog is not None and prog.poll() is None:
+            prog.kill()
+            prog.wait()
         daemon.terminate()
         try:
             daemon.wait(timeout=60)
