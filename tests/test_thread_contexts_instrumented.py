@@ -113,6 +113,25 @@ def test_fork_pending_state_of_a_new_thread_is_empty() -> None:
     assert len(s.pieces) == 4 and not s.flags & 4
 
 
+def test_a_thread_standing_on_an_entry_probe_gets_that_event_replayed() -> None:
+    """Stopped on the first instruction of a callback the library called (entered, its entry probe not
+    yet run): the segment the probe would push -- entered through the binary's library call -- is
+    replayed, so the decoder sees the callback as entered from that call site."""
+    top = 0x7FFF_0000_0000
+    s = SeedState(1, flags=8, bias=0, acyc=[3])
+    s.pieces.append(Piece(top, 0x401000, 0, 0xFFFFFFFF, 5, 0, 0, (0,)))  # root
+    s.pieces.append(Piece(top - 0x100, 0x401100, 1, 7, 3, 0, 0, (3,)))  # call out of the binary (exit)
+    mem = {top - 8: 0x401000, top - 0x108: 0x401100, top - 0x308: 0x7F00_0000_1234}  # ra into the library
+    sites = [{"flags": 0, "node": 9, "mask": [0], "val": [0], "callsite": 0xFFFFFFFF, "ret_vaddr": 0}] * 2
+    model = StateModel(sites, {}, [], set(), PARAMS, mem.get)
+    live = LiveState(s, [0, 0], 0, 77)
+    current(live, model, tgid=77, sp=top - 0x308, entry_probe=0)
+    assert [p.kind for p in s.pieces] == [5, 3, 6] and s.segs == [2] and s.acyc == [0]
+    seg = s.pieces[2]
+    assert (seg.sp, seg.ret, seg.aux, seg.acyc_before) == (top - 0x300, 0x7F00_0000_1234, 7, (3,))
+    assert live.pads == [0, 0, 0]
+
+
 def test_state_layout_reads_back_what_seed_writes() -> None:
     s, _ = _recursion_state(7, 0x7FFF_0000_0000)
     s.segs = [0]

@@ -270,6 +270,8 @@ class LiveContextReader(ContextReader):
             pc, sp = th.regs.rip, th.regs.rsp
             b = live.state.bias if live.state.flags & ST_BIAS else bias
             entry = self._entry_at.get(pc - b) if b is not None else None
+            if entry is not None and b is not None and not live.state.flags & ST_BIAS:
+                live.state.bias, live.state.flags = b, live.state.flags | ST_BIAS  # as the probe sets it
             current(live, self._model(read_word), tgid=pid, sp=sp, entry_probe=entry)
             got[th.tid] = (raw_context(live, pid=pid, tid=th.tid, ip=pc, sp=sp, bias=bias,
                                        scheme=self.bpf.scheme), None)
