@@ -394,10 +394,14 @@ mode = "instrumented"
             daemon.wait()
 
 
-def test_contexts_after_a_returned_deep_recursion_drop_its_stale_pieces(bpf: None, workdir: str) -> None:
+@pytest.mark.parametrize("scope", [None, "^park$"], ids=["unscoped", "scope-park"])
+def test_contexts_after_a_returned_deep_recursion_drop_its_stale_pieces(bpf: None, workdir: str,
+                                                                        scope: str | None) -> None:
     """tests/programs/stale.c: main returned from deep^41 and blocks in park() through an inline
     syscall, no probe event since the return -- the thread's BPF state still holds the recursion's
-    pieces; the context read now is main -> park, as gdb walks it."""
+    pieces; the context read now is main -> park, as gdb walks it.  With ``scope = "^park$"`` only
+    park is probed: its state is a segment of unknown caller, and the frames above it come from the
+    unwind of the stack copied at its entry (scopeprefix.py), joined as for a sample."""
     from gdb_threads import gdb_threads
     from test_userstack import programs
 
@@ -415,7 +419,7 @@ name = "stale"
 path = "{binary}"
 syscalls = ["getppid"]
 mode = "instrumented"
-""")
+""" + (f'scope = "{scope}"\n' if scope else ""))
     sock = f"{workdir}/ccprofd.sock"
     daemon = subprocess.Popen([sys.executable, "-m", "ccprofd.cli", "run", "--config", str(config)],
                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
@@ -444,9 +448,15 @@ mode = "instrumented"
         wait_for(lambda: parked(pid), timeout=60)
         wait_for(lambda: any(p["pid"] == pid for t in targets() for p in t.get("processes", [])),  # type: ignore[index, attr-defined]
                  timeout=120)
-        out = ctl(sock, "contexts", str(pid), "--format", "json")
-        assert out.returncode == 0, out.stderr
-        (t,) = json.loads(out.stdout)["threads"]
+
+        def context() -> dict[str, object]:
+            out = ctl(sock, "contexts", str(pid), "--format", "json")
+            assert out.returncode == 0, out.stderr
+            (t,) = json.loads(out.stdout)["threads"]
+            return t  # type: ignore[no-any-return]
+
+        # (--scope: the entry's stack copy reaches the daemon's pump within one poll)
+        t = wait_for(lambda: (lambda t: t if t["complete"] else None)(context()), timeout=30)
         assert t["complete"] is True and t["reason"] is None, t
         assert [f["function"] for f in t["frames"]] == ["main", "park"]
         calls = {c.vaddr + 5: (c.vaddr, c.target) for c in direct_call_sites(binary)}

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import struct
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -146,14 +147,14 @@ def raw_context(live: LiveState, *, pid: int, tid: int, ip: int, sp: int, bias: 
     state_bias = s.bias if s.flags & ST_BIAS else (bias or 0)
     top = s.pieces[-1] if s.pieces else None
     segs = [RawSegment(tuple(s.pieces[i].acyc_before), s.pieces[i].rec_before, s.pieces[i].aux,
-                       s.pieces[i].probe) for i in s.segs]
+                       s.pieces[i].probe, live.pads[i]) for i in s.segs]
     rec, rec_len = s.rec, s.rec_len
     pairs: tuple[tuple[tuple[int, ...], int], ...] = ()
     if scheme is not None and scheme.pairs:  # PCCE: recID holds the pair stack (SampleLayout.parse)
         pairs = scheme.split_pairs(rec, rec_len)
-        segs = [RawSegment(g.saved, g.rec_height // scheme.rec_bits, g.aux, g.probe) for g in segs]
+        segs = [RawSegment(g.saved, g.rec_height // scheme.rec_bits, g.aux, g.probe, g.seq) for g in segs]
         rec, rec_len = 0, 0
-    return RawContext("thread", 0, pid, tid, None, ip, sp, flags, len(s.pieces),
+    return RawContext("thread", time.time_ns(), pid, tid, None, ip, sp, flags, len(s.pieces),
                       top.kind if top else 0, top.probe if top else NONE32, top.aux if top else NONE32,
                       state_bias, tuple(s.acyc), rec, rec_len, 0, tuple(segs), None, pairs)
 
@@ -221,10 +222,12 @@ class LiveContextReader(ContextReader):
     """``GetThreadContexts`` of an instrumented-mode binary (see the module docstring).  The CFI
     snapshot machinery (module cache, symbols, one snapshot at a time) is ContextReader's."""
 
-    def __init__(self, bpf: Any, symbolizer: Any, binary_path: str, cache_dir: str | None = None) -> None:
+    def __init__(self, bpf: Any, symbolizer: Any, binary_path: str, cache_dir: str | None = None, *,
+                 scope: Any = None) -> None:
         super().__init__(binary_path, cache_dir)
         self.bpf = bpf
         self.sym = symbolizer
+        self.scope = scope  # --scope: ccprofd/decode/scopeprefix.py's prefixes, joined as to samples
         self._seeder, self.params = seeder_for(bpf)
         pp = bpf.probe_plan
         self._entry_at = {p[PCOL["vaddr"]]: i for i, p in enumerate(pp.probes) if p[PCOL["kind"]] == "entry"}
@@ -295,6 +298,8 @@ class LiveContextReader(ContextReader):
                 continue
             with self._decode_lock:
                 d = self.sym.decode(raw)
+                if self.scope is not None:  # the frames above the thread's latest scope entry
+                    d = self.scope.join(raw, d)
             frames_out = splice_library_frames(d.frames, walked)
             threads.append({"tid": th.tid, "comm": th.comm, "complete": d.complete,
                             "reason": reason_of(raw.flags, d), "frames": [f.to_json() for f in frames_out],

@@ -334,7 +334,7 @@ class InstrumentedMode:
         reader = getattr(self, "_contexts", None)
         if reader is None:
             reader = self._contexts = LiveContextReader(self._bpf, self._sym, self.path,
-                                                        self.options.cache_dir)
+                                                        self.options.cache_dir, scope=self._scope)
         return reader.read(pid)
 
     def close(self) -> None:
