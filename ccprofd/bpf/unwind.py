@@ -438,6 +438,7 @@ class UnwindSampler:
         #: /proc/PID/exe), for the caller to register; it empties the list.
         self.new_processes: list[int] = []
         self.exec_mismatches = 0  # inode-number matches that /proc/PID/exe did not confirm
+        self.refresh_failures = 0  # mapping re-reads that failed (samples flagged meanwhile)
         self._guard: Any = None
         self._perf_fds: list[int] = []
         self.process_events: list[SamplerEvent] = []
@@ -575,7 +576,12 @@ class UnwindSampler:
         entry = self._m["uw_procs"].leaf_type()
         mappings = maps.mappings[: self.max_maps]
         for i, mm in enumerate(mappings):
-            mod = self._module_for(mm)
+            try:
+                mod = self._module_for(mm)
+            except BPFError:
+                if not os.path.exists(os.path.join(self.proc_root, str(tgid))):
+                    return False  # it exited while its maps were read (its /proc paths went with it)
+                raise
             proc.modules[mm.start] = mod
             slot = entry.m[i]
             slot.start, slot.end, slot.module = mm.start, mm.end, mod.module_id
@@ -836,13 +842,22 @@ class UnwindSampler:
         except OSError:
             return None
 
+    def _refresh_or_count(self, tgid: int) -> None:
+        """refresh_maps, a failure counted (``refresh_failures``) instead of raised: the process's
+        samples are then flagged (no_maps / unknown_pc, which marks it stale again), and one
+        process's unreadable mappings neither stop the others' sampling nor a release."""
+        try:
+            self.refresh_maps(tgid)
+        except BPFError:
+            self.refresh_failures += 1
+
     def _release_held(self, done: set[int], *, refresh: bool = True) -> None:
         """Continue every process BPF holds, after loading its mappings if it is tracked (those in
         ``done`` were loaded already in this poll)."""
         held = [int(k) for k, _ in self._m["uw_held"].items()]
         for tgid in held:
             if refresh and tgid not in done and self._m["tracked"].get(tgid) is not None:
-                self.refresh_maps(tgid)
+                self._refresh_or_count(tgid)  # a failure must not keep it stopped
             with contextlib.suppress(BPFError):
                 self._m["uw_held"].delete(tgid)
             with contextlib.suppress(ProcessLookupError):
@@ -856,7 +871,7 @@ class UnwindSampler:
             self.module.ring_buffer_poll(timeout_ms)
         for tgid in sorted(self._stale):
             if self._m["tracked"].get(tgid) is not None:
-                self.refresh_maps(tgid)
+                self._refresh_or_count(tgid)
         # BPF stopped these until their mappings were loaded (launched and exec-found processes):
         # continued only here, each after its entry is gone, so a hold right after is never lost
         self._release_held(self._stale)
@@ -866,7 +881,14 @@ class UnwindSampler:
 
     def counts(self) -> dict[tuple[int, int], int]:
         """Aggregated mode: samples per context key (see :attr:`contexts` for each key's sample)."""
-        return {(int(k.h1), int(k.h2)): int(v.count) for k, v in self._m["uw_counts"].items()}
+        return {(int(k.h1), int(k.h2)): int(v.count) for k, v in self._m["uw_counts"].items_batch()}
+
+    def set_emit_hits(self, on: bool) -> None:
+        """Runtime switch (``uw_config[UW_CFG_EMIT_HITS]``): send a header record per repeated
+        context (every sample reaches userspace) or only new contexts (the kernel's per-context
+        counts, read with :meth:`counts`, are then the only record of repeated samples).  The
+        kernel count is incremented whether or not the record is sent."""
+        self._m["uw_config"].set(2, 1 if on else 0)
 
     # ---------------------------------------------------------------------------- symbolisation
     def symbolize(self, tgid: int, pc: int) -> ResolvedPc | None:
@@ -904,7 +926,9 @@ class UnwindSampler:
 
     # ------------------------------------------------------------------------------- reporting
     def stats(self) -> dict[str, int]:
-        return {name: int(self._m["uw_stats"].get(i) or 0) for i, name in enumerate(STATS)}
+        out = {name: int(self._m["uw_stats"].get(i) or 0) for i, name in enumerate(STATS)}
+        out["exec_mismatches"], out["refresh_failures"] = self.exec_mismatches, self.refresh_failures
+        return out
 
     def table_rows(self) -> int:
         return self._next_entry

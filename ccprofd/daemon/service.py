@@ -198,6 +198,10 @@ class Daemon:
                     return
                 rt.state, rt.error = "failed", _one_line(exc)
                 log.error("target %s: sample source failed: %s", rt.name, rt.error)
+                # detach now: nobody polls it any more, and a source that holds new processes
+                # (unwind mode) must release them, not leave them stopped
+                with contextlib.suppress(Exception):
+                    source.close()
                 return
 
     def ingest(self, rt: TargetRuntime, sample: dict[str, Any]) -> None:
