@@ -34,6 +34,13 @@ BPF_MAP_LOOKUP_ELEM = 1
 BPF_MAP_DELETE_ELEM = 3
 BPF_MAP_GET_NEXT_KEY = 4
 SWEEP_INTERVAL_S = 0.05
+_GUARDS: set[int] = set()  # pids of the guards this process started
+
+
+def is_guard(pid: int) -> bool:
+    """Whether ``pid`` is a hold guard of this process: never a traced process, even when the
+    target is the interpreter the guard runs on (its exec may match an exec target)."""
+    return pid in _GUARDS
 QUIET_S = 2.0  # after the daemon is gone: exit once no hold has been seen for this long
 
 
@@ -99,6 +106,7 @@ class HoldGuard:
             os.close(r)
         self._w = w
         os.set_inheritable(w, False)
+        _GUARDS.add(self.proc.pid)
 
     @property
     def pid(self) -> int:

@@ -821,8 +821,10 @@ class UnwindSampler:
     def _exec_found(self, tgid: int) -> None:
         """BPF matched ``tgid``'s new image by inode number: confirm it is a followed file, else
         stop tracking it (it is released by the next :meth:`_release_held`)."""
+        from ccprofd.bpf.holdguard import is_guard
+
         ino = self._exe_ino(tgid)
-        want = self._exec_targets.get(ino) if ino is not None else None
+        want = self._exec_targets.get(ino) if ino is not None and not is_guard(tgid) else None
         if want is not None and exe_matches(tgid, want):
             self._stale.add(tgid)
             if tgid not in self.new_processes:

@@ -256,8 +256,12 @@ class InstrumentedMode:
         return out
 
     def _exec_found(self, tgid: int) -> None:
+        from ccprofd.bpf.holdguard import is_guard
         from ccprofd.bpf.syscall_sampler import exe_matches
 
+        if is_guard(tgid):  # our own hold guard, started on a target interpreter
+            self._bpf.sampler.untrack(tgid)
+            return
         try:
             ino = os.stat(f"/proc/{tgid}/exe").st_ino
         except OSError:

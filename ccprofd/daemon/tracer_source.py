@@ -163,8 +163,10 @@ class TracerSource:
             except OSError:
                 want = None
         alive = set()
+        from ccprofd.bpf.holdguard import is_guard
+
         for pid in self._candidates():
-            if pid == self.self_pid:
+            if pid == self.self_pid or is_guard(pid):  # the daemon and its hold guards
                 continue
             if pid in self.tracked:
                 if os.path.exists(f"/proc/{pid}"):
