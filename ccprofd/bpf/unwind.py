@@ -883,7 +883,14 @@ class UnwindSampler:
 
     def counts(self) -> dict[tuple[int, int], int]:
         """Aggregated mode: samples per context key (see :attr:`contexts` for each key's sample)."""
-        return {(int(k.h1), int(k.h2)): int(v.count) for k, v in self._m["uw_counts"].items()}
+        return {(int(k.h1), int(k.h2)): int(v.count) for k, v in self._m["uw_counts"].items_batch()}
+
+    def set_emit_hits(self, on: bool) -> None:
+        """Runtime switch (``uw_config[UW_CFG_EMIT_HITS]``): send a header record per repeated
+        context (every sample reaches userspace) or only new contexts (the kernel's per-context
+        counts, read with :meth:`counts`, are then the only record of repeated samples).  The
+        kernel count is incremented whether or not the record is sent."""
+        self._m["uw_config"].set(2, 1 if on else 0)
 
     # ---------------------------------------------------------------------------- symbolisation
     def symbolize(self, tgid: int, pc: int) -> ResolvedPc | None:

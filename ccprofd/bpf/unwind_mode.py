@@ -321,6 +321,12 @@ class UnwindMode:
         self.plan: dict[str, Any] | None = None
         self.encoding: UnwindEncoding | None = None
         self._decoded: dict[tuple[int, int], Decoded] = {}
+        # aggregate mode (the daemon): each new context's sample (no time, args) and the kernel
+        # count already taken for it
+        self._key_context: dict[tuple[int, int], Any] = {}
+        self._taken: dict[tuple[int, int], int] = {}
+        self._per_sample = True
+        self.records = 0  # ring-buffer records received (samples of new contexts only in aggregate mode)
         self._clock_offset = time.time_ns() - time.clock_gettime_ns(time.CLOCK_MONOTONIC)
         self.samples_seen = 0
         self.incomplete = 0
@@ -388,16 +394,25 @@ class UnwindMode:
 
     # -------------------------------------------------------------------------------- samples
     def poll(self, timeout_ms: int) -> list[Any]:
+        return [t for t, _ in self._poll_decoded(timeout_ms, in_kernel=False)]
+
+    def _poll_decoded(self, timeout_ms: int, *, in_kernel: bool) -> list[tuple[Any, bool]]:
+        """Every record as a TraceSample, each with whether it is one sample counted here (False
+        with ``in_kernel`` for new and repeated contexts: the kernel's count has them)."""
         from ccprofd.bpf.syscall_names import syscall_name
         from ccprofd.daemon.tracer import TraceSample, _path_args
 
         raw = self.sampler.poll(timeout_ms)
+        self.records += len(raw)
         for s in raw:  # new contexts first: a hit may overtake its context's record
             if not s.flags & FLAG_HIT and s.encoded is not None:
                 d = self._decode(s)
                 if s.flags & FLAG_NEW:
                     self._decoded[s.key] = d
-        out: list[Any] = []
+                    name = syscall_name(s.syscall) if s.syscall is not None else None
+                    self._key_context.setdefault(s.key, TraceSample(
+                        0, s.tgid, s.tid, s.event, name, d.complete, [f.to_json() for f in d.frames]))
+        out: list[tuple[Any, bool]] = []
         for s in raw:
             if s.flags & FLAG_HIT:
                 known = self._decoded.get(s.key)
@@ -409,16 +424,52 @@ class UnwindMode:
                 d = self._decoded.get(s.key) or self._decode(s)
             else:
                 d = self._decode(s)
-            self.samples_seen += 1
+            counted = not (in_kernel and s.flags & (FLAG_HIT | FLAG_NEW))
             self.fp_frames += s.fp_frames
-            if not d.complete:
-                self.incomplete += 1
-                key = (d.reason or "?").split(":")[0]
-                self.reasons[key] = self.reasons.get(key, 0) + 1
+            if counted:
+                self._count(d.complete, d.reason, 1)
             name = syscall_name(s.syscall) if s.syscall is not None else None
-            out.append(TraceSample(s.time_ns + self._clock_offset, s.tgid, s.tid, s.event, name, d.complete,
-                                   [f.to_json() for f in d.frames], _path_args(name, s.arg)))
+            out.append((TraceSample(s.time_ns + self._clock_offset, s.tgid, s.tid, s.event, name, d.complete,
+                                    [f.to_json() for f in d.frames], _path_args(name, s.arg)), counted))
         return out
+
+    def _count(self, complete: bool, reason: str | None, n: int) -> None:
+        self.samples_seen += n
+        if not complete:
+            self.incomplete += n
+            key = (reason or "?").split(":")[0]
+            self.reasons[key] = self.reasons.get(key, 0) + n
+
+    def set_per_sample(self, on: bool) -> None:
+        """The daemon's switch: a record per sample (a consumer needs each one) or only new
+        contexts (aggregate mode: repeated samples are known only by the kernel's counts)."""
+        if self.sampler is not None and on != self._per_sample:
+            self.sampler.set_emit_hits(on)
+            self._per_sample = on
+
+    def poll_counted(self, timeout_ms: int) -> tuple[list[tuple[Any, bool]], list[tuple[Any, int]]]:
+        """The daemon's poll: ``(records, counts)``.  ``records``: every record received, each with
+        whether it is itself one sample to count (CPU samples, collisions, contexts the kernel
+        could not store); ``counts``: ``(context, n)``, the samples the kernel counted under
+        each context since the previous call, whether or not per-sample records were sent for
+        them (the kernel increments a context's count before it sends its record, so counting
+        from the map alone neither loses nor repeats a sample when the switch flips).
+
+        The map is read after the ring buffer is drained: a context whose first record is not
+        in yet (still being sent by another CPU) is left for the next call, its count not yet
+        taken, so nothing is lost.  Keys whose record was never sent are deleted by BPF."""
+        records = self._poll_decoded(timeout_ms, in_kernel=True)
+        counts: list[tuple[Any, int]] = []
+        for key, value in self.sampler.counts().items():
+            ctx = self._key_context.get(key)
+            if ctx is None:
+                continue
+            delta = value - self._taken.get(key, 0)
+            if delta > 0:
+                self._taken[key] = value
+                counts.append((ctx, delta))
+                self._count(ctx.complete, self._decoded[key].reason, delta)
+        return records, counts
 
     def _decode(self, s: UnwoundSample) -> Decoded:
         assert self.symbolizer is not None
@@ -446,7 +497,8 @@ class UnwindMode:
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"mode": self.name, "samples": self.samples_seen, "incomplete": self.incomplete,
                                "incomplete_reasons": dict(self.reasons), "lost_contexts": self.lost,
-                               "fp_frames": self.fp_frames}
+                               "fp_frames": self.fp_frames, "records": self.records,
+                               "per_sample_records": self._per_sample}
         if self.sampler is not None:
             out["bpf"] = self.sampler.stats()
             out["map_bytes"] = sum(self.sampler.map_memory_bytes().values())

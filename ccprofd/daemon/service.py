@@ -187,12 +187,35 @@ class Daemon:
             rt.state = "stopped"
             log.info("target %s: detached", name)
 
+    def needs_every_sample(self, rt: TargetRuntime) -> bool:
+        """Whether some consumer of ``rt``'s samples needs a record per sample, not only counts:
+        a ``StreamSamples`` subscriber (it streams each sample, with time, thread and arguments),
+        or ``[target.anomaly]`` with any action but "off" (learning counts contexts per sample
+        with their time; detection checks each sample's arguments, its thread's transitions and
+        rate-limits alerts by sample time).  Otherwise (Prometheus, ``GetHotContexts``) counts
+        suffice, and unwind mode runs in aggregate mode: only new contexts are sent as records
+        and the kernel's per-context counts are added to the store."""
+        return bool(self.samples.subscribers()) or rt.config.anomaly.action != "off"
+
     def _pump(self, rt: TargetRuntime, source: SampleSource, stop: threading.Event) -> None:
+        split = getattr(source, "poll_counted", None)
+        switch = getattr(source, "set_per_sample", None)
         while not stop.is_set():
             try:
-                batch = source.poll(POLL_MS)
-                for sample in batch:
-                    self.ingest(rt, sample)
+                if split is None:
+                    for sample in source.poll(POLL_MS):
+                        self.ingest(rt, sample)
+                    continue
+                if switch is not None:
+                    switch(self.needs_every_sample(rt))
+                # The store counts each sample once: records that are samples of their own, and
+                # the kernel's per-context counts (which include the samples of new and repeated
+                # contexts whether or not their records were sent), never both.
+                records, counts = split(POLL_MS)
+                for sample, counted in records:
+                    self.ingest(rt, sample, counted=counted)
+                for sample, n in counts:
+                    rt.store.add(sample, count=n)
             except Exception as exc:
                 if stop.is_set():
                     return
@@ -204,9 +227,10 @@ class Daemon:
                     source.close()
                 return
 
-    def ingest(self, rt: TargetRuntime, sample: dict[str, Any]) -> None:
-        """One decoded sample: count it, stream it, show it to the observers."""
-        ctx = rt.store.add(sample)
+    def ingest(self, rt: TargetRuntime, sample: dict[str, Any], counted: bool = True) -> None:
+        """One decoded sample: count it (unless the kernel counts it), stream it, show it to the
+        observers."""
+        ctx = rt.store.add(sample) if counted else rt.store.context_of(sample)
         if self.samples.subscribers():
             item = dict(sample)
             item["target"], item["context"] = rt.name, ctx

@@ -153,13 +153,10 @@ class TargetStore:
         self.dropped: dict[str, int] = {}
 
     # ------------------------------------------------------------------------------ writing
-    def add(self, sample: Sample, now_ns: int | None = None) -> str:
-        """Count one decoded sample; returns its context id."""
-        now = time.time_ns() if now_ns is None else now_ns
+    def context_of(self, sample: Sample) -> str:
+        """The sample's context id (memoised), without counting it."""
         frames = sample.get("frames") or ()
         complete = bool(sample.get("complete", True))
-        event = str(sample.get("event") or "syscall")
-        syscall = str(sample.get("syscall") or "") if event == "syscall" else ""
         memo = _memo_key(frames, complete)
         ctx = self._context_ids.get(memo)
         if ctx is None:
@@ -167,31 +164,42 @@ class TargetStore:
             if len(self._context_ids) >= MEMO_MAX:
                 self._context_ids.clear()
             self._context_ids[memo] = ctx
+        return ctx
+
+    def add(self, sample: Sample, now_ns: int | None = None, count: int = 1) -> str:
+        """Count ``count`` samples of one decoded context (several: counted in the kernel since
+        the last read); returns its context id."""
+        now = time.time_ns() if now_ns is None else now_ns
+        frames = sample.get("frames") or ()
+        complete = bool(sample.get("complete", True))
+        event = str(sample.get("event") or "syscall")
+        syscall = str(sample.get("syscall") or "") if event == "syscall" else ""
+        ctx = self.context_of(sample)
         key = (event, syscall, ctx)
         with self._lock:
-            self.samples += 1
+            self.samples += count
             if not complete:
-                self.incomplete += 1
+                self.incomplete += count
             entry = self._entries.get(key)
             if entry is None:
                 if len(self._entries) >= self.max_contexts and not self._evict_stale(now):
-                    self._other[(event, syscall)] = self._other.get((event, syscall), 0) + 1
-                    self.dropped["context_table_full"] = self.dropped.get("context_table_full", 0) + 1
+                    self._other[(event, syscall)] = self._other.get((event, syscall), 0) + count
+                    self.dropped["context_table_full"] = self.dropped.get("context_table_full", 0) + count
                     return ctx
                 entry = _Entry(event, syscall, ctx, self._intern(frames), complete, leaf_name(frames), now)
                 self._entries[key] = entry
-            entry.count += 1
+            entry.count += count
             entry.last_ns = max(entry.last_ns, now)
             if entry.promoted:
-                entry.series += 1
+                entry.series += count
             else:
-                entry.pending += 1
-                self._other[(event, syscall)] = self._other.get((event, syscall), 0) + 1
+                entry.pending += count
+                self._other[(event, syscall)] = self._other.get((event, syscall), 0) + count
             start = now - now % self.bucket_ns
             if entry.buckets and entry.buckets[-1][0] == start:
-                entry.buckets[-1][1] += 1
+                entry.buckets[-1][1] += count
             else:
-                entry.buckets.append([start, 1])
+                entry.buckets.append([start, count])
                 while entry.buckets and entry.buckets[0][0] < now - self.history_ns:
                     entry.buckets.popleft()
         return ctx

@@ -98,6 +98,7 @@ class TracerSource:
         self.self_pid = os.getpid()
         self.decode_errors = 0
         self.execs_found = 0  # processes registered through an exec hook (not a rescan)
+        self.per_sample = True  # until the daemon says no consumer needs every sample
         self._last_scan = 0.0
 
     # ------------------------------------------------------------------------------ discovery
@@ -212,6 +213,43 @@ class TracerSource:
         if time.monotonic() - self._last_scan >= RESCAN_S:
             self._scan()
         return out
+
+    def set_per_sample(self, on: bool) -> None:
+        """Whether a consumer needs every sample as a record (see the daemon's ``_pump``); modes
+        without kernel counts (instrumented) always send every sample."""
+        self.per_sample = on
+        for b in self.binaries_by_inode.values():
+            switch = getattr(b.mode, "set_per_sample", None)
+            if switch is not None:
+                switch(on)
+
+    def poll_counted(self, timeout_ms: int) -> tuple[list[tuple[dict[str, Any], bool]],
+                                                     list[tuple[dict[str, Any], int]]]:
+        """Like :meth:`poll`, for the daemon's store: ``(records, counts)`` -- every record with
+        whether it is one sample to count, and ``(context sample, n)`` for samples counted in the
+        kernel (unwind mode's per-context counts) since the previous call."""
+        records: list[tuple[dict[str, Any], bool]] = []
+        counts: list[tuple[dict[str, Any], int]] = []
+        binaries = list(self.binaries_by_inode.values())
+        if not binaries:
+            time.sleep(timeout_ms / 1000)
+        else:
+            share = max(1, timeout_ms // len(binaries))
+            for b in binaries:
+                split = getattr(b.mode, "poll_counted", None)
+                if split is None:
+                    records.extend((s.to_json(), True) for s in b.mode.poll(share))
+                else:
+                    switch = getattr(b.mode, "set_per_sample", None)
+                    if switch is not None:
+                        switch(self.per_sample)  # a mode prepared since the last switch
+                    got, deltas = split(share)
+                    records.extend((s.to_json(), counted) for s, counted in got)
+                    counts.extend((s.to_json(), n) for s, n in deltas)
+                self._register_new(b)  # found at exec: registered now, before any rescan
+        if time.monotonic() - self._last_scan >= RESCAN_S:
+            self._scan()
+        return records, counts
 
     def mode(self) -> str:
         return self.target.mode

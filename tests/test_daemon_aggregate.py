@@ -1,0 +1,212 @@
+"""The daemon's aggregate mode (unwind targets): with no consumer of every sample, BPF sends only
+records of new contexts and the daemon adds the kernel's per-context counts to its store; a
+``StreamSamples`` subscriber switches the target to a record per sample while it is connected.
+
+Real ``ccprofd run`` process, real BPF, real gRPC on the Unix socket and a real /metrics scrape.
+The program's syscalls are known by construction (it makes exactly the getppid() calls it is told
+to, from two call chains), so every count is checked against those numbers, not against our own
+output: in aggregate mode (few records, exact counts), with a subscriber (every one of a round's
+samples streamed, counts still exact) and across switches flipped while the program makes calls
+(nothing lost or counted twice)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+from bpf_helpers import compile_c
+from daemon_fakes import short_tmpdir, wait_for
+from test_daemon_e2e import ROOT, scrape_metrics
+
+from ccprofd.export.gen import ccprofd_pb2 as pb
+from ccprofd.export.gen import ccprofd_pb2_grpc as pb_grpc
+
+# Commands on stdin: "a N" / "b N": N getppid() through main > run > work_a|work_b > leaf;
+# "s N": N calls alternating work_a/work_b, 200 us apart (a stream of calls to flip switches in).
+PROGRAM = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+__attribute__((noinline)) long leaf(void) { return getppid(); }
+__attribute__((noinline)) long work_a(void) { return leaf(); }
+__attribute__((noinline)) long work_b(void) { return leaf(); }
+__attribute__((noinline)) void run(char what, long n) {
+    for (long i = 0; i < n; i++) {
+        if (what == 'a' || (what == 's' && i % 2 == 0)) work_a(); else work_b();
+        if (what == 's') usleep(200);
+    }
+}
+int main(void) {
+    char line[64];
+    setvbuf(stdout, NULL, _IONBF, 0);
+    printf("ready\n");
+    while (fgets(line, sizeof line, stdin)) {
+        run(line[0], atol(line + 2));
+        printf("done\n");
+    }
+    return 0;
+}
+"""
+
+
+class Stream:
+    """StreamSamples of the target, collected by a thread."""
+
+    def __init__(self, stub: Any) -> None:
+        self.samples: list[Any] = []
+        self._call = stub.StreamSamples(pb.SampleFilter(target="prog"))
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for s in self._call:
+                self.samples.append(s)
+        except grpc.RpcError:
+            pass
+
+    def close(self) -> None:
+        self._call.cancel()
+        self._thread.join(timeout=10)
+
+
+def chain(frames: Any) -> tuple[str, ...]:
+    return tuple(f.function for f in frames if f.analysed)
+
+
+A = ("main", "run", "work_a", "leaf")
+B = ("main", "run", "work_b", "leaf")
+
+
+def test_aggregate_mode_counts_and_switch(bpf: None, tmp_path: Path) -> None:
+    workdir = short_tmpdir()
+    binary = compile_c(tmp_path, "aggprog", PROGRAM, "-O0", "-fno-omit-frame-pointer")
+    config = Path(workdir) / "ccprofd.toml"
+    config.write_text(f"""
+[daemon]
+state_dir = "{workdir}/state"
+grpc_listen = "unix://{workdir}/ccprofd.sock"
+metrics_listen = "127.0.0.1:0"
+top_k = 5
+
+[[target]]
+name = "prog"
+path = "{binary}"
+syscalls = ["getppid"]
+mode = "unwind"
+""")
+    daemon = subprocess.Popen([sys.executable, "-m", "ccprofd.cli", "run", "--config", str(config)],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    prog: subprocess.Popen[str] | None = None
+    stub = pb_grpc.ProfilerStub(grpc.insecure_channel(f"unix:{workdir}/ccprofd.sock"))
+    made = {A: 0, B: 0}
+
+    def tracer() -> dict[str, Any]:
+        if daemon.poll() is not None:
+            raise AssertionError(f"daemon exited: {daemon.communicate()[1]}")
+        stats = stub.GetCallGraphStats(pb.GetCallGraphStatsRequest(target="prog"), timeout=120)
+        return dict(stats.binaries[0].stats["tracer"])
+
+    def per_sample(on: bool) -> bool:
+        return bool(tracer()["per_sample_records"]) == on
+
+    def command(what: str, n: int) -> None:
+        assert prog is not None and prog.stdin is not None and prog.stdout is not None
+        prog.stdin.write(f"{what} {n}\n")
+        prog.stdin.flush()
+        assert prog.stdout.readline() == "done\n"
+        made[A] += n if what == "a" else (n + 1) // 2 if what == "s" else 0
+        made[B] += n if what == "b" else n // 2 if what == "s" else 0
+
+    def hot() -> dict[tuple[str, ...], int]:
+        resp = stub.GetHotContexts(pb.GetHotContextsRequest(target="prog", top_k=10), timeout=5)
+        assert all(h.complete and h.syscall == "getppid" for h in resp.contexts), resp
+        return {chain(h.frames): int(h.count) for h in resp.contexts}
+
+    def counts_reach_made() -> bool:
+        got = hot()
+        return sum(got.values()) >= sum(made.values())
+
+    try:
+        def attached() -> bool:
+            try:
+                resp = stub.ListTargets(pb.ListTargetsRequest(), timeout=5)
+            except grpc.RpcError:
+                if daemon.poll() is not None:
+                    raise AssertionError(f"daemon exited: {daemon.communicate()[1]}") from None
+                return False
+            return any(t.state == "attached" for t in resp.targets)
+
+        wait_for(attached, timeout=300)
+        # started after the daemon: followed from its exec, every sample complete
+        prog = subprocess.Popen([str(binary)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert prog.stdout is not None and prog.stdout.readline() == "ready\n"
+
+        # 1. no consumer of every sample: aggregate mode -- a handful of records, exact counts
+        wait_for(lambda: per_sample(False), timeout=60)
+        records0 = int(tracer()["records"])
+        command("a", 3000)
+        command("b", 1000)
+        wait_for(counts_reach_made, timeout=60)
+        assert hot() == {A: 3000, B: 1000}
+        # one record per new context (the two chains; the loader/libc start-up made no getppid)
+        assert int(tracer()["records"]) - records0 <= 4, tracer()
+
+        # 2. a subscriber: a record per sample while it is connected; the store still counts once
+        stream = Stream(stub)
+        wait_for(lambda: per_sample(True), timeout=60)
+        records1 = int(tracer()["records"])
+        command("a", 700)
+        command("b", 300)
+        wait_for(lambda: sum(1 for s in stream.samples if s.pid == prog.pid) >= 1000, timeout=60)
+        wait_for(counts_reach_made, timeout=60)
+        assert hot() == {A: 3700, B: 1300}
+        got = [chain(s.frames) for s in stream.samples if s.pid == prog.pid]
+        assert sorted(got) == sorted([A] * 700 + [B] * 300)
+        assert int(tracer()["records"]) - records1 >= 1000
+        stream.close()
+        wait_for(lambda: per_sample(False), timeout=60)
+
+        # 3. switches flipped back and forth while the program makes calls: nothing lost or
+        # counted twice across them
+        worker = threading.Thread(target=command, args=("s", 20000))
+        worker.start()
+        flips = 0
+        while worker.is_alive() and flips < 6:
+            stream = Stream(stub)
+            wait_for(lambda: per_sample(True), timeout=60)
+            time.sleep(0.3)
+            stream.close()
+            wait_for(lambda: per_sample(False), timeout=60)
+            flips += 1
+        worker.join(timeout=300)
+        assert flips >= 2, "the calls ended before the switch was flipped twice"
+        wait_for(counts_reach_made, timeout=60)
+        time.sleep(1)  # a late duplicate would show up by now
+        assert hot() == made == {A: 3700 + 10000, B: 1300 + 10000}
+
+        # Prometheus: the two series carry the same counts, nothing under "other"
+        series = [value for labels, value in scrape_metrics(daemon) if labels.get("target") == "prog"]
+        assert sorted(value for value in series if value) == sorted(made.values())
+        bpf_stats = tracer()["bpf"]
+        assert int(bpf_stats["ringbuf_full"]) == 0 and int(bpf_stats["collisions"]) == 0
+    finally:
+        if daemon.poll() is None:
+            daemon.terminate()
+            try:
+                daemon.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+                daemon.wait()
+        if prog is not None:
+            if prog.stdin is not None:
+                prog.stdin.close()
+            prog.wait(timeout=30)
+        import shutil
+
+        shutil.rmtree(workdir, ignore_errors=True)
