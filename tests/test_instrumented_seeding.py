@@ -135,3 +135,50 @@ def test_ptrace_refused_leaves_threads_flagged(tmp_path: pathlib.Path) -> None:
     result = compare(samples, oracle, binary, sample_task_order=[t.tid for t in oracle.tasks])
     assert result.ok, result.report()
     assert result.stats.incomplete_samples > 0
+
+
+BASH_SCRIPT = ('f(){ if [ $1 -gt 0 ]; then f $(($1-1)); echo "d$1"; else read -r x; echo bottom; fi; }; '
+               'echo "ready $$"; f 40')
+
+
+def test_attach_seeds_bash_deep_in_a_shell_function(tmp_path: pathlib.Path) -> None:
+    """A real -O2 binary with tail calls and no symbols (/usr/bin/bash), parked in `read` 40 shell
+    calls deep (~160 native frames): seeded, and every `write` of the unwinding echoes complete and
+    equal, return address by return address, to strace -f -k -p."""
+    bash = "/usr/bin/bash"
+    if not pathlib.Path(bash).exists():
+        pytest.skip("no /usr/bin/bash")
+    prog = subprocess.Popen([bash, "-c", BASH_SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True)
+    assert prog.stdin is not None and prog.stdout is not None
+    tracer: subprocess.Popen[str] | None = None
+    oracle: AttachedStrace | None = None
+    try:
+        pid = int(_wait_line(prog.stdout, "ready", "bash").split()[1])
+        out = tmp_path / "samples.jsonl"
+        tracer = subprocess.Popen(
+            [sys.executable, "-m", "ccprofd.cli", "trace", "--mode", "instrumented", "--format", "jsonl",
+             "--syscalls", "write", "--output", str(out), "-p", str(pid)],
+            cwd=REPO, stderr=subprocess.PIPE, text=True)
+        assert tracer.stderr is not None
+        line = _wait_line(tracer.stderr, "attached to pid", "ccprofd trace")
+        assert "1 of 1 threads seeded" in line, line
+        oracle = attach_strace(pid, ["write"])
+        prog.stdin.write("x\n")
+        prog.stdin.close()
+        assert prog.stdout.read().split()[-1] == "d40"
+        assert prog.wait(timeout=300) == 0
+        trace = oracle.finish(timeout=300)
+        oracle = None
+        assert tracer.wait(timeout=300) == 0
+    finally:
+        for p in (prog, tracer, oracle.proc if oracle is not None else None):
+            if p is not None and p.poll() is None:
+                p.kill()
+                p.wait()
+    samples = [json.loads(line) for line in out.read_text().splitlines()]
+    assert len(samples) == 41 and all(s["complete"] for s in samples)
+    assert max(len(s["frames"]) for s in samples) > 100  # the echoes near the bottom
+    result = compare(samples, trace, bash, check_names=False, sample_task_order=[t.tid for t in trace.tasks])
+    assert result.ok, result.report()
+    assert result.stats.samples_compared == 41 and result.stats.incomplete_samples == 0

@@ -280,6 +280,7 @@ class Seeder:
                 continue
             self._call_at_ret[c[CCOL["vaddr"]] + c[CCOL["length"]]] = i
         self._tail_into = tail_into
+        self._preds: dict[int, set[int]] = {}
         self._probed_nodes = {p[PCOL["node"]] for p in probe_plan.probes
                               if p[PCOL["kind"]] in ("tail", "entry")}
         st = os.stat(probe_plan.binary["path"])
@@ -297,6 +298,12 @@ class Seeder:
         return None
 
     def _tail_predecessors(self, node: int) -> set[int]:
+        got = self._preds.get(node)
+        if got is None:
+            got = self._preds[node] = self._walk_tail_predecessors(node)
+        return got
+
+    def _walk_tail_predecessors(self, node: int) -> set[int]:
         seen: set[int] = set()
         todo = [node]
         while todo:
@@ -365,7 +372,10 @@ class Seeder:
             if direct_target is not None and direct_target != node:
                 raise SeedError(f"frame of {self.pp.names.get(node, node)} reached by tail jumps")
             preds = self._tail_predecessors(node)
-            if preds & self._probed_nodes or (node in preds and direct_target is None):
+            # A direct call of this very function took no tail jump unless one can lead back to it;
+            # an indirect call or an entry from outside may have landed in any tail predecessor.
+            maybe_tail = node in preds if direct_target is not None else bool(preds)
+            if maybe_tail and preds & self._probed_nodes:
                 raise SeedError(f"{self.pp.names.get(node, node)} may have been reached by probed tail jumps")
             probe = self._entry_probe.get(node)
             if probe is None:
@@ -447,6 +457,8 @@ def seed_process(bpf: Any, pid: int, *, cache_dir: str | None = None,
             out[th.tid] = None if ok else "no state slot"
         except SeedError as exc:
             out[th.tid] = str(exc)
+        except (KeyError, IndexError, ValueError, OSError) as exc:  # a table the model did not expect
+            out[th.tid] = f"seeding failed: {type(exc).__name__}: {exc}"
 
     from pathlib import Path
 
