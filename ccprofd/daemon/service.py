@@ -27,7 +27,7 @@ from dataclasses import dataclass, field, replace
 from types import FrameType
 from typing import Any, ClassVar
 
-from ccprofd.daemon.bus import Bus
+from ccprofd.daemon.bus import Bus, Subscription
 from ccprofd.daemon.config import Config, ConfigError, DaemonConfig, TargetConfig, load_config
 from ccprofd.daemon.notify import Notifier
 from ccprofd.daemon.source import SampleSource, SourceCounters, SourceFactory, UnknownProcess
@@ -118,7 +118,8 @@ class Daemon:
         self.factory = factory
         self.notifier = notifier or Notifier({})
         self.targets: dict[str, TargetRuntime] = {}
-        self.samples = Bus(config.daemon.stream_queue)
+        self._switch_lock = threading.Lock()
+        self.samples: Bus = _SampleBus(config.daemon.stream_queue, self._every_sample_now)
         self.alerts = Bus(config.daemon.stream_queue)
         self.observers: list[SampleObserver] = []
         self.started_ns = time.time_ns()
@@ -197,6 +198,15 @@ class Daemon:
         and the kernel's per-context counts are added to the store."""
         return bool(self.samples.subscribers()) or rt.config.anomaly.action != "off"
 
+    def _every_sample_now(self) -> None:
+        """A ``StreamSamples`` subscription was just added: every target sends a record per sample
+        from now on (before the subscriber waits for its first item), not from the next poll."""
+        for rt in self.runtimes():
+            switch = getattr(rt.source, "set_per_sample", None)
+            if switch is not None:
+                with self._switch_lock, contextlib.suppress(Exception):
+                    switch(True)
+
     def _pump(self, rt: TargetRuntime, source: SampleSource, stop: threading.Event) -> None:
         split = getattr(source, "poll_counted", None)
         switch = getattr(source, "set_per_sample", None)
@@ -207,7 +217,8 @@ class Daemon:
                         self.ingest(rt, sample)
                     continue
                 if switch is not None:
-                    switch(self.needs_every_sample(rt))
+                    with self._switch_lock:  # decided and applied as one step (see _every_sample_now)
+                        switch(self.needs_every_sample(rt))
                 # The store counts each sample once: records that are samples of their own, and
                 # the kernel's per-context counts (which include the samples of new and repeated
                 # contexts whether or not their records were sent), never both.
@@ -396,6 +407,19 @@ class Daemon:
         self.anomaly.close()  # after the pumps stopped: the final flush has every sample
         self._stop_servers()
         log.info("stopped: every probe detached")
+
+
+class _SampleBus(Bus):
+    """The live-sample bus: a new subscription first turns per-sample records on everywhere."""
+
+    def __init__(self, maxsize: int, on_subscribe: Callable[[], None]) -> None:
+        super().__init__(maxsize)
+        self._on_subscribe = on_subscribe
+
+    def subscribe(self, accept: Callable[[dict[str, Any]], bool] | None = None) -> Subscription:
+        sub = super().subscribe(accept)
+        self._on_subscribe()
+        return sub
 
 
 def _one_line(exc: BaseException) -> str:

@@ -218,7 +218,7 @@ class TracerSource:
         """Whether a consumer needs every sample as a record (see the daemon's ``_pump``); modes
         without kernel counts (instrumented) always send every sample."""
         self.per_sample = on
-        for b in self.binaries_by_inode.values():
+        for b in list(self.binaries_by_inode.values()):  # also called from gRPC threads
             switch = getattr(b.mode, "set_per_sample", None)
             if switch is not None:
                 switch(on)
