@@ -33,7 +33,8 @@ def _trace(mode: str, cmd: list[str], tmp_path: pathlib.Path) -> list[dict[str, 
             "--syscalls", ",".join(SYSCALLS), "--output", str(out), "--", *cmd]
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == "deeper\nhandler a\nhandler b\ndestructor\n"
+    lines = ("deeper", "handler a", "handler b", "destructor")
+    assert proc.stdout == "".join(f"exithandlers: {m}\n" for m in lines)
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 

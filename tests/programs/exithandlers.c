@@ -26,7 +26,7 @@ NOINLINE void flush_chain(int n) {
         sink += n;
         return;
     }
-    emit("handler a\n");
+    emit("exithandlers: handler a\n");
 }
 
 NOINLINE void handler_a(void) {
@@ -35,19 +35,19 @@ NOINLINE void handler_a(void) {
 }
 
 NOINLINE void handler_b(void) {
-    emit("handler b\n");
+    emit("exithandlers: handler b\n");
     sink++;
 }
 
 __attribute__((destructor)) NOINLINE void fini_hook(void) {
-    emit("destructor\n");
+    emit("exithandlers: destructor\n");
     sink++;
 }
 
 NOINLINE int deeper(int n) {
     volatile char pad[64];
     memset((char *)pad, n, sizeof(pad));
-    emit("deeper\n");
+    emit("exithandlers: deeper\n");
     return pad[3];
 }
 

@@ -247,6 +247,60 @@ EXPECTED: dict[str, Expected] = {
         run_exec -> execv 1 plt
         run_exec -> write 1 plt
         """),
+    "vdso_loop": _prog(
+        "main say spin_monotonic spin_tod cpu_clock_calls",
+        """
+        main -> atol 1 plt
+        main -> say 2 direct
+        main -> spin_monotonic 1 direct
+        main -> spin_tod 1 direct
+        main -> cpu_clock_calls 1 direct
+        say -> strlen 1 plt
+        say -> write 1 plt
+        spin_monotonic -> clock_gettime 1 plt
+        spin_tod -> gettimeofday 1 plt
+        cpu_clock_calls -> clock_gettime 1 plt
+        """,
+        # <stdlib.h>'s inline atol calls strtol when optimising.
+        o2_replaces="""
+        main -> atol 1 plt
+        """,
+        o2="""
+        main -> strtol 1 plt
+        """),
+    "exithandlers": _prog(
+        "main emit flush_chain handler_a handler_b fini_hook deeper work",
+        """
+        main -> atoi 1 plt
+        main -> atexit 2 direct
+        main -> work 1 direct
+        emit -> strlen 1 plt
+        emit -> write 1 plt
+        flush_chain -> flush_chain 1 direct
+        flush_chain -> emit 1 direct
+        handler_a -> flush_chain 1 direct
+        handler_b -> emit 1 direct
+        fini_hook -> emit 1 direct
+        deeper -> memset 1 plt
+        deeper -> emit 1 direct
+        work -> work 1 direct
+        work -> deeper 1 direct
+        """,
+        # atexit is linked into the binary (libc_nonshared.a): a direct call.  At -O2 atoi becomes
+        # strtol, the 64-byte memset becomes stores, and the calls in tail position become jumps.
+        o2_replaces="""
+        main -> atoi 1 plt
+        flush_chain -> emit 1 direct
+        deeper -> memset 1 plt
+        work -> deeper 1 direct
+        """,
+        o2="""
+        main -> strtol 1 plt
+        flush_chain -> emit 1 tail
+        work -> deeper 1 tail
+        """,
+        address_taken="handler_a handler_b fini_hook",
+        cycles=("flush_chain", "work")),
 }
 
 
