@@ -131,3 +131,27 @@ def test_prefix_copy_too_small_stays_flagged(tmp_path: pathlib.Path) -> None:
     oracle = run_strace([str(binary), *args], ["getppid"])
     result = compare(samples, oracle, binary)
     assert result.ok, result.report()
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_callee_of_the_scope_called_from_outside(variant: dict[str, Any], tmp_path: pathlib.Path) -> None:
+    """``report`` is below the scope ``is_even`` and also called from ``main`` (three call sites),
+    outside it.  Those calls carry no probes, so a sample there must not be decoded as if they had
+    taken zero-code edges (it was: ``main`` at the first call site for all three, complete).  Every
+    sample is compared with strace -f -k; outside the scope only the current function is known."""
+    binary = pathlib.Path(build("recursion", **variant))
+    syscalls = ["write", "openat", "getppid", "close"]
+    cmd = [str(binary), "10"]
+    oracle = run_strace(cmd, syscalls)
+    out = tmp_path / "scoped.jsonl"
+    proc = subprocess.run([sys.executable, "-m", "ccprofd.cli", "trace", "--mode", "instrumented",
+                           "--scope", "^is_even$", "--format", "jsonl", "--syscalls", ",".join(syscalls),
+                           "--output", str(out), "--", *cmd],
+                          cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    samples = [json.loads(line) for line in out.read_text().splitlines()]
+    result = compare(samples, oracle, binary)
+    assert result.ok, result.report()
+    from_main = [s for s in samples if [f["function"] for f in s["frames"]] == ["report"]]
+    assert len(from_main) >= 3, samples  # report's writes made for main: flagged, innermost frame only
+    assert all(not s["complete"] for s in from_main)

@@ -38,7 +38,7 @@ from ccprofd.bpf.instrumented import (
     SF_SEGS_TRUNC,
     RawContext,
 )
-from ccprofd.bpf.probeplan import CCOL, PCOL, ProbePlan
+from ccprofd.bpf.probeplan import CCOL, PCOL, R_SCOPE, ProbePlan
 from ccprofd.callgraph.model import ROOT
 from ccprofd.decode import CachingDecoder, DecodeError, UnknownCaller, decoder_for
 from ccprofd.encode.segments import OUTSIDE, Edge, EncodedState, Segment
@@ -191,6 +191,18 @@ class Symbolizer:
                 # The thread left the binary through a path with no probe: the recorded context is
                 # only a prefix of the truth, and an incomplete sample reports innermost frames.
                 return Decoded([], False, "left the binary through an unprobed path")
+        if self.pp.scope is not None and not self._from_scope_entry(s):
+            # --scope: the outermost thing recorded is not a scope function's entry, so the sample
+            # is outside the scope (e.g. a function below the scope also called from outside it):
+            # the calls that led here carry no probes, and decoding the state as if they had all
+            # taken zero-code edges would name call sites that were not taken.  Only the current
+            # function is known.
+            frames = [self._frame(node)]
+            if exit_site is not None:
+                self._link(frames, exit_site, into_binary=False)
+            elif ipv is not None and self.function_at(ipv) is not None:
+                frames[-1].call_site = ipv
+            return Decoded(frames, False, "outside the --scope functions")
         if s.flags & SF_FROZEN:
             # Deeper than the per-thread bound: only the outermost frames are recorded (a prefix).
             return Decoded([], False, "per-thread state full")
@@ -214,6 +226,12 @@ class Symbolizer:
         elif ipv is not None and self.function_at(ipv) is not None:
             inner.call_site = ipv  # the syscall (or sampled) instruction itself
         return Decoded(frames, complete, reason)
+
+    def _from_scope_entry(self, s: RawContext) -> bool:
+        """The sample's outermost recorded segment is the entry of a --scope function."""
+        if not s.segments or s.flags & SF_SEGS_TRUNC:
+            return False
+        return bool(self.pp.probes[s.segments[0].probe][PCOL["reasons"]] & R_SCOPE)
 
     def _innermost_recursion(self, s: RawContext, node: int) -> list[Edge]:
         """When only the top of recID was sent: the innermost cyclic edges it names, as long as each
