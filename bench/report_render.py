@@ -860,6 +860,31 @@ def summary_lines(results: Mapping[str, Any], made: Mapping[str, bool]) -> list[
             over.append(f"`{w['name']}` " + ", ".join(parts))
     if over:
         out.append("- **Wall time vs untraced**: " + "; ".join(over) + ".")
+    hits = []
+    for w in ok:
+        v = w.get("variants", {})
+        cells = [
+            f"{lbl} {num(v[k]['hits_per_1000_calls'], 0)}"
+            for k, lbl in (("instrumented", "Valence"), ("instrumented_hot", "Valence + hot-edge zero codes"),
+                           ("instrumented_pcce", "PCCE"), ("instrumented_hcce", "HCCE"),
+                           ("instrumented_scope", "--scope"))
+            if isinstance(v.get(k), Mapping) and v[k].get("hits_per_1000_calls") is not None
+        ]
+        if cells:
+            hot = v.get("instrumented_hot")
+            verdict = ""
+            targeted = str(w["name"]).startswith(("bash", "python"))  # issue 4's target workloads
+            if targeted and isinstance(hot, Mapping) and hot.get("hits_per_1000_calls") is not None:
+                met = hot["hits_per_1000_calls"] <= 1000 / 3
+                verdict = f" (hot-edge target ≤ 333: {'met' if met else 'missed'})"
+            over = ""
+            if isinstance(v.get("instrumented"), Mapping) and w.get("syscalls"):
+                per = v["instrumented"].get("probe_hits", 0) / max(1, w["syscalls"])
+                over = f", Valence {num(per, 0)} hits per syscall"
+            hits.append(f"`{w['name']}` " + ", ".join(cells) + over + verdict)
+    if hits:
+        out.append("- **Probe hits per 1,000 function calls** (every call site probed = 1,000): "
+                   + "; ".join(hits) + ".")
     tot = {m: [0, 0, 0, 0, 0] for m in ("instrumented", "unwind")}
     for w in ok:
         for m, f in (w.get("fidelity") or {}).items():
