@@ -877,11 +877,11 @@ def summary_lines(results: Mapping[str, Any], made: Mapping[str, bool]) -> list[
             if targeted and isinstance(hot, Mapping) and hot.get("hits_per_1000_calls") is not None:
                 met = hot["hits_per_1000_calls"] <= 1000 / 3
                 verdict = f" (hot-edge target ≤ 333: {'met' if met else 'missed'})"
-            over = ""
+            per_syscall = ""
             if isinstance(v.get("instrumented"), Mapping) and w.get("syscalls"):
                 per = v["instrumented"].get("probe_hits", 0) / max(1, w["syscalls"])
-                over = f", Valence {num(per, 0)} hits per syscall"
-            hits.append(f"`{w['name']}` " + ", ".join(cells) + over + verdict)
+                per_syscall = f", Valence {num(per, 0)} hits per syscall"
+            hits.append(f"`{w['name']}` " + ", ".join(cells) + per_syscall + verdict)
     if hits:
         out.append("- **Probe hits per 1,000 function calls** (every call site probed = 1,000): "
                    + "; ".join(hits) + ".")
