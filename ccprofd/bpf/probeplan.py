@@ -37,7 +37,8 @@ the entered function for entry probes, ``cond`` the x86 condition code of a cond
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from bisect import bisect_right
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -128,6 +129,27 @@ class ProbePlan:
 
     def probes_of_kind(self, kind: str) -> list[int]:
         return [i for i, p in enumerate(self.probes) if p[PCOL["kind"]] == kind]
+
+
+class FunctionIndex:
+    """Which analysed function holds an ELF virtual address, over a probe plan's ``functions`` rows
+    ``[lo, hi, node]`` sorted by ``lo``.  A range may enclose later-starting ones (an owner folded
+    with its fragments), so the search walks back from the nearest start, within 16 MiB."""
+
+    def __init__(self, functions: Sequence[Sequence[int]]) -> None:
+        self._rows = functions
+        self._starts = [r[0] for r in functions]
+
+    def at(self, vaddr: int) -> int | None:
+        i = bisect_right(self._starts, vaddr) - 1
+        while i >= 0:
+            lo, hi, node = self._rows[i][:3]
+            if lo <= vaddr < hi:
+                return int(node)
+            if vaddr - lo > 1 << 24:
+                break
+            i -= 1
+        return None
 
 
 # ------------------------------------------------------------------------------------- analysis

@@ -20,14 +20,13 @@ seeding) with the reason in the summary.
 
 from __future__ import annotations
 
-import bisect
 import os
 import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from ccprofd.bpf.probeplan import CCOL, PCOL, ProbePlan
+from ccprofd.bpf.probeplan import CCOL, PCOL, FunctionIndex, ProbePlan
 from ccprofd.decode.procmaps import ModuleMapping
 from ccprofd.decode.userstack import UnwoundStack
 
@@ -262,7 +261,7 @@ class Seeder:
         self.cs_callee = cs_callee
         self.tail_reach = tail_reach
         self.params = params
-        self._fn_starts = [f[0] for f in probe_plan.functions]
+        self._functions = FunctionIndex(probe_plan.functions)
         self._site_probe: dict[int, int] = {}  # call instruction vaddr -> site probe id
         self._entry_probe: dict[int, int] = {}  # node -> entry probe id
         self._tail_sites = False
@@ -287,15 +286,7 @@ class Seeder:
         self.identity = (st.st_dev, st.st_ino)
 
     def function_at(self, vaddr: int) -> int | None:
-        i = bisect.bisect_right(self._fn_starts, vaddr) - 1
-        while i >= 0:
-            lo, hi, node = self.pp.functions[i]
-            if lo <= vaddr < hi:
-                return int(node)
-            if vaddr - lo > 1 << 24:
-                break
-            i -= 1
-        return None
+        return self._functions.at(vaddr)
 
     def _tail_predecessors(self, node: int) -> set[int]:
         got = self._preds.get(node)

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from bisect import bisect_right
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +37,7 @@ from ccprofd.bpf.instrumented import (
     SF_SEGS_TRUNC,
     RawContext,
 )
-from ccprofd.bpf.probeplan import CCOL, PCOL, R_SCOPE, ProbePlan
+from ccprofd.bpf.probeplan import CCOL, PCOL, R_SCOPE, FunctionIndex, ProbePlan
 from ccprofd.callgraph.model import ROOT
 from ccprofd.decode import CachingDecoder, DecodeError, UnknownCaller, decoder_for
 from ccprofd.encode.segments import OUTSIDE, Edge, EncodedState, Segment
@@ -107,19 +106,14 @@ class Symbolizer:
         self.build_id: str | None = probe_plan.binary.get("build_id")
         pretty = demangle(probe_plan.names.values())
         self.names = {n: pretty.get(name, name) for n, name in probe_plan.names.items()}
-        self._fn_starts = [r[0] for r in probe_plan.functions]
+        self._functions = FunctionIndex(probe_plan.functions)
         self._cs_index = {c[CCOL["vaddr"]]: i for i, c in enumerate(probe_plan.callsites)}
         self._rows = plan["sites"]
         self.errors = 0
 
     # ------------------------------------------------------------------------------- helpers
     def function_at(self, vaddr: int) -> int | None:
-        i = bisect_right(self._fn_starts, vaddr) - 1
-        if i >= 0:
-            lo, hi, node = self.pp.functions[i]
-            if lo <= vaddr < hi:
-                return int(node)
-        return None
+        return self._functions.at(vaddr)
 
     def _frame(self, node: int) -> Frame:
         return Frame(self.names.get(node, f"node_{node}"), self.module, self.build_id, True)

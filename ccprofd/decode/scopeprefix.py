@@ -15,12 +15,11 @@ the decoder reported it.
 from __future__ import annotations
 
 import os
-from bisect import bisect_right
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from ccprofd.bpf.probeplan import CCOL, PCOL, R_SCOPE, ProbePlan
+from ccprofd.bpf.probeplan import CCOL, PCOL, R_SCOPE, FunctionIndex, ProbePlan
 from ccprofd.decode.frames import Decoded, Frame
 from ccprofd.decode.procmaps import ModuleMapping, ProcessMaps
 from ccprofd.decode.userstack import UnwoundStack, UserRegs, unwind
@@ -51,7 +50,7 @@ class ScopePrefixes:
         self.start_stack_of = start_stack_of
         self.scope_probes = {i for i, p in enumerate(probe_plan.probes)
                              if p[PCOL["kind"]] == "entry" and p[PCOL["reasons"]] & R_SCOPE}
-        self._fn_starts = [r[0] for r in probe_plan.functions]
+        self._functions = FunctionIndex(probe_plan.functions)
         self._call_at_ret = {c[CCOL["vaddr"]] + c[CCOL["length"]]: c[CCOL["vaddr"]]
                              for c in probe_plan.callsites if not c[CCOL["is_jump"]]}
         self._entry_fn = self.function_at(entry_vaddr) if entry_vaddr is not None else None
@@ -63,15 +62,7 @@ class ScopePrefixes:
         self.reasons: dict[str, int] = {}
 
     def function_at(self, vaddr: int) -> int | None:
-        i = bisect_right(self._fn_starts, vaddr) - 1
-        while i >= 0:
-            lo, hi, node = self.pp.functions[i]
-            if lo <= vaddr < hi:
-                return int(node)
-            if vaddr - lo > 1 << 24:
-                break
-            i -= 1
-        return None
+        return self._functions.at(vaddr)
 
     def _in_binary(self, m: ModuleMapping | None) -> bool:
         if m is None:
