@@ -4,14 +4,20 @@
 PYTHON ?= .venv/bin/python
 BENCH_OUT ?= docs
 
-.PHONY: bench bench-setup bench-ci bench-daemon
+.PHONY: bench bench-setup bench-ci bench-daemon bench-unwind
 
 bench-setup:
 	bash bench/setup.sh
 
 bench: bench-setup
 	$(PYTHON) bench/report.py --out $(BENCH_OUT)
+	$(PYTHON) bench/unwind.py --update-readme
 	$(PYTHON) bench/daemon.py --update-readme
+
+# Unwind mode's cost per sample against bpf_get_stack at 6..4,000 frames, and unwind-table build
+# time; rewrites the README's bench:unwind section (~3 minutes).
+bench-unwind: bench-setup
+	$(PYTHON) bench/unwind.py --update-readme
 
 # The daemon's cost at 10k syscalls/s (both modes, untraced and bcc syscount beside it), start-up
 # and stop; rewrites the README's bench:daemon section (~10 minutes).

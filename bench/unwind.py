@@ -17,7 +17,8 @@ Run as root: ``.venv/bin/python bench/unwind.py [--calls N]``.
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
+import io
 import os
 import subprocess
 import sys
@@ -27,7 +28,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import machine_line
+from bench.common import machine_line, update_readme_section
+from bench.report_bpf import owned_prog_stats  # this process's programs only: the machine is shared
 from ccprofd.bpf.bcc_adapter import BccModule
 from ccprofd.bpf.unwind import UnwindSampler
 from ccprofd.callgraph import cfi
@@ -114,13 +116,6 @@ def run_program(binary: Path, frames: int, calls: int, on_pid=None) -> float:  #
     return float(out.split()[-1])
 
 
-def prog_stats() -> dict[str, tuple[int, int]]:
-    """name -> (run_time_ns, run_cnt) for every loaded program, from bpftool."""
-    out = subprocess.run(["bpftool", "-j", "prog", "show"], check=True, capture_output=True, text=True).stdout
-    progs = json.loads(out)
-    return {p.get("name", ""): (int(p.get("run_time_ns", 0)), int(p.get("run_cnt", 0))) for p in progs}
-
-
 def median(xs: list[float]) -> float:
     s = sorted(xs)
     return s[len(s) // 2]
@@ -151,11 +146,24 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=20000, help="getppid() calls per measurement")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--update-readme", action="store_true",
+                    help="also write the tables into README.md's bench:unwind section")
     args = ap.parse_args()
     if os.geteuid() != 0:
         print("bench/unwind.py: needs root (BPF)", file=sys.stderr)
         return 2
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = measure(args)
+    report = buf.getvalue()
+    print(report, end="")
+    if rc == 0 and args.update_readme and not update_readme_section("unwind", report):
+        print("bench/unwind.py: README.md has no bench:unwind section", file=sys.stderr)
+        return 1
+    return rc
 
+
+def measure(args: argparse.Namespace) -> int:
     print(machine_line())
     print("\nUnwind tables (cold = parse CFI; cached = load from the build-id cache):\n")
     print("| object | FDEs | rows | rules | cold | cached | BPF rows |")
@@ -191,9 +199,9 @@ def main() -> int:
                 uw.track(pid)
                 pids.append(pid)
 
-            before = prog_stats()
+            before = owned_prog_stats()
             run_program(binary, frames, args.calls, track_both)
-            after = prog_stats()
+            after = owned_prog_stats()
             for name, key in (("uw_sys_enter", "bpf_unwind_ns"), ("gs_sys_enter", "bpf_get_stack_ns")):
                 dt = after[name][0] - before.get(name, (0, 0))[0]
                 dn = after[name][1] - before.get(name, (0, 0))[1]
