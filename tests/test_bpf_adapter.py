@@ -194,3 +194,27 @@ def test_perf_event_cpu_clock_sampling_of_one_process(bpf: None, tmp_path: Path)
     assert set(samples) == {p.pid}  # a per-pid event samples nobody else
     with BccModule("int f(void *ctx) { return 0; }") as mod, pytest.raises(BPFError, match="exactly one"):
         mod.attach_perf_event("f")
+
+
+def _perf_attachments_of_this_process() -> list[str]:
+    """This process's tracepoint/perf attachments, as ``bpftool perf list`` (the kernel) reports them."""
+    out = subprocess.run(["bpftool", "perf", "list"], capture_output=True, text=True, check=True).stdout
+    return [line for line in out.splitlines() if re.search(rf"\bpid {os.getpid()}\b", line)]
+
+
+def test_two_programs_on_one_tracepoint_are_both_detached(bpf: None) -> None:
+    """bcc keys its tracepoint fds by name: the first of two programs of one module on the same
+    tracepoint used to stay attached after cleanup (each instrumented-mode session leaked three,
+    until the kernel's 64-per-tracepoint limit refused the next attach)."""
+    src = """
+    int first(void *ctx) { return 0; }
+    int second(void *ctx) { return 0; }
+    """
+    before = _perf_attachments_of_this_process()
+    mod = BccModule(src)
+    mod.attach_tracepoint("sched:sched_process_fork", "first")
+    mod.attach_tracepoint("sched:sched_process_fork", "second")
+    attached = _perf_attachments_of_this_process()
+    assert len(attached) - len(before) == 2, attached
+    mod.cleanup()
+    assert _perf_attachments_of_this_process() == before

@@ -228,6 +228,7 @@ class BccModule:
         bcc = import_bcc()
         self._bcc = bcc
         self._closed = False
+        self._shadowed_tp_fds: list[int] = []
         self._ringbuf_errors: list[BaseException] = []
         self._ringbuf_cbs: list[Any] = []
         err: Exception | None = None
@@ -285,6 +286,12 @@ class BccModule:
 
     def attach_tracepoint(self, tp: str, fn_name: str) -> None:
         """Attach ``fn_name`` to ``category:event`` (bcc derives the args struct from the format)."""
+        # bcc keeps one fd per tracepoint name: a second program of this module on the same
+        # tracepoint would orphan the first one's fd, which cleanup() then never closes (it stayed
+        # attached until the process exited; 64 programs per tracepoint is the kernel's limit).
+        previous = self._b.tracepoint_fds.pop(tp.encode(), None)
+        if previous is not None:
+            self._shadowed_tp_fds.append(int(previous))
         self._call(
             f"attaching {fn_name} to tracepoint {tp}",
             self._b.attach_tracepoint,
@@ -419,6 +426,11 @@ class BccModule:
         """Detach everything attached through this module and free it (idempotent)."""
         if not self._closed:
             self._closed = True
+            from bcc.libbcc import lib  # the library bcc's own detach uses
+
+            for fd in self._shadowed_tp_fds:
+                lib.bpf_close_perf_event_fd(fd)
+            self._shadowed_tp_fds.clear()
             self._b.cleanup()
 
     def __enter__(self) -> BccModule:
