@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from conftest import require_tool
 from daemon_fakes import (
     TARGET_APP,
     TARGET_DB,
@@ -302,8 +303,7 @@ def make_pki(d: Path) -> None:
 
 
 def test_tcp_with_mutual_tls(tmp_path: Path) -> None:
-    if shutil.which("openssl") is None:
-        pytest.skip("openssl not installed")
+    require_tool("openssl")
     make_pki(tmp_path)
     extra = (
         f'tls_cert = "{tmp_path}/server.pem"\ntls_key = "{tmp_path}/server.key"\n'

@@ -19,7 +19,7 @@ import sys
 from typing import Any
 
 import pytest
-from conftest import require_bpf, require_tool
+from conftest import require_bpf, require_tool, skip_or_fail
 from fidelity import compare
 from programs.build import build
 from strace_oracle import AttachedStrace, attach_strace
@@ -147,7 +147,7 @@ def test_attach_seeds_bash_deep_in_a_shell_function(tmp_path: pathlib.Path) -> N
     equal, return address by return address, to strace -f -k -p."""
     bash = "/usr/bin/bash"
     if not pathlib.Path(bash).exists():
-        pytest.skip("no /usr/bin/bash")
+        skip_or_fail("no /usr/bin/bash")
     prog = subprocess.Popen([bash, "-c", BASH_SCRIPT], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             text=True)
     assert prog.stdin is not None and prog.stdout is not None

@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 from binutils_oracle import oracle
-from conftest import require_bpf, require_tool
+from conftest import require_bpf, require_tool, skip_or_fail
 from fidelity import compare
 from programs.build import build
 from strace_oracle import elf_layout
@@ -68,7 +68,7 @@ def test_syscall_made_by_the_vdso_matches_gdb(tmp_path: pathlib.Path) -> None:
     binary = build("vdso_loop", opt="O2")
     cmd = [str(binary), "1000"]
     if not vdso_syscall_is_observable(str(binary)):
-        pytest.skip("this kernel's vDSO answers clock_gettime(CLOCK_PROCESS_CPUTIME_ID) without a syscall")
+        skip_or_fail("this kernel's vDSO answers clock_gettime(CLOCK_PROCESS_CPUTIME_ID) without a syscall")
     samples = trace(cmd, tmp_path, "clock_gettime,write")
     clock = [s for s in samples if s["syscall"] == "clock_gettime"]
     assert len(clock) == 50 and all(s["complete"] for s in samples), [s for s in samples if not s["complete"]]
