@@ -24,12 +24,10 @@ Needs root (BPF), gcc, bpftool, and bpfcc-tools for the baseline (skipped with a
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -41,7 +39,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common import ROOT, machine_line, python, update_readme_section
+from common import ROOT, machine_line, update_readme_section
+
+sys.path.insert(0, str(ROOT / "tests"))  # the daemon harness the end-to-end tests use
+from daemon_fakes import config_text, wait_for
+from daemon_harness import RunningDaemon, target_toml
 
 WORKLOAD_SRC = Path(__file__).resolve().parent / "daemon_workload.c"
 SYSCOUNT = "/usr/sbin/syscount-bpfcc"
@@ -66,157 +68,27 @@ def status_mb(pid: int, key: str) -> float:
     return 0.0
 
 
-def bpf_ids(pid: int) -> tuple[set[int], set[int]]:
-    """(link ids, program ids) of the BPF objects ``pid`` holds file descriptors to."""
-    links: set[int] = set()
-    progs: set[int] = set()
-    fd_dir = f"/proc/{pid}/fdinfo"
-    for fd in os.listdir(fd_dir):
-        try:
-            with open(f"{fd_dir}/{fd}") as fh:
-                text = fh.read()
-        except OSError:
-            continue
-        for line in text.splitlines():
-            key, _, value = line.partition(":")
-            if key == "link_id":
-                links.add(int(value))
-            elif key == "prog_id":
-                progs.add(int(value))
-    return links, progs
-
-
-def kernel_bpf_ids(kind: str) -> set[int]:
-    """Ids of every BPF ``kind`` ("link" or "prog") the kernel has now, via bpftool (the BPF syscall)."""
-    out = subprocess.run(["bpftool", "-j", kind, "show"], capture_output=True, text=True, check=True).stdout
-    return {int(x["id"]) for x in json.loads(out or "[]")}
-
-
-def listening_port(pid: int) -> int:
-    """The TCP port ``pid`` listens on (metrics_listen port 0: chosen by the kernel)."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            target = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("socket:["):
-            inodes.add(target[8:-1])
-    with open("/proc/net/tcp") as fh:
-        for line in fh.readlines()[1:]:
-            parts = line.split()
-            if parts[3] == "0A" and parts[9] in inodes:
-                return int(parts[1].split(":")[1], 16)
-    raise RuntimeError(f"process {pid} listens on no TCP port")
-
-
 # ---------------------------------------------------------------------------------- daemon
-@dataclass
-class Daemon:
-    proc: subprocess.Popen[str]
-    workdir: str
-    ready_s: float
-    notify: socket.socket
-    log: Path
-
-    @property
-    def socket_path(self) -> str:
-        return f"{self.workdir}/ccprofd.sock"
-
-    def stub(self) -> Any:
-        import grpc
-
-        from ccprofd.export.gen import ccprofd_pb2_grpc as pb_grpc
-
-        return pb_grpc.ProfilerStub(grpc.insecure_channel(f"unix:{self.socket_path}"))
-
-    def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{listening_port(self.proc.pid)}/metrics"
-
-    def stop(self) -> dict[str, Any]:
-        """SIGTERM; seconds to exit; whether every link/program it held is gone from the kernel."""
-        links, progs = bpf_ids(self.proc.pid)
-        t0 = time.perf_counter()
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(timeout=120)
-        stop_s = time.perf_counter() - t0
-        left_links, left_progs = links & kernel_bpf_ids("link"), progs & kernel_bpf_ids("prog")
-        deadline = time.monotonic() + 10  # the kernel frees objects after the last fd closes (RCU)
-        while (left_links or left_progs) and time.monotonic() < deadline:
-            time.sleep(0.2)
-            left_links, left_progs = links & kernel_bpf_ids("link"), progs & kernel_bpf_ids("prog")
-        self.notify.close()
-        return {
-            "stop_s": stop_s,
-            "returncode": self.proc.returncode,
-            "links": len(links),
-            "progs": len(progs),
-            "left": len(left_links) + len(left_progs),
-        }
+DAEMON_SETTINGS = 'top_k = 20\nlog_level = "info"'
 
 
-def write_config(workdir: str, target_lines: str) -> Path:
-    config = Path(workdir) / "ccprofd.toml"
-    config.write_text(f"""[daemon]
-state_dir = "{workdir}/state"
-grpc_listen = "unix://{workdir}/ccprofd.sock"
-metrics_listen = "127.0.0.1:0"
-top_k = 20
-log_level = "info"
-
-[[target]]
-{target_lines}
-""")
-    return config
+def start_daemon(workdir: str, name: str, path: str, mode: str) -> RunningDaemon:
+    """``ccprofd run`` on one ``path`` target tracing write(2); returns once READY=1 arrived
+    (``ready_s``: exec to READY=1)."""
+    target = target_toml(name, f'path = "{path}"', ["write"], mode)
+    return RunningDaemon(workdir, config_text(workdir, target, daemon_extra=DAEMON_SETTINGS))
 
 
-def start_daemon(workdir: str, config: Path) -> Daemon:
-    """Exec ``ccprofd run`` with a NOTIFY_SOCKET we bind; returns once READY=1 arrived."""
-    notify_path = f"{workdir}/notify.sock"
-    with_suppress_unlink(notify_path)
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
-    sock.bind(notify_path)
-    env = dict(os.environ, NOTIFY_SOCKET=notify_path)
-    log = Path(workdir) / "daemon.log"
-    t0 = time.perf_counter()
-    with open(log, "w") as log_fh:
-        proc = subprocess.Popen(
-            [python(), "-m", "ccprofd.cli", "run", "--config", str(config)],
-            cwd=ROOT,
-            env=env,
-            stdout=subprocess.DEVNULL,
-            stderr=log_fh,
-            text=True,
-        )
-    sock.settimeout(1.0)
-    deadline = time.monotonic() + 600
-    while True:
-        try:
-            msg = sock.recv(4096).decode()
-        except TimeoutError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(
-                    f"daemon never sent READY=1 (exit {proc.poll()}): {log.read_text()[-2000:]}"
-                ) from None
-            continue
-        if "READY=1" in msg.splitlines():
-            break
-    return Daemon(proc, workdir, time.perf_counter() - t0, sock, log)
-
-
-def with_suppress_unlink(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
-
-
-def wait_until(predicate: Any, timeout: float, what: str) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise RuntimeError(f"timed out after {timeout:.0f} s waiting for {what}")
+def stop_daemon(daemon: RunningDaemon) -> dict[str, Any]:
+    """SIGTERM; seconds to exit; how many links/programs it held and how many the kernel still has."""
+    stopped = daemon.stop()
+    return {
+        "stop_s": stopped.stop_s,
+        "returncode": stopped.returncode,
+        "links": len(stopped.held.links),
+        "progs": len(stopped.held.all_progs),
+        "left": len(stopped.left_links) + len(stopped.left_progs),
+    }
 
 
 # -------------------------------------------------------------------------------- workload
@@ -321,11 +193,11 @@ def classify(frames: list[str]) -> str | None:
     return None
 
 
-def hot_counts(daemon: Daemon, target: str) -> tuple[dict[str, int], int, int]:
+def hot_counts(daemon: RunningDaemon, target: str) -> tuple[dict[str, int], int, int]:
     """(per-context write counts, contexts incomplete, total) from GetHotContexts."""
     from ccprofd.export.gen import ccprofd_pb2 as pb
 
-    resp = daemon.stub().GetHotContexts(
+    resp = daemon.stub.GetHotContexts(
         pb.GetHotContextsRequest(target=target, top_k=50, syscall="write"), timeout=30
     )
     out = {"a": 0, "b": 0, "c": 0}
@@ -339,19 +211,13 @@ def hot_counts(daemon: Daemon, target: str) -> tuple[dict[str, int], int, int]:
     return out, incomplete, int(resp.total_samples)
 
 
-def dropped_samples(daemon: Daemon, target: str) -> dict[str, int]:
+def dropped_samples(daemon: RunningDaemon, target: str) -> dict[str, int]:
     """``ccprofd_samples_dropped_total`` of ``target`` by reason (non-zero ones)."""
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(daemon.metrics_url(), timeout=30) as resp:
-        text = resp.read().decode()
     out: dict[str, int] = {}
-    for family in text_string_to_metric_families(text):
-        if family.name == "ccprofd_samples_dropped":
-            for s in family.samples:
-                if s.name.endswith("_total") and s.labels.get("target") == target and s.value:
-                    reason = s.labels.get("reason", "?")
-                    out[reason] = out.get(reason, 0) + int(s.value)
+    for labels, value in daemon.metric_samples("ccprofd_samples_dropped_total"):
+        if labels.get("target") == target and value:
+            reason = labels.get("reason", "?")
+            out[reason] = out.get(reason, 0) + int(value)
     return out
 
 
@@ -364,22 +230,11 @@ def run_untraced(binary: Path, rate: int, seconds: float) -> Case:
 
 
 def run_daemon_case(binary: Path, rate: int, seconds: float, mode: str) -> Case:
-    from ccprofd.export.gen import ccprofd_pb2 as pb
-
     workdir = tempfile.mkdtemp(prefix="ccd-bench-", dir="/tmp")
     try:
-        config = write_config(
-            workdir, f'name = "wl"\npath = "{binary}"\nsyscalls = ["write"]\nmode = "{mode}"'
-        )
-        daemon = start_daemon(workdir, config)
+        daemon = start_daemon(workdir, "wl", str(binary), mode)
         proc, pid = launch_workload(binary, rate, seconds)
-        stub = daemon.stub()
-
-        def tracked() -> bool:
-            resp = stub.ListTargets(pb.ListTargetsRequest(), timeout=10)
-            return any(p.pid == pid for t in resp.targets for p in t.processes)
-
-        wait_until(tracked, 60, f"the daemon to track pid {pid}")
+        daemon.wait_tracked(pid, timeout=60)
         monitor = Monitor(daemon.proc.pid, daemon.metrics_url())
         cpu0 = cpu_seconds(daemon.proc.pid)
         assert proc.stdin is not None
@@ -392,9 +247,9 @@ def run_daemon_case(binary: Path, rate: int, seconds: float, mode: str) -> Case:
             return all(hot_counts(daemon, "wl")[0][k] >= result.per_context[k] for k in "abc")
 
         try:
-            wait_until(drained, 60, "the daemon to count every sample")
-        except RuntimeError as exc:
-            print(f"  {mode}: {exc}", file=sys.stderr)
+            wait_for(drained, timeout=60, interval=0.1)
+        except AssertionError:
+            print(f"  {mode}: the daemon did not count every sample within 60 s", file=sys.stderr)
         cpu1 = cpu_seconds(daemon.proc.pid)
         monitor.stop.set()
         monitor.join()
@@ -412,7 +267,7 @@ def run_daemon_case(binary: Path, rate: int, seconds: float, mode: str) -> Case:
             counts_ok=counted == result.per_context,
             extra={"incomplete": incomplete, "total_writes": total, "ready_s": daemon.ready_s},
         )
-        case.extra.update(daemon.stop())
+        case.extra.update(stop_daemon(daemon))
         return case
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
@@ -465,17 +320,14 @@ def run_startup(mode: str, warm_repeat: int) -> dict[str, Any]:
     """READY=1 time for a python3.11 path target: cold (empty state_dir), then warm runs."""
     workdir = tempfile.mkdtemp(prefix="ccd-bench-", dir="/tmp")
     try:
-        config = write_config(
-            workdir, f'name = "py"\npath = "/usr/bin/python3.11"\nsyscalls = ["write"]\nmode = "{mode}"'
-        )
-        cold = start_daemon(workdir, config)
-        cold_stop = cold.stop()
+        cold = start_daemon(workdir, "py", "/usr/bin/python3.11", mode)
+        cold_stop = stop_daemon(cold)
         warm: list[float] = []
         stops = [cold_stop]
         for _ in range(warm_repeat):
-            d = start_daemon(workdir, config)
+            d = start_daemon(workdir, "py", "/usr/bin/python3.11", mode)
             warm.append(d.ready_s)
-            stops.append(d.stop())
+            stops.append(stop_daemon(d))
         return {"cold_s": cold.ready_s, "warm_s": statistics.median(warm), "stops": stops}
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

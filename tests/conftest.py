@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import tempfile
+from collections.abc import Iterator
 
 import pytest
 
@@ -52,3 +54,11 @@ def require_tool(name: str) -> str:
 def bpf() -> None:
     """Use as a fixture argument in every test that loads BPF programs."""
     require_bpf()
+
+
+@pytest.fixture
+def workdir() -> Iterator[str]:
+    """A fresh directory with a short path (a daemon's Unix sockets live there: 107 bytes at most)."""
+    d = tempfile.mkdtemp(prefix="ccp", dir="/tmp")
+    yield d
+    shutil.rmtree(d, ignore_errors=True)

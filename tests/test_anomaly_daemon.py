@@ -19,23 +19,18 @@ import signal
 import subprocess
 import sys
 import threading
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from daemon_fakes import short_tmpdir, wait_for
-from prometheus_client.parser import text_string_to_metric_families
-from test_daemon_e2e import _listening_port
+from daemon_fakes import config_text, wait_for
+from daemon_harness import ROOT, RunningDaemon, target_toml
 
 from ccprofd.daemon.modelstore import load_models
 from ccprofd.export import messages
 from ccprofd.export.gen import ccprofd_pb2 as pb
-from ccprofd.export.gen import ccprofd_pb2_grpc as pb_grpc
 
-ROOT = Path(__file__).resolve().parents[1]
 SOURCE = ROOT / "tests" / "programs" / "anomaly_server.c"
 HIDDEN = ("worker", "dispatch", "cmd_debug", "raw_open")
 
@@ -66,78 +61,37 @@ class Server:
         self.proc.wait(timeout=30)
 
 
-class Daemon:
-    def __init__(self, config: Path, workdir: str) -> None:
-        self.proc = subprocess.Popen([sys.executable, "-m", "ccprofd.cli", "run", "--config", str(config)],
-                                    cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-        self.stub = pb_grpc.ProfilerStub(grpc.insecure_channel(f"unix:{workdir}/ccprofd.sock"))
-        self.log: list[str] = []
-        self._reader = threading.Thread(target=self._read_log, daemon=True)
-        self._reader.start()
-
-    def _read_log(self) -> None:
-        assert self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.log.append(line)
+class Daemon(RunningDaemon):
+    """The real daemon, as this test looks at it: its log, whether it follows a pid, Prometheus
+    samples by their labels."""
 
     def logged(self, text: str) -> bool:
-        return any(text in line for line in list(self.log))
+        return text in self.log()
 
     def follows(self, pid: int) -> bool:
-        if self.proc.poll() is not None:
-            self._reader.join(5)
-            raise AssertionError(f"daemon exited: {''.join(self.log)}")
-        try:
-            resp = self.stub.ListTargets(pb.ListTargetsRequest(), timeout=5)
-        except grpc.RpcError:
-            return False
-        return any(p.pid == pid and t.state == "attached" for t in resp.targets for p in t.processes)
+        resp = self.targets()
+        return resp is not None and any(p.pid == pid and t.state == "attached"
+                                        for t in resp.targets for p in t.processes)
 
     def metrics(self, name: str) -> dict[tuple[tuple[str, str], ...], float]:
-        port = _listening_port(self.proc.pid)
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=30) as resp:
-            text = resp.read().decode()
-        out = {}
-        for family in text_string_to_metric_families(text):
-            for s in family.samples:
-                if s.name == name:
-                    out[tuple(sorted(s.labels.items()))] = s.value
-        return out
+        return {tuple(sorted(labels.items())): value for labels, value in self.metric_samples(name)}
 
-    def stop(self) -> str:
-        self.proc.send_signal(signal.SIGTERM)
-        self.proc.wait(timeout=120)
-        self._reader.join(10)
-        err = "".join(self.log)
-        assert self.proc.returncode == 0, err
-        return err
-
-    def kill(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
-        self._reader.join(10)
+    def stop_clean(self) -> str:
+        """SIGTERM: exit 0, nothing of it left in the kernel; its log."""
+        stopped = self.stop()
+        stopped.assert_clean()
+        return stopped.log
 
 
-def write_config(path: Path, workdir: str, binary: Path, model: Path | None, action: str) -> None:
+def anomaly_config(workdir: str, binary: Path, model: Path | None, action: str) -> str:
     model_line = f'model = "{model}"' if model is not None else ""
-    path.write_text(f"""
-[daemon]
-state_dir = "{workdir}/state"
-grpc_listen = "unix://{workdir}/ccprofd.sock"
-metrics_listen = "127.0.0.1:0"
-
-[[target]]
-name = "srv"
-path = "{binary}"
-syscalls = ["openat"]
-mode = "instrumented"
-[target.anomaly]
+    target = target_toml("srv", f'path = "{binary}"', ["openat"], "instrumented", f"""[target.anomaly]
 action = "{action}"
 {model_line}
 flush_seconds = 1
 alert_interval_seconds = 3600
 """)
+    return config_text(workdir, target)
 
 
 def openat_chains(model: Path) -> set[tuple[str, ...]]:
@@ -149,30 +103,19 @@ def openat_chains(model: Path) -> set[tuple[str, ...]]:
     return out
 
 
-@pytest.fixture
-def workdir() -> Iterator[str]:
-    import shutil
-
-    d = short_tmpdir()
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
 @pytest.mark.bpf
 def test_daemon_learn_kill_restart_detect_upgrade(bpf: None, workdir: str, tmp_path: Path) -> None:
     binary = compile_server(Path(workdir) / "srv", 0)
     data = tmp_path / "data.txt"
     data.write_text("data\n")
     model = Path(workdir) / "srv.model.json"
-    config = Path(workdir) / "ccprofd.toml"
     cat_chain = ("worker", "dispatch", "cmd_cat", "load_file", "open_file")
     count_chain = ("worker", "dispatch", "cmd_count", "load_file", "open_file")
     server = Server(binary)
     daemons: list[Daemon] = []
     try:
         # -- learn, then kill -9 while learning ---------------------------------------------
-        write_config(config, workdir, binary, model, "learn")
-        d = Daemon(config, workdir)
+        d = Daemon(workdir, anomaly_config(workdir, binary, model, "learn"))
         daemons.append(d)
         wait_for(lambda: d.follows(server.proc.pid), timeout=300)
         assert server.run("cat", str(data)) == "done 5\n"
@@ -185,14 +128,14 @@ def test_daemon_learn_kill_restart_detect_upgrade(bpf: None, workdir: str, tmp_p
         assert learned.path == str(binary)
 
         # -- a new daemon continues learning into the same file ------------------------------
-        d = Daemon(config, workdir)
+        d = Daemon(workdir, anomaly_config(workdir, binary, model, "learn"))
         daemons.append(d)
         wait_for(lambda: d.follows(server.proc.pid), timeout=300)
         assert server.run("count", str(data)) == "done 1005\n"
         wait_for(lambda: count_chain in openat_chains(model), timeout=60)
 
         # -- SIGHUP into detect ------------------------------------------------------------
-        write_config(config, workdir, binary, model, "detect")
+        d.write_config(anomaly_config(workdir, binary, model, "detect"))
         d.proc.send_signal(signal.SIGHUP)
         wait_for(lambda: d.logged("reloaded"), timeout=300)
         wait_for(lambda: d.follows(server.proc.pid), timeout=300)
@@ -263,7 +206,7 @@ def test_daemon_learn_kill_restart_detect_upgrade(bpf: None, workdir: str, tmp_p
             assert f"needs re-learning: {dict(labels)['binary']}  build-id {new_build_id}  (upgraded" in text
         finally:
             upgraded.close()
-        err = d.stop()
+        err = d.stop_clean()
         assert len(alerts) == 1
         assert "ccprofd alert kind=unseen_context syscall=openat" in err and "target=srv" in err
         assert "kept, not applied; re-learn" in err
@@ -285,18 +228,16 @@ def test_daemon_enforce_kills_at_the_hidden_open(bpf: None, workdir: str, tmp_pa
     binary = compile_server(Path(workdir) / "srv", 0, "-fno-omit-frame-pointer")
     data = tmp_path / "data.txt"
     data.write_text("data\n")
-    config = Path(workdir) / "ccprofd.toml"
     model = Path(workdir) / "state" / "anomaly" / "srv.model.json"
     server = Server(binary)
     d: Daemon | None = None
     try:
-        write_config(config, workdir, binary, None, "learn")
-        d = Daemon(config, workdir)
+        d = Daemon(workdir, anomaly_config(workdir, binary, None, "learn"))
         wait_for(lambda: d is not None and d.follows(server.proc.pid), timeout=300)
         assert server.run("cat", str(data)) == "done 5\n"
         assert server.run("count", str(data)) == "done 1005\n"
         wait_for(lambda: model.exists() and len(openat_chains(model)) == 2, timeout=60)
-        write_config(config, workdir, binary, None, "enforce")
+        d.write_config(anomaly_config(workdir, binary, None, "enforce"))
         d.proc.send_signal(signal.SIGHUP)
         wait_for(lambda: d is not None and d.logged("reloaded"), timeout=300)
         wait_for(lambda: d is not None and d.logged("enforcing the model"), timeout=120)
@@ -305,7 +246,7 @@ def test_daemon_enforce_kills_at_the_hidden_open(bpf: None, workdir: str, tmp_pa
         assert server.run("debug", str(data)) == ""  # killed: EOF on its stdout
         assert server.proc.wait(timeout=30) == -signal.SIGKILL
         wait_for(lambda: d is not None and d.logged("verdict=killed syscall=openat"), timeout=60)
-        err = d.stop()
+        err = d.stop_clean()
         assert "ccprofd alert kind=unseen_context syscall=openat" in err and "action=enforce" in err
         assert "Traceback" not in err
     finally:

@@ -12,19 +12,16 @@ samples streamed, counts still exact) and across switches flipped while the prog
 from __future__ import annotations
 
 import subprocess
-import sys
 import threading
 import time
 from pathlib import Path
 from typing import Any
 
-import grpc
 from bpf_helpers import compile_c
-from daemon_fakes import short_tmpdir, wait_for
-from test_daemon_e2e import ROOT, scrape_metrics
+from daemon_fakes import config_text, wait_for
+from daemon_harness import CONTEXT_SAMPLES, RunningDaemon, SampleStream, target_toml
 
 from ccprofd.export.gen import ccprofd_pb2 as pb
-from ccprofd.export.gen import ccprofd_pb2_grpc as pb_grpc
 
 # Commands on stdin: "a N" / "b N": N getppid() through main > run > work_a|work_b > leaf;
 # "s N": N calls alternating work_a/work_b, 200 us apart (a stream of calls to flip switches in).
@@ -54,27 +51,6 @@ int main(void) {
 """
 
 
-class Stream:
-    """StreamSamples of the target, collected by a thread."""
-
-    def __init__(self, stub: Any) -> None:
-        self.samples: list[Any] = []
-        self._call = stub.StreamSamples(pb.SampleFilter(target="prog"))
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            for s in self._call:
-                self.samples.append(s)
-        except grpc.RpcError:
-            pass
-
-    def close(self) -> None:
-        self._call.cancel()
-        self._thread.join(timeout=10)
-
-
 def chain(frames: Any) -> tuple[str, ...]:
     return tuple(f.function for f in frames if f.analysed)
 
@@ -83,32 +59,16 @@ A = ("main", "run", "work_a", "leaf")
 B = ("main", "run", "work_b", "leaf")
 
 
-def test_aggregate_mode_counts_and_switch(bpf: None, tmp_path: Path) -> None:
-    workdir = short_tmpdir()
+def test_aggregate_mode_counts_and_switch(bpf: None, workdir: str, tmp_path: Path) -> None:
     binary = compile_c(tmp_path, "aggprog", PROGRAM, "-O0", "-fno-omit-frame-pointer")
-    config = Path(workdir) / "ccprofd.toml"
-    config.write_text(f"""
-[daemon]
-state_dir = "{workdir}/state"
-grpc_listen = "unix://{workdir}/ccprofd.sock"
-metrics_listen = "127.0.0.1:0"
-top_k = 5
-
-[[target]]
-name = "prog"
-path = "{binary}"
-syscalls = ["getppid"]
-mode = "unwind"
-""")
-    daemon = subprocess.Popen([sys.executable, "-m", "ccprofd.cli", "run", "--config", str(config)],
-                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    target = target_toml("prog", f'path = "{binary}"', ["getppid"], "unwind")
+    daemon = RunningDaemon(workdir, config_text(workdir, target, daemon_extra="top_k = 5"))
     prog: subprocess.Popen[str] | None = None
-    stub = pb_grpc.ProfilerStub(grpc.insecure_channel(f"unix:{workdir}/ccprofd.sock"))
+    stub = daemon.stub
     made = {A: 0, B: 0}
 
     def tracer() -> dict[str, Any]:
-        if daemon.poll() is not None:
-            raise AssertionError(f"daemon exited: {daemon.communicate()[1]}")
+        daemon.check_running()
         stats = stub.GetCallGraphStats(pb.GetCallGraphStatsRequest(target="prog"), timeout=120)
         return dict(stats.binaries[0].stats["tracer"])
 
@@ -133,16 +93,7 @@ mode = "unwind"
         return sum(got.values()) >= sum(made.values())
 
     try:
-        def attached() -> bool:
-            try:
-                resp = stub.ListTargets(pb.ListTargetsRequest(), timeout=5)
-            except grpc.RpcError:
-                if daemon.poll() is not None:
-                    raise AssertionError(f"daemon exited: {daemon.communicate()[1]}") from None
-                return False
-            return any(t.state == "attached" for t in resp.targets)
-
-        wait_for(attached, timeout=300)
+        daemon.wait_attached()
         # started after the daemon: followed from its exec, every sample complete
         prog = subprocess.Popen([str(binary)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert prog.stdout is not None and prog.stdout.readline() == "ready\n"
@@ -158,7 +109,7 @@ mode = "unwind"
         assert int(tracer()["records"]) - records0 <= 4, tracer()
 
         # 2. a subscriber: a record per sample while it is connected; the store still counts once
-        stream = Stream(stub)
+        stream = SampleStream(stub, "prog")
         wait_for(lambda: per_sample(True), timeout=60)
         records1 = int(tracer()["records"])
         command("a", 700)
@@ -178,7 +129,7 @@ mode = "unwind"
         worker.start()
         flips = 0
         while worker.is_alive() and flips < 6:
-            stream = Stream(stub)
+            stream = SampleStream(stub, "prog")
             wait_for(lambda: per_sample(True), timeout=60)
             time.sleep(0.3)
             stream.close()
@@ -191,22 +142,15 @@ mode = "unwind"
         assert hot() == made == {A: 3700 + 10000, B: 1300 + 10000}
 
         # Prometheus: the two series carry the same counts, nothing under "other"
-        series = [value for labels, value in scrape_metrics(daemon) if labels.get("target") == "prog"]
+        series = [value for labels, value in daemon.metric_samples(CONTEXT_SAMPLES)
+                  if labels.get("target") == "prog"]
         assert sorted(value for value in series if value) == sorted(made.values())
         bpf_stats = tracer()["bpf"]
         assert int(bpf_stats["ringbuf_full"]) == 0 and int(bpf_stats["collisions"]) == 0
+        daemon.stop().assert_clean()
     finally:
-        if daemon.poll() is None:
-            daemon.terminate()
-            try:
-                daemon.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-                daemon.wait()
+        daemon.kill()
         if prog is not None:
             if prog.stdin is not None:
                 prog.stdin.close()
             prog.wait(timeout=30)
-        import shutil
-
-        shutil.rmtree(workdir, ignore_errors=True)

@@ -17,28 +17,23 @@ Every wait is a generous liveness bound that fails with a message, not a timing 
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import shutil
 import signal
 import subprocess
-import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 from bpf_helpers import direct_call_sites
 from conftest import require_tool, skip_or_fail
-from daemon_fakes import short_tmpdir, wait_for
+from daemon_fakes import config_text, wait_for
+from daemon_harness import RunningDaemon, kernel_ids
+from daemon_harness import target_toml as harness_target_toml
 
 from ccprofd.export.gen import ccprofd_pb2 as pb
-from ccprofd.export.gen import ccprofd_pb2_grpc as pb_grpc
 
-ROOT = Path(__file__).resolve().parents[1]
 MODES = ["unwind", "instrumented"]
 
 # Reads commands on stdin: "a N" makes N getppid() from main > work_a > leaf, "b N" from
@@ -141,109 +136,18 @@ class Program:
         return self.proc.wait()
 
 
-class DaemonProc:
-    def __init__(self, workdir: str, targets: str) -> None:
-        self.workdir = workdir
-        config = Path(workdir) / "ccprofd.toml"
-        config.write_text(f"""
-[daemon]
-state_dir = "{workdir}/state"
-grpc_listen = "unix://{workdir}/ccprofd.sock"
-metrics_listen = ""
-top_k = 20
-{targets}
-""")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "ccprofd.cli", "run", "--config", str(config)],
-            cwd=ROOT,
-            stdout=subprocess.DEVNULL,
-            stderr=open(Path(workdir) / "daemon.log", "w"),  # noqa: SIM115 - the child owns it
-            text=True,
-        )
-        self.channel = grpc.insecure_channel(f"unix:{workdir}/ccprofd.sock")
-        self.stub = pb_grpc.ProfilerStub(self.channel)
-
-    def log(self) -> str:
-        return (Path(self.workdir) / "daemon.log").read_text()
-
-    def targets(self) -> pb.ListTargetsResponse | None:
-        if self.proc.poll() is not None:
-            raise AssertionError(f"daemon exited ({self.proc.returncode}): {self.log()}")
-        try:
-            return self.stub.ListTargets(pb.ListTargetsRequest(), timeout=5)
-        except grpc.RpcError:
-            return None
-
-    def processes(self) -> dict[int, Any]:
-        resp = self.targets()
-        return {} if resp is None else {p.pid: p for t in resp.targets for p in t.processes}
-
-    def wait_tracked(self, pid: int, build: str | None = None) -> Any:
-        def tracked() -> Any:
-            resp = self.targets()
-            failed = [f"{t.name}: {t.error}" for t in resp.targets if t.state == "failed"] if resp else []
-            assert not failed, f"target failed: {failed}"
-            p = self.processes().get(pid)
-            return p if p is not None and (build is None or p.build_id == build) else None
-
-        try:
-            return wait_for(tracked, timeout=300, interval=0.2)
-        except AssertionError:
-            raise AssertionError(
-                f"pid {pid} not tracked (build-id {build}): {self.targets()}\n{self.log()}"
-            ) from None
-
-    def hot(self, target: str) -> pb.GetHotContextsResponse:
-        return self.stub.GetHotContexts(
-            pb.GetHotContextsRequest(target=target, top_k=50, syscall="getppid"), timeout=30
-        )
-
-    def stop(self) -> None:
-        self.channel.close()
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=120)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+def start_daemon(workdir: str, targets: str) -> RunningDaemon:
+    return RunningDaemon(workdir, config_text(workdir, targets, daemon_extra="top_k = 20"))
 
 
-@pytest.fixture
-def workdir() -> Iterator[str]:
-    d = short_tmpdir()
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
+def hot(daemon: RunningDaemon, target: str) -> pb.GetHotContextsResponse:
+    return daemon.stub.GetHotContexts(
+        pb.GetHotContextsRequest(target=target, top_k=50, syscall="getppid"), timeout=30
+    )
 
 
 def target_toml(mode: str, spec: str) -> str:
-    return f'[[target]]\nname = "prog"\n{spec}\nsyscalls = ["getppid"]\nmode = "{mode}"\n'
-
-
-def bpf_ids(pid: int) -> tuple[set[int], set[int]]:
-    """(link ids, program ids) of the BPF objects ``pid`` holds file descriptors to."""
-    links: set[int] = set()
-    progs: set[int] = set()
-    for fd in os.listdir(f"/proc/{pid}/fdinfo"):
-        try:
-            text = Path(f"/proc/{pid}/fdinfo/{fd}").read_text()
-        except OSError:
-            continue
-        for line in text.splitlines():
-            key, _, value = line.partition(":")
-            if key == "link_id":
-                links.add(int(value))
-            elif key == "prog_id":
-                progs.add(int(value))
-    return links, progs
-
-
-def kernel_ids(kind: str) -> set[int]:
-    """Ids of every BPF ``kind`` ("link" or "prog") in the kernel now, via bpftool (the BPF syscall)."""
-    out = subprocess.run(
-        [require_tool("bpftool"), "-j", kind, "show"], capture_output=True, text=True, check=True
-    )
-    return {int(x["id"]) for x in json.loads(out.stdout or "[]")}
+    return harness_target_toml("prog", spec, ["getppid"], mode)
 
 
 def uprobe_events_naming(path: Path) -> list[str]:
@@ -275,20 +179,16 @@ def test_sigkill_leaves_nothing_attached(bpf: None, workdir: str, mode: str, sta
     prog: Program | None = None
     if started == "before":
         prog = Program([str(binary)])
-    daemon = DaemonProc(workdir, target_toml(mode, f'path = "{binary}"'))
+    daemon = start_daemon(workdir, target_toml(mode, f'path = "{binary}"'))
     try:
         if prog is None:
-
-            def attached() -> bool:
-                resp = daemon.targets()
-                return resp is not None and all(t.state == "attached" for t in resp.targets)
-
-            wait_for(attached, timeout=300, interval=0.2)
+            daemon.wait_attached()
             prog = Program([str(binary)])
         daemon.wait_tracked(prog.proc.pid)
         assert prog.ask("a 50") == "did 50"
-        wait_for(lambda: daemon.hot("prog").total_samples >= 50, timeout=120, interval=0.2)
-        links, progs = bpf_ids(daemon.proc.pid)
+        wait_for(lambda: hot(daemon, "prog").total_samples >= 50, timeout=120, interval=0.2)
+        held = daemon.bpf_objects()
+        links, progs = set(held.links), held.all_progs
         assert progs, "the daemon holds no BPF program"
         if mode == "instrumented":
             assert links, "instrumented mode holds no BPF link (uprobe_multi)"
@@ -315,7 +215,7 @@ def test_sigkill_leaves_nothing_attached(bpf: None, workdir: str, mode: str, sta
         assert prog.ask("b 7") == "did 7"
         assert prog.close() == 0
     finally:
-        daemon.stop()
+        daemon.kill()
         if prog is not None:
             prog.close()
 
@@ -330,7 +230,7 @@ def test_binary_upgrade_tracks_old_and_new_inode(bpf: None, workdir: str, mode: 
     old_build = build_id(path)
     old_inode = path.stat().st_ino
     old = Program([str(path)])
-    daemon = DaemonProc(workdir, target_toml(mode, f'path = "{path}"'))
+    daemon = start_daemon(workdir, target_toml(mode, f'path = "{path}"'))
     new: Program | None = None
     try:
         assert daemon.wait_tracked(old.proc.pid).build_id == old_build
@@ -358,7 +258,7 @@ def test_binary_upgrade_tracks_old_and_new_inode(bpf: None, workdir: str, mode: 
 
         def counts() -> dict[tuple[str, str], int]:
             out: dict[tuple[str, str], int] = {}
-            for count, names, builds in contexts_by_function(daemon.hot("prog")):
+            for count, names, builds in contexts_by_function(hot(daemon, "prog")):
                 for work in ("work_a", "work_b"):
                     if work in names:
                         assert len(builds) == 1, (names, builds)
@@ -376,8 +276,9 @@ def test_binary_upgrade_tracks_old_and_new_inode(bpf: None, workdir: str, mode: 
         assert old.close() == 0
         wait_for(lambda: old.proc.pid not in daemon.processes(), timeout=60, interval=0.2)
         assert daemon.processes()[new.proc.pid].build_id == new_build
+        daemon.stop().assert_clean()
     finally:
-        daemon.stop()
+        daemon.kill()
         old.close()
         if new is not None:
             new.close()
@@ -448,7 +349,7 @@ def test_process_in_other_mount_and_pid_namespace(bpf: None, workdir: str, mode:
         preexec_fn=preexec,
     )
     pid = host_child(ns.proc.pid)
-    daemon: DaemonProc | None = None
+    daemon: RunningDaemon | None = None
     try:
         # The binary exists only inside the namespace; from the host, /proc/PID/root reaches it.
         inner = os.readlink(f"/proc/{pid}/exe")
@@ -457,7 +358,7 @@ def test_process_in_other_mount_and_pid_namespace(bpf: None, workdir: str, mode:
         assert os.path.samefile(f"/proc/{pid}/root{inner}", f"/proc/{pid}/exe")
         assert os.readlink(f"/proc/{pid}/ns/pid") != os.readlink("/proc/self/ns/pid")
         spec = f"pid = {pid}" if kind == "pid" else f'cgroup = "{cgroup}"'
-        daemon = DaemonProc(workdir, target_toml(mode, spec))
+        daemon = start_daemon(workdir, target_toml(mode, spec))
         daemon.wait_tracked(pid, build_id(src))  # reported with its host pid
         resp = daemon.targets()
         assert resp is not None
@@ -472,7 +373,7 @@ def test_process_in_other_mount_and_pid_namespace(bpf: None, workdir: str, mode:
 
         def work_contexts() -> dict[str, tuple[int, list[Any]]]:
             out: dict[str, tuple[int, list[Any]]] = {}
-            for h in daemon.hot("prog").contexts:
+            for h in hot(daemon, "prog").contexts:
                 names = [f.function for f in h.frames]
                 for work in ("work_a", "work_b"):
                     if work in names:
@@ -495,9 +396,10 @@ def test_process_in_other_mount_and_pid_namespace(bpf: None, workdir: str, mode:
             assert frames[i - 1].call_site == sites[("main", work)], (work, frames)
             assert frames[i].call_site == sites[(work, "leaf")], (work, frames)
             assert {frames[j].build_id for j in (i - 1, i, i + 1)} == {build_id(src)}
+        daemon.stop().assert_clean()
     finally:
         if daemon is not None:
-            daemon.stop()
+            daemon.kill()
         ns.close()
         if cgroup is not None:
             _remove_cgroup(cgroup)

@@ -16,30 +16,22 @@ it (``test_held_process_released_when_daemon_killed``).
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
-import sys
 import tempfile
-import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 from bpf_helpers import compile_c
 from conftest import require_tool
-from daemon_fakes import short_tmpdir, wait_for
+from daemon_fakes import config_text, wait_for
+from daemon_harness import RunningDaemon, SampleStream, target_toml
 from fidelity import compare
 from strace_oracle import run_strace
 
-from ccprofd.export.gen import ccprofd_pb2 as pb
-from ccprofd.export.gen import ccprofd_pb2_grpc as pb_grpc
-
-ROOT = Path(__file__).resolve().parents[1]
 N_A, N_B = 5, 3
 
 # No stdio: the same syscalls whatever stdout is.  main > work_a > leaf (N_A getppid), main > work_b
@@ -63,13 +55,6 @@ int main(void) {
     return syscall(SYS_getpid) > 0 && s > 0 ? 0 : 1;
 }
 """.replace("N_A", str(N_A)).replace("N_B", str(N_B))
-
-
-@pytest.fixture
-def workdir() -> Iterator[str]:
-    d = short_tmpdir()
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def strace_syscalls(cmd: list[str]) -> Counter[str]:
@@ -103,35 +88,16 @@ def warm_up(binary: Path, stream: SampleStream, pids: list[int]) -> bool:
     return bool(stream.pids())
 
 
-class SampleStream:
-    """StreamSamples of one target, collected by a thread."""
-
-    def __init__(self, stub: Any, target: str) -> None:
-        self.samples: list[Any] = []
-        self._lock = threading.Lock()
-        self._call = stub.StreamSamples(pb.SampleFilter(target=target))
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            for s in self._call:
-                with self._lock:
-                    self.samples.append(s)
-        except grpc.RpcError:
-            pass
-
-    def of(self, pid: int) -> list[Any]:
-        with self._lock:
-            return [s for s in self.samples if s.pid == pid]
-
-    def pids(self) -> set[int]:
-        with self._lock:
-            return {s.pid for s in self.samples}
-
-    def close(self) -> None:
-        self._call.cancel()
-        self._thread.join(timeout=10)
+def start_daemon(workdir: str, binary: Path, mode: str) -> RunningDaemon:
+    """The daemon on one ``path`` target (every syscall), its target attached."""
+    target = target_toml("prog", f'path = "{binary}"', "all", mode)
+    daemon = RunningDaemon(workdir, config_text(workdir, target))
+    try:
+        daemon.wait_attached()
+    except BaseException:
+        daemon.kill()
+        raise
+    return daemon
 
 
 def as_dict(s: Any) -> dict[str, Any]:
@@ -146,52 +112,6 @@ def as_dict(s: Any) -> dict[str, Any]:
             "complete": s.complete, "frames": frames}
 
 
-def write_config(path: Path, workdir: str, binary: Path, mode: str) -> None:
-    path.write_text(f"""
-[daemon]
-state_dir = "{workdir}/state"
-grpc_listen = "unix://{workdir}/ccprofd.sock"
-metrics_listen = "127.0.0.1:0"
-
-[[target]]
-name = "prog"
-path = "{binary}"
-syscalls = "all"
-mode = "{mode}"
-""")
-
-
-def start_daemon(workdir: str, binary: Path, mode: str) -> tuple[subprocess.Popen[str], Any]:
-    config = Path(workdir) / "ccprofd.toml"
-    write_config(config, workdir, binary, mode)
-    daemon = subprocess.Popen([sys.executable, "-m", "ccprofd.cli", "run", "--config", str(config)], cwd=ROOT,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    stub = pb_grpc.ProfilerStub(grpc.insecure_channel(f"unix:{workdir}/ccprofd.sock"))
-
-    def attached() -> bool:
-        if daemon.poll() is not None:
-            raise AssertionError(f"daemon exited: {daemon.communicate()[1]}")
-        try:
-            resp = stub.ListTargets(pb.ListTargetsRequest(), timeout=5)
-        except grpc.RpcError:
-            return False
-        return any(t.state == "attached" for t in resp.targets)
-
-    wait_for(attached, timeout=300)
-    return daemon, stub
-
-
-def stop_daemon(daemon: subprocess.Popen[str]) -> str:
-    if daemon.poll() is None:
-        daemon.send_signal(signal.SIGTERM)
-    try:
-        _, err = daemon.communicate(timeout=120)
-    except subprocess.TimeoutExpired:
-        daemon.kill()
-        _, err = daemon.communicate()
-    return err or ""
-
-
 @pytest.mark.parametrize("mode", ["unwind", "instrumented"])
 def test_new_processes_sampled_from_first_instruction(bpf: None, workdir: str, tmp_path: Path,
                                                       mode: str) -> None:
@@ -203,59 +123,59 @@ def test_new_processes_sampled_from_first_instruction(bpf: None, workdir: str, t
     assert expected["getppid"] == N_A + N_B and expected["getpid"] == 1 and expected["exit_group"] == 1
     assert sum(expected.values()) > N_A + N_B + 5, expected  # the loader's syscalls are part of it
 
-    daemon, stub = start_daemon(workdir, binary, mode)
-    stream = SampleStream(stub, "prog")
-    try:
-        # The stream is live once a run's samples arrive; that first run is not judged on them.
-        warm: list[int] = []
-        wait_for(lambda: warm_up(binary, stream, warm), timeout=120, interval=0.2)
-        seen = stream.pids() | set(warm)  # a warm-up run's samples may still be arriving
+    with start_daemon(workdir, binary, mode) as daemon:
+        stream = SampleStream(daemon.stub, "prog")
+        try:
+            # The stream is live once a run's samples arrive; that first run is not judged on them.
+            warm: list[int] = []
+            wait_for(lambda: warm_up(binary, stream, warm), timeout=120, interval=0.2)
+            seen = stream.pids() | set(warm)  # a warm-up run's samples may still be arriving
 
-        direct = []
-        for _ in range(3):  # short-lived runs, started directly (exit within milliseconds)
-            p = subprocess.Popen([str(binary)])
-            assert p.wait(timeout=60) == 0
-            direct.append(p.pid)
-        # through a shell, a symlink and a relative path (the exec's filename is not the target's)
-        for cmd in ("cd {d} && ./np-link; true", "cd {d} && exec ./np-link", "PATH={d}:$PATH np-link"):
-            subprocess.run(["/bin/sh", "-c", cmd.format(d=linkdir)], check=True)
+            direct = []
+            for _ in range(3):  # short-lived runs, started directly (exit within milliseconds)
+                p = subprocess.Popen([str(binary)])
+                assert p.wait(timeout=60) == 0
+                direct.append(p.pid)
+            # through a shell, a symlink and a relative path (the exec's filename is not the target's)
+            for cmd in ("cd {d} && ./np-link; true", "cd {d} && exec ./np-link", "PATH={d}:$PATH np-link"):
+                subprocess.run(["/bin/sh", "-c", cmd.format(d=linkdir)], check=True)
 
-        def all_runs() -> list[int] | None:
-            runs = sorted(stream.pids() - seen)
-            counts = [len(stream.of(p)) for p in runs]
-            if len(runs) >= 6 and all(c >= sum(expected.values()) for c in counts):
-                return runs
-            return None
+            def all_runs() -> list[int] | None:
+                runs = sorted(stream.pids() - seen)
+                counts = [len(stream.of(p)) for p in runs]
+                if len(runs) >= 6 and all(c >= sum(expected.values()) for c in counts):
+                    return runs
+                return None
 
-        runs = wait_for(all_runs, timeout=120)
-        time.sleep(0.5)  # anything extra would show up here
-        assert len(stream.pids() - seen) == 6, sorted(stream.pids() - seen)
-        assert set(direct) <= set(runs)
-        for pid in runs:
-            samples = stream.of(pid)
-            got = Counter(s.syscall for s in samples)
-            assert got == expected, (pid, got - expected, expected - got)
-            incomplete = [as_dict(s) for s in samples if not s.complete]
-            assert not incomplete, incomplete[:3]
-            assert all(s.event == "syscall" for s in samples)
-            inner = [s for s in samples if s.syscall == "getppid"]
-            assert all([f.function for f in s.frames if f.analysed][-3:] in (["main", "work_a", "leaf"],
-                                                                           ["main", "work_b", "leaf"])
-                       for s in inner), [as_dict(s) for s in inner[:2]]
+            runs = wait_for(all_runs, timeout=120)
+            time.sleep(0.5)  # anything extra would show up here
+            assert len(stream.pids() - seen) == 6, sorted(stream.pids() - seen)
+            assert set(direct) <= set(runs)
+            for pid in runs:
+                samples = stream.of(pid)
+                got = Counter(s.syscall for s in samples)
+                assert got == expected, (pid, got - expected, expected - got)
+                incomplete = [as_dict(s) for s in samples if not s.complete]
+                assert not incomplete, incomplete[:3]
+                assert all(s.event == "syscall" for s in samples)
+                inner = [s for s in samples if s.syscall == "getppid"]
+                assert all([f.function for f in s.frames if f.analysed][-3:] in (["main", "work_a", "leaf"],
+                                                                               ["main", "work_b", "leaf"])
+                           for s in inner), [as_dict(s) for s in inner[:2]]
 
-        # One run's contexts, syscall by syscall (the loader's included), against strace -f -k.
-        oracle = run_strace([str(binary)], sorted(expected))
-        result = compare([as_dict(s) for s in stream.of(direct[0])], oracle, binary)
-        result.assert_ok()
-        assert result.stats.samples_compared == sum(expected.values()) and result.stats.frames_compared > 0
+            # One run's contexts, syscall by syscall (the loader's included), against strace -f -k.
+            oracle = run_strace([str(binary)], sorted(expected))
+            result = compare([as_dict(s) for s in stream.of(direct[0])], oracle, binary)
+            result.assert_ok()
+            assert result.stats.samples_compared == sum(expected.values())
+            assert result.stats.frames_compared > 0
 
-        targets = stub.ListTargets(pb.ListTargetsRequest(), timeout=5)
-        assert targets.targets[0].state == "attached"
-    finally:
-        stream.close()
-        err = stop_daemon(daemon)
-    assert daemon.returncode == 0, err
-    assert "Traceback" not in err, err
+            targets = daemon.targets()
+            assert targets is not None and targets.targets[0].state == "attached"
+        finally:
+            stream.close()
+        # SIGTERM: exit 0, no traceback, nothing of it left in the kernel
+        daemon.stop().assert_clean()
 
 
 # A new process that forks a child (followed: its syscalls are the binary's) and another child that
@@ -288,36 +208,33 @@ def test_new_process_children_followed(bpf: None, workdir: str, tmp_path: Path, 
     binary = compile_c(tmp_path, "forking", FORKING, "-O1", "-fno-omit-frame-pointer")
     names = strace_syscalls([str(binary)])
     assert names["getppid"] == 5 and names["execve"] == 1  # the child's exec of /bin/true
-    daemon, stub = start_daemon(workdir, binary, mode)
-    stream = SampleStream(stub, "prog")
-    try:
-        warm: list[int] = []
-        wait_for(lambda: warm_up(binary, stream, warm), timeout=120, interval=0.2)
-        time.sleep(1.0)
-        seen = stream.pids() | set(warm)
-        run = subprocess.run([str(binary)], check=True)
-        assert run.returncode == 0
+    with start_daemon(workdir, binary, mode) as daemon:
+        stream = SampleStream(daemon.stub, "prog")
+        try:
+            warm: list[int] = []
+            wait_for(lambda: warm_up(binary, stream, warm), timeout=120, interval=0.2)
+            time.sleep(1.0)
+            seen = stream.pids() | set(warm)
+            run = subprocess.run([str(binary)], check=True)
+            assert run.returncode == 0
 
-        def settled() -> list[Any] | None:
-            with stream._lock:
+            def settled() -> list[Any] | None:
                 mine = [s for s in stream.samples if s.pid not in seen]
-            exits = [s for s in mine if s.syscall == "exit_group"]
-            return mine if len(exits) >= 2 and len({s.pid for s in mine}) == 3 else None
+                exits = [s for s in mine if s.syscall == "exit_group"]
+                return mine if len(exits) >= 2 and len({s.pid for s in mine}) == 3 else None
 
-        wait_for(settled, timeout=120)
-        time.sleep(0.5)
-        with stream._lock:
+            wait_for(settled, timeout=120)
+            time.sleep(0.5)
             mine = [as_dict(s) for s in stream.samples if s.pid not in seen]
-        assert all(s["complete"] for s in mine), [s for s in mine if not s["complete"]][:3]
-        oracle = run_strace([str(binary)], sorted(names))
-        result = compare(mine, oracle, binary)
-        result.assert_ok()
-        assert result.stats.threads_compared == 3  # the parent, the worker child, the exec'ing child
-        assert result.stats.samples_compared == len(mine)
-    finally:
-        stream.close()
-        err = stop_daemon(daemon)
-    assert daemon.returncode == 0, err
+            assert all(s["complete"] for s in mine), [s for s in mine if not s["complete"]][:3]
+            oracle = run_strace([str(binary)], sorted(names))
+            result = compare(mine, oracle, binary)
+            result.assert_ok()
+            assert result.stats.threads_compared == 3  # the parent, the worker child, the exec'ing child
+            assert result.stats.samples_compared == len(mine)
+        finally:
+            stream.close()
+        daemon.stop().assert_clean()
 
 
 def _state(pid: int) -> str:
@@ -330,22 +247,20 @@ def test_held_process_released_when_daemon_killed(bpf: None, workdir: str, tmp_p
     before continuing it.  The daemon is frozen (SIGSTOP) so the process stays held, checked to be
     stopped, then the daemon is killed: the hold guard must continue it, and it runs to completion."""
     binary = compile_c(tmp_path, "heldproc", PROGRAM, "-O1")
-    daemon, _stub = start_daemon(workdir, binary, "unwind")
+    daemon = start_daemon(workdir, binary, "unwind")
     guards_before = _guard_pids()
     prog = None
     try:
-        daemon.send_signal(signal.SIGSTOP)
+        daemon.proc.send_signal(signal.SIGSTOP)
         prog = subprocess.Popen([str(binary)])
         wait_for(lambda: _state(prog.pid) == "T", timeout=60)  # held at its exec by BPF
         time.sleep(0.3)
         assert _state(prog.pid) == "T" and prog.poll() is None
-        daemon.kill()
-        daemon.wait(timeout=60)
+        daemon.proc.kill()
+        daemon.proc.wait(timeout=60)
         assert prog.wait(timeout=60) == 0  # continued by the guard, ran to its end
     finally:
-        if daemon.poll() is None:
-            daemon.kill()
-            daemon.wait()
+        daemon.kill()
         if prog is not None and prog.poll() is None:
             prog.send_signal(signal.SIGCONT)
             prog.kill()

@@ -16,34 +16,33 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from bpf_helpers import direct_call_sites, pt_loads
 from conftest import require_tool
-from daemon_fakes import short_tmpdir, wait_for
+from daemon_fakes import config_text, wait_for
+from daemon_harness import ROOT, RunningDaemon, target_toml
 from test_userstack import EXPECTED_OUTPUT, all_blocked, blocked_program, release
 
 from ccprofd.daemon.threadsnap import tracer_of
 
-ROOT = Path(__file__).resolve().parents[1]
 DEPTH = 6
-
-
-@pytest.fixture
-def workdir() -> Iterator[str]:
-    d = short_tmpdir()
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 def ctl(sock: str, *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "ccprofd.ctl", "--socket", sock, *args], capture_output=True,
                           text=True, timeout=300, cwd=ROOT)
+
+
+def ctl_targets(daemon: RunningDaemon) -> list[dict[str, Any]]:
+    """``ccprofctl targets --json`` of a running daemon (empty while its socket does not answer)."""
+    daemon.check_running()
+    out = ctl(daemon.socket_path, "targets", "--json")
+    return json.loads(out.stdout) if out.returncode == 0 else []  # type: ignore[no-any-return]
 
 
 def vaddr_of(module: str, offset: int) -> int:
@@ -102,33 +101,11 @@ def test_contexts_equal_gdb(bpf: None, workdir: str, mode: str, variant: dict[st
     require_tool("gdb")
     with blocked_program(DEPTH, **variant) as prog:
         binary = Path(os.readlink(f"/proc/{prog.pid}/exe"))
-        config = Path(workdir) / "ccprofd.toml"
-        config.write_text(f"""
-[daemon]
-state_dir = "{workdir}/state"
-grpc_listen = "unix://{workdir}/ccprofd.sock"
-metrics_listen = "127.0.0.1:0"
-
-[[target]]
-name = "blocked"
-path = "{binary}"
-syscalls = ["getppid"]
-mode = "{mode}"
-""")
-        daemon = subprocess.Popen([sys.executable, "-m", "ccprofd.cli", "run", "--config", str(config)],
-                                  cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-        sock = f"{workdir}/ccprofd.sock"
-        try:
-            def tracked() -> bool:
-                if daemon.poll() is not None:
-                    raise AssertionError(f"daemon exited: {daemon.communicate()[1]}")
-                if not os.path.exists(sock):
-                    return False
-                out = ctl(sock, "targets", "--json")
-                return out.returncode == 0 and any(
-                    p["pid"] == prog.pid for t in json.loads(out.stdout) for p in t.get("processes", []))
-
-            wait_for(tracked, timeout=300)
+        target = target_toml("blocked", f'path = "{binary}"', ["getppid"], mode)
+        with RunningDaemon(workdir, config_text(workdir, target)) as daemon:
+            sock = daemon.socket_path
+            wait_for(lambda: any(p["pid"] == prog.pid for t in ctl_targets(daemon)
+                                 for p in t.get("processes", [])), timeout=300)
             wait_for(lambda: all_blocked(prog.pid), timeout=60)
             out = ctl(sock, "contexts", str(prog.pid), "--format", "json")
             assert out.returncode == 0, out.stderr
@@ -170,13 +147,7 @@ mode = "{mode}"
             assert unknown.returncode != 0 and "pid 1" in unknown.stderr
             wait_for(lambda: all_blocked(prog.pid), timeout=60)
             assert release(prog) == (EXPECTED_OUTPUT, 0)
-        finally:
-            daemon.terminate()
-            try:
-                daemon.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
-                daemon.wait()
+            daemon.stop().assert_clean()
 
 
 def test_snapshot_frames_equal_the_tracers_samples_of_the_same_stacks(bpf: None, tmp_path: Path) -> None:

@@ -27,24 +27,22 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import sys
-from collections.abc import Iterator
+from functools import partial
 from pathlib import Path
 
 import pytest
 from bpf_helpers import direct_call_sites
 from conftest import require_tool
-from daemon_fakes import short_tmpdir, wait_for
-from test_thread_contexts_e2e import ctl, vaddr_of
+from daemon_fakes import config_text, wait_for
+from daemon_harness import ROOT, RunningDaemon, target_toml
+from test_thread_contexts_e2e import ctl, ctl_targets, vaddr_of
 from test_userstack import EXPECTED_OUTPUT, all_blocked, release
 
 from ccprofd.bpf.seed import Piece, SeedParams, SeedState, StateModel, state_blob
 from ccprofd.daemon.livestate import LiveState, current, parse_state, raw_context, splice_library_frames
 from ccprofd.decode.frames import Frame
 
-ROOT = Path(__file__).resolve().parents[1]
 PROGRAMS = ROOT / "tests" / "programs"
 DEPTH = 6
 PARAMS = SeedParams(acyc_words=1, add=False, pairs=False, id_bits=64, rec_bits=4, pair_code_bits=0,
@@ -166,13 +164,6 @@ def test_library_frames_spliced_only_where_the_walk_lines_up() -> None:
 
 
 # ------------------------------------------------------------------------------------------ e2e
-@pytest.fixture
-def workdir() -> Iterator[str]:
-    d = short_tmpdir()
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
-
-
 def build_without_unwind_tables(out_dir: Path, frame_pointer: bool) -> Path:
     """blocked.c at -O0 with no unwind table of any kind in the file (no .eh_frame, .eh_frame_hdr or
     .debug_frame; the C library's start-up objects' tables removed too)."""
@@ -283,19 +274,7 @@ def test_contexts_of_a_binary_without_unwind_tables_from_bpf_state(
         monkeypatch.setattr(gdb_module, "_SCRIPT", gdb_module._SCRIPT.replace(
             '"set pagination off", ', '"set pagination off", "set trust-readonly-sections on", '))
     binary = build_without_unwind_tables(Path(workdir), frame_pointer)
-    config = Path(workdir) / "ccprofd.toml"
-    config.write_text(f"""
-[daemon]
-state_dir = "{workdir}/state"
-grpc_listen = "unix://{workdir}/ccprofd.sock"
-metrics_listen = "127.0.0.1:0"
-
-[[target]]
-name = "notables"
-path = "{binary}"
-syscalls = ["getppid"]
-mode = "instrumented"
-""")
+    config = config_text(workdir, target_toml("notables", f'path = "{binary}"', ["getppid"], "instrumented"))
     sock = f"{workdir}/ccprofd.sock"
     # one copy running before the daemon: attached mid-run, its threads seeded only where a CFI walk of
     # them is whole -- without unwind tables, not at all (then flagged, never guessed)
@@ -308,19 +287,12 @@ mode = "instrumented"
         early.kill()
         early.wait()
         raise
-    daemon = subprocess.Popen([sys.executable, "-m", "ccprofd.cli", "run", "--config", str(config)],
-                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    daemon: RunningDaemon | None = None
     prog: subprocess.Popen[str] | None = None
     try:
-        def targets() -> list[dict[str, object]]:
-            if daemon.poll() is not None:
-                raise AssertionError(f"daemon exited: {daemon.communicate()[1]}")
-            if not os.path.exists(sock):
-                return []
-            out = ctl(sock, "targets", "--json")
-            return json.loads(out.stdout) if out.returncode == 0 else []
-
-        wait_for(lambda: any(b.get("attached") for t in targets() for b in t.get("binaries", [])),  # type: ignore[attr-defined]
+        daemon = RunningDaemon(workdir, config)
+        targets = partial(ctl_targets, daemon)
+        wait_for(lambda: any(b.get("attached") for t in targets() for b in t.get("binaries", [])),
                  timeout=300)
         # started after the probes are attached: tracked from its first instruction (no seeding)
         prog = subprocess.Popen([str(binary), str(DEPTH)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -381,17 +353,14 @@ mode = "instrumented"
         assert sum(not t["complete"] for t in threads) >= (1 if frame_pointer else 4)
         wait_for(lambda: all_blocked(early.pid), timeout=60)
         assert release(early) == (EXPECTED_OUTPUT, 0)
+        daemon.stop().assert_clean()
     finally:
         for p in (prog, early):
             if p is not None and p.poll() is None:
                 p.kill()
                 p.wait()
-        daemon.terminate()
-        try:
-            daemon.wait(timeout=60)
-        except subprocess.TimeoutExpired:
+        if daemon is not None:
             daemon.kill()
-            daemon.wait()
 
 
 @pytest.mark.parametrize("scope", [None, "^park$"], ids=["unscoped", "scope-park"])
@@ -407,32 +376,13 @@ def test_contexts_after_a_returned_deep_recursion_drop_its_stale_pieces(bpf: Non
 
     require_tool("gdb")
     binary = programs.build("stale", opt="O0")
-    config = Path(workdir) / "ccprofd.toml"
-    config.write_text(f"""
-[daemon]
-state_dir = "{workdir}/state"
-grpc_listen = "unix://{workdir}/ccprofd.sock"
-metrics_listen = "127.0.0.1:0"
-
-[[target]]
-name = "stale"
-path = "{binary}"
-syscalls = ["getppid"]
-mode = "instrumented"
-""" + (f'scope = "{scope}"\n' if scope else ""))
-    sock = f"{workdir}/ccprofd.sock"
-    daemon = subprocess.Popen([sys.executable, "-m", "ccprofd.cli", "run", "--config", str(config)],
-                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    target = target_toml("stale", f'path = "{binary}"', ["getppid"], "instrumented",
+                         f'scope = "{scope}"\n' if scope else "")
+    daemon = RunningDaemon(workdir, config_text(workdir, target))
+    sock = daemon.socket_path
+    targets = partial(ctl_targets, daemon)
     prog: subprocess.Popen[str] | None = None
     try:
-        def targets() -> list[dict[str, object]]:
-            if daemon.poll() is not None:
-                raise AssertionError(f"daemon exited: {daemon.communicate()[1]}")
-            if not os.path.exists(sock):
-                return []
-            out = ctl(sock, "targets", "--json")
-            return json.loads(out.stdout) if out.returncode == 0 else []
-
         def parked(pid: int) -> bool:
             try:
                 state = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()[0]
@@ -440,7 +390,7 @@ mode = "instrumented"
             except OSError:
                 return False
 
-        wait_for(lambda: any(b.get("attached") for t in targets() for b in t.get("binaries", [])),  # type: ignore[attr-defined]
+        wait_for(lambda: any(b.get("attached") for t in targets() for b in t.get("binaries", [])),
                  timeout=300)
         prog = subprocess.Popen([str(binary), "40"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         assert prog.stdout is not None and prog.stdout.readline().startswith("ready ")
@@ -465,13 +415,9 @@ mode = "instrumented"
         wait_for(lambda: parked(pid), timeout=60)
         stdout, _ = prog.communicate("go\n", timeout=120)
         assert (stdout, prog.returncode) == ("done 40 1\n", 0)
+        daemon.stop().assert_clean()
     finally:
         if prog is not None and prog.poll() is None:
             prog.kill()
             prog.wait()
-        daemon.terminate()
-        try:
-            daemon.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
-            daemon.wait()
+        daemon.kill()
