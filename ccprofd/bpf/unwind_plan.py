@@ -277,8 +277,7 @@ def cached_unwind_encoding(graph: CallGraph, plan: Mapping[str, Any], cache: Ana
     if plan.get("scheme") != "valence" or not plan.get("key") or \
             plan["binary"].get("content_hash") != graph.binary.content_hash:
         return build_unwind_encoding(graph, plan)  # refused there with the reason, or not cacheable
-    g = graph.graph
-    key = f"{plan['key']}-n{g.number_of_nodes()}-e{g.number_of_edges()}-u{UNWIND_ENCODING_VERSION}"
+    key = f"{plan['key']}-n{graph.number_of_nodes()}-e{graph.number_of_edges()}-u{UNWIND_ENCODING_VERSION}"
     plain = cache.load(CACHE_KIND, key)
     if isinstance(plain, dict) and plain.get("version") == UNWIND_ENCODING_VERSION \
             and plain.get("plan_key") == plan["key"] \

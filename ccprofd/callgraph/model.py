@@ -139,6 +139,25 @@ class CallGraph:
                             ret=site.return_address, length=site.length, weight=None)
 
     # ------------------------------------------------------------------------------ queries
+    def number_of_nodes(self) -> int:
+        """Node count, from the serialised rows when the networkx graph was not built (cache hit)."""
+        if self._graph is None and self._rows is not None:
+            return len(self._rows["nodes"])
+        return int(self.graph.number_of_nodes())
+
+    def number_of_edges(self) -> int:
+        if self._graph is None and self._rows is not None:
+            return len(self._rows["edges"])
+        return int(self.graph.number_of_edges())
+
+    def edge_rows(self) -> Iterator[tuple[int, int, int, Any, Any]]:
+        """``(caller, callee, key, kind, weight)`` of every edge, without building the networkx graph
+        when it is not built yet (a warm start reads the plan from the cache and needs no graph)."""
+        if self._graph is None and self._rows is not None:
+            return ((u, v, k, kind, weight) for u, v, k, kind, _s, _r, _l, weight in self._rows["edges"])
+        return ((u, v, k, d.get("kind"), d.get("weight"))
+                for u, v, k, d in self.graph.edges(keys=True, data=True))
+
     def functions(self) -> Iterator[int]:
         """Internal function nodes."""
         return (n for n, k in self.graph.nodes(data="kind") if k == "function")

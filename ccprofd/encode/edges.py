@@ -44,9 +44,9 @@ EdgeRow = tuple[int, int, int, str, int]  # (site key, caller, callee, kind, wei
 
 
 def read_edges(graph: CallGraph) -> list[EdgeRow]:
-    """One pass over the networkx edges, sorted into edge-id order."""
-    return sorted((k, u, v, str(d.get("kind")), int(d.get("weight") or 0))
-                  for u, v, k, d in graph.graph.edges(keys=True, data=True))
+    """One pass over the edges, sorted into edge-id order (from the serialised rows of a cached
+    graph, so that a plan-cache hit builds no networkx graph)."""
+    return sorted((k, u, v, str(kind), int(weight or 0)) for u, v, k, kind, weight in graph.edge_rows())
 
 
 def effective_weights(graph: CallGraph, weights: Mapping[EdgeKey, int] | None,

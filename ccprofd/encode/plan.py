@@ -249,8 +249,8 @@ def get_plan(graph: CallGraph, scheme: str, *, pcce_words: int = 1,
         try:
             plan = load_plan(path)
             rep = plan["report"]
-            if (plan.get("key") == key and rep.get("nodes") == graph.graph.number_of_nodes()
-                    and rep.get("edges") == graph.graph.number_of_edges()):
+            if (plan.get("key") == key and rep.get("nodes") == graph.number_of_nodes()
+                    and rep.get("edges") == graph.number_of_edges()):
                 return plan
         except (OSError, ValueError, KeyError):
             pass  # unreadable or stale: rebuild below

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-
-import networkx as nx
+from typing import TYPE_CHECKING
 
 from ccprofd.encode.edges import EdgeArrays
+
+if TYPE_CHECKING:
+    import networkx as nx
 
 
 @dataclass(slots=True)
@@ -37,6 +39,8 @@ class Sccs:
 def sccs(ea: EdgeArrays, graph: nx.MultiDiGraph) -> Sccs:
     """Tarjan's SCCs (networkx, run on the graph ``ea`` was read from, which saves building a copy),
     then a topological numbering of the components."""
+    import networkx as nx  # here, not at import: a warm start takes its plan from the cache
+
     n = len(ea.nodes)
     index = ea.index
     raw = [[index[v] for v in comp] for comp in nx.strongly_connected_components(graph)]
