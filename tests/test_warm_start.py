@@ -53,3 +53,104 @@ def test_plan_cache_changed_weights_miss_and_corrupt_entry_rebuilds(tmp_path: Pa
     path.write_bytes(b"{not json")
     rebuilt = get_plan(CallGraph.from_dict(g.to_dict()), "valence", cache_dir=tmp_path)
     assert rebuilt["sites"] == first["sites"] and rebuilt["key"] == first["key"]
+
+
+# ------------------------------------------------------------------------------- kernel BTF offsets
+def _bpftool_offsets() -> dict[tuple[str, str], int]:
+    """(struct, member) -> byte offset for EXE_INODE_CHAIN, read from bpftool's raw BTF dump
+    (anonymous members followed by type id, as the compiler resolves them)."""
+    import re
+    import subprocess
+
+    from conftest import require_tool
+
+    from ccprofd.bpf.kbtf import EXE_INODE_CHAIN, VMLINUX_BTF
+
+    tool = require_tool("bpftool")
+    if not Path(VMLINUX_BTF).exists():
+        from conftest import skip_or_fail
+
+        skip_or_fail(f"{VMLINUX_BTF} missing")
+    out = subprocess.run([tool, "btf", "dump", "file", VMLINUX_BTF, "format", "raw"], check=True,
+                         capture_output=True, text=True).stdout
+    types: dict[int, tuple[str, str, list[tuple[str, int, int]]]] = {}
+    first_struct: dict[str, int] = {}
+    cur: list[tuple[str, int, int]] | None = None
+    head = re.compile(r"^\[(\d+)\] (\w+) '([^']*)'(?: type_id=(\d+))?")
+    mem = re.compile(r"^\s+'([^']*)' type_id=(\d+) bits_offset=(\d+)")
+    for line in out.splitlines():
+        m = head.match(line)
+        if m:
+            tid, kind, name = int(m.group(1)), m.group(2), m.group(3)
+            cur = []
+            types[tid] = (kind, name, cur)
+            if m.group(4):
+                cur.append(("", int(m.group(4)), -1))  # typedef/const...: the type it names
+            if kind == "STRUCT" and name not in first_struct:
+                first_struct[name] = tid
+            continue
+        m = mem.match(line)
+        if m and cur is not None:
+            cur.append((m.group(1), int(m.group(2)), int(m.group(3))))
+
+    def resolve(tid: int) -> int:
+        while types[tid][0] in ("TYPEDEF", "CONST", "VOLATILE", "RESTRICT", "TYPE_TAG"):
+            tid = types[tid][2][0][1]
+        return tid
+
+    def find(tid: int, member: str) -> int | None:
+        for name, mtid, bits in types[tid][2]:
+            if name == member:
+                return bits
+            if name == "(anon)":
+                inner = resolve(mtid)
+                if types[inner][0] in ("STRUCT", "UNION"):
+                    sub = find(inner, member)
+                    if sub is not None:
+                        return bits + sub
+        return None
+
+    found = {}
+    for s, m in EXE_INODE_CHAIN:
+        bits = find(first_struct[s], m)
+        assert bits is not None and bits % 8 == 0, (s, m)
+        found[(s, m)] = bits // 8
+    return found
+
+
+def test_kbtf_offsets_cached_equal_parsed_and_bpftool(tmp_path: Path) -> None:
+    from ccprofd.bpf import kbtf
+
+    expected = _bpftool_offsets()
+    data = Path(kbtf.VMLINUX_BTF).read_bytes()
+    want = {n: expected[sm] for n, sm in zip(kbtf.EXE_INODE_NAMES, kbtf.EXE_INODE_CHAIN, strict=True)}
+    cold = kbtf.offsets_via_cache(data, tmp_path)  # parsed, then stored
+    files = list((tmp_path / kbtf.CACHE_KIND).iterdir())
+    assert len(files) == 1 and not files[0].name.startswith(".")
+    assert cold == want
+    warm = kbtf.offsets_via_cache(data, tmp_path)
+    assert warm == want
+    assert kbtf.exe_inode_offsets(tmp_path) == want
+
+
+def test_kbtf_cache_is_keyed_by_the_blob_and_a_corrupt_entry_reparses(tmp_path: Path) -> None:
+    from ccprofd.bpf import kbtf
+    from ccprofd.callgraph.cache import AnalysisCache
+
+    if not Path(kbtf.VMLINUX_BTF).exists():
+        from conftest import skip_or_fail
+
+        skip_or_fail(f"{kbtf.VMLINUX_BTF} missing")
+    data = Path(kbtf.VMLINUX_BTF).read_bytes()
+    want = kbtf._offsets(kbtf.KernelBTF(data))
+    cache = AnalysisCache(tmp_path)
+    ident = kbtf.btf_identity(data)
+    bogus = {n: 8 for n in kbtf.EXE_INODE_NAMES}
+    cache.store(kbtf.CACHE_KIND, ident, {"identity": ident, "offsets": bogus})
+    assert kbtf.offsets_via_cache(data, tmp_path) == bogus  # the entry is what is used ...
+    other = data + b"\0"  # ... for this blob only: another blob (kernel) has another key
+    assert kbtf.btf_identity(other) != ident
+    assert kbtf.offsets_via_cache(other, tmp_path) == want
+    cache.path_for(kbtf.CACHE_KIND, ident).write_bytes(b"\x00garbage")
+    assert kbtf.offsets_via_cache(data, tmp_path) == want  # damaged: parsed again
+    assert kbtf.offsets_via_cache(data, tmp_path) == want  # and replaced

@@ -381,7 +381,8 @@ class InstrumentedBPF:
     """Compile, fill and attach instrumented mode for one probe plan; drain its samples."""
 
     def __init__(self, probe_plan: ProbePlan, plan: Mapping[str, Any], *,
-                 syscalls: Iterable[int] | None = None, limits: Limits = Limits()) -> None:
+                 syscalls: Iterable[int] | None = None, limits: Limits = Limits(),
+                 cache_dir: str | None = None) -> None:
         pages = os.environ.get("CCPROFD_SCOPE_STACK_PAGES")  # --scope prefix copy size (README)
         if pages is not None:
             if not pages.isdigit() or not 0 <= int(pages) <= 64:
@@ -418,7 +419,7 @@ class InstrumentedBPF:
         prelude = "".join(f"#define {k} {v}\n" for k, v in defines.items())
         prelude += resources.files("ccprofd.bpf").joinpath(C_SOURCE).read_text(encoding="utf-8")
         self.sampler = SyscallSampler(syscalls=syscalls, max_tracked=max(4096, 2 * limits.slots),
-                                      ringbuf_pages=64, prelude=prelude)
+                                      ringbuf_pages=64, prelude=prelude, cache_dir=cache_dir)
         self.module: BccModule = self.sampler.module
         self._contexts: list[RawContext] = []
         self.module.open_ring_buffer("cc_events", lambda raw: self._contexts.append(self.layout.parse(raw)))

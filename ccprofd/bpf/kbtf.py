@@ -7,14 +7,19 @@ here instead and pass them as ``-D``/``#define`` values; reads go through ``bpf_
 so even a wrong offset can only yield a wrong value (which userspace then confirms), never a fault.
 
 Only what that needs is parsed: the type section's STRUCT/UNION members (anonymous members are
-searched recursively, as the C compiler resolves them) and the string section.
+searched recursively, as the C compiler resolves them) and the string section.  Parsing the whole
+blob in Python takes ~0.5 s, so the few offsets a start needs are cached (:func:`exe_inode_offsets`),
+keyed by the blob's SHA-256 and the kernel release: another kernel is another key.
 """
 
 from __future__ import annotations
 
+import hashlib
+import os
 import struct
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
 VMLINUX_BTF = "/sys/kernel/btf/vmlinux"
 BTF_MAGIC = 0xEB9F
@@ -110,22 +115,66 @@ class KernelBTF:
         return bits // 8
 
 
-@lru_cache(maxsize=1)
-def vmlinux_btf() -> KernelBTF:
+def _read_vmlinux() -> bytes:
     try:
         with open(VMLINUX_BTF, "rb") as fh:
-            data = fh.read()
+            return fh.read()
     except OSError as exc:
         raise BTFError(f"cannot read {VMLINUX_BTF}: {exc.strerror}") from None
-    return KernelBTF(data)
+
+
+@lru_cache(maxsize=1)
+def vmlinux_btf() -> KernelBTF:
+    return KernelBTF(_read_vmlinux())
 
 
 #: The pointer chain from the current task to its executable's inode number, as (struct, member).
 EXE_INODE_CHAIN = (("task_struct", "mm"), ("mm_struct", "exe_file"), ("file", "f_inode"), ("inode", "i_ino"))
 
 
-def exe_inode_offsets() -> dict[str, int]:
-    """``#define`` values for reading the current executable's inode number in BPF."""
-    btf = vmlinux_btf()
-    names = ("CCPROF_OFF_TASK_MM", "CCPROF_OFF_MM_EXE_FILE", "CCPROF_OFF_FILE_INODE", "CCPROF_OFF_INODE_INO")
-    return {n: btf.member_offset(s, m) for n, (s, m) in zip(names, EXE_INODE_CHAIN, strict=True)}
+EXE_INODE_NAMES = ("CCPROF_OFF_TASK_MM", "CCPROF_OFF_MM_EXE_FILE", "CCPROF_OFF_FILE_INODE",
+                   "CCPROF_OFF_INODE_INO")
+CACHE_KIND = "kbtf"
+KBTF_CACHE_VERSION = 1
+
+
+def btf_identity(data: bytes) -> str:
+    """What the offsets depend on: the BTF blob itself (its SHA-256) and the kernel release."""
+    try:
+        with open("/proc/sys/kernel/osrelease") as fh:
+            release = fh.read().strip()
+    except OSError:
+        release = "?"
+    return f"{hashlib.sha256(data).hexdigest()[:40]}-{release}-k{KBTF_CACHE_VERSION}"
+
+
+def _offsets(btf: KernelBTF) -> dict[str, int]:
+    return {n: btf.member_offset(s, m) for n, (s, m) in zip(EXE_INODE_NAMES, EXE_INODE_CHAIN, strict=True)}
+
+
+def exe_inode_offsets(cache_dir: str | os.PathLike[str] | None = None) -> dict[str, int]:
+    """``#define`` values for reading the current executable's inode number in BPF: from the
+    analysis cache under ``cache_dir`` (default: the user's cache directory) when this very BTF blob
+    was parsed before, else parsed and stored.  A damaged entry is parsed again."""
+    return dict(_cached_offsets(os.fspath(cache_dir) if cache_dir is not None else None))
+
+
+@lru_cache(maxsize=4)
+def _cached_offsets(cache_dir: str | None) -> tuple[tuple[str, int], ...]:
+    return tuple(offsets_via_cache(_read_vmlinux(), cache_dir).items())
+
+
+def offsets_via_cache(data: bytes, cache_dir: str | os.PathLike[str] | None) -> dict[str, int]:
+    """The offsets of BTF blob ``data``: cached under its identity, else parsed and stored."""
+    from ccprofd.callgraph.cache import AnalysisCache
+
+    cache = AnalysisCache(Path(cache_dir) if cache_dir is not None else None)
+    ident = btf_identity(data)
+    got = cache.load(CACHE_KIND, ident)
+    if isinstance(got, dict) and got.get("identity") == ident and isinstance(got.get("offsets"), dict) \
+            and set(got["offsets"]) == set(EXE_INODE_NAMES) \
+            and all(isinstance(v, int) and 0 <= v < 1 << 20 for v in got["offsets"].values()):
+        return {n: int(got["offsets"][n]) for n in EXE_INODE_NAMES}
+    offsets = _offsets(KernelBTF(data))
+    cache.store(CACHE_KIND, ident, {"identity": ident, "offsets": offsets})
+    return offsets

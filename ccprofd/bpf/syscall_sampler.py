@@ -95,23 +95,24 @@ def tracepoint_has_field(category: str, event: str, field: str) -> bool:
         return False
 
 
-def exec_target_source() -> str:
-    """exec_target.c with the kernel struct offsets it needs (from the running kernel's BTF); without
-    BTF the offsets are left out and no exec matches (processes are then found by rescans only)."""
+def exec_target_source(cache_dir: str | os.PathLike[str] | None = None) -> str:
+    """exec_target.c with the kernel struct offsets it needs (from the running kernel's BTF, cached
+    under ``cache_dir``); without BTF the offsets are left out and no exec matches (processes are
+    then found by rescans only)."""
     from ccprofd.bpf.kbtf import BTFError, exe_inode_offsets
 
     try:
-        defines = "".join(f"#define {k} {v}\n" for k, v in exe_inode_offsets().items())
+        defines = "".join(f"#define {k} {v}\n" for k, v in exe_inode_offsets(cache_dir).items())
     except BTFError:
         defines = ""
     return defines + resources.files("ccprofd.bpf").joinpath(EXEC_TARGET_SOURCE).read_text(encoding="utf-8")
 
 
-def sampler_source() -> str:
+def sampler_source(cache_dir: str | os.PathLike[str] | None = None) -> str:
     """The sampler's C text (exec_target.c first; it is include-guarded, so a program that puts it
     before its own prelude, as :class:`SyscallSampler` does, may include it again)."""
     own = resources.files("ccprofd.bpf").joinpath(C_SOURCE).read_text(encoding="utf-8")
-    return exec_target_source() + own
+    return exec_target_source(cache_dir) + own
 
 
 def set_exec_target(targets: BpfMap, inode: int, cgroup_id: int = 0) -> None:
@@ -150,6 +151,7 @@ class SyscallSampler:
         ringbuf_pages: int = 64,
         prelude: str = "",
         cflags: Sequence[str] = (),
+        cache_dir: str | os.PathLike[str] | None = None,
     ) -> None:
         if max_tracked < 1:
             raise BPFError(f"max_tracked must be positive, not {max_tracked}")
@@ -160,7 +162,8 @@ class SyscallSampler:
             defines.append("#define HAVE_GROUP_DEAD 1")
         self.max_tracked = max_tracked
         # exec_target.c goes before the prelude too, so a prelude's exec hook can use it
-        text = "\n".join(defines) + "\n" + exec_target_source() + "\n" + prelude + "\n" + sampler_source()
+        text = "\n".join(defines) + "\n" + exec_target_source(cache_dir) + "\n" + prelude + "\n" + \
+            sampler_source(cache_dir)
         self.module = BccModule(text, cflags)
         self._pending: list[SamplerEvent] = []
         self._attached = False

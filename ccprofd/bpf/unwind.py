@@ -414,7 +414,7 @@ class UnwindSampler:
             text += f"#define UW_EXIT_GROUP_DEAD_OFF {off}\n"
         off = tracepoint_field_offset("sched", "sched_process_fork", "child_pid")
         text += f"#define UW_FORK_CHILD_PID_OFF {off}\n"
-        self.module = BccModule(text + sampler_source() + "\n" + unwind_source())
+        self.module = BccModule(text + sampler_source(self.cache.directory) + "\n" + unwind_source())
         self._fds: list[int] = []
         self._links: list[int] = []
         self._attached = False

@@ -162,7 +162,7 @@ class InstrumentedMode:
             from ccprofd.decode.scopeprefix import live_prefixes
 
             self._scope = live_prefixes(pp, self._sym.names, self.options.cache_dir)
-        self._bpf = InstrumentedBPF(pp, plan, syscalls=nrs)
+        self._bpf = InstrumentedBPF(pp, plan, syscalls=nrs, cache_dir=self.options.cache_dir)
         self._bpf.attach()
         if self.options.sample_hz:
             self._bpf.attach_cpu_sampling(int(self.options.sample_hz))
