@@ -53,10 +53,8 @@ import signal
 import struct
 from dataclasses import dataclass, field
 from importlib import resources
-from pathlib import Path
 from typing import Any
 
-from ccprofd.atomicfile import atomic_write_bytes
 from ccprofd.bpf import rawbpf
 from ccprofd.bpf.bcc_adapter import BccModule, BpfMap
 from ccprofd.bpf.errors import BPFError
@@ -76,6 +74,7 @@ from ccprofd.callgraph.cache import AnalysisCache
 from ccprofd.callgraph.elfimage import ElfImage
 from ccprofd.callgraph.errors import BinaryError
 from ccprofd.decode.procmaps import DEFAULT_PROC_ROOT, ModuleMapping, ProcessMaps, module_mappings
+from ccprofd.decode.vdso import VDSO_PATH, VdsoImages
 
 C_SOURCE = "unwind.c"
 DEFAULT_MAX_DEPTH = 4096
@@ -430,8 +429,7 @@ class UnwindSampler:
         self._next_module = 0
         self.contexts: dict[tuple[int, int], UnwoundSample] = {}
         self._module_keys: dict[int, _Module] = {}
-        self._vdso_files: dict[str, str] = {}  # content hash -> file holding that vDSO image
-        self._temp_files: list[str] = []
+        self._vdso = VdsoImages(self.cache.directory / "vdso")
         self._stopping: set[int] = set()  # launched processes BPF stops until their maps are loaded
         self._exec_targets: dict[int, tuple[int, int]] = {}  # inode number -> (st_dev, st_ino)
         #: Processes BPF started tracking at their exec of a followed binary (confirmed through
@@ -571,7 +569,7 @@ class UnwindSampler:
             maps = module_mappings(tgid, self._addrspace_of, self.proc_root)
         except OSError:
             return False
-        maps = self._with_vdso(tgid, maps)
+        maps = self._with_vdso(maps)
         proc = _Proc(maps)
         entry = self._m["uw_procs"].leaf_type()
         mappings = maps.mappings[: self.max_maps]
@@ -593,61 +591,15 @@ class UnwindSampler:
         self._procs[tgid] = proc
         return True
 
-    def _with_vdso(self, tgid: int, maps: ProcessMaps) -> ProcessMaps:
-        """``maps`` with the process's vDSO as a module: the kernel maps a complete ELF image there
-        (with its own ``.eh_frame``) but no file, so the image is read from the process's memory and
-        kept in the cache directory under its content hash; its table is then built, cached by
-        build-id and shared like any other module's.  Unchanged when there is no vDSO or it cannot
-        be read (a pc there is then flagged ``unknown_pc``, as before)."""
-        vdso = next((m for m in maps.other_exec if m.path == "[vdso]"), None)
-        if vdso is None:
-            return maps
-        path = self._vdso_image(tgid, vdso.start, vdso.end)
-        space = self._addrspace_of(path) if path is not None else None
-        if path is None or space is None:
-            return maps
-        try:
-            bias = space.load_bias(vdso.start, vdso.offset)
-        except ValueError:
-            return maps
-        mod = self._modules.get(self._identity(path) or (0, 0, 0, 0))
+    def _with_vdso(self, maps: ProcessMaps) -> ProcessMaps:
+        """``maps`` with the process's vDSO as a module (:mod:`ccprofd.decode.vdso`): its table is
+        then built, cached by build-id and shared like any other module's."""
+        maps = self._vdso.with_vdso(maps, self._addrspace_of, self.proc_root)
+        vdso = next((m for m in maps.mappings if m.path == VDSO_PATH), None)
+        mod = self._modules.get(self._identity(vdso.open_path) or (0, 0, 0, 0)) if vdso is not None else None
         if mod is not None:
-            mod.view_path = "[vdso]"  # how the process (and /proc/PID/maps) names it
-        mapping = ModuleMapping(vdso.start, vdso.end, "[vdso]", path, bias, vdso.dev, vdso.inode)
-        return ProcessMaps(maps.pid, [*maps.mappings, mapping], [m for m in maps.other_exec if m is not vdso])
-
-    def _vdso_image(self, tgid: int, start: int, end: int) -> str | None:
-        """A file holding the vDSO image mapped at [start, end) in ``tgid`` (None: unreadable)."""
-        import hashlib
-
-        if not 0 < end - start <= 1 << 20:
-            return None
-        try:
-            with open(os.path.join(self.proc_root, str(tgid), "mem"), "rb", buffering=0) as fh:
-                fh.seek(start)
-                data = fh.read(end - start)
-        except (OSError, OverflowError):
-            return None
-        if len(data) != end - start or not data.startswith(b"\x7fELF"):
-            return None
-        digest = hashlib.sha256(data).hexdigest()[:32]
-        known = self._vdso_files.get(digest)
-        if known is not None:
-            return known
-        path = self.cache.directory / "vdso" / f"vdso-{digest}.so"
-        try:
-            if not path.exists():
-                atomic_write_bytes(path, data)
-        except OSError:
-            import tempfile  # read-only cache directory: a private copy for this run
-
-            fd, tmp = tempfile.mkstemp(prefix="ccprofd-vdso-", suffix=".so")
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-            self._temp_files.append(tmp)
-            path = Path(tmp)
-        self._vdso_files[digest] = str(path)
-        return str(path)
+            mod.view_path = VDSO_PATH  # how the process (and /proc/PID/maps) names it
+        return maps
 
     def _identity(self, path: str) -> tuple[int, int, int, int] | None:
         try:
@@ -963,10 +915,7 @@ class UnwindSampler:
         with contextlib.suppress(BPFError):
             self._release_held(set(), refresh=False)
         self.module.cleanup()
-        for tmp in self._temp_files:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-        self._temp_files.clear()
+        self._vdso.close()
         if self._guard is not None:
             self._guard.close()  # its last sweep runs with every program detached
             self._guard = None

@@ -36,6 +36,7 @@ from ccprofd.callgraph.addrspace import AddressSpace
 from ccprofd.callgraph.cache import AnalysisCache
 from ccprofd.decode.procmaps import DEFAULT_PROC_ROOT, ModuleMapping, ProcessMaps, module_mappings
 from ccprofd.decode.userstack import StackMemory, UnwoundStack, UserRegs, unwind
+from ccprofd.decode.vdso import VdsoImages
 
 PTRACE_GETREGS = 12
 PTRACE_DETACH = 17
@@ -149,7 +150,8 @@ class ModuleCache:
     def __init__(self, cache: AnalysisCache | None = None) -> None:
         self.cache = cache
         self._mods: dict[tuple[int, int, int, int], _Module | None] = {}
-        self._vdso: dict[str, str] = {}  # content hash -> file holding that vDSO image
+        # the vDSO image kept as a file under the cache directory, as unwind mode keeps it
+        self._vdso = VdsoImages((cache if cache is not None else AnalysisCache()).directory / "vdso")
 
     def _get(self, path: str) -> _Module | None:
         try:
@@ -175,59 +177,10 @@ class ModuleCache:
             table = None  # corrupt CFI: a walk reaching it stops with no_table
         return _Module(image.addrspace, image.build_id(), table)
 
-    def vdso_image(self, pid: int, start: int, end: int, proc_root: str) -> str | None:
-        """A file holding the vDSO image mapped at [start, end) in ``pid`` (None: unreadable).
-
-        The kernel maps a whole ELF image there, with its own ``.eh_frame``, but no file: the image
-        is read from the process's memory and kept under its content hash (in the cache directory,
-        as unwind mode keeps it), so its table is built once and frames there are named."""
-        import hashlib
-        import tempfile
-
-        if not 0 < end - start <= 1 << 20:
-            return None
-        try:
-            with open(os.path.join(proc_root, str(pid), "mem"), "rb", buffering=0) as fh:
-                fh.seek(start)
-                data = fh.read(end - start)
-        except (OSError, OverflowError, ValueError):
-            return None
-        if len(data) != end - start or not data.startswith(b"\x7fELF"):
-            return None
-        digest = hashlib.sha256(data).hexdigest()[:32]
-        known = self._vdso.get(digest)
-        if known is not None:
-            return known
-        from ccprofd.atomicfile import atomic_write_bytes
-
-        cache = self.cache if self.cache is not None else AnalysisCache()
-        path = cache.directory / "vdso" / f"vdso-{digest}.so"
-        try:
-            if not path.exists():
-                atomic_write_bytes(path, data)
-            where = str(path)
-        except OSError:  # read-only cache directory: a private copy for this process's lifetime
-            fd, where = tempfile.mkstemp(prefix="ccprofd-vdso-", suffix=".so")
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-        self._vdso[digest] = where
-        return where
-
-    def with_vdso(self, pid: int, maps: ProcessMaps, proc_root: str) -> ProcessMaps:
-        """``maps`` with the [vdso] mapping as a module (unchanged when it cannot be read)."""
-        vdso = next((m for m in maps.other_exec if m.path == "[vdso]"), None)
-        if vdso is None:
-            return maps
-        path = self.vdso_image(pid, vdso.start, vdso.end, proc_root)
-        space = self.addrspace_of(path) if path is not None else None
-        if path is None or space is None:
-            return maps
-        try:
-            bias = space.load_bias(vdso.start, vdso.offset)
-        except ValueError:
-            return maps
-        mapping = ModuleMapping(vdso.start, vdso.end, "[vdso]", path, bias, vdso.dev, vdso.inode)
-        return ProcessMaps(maps.pid, [*maps.mappings, mapping], [m for m in maps.other_exec if m is not vdso])
+    def with_vdso(self, maps: ProcessMaps, proc_root: str) -> ProcessMaps:
+        """``maps`` with the [vdso] mapping as a module (:mod:`ccprofd.decode.vdso`; unchanged when it
+        cannot be read)."""
+        return self._vdso.with_vdso(maps, self.addrspace_of, proc_root)
 
     def addrspace_of(self, path: str) -> AddressSpace | None:
         mod = self._get(path)
@@ -256,7 +209,7 @@ def snapshot(pid: int, modules: ModuleCache, *, proc_root: str = DEFAULT_PROC_RO
         out.error = f"no process {pid}"
         return out
     try:
-        maps = modules.with_vdso(pid, module_mappings(pid, modules.addrspace_of, proc_root), proc_root)
+        maps = modules.with_vdso(module_mappings(pid, modules.addrspace_of, proc_root), proc_root)
     except OSError as exc:
         out.error = f"cannot read the mappings of pid {pid}: {exc.strerror or exc}"
         return out

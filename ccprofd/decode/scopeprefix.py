@@ -188,7 +188,7 @@ def live_prefixes(probe_plan: ProbePlan, names: dict[int, str],
         if maps.get(pid) is None:
             try:
                 got = module_mappings(pid, modules.addrspace_of)
-                maps[pid] = modules.with_vdso(pid, got, DEFAULT_PROC_ROOT) if got.mappings else None
+                maps[pid] = modules.with_vdso(got, DEFAULT_PROC_ROOT) if got.mappings else None
             except OSError:
                 maps[pid] = None
         return maps[pid]
