@@ -5,6 +5,7 @@ Expected values come from the test programs' sources and objdump, never from ccp
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import json
 import pathlib
@@ -167,7 +168,10 @@ def test_attach_to_running_process_is_seeded(tmp_path: pathlib.Path) -> None:
 def test_cpu_samples_follow_real_call_sites() -> None:
     """--sample-hz: CPU samples (event "cpu") decoded like syscalls.  Each complete sample's frames
     must chain through real call instructions (objdump): every return address follows a call whose
-    target is the next frame's function."""
+    target is the next frame's function, at the frame's ``call_site``.  The innermost frame is either
+    the sampled instruction (``call_site`` inside that function, no return address) or, for a sample
+    taken in library code (write, open ... of the program's libc calls), the binary's call into the
+    library through its PLT (README: the binary's caller through its innermost recorded exit)."""
     require_bpf()
     require_tool("objdump")
     binary = pathlib.Path(build("recursion", opt="O2", pie=True))
@@ -179,9 +183,15 @@ def test_cpu_samples_follow_real_call_sites() -> None:
     assert len(cpu) >= 3
     dis = subprocess.run(["objdump", "-d", "-w", str(binary)], capture_output=True, text=True,
                          check=True).stdout
-    call_after: dict[int, str] = {}
-    for m in re.finditer(r"^\s*([0-9a-f]+):\t((?:[0-9a-f]{2} )+)\s*\tcall\s+[0-9a-f]+ <([^>@]+)", dis, re.M):
-        call_after[int(m.group(1), 16) + len(m.group(2).split())] = m.group(3)
+    call_after: dict[int, tuple[int, str, bool]] = {}  # return address -> (call site, callee, via the PLT)
+    for m in re.finditer(r"^\s*([0-9a-f]+):\t((?:[0-9a-f]{2} )+)\s*\tcall\s+[0-9a-f]+ <([^>]+)>", dis, re.M):
+        site, callee = int(m.group(1), 16), m.group(3)
+        call_after[site + len(m.group(2).split())] = (site, callee.split("@")[0], callee.endswith("@plt"))
+    symbols = sorted((int(a, 16), name) for a, name in re.findall(r"^([0-9a-f]+) <([^>]+)>:$", dis, re.M))
+
+    def function_at(vaddr: int) -> str:
+        return symbols[bisect.bisect_right(symbols, (vaddr, "\uffff")) - 1][1]
+
     # A sample may also land in the start-up/exit routines libc runs around main (DT_INIT, crtstuff).
     around_main = {"main", "_init", "_fini", "frame_dummy", "register_tm_clones", "deregister_tm_clones",
                    "__do_global_dtors_aux", "_start"}
@@ -190,5 +200,11 @@ def test_cpu_samples_follow_real_call_sites() -> None:
         frames = s["frames"]
         assert frames[0]["function"] in around_main, frames[0]
         for outer, inner in itertools.pairwise(frames):
-            assert call_after.get(int(outer["return_address"], 16)) == inner["function"], (outer, inner)
-        assert frames[-1]["return_address"] is None  # the sampled instruction is not a call
+            site, callee, _ = call_after[int(outer["return_address"], 16)]
+            assert (callee, int(outer["call_site"], 16)) == (inner["function"], site), (outer, inner)
+        last = frames[-1]
+        if last["return_address"] is None:  # the sampled instruction, in the innermost function
+            assert function_at(int(last["call_site"], 16)) == last["function"], last
+        else:  # sampled in a library: the innermost frame is the binary's call into it
+            site, callee, via_plt = call_after[int(last["return_address"], 16)]
+            assert via_plt and int(last["call_site"], 16) == site, (last, callee)
