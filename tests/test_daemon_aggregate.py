@@ -1,6 +1,8 @@
-"""The daemon's aggregate mode (unwind targets): with no consumer of every sample, BPF sends only
-records of new contexts and the daemon adds the kernel's per-context counts to its store; a
-``StreamSamples`` subscriber switches the target to a record per sample while it is connected.
+"""The daemon's aggregate mode (unwind and instrumented targets): with no consumer of every sample,
+BPF sends only records of new contexts and the daemon adds the kernel's per-context counts to its
+store; a ``StreamSamples`` subscriber switches the target to a record per sample while it is
+connected.  When the kernel's context table is full (instrumented: ``CCPROFD_AGG_CONTEXTS``), new
+contexts are sent one sample at a time, counted as such, and the counts stay exact.
 
 Real ``ccprofd run`` process, real BPF, real gRPC on the Unix socket and a real /metrics scrape.
 The program's syscalls are known by construction (it makes exactly the getppid() calls it is told
@@ -17,6 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 from bpf_helpers import compile_c
 from daemon_fakes import config_text, wait_for
 from daemon_harness import CONTEXT_SAMPLES, RunningDaemon, SampleStream, target_toml
@@ -59,9 +62,60 @@ A = ("main", "run", "work_a", "leaf")
 B = ("main", "run", "work_b", "leaf")
 
 
-def test_aggregate_mode_counts_and_switch(bpf: None, workdir: str, tmp_path: Path) -> None:
+def test_aggregate_table_full_sends_samples_alone(bpf: None, workdir: str, tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """Instrumented mode with room for one context: the first chain is counted in the kernel, every
+    sample of the second is sent on its own (and counted as such: ``counts_full``), and the
+    daemon's counts are exact for both."""
+    monkeypatch.setenv("CCPROFD_AGG_CONTEXTS", "1")  # the daemon's environment (RunningDaemon)
     binary = compile_c(tmp_path, "aggprog", PROGRAM, "-O0", "-fno-omit-frame-pointer")
-    target = target_toml("prog", f'path = "{binary}"', ["getppid"], "unwind")
+    target = target_toml("prog", f'path = "{binary}"', ["getppid"], "instrumented")
+    daemon = RunningDaemon(workdir, config_text(workdir, target, daemon_extra="top_k = 5"))
+    prog: subprocess.Popen[str] | None = None
+
+    def tracer() -> dict[str, Any]:
+        daemon.check_running()
+        stats = daemon.stub.GetCallGraphStats(pb.GetCallGraphStatsRequest(target="prog"), timeout=120)
+        return dict(stats.binaries[0].stats["tracer"])
+
+    def command(what: str, n: int) -> None:
+        assert prog is not None and prog.stdin is not None and prog.stdout is not None
+        prog.stdin.write(f"{what} {n}\n")
+        prog.stdin.flush()
+        assert prog.stdout.readline() == "done\n"
+
+    def hot() -> dict[tuple[str, ...], int]:
+        resp = daemon.stub.GetHotContexts(pb.GetHotContextsRequest(target="prog", top_k=10), timeout=5)
+        assert all(h.complete and h.syscall == "getppid" for h in resp.contexts), resp
+        return {chain(h.frames): int(h.count) for h in resp.contexts}
+
+    try:
+        daemon.wait_attached()
+        prog = subprocess.Popen([str(binary)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        assert prog.stdout is not None and prog.stdout.readline() == "ready\n"
+        wait_for(lambda: not tracer()["per_sample_records"], timeout=60)
+        records0 = int(tracer()["records"])
+        command("a", 2000)  # the first context: takes the table's one entry
+        command("b", 500)
+        wait_for(lambda: sum(hot().values()) >= 2500, timeout=60)
+        assert hot() == {A: 2000, B: 500}
+        t = tracer()
+        assert int(t["bpf"]["counts_full"]) == 500, t["bpf"]
+        assert int(t["bpf"]["agg_new"]) == 1, t["bpf"]
+        assert 500 <= int(t["records"]) - records0 <= 504, t
+        daemon.stop().assert_clean()
+    finally:
+        daemon.kill()
+        if prog is not None:
+            if prog.stdin is not None:
+                prog.stdin.close()
+            prog.wait(timeout=30)
+
+
+@pytest.mark.parametrize("mode", ["unwind", "instrumented"])
+def test_aggregate_mode_counts_and_switch(bpf: None, workdir: str, tmp_path: Path, mode: str) -> None:
+    binary = compile_c(tmp_path, "aggprog", PROGRAM, "-O0", "-fno-omit-frame-pointer")
+    target = target_toml("prog", f'path = "{binary}"', ["getppid"], mode)
     daemon = RunningDaemon(workdir, config_text(workdir, target, daemon_extra="top_k = 5"))
     prog: subprocess.Popen[str] | None = None
     stub = daemon.stub
@@ -146,7 +200,9 @@ def test_aggregate_mode_counts_and_switch(bpf: None, workdir: str, tmp_path: Pat
                   if labels.get("target") == "prog"]
         assert sorted(value for value in series if value) == sorted(made.values())
         bpf_stats = tracer()["bpf"]
-        assert int(bpf_stats["ringbuf_full"]) == 0 and int(bpf_stats["collisions"]) == 0
+        assert int(bpf_stats["ringbuf_full"]) == 0
+        # unwind keys on a hash and compares the stored context; instrumented keys on the state itself
+        assert int(bpf_stats["collisions" if mode == "unwind" else "counts_full"]) == 0
         daemon.stop().assert_clean()
     finally:
         daemon.kill()

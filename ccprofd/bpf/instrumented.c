@@ -90,6 +90,11 @@
 #define CFG_LAUNCH_TGID 0
 #define CFG_LAUNCHED 1
 #define CFG_SCOPED 2
+#define CFG_AGGREGATE 3  // count syscall samples per context in cc_agg_counts (the daemon)
+#define CFG_EMIT_HITS 4  // aggregating: also send a header record per sample of a known context
+#define CFG_TEXT_LO 5    // the binary's analysed functions span [lo, hi) (ELF vaddrs)
+#define CFG_TEXT_HI 6
+#define NR_CFG 8
 
 // statistics
 #define S_SITE 0
@@ -105,6 +110,9 @@
 #define S_RET_DEAD 10
 #define S_RINGBUF_FULL 11
 #define S_OVERFLOW 12
+#define S_AGG_NEW 13       // contexts counted in the kernel (each sent once, whole)
+#define S_COUNTS_FULL 14   // a new context found cc_agg_counts full: its samples are sent one by one
+#define S_AGG_TOO_BIG 15   // a state larger than an aggregation key: sent on its own
 #define NR_CC_STATS 16
 
 #ifndef ACYC_OP_ADD
@@ -188,7 +196,8 @@ struct cc_sample {
     u64 rec[REC_EMIT_WORDS];
 };
 
-// One context sample, sent through cc_events with only the used recID words (variable size).
+// One context sample, sent through cc_events with only the used recID words (variable size); an
+// AGG_HIT record is the header alone (up to the end of arg).
 struct cc_record {
     u64 ktime_ns;  // bpf_ktime_get_ns (CLOCK_MONOTONIC)
     u32 tgid;
@@ -197,12 +206,50 @@ struct cc_record {
     u32 event;     // 1 syscall, 2 cpu
     u64 ip;
     u64 sp;
+    u32 agg;       // AGG_*: how the sample is counted
+    u32 ctx_id;    // AGG_NEW / AGG_HIT: the context's id in cc_agg_counts
     char arg[CC_ARG_LEN];  // path argument of open/openat/execve..., NUL-terminated (empty: none/unreadable)
     struct cc_sample cc;
 };
 
 #define EV_CC_SYSCALL 1
 #define EV_CC_CPU 2
+
+// Aggregate mode (CFG_AGGREGATE, the daemon): syscall samples are counted per context in the
+// kernel; only a context's first sample is sent (AGG_NEW), later ones only counted (and sent as a
+// header when CFG_EMIT_HITS).  The key is everything decoding reads, compared whole by the hash
+// map (no hash of it stands in for it, so two contexts are never merged): the syscall, the sample
+// flags, the top piece, the id words, the emitted segments and the recID bits (masked to rec_len),
+// and the sampled instruction as an ELF vaddr of the binary (ip - bias) -- or "outside the binary"
+// (decoding looks up only which analysed function holds it), so processes of one binary share
+// keys.  A state larger than a key (more than AGG_SEGS segments or AGG_REC_WORDS recID words, or
+// truncated) and a new context when the table is full are sent on their own (AGG_UNAGGREGATED).
+#define AGG_NONE 0          // a sample of its own, not counted in the kernel
+#define AGG_NEW 1           // first sample of a context: counted under ctx_id, sent whole
+#define AGG_HIT 2           // a sample of a known context (CFG_EMIT_HITS): header only
+#define AGG_UNAGGREGATED 3  // could not be counted in the kernel: sent whole, counted by userspace
+#define AGG_OUTSIDE 0xffffffffffffffffULL
+
+struct cc_agg_key {
+    s32 nr;
+    u32 flags;
+    u32 depth;
+    u32 top_kind;
+    u32 top_probe;
+    u32 top_aux;
+    u32 rec_len;
+    u32 nsegs;
+    u64 ipv;
+    u64 acyc[ACYC_WORDS];
+    struct cc_seg_out segs[AGG_SEGS];
+    u64 rec[AGG_REC_WORDS];
+};
+
+struct cc_agg_val {
+    u64 count;
+    u32 id;
+    u32 pad;
+};
 
 // The sampler's event is small and zeroed with memset: the context goes to our own ring buffer.
 #define CCPROF_SYSCALL_HOOK(ctx, regs, e) \
@@ -227,10 +274,17 @@ _Static_assert(sizeof(struct cc_record) <= CC_RECORD_BYTES, "CC_RECORD_BYTES too
 BPF_ARRAY(cc_states, struct cc_state_blob, NSLOTS);
 BPF_HASH(cc_slot_of, u32, u32, NSLOTS);
 BPF_QUEUE(cc_free, u32, NSLOTS);
-BPF_ARRAY(cc_config, u64, 4);
+BPF_ARRAY(cc_config, u64, NR_CFG);
 BPF_PERCPU_ARRAY(cc_stats, u64, NR_CC_STATS);
 BPF_PERCPU_ARRAY(cc_scratch, struct cc_record_blob, 2);  // [event - 1]: a CPU sample may interrupt a syscall one
 BPF_RINGBUF_OUTPUT(cc_events, CC_RINGBUF_PAGES);
+struct cc_agg_key_blob {
+    char b[CC_AGG_KEY_BYTES];
+};
+_Static_assert(sizeof(struct cc_agg_key) == CC_AGG_KEY_BYTES, "CC_AGG_KEY_BYTES differs from the key");
+BPF_HASH(cc_agg_counts, struct cc_agg_key_blob, struct cc_agg_val, AGG_CONTEXTS);
+BPF_PERCPU_ARRAY(cc_agg_scratch, struct cc_agg_key_blob, 1);  // syscall samples only: one per CPU
+BPF_ARRAY(cc_agg_next, u64, 1);  // the next context id
 
 // Index masking the compiler cannot drop (it would otherwise reason the mask away from earlier
 // bounds checks, and the verifier, which tracks less, would reject the access).
@@ -868,6 +922,105 @@ static __always_inline u64 cc_path_arg(struct pt_regs *regs, long nr) {
     return v;
 }
 
+static __always_inline int cc_send(struct cc_record *r, u64 size) {
+    if (cc_events.ringbuf_output(r, size, 0) != 0) {
+        cc_stat(S_RINGBUF_FULL);
+        return -1;
+    }
+    return 0;
+}
+
+#define AGG_SEG_MASK (AGG_SEGS * 2 - 1)
+#define AGG_REC_MASK (AGG_REC_WORDS - 1)
+
+// A known context's sample: counted; sent as a header when every sample is wanted.
+static __always_inline void cc_agg_hit(struct cc_record *r, struct cc_agg_val *v) {
+    __sync_fetch_and_add(&v->count, 1);
+    if (cc_cfg(CFG_EMIT_HITS)) {
+        r->agg = AGG_HIT;
+        r->ctx_id = v->id;
+        cc_send(r, __builtin_offsetof(struct cc_record, cc));
+    }
+}
+
+// Aggregate mode: count the sample under its context (see AGG_*); `size` is its whole record's.
+static __always_inline void cc_aggregate(struct cc_record *r, u32 words, u64 size) {
+    struct cc_sample *c = &r->cc;
+    u32 nsegs = c->nsegs;
+    if ((c->flags & (SF_SEGS_TRUNC | SF_REC_TRUNC)) || nsegs > AGG_SEGS || words > AGG_REC_WORDS) {
+        cc_stat(S_AGG_TOO_BIG);
+        r->agg = AGG_UNAGGREGATED;
+        cc_send(r, size);
+        return;
+    }
+    u32 zero = 0;
+    struct cc_agg_key *k = (struct cc_agg_key *)cc_agg_scratch.lookup(&zero);
+    if (!k) {
+        cc_send(r, size);  // cannot happen (a per-CPU array): sent as a sample of its own
+        return;
+    }
+    __builtin_memset(k, 0, sizeof(*k));  // every byte is key: unused segments and words are zero
+    k->nr = r->nr;
+    k->flags = c->flags;
+    k->depth = c->depth;
+    k->top_kind = c->top_kind;
+    k->top_probe = c->top_probe;
+    k->top_aux = c->top_aux;
+    k->rec_len = c->rec_len;
+    k->nsegs = nsegs;
+    k->ipv = AGG_OUTSIDE;
+    if (c->flags & SF_BIAS) {
+        u64 v = r->ip - c->bias;
+        if (v >= cc_cfg(CFG_TEXT_LO) && v < cc_cfg(CFG_TEXT_HI))
+            k->ipv = v;
+    }
+#pragma unroll
+    for (int w = 0; w < ACYC_WORDS; w++)
+        k->acyc[w] = c->acyc[w];
+    u32 ns = nsegs & AGG_SEG_MASK;
+    if (ns > AGG_SEGS)
+        ns = AGG_SEGS;
+    if (ns > 0)
+        bpf_probe_read_kernel(k->segs, ns * sizeof(struct cc_seg_out), c->segs);
+    u32 nw = words & (AGG_REC_WORDS * 2 - 1);
+    if (nw > AGG_REC_WORDS)
+        nw = AGG_REC_WORDS;
+    if (nw > 0) {
+        bpf_probe_read_kernel(k->rec, nw * 8, c->rec);
+        u32 tail = c->rec_len & 63;
+        if (tail)
+            k->rec[cc_ix(nw - 1, AGG_REC_MASK)] &= (1ULL << tail) - 1;  // bits past rec_len are stale
+    }
+    struct cc_agg_val *v = cc_agg_counts.lookup((struct cc_agg_key_blob *)k);
+    if (v) {
+        cc_agg_hit(r, v);
+        return;
+    }
+    u64 *next = cc_agg_next.lookup(&zero);
+    if (!next)
+        return;
+    u64 id = __sync_fetch_and_add(next, 1);
+    struct cc_agg_val nv = {};
+    nv.count = 1;
+    nv.id = (u32)id;
+    if (id >= AGG_CONTEXTS || cc_agg_counts.insert((struct cc_agg_key_blob *)k, &nv) != 0) {
+        v = cc_agg_counts.lookup((struct cc_agg_key_blob *)k);
+        if (v) {  // another CPU stored the same context meanwhile
+            cc_agg_hit(r, v);
+            return;
+        }
+        cc_stat(S_COUNTS_FULL);
+        r->agg = AGG_UNAGGREGATED;
+        cc_send(r, size);
+        return;
+    }
+    cc_stat(S_AGG_NEW);
+    r->agg = AGG_NEW;
+    r->ctx_id = (u32)id;
+    if (cc_send(r, size) != 0)
+        cc_agg_counts.delete((struct cc_agg_key_blob *)k);  // userspace never saw it: the next sample is new again
+}
+
 static __always_inline void cc_emit(u64 ktime, s32 nr, u32 event, u64 ip, u64 sp, u64 argp) {
     u64 pid_tgid = bpf_get_current_pid_tgid();
     u32 kl = CFG_LAUNCH_TGID;
@@ -885,6 +1038,8 @@ static __always_inline void cc_emit(u64 ktime, s32 nr, u32 event, u64 ip, u64 sp
     r->event = event;
     r->ip = ip;
     r->sp = sp;
+    r->agg = AGG_NONE;
+    r->ctx_id = 0;
     r->arg[0] = 0;
     if (argp && bpf_probe_read_user_str(r->arg, sizeof(r->arg), (void *)argp) < 0)
         r->arg[0] = 0;  // not resident at syscall entry: reported without the argument
@@ -894,8 +1049,11 @@ static __always_inline void cc_emit(u64 ktime, s32 nr, u32 event, u64 ip, u64 sp
     u64 size = sizeof(struct cc_record) - (REC_EMIT_WORDS - words) * 8;
     if (size > sizeof(struct cc_record))
         return;
-    if (cc_events.ringbuf_output(r, size, 0) != 0)
-        cc_stat(S_RINGBUF_FULL);
+    if (event == EV_CC_SYSCALL && cc_cfg(CFG_AGGREGATE)) {  // `event` is a constant per program
+        cc_aggregate(r, words, size);
+        return;
+    }
+    cc_send(r, size);
 }
 
 // CPU-clock sample (--sample-hz) of a traced thread.  The task's pt_regs hold its user registers

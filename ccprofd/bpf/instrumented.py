@@ -58,10 +58,14 @@ F_ACYC, F_CYCLIC, F_EXIT, F_OVERFLOW = 1, 2, 4, 64
 
 ST_INCOMPLETE_BASE = 1
 RS_INDIRECT, RS_IN_SCOPE, RS_VIA_PLT = 0x80000000, 0x40000000, 0x20000000
-CFG_LAUNCH_TGID, CFG_LAUNCHED = 0, 1
+CFG_LAUNCH_TGID, CFG_LAUNCHED, CFG_AGGREGATE, CFG_EMIT_HITS, CFG_TEXT_LO, CFG_TEXT_HI = 0, 1, 3, 4, 5, 6
+
+# how a record's sample is counted (instrumented.c AGG_*)
+AGG_NONE, AGG_NEW, AGG_HIT, AGG_UNAGGREGATED = 0, 1, 2, 3
 
 STATS = ("site_hits", "tail_hits", "entry_hits", "samples", "pushes", "cuts", "frozen", "no_slot",
-         "read_failures", "fork_copies", "ret_dead", "ringbuf_full", "overflows")
+         "read_failures", "fork_copies", "ret_dead", "ringbuf_full", "overflows", "agg_new", "counts_full",
+         "agg_too_big")
 SCHEMES = ("valence", "pcce", "hcce")
 PROGRAMS = {"site": "cc_site_probe", "tail": "cc_tail_probe", "entry": "cc_entry_probe"}
 
@@ -87,16 +91,21 @@ class Limits:
     ringbuf_pages: int = 512
     #: --scope: stack pages copied at each scope entry for the unwind of the prefix above it
     scope_pages: int = 8
+    #: aggregate mode: contexts counted in the kernel (then new ones are sent one sample at a
+    #: time), and the largest state a key holds (segments, recID words; both powers of two)
+    agg_contexts: int = 16384
+    agg_segments: int = 8
+    agg_rec_words: int = 16
 
     def check(self) -> None:
-        for name in ("max_pieces", "max_segments", "ringbuf_pages"):
+        for name in ("max_pieces", "max_segments", "ringbuf_pages", "agg_segments", "agg_rec_words"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise BPFError(f"{name} must be a power of two, not {v}")
         if not 1 <= self.emit_segments <= self.max_segments:
             raise BPFError("emit_segments must be between 1 and max_segments")
-        if self.slots < 1 or self.rec_emit_words < 1:
-            raise BPFError("slots and rec_emit_words must be positive")
+        if self.slots < 1 or self.rec_emit_words < 1 or self.agg_contexts < 1:
+            raise BPFError("slots, rec_emit_words and agg_contexts must be positive")
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,6 +143,22 @@ class RawContext:
     #: PCCE's back-edge stack, (saved id words, back-edge code) innermost last; then ``rec`` is 0 and
     #: segment heights count pairs (as :class:`~ccprofd.encode.segments.Segment` expects).
     pairs: tuple[tuple[tuple[int, ...], int], ...] = field(default=())
+    agg: int = AGG_NONE  # aggregate mode: AGG_NEW (counted in the kernel under ctx_id) or AGG_UNAGGREGATED
+    ctx_id: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RawHit:
+    """Aggregate mode with every sample wanted: a sample of the context the kernel counts under
+    ``ctx_id`` (sent before as an ``AGG_NEW`` :class:`RawContext`), without the context itself."""
+
+    event: str
+    time_ns: int
+    pid: int
+    tid: int
+    syscall: int | None
+    ctx_id: int
+    arg: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -230,15 +255,20 @@ class SampleLayout:
         self.scheme = scheme
         self.emit_segs = emit_segs
         self.rec_words = rec_emit_words
-        self._rec = struct.Struct(f"<QIIiIQQ{ARG_LEN}s")
+        self._rec = struct.Struct(f"<QIIiIQQII{ARG_LEN}s")
         self._head = struct.Struct("<8IQ")
         self._acyc = struct.Struct(f"<{acyc_words}Q")
         self._seg = struct.Struct(f"<{acyc_words}Q4I")
         self.fixed = self._rec.size + self._head.size + self._acyc.size + emit_segs * self._seg.size
         self.size = self.fixed + rec_emit_words * 8
 
-    def parse(self, raw: bytes) -> RawContext:
-        ktime, tgid, tid, nr, event, ip, sp, arg = self._rec.unpack_from(raw)
+    def parse(self, raw: bytes) -> RawContext | RawHit:
+        ktime, tgid, tid, nr, event, ip, sp, agg, ctx_id, arg = self._rec.unpack_from(raw)
+        arg_s = arg.split(b"\0", 1)[0].decode("utf-8", "surrogateescape") or None
+        ev = "syscall" if event == 1 else "cpu"
+        if agg == AGG_HIT:
+            return RawHit(ev, monotonic_to_realtime_ns(ktime), tgid, tid, nr if nr >= 0 else None, ctx_id,
+                          arg_s)
         off = self._rec.size
         flags, depth, top_kind, top_probe, top_aux, rec_len, nsegs, rec_base, bias = \
             self._head.unpack_from(raw, off)
@@ -261,10 +291,9 @@ class SampleLayout:
                 pairs = self.scheme.split_pairs(rec, rec_len)
                 segs = [RawSegment(g.saved, g.rec_height // rb, g.aux, g.probe, g.seq) for g in segs]
                 rec, rec_len = 0, 0
-        return RawContext("syscall" if event == 1 else "cpu", monotonic_to_realtime_ns(ktime), tgid, tid,
+        return RawContext(ev, monotonic_to_realtime_ns(ktime), tgid, tid,
                           nr if nr >= 0 else None, ip, sp, flags, depth, top_kind, top_probe, top_aux, bias,
-                          tuple(acyc), rec, rec_len, rec_base, tuple(segs),
-                          arg.split(b"\0", 1)[0].decode("utf-8", "surrogateescape") or None, pairs)
+                          tuple(acyc), rec, rec_len, rec_base, tuple(segs), arg_s, pairs, agg, ctx_id)
 
 
 def _words(value: int, n: int) -> list[int]:
@@ -389,6 +418,12 @@ class InstrumentedBPF:
                 raise BPFError(f"CCPROFD_SCOPE_STACK_PAGES must be a number of pages from 0 to 64, "
                                f"not {pages!r}")
             limits = replace(limits, scope_pages=int(pages))
+        contexts = os.environ.get("CCPROFD_AGG_CONTEXTS")  # aggregate mode's table size (README)
+        if contexts is not None:
+            if not contexts.isdigit() or not 1 <= int(contexts) <= 1 << 20:
+                raise BPFError(f"CCPROFD_AGG_CONTEXTS must be a number of contexts from 1 to 1048576, "
+                               f"not {contexts!r}")
+            limits = replace(limits, agg_contexts=int(contexts))
         limits.check()
         self.probe_plan = probe_plan
         self.limits = limits
@@ -399,6 +434,9 @@ class InstrumentedBPF:
         rec_words = _pow2_at_least(max(1, (limits.max_pieces * rec_bits + 127) // 64))
         rec_emit = min(limits.rec_emit_words, rec_words)
         self.layout = SampleLayout(w, limits.emit_segments, rec_emit, self.scheme)
+        agg_segs = min(limits.agg_segments, 1 << (limits.emit_segments.bit_length() - 1))
+        agg_rec = min(limits.agg_rec_words, rec_emit)
+        agg_key_bytes = 40 + 8 * w + agg_segs * (8 * w + 16) + 8 * agg_rec  # struct cc_agg_key
         log2 = limits.max_pieces.bit_length() - 1
         piece = 40 + 8 * w  # struct cc_piece
         header = 48 + 8 * w + 4 * limits.max_segments
@@ -415,13 +453,15 @@ class InstrumentedBPF:
                    "CC_FORK_CHILD_PID_OFF": fork_off, "CC_EXEC_OLD_PID_OFF": exec_off,
                    "SCOPE_PAGES": limits.scope_pages if probe_plan.scope is not None else 0,
                    "SCOPE_RINGBUF_PAGES": _pow2_at_least(8 * (limits.scope_pages + 1)),
+                   "AGG_CONTEXTS": limits.agg_contexts, "AGG_SEGS": agg_segs, "AGG_REC_WORDS": agg_rec,
+                   "CC_AGG_KEY_BYTES": agg_key_bytes,
                    **self.scheme.defines()}
         prelude = "".join(f"#define {k} {v}\n" for k, v in defines.items())
         prelude += resources.files("ccprofd.bpf").joinpath(C_SOURCE).read_text(encoding="utf-8")
         self.sampler = SyscallSampler(syscalls=syscalls, max_tracked=max(4096, 2 * limits.slots),
                                       ringbuf_pages=64, prelude=prelude, cache_dir=cache_dir)
         self.module: BccModule = self.sampler.module
-        self._contexts: list[RawContext] = []
+        self._contexts: list[RawContext | RawHit] = []
         self.module.open_ring_buffer("cc_events", lambda raw: self._contexts.append(self.layout.parse(raw)))
         self._scope_entries: list[ScopeEntry] = []
         if probe_plan.scope is not None and limits.scope_pages > 0:
@@ -466,6 +506,10 @@ class InstrumentedBPF:
             self.module.map("cc_tail_reach").update_many(
                 [((dense[g] << 32) | dense[f], 1) for g, f in self.probe_plan.tail_entries])
         self._queue_fill("cc_free", range(self.limits.slots))
+        if self.probe_plan.functions:  # aggregation keys: a sampled ip outside [lo, hi) is "outside"
+            cfg = self.module.map("cc_config")
+            cfg.set(CFG_TEXT_LO, min(int(f[0]) for f in self.probe_plan.functions))
+            cfg.set(CFG_TEXT_HI, max(int(f[1]) for f in self.probe_plan.functions))
 
     def _queue_fill(self, name: str, values: Iterable[int]) -> None:
         """Push values onto a BPF queue map (the adapter has no queue wrapper): BPF_MAP_UPDATE_ELEM
@@ -576,10 +620,25 @@ class InstrumentedBPF:
         states.set(int(slot.value), st)
         self.module.map("cc_slot_of").set(tid, int(slot.value))
 
+    # ---------------------------------------------------------------------------- aggregation
+    def set_aggregate(self, on: bool) -> None:
+        """Count syscall samples per context in the kernel (``cc_agg_counts``, read with
+        :meth:`agg_counts`); only each context's first sample is sent whole (``AGG_NEW``)."""
+        self.module.map("cc_config").set(CFG_AGGREGATE, 1 if on else 0)
+
+    def set_emit_hits(self, on: bool) -> None:
+        """Aggregating: also send a :class:`RawHit` per sample of a known context (its time,
+        thread and path argument); the kernel counts the sample either way."""
+        self.module.map("cc_config").set(CFG_EMIT_HITS, 1 if on else 0)
+
+    def agg_counts(self) -> dict[int, int]:
+        """Samples counted so far per context id (ids of the ``AGG_NEW`` records)."""
+        return {int(v.id): int(v.count) for _, v in self.module.map("cc_agg_counts").items_batch()}
+
     # --------------------------------------------------------------------------------- events
-    def poll(self, timeout_ms: int = 0) -> list[RawContext | ProcessEvent | ScopeEntry]:
+    def poll(self, timeout_ms: int = 0) -> list[RawContext | RawHit | ProcessEvent | ScopeEntry]:
         """Samples and process events that arrived since the last call, in time order."""
-        out: list[RawContext | ProcessEvent | ScopeEntry] = []
+        out: list[RawContext | RawHit | ProcessEvent | ScopeEntry] = []
         events = self.sampler.poll(timeout_ms)
         if self._scope_entries is not None and self.probe_plan.scope is not None:
             # A poll consumes only the rings that signalled: drain them all once more, so every scope
@@ -627,7 +686,8 @@ class InstrumentedBPF:
         return ctypes.string_at(ctypes.addressof(st), ctypes.sizeof(st))
 
 
-__all__ = ["EXIT_KINDS", "INCOMPLETE_FLAGS", "K_CALL", "K_EXIT", "K_ROOT", "K_SEG", "K_TAIL", "K_TAILEXIT",
-           "SF_OVERFLOW", "InstrumentedBPF", "Limits", "ProcessEvent", "RawContext", "RawSegment",
+__all__ = ["AGG_HIT", "AGG_NEW", "AGG_NONE", "AGG_UNAGGREGATED", "EXIT_KINDS", "INCOMPLETE_FLAGS", "K_CALL",
+           "K_EXIT", "K_ROOT", "K_SEG", "K_TAIL", "K_TAILEXIT",
+           "SF_OVERFLOW", "InstrumentedBPF", "Limits", "ProcessEvent", "RawContext", "RawHit", "RawSegment",
            "SampleLayout", "SchemeParams", "ScopeEntry", "ret_table", "site_table"]
 

@@ -116,6 +116,13 @@ class InstrumentedMode:
         self._exec_targets: dict[int, tuple[int, int]] = {}
         self._new_processes: list[int] = []
         self._scope: Any = None  # --scope: prefixes above scope entries (ccprofd/decode/scopeprefix.py)
+        # aggregate mode (the daemon, ccprofd/daemon/kernelcounts.py): on from the first set_per_sample
+        from ccprofd.daemon.kernelcounts import KernelCounts
+
+        self._kernel: KernelCounts[int] = KernelCounts()
+        self._aggregating = False
+        self._per_sample = True
+        self.records = 0  # sample records received (new contexts only, in aggregate mode)
 
     def prepare(self) -> None:
         from pathlib import Path
@@ -273,43 +280,104 @@ class InstrumentedMode:
             self._bpf.sampler.untrack(tgid)
 
     def poll(self, timeout_ms: int) -> list[TraceSample]:
-        from ccprofd.bpf.instrumented import ProcessEvent, RawContext, ScopeEntry
+        return [t for t, _ in self._poll_decoded(timeout_ms, in_kernel=False)]
+
+    def _decode(self, ev: Any) -> Any:
+        d = self._sym.decode(ev)
+        if self._scope is not None:
+            d = self._scope.join(ev, d)
+        if self._verifier is not None:
+            from ccprofd.bpf.instrumented import SF_BIAS
+
+            self._verifier.add_sample(time_ns=ev.time_ns, tid=ev.tid, tgid=ev.pid,
+                                      syscall=ev.syscall if ev.event == "syscall" else None, ip=ev.ip,
+                                      sp=ev.sp, bias=ev.bias if ev.flags & SF_BIAS else None,
+                                      complete=d.complete, frames=d.frames)
+        return d
+
+    def _count(self, complete: bool, reason: str | None, n: int) -> None:
+        self.samples_seen += n
+        if not complete:
+            self.incomplete += n
+            key = (reason or "?").split(":")[0]
+            self.reasons[key] = self.reasons.get(key, 0) + n
+
+    def _poll_decoded(self, timeout_ms: int, *, in_kernel: bool) -> list[tuple[TraceSample, bool]]:
+        """Every sample record as a TraceSample, each with whether it is one sample counted here
+        (False with ``in_kernel`` for new and repeated contexts: the kernel's count has them)."""
+        from ccprofd.bpf.instrumented import AGG_NEW, ProcessEvent, RawContext, RawHit, ScopeEntry
         from ccprofd.bpf.syscall_names import syscall_name
         from ccprofd.bpf.syscall_sampler import EXEC_TARGET_FLAG
+        from ccprofd.decode.frames import Decoded
 
-        out: list[TraceSample] = []
-        for ev in self._bpf.poll(timeout_ms):
+        events = self._bpf.poll(timeout_ms)
+        fresh: dict[int, Any] = {}
+        for ev in events:  # new contexts first: a hit (another CPU) may overtake its context's record
+            if isinstance(ev, RawContext) and ev.agg == AGG_NEW:
+                d = fresh[id(ev)] = self._decode(ev)
+                name = syscall_name(ev.syscall)
+                self._kernel.learn(ev.ctx_id, TraceSample(0, ev.pid, ev.tid, ev.event, name, d.complete,
+                                                          [f.to_json() for f in d.frames]), d)
+        out: list[tuple[TraceSample, bool]] = []
+        for ev in events:
             if isinstance(ev, ProcessEvent) and ev.kind == "exec" and ev.aux & EXEC_TARGET_FLAG:
                 self._exec_found(ev.pid)
             if isinstance(ev, ScopeEntry) and self._scope is not None:
                 self._scope.add(ev)
-            if not isinstance(ev, RawContext):
+            if isinstance(ev, RawHit):
+                d = self._kernel.hit(ev.ctx_id)
+                if d is None:
+                    d = Decoded([], False, "context record lost")
+                counted = not in_kernel
+            elif isinstance(ev, RawContext):
+                d = fresh[id(ev)] if id(ev) in fresh else self._decode(ev)
+                counted = not (in_kernel and ev.agg == AGG_NEW)
+            else:
                 continue
-            d = self._sym.decode(ev)
-            if self._scope is not None:
-                d = self._scope.join(ev, d)
-            self.samples_seen += 1
-            if not d.complete:
-                self.incomplete += 1
-                key = (d.reason or "?").split(":")[0]
-                self.reasons[key] = self.reasons.get(key, 0) + 1
-            if self._verifier is not None:
-                from ccprofd.bpf.instrumented import SF_BIAS
-
-                self._verifier.add_sample(time_ns=ev.time_ns, tid=ev.tid, tgid=ev.pid,
-                                          syscall=ev.syscall if ev.event == "syscall" else None, ip=ev.ip,
-                                          sp=ev.sp, bias=ev.bias if ev.flags & SF_BIAS else None,
-                                          complete=d.complete, frames=d.frames)
-            out.append(TraceSample(ev.time_ns, ev.pid, ev.tid, ev.event, syscall_name(ev.syscall), d.complete,
-                                   [f.to_json() for f in d.frames],
-                                   _path_args(syscall_name(ev.syscall), ev.arg)))
+            self.records += 1
+            if counted:
+                self._count(d.complete, d.reason, 1)
+            name = syscall_name(ev.syscall)
+            out.append((TraceSample(ev.time_ns, ev.pid, ev.tid, ev.event, name, d.complete,
+                                    [f.to_json() for f in d.frames], _path_args(name, ev.arg)), counted))
         if self._fp is not None and self._verifier is not None:
             self._verifier.add_walks(self._fp.poll())  # after the samples: their walks are in by now
         return out
 
+    def set_per_sample(self, on: bool) -> None:
+        """The daemon's switch: a record per sample (a consumer needs each one) or only new
+        contexts (aggregate mode, turned on by the first call: repeated samples are then known only
+        by the kernel's counts).  --scope (samples are joined with their scope entry's prefix) and
+        --verify (each sample is checked against its own stack walk) keep a record per sample."""
+        if self._bpf is None or any(x is not None for x in (self._scope, self._verifier, self._counter)):
+            return
+        if not self._aggregating:
+            self._bpf.set_emit_hits(on)  # before aggregation starts: no sample falls between
+            self._bpf.set_aggregate(True)
+            self._aggregating = True
+        elif on != self._per_sample:
+            self._bpf.set_emit_hits(on)
+        self._per_sample = on
+
+    def poll_counted(self, timeout_ms: int) -> tuple[list[tuple[TraceSample, bool]],
+                                                     list[tuple[TraceSample, int]]]:
+        """The daemon's poll: ``(records, counts)`` as unwind mode's (see kernelcounts.py): every
+        record with whether it is itself one sample to count (without aggregation, CPU samples,
+        states larger than a key, contexts the full table could not take), and the samples the
+        kernel counted per context since the previous call."""
+        records = self._poll_decoded(timeout_ms, in_kernel=True)
+        counts: list[tuple[TraceSample, int]] = []
+        if self._aggregating:
+            for ctx, d, n in self._kernel.deltas(self._bpf.agg_counts()):
+                counts.append((ctx, n))
+                self._count(d.complete, d.reason, n)
+        return records, counts
+
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"mode": self.name, "samples": self.samples_seen, "incomplete": self.incomplete,
-                               "incomplete_reasons": dict(self.reasons)}
+                               "incomplete_reasons": dict(self.reasons), "records": self.records,
+                               "per_sample_records": self._per_sample or not self._aggregating,
+                               "lost_contexts": self._kernel.lost}
         if self._bpf is not None:
             out["bpf"] = self._bpf.stats()
             out["probes"] = self.probe_plan.stats

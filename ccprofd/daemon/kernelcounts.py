@@ -1,0 +1,57 @@
+"""Aggregate mode's userspace half, shared by the tracer modes (unwind and instrumented).
+
+In aggregate mode BPF counts samples per context in a kernel map and sends each context's first
+sample whole (a "new" record, decoded once here); later samples of it are only counted, or sent as
+a header naming the context when a consumer needs every sample ("hits").  This joins the two: it
+keeps each context's decoded sample by its kernel key and turns the map's running counts into
+``(context, n)`` deltas, each sample counted exactly once whether or not its record was sent.
+
+The map is read after the ring buffer is drained (the modes' ``poll_counted``): a key whose new
+record is not in yet (still being sent on another CPU) is skipped and its count left for the next
+read, so nothing is lost; a key whose record was never sent (ring buffer full) is deleted by BPF.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from typing import Any, Generic, TypeVar
+
+Key = TypeVar("Key", bound=Hashable)
+
+
+class KernelCounts(Generic[Key]):
+    """Context samples by kernel key, and the part of each key's count already taken."""
+
+    def __init__(self) -> None:
+        self._contexts: dict[Key, tuple[Any, Any]] = {}
+        self._taken: dict[Key, int] = {}
+        self.lost = 0  # hit records whose context record never came
+
+    def learn(self, key: Key, context: Any, decoded: Any) -> None:
+        """A new context's sample (``context``: what the daemon's store is given for it; ``decoded``:
+        the mode's decode result, for hits and statistics).  The first one sent stands."""
+        self._contexts.setdefault(key, (context, decoded))
+
+    def known(self, key: Key) -> tuple[Any, Any] | None:
+        return self._contexts.get(key)
+
+    def hit(self, key: Key) -> Any | None:
+        """The decoded context of a hit record, None (counted as lost) when it is unknown."""
+        got = self._contexts.get(key)
+        if got is None:
+            self.lost += 1
+            return None
+        return got[1]
+
+    def deltas(self, counts: Mapping[Key, int]) -> list[tuple[Any, Any, int]]:
+        """``(context, decoded, n)``: samples counted under each known key since the last call."""
+        out: list[tuple[Any, Any, int]] = []
+        for key, value in counts.items():
+            got = self._contexts.get(key)
+            if got is None:
+                continue
+            delta = value - self._taken.get(key, 0)
+            if delta > 0:
+                self._taken[key] = value
+                out.append((got[0], got[1], delta))
+        return out
