@@ -977,12 +977,12 @@ static __always_inline void cc_aggregate(struct cc_record *r, u32 words, u64 siz
 #pragma unroll
     for (int w = 0; w < ACYC_WORDS; w++)
         k->acyc[w] = c->acyc[w];
-    u32 ns = nsegs & AGG_SEG_MASK;
+    u32 ns = cc_ix(nsegs, AGG_SEG_MASK);  // bounds the verifier sees (the compiler drops re-checks)
     if (ns > AGG_SEGS)
         ns = AGG_SEGS;
     if (ns > 0)
         bpf_probe_read_kernel(k->segs, ns * sizeof(struct cc_seg_out), c->segs);
-    u32 nw = words & (AGG_REC_WORDS * 2 - 1);
+    u32 nw = cc_ix(words, AGG_REC_WORDS * 2 - 1);
     if (nw > AGG_REC_WORDS)
         nw = AGG_REC_WORDS;
     if (nw > 0) {

@@ -320,17 +320,16 @@ class UnwindMode:
         self.symbolizer: UnwindSymbolizer | None = None
         self.plan: dict[str, Any] | None = None
         self.encoding: UnwindEncoding | None = None
-        self._decoded: dict[tuple[int, int], Decoded] = {}
         # aggregate mode (the daemon): each new context's sample (no time, args) and the kernel
-        # count already taken for it
-        self._key_context: dict[tuple[int, int], Any] = {}
-        self._taken: dict[tuple[int, int], int] = {}
+        # count already taken for it (ccprofd/daemon/kernelcounts.py)
+        from ccprofd.daemon.kernelcounts import KernelCounts
+
+        self._kernel: KernelCounts[tuple[int, int]] = KernelCounts()
         self._per_sample = True
         self.records = 0  # ring-buffer records received (samples of new contexts only in aggregate mode)
         self._clock_offset = time.time_ns() - time.clock_gettime_ns(time.CLOCK_MONOTONIC)
         self.samples_seen = 0
         self.incomplete = 0
-        self.lost = 0
         self.verify_checked = 0
         self.verify_mismatches = 0
         self.reasons: dict[str, int] = {}
@@ -404,26 +403,20 @@ class UnwindMode:
 
         raw = self.sampler.poll(timeout_ms)
         self.records += len(raw)
+        fresh: dict[int, Decoded] = {}
         for s in raw:  # new contexts first: a hit may overtake its context's record
-            if not s.flags & FLAG_HIT and s.encoded is not None:
-                d = self._decode(s)
-                if s.flags & FLAG_NEW:
-                    self._decoded[s.key] = d
-                    name = syscall_name(s.syscall) if s.syscall is not None else None
-                    self._key_context.setdefault(s.key, TraceSample(
-                        0, s.tgid, s.tid, s.event, name, d.complete, [f.to_json() for f in d.frames]))
+            if s.flags & FLAG_NEW and not s.flags & FLAG_HIT:
+                d = fresh[id(s)] = self._decode(s)
+                name = syscall_name(s.syscall) if s.syscall is not None else None
+                self._kernel.learn(s.key, TraceSample(0, s.tgid, s.tid, s.event, name, d.complete,
+                                                      [f.to_json() for f in d.frames]), d)
         out: list[tuple[Any, bool]] = []
         for s in raw:
             if s.flags & FLAG_HIT:
-                known = self._decoded.get(s.key)
-                if known is None:
-                    self.lost += 1
-                    known = Decoded([], False, "context record lost")
-                d = known
-            elif s.flags & FLAG_NEW:
-                d = self._decoded.get(s.key) or self._decode(s)
+                known = self._kernel.hit(s.key)
+                d = known if known is not None else Decoded([], False, "context record lost")
             else:
-                d = self._decode(s)
+                d = fresh[id(s)] if id(s) in fresh else self._decode(s)
             counted = not (in_kernel and s.flags & (FLAG_HIT | FLAG_NEW))
             self.fp_frames += s.fp_frames
             if counted:
@@ -460,15 +453,9 @@ class UnwindMode:
         taken, so nothing is lost.  Keys whose record was never sent are deleted by BPF."""
         records = self._poll_decoded(timeout_ms, in_kernel=True)
         counts: list[tuple[Any, int]] = []
-        for key, value in self.sampler.counts().items():
-            ctx = self._key_context.get(key)
-            if ctx is None:
-                continue
-            delta = value - self._taken.get(key, 0)
-            if delta > 0:
-                self._taken[key] = value
-                counts.append((ctx, delta))
-                self._count(ctx.complete, self._decoded[key].reason, delta)
+        for ctx, d, n in self._kernel.deltas(self.sampler.counts()):
+            counts.append((ctx, n))
+            self._count(d.complete, d.reason, n)
         return records, counts
 
     def _decode(self, s: UnwoundSample) -> Decoded:
@@ -496,7 +483,7 @@ class UnwindMode:
 
     def summary(self) -> dict[str, Any]:
         out: dict[str, Any] = {"mode": self.name, "samples": self.samples_seen, "incomplete": self.incomplete,
-                               "incomplete_reasons": dict(self.reasons), "lost_contexts": self.lost,
+                               "incomplete_reasons": dict(self.reasons), "lost_contexts": self._kernel.lost,
                                "fp_frames": self.fp_frames, "records": self.records,
                                "per_sample_records": self._per_sample}
         if self.sampler is not None:

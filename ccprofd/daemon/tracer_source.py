@@ -215,8 +215,8 @@ class TracerSource:
         return out
 
     def set_per_sample(self, on: bool) -> None:
-        """Whether a consumer needs every sample as a record (see the daemon's ``_pump``); modes
-        without kernel counts (instrumented) always send every sample."""
+        """Whether a consumer needs every sample as a record (see the daemon's ``_pump``); both
+        modes count samples in the kernel otherwise (aggregate mode)."""
         self.per_sample = on
         for b in list(self.binaries_by_inode.values()):  # also called from gRPC threads
             switch = getattr(b.mode, "set_per_sample", None)
@@ -227,7 +227,7 @@ class TracerSource:
                                                      list[tuple[dict[str, Any], int]]]:
         """Like :meth:`poll`, for the daemon's store: ``(records, counts)`` -- every record with
         whether it is one sample to count, and ``(context sample, n)`` for samples counted in the
-        kernel (unwind mode's per-context counts) since the previous call."""
+        kernel (aggregate mode's per-context counts) since the previous call."""
         records: list[tuple[dict[str, Any], bool]] = []
         counts: list[tuple[dict[str, Any], int]] = []
         binaries = list(self.binaries_by_inode.values())
