@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "progr
 import build as programs
 from common import machine_line, update_readme_section
 
-from ccprofd.daemon.threadsnap import ContextReader, ModuleCache, snapshot
+from ccprofd.daemon.threadsnap import ContextReader, snapshot
+from ccprofd.decode.modules import ModuleCache
 
 
 def _blocked(pid: int) -> bool:

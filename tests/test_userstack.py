@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).parent / "programs"))
 import build as programs
 from gdb_threads import gdb_threads
 
-from ccprofd.daemon.threadsnap import ModuleCache, ProcessSnapshot, snapshot
+from ccprofd.daemon.threadsnap import ProcessSnapshot, snapshot
+from ccprofd.decode.modules import ModuleCache
 from ccprofd.decode.userstack import StackMemory, unwind
 
 EXPECTED_OUTPUT = ("main: got=1 spurious=0\nreader: got=1 byte=R spurious=0\nsleeper: woken=1 spurious=0\n"

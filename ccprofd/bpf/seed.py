@@ -426,7 +426,8 @@ def seed_process(bpf: Any, pid: int, *, cache_dir: str | None = None,
     ``start_tracking`` (give the threads their slots, let the sampler follow the process) runs once
     every thread is stopped, before the first is seeded: no event falls between the two."""
     from ccprofd.callgraph.cache import AnalysisCache
-    from ccprofd.daemon.threadsnap import ModuleCache, ThreadSnapshot, snapshot
+    from ccprofd.daemon.threadsnap import ThreadSnapshot, snapshot
+    from ccprofd.decode.modules import ModuleCache
 
     seeder, params = seeder_for(bpf)
     out: dict[int, str | None] = {}

@@ -25,18 +25,16 @@ import ctypes.util
 import errno
 import os
 import signal
-import struct
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 from ccprofd.callgraph import cfi
-from ccprofd.callgraph.addrspace import AddressSpace
 from ccprofd.callgraph.cache import AnalysisCache
-from ccprofd.decode.procmaps import DEFAULT_PROC_ROOT, ModuleMapping, ProcessMaps, module_mappings
+from ccprofd.decode.modules import ModuleCache
+from ccprofd.decode.procmaps import DEFAULT_PROC_ROOT, ProcessMaps, module_mappings, start_stack
 from ccprofd.decode.userstack import StackMemory, UnwoundStack, UserRegs, unwind
-from ccprofd.decode.vdso import VdsoImages
 
 PTRACE_GETREGS = 12
 PTRACE_DETACH = 17
@@ -120,79 +118,11 @@ def _refused(pid: int, exc: OSError, proc_root: str) -> str:
            f"that allows it)"
 
 
-def _start_stack(pid: int, proc_root: str) -> int:
-    fields = _read_text(os.path.join(proc_root, str(pid), "stat")).rpartition(")")[2].split()
-    try:
-        return int(fields[25])
-    except (IndexError, ValueError):
-        return 0
-
-
 def _tids(pid: int, proc_root: str) -> list[int]:
     try:
         return sorted(int(t) for t in os.listdir(os.path.join(proc_root, str(pid), "task")) if t.isdigit())
     except OSError:
         return []
-
-
-@dataclass(slots=True)
-class _Module:
-    addrspace: AddressSpace
-    build_id: str | None
-    table: cfi.UnwindTable | None
-
-
-class ModuleCache:
-    """ELF facts of the objects processes map -- PT_LOAD segments, build-id, unwind table -- kept
-    per file identity (dev, inode, size, mtime) so a repeated snapshot reads nothing again; tables
-    come from :func:`ccprofd.callgraph.cfi.load_table` (the analysis cache, by build-id)."""
-
-    def __init__(self, cache: AnalysisCache | None = None) -> None:
-        self.cache = cache
-        self._mods: dict[tuple[int, int, int, int], _Module | None] = {}
-        # the vDSO image kept as a file under the cache directory, as unwind mode keeps it
-        self._vdso = VdsoImages((cache if cache is not None else AnalysisCache()).directory / "vdso")
-
-    def _get(self, path: str) -> _Module | None:
-        try:
-            st = os.stat(path)
-        except OSError:
-            return None
-        ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-        if ident not in self._mods:
-            self._mods[ident] = self._load(path)
-        return self._mods[ident]
-
-    def _load(self, path: str) -> _Module | None:
-        from ccprofd.callgraph.elfimage import ElfImage
-        from ccprofd.callgraph.errors import BinaryError
-
-        try:
-            image = ElfImage(path)
-        except (OSError, BinaryError, ValueError):
-            return None
-        try:
-            table: cfi.UnwindTable | None = cfi.load_table(path, self.cache, image)
-        except (ValueError, IndexError, struct.error):
-            table = None  # corrupt CFI: a walk reaching it stops with no_table
-        return _Module(image.addrspace, image.build_id(), table)
-
-    def with_vdso(self, maps: ProcessMaps, proc_root: str) -> ProcessMaps:
-        """``maps`` with the [vdso] mapping as a module (:mod:`ccprofd.decode.vdso`; unchanged when it
-        cannot be read)."""
-        return self._vdso.with_vdso(maps, self.addrspace_of, proc_root)
-
-    def addrspace_of(self, path: str) -> AddressSpace | None:
-        mod = self._get(path)
-        return mod.addrspace if mod is not None else None
-
-    def table_of(self, mapping: ModuleMapping) -> cfi.UnwindTable | None:
-        mod = self._get(mapping.open_path)
-        return mod.table if mod is not None else None
-
-    def build_id_of(self, mapping: ModuleMapping) -> str | None:
-        mod = self._get(mapping.open_path)
-        return mod.build_id if mod is not None else None
 
 
 def snapshot(pid: int, modules: ModuleCache, *, proc_root: str = DEFAULT_PROC_ROOT,
@@ -215,7 +145,7 @@ def snapshot(pid: int, modules: ModuleCache, *, proc_root: str = DEFAULT_PROC_RO
         return out
     out.maps = maps
     tables: dict[int, cfi.UnwindTable | None] = {m.start: modules.table_of(m) for m in maps.mappings}
-    start_stack = _start_stack(pid, proc_root)
+    stack_top = start_stack(pid, proc_root)
     try:
         mem = os.open(os.path.join(proc_root, str(pid), "mem"), os.O_RDONLY | os.O_CLOEXEC)
     except OSError as exc:
@@ -264,7 +194,7 @@ def snapshot(pid: int, modules: ModuleCache, *, proc_root: str = DEFAULT_PROC_RO
                 continue
             regs = UserRegs(raw.rip, raw.rsp, raw.rbp)
             stack = unwind(regs, memory.word, maps, lambda m: tables.get(m.start),
-                           start_stack=start_stack if tid == pid else 0, max_depth=max_depth)
+                           start_stack=stack_top if tid == pid else 0, max_depth=max_depth)
             out.threads.append(ThreadSnapshot(tid, comm, regs, stack))
             if while_stopped is not None:
                 while_stopped(out.threads[-1], memory.word)

@@ -63,6 +63,17 @@ def read_maps(pid: int, proc_root: str = DEFAULT_PROC_ROOT) -> list[MapEntry]:
         return parse_maps(fh.read())
 
 
+def start_stack(pid: int, proc_root: str = DEFAULT_PROC_ROOT) -> int:
+    """The main thread's initial stack pointer (``startstack``, field 28 of /proc/PID/stat): where a
+    walk of the main thread's stack has reached its outermost frame.  0 when it cannot be read."""
+    try:
+        with open(os.path.join(proc_root, str(pid), "stat"), encoding="ascii", errors="replace") as fh:
+            fields = fh.read().rpartition(")")[2].split()
+        return int(fields[25])
+    except (OSError, IndexError, ValueError):
+        return 0
+
+
 def object_path(pid: int, path: str, proc_root: str = DEFAULT_PROC_ROOT) -> str:
     """Where this process's file ``path`` can be opened from here (its own root: containers)."""
     via_root = os.path.join(proc_root, str(pid), "root") + path

@@ -177,8 +177,8 @@ def live_prefixes(probe_plan: ProbePlan, names: dict[int, str],
 
     from ccprofd.callgraph.cache import AnalysisCache
     from ccprofd.callgraph.elfimage import ElfImage
-    from ccprofd.daemon.threadsnap import ModuleCache, _start_stack
-    from ccprofd.decode.procmaps import DEFAULT_PROC_ROOT, module_mappings
+    from ccprofd.decode.modules import ModuleCache
+    from ccprofd.decode.procmaps import DEFAULT_PROC_ROOT, module_mappings, start_stack
 
     modules = ModuleCache(AnalysisCache(Path(cache_dir)) if cache_dir else None)
     maps: dict[int, ProcessMaps | None] = {}
@@ -197,7 +197,7 @@ def live_prefixes(probe_plan: ProbePlan, names: dict[int, str],
 
     def start_stack_of(pid: int) -> int:
         if pid not in starts:
-            starts[pid] = _start_stack(pid, DEFAULT_PROC_ROOT)
+            starts[pid] = start_stack(pid, DEFAULT_PROC_ROOT)
         return starts[pid]
 
     entry = ElfImage(probe_plan.binary["path"]).entry

@@ -11,7 +11,7 @@ The frame contract is the one of ``ccprofd trace`` in unwind mode (ccprofd/bpf/u
 * any other frame: ``analysed: false``, the module as the process names it, its build-id, the name
   of the ``.symtab``/``.dynsym`` function covering the pc (``pc - 1`` for a return address),
   ``return_address`` = its pc as an ELF vaddr (null when exact), ``call_site`` null;
-* the vDSO is a module named ``[vdso]`` (its image read from the process, see threadsnap.py);
+* the vDSO is a module named ``[vdso]`` (its image read from the process, see vdso.py);
 * a pc in no file mapping (JIT code, a deleted file): all null but ``return_address``.
 
 Frames are outermost first and, as in a sample, begin at the outermost analysed frame.  Tail calls
