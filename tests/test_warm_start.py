@@ -5,7 +5,9 @@ changed input misses the cache; a damaged cache entry is recomputed, never a tra
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
+import pytest
 from test_encode_graphs import make_graph
 
 from ccprofd.callgraph.model import CallGraph
@@ -154,3 +156,170 @@ def test_kbtf_cache_is_keyed_by_the_blob_and_a_corrupt_entry_reparses(tmp_path: 
     cache.path_for(kbtf.CACHE_KIND, ident).write_bytes(b"\x00garbage")
     assert kbtf.offsets_via_cache(data, tmp_path) == want  # damaged: parsed again
     assert kbtf.offsets_via_cache(data, tmp_path) == want  # and replaced
+
+
+# ------------------------------------------------------------------------- unwind map contents
+LIBC = "/usr/lib/x86_64-linux-gnu/libc.so.6"
+
+
+def _synthetic_encoding() -> Any:
+    """Two acycID words, rows pushing up to four recID codes (the widest codes u32 holds)."""
+    from ccprofd.bpf.unwind_plan import Row, UnwindEncoding
+
+    edges = {}
+    for i in range(300):
+        mask = [(0xFFFF << (i % 48)) & (2**64 - 1), (i * 0x9E3779B97F4A7C15) & (2**64 - 1)]
+        val = [(i * 0x1234567) & mask[0], (i * 0xDEADBEEF) & mask[1]]
+        rec = [(i * 7919 + j) & 0xFFFFFFFF for j in range(i % 5)]
+        if i % 50 == 0:
+            rec = [0xFFFFFFFF] * 4
+        edges[(0x1000 + 16 * i if i else 0, i % 37)] = Row(mask, val, rec, [i])
+    return UnwindEncoding(
+        binary={"path": "/nonexistent/synthetic", "build_id": None, "content_hash": "ab" * 32},
+        plan_key="synthetic-plan", acyc_words=2, rec_code_bits=20, nodes=list(range(-1, 40)), root_index=0,
+        functions=[[0x1000 + 0x100 * i, 0x1000 + 0x100 * (i + 1), i, 1 if i == 3 else 0] for i in range(40)],
+        edges=edges, callsites={0x1000 + 16 * i + 5: 0x1000 + 16 * i for i in range(1, 300)},
+        call_lengths={}, jump_sites=set())
+
+
+def _ctypes_encoding(sampler: Any, enc: Any) -> dict[str, dict[bytes, bytes]]:
+    """The maps' contents as the element-by-element ctypes code (before packing) built them."""
+    import ctypes
+
+    out: dict[str, dict[bytes, bytes]] = {}
+    funcs = sampler.module.map("ue_funcs")
+    rows = {}
+    for i, (lo, hi, node, flags) in enumerate(enc.functions):
+        f = funcs.leaf_type()
+        f.start, f.end, f.node, f.flags = lo, hi, node, flags
+        rows[bytes(ctypes.c_uint32(i))] = bytes(f)
+    out["ue_funcs"] = rows
+    edges = sampler.module.map("ue_edges")
+    rows = {}
+    for (ret, callee), row in enc.edges.items():
+        k = edges.key_type()
+        k.ret, k.callee, k.pad = ret, callee, 0
+        v = edges.leaf_type()
+        for w in range(enc.acyc_words):
+            v.mask[w], v.val[w] = row.mask[w], row.val[w]
+        v.nrec = len(row.rec)
+        for i, code in enumerate(row.rec):
+            v.rec[i] = code
+        rows[bytes(k)] = bytes(v)
+    out["ue_edges"] = rows
+    out["ue_sites"] = {bytes(ctypes.c_uint64(k)): bytes(ctypes.c_uint64(v)) for k, v in enc.callsites.items()}
+    return out
+
+
+def _read_back(sampler: Any, name: str, keys: list[bytes]) -> dict[bytes, bytes]:
+    """Map contents read back from the kernel (BPF_MAP_LOOKUP_ELEM per key)."""
+    import ctypes
+
+    from ccprofd.bpf import rawbpf
+
+    m = sampler.module.map(name)
+    vsize = ctypes.sizeof(m.leaf_type)
+    out = {}
+    for k in keys:
+        kb = ctypes.create_string_buffer(k, len(k))
+        vb = ctypes.create_string_buffer(vsize)
+        attr = rawbpf.MapElemAttr(map_fd=m.fd, key=ctypes.addressof(kb), value=ctypes.addressof(vb))
+        rawbpf.bpf(1, attr, f"lookup in {name}")  # BPF_MAP_LOOKUP_ELEM
+        out[k] = vb.raw
+    return out
+
+
+def _check_sampler_maps(sampler: Any, enc: Any) -> None:
+    want = _ctypes_encoding(sampler, enc)
+    for name, rows in want.items():
+        assert rows, name
+        assert _read_back(sampler, name, list(rows)) == rows, name
+
+
+@pytest.mark.parametrize("which", ["recursion", "synthetic"])
+def test_unwind_maps_packed_and_cached_equal_the_ctypes_rows(which: str, tmp_path: Path) -> None:
+    """ue_funcs/ue_edges/ue_sites uploaded from the packed cache entry hold exactly the bytes the
+    ctypes path wrote; uw_rules/uw_entries of the binary and of libc likewise."""
+    import ctypes
+
+    from conftest import require_bpf
+    from programs.build import build
+
+    from ccprofd.bpf import unwind
+    from ccprofd.bpf.unwind_plan import cached_unwind_encoding
+    from ccprofd.callgraph import analyze_binary
+    from ccprofd.callgraph import cfi as ccfi
+    from ccprofd.callgraph.cache import AnalysisCache
+
+    require_bpf()
+    cache = AnalysisCache(tmp_path / "cache")
+    binary = None
+    if which == "synthetic":
+        enc = _synthetic_encoding()
+    else:
+        binary = str(build("recursion", opt="O2"))
+        graph = analyze_binary(binary, cache_dir=tmp_path / "cache")
+        plan = get_plan(graph, "valence", cache_dir=tmp_path / "cache")
+        cached_unwind_encoding(graph, plan, cache)  # stored ...
+        enc = cached_unwind_encoding(CallGraph.from_dict(graph.to_dict()), plan, cache)  # ... and loaded
+        assert any(r.rec for r in enc.edges.values()) and any(any(r.mask) for r in enc.edges.values())
+    cold = unwind.cached_packed_encoding(enc, cache)  # packed and stored
+    assert unwind.cached_packed_encoding(enc, cache) == cold == unwind.pack_encoding(enc)
+    with unwind.UnwindSampler(syscalls=[1], encoding=enc, cache=cache, max_depth=64) as s:  # from the cache
+        _check_sampler_maps(s, enc)
+        if binary is None:
+            return
+        for path in (binary, LIBC):
+            assert s.preload(path)
+        rules = s.module.map("uw_rules")
+        entries = s.module.map("uw_entries")
+        for rule, rid in s._rule_ids.items():
+            v = rules.leaf_type()
+            v.kind, v.rbp_kind, v.aux = rule.kind, rule.rbp_kind, rule.aux & 0xFF
+            v.cfa_off, v.rbp_off, v.ra_off = rule.cfa_off, rule.rbp_off, rule.ra_off
+            key = bytes(ctypes.c_uint32(rid))
+            assert _read_back(s, "uw_rules", [key]) == {key: bytes(v)}
+        for path in (binary, LIBC):
+            table = ccfi.load_table(path, cache)
+            mod = next(m for m in s._modules.values() if m.path == table.path)
+            first, count = s.module.map("uw_modules").get(mod.module_id).first, mod.rows
+            assert count == len(table)
+            picks = sorted({*range(min(count, 64)), *range(0, count, 97), *range(max(0, count - 64), count)})
+            want = {}
+            for i in picks:
+                e = entries.leaf_type()
+                e.vaddr, e.rule = table.starts[i], s._rule_ids[table.rules[table.rule_ids[i]]]
+                want[bytes(ctypes.c_uint32(first + i))] = bytes(e)
+            assert _read_back(s, "uw_entries", list(want)) == want
+
+
+def test_packed_encoding_cache_key_and_corrupt_entry(tmp_path: Path) -> None:
+    from dataclasses import replace as dc_replace
+
+    from ccprofd.bpf import unwind
+    from ccprofd.callgraph.cache import AnalysisCache
+
+    cache = AnalysisCache(tmp_path)
+    enc = _synthetic_encoding()
+    packed = unwind.cached_packed_encoding(enc, cache)
+    key = unwind.packed_encoding_key(enc)
+    assert key is not None
+    path = cache.path_for(unwind.PACKED_CACHE_KIND, key)
+    assert path.exists()
+    # another plan (or binary content) is another entry, never this one
+    other = dc_replace(enc, plan_key="another-plan")
+    assert unwind.packed_encoding_key(other) != key
+    assert unwind.packed_encoding_key(dc_replace(enc, binary={**enc.binary, "content_hash": "cd" * 32})) \
+        != key
+    # a poisoned entry under the key is what is used (so the key is all that selects it) ...
+    bogus = dict(packed)
+    k, v, n = bogus["ue_sites"]
+    bogus["ue_sites"] = (k, bytes(len(v)), n)
+    cache.store(unwind.PACKED_CACHE_KIND, key, {"key": key, "maps": bogus})
+    assert unwind.cached_packed_encoding(enc, cache)["ue_sites"][1] == bytes(len(v))
+    # ... a torn or mis-sized one is packed again
+    cache.store(unwind.PACKED_CACHE_KIND, key, {"key": key, "maps": {**packed, "ue_sites": (k, v[:-8], n)}})
+    assert unwind.cached_packed_encoding(enc, cache) == packed
+    path.write_bytes(b"torn")
+    assert unwind.cached_packed_encoding(enc, cache) == packed
+    assert unwind.pack_encoding(enc) == packed

@@ -21,9 +21,11 @@ SYS_BPF_X86_64 = 321
 
 # enum bpf_cmd
 BPF_MAP_CREATE = 0
+BPF_MAP_UPDATE_ELEM = 2
 BPF_PROG_LOAD = 5
 BPF_OBJ_GET_INFO_BY_FD = 15
 BPF_BTF_LOAD = 18
+BPF_MAP_UPDATE_BATCH = 26
 BPF_LINK_CREATE = 28
 
 # enum bpf_prog_type
@@ -280,3 +282,56 @@ def link_info(fd: int) -> tuple[int, int, int]:
     attr.info = ctypes.addressof(buf)
     bpf(BPF_OBJ_GET_INFO_BY_FD, attr, f"querying link fd {fd}")
     return int(buf[0]), int(buf[1]), int(buf[2])
+
+
+class MapElemAttr(ctypes.Structure):
+    """The BPF_MAP_*_ELEM member of ``union bpf_attr``."""
+
+    _fields_ = [("map_fd", ctypes.c_uint32), ("_pad", ctypes.c_uint32), ("key", ctypes.c_uint64),
+                ("value", ctypes.c_uint64), ("flags", ctypes.c_uint64)]
+
+
+class MapBatchAttr(ctypes.Structure):
+    """The BPF_MAP_*_BATCH member of ``union bpf_attr``."""
+
+    _fields_ = [("in_batch", ctypes.c_uint64), ("out_batch", ctypes.c_uint64), ("keys", ctypes.c_uint64),
+                ("values", ctypes.c_uint64), ("count", ctypes.c_uint32), ("map_fd", ctypes.c_uint32),
+                ("elem_flags", ctypes.c_uint64), ("flags", ctypes.c_uint64)]
+
+
+_EINVAL, _ENOTSUPP, _EOPNOTSUPP = 22, 524, 95
+
+
+def map_update_batch(fd: int, keys: bytes, values: bytes, count: int, what: str = "map") -> None:
+    """Write ``count`` entries to the map ``fd`` with ONE ``BPF_MAP_UPDATE_BATCH``: ``keys`` and
+    ``values`` are the packed C arrays (``count`` keys, ``count`` values, back to back, each the map's
+    key/value size).  Packing bytes once (or loading them packed from a cache) instead of building a
+    ctypes object per entry is what makes filling a 200k-row table cost milliseconds.  Kernels or
+    map types without batch updates get one ``BPF_MAP_UPDATE_ELEM`` per entry."""
+    if count <= 0:
+        return
+    if len(keys) % count or len(values) % count:
+        raise BPFError(f"{what}: {len(keys)} key bytes / {len(values)} value bytes are not {count} entries")
+    kbuf = ctypes.create_string_buffer(keys, len(keys))
+    vbuf = ctypes.create_string_buffer(values, len(values))
+    attr = MapBatchAttr()
+    attr.keys = ctypes.addressof(kbuf)
+    attr.values = ctypes.addressof(vbuf)
+    attr.count = count
+    attr.map_fd = fd
+    try:
+        bpf(BPF_MAP_UPDATE_BATCH, attr, f"{what}: batch update of {count} entries")
+        if attr.count == count:
+            return
+    except BPFSyscallError as exc:
+        if exc.errno not in (_EINVAL, _ENOTSUPP, _EOPNOTSUPP):
+            raise
+    # No batch support (or a partial batch): element by element, from the start (idempotent).
+    ks, vs = len(keys) // count, len(values) // count
+    elem = MapElemAttr()
+    elem.map_fd = fd
+    base_k, base_v = ctypes.addressof(kbuf), ctypes.addressof(vbuf)
+    for i in range(count):
+        elem.key = base_k + i * ks
+        elem.value = base_v + i * vs
+        bpf(BPF_MAP_UPDATE_ELEM, elem, f"{what}: update of entry {i}")

@@ -51,6 +51,9 @@ import ctypes
 import os
 import signal
 import struct
+import threading
+from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from importlib import resources
 from typing import Any
@@ -67,7 +70,7 @@ from ccprofd.bpf.syscall_sampler import (
     set_exec_target,
     tracepoint_has_field,
 )
-from ccprofd.bpf.unwind_plan import UnwindEncoding
+from ccprofd.bpf.unwind_plan import UNWIND_ENCODING_VERSION, UnwindEncoding
 from ccprofd.callgraph import cfi
 from ccprofd.callgraph.addrspace import AddressSpace
 from ccprofd.callgraph.cache import AnalysisCache
@@ -315,6 +318,102 @@ def link_loop_callbacks(main: bytes, callbacks: dict[int, bytes]) -> tuple[bytes
     return bytes(insns), list(starts.values())
 
 
+# ----------------------------------------------------------------------------- map contents
+# The C layouts of unwind.c's map entries, packed with struct instead of one ctypes object per entry
+# (a 200k-row table took ~1 s that way).  tests/test_warm_start.py checks them byte for byte against
+# the ctypes types bcc derives from the C declarations.
+RULE_STRUCT = struct.Struct("<BBBxiii")  # struct uw_rule
+UE_FUNC_STRUCT = struct.Struct("<IIII")  # struct ue_func
+UE_EDGE_KEY_STRUCT = struct.Struct("<QII")  # struct ue_edge_key
+PACK_VERSION = 1  # bump when a layout above (or its packing) changes
+assert array("I").itemsize == 4 and array("Q").itemsize == 8
+
+
+def pack_rule(rule: cfi.Rule) -> bytes:
+    return RULE_STRUCT.pack(rule.kind, rule.rbp_kind, rule.aux & 0xFF, rule.cfa_off, rule.rbp_off,
+                            rule.ra_off)
+
+
+def pack_entries(starts: Sequence[int], rules: Sequence[int]) -> bytes:
+    """``struct uw_entry`` rows (u32 vaddr, u32 rule) of one module."""
+    rows = array("I", bytes(8 * len(starts)))
+    rows[0::2] = array("I", starts)
+    rows[1::2] = array("I", rules)
+    return rows.tobytes()
+
+
+def ue_row_struct(acyc_words: int) -> struct.Struct:
+    """``struct ue_row``: mask[W], val[W] (u64), nrec, rec[UE_ROW_REC] (u32), padded to 8 bytes."""
+    return struct.Struct(f"<{acyc_words}Q{acyc_words}QI{UE_ROW_REC}I4x")
+
+
+PackedMaps = dict[str, tuple[bytes, bytes, int]]  # map name -> (keys, values, entries)
+
+
+def pack_encoding(enc: UnwindEncoding) -> PackedMaps:
+    """The ``ue_funcs``/``ue_edges``/``ue_sites`` contents of ``enc`` as packed C arrays."""
+    if enc.functions and max(f[1] for f in enc.functions) >= 1 << 32:
+        raise BPFError("unwind mode cannot encode a binary with code above 4 GiB")
+    nf = len(enc.functions)
+    funcs = b"".join(UE_FUNC_STRUCT.pack(lo, hi, node, flags) for lo, hi, node, flags in enc.functions)
+    row_s = ue_row_struct(enc.acyc_words)
+    pad = [0] * UE_ROW_REC
+    keys = bytearray()
+    vals = bytearray()
+    for (ret, callee), row in enc.edges.items():
+        if len(row.rec) > UE_ROW_REC or any(not 0 <= c < 1 << 32 for c in row.rec):
+            raise BPFError(f"edge row at return address {ret:#x} does not fit struct ue_row")
+        keys += UE_EDGE_KEY_STRUCT.pack(ret, callee, 0)
+        vals += row_s.pack(*row.mask[:enc.acyc_words], *row.val[:enc.acyc_words], len(row.rec),
+                           *(row.rec + pad)[:UE_ROW_REC])
+    site_keys = array("Q", list(enc.callsites.keys()))
+    site_vals = array("Q", list(enc.callsites.values()))
+    return {"ue_funcs": (array("I", range(nf)).tobytes(), funcs, nf),
+            "ue_edges": (bytes(keys), bytes(vals), len(enc.edges)),
+            "ue_sites": (site_keys.tobytes(), site_vals.tobytes(), len(site_keys))}
+
+
+PACKED_CACHE_KIND = "unwind-maps"
+
+
+def packed_encoding_key(enc: UnwindEncoding) -> str | None:
+    """What the packed maps depend on: the encoding's plan (its key covers the binary's identity and
+    content and the plan parameters), the encoding and packing format versions, and sizes."""
+    if not enc.plan_key or not enc.binary.get("content_hash"):
+        return None
+    return (f"{enc.plan_key}-{str(enc.binary['content_hash'])[:16]}-f{len(enc.functions)}-e{len(enc.edges)}"
+            f"-s{len(enc.callsites)}-w{enc.acyc_words}-u{UNWIND_ENCODING_VERSION}-p{PACK_VERSION}")
+
+
+def cached_packed_encoding(enc: UnwindEncoding, cache: AnalysisCache) -> PackedMaps:
+    """:func:`pack_encoding` from ``cache`` when stored for this encoding, else packed and stored; a
+    damaged entry is packed again."""
+    key = packed_encoding_key(enc)
+    if key is None:
+        return pack_encoding(enc)
+    got = cache.load(PACKED_CACHE_KIND, key)
+    if isinstance(got, dict) and got.get("key") == key and _packed_ok(got.get("maps"), enc):
+        return dict(got["maps"])
+    packed = pack_encoding(enc)
+    cache.store(PACKED_CACHE_KIND, key, {"key": key, "maps": packed})
+    return packed
+
+
+def _packed_ok(maps: Any, enc: UnwindEncoding) -> bool:
+    sizes = {"ue_funcs": (4, UE_FUNC_STRUCT.size, len(enc.functions)),
+             "ue_edges": (UE_EDGE_KEY_STRUCT.size, ue_row_struct(enc.acyc_words).size, len(enc.edges)),
+             "ue_sites": (8, 8, len(enc.callsites))}
+    if not isinstance(maps, dict) or set(maps) != set(sizes):
+        return False
+    for name, (ks, vs, n) in sizes.items():
+        entry = maps[name]
+        if not (isinstance(entry, tuple) and len(entry) == 3 and isinstance(entry[0], bytes)
+                and isinstance(entry[1], bytes) and entry[2] == n and len(entry[0]) == ks * n
+                and len(entry[1]) == vs * n):
+            return False
+    return True
+
+
 class _RawTpAttr(ctypes.Structure):
     _fields_ = [("name", ctypes.c_uint64), ("prog_fd", ctypes.c_uint32), ("_pad", ctypes.c_uint32),
                 ("cookie", ctypes.c_uint64)]
@@ -356,6 +455,7 @@ class UnwindSampler:
         max_segments: int = 64,
         max_unanalysed: int = 128,
         emit_hits: bool = False,
+        load_early: bool = False,
     ) -> None:
         if max_depth < 1 or max_depth & (max_depth - 1):
             raise BPFError(f"max_depth must be a power of two, not {max_depth}")
@@ -415,6 +515,7 @@ class UnwindSampler:
         text += f"#define UW_FORK_CHILD_PID_OFF {off}\n"
         self.module = BccModule(text + sampler_source(self.cache.directory) + "\n" + unwind_source())
         self._fds: list[int] = []
+        self._loading: dict[str, tuple[threading.Thread, list[Any]]] = {}
         self._links: list[int] = []
         self._attached = False
         self._pending: list[UnwoundSample] = []
@@ -447,8 +548,17 @@ class UnwindSampler:
         self.module.open_ring_buffer("events", self._on_process_event)
         self._m["uw_config"].set(0, 1 if aggregate else 0)
         self._m["uw_config"].set(2, 1 if emit_hits else 0)
+        if load_early:  # the verifier runs while the maps are filled and the modules loaded
+            self._start_loading("uw_sys_enter", self._callbacks("sys"), _BPF_PROG_TYPE_RAW_TRACEPOINT)
         if encoding is not None:
-            self._upload_encoding(encoding)
+            try:
+                self._upload_encoding(encoding)
+            except BaseException:
+                self._join_loads()
+                for fd in self._fds:
+                    os.close(fd)
+                self._fds.clear()
+                raise
         self.aggregate = aggregate
         self.set_syscalls(syscalls)
 
@@ -467,19 +577,50 @@ class UnwindSampler:
         self._m["syscall_set"].update_many([(n, 1) for n in nrs])
 
     def _load_with_callbacks(self, prog: str, callbacks: dict[int, str], prog_type: int) -> int:
-        """Load ``prog`` with its bpf_loop callbacks (loop count -> callback function name)."""
+        """Load ``prog`` with its bpf_loop callbacks (loop count -> callback function name); the load
+        started by :meth:`_start_loading`, when there is one, is waited for instead."""
+        if prog not in self._loading:
+            self._start_loading(prog, callbacks, prog_type)
+        thread, result = self._loading.pop(prog)
+        thread.join()
+        kind, value = result[0]
+        if kind == "error":
+            raise value
+        self._fds.append(value)
+        return int(value)
+
+    def _join_loads(self) -> None:
+        """Wait for loads started but never attached; their fds are closed with the others."""
+        for thread, result in self._loading.values():
+            thread.join()
+            if result and result[0][0] == "ok":
+                self._fds.append(result[0][1])
+        self._loading.clear()
+
+    def _start_loading(self, prog: str, callbacks: dict[int, str], prog_type: int) -> None:
+        """Hand ``prog`` to the kernel verifier in a thread (~1-2 s for the unwinder, which cannot be
+        cached): ctypes releases the GIL for the syscall, so the rest of the start-up overlaps it."""
         main = self.module.function_bytes(prog)
         insns, starts = link_loop_callbacks(main, {n: self.module.function_bytes(cb)
                                                    for n, cb in callbacks.items()})
         names = [prog, *callbacks.values()]
-        btf = rawbpf.btf_load(rawbpf.int_btf(names))
-        try:
-            fd = rawbpf.prog_load(prog_type, insns, name=prog[:15], btf_fd=btf,
-                                  func_info=[(0, 3)] + [(start, 4 + i) for i, start in enumerate(starts)])
-        finally:
-            os.close(btf)
-        self._fds.append(fd)
-        return fd
+        func_info = [(0, 3)] + [(start, 4 + i) for i, start in enumerate(starts)]
+        result: list[Any] = []
+
+        def load() -> None:
+            try:
+                btf = rawbpf.btf_load(rawbpf.int_btf(names))
+                try:
+                    fd = rawbpf.prog_load(prog_type, insns, name=prog[:15], btf_fd=btf, func_info=func_info)
+                finally:
+                    os.close(btf)
+                result.append(("ok", fd))
+            except BaseException as exc:  # re-raised in the thread that waits for the load
+                result.append(("error", exc))
+
+        thread = threading.Thread(target=load, name=f"ccprofd-verify-{prog}", daemon=True)
+        self._loading[prog] = (thread, result)
+        thread.start()
 
     def attach(self) -> None:
         """Attach process tracking (fork/exec/exit) first, then the syscall unwinder."""
@@ -670,36 +811,11 @@ class UnwindSampler:
         return mod.view_path or mod.path, mod.build_id, mod.readable or mod.path
 
     def _upload_encoding(self, enc: UnwindEncoding) -> None:
-        """The analysed binary's function ranges, edge rows and call sites (unwind_plan.py)."""
-        if enc.functions and max(f[1] for f in enc.functions) >= 1 << 32:
-            raise BPFError("unwind mode cannot encode a binary with code above 4 GiB")
-        funcs = self.module.map("ue_funcs")
-        ft = funcs.leaf_type
-        items = []
-        for i, (lo, hi, node, flags) in enumerate(enc.functions):
-            f = ft()
-            f.start, f.end, f.node, f.flags = lo, hi, node, flags
-            items.append((i, f))
-        if items:
-            funcs.update_many(items)
-        edges = self.module.map("ue_edges")
-        kt, vt = edges.key_type, edges.leaf_type
-        rows = []
-        for (ret, callee), row in enc.edges.items():
-            k = kt()
-            k.ret, k.callee, k.pad = ret, callee, 0
-            v = vt()
-            for w in range(enc.acyc_words):
-                v.mask[w], v.val[w] = row.mask[w], row.val[w]
-            v.nrec = len(row.rec)
-            for i, code in enumerate(row.rec):
-                v.rec[i] = code
-            rows.append((k, v))
-        if rows:
-            edges.update_many(rows)
-        sites = self.module.map("ue_sites")
-        if enc.callsites:
-            sites.update_many(list(enc.callsites.items()))
+        """The analysed binary's function ranges, edge rows and call sites (unwind_plan.py), packed
+        once (cached with the encoding's identity) and written with one batch update per map."""
+        for name, (keys, values, count) in cached_packed_encoding(enc, self.cache).items():
+            if count:
+                rawbpf.map_update_batch(self.module.map(name).fd, keys, values, count, name)
         cfg = self.module.map("ue_config")
         cfg.set(0, len(enc.functions))
         cfg.set(1, enc.root_index)
@@ -711,28 +827,23 @@ class UnwindSampler:
         if self._next_module >= self.max_modules or self._next_entry + n > self.max_entries:
             return
         local_to_global: list[int] = []
-        new_rules: list[tuple[int, object]] = []
+        new_rules: list[tuple[int, cfi.Rule]] = []
         for rule in table.rules:
             rid = self._rule_ids.get(rule)
             if rid is None:
                 if len(self._rule_ids) >= self.max_rules:
                     return
                 rid = self._rule_ids[rule] = len(self._rule_ids)
-                v = self._m["uw_rules"].leaf_type()
-                v.kind, v.rbp_kind, v.aux = rule.kind, rule.rbp_kind, rule.aux & 0xFF
-                v.cfa_off, v.rbp_off, v.ra_off = rule.cfa_off, rule.rbp_off, rule.ra_off
-                new_rules.append((rid, v))
+                new_rules.append((rid, rule))
             local_to_global.append(rid)
         if new_rules:
-            self._m["uw_rules"].update_many(new_rules)
-        etype = self._m["uw_entries"].leaf_type
+            rawbpf.map_update_batch(self._m["uw_rules"].fd, array("I", [r for r, _ in new_rules]).tobytes(),
+                                    b"".join(pack_rule(rule) for _, rule in new_rules), len(new_rules),
+                                    "uw_rules")
         first = self._next_entry
-        items = []
-        for i, (start, lrid) in enumerate(zip(table.starts, table.rule_ids, strict=True)):
-            e = etype()
-            e.vaddr, e.rule = start, local_to_global[lrid]
-            items.append((first + i, e))
-        self._m["uw_entries"].update_many(items)
+        rawbpf.map_update_batch(self._m["uw_entries"].fd, array("I", range(first, first + n)).tobytes(),
+                                pack_entries(table.starts, [local_to_global[r] for r in table.rule_ids]), n,
+                                "uw_entries")
         mv = self._m["uw_modules"].leaf_type()
         mv.first, mv.count = first, n
         self._m["uw_modules"].set(self._next_module, mv)
@@ -904,6 +1015,7 @@ class UnwindSampler:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(tgid, signal.SIGCONT)  # never leave a launched process stopped
         self._stopping.clear()
+        self._join_loads()
         with contextlib.suppress(BPFError):
             self._m["exec_targets"].clear()  # no new holds at exec from here on
         for fd in self._perf_fds + self._links + self._fds:

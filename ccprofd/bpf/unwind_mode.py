@@ -367,7 +367,7 @@ class UnwindMode:
             raise TraceError(str(exc)) from None
         self.build_id = graph.binary.build_id
         self.sampler = UnwindSampler(syscalls=nrs, aggregate=True, emit_hits=True, encoding=self.encoding,
-                                     cache=AnalysisCache(cache))
+                                     cache=AnalysisCache(cache), load_early=True)
         self.symbolizer = UnwindSymbolizer(self.encoding, self.plan, self.sampler.module_of_key)
         for path in load_set(self.path):
             self.sampler.preload(path)

@@ -30,7 +30,7 @@ Dense node indices are positions in ``plan["nodes"]``; ``NO_NODE`` stands for "u
 from __future__ import annotations
 
 from bisect import bisect_right
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,6 +59,32 @@ class Row:
     sites: list[int] = field(default_factory=list)  # plan site ids applied, in order (for tests)
 
 
+class LazyRows(Mapping[tuple[int, int], Row]):
+    """``edges`` of an encoding loaded from the cache: the plain ``(mask, val, rec, sites)`` tuples,
+    each made a :class:`Row` when first looked up.  A warm start uploads the packed map contents and
+    never looks at most rows (only ``--verify`` and tests do), so it does not build 100k objects."""
+
+    def __init__(self, plain: dict[tuple[int, int], tuple[list[int], ...]]) -> None:
+        self._plain = plain
+        self._rows: dict[tuple[int, int], Row] = {}
+
+    def __getitem__(self, key: tuple[int, int]) -> Row:
+        row = self._rows.get(key)
+        if row is None:
+            m, v, r, s = self._plain[key]
+            row = self._rows[key] = Row(list(m), list(v), list(r), list(s))
+        return row
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._plain
+
+    def __iter__(self) -> Iterator[tuple[int, int]]:
+        return iter(self._plain)
+
+    def __len__(self) -> int:
+        return len(self._plain)
+
+
 @dataclass
 class UnwindEncoding:
     """See the module docstring.  ``edges`` keys are ``(ret vaddr, dense callee)``."""
@@ -70,7 +96,7 @@ class UnwindEncoding:
     nodes: list[int]
     root_index: int
     functions: list[list[int]]
-    edges: dict[tuple[int, int], Row]
+    edges: Mapping[tuple[int, int], Row]
     callsites: dict[int, int]
     call_lengths: dict[int, int]  # call-instruction vaddr -> length (for return addresses)
     jump_sites: set[int]  # vaddrs of tail-jump sites (their edges are tail calls)
@@ -264,7 +290,7 @@ def encoding_from_plain(d: Mapping[str, Any]) -> UnwindEncoding:
         binary=dict(d["binary"]), plan_key=d["plan_key"], acyc_words=int(d["acyc_words"]),
         rec_code_bits=int(d["rec_code_bits"]), nodes=list(d["nodes"]), root_index=int(d["root_index"]),
         functions=[list(f) for f in d["functions"]],
-        edges={k: Row(m, v, r, s) for k, (m, v, r, s) in d["edges"].items()},  # marshal made fresh lists
+        edges=LazyRows(dict(d["edges"])),
         callsites=dict(d["callsites"]), call_lengths=dict(d["call_lengths"]), jump_sites=set(d["jump_sites"]),
         stats=dict(d["stats"]))
 

@@ -54,9 +54,10 @@ def effective_weights(graph: CallGraph, weights: Mapping[EdgeKey, int] | None,
     """Explicit weights win; otherwise the graph's own ``weight`` attributes, if any edge has one."""
     if weights is not None:
         return {k: int(w) for k, w in weights.items() if w}
-    if rows is None:
-        rows = read_edges(graph)
-    found = {(u, v, k): w for k, u, v, _, w in rows if w}
+    if rows is None:  # no need to sort every edge (a warm start's cache key) for the few weighted ones
+        found = {(u, v, k): int(w) for u, v, k, _, w in graph.edge_rows() if w}
+    else:
+        found = {(u, v, k): w for k, u, v, _, w in rows if w}
     return found or None
 
 
