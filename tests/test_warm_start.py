@@ -323,3 +323,120 @@ def test_packed_encoding_cache_key_and_corrupt_entry(tmp_path: Path) -> None:
     path.write_bytes(b"torn")
     assert unwind.cached_packed_encoding(enc, cache) == packed
     assert unwind.pack_encoding(enc) == packed
+
+
+# ----------------------------------------------------------------------- instrumented mode
+def _program_plan(tmp_path: Path, name: str = "calls", scheme: str = "valence", words: int = 1) -> Any:
+    from programs.build import build
+
+    from ccprofd.callgraph import analyze_binary
+
+    binary = str(build(name, opt="O2"))
+    graph = analyze_binary(binary, cache_dir=tmp_path / "cache")
+    plan = get_plan(graph, scheme, pcce_words=words, cache_dir=tmp_path / "cache")
+    return binary, graph, plan
+
+
+@pytest.mark.parametrize("scope", [None, "^handler$"])
+def test_probe_plan_cache_equals_built_plan_and_misses_on_changed_inputs(tmp_path: Path,
+                                                                          scope: str | None) -> None:
+    from ccprofd.bpf.probeplan import (
+        PROBE_PLAN_CACHE_KIND,
+        build_probe_plan,
+        cached_probe_plan,
+        probe_plan_cache_key,
+    )
+    from ccprofd.callgraph.cache import AnalysisCache
+    from ccprofd.callgraph.elfimage import ElfImage
+
+    binary, graph, plan = _program_plan(tmp_path, "scoped" if scope else "calls")
+    cache = AnalysisCache(tmp_path / "cache")
+    opened: list[str] = []
+
+    def image() -> ElfImage:
+        opened.append(binary)
+        return ElfImage(binary)
+
+    built = build_probe_plan(graph, plan, ElfImage(binary), scope=scope)
+    cold = cached_probe_plan(graph, plan, image, cache, scope=scope)
+    assert opened == [binary] and cold == built
+    lazy = CallGraph.from_dict(graph.to_dict())
+    warm = cached_probe_plan(lazy, plan, image, cache, scope=scope)
+    assert opened == [binary]  # the hit opened no ELF image ...
+    assert lazy._graph is None  # ... and built no networkx graph
+    assert warm == built and warm.to_dict() == built.to_dict()
+    key = probe_plan_cache_key(graph, plan, "syscalls", scope)
+    assert key is not None
+    assert probe_plan_cache_key(graph, plan, "all", scope) != key
+    assert probe_plan_cache_key(graph, plan, "syscalls", "other") != key
+    other_plan = get_plan(graph, "pcce", cache_dir=tmp_path / "cache")
+    assert probe_plan_cache_key(graph, other_plan, "syscalls", scope) != key
+    every = cached_probe_plan(graph, plan, image, cache, sample_points="all", scope=scope)
+    assert every == build_probe_plan(graph, plan, ElfImage(binary), sample_points="all", scope=scope)
+    # a damaged entry is rebuilt, equal
+    cache.path_for(PROBE_PLAN_CACHE_KIND, key).write_bytes(b"\xffdamaged")
+    assert cached_probe_plan(graph, plan, image, cache, scope=scope) == built
+    assert len(opened) == 3
+
+
+def _ctypes_instrumented_rows(bpf: Any) -> dict[str, dict[bytes, bytes]]:
+    """The maps' contents as the element-by-element ctypes code (before packing) built them."""
+    import ctypes
+
+    from ccprofd.bpf.instrumented import NONE32, dense_nodes, ret_table
+    from ccprofd.bpf.probeplan import CCOL
+
+    out: dict[str, dict[bytes, bytes]] = {}
+    m = bpf.module.map("cc_sites")
+    rows = {}
+    for i, s in enumerate(bpf.sites):
+        v = m.leaf_type()
+        v.vaddr = s["vaddr"]
+        v.ret_vaddr = s["ret_vaddr"]
+        for j in range(bpf.probe_plan.acyc_words):
+            v.mask[j] = s["mask"][j]
+            v.val[j] = s["val"][j]
+        v.flags = s["flags"]
+        v.rec_code = s["rec_code"]
+        v.callsite = s["callsite"]
+        v.cfa_reg = s["cfa_reg"]
+        v.cfa_off = s["cfa_off"]
+        v.node = s["node"]
+        v.cond = s["cond"]
+        rows[bytes(ctypes.c_uint32(i))] = bytes(v)
+    out["cc_sites"] = rows
+    out["cc_ret_sites"] = {bytes(ctypes.c_uint64(k)): bytes(ctypes.c_uint32(v))
+                           for k, v in ret_table(bpf.probe_plan)}
+    dense = dense_nodes(bpf.probe_plan)
+    out["cc_cs_callee"] = {
+        bytes(ctypes.c_uint32(i)): bytes(ctypes.c_uint32(
+            dense[c[CCOL["target"]]] if c[CCOL["kind"]] in ("direct", "tail") and c[CCOL["target"]] in dense
+            else NONE32))
+        for i, c in enumerate(bpf.probe_plan.callsites)}
+    out["cc_tail_reach"] = {bytes(ctypes.c_uint64((dense[g] << 32) | dense[f])): b"\x01"
+                            for g, f in bpf.probe_plan.tail_entries}
+    return out
+
+
+@pytest.mark.parametrize(("name", "scheme", "words"), [("recursion", "valence", 1), ("tailcall", "pcce", 2)])
+def test_instrumented_maps_packed_equal_the_ctypes_rows(tmp_path: Path, name: str, scheme: str,
+                                                        words: int) -> None:
+    from conftest import require_bpf
+
+    from ccprofd.bpf.instrumented import InstrumentedBPF
+    from ccprofd.bpf.probeplan import build_probe_plan
+    from ccprofd.callgraph.elfimage import ElfImage
+
+    require_bpf()
+    binary, graph, plan = _program_plan(tmp_path, name, scheme, words)
+    assert plan["acyc_words"] == words
+    pp = build_probe_plan(graph, plan, ElfImage(binary))
+    bpf = InstrumentedBPF(pp, plan, syscalls=[1], cache_dir=str(tmp_path / "cache"))
+    try:
+        want = _ctypes_instrumented_rows(bpf)
+        assert want["cc_sites"] and want["cc_ret_sites"] and want["cc_cs_callee"]
+        for mapname, rows in want.items():
+            got = _read_back(bpf, mapname, list(rows))
+            assert got == rows, mapname
+    finally:
+        bpf.close()

@@ -19,6 +19,7 @@ import ctypes
 import os
 import re
 import struct
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from importlib import resources
@@ -35,6 +36,7 @@ from ccprofd.bpf.probeplan import (
     R_SCOPE,
     ProbePlan,
 )
+from ccprofd.bpf.rawbpf import map_update_batch
 from ccprofd.bpf.syscall_sampler import SyscallSampler, monotonic_to_realtime_ns
 from ccprofd.bpf.uprobe_multi import UprobeMultiLink, attach_uprobe_multi
 from ccprofd.encode.plan import COL
@@ -297,6 +299,8 @@ class SampleLayout:
 
 
 def _words(value: int, n: int) -> list[int]:
+    if n == 1:
+        return [value & 0xFFFFFFFFFFFFFFFF]
     return [(value >> (64 * i)) & 0xFFFFFFFFFFFFFFFF for i in range(n)]
 
 
@@ -351,6 +355,11 @@ def site_table(probe_plan: ProbePlan, plan: Mapping[str, Any]) -> list[dict[str,
                     "cfa_off": p[PCOL["cfa_off"]], "node": dense.get(p[PCOL["node"]], NONE32),
                     "cond": p[PCOL["cond"]]})
     return out
+
+
+def cc_site_struct(acyc_words: int) -> struct.Struct:
+    """``struct cc_site`` of instrumented.c (tests/test_warm_start.py checks it against bcc's type)."""
+    return struct.Struct(f"<QQ{acyc_words}Q{acyc_words}QIIIiqIi")
 
 
 def dense_nodes(probe_plan: ProbePlan) -> dict[int, int]:
@@ -477,34 +486,32 @@ class InstrumentedBPF:
 
     # ---------------------------------------------------------------------------------- set-up
     def _fill_maps(self) -> None:
+        """Site, return-address, callee and tail tables, packed as C arrays and written with one
+        batch update per map (building a ctypes object per site took ~0.5 s on python3.11)."""
+        w = self.probe_plan.acyc_words
+        site_s = cc_site_struct(w)
         m = self.module.map("cc_sites")
-        items = []
-        for i, s in enumerate(self.sites):
-            v = m.leaf_type()
-            v.vaddr = s["vaddr"]
-            v.ret_vaddr = s["ret_vaddr"]
-            for j in range(self.probe_plan.acyc_words):
-                v.mask[j] = s["mask"][j]
-                v.val[j] = s["val"][j]
-            v.flags = s["flags"]
-            v.rec_code = s["rec_code"]
-            v.callsite = s["callsite"]
-            v.cfa_reg = s["cfa_reg"]
-            v.cfa_off = s["cfa_off"]
-            v.node = s["node"]
-            v.cond = s["cond"]
-            items.append((i, v))
-        m.update_many(items)
-        rets = self.module.map("cc_ret_sites")
-        rets.update_many(ret_table(self.probe_plan))
+        leaf = getattr(m, "leaf_type", None)
+        if leaf is not None and ctypes.sizeof(leaf) != site_s.size:
+            raise BPFError(f"struct cc_site is {ctypes.sizeof(leaf)} bytes, packed as {site_s.size}")
+        n = len(self.sites)
+        values = b"".join(site_s.pack(s["vaddr"], s["ret_vaddr"], *s["mask"][:w], *s["val"][:w], s["flags"],
+                                      s["rec_code"], s["callsite"], s["cfa_reg"], s["cfa_off"], s["node"],
+                                      s["cond"]) for s in self.sites)
+        map_update_batch(m.fd, array("I", range(n)).tobytes(), values, n, "cc_sites")
+        rets = ret_table(self.probe_plan)
+        map_update_batch(self.module.map("cc_ret_sites").fd, array("Q", [r for r, _ in rets]).tobytes(),
+                         array("I", [v for _, v in rets]).tobytes(), len(rets), "cc_ret_sites")
         dense = dense_nodes(self.probe_plan)
-        callee = self.module.map("cc_cs_callee")
-        callee.update_many([(i, dense[c[CCOL["target"]]] if c[CCOL["kind"]] in ("direct", "tail")
-                             and c[CCOL["target"]] in dense else NONE32)
-                            for i, c in enumerate(self.probe_plan.callsites)])
+        ti, ki = CCOL["target"], CCOL["kind"]
+        callee = [dense[c[ti]] if c[ki] in ("direct", "tail") and c[ti] in dense else NONE32
+                  for c in self.probe_plan.callsites]
+        map_update_batch(self.module.map("cc_cs_callee").fd, array("I", range(len(callee))).tobytes(),
+                         array("I", callee).tobytes(), len(callee), "cc_cs_callee")
         if self.probe_plan.tail_entries:
-            self.module.map("cc_tail_reach").update_many(
-                [((dense[g] << 32) | dense[f], 1) for g, f in self.probe_plan.tail_entries])
+            keys = array("Q", [(dense[g] << 32) | dense[f] for g, f in self.probe_plan.tail_entries])
+            map_update_batch(self.module.map("cc_tail_reach").fd, keys.tobytes(), bytes([1]) * len(keys),
+                             len(keys), "cc_tail_reach")
         self._queue_fill("cc_free", range(self.limits.slots))
         if self.probe_plan.functions:  # aggregation keys: a sampled ip outside [lo, hi) is "outside"
             cfg = self.module.map("cc_config")

@@ -38,14 +38,13 @@ from __future__ import annotations
 
 import re
 from bisect import bisect_right
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from capstone import CS_ARCH_X86, CS_MODE_64, Cs
-from elftools.elf.relocation import RelocationSection
-
 from ccprofd.bpf.cfi import RBP, RSP, cfa_rules
+from ccprofd.callgraph.cache import CACHE_FORMAT as ANALYSIS_FORMAT
+from ccprofd.callgraph.cache import AnalysisCache
 from ccprofd.callgraph.elfimage import ElfImage
 from ccprofd.callgraph.model import ROOT, CallGraph
 from ccprofd.encode.plan import COL, REASON_BITS
@@ -166,6 +165,8 @@ def syscall_functions(image: ElfImage, graph: CallGraph) -> set[int]:
     starts = [r[0] for r in ranges]
     from bisect import bisect_right
 
+    from capstone import CS_ARCH_X86, CS_MODE_64, Cs  # imported here: a warm start needs no disassembler
+
     md = Cs(CS_ARCH_X86, CS_MODE_64)
     md.skipdata = True
     candidates: set[tuple[int, int, int]] = set()
@@ -191,6 +192,8 @@ _GOT_OPERAND = re.compile(r"^qword ptr \[rip(?: ([+-]) (0x[0-9a-f]+|\d+))?\]$")
 
 def import_slots(image: ElfImage) -> dict[int, str]:
     """GOT slot vaddr -> imported symbol name (JUMP_SLOT / GLOB_DAT relocations with a symbol)."""
+    from elftools.elf.relocation import RelocationSection
+
     out: dict[int, str] = {}
     for sec in image.elf.iter_sections():
         if not isinstance(sec, RelocationSection) or not sec.is_RELA() or not sec["sh_link"]:
@@ -418,6 +421,47 @@ def build_probe_plan(graph: CallGraph, plan: Mapping[str, Any], image: ElfImage,
         sample_points=sample_points, scope=scope,
         in_scope=sorted(in_scope) if scope is not None else None, imports=imports,
         tail_entries=tail_entries, stats=stats)
+
+
+PROBE_PLAN_CACHE_KIND = "probe-plan"
+
+
+def probe_plan_cache_key(graph: CallGraph, plan: Mapping[str, Any], sample_points: str,
+                         scope: str | None) -> str | None:
+    """What a probe plan depends on: the encoding plan (its key covers the binary's identity and
+    content, scheme and parameters), the graph it was built from (the analysis format and size), the
+    binary's bytes (file offsets, CFA rules, ``syscall`` instructions: its content hash), the sample
+    points and the scope; and the probe-plan format."""
+    import hashlib
+
+    if not plan.get("key") or plan["binary"].get("content_hash") != graph.binary.content_hash:
+        return None
+    blob = repr((plan["key"], graph.binary.content_hash, graph.number_of_nodes(), graph.number_of_edges(),
+                 ANALYSIS_FORMAT, PROBE_PLAN_VERSION, sample_points, scope))
+    return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+def cached_probe_plan(graph: CallGraph, plan: Mapping[str, Any], image: Callable[[], ElfImage],
+                      cache: AnalysisCache, *, sample_points: str = "syscalls",
+                      scope: str | None = None) -> ProbePlan:
+    """:func:`build_probe_plan`, from ``cache`` when it holds the plan for these inputs (a warm start:
+    no networkx graph, no disassembly, no ``.eh_frame`` pass), else built and stored atomically.
+    ``image`` is called only when the plan is built.  A damaged entry is rebuilt."""
+    key = probe_plan_cache_key(graph, plan, sample_points, scope)
+    if key is not None:
+        got = cache.load(PROBE_PLAN_CACHE_KIND, key)
+        if isinstance(got, dict) and got.get("cache_key") == key:
+            try:
+                pp = ProbePlan.from_dict(got["plan"])
+                if pp.binary.get("identity") == plan.get("identity") and \
+                        pp.encoding.get("key") == plan.get("key"):
+                    return pp
+            except (KeyError, TypeError, ValueError, AttributeError):
+                pass  # damaged: rebuilt below
+    pp = build_probe_plan(graph, plan, image(), sample_points=sample_points, scope=scope)
+    if key is not None:
+        cache.store(PROBE_PLAN_CACHE_KIND, key, {"cache_key": key, "plan": pp.to_dict()})
+    return pp
 
 
 def _entry_function(graph: CallGraph) -> int | None:

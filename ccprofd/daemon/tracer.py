@@ -128,7 +128,6 @@ class InstrumentedMode:
         from pathlib import Path
 
         from ccprofd.bpf.instrumented import InstrumentedBPF
-        from ccprofd.bpf.probeplan import build_probe_plan
         from ccprofd.bpf.syscall_names import parse_syscalls
         from ccprofd.callgraph import analyze_binary
         from ccprofd.callgraph.elfimage import ElfImage
@@ -153,13 +152,20 @@ class InstrumentedMode:
             # The plan cache is keyed by build-id, which a stripped copy shares with its original.
             plan = build_plan(graph, self.options.encoding, pcce_words=max(1, int(plan["acyc_words"])),
                               weights=weights)
-        image = ElfImage(self.path)
-        from ccprofd.bpf.probeplan import ProbePlanError
+        images: list[Any] = []
+
+        def image() -> Any:  # read only when needed: a cached probe plan needs no ELF parse
+            if not images:
+                images.append(ElfImage(self.path))
+            return images[0]
+
+        from ccprofd.bpf.probeplan import ProbePlanError, cached_probe_plan
+        from ccprofd.callgraph.cache import AnalysisCache
 
         try:
-            pp = build_probe_plan(graph, plan, image,
-                                  sample_points="all" if self.options.sample_hz else "syscalls",
-                                  scope=self.options.scope)
+            pp = cached_probe_plan(graph, plan, image, AnalysisCache(cache),
+                                   sample_points="all" if self.options.sample_hz else "syscalls",
+                                   scope=self.options.scope)
         except ProbePlanError as exc:
             raise TraceError(str(exc)) from None
         self.build_id = graph.binary.build_id
@@ -174,14 +180,14 @@ class InstrumentedMode:
         if self.options.sample_hz:
             self._bpf.attach_cpu_sampling(int(self.options.sample_hz))
         if self.options.verify:
-            self._prepare_verify(image, nrs)
+            self._prepare_verify(image(), nrs)
         if self.options.save_edge_weights:
             from ccprofd.bpf.callcount import CallCounter, counted_sites
 
             self._graph_binary = {"path": graph.binary.path, "build_id": graph.binary.build_id,
                                   "content_hash": graph.binary.content_hash}
             self._names = dict(pp.names)
-            self._counter = CallCounter(self.path, image.addrspace, counted_sites(graph.sites))
+            self._counter = CallCounter(self.path, image().addrspace, counted_sites(graph.sites))
             self._counter.attach()
 
     def _load_weights(self, graph: Any) -> dict[tuple[int, int, int], int] | None:
