@@ -440,3 +440,28 @@ def test_instrumented_maps_packed_equal_the_ctypes_rows(tmp_path: Path, name: st
             assert got == rows, mapname
     finally:
         bpf.close()
+
+
+def test_plan_marshal_copy_equals_the_json_file_and_follows_it(tmp_path: Path) -> None:
+    import json
+
+    from ccprofd.callgraph.cache import AnalysisCache
+    from ccprofd.encode.plan import MARSHAL_KIND, load_plan, save_plan
+
+    g = _weighted_graph()
+    key = get_plan(g, "valence", cache_dir=tmp_path)["key"]
+    path = plan_path(tmp_path, key)
+    from_json = get_plan(g, "valence", cache_dir=tmp_path)  # parses the JSON, keeps a marshal copy
+    side = AnalysisCache(tmp_path)
+    assert side.path_for(MARSHAL_KIND, key).exists()
+    assert from_json == load_plan(path)
+    again = get_plan(g, "valence", cache_dir=tmp_path)  # from the marshal copy
+    assert again == from_json and json.dumps(again, sort_keys=True) == json.dumps(from_json, sort_keys=True)
+    # the JSON file is the entry: replaced, the copy is stale and not used
+    stored = json.loads(path.read_text())
+    stored["report"]["marker"] = 7
+    save_plan(stored, path)
+    assert get_plan(g, "valence", cache_dir=tmp_path)["report"]["marker"] == 7
+    assert get_plan(g, "valence", cache_dir=tmp_path)["report"]["marker"] == 7
+    side.path_for(MARSHAL_KIND, key).write_bytes(b"torn")
+    assert get_plan(g, "valence", cache_dir=tmp_path)["report"]["marker"] == 7

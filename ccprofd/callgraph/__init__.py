@@ -13,13 +13,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .analysis import Progress, analyze_image
 from .cache import AnalysisCache
 from .elfimage import ElfImage
 from .errors import BinaryError
 from .model import ROOT, BinaryInfo, CallGraph, CallSite
 from .stats import graph_stats
+
+if TYPE_CHECKING:
+    from .analysis import Progress
 
 __all__ = ["ROOT", "AnalysisCache", "BinaryError", "BinaryInfo", "CallGraph", "CallSite", "analyze_binary",
            "cache_key", "graph_stats"]
@@ -44,6 +47,8 @@ def analyze_binary(path: str | os.PathLike[str], *, cache_dir: Path | None = Non
             graph.cached_stats = cached["stats"]
             graph.from_cache = True
             return graph
+    from .analysis import analyze_image  # capstone & co.: not needed when the cache has the graph
+
     graph = analyze_image(image, progress)
     if cache is not None:
         stats = graph_stats(graph)

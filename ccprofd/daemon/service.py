@@ -402,6 +402,8 @@ class Daemon:
         self.notifier.stopping()
         if self._grpc is not None:
             self._grpc.begin_shutdown()
+        if self._metrics is not None:
+            self._metrics.begin_shutdown()  # its poll-interval wait overlaps the detaching below
         for name in list(self.targets):
             self.stop_target(name)
         self.anomaly.close()  # after the pumps stopped: the final flush has every sample

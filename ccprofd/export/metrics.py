@@ -146,6 +146,7 @@ class MetricsServer:
         self.host, self.port = host, port
         self._server: Any = None
         self._thread: threading.Thread | None = None
+        self._stopper: threading.Thread | None = None
 
     def start(self) -> None:
         self._server, self._thread = start_http_server(self.port, addr=self.host, registry=self.registry)
@@ -155,9 +156,20 @@ class MetricsServer:
         host, port = self._server.server_address[:2]
         return str(host), int(port)
 
+    def begin_shutdown(self) -> None:
+        """Ask the serving thread to stop without waiting: ``shutdown()`` takes up to the server's
+        0.5 s poll interval, which the daemon overlaps with detaching its targets."""
+        if self._server is not None and self._stopper is None:
+            self._stopper = threading.Thread(target=self._server.shutdown, name="ccprofd-metrics-stop",
+                                             daemon=True)
+            self._stopper.start()
+
     def stop(self) -> None:
         if self._server is not None:
-            self._server.shutdown()
+            self.begin_shutdown()
+            assert self._stopper is not None
+            self._stopper.join()
+            self._stopper = None
             self._server.server_close()
             self._server = None
         if self._thread is not None:
