@@ -315,6 +315,7 @@ class Daemon:
     def start(self) -> None:
         d = self.config.daemon
         os.makedirs(d.state_dir, mode=0o750, exist_ok=True)
+        threading.Thread(target=_preimport_servers, name="ccprofd-preimport", daemon=True).start()
         for tc in self.config.targets:
             self.start_target(tc)
         self.anomaly.start()
@@ -422,6 +423,17 @@ class _SampleBus(Bus):
         sub = super().subscribe(accept)
         self._on_subscribe()
         return sub
+
+
+def _preimport_servers() -> None:
+    """Import gRPC, protobuf and prometheus-client (~0.3-0.5 s) while the targets attach: the main
+    thread spends much of that time in GIL-free calls (bcc's compile, the BPF verifier), so the
+    servers' imports cost READY=1 little.  A failure is left to the real import to report."""
+    import importlib
+
+    for name in ("ccprofd.export.grpc_server", "ccprofd.export.metrics"):
+        with contextlib.suppress(Exception):
+            importlib.import_module(name)
 
 
 def _one_line(exc: BaseException) -> str:
