@@ -465,3 +465,28 @@ def test_plan_marshal_copy_equals_the_json_file_and_follows_it(tmp_path: Path) -
     assert get_plan(g, "valence", cache_dir=tmp_path)["report"]["marker"] == 7
     side.path_for(MARSHAL_KIND, key).write_bytes(b"torn")
     assert get_plan(g, "valence", cache_dir=tmp_path)["report"]["marker"] == 7
+
+
+def test_encoding_round_trips_through_its_packed_cache_form() -> None:
+    import marshal
+
+    from ccprofd.bpf.unwind_plan import encoding_from_plain, encoding_to_plain
+
+    enc = _synthetic_encoding()
+    enc.call_lengths.update({0x1000 + 16 * i: 5 for i in range(1, 300)})
+    enc.jump_sites.update({0x2000, 0x2010})
+    plain = marshal.loads(marshal.dumps(encoding_to_plain(enc)))
+    back = encoding_from_plain(plain)
+    assert len(back.edges) == len(enc.edges) and list(back.edges) == list(enc.edges)
+    for key, row in enc.edges.items():
+        assert key in back.edges
+        got = back.edges[key]
+        assert (got.mask, got.val, got.rec, got.sites) == (row.mask, row.val, row.rec, row.sites)
+    assert (0x999, 0) not in back.edges
+    assert len(back.callsites) == len(enc.callsites) and dict(back.callsites) == enc.callsites
+    assert dict(back.call_lengths) == enc.call_lengths and set(back.jump_sites) == enc.jump_sites
+    assert back.functions == enc.functions and back.function_at(0x1105) == enc.function_at(0x1105)
+    torn = dict(plain)
+    torn["edges"] = {**plain["edges"], "mask": plain["edges"]["mask"][:-8]}
+    with pytest.raises(ValueError):
+        encoding_from_plain(torn)

@@ -29,8 +29,10 @@ Dense node indices are positions in ``plan["nodes"]``; ``NO_NODE`` stands for "u
 
 from __future__ import annotations
 
+from array import array
 from bisect import bisect_right
 from collections.abc import Iterator, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +40,7 @@ from ccprofd.callgraph.cache import AnalysisCache
 from ccprofd.callgraph.model import ROOT, CallGraph
 from ccprofd.encode.plan import COL, R_CYCLIC
 
-UNWIND_ENCODING_VERSION = 1
+UNWIND_ENCODING_VERSION = 2  # 2: tables stored as packed arrays
 NO_NODE = 0xFFFFFFFF
 FN_SKIP = 1
 MAX_TAIL_CHAIN = 4  # tail jumps followed from a call's direct target
@@ -59,30 +61,104 @@ class Row:
     sites: list[int] = field(default_factory=list)  # plan site ids applied, in order (for tests)
 
 
-class LazyRows(Mapping[tuple[int, int], Row]):
-    """``edges`` of an encoding loaded from the cache: the plain ``(mask, val, rec, sites)`` tuples,
-    each made a :class:`Row` when first looked up.  A warm start uploads the packed map contents and
-    never looks at most rows (only ``--verify`` and tests do), so it does not build 100k objects."""
+def _array(code: str, data: bytes) -> array[int]:
+    a = array(code)
+    a.frombytes(data)
+    return a
 
-    def __init__(self, plain: dict[tuple[int, int], tuple[list[int], ...]]) -> None:
-        self._plain = plain
-        self._rows: dict[tuple[int, int], Row] = {}
+
+class LazyRows(Mapping[tuple[int, int], Row]):
+    """``edges`` of an encoding loaded from the cache, kept as the packed arrays it was stored in;
+    the key index is made on the first lookup and each :class:`Row` when looked up.  A warm start
+    uploads the packed map contents and never looks at a row (only ``--verify`` and tests do), so
+    it neither unmarshals nor builds 70k rows of lists."""
+
+    def __init__(self, packed: Mapping[str, Any], words: int) -> None:
+        self._p = {k: _array(code, packed[k]) for k, code in _EDGE_ARRAYS.items()}
+        self._w = words
+        n = len(self._p["ret"])
+        p = self._p
+        if not (len(p["callee"]) == n and len(p["mask"]) == len(p["val"]) == n * words
+                and len(p["rec_off"]) == len(p["site_off"]) == n + 1
+                and p["rec_off"][n] == len(p["rec"]) and p["site_off"][n] == len(p["sites"])):
+            raise ValueError("packed edge rows of inconsistent sizes")
+        self._index: dict[tuple[int, int], int] | None = None
+
+    def _keys(self) -> dict[tuple[int, int], int]:
+        if self._index is None:
+            self._index = {k: i for i, k in enumerate(zip(self._p["ret"], self._p["callee"], strict=True))}
+        return self._index
 
     def __getitem__(self, key: tuple[int, int]) -> Row:
-        row = self._rows.get(key)
-        if row is None:
-            m, v, r, s = self._plain[key]
-            row = self._rows[key] = Row(list(m), list(v), list(r), list(s))
-        return row
+        i = self._keys()[key]
+        p, w = self._p, self._w
+        return Row(list(p["mask"][i * w:(i + 1) * w]), list(p["val"][i * w:(i + 1) * w]),
+                   list(p["rec"][p["rec_off"][i]:p["rec_off"][i + 1]]),
+                   list(p["sites"][p["site_off"][i]:p["site_off"][i + 1]]))
 
     def __contains__(self, key: object) -> bool:
-        return key in self._plain
+        return key in self._keys()
 
     def __iter__(self) -> Iterator[tuple[int, int]]:
-        return iter(self._plain)
+        return iter(self._keys())
 
     def __len__(self) -> int:
-        return len(self._plain)
+        return len(self._p["ret"])
+
+
+# packed edge arrays: name -> array type code
+_EDGE_ARRAYS = {"ret": "Q", "callee": "I", "mask": "Q", "val": "Q", "rec_off": "I", "rec": "Q",
+                "site_off": "I", "sites": "I"}
+
+
+def pack_edges(edges: Mapping[tuple[int, int], Row], words: int) -> dict[str, bytes]:
+    """``edges`` as flat arrays (the cached form: marshal loads bytes, not 70k tuples of lists)."""
+    a = {k: array(code) for k, code in _EDGE_ARRAYS.items()}
+    a["rec_off"].append(0)
+    a["site_off"].append(0)
+    for (ret, callee), row in edges.items():
+        a["ret"].append(ret)
+        a["callee"].append(callee)
+        a["mask"].extend(row.mask[:words])
+        a["val"].extend(row.val[:words])
+        a["rec"].extend(row.rec)
+        a["rec_off"].append(len(a["rec"]))
+        a["sites"].extend(row.sites)
+        a["site_off"].append(len(a["sites"]))
+    return {k: v.tobytes() for k, v in a.items()}
+
+
+class PackedIntMap(Mapping[int, int]):
+    """An int -> int map kept as two packed ``array('Q')`` until first used (call sites, call
+    lengths: needed by decoding, i.e. after the daemon is ready, not to start it)."""
+
+    def __init__(self, keys: bytes, values: bytes) -> None:
+        if len(keys) != len(values) or len(keys) % 8:
+            raise ValueError("packed map of inconsistent sizes")
+        self._k, self._v = keys, values
+        self._d: dict[int, int] | None = None
+
+    def _dict(self) -> dict[int, int]:
+        if self._d is None:
+            self._d = dict(zip(_array("Q", self._k), _array("Q", self._v), strict=True))
+            self._k = self._v = b""
+        return self._d
+
+    def __getitem__(self, key: int) -> int:
+        return self._dict()[key]
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._dict()
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._dict())
+
+    def __len__(self) -> int:
+        return len(self._d) if self._d is not None else len(self._k) // 8
+
+
+def pack_int_map(m: Mapping[int, int]) -> tuple[bytes, bytes]:
+    return array("Q", list(m.keys())).tobytes(), array("Q", list(m.values())).tobytes()
 
 
 @dataclass
@@ -97,9 +173,9 @@ class UnwindEncoding:
     root_index: int
     functions: list[list[int]]
     edges: Mapping[tuple[int, int], Row]
-    callsites: dict[int, int]
-    call_lengths: dict[int, int]  # call-instruction vaddr -> length (for return addresses)
-    jump_sites: set[int]  # vaddrs of tail-jump sites (their edges are tail calls)
+    callsites: Mapping[int, int]
+    call_lengths: Mapping[int, int]  # call-instruction vaddr -> length (for return addresses)
+    jump_sites: AbstractSet[int]  # vaddrs of tail-jump sites (their edges are tail calls)
     stats: dict[str, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -276,23 +352,23 @@ CACHE_KIND = "unwind-encoding"
 
 
 def encoding_to_plain(enc: UnwindEncoding) -> dict[str, Any]:
-    """A plain (marshal-able) copy of ``enc``."""
+    """A plain (marshal-able) copy of ``enc``; the big tables as packed arrays (bytes)."""
     return {"version": UNWIND_ENCODING_VERSION, "binary": dict(enc.binary), "plan_key": enc.plan_key,
             "acyc_words": enc.acyc_words, "rec_code_bits": enc.rec_code_bits, "nodes": list(enc.nodes),
             "root_index": enc.root_index, "functions": [list(f) for f in enc.functions],
-            "edges": {k: (r.mask, r.val, r.rec, r.sites) for k, r in enc.edges.items()},
-            "callsites": dict(enc.callsites), "call_lengths": dict(enc.call_lengths),
-            "jump_sites": set(enc.jump_sites), "stats": dict(enc.stats)}
+            "edges": pack_edges(enc.edges, enc.acyc_words), "callsites": pack_int_map(enc.callsites),
+            "call_lengths": pack_int_map(enc.call_lengths),
+            "jump_sites": array("Q", sorted(enc.jump_sites)).tobytes(), "stats": dict(enc.stats)}
 
 
 def encoding_from_plain(d: Mapping[str, Any]) -> UnwindEncoding:
+    words = int(d["acyc_words"])
     return UnwindEncoding(
-        binary=dict(d["binary"]), plan_key=d["plan_key"], acyc_words=int(d["acyc_words"]),
+        binary=dict(d["binary"]), plan_key=d["plan_key"], acyc_words=words,
         rec_code_bits=int(d["rec_code_bits"]), nodes=list(d["nodes"]), root_index=int(d["root_index"]),
-        functions=[list(f) for f in d["functions"]],
-        edges=LazyRows(dict(d["edges"])),
-        callsites=dict(d["callsites"]), call_lengths=dict(d["call_lengths"]), jump_sites=set(d["jump_sites"]),
-        stats=dict(d["stats"]))
+        functions=[list(f) for f in d["functions"]], edges=LazyRows(d["edges"], words),
+        callsites=PackedIntMap(*d["callsites"]), call_lengths=PackedIntMap(*d["call_lengths"]),
+        jump_sites=frozenset(_array("Q", d["jump_sites"])), stats=dict(d["stats"]))
 
 
 def cached_unwind_encoding(graph: CallGraph, plan: Mapping[str, Any], cache: AnalysisCache) -> UnwindEncoding:
