@@ -299,6 +299,8 @@ class SampleLayout:
 
 
 def _words(value: int, n: int) -> list[int]:
+    if not value:
+        return [0] * n  # most probes (exits, entries, zero codes): no shifting
     if n == 1:
         return [value & 0xFFFFFFFFFFFFFFFF]
     return [(value >> (64 * i)) & 0xFFFFFFFFFFFFFFFF for i in range(n)]
