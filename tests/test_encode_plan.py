@@ -80,6 +80,20 @@ def test_cached_plan_for_a_different_graph_is_not_used(tmp_path: Path) -> None:
     assert get_plan(big, "pcce", cache_dir=tmp_path)["report"]["nodes"] == 4
 
 
+def test_unwritable_cache_directory_still_gives_the_plan(tmp_path: Path) -> None:
+    """A cache directory that cannot be written (here: under a regular file, which fails for root
+    too) only means the plan is not kept; it made ``trace --mode instrumented --cache-dir`` fail."""
+    blocker = tmp_path / "not-a-directory"
+    blocker.write_text("")
+    g = graph()
+    plan = get_plan(g, "valence", cache_dir=blocker / "cache")
+    built = build_plan(g, "valence")
+    plan.pop("report")  # timings differ
+    built.pop("report")
+    assert plan == built
+    assert blocker.read_text() == ""
+
+
 def test_wrong_version_is_refused(tmp_path: Path) -> None:
     plan = build_plan(graph(), "hcce")
     plan["version"] = 999

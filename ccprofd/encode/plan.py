@@ -38,6 +38,7 @@ Plans are cached as ``<cache_dir>/plans/<key>.json``, written atomically.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import hashlib
 import json
@@ -279,5 +280,6 @@ def get_plan(graph: CallGraph, scheme: str, *, pcce_words: int = 1,
             pass  # unreadable or stale: rebuild below
     plan = build_plan(graph, scheme, pcce_words=pcce_words, weights=w)
     if use_cache:
-        save_plan(plan, path)
+        with contextlib.suppress(OSError):  # a read-only cache directory: the plan is only not kept
+            save_plan(plan, path)
     return plan
