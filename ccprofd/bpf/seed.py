@@ -454,8 +454,8 @@ def seed_process(bpf: Any, pid: int, *, cache_dir: str | None = None,
 
     from pathlib import Path
 
-    modules = ModuleCache(AnalysisCache(Path(cache_dir)) if cache_dir else None)
-    snap = snapshot(pid, modules, while_stopped=write)
+    with ModuleCache(AnalysisCache(Path(cache_dir)) if cache_dir else None) as modules:
+        snap = snapshot(pid, modules, while_stopped=write)
     if snap.error is not None:
         return {0: snap.error}
     return out

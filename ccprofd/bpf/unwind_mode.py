@@ -317,6 +317,7 @@ class UnwindMode:
         self.options = options
         self.build_id: str | None = None
         self.sampler: Any = None
+        self._contexts: Any = None  # GetThreadContexts: a ContextReader, made at first use, closed at close()
         self.symbolizer: UnwindSymbolizer | None = None
         self.plan: dict[str, Any] | None = None
         self.encoding: UnwindEncoding | None = None
@@ -496,6 +497,10 @@ class UnwindMode:
         return out
 
     def close(self) -> None:
+        reader = getattr(self, "_contexts", None)
+        if reader is not None:  # thread snapshots' private vDSO copies (ccprofd/decode/modules.py)
+            self._contexts = None
+            reader.close()
         if self.sampler is not None:
             self.sampler.close()
             self.sampler = None

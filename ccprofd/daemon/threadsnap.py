@@ -268,6 +268,12 @@ class ContextReader:
             self._decoder = FrameDecoder(analysed, self.modules.build_id_of, ModuleSymbols)
         return self._decoder
 
+    def close(self) -> None:
+        """Release what the snapshots made: the module cache's private vDSO copies (a read-only cache
+        directory).  The owner -- the tracer mode that created this reader -- calls it at its close."""
+        with self._lock:  # not under a snapshot that is walking through them
+            self.modules.close()
+
     def read(self, pid: int) -> dict[str, Any]:
         decoder = self._frame_decoder()
         with self._lock:

@@ -116,6 +116,7 @@ class InstrumentedMode:
         self._exec_targets: dict[int, tuple[int, int]] = {}
         self._new_processes: list[int] = []
         self._scope: Any = None  # --scope: prefixes above scope entries (ccprofd/decode/scopeprefix.py)
+        self._contexts: Any = None  # GetThreadContexts: LiveContextReader, made at first use
         # aggregate mode (the daemon, ccprofd/daemon/kernelcounts.py): on from the first set_per_sample
         from ccprofd.daemon.kernelcounts import KernelCounts
 
@@ -448,6 +449,12 @@ class InstrumentedMode:
                 print(f"ccprofd: verify: mismatch: {line}", file=sys.stderr)
         elif self.verify_skipped is not None and self._bpf is not None:
             print(f"ccprofd: verify: skipped: {self.verify_skipped}", file=sys.stderr)
+        # thread snapshots' and --scope walks' private vDSO copies (ccprofd/decode/modules.py)
+        reader, self._contexts = getattr(self, "_contexts", None), None
+        if reader is not None:
+            reader.close()
+        if self._scope is not None:
+            self._scope.close()
         if self._bpf is not None:
             self._bpf.close()
             self._bpf = None

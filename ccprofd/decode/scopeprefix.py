@@ -42,8 +42,10 @@ class ScopePrefixes:
     """Prefixes of scope entries per (tid, seq), joined to samples (see the module docstring)."""
 
     def __init__(self, probe_plan: ProbePlan, names: dict[int, str], maps_of: MapsOf, table_of: TableOf,
-                 start_stack_of: Callable[[int], int], entry_vaddr: int | None) -> None:
+                 start_stack_of: Callable[[int], int], entry_vaddr: int | None,
+                 on_close: Callable[[], None] | None = None) -> None:
         self.pp = probe_plan
+        self._on_close = on_close  # releases what maps_of/table_of hold (live_prefixes' module cache)
         self.names = names
         self.maps_of = maps_of
         self.table_of = table_of
@@ -168,6 +170,11 @@ class ScopePrefixes:
     def summary(self) -> dict[str, Any]:
         return {**self.stats, "incomplete_prefix_reasons": dict(self.reasons)}
 
+    def close(self) -> None:
+        """At the tracer's close: no entry is walked after it."""
+        if self._on_close is not None:
+            self._on_close()
+
 
 def live_prefixes(probe_plan: ProbePlan, names: dict[int, str],
                   cache_dir: str | None = None) -> ScopePrefixes:
@@ -201,4 +208,5 @@ def live_prefixes(probe_plan: ProbePlan, names: dict[int, str],
         return starts[pid]
 
     entry = ElfImage(probe_plan.binary["path"]).entry
-    return ScopePrefixes(probe_plan, names, maps_of, modules.table_of, start_stack_of, entry)
+    return ScopePrefixes(probe_plan, names, maps_of, modules.table_of, start_stack_of, entry,
+                         on_close=modules.close)
