@@ -303,6 +303,8 @@ def _words(value: int, n: int) -> list[int]:
         return [0] * n  # most probes (exits, entries, zero codes): no shifting
     if n == 1:
         return [value & 0xFFFFFFFFFFFFFFFF]
+    if n == 2:
+        return [value & 0xFFFFFFFFFFFFFFFF, (value >> 64) & 0xFFFFFFFFFFFFFFFF]
     return [(value >> (64 * i)) & 0xFFFFFFFFFFFFFFFF for i in range(n)]
 
 

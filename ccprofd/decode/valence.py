@@ -4,6 +4,7 @@ Algorithm 2 for the acyclic steps, each step O(1) through the per-component ``cc
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import cached_property
 from typing import Any
 
 from ccprofd.decode.common import BaseDecoder, DecodeError, check_heights
@@ -21,15 +22,19 @@ class ValenceDecoder(BaseDecoder):
     def __init__(self, plan: Mapping[str, Any]) -> None:
         super().__init__(plan)
         t = plan["tables"]
+        self.rec_map: list[int] = list(t["rec_map"])
+        self.rec_bits: int = t["rec_code_bits"]
+
+    @cached_property
+    def node_table(self) -> list[CompTable]:
+        """Per dense node, its component's decode table (made at the first decode, not at start-up)."""
         comps: list[CompTable] = []
-        for level, lvlen, groups in t["comps"]:
+        for level, lvlen, groups in self.plan["tables"]["comps"]:
             lv_low = level - lvlen
             comps.append((level, lv_low, mask(lvlen),
                           [(pl, mask(lv_low - pl), list(edges)) for pl, edges in groups]))
-        comp_of: list[int] = t["comp_of"]
-        self.node_table: list[CompTable] = [comps[c] for c in comp_of]
-        self.rec_map: list[int] = list(t["rec_map"])
-        self.rec_bits: int = t["rec_code_bits"]
+        comp_of: list[int] = self.plan["tables"]["comp_of"]
+        return [comps[c] for c in comp_of]
 
     def decode(self, state: EncodedState, node: int) -> list[Edge]:
         m = self.dense(node)
