@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import json
 import os
 import tempfile
 from collections.abc import Callable, Iterator, Sequence
@@ -18,6 +19,7 @@ from types import ModuleType, TracebackType
 from typing import Any, Literal
 
 from ccprofd.bpf.errors import BPFError, MissingFeature
+from ccprofd.bpf.objcache import CompiledObject, FunctionSpec, MapSpec, split_relocations
 
 ProgType = Literal["kprobe", "tracepoint", "raw_tracepoint", "perf_event"]
 
@@ -31,7 +33,7 @@ PERF_COUNT_SW_TASK_CLOCK = 1
 
 # Map type ids (enum bpf_map_type) the map wrapper distinguishes.
 _MAP_HASH, _MAP_ARRAY, _MAP_PERCPU_HASH, _MAP_PERCPU_ARRAY, _MAP_LRU_HASH = 1, 2, 5, 6, 9
-_MAP_RINGBUF = 27
+_MAP_QUEUE, _MAP_STACK, _MAP_RINGBUF = 22, 23, 27
 
 _bcc_module: ModuleType | None = None
 
@@ -46,6 +48,25 @@ def import_bcc() -> ModuleType:
             raise MissingFeature("bcc (python3-bpfcc)", f"import bcc failed: {exc}") from None
         _bcc_module = bcc
     return _bcc_module
+
+
+def _libbcc() -> Any:
+    """libbcc's ctypes handle with the table-enumeration functions bcc's Python binding does not
+    declare (``bcc_common.h``)."""
+    import_bcc()
+    from bcc.libbcc import lib
+
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    for name, restype in (("bpf_num_tables", sz), ("bpf_table_name", ctypes.c_char_p),
+                          ("bpf_table_fd_id", ctypes.c_int), ("bpf_table_type_id", ctypes.c_int),
+                          ("bpf_table_max_entries_id", sz), ("bpf_table_flags_id", ctypes.c_int),
+                          ("bpf_table_key_desc_id", ctypes.c_char_p),
+                          ("bpf_table_leaf_desc_id", ctypes.c_char_p),
+                          ("bpf_table_key_size_id", sz), ("bpf_table_leaf_size_id", sz)):
+        fn = getattr(lib, name)
+        fn.restype = restype
+        fn.argtypes = [vp] if name == "bpf_num_tables" else [vp, sz]
+    return lib
 
 
 def bcc_available() -> str | None:
@@ -257,6 +278,37 @@ class BccModule:
     def raw(self) -> Any:
         """The underlying ``bcc.BPF`` object, for what this wrapper does not cover (avoid)."""
         return self._b
+
+    def compiled_object(self) -> CompiledObject:
+        """Everything a raw loader needs to load this module again without bcc (see
+        :mod:`ccprofd.bpf.objcache`): each function's instructions before loading with map fds
+        turned into relocations, each map's parameters and key/value type descriptions."""
+        lib = _libbcc()
+        mod = self._b.module
+        maps: list[MapSpec] = []
+        fd_names: dict[int, str] = {}
+        for i in range(int(lib.bpf_num_tables(mod))):
+            name = lib.bpf_table_name(mod, i).decode()
+            mtype = int(lib.bpf_table_type_id(mod, i))
+            keyless = mtype in (_MAP_QUEUE, _MAP_STACK, _MAP_RINGBUF)
+            key_desc = lib.bpf_table_key_desc_id(mod, i)
+            leaf_desc = lib.bpf_table_leaf_desc_id(mod, i)
+            maps.append(MapSpec(
+                name=name, map_type=mtype,
+                key_size=0 if keyless else int(lib.bpf_table_key_size_id(mod, i)),
+                value_size=0 if mtype == _MAP_RINGBUF else int(lib.bpf_table_leaf_size_id(mod, i)),
+                max_entries=int(lib.bpf_table_max_entries_id(mod, i)),
+                flags=int(lib.bpf_table_flags_id(mod, i)),
+                key_desc=None if keyless or not key_desc else json.loads(key_desc),
+                leaf_desc=None if mtype == _MAP_RINGBUF or not leaf_desc else json.loads(leaf_desc)))
+            fd_names[int(lib.bpf_table_fd_id(mod, i))] = name
+        funcs: list[FunctionSpec] = []
+        for i in range(int(lib.bpf_num_functions(mod))):
+            name = lib.bpf_function_name(mod, i).decode()
+            insns, relocs = split_relocations(self.function_bytes(name), fd_names)
+            funcs.append(FunctionSpec(name, insns, relocs))
+        license_ = lib.bpf_module_license(mod)
+        return CompiledObject(license_.decode() if license_ else "GPL", tuple(maps), tuple(funcs))
 
     # -- programs ---------------------------------------------------------------------------------
     def function_bytes(self, name: str) -> bytes:

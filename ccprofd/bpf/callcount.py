@@ -5,10 +5,12 @@ callee and are not counted (their edges keep the encoder's default weight)."""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from importlib import resources
 
-from ccprofd.bpf.bcc_adapter import BccModule
+from ccprofd.bpf.objcache import cache_dir_under
+from ccprofd.bpf.rawmodule import load_module
 from ccprofd.bpf.uprobe_multi import UprobeMultiLink, attach_uprobe_multi
 from ccprofd.callgraph.addrspace import AddressSpace
 
@@ -30,13 +32,13 @@ class CallCounter:
     """Compile, attach (to ``path``, at the file offsets of ``edges``' sites) and read the counts."""
 
     def __init__(self, path: str, addrspace: AddressSpace, edges: Sequence[EdgeKey], *,
-                 max_tracked: int = 4096) -> None:
+                 max_tracked: int = 4096, cache_dir: str | os.PathLike[str] | None = None) -> None:
         self.path = path
         self.edges = list(edges)
         self.offsets = [addrspace.vaddr_to_offset(site) for _, _, site in self.edges]
         text = (f"#define NSITES {max(1, len(self.edges))}\n#define MAX_TRACKED {max_tracked}\n"
                 + resources.files("ccprofd.bpf").joinpath(C_SOURCE).read_text(encoding="utf-8"))
-        self.module = BccModule(text)
+        self.module = load_module(text, cache_dir=cache_dir_under(cache_dir))
         self._link: UprobeMultiLink | None = None
 
     def attach(self) -> None:

@@ -96,12 +96,13 @@ def stack_limit() -> int:
 class FpStackSampler:
     """Compile and attach the walk; :meth:`poll` returns the walks that arrived since the last call."""
 
-    def __init__(self, *, syscalls: Iterable[int] | None = None, ringbuf_pages: int = 256) -> None:
+    def __init__(self, *, syscalls: Iterable[int] | None = None, ringbuf_pages: int = 256,
+                 cache_dir: str | None = None) -> None:
         if ringbuf_pages < 1 or ringbuf_pages & (ringbuf_pages - 1):
             raise BPFError(f"ringbuf_pages must be a power of two, not {ringbuf_pages}")
         prelude = (f"#define FP_MAX_FRAMES {MAX_FRAMES}\n#define FP_RINGBUF_PAGES {ringbuf_pages}\n"
                    + resources.files("ccprofd.bpf").joinpath(C_SOURCE).read_text(encoding="utf-8"))
-        self.sampler = SyscallSampler(syscalls=syscalls, prelude=prelude)
+        self.sampler = SyscallSampler(syscalls=syscalls, prelude=prelude, cache_dir=cache_dir)
         self.module = self.sampler.module
         self._stacks: list[FpStack] = []
         self.module.open_ring_buffer("fp_events", lambda raw: self._stacks.append(FpStack.decode(raw)))

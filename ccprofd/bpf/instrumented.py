@@ -25,7 +25,6 @@ from dataclasses import dataclass, field, replace
 from importlib import resources
 from typing import Any
 
-from ccprofd.bpf.bcc_adapter import BccModule
 from ccprofd.bpf.errors import BPFError
 from ccprofd.bpf.features import tracefs_dir
 from ccprofd.bpf.probeplan import (
@@ -37,6 +36,7 @@ from ccprofd.bpf.probeplan import (
     ProbePlan,
 )
 from ccprofd.bpf.rawbpf import map_update_batch
+from ccprofd.bpf.rawmodule import RawModule
 from ccprofd.bpf.syscall_sampler import SyscallSampler, monotonic_to_realtime_ns
 from ccprofd.bpf.uprobe_multi import UprobeMultiLink, attach_uprobe_multi
 from ccprofd.encode.plan import COL
@@ -71,7 +71,6 @@ STATS = ("site_hits", "tail_hits", "entry_hits", "samples", "pushes", "cuts", "f
 SCHEMES = ("valence", "pcce", "hcce")
 PROGRAMS = {"site": "cc_site_probe", "tail": "cc_tail_probe", "entry": "cc_entry_probe"}
 
-BPF_MAP_UPDATE_ELEM = 2
 ARG_LEN = 256  # instrumented.c CC_ARG_LEN
 
 
@@ -414,11 +413,6 @@ def _pow2_at_least(n: int) -> int:
     return p
 
 
-class _MapUpdateAttr(ctypes.Structure):
-    _fields_ = [("map_fd", ctypes.c_uint32), ("_pad", ctypes.c_uint32), ("key", ctypes.c_uint64),
-                ("value", ctypes.c_uint64), ("flags", ctypes.c_uint64)]
-
-
 class InstrumentedBPF:
     """Compile, fill and attach instrumented mode for one probe plan; drain its samples."""
 
@@ -473,7 +467,7 @@ class InstrumentedBPF:
         prelude += resources.files("ccprofd.bpf").joinpath(C_SOURCE).read_text(encoding="utf-8")
         self.sampler = SyscallSampler(syscalls=syscalls, max_tracked=max(4096, 2 * limits.slots),
                                       ringbuf_pages=64, prelude=prelude, cache_dir=cache_dir)
-        self.module: BccModule = self.sampler.module
+        self.module: RawModule = self.sampler.module
         self._contexts: list[RawContext | RawHit] = []
         self.module.open_ring_buffer("cc_events", lambda raw: self._contexts.append(self.layout.parse(raw)))
         self._scope_entries: list[ScopeEntry] = []
@@ -523,15 +517,10 @@ class InstrumentedBPF:
             cfg.set(CFG_TEXT_HI, max(int(f[1]) for f in self.probe_plan.functions))
 
     def _queue_fill(self, name: str, values: Iterable[int]) -> None:
-        """Push values onto a BPF queue map (the adapter has no queue wrapper): BPF_MAP_UPDATE_ELEM
-        with a NULL key, through the raw syscall."""
-        from ccprofd.bpf.rawbpf import bpf
-
-        fd = int(self.module.raw.get_table(name.encode()).map_fd)
+        """Push values onto a BPF queue map."""
+        queue = self.module.map(name)
         for v in values:
-            val = ctypes.c_uint32(v)
-            attr = _MapUpdateAttr(map_fd=fd, key=0, value=ctypes.addressof(val), flags=0)
-            bpf(BPF_MAP_UPDATE_ELEM, attr, f"pushing onto BPF queue {name}")
+            queue.push(v)
 
     def attach(self) -> None:
         """Attach the process tracepoints, the syscall sampler and every probe (uprobe_multi)."""
@@ -617,19 +606,16 @@ class InstrumentedBPF:
 
     def add_thread(self, tid: int, *, incomplete: bool) -> None:
         """Give thread ``tid`` a state slot (userspace side of the slot allocator)."""
-        from ccprofd.bpf.rawbpf import bpf
-
-        fd = int(self.module.raw.get_table(b"cc_free").map_fd)
-        slot = ctypes.c_uint32(0)
-        attr = _MapUpdateAttr(map_fd=fd, key=0, value=ctypes.addressof(slot), flags=0)
-        bpf(21, attr, "taking a state slot")  # BPF_MAP_LOOKUP_AND_DELETE_ELEM: pop
+        slot = self.module.map("cc_free").pop()
+        if slot is None:
+            raise BPFError(f"taking a state slot for thread {tid}: all {self.limits.slots} slots in use")
         states = self.module.map("cc_states")
         st = states.leaf_type()  # an opaque blob (see instrumented.c): write the header by offset
         # n, rec_len, nsegs, flags
         header = struct.pack("<4I", 0, 0, 0, ST_INCOMPLETE_BASE if incomplete else 0)
         ctypes.memmove(ctypes.addressof(st), header, len(header))
-        states.set(int(slot.value), st)
-        self.module.map("cc_slot_of").set(tid, int(slot.value))
+        states.set(int(slot), st)
+        self.module.map("cc_slot_of").set(tid, int(slot))
 
     # ---------------------------------------------------------------------------- aggregation
     def set_aggregate(self, on: bool) -> None:

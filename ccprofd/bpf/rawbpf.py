@@ -51,8 +51,9 @@ _syscall.restype = ctypes.c_long
 class BPFSyscallError(BPFError):
     """A raw bpf(2) command failed; ``errno`` is kept for callers that branch on it."""
 
-    def __init__(self, what: str, err: int) -> None:
+    def __init__(self, what: str, err: int, log_reason: str = "") -> None:
         self.errno = err
+        self.log_reason = log_reason  # BPF_PROG_LOAD: the verifier's reason, when known
         super().__init__(f"{what}: {os.strerror(err)} (errno {err})")
 
 
@@ -163,13 +164,13 @@ def prog_load(
     license_: str = "GPL",
     btf_fd: int = 0,
     func_info: Sequence[tuple[int, int]] = (),
+    log_size: int = 4096,
 ) -> int:
     """Load a hand-assembled program; return its fd (caller closes).  ``func_info`` lists
     (insn offset, BTF FUNC type id) per subprogram (needed for callbacks).  The verifier log's last
     line is attached to the error so a failed probe says why."""
     buf = ctypes.create_string_buffer(insns, len(insns))
     lic = ctypes.create_string_buffer(license_.encode())
-    log = ctypes.create_string_buffer(4096)
     attr = ProgLoadAttr()
     attr.prog_type = prog_type
     attr.insn_cnt = len(insns) // 8
@@ -189,6 +190,7 @@ def prog_load(
         return bpf(BPF_PROG_LOAD, attr, f"loading probe program {name}")
     except BPFSyscallError as exc:
         # Load again with a log, only to say why it failed.
+        log = ctypes.create_string_buffer(log_size)
         attr.log_level = 1
         attr.log_size = len(log)
         attr.log_buf = ctypes.addressof(log)
@@ -199,7 +201,7 @@ def prog_load(
             # the verifier's reason, not the statistics lines it ends with
             stats = ("processed ", "verification time")
             why = next((ln for ln in reversed(lines) if not ln.startswith(stats)), lines[-1] if lines else "")
-            raise BPFSyscallError(f"loading probe program {name} [{why}]", exc.errno) from None
+            raise BPFSyscallError(f"loading probe program {name} [{why}]", exc.errno, why) from None
 
 
 def map_create(

@@ -21,9 +21,11 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from importlib import resources
 
-from ccprofd.bpf.bcc_adapter import BccModule, BpfMap
+from ccprofd.bpf.bpfmap import RawMap
 from ccprofd.bpf.errors import BPFError
 from ccprofd.bpf.features import tracefs_dir
+from ccprofd.bpf.objcache import cache_dir_under
+from ccprofd.bpf.rawmodule import load_module
 
 C_SOURCE = "syscall_sampler.c"
 EXEC_TARGET_SOURCE = "exec_target.c"
@@ -115,7 +117,7 @@ def sampler_source(cache_dir: str | os.PathLike[str] | None = None) -> str:
     return exec_target_source(cache_dir) + own
 
 
-def set_exec_target(targets: BpfMap, inode: int, cgroup_id: int = 0) -> None:
+def set_exec_target(targets: RawMap, inode: int, cgroup_id: int = 0) -> None:
     """Track every process that execs the file with inode number ``inode`` (in cgroup ``cgroup_id``
     only, unless 0).  BPF matches the inode number alone; callers confirm with /proc/PID/exe."""
     if inode <= 0:
@@ -140,7 +142,8 @@ class SyscallSampler:
 
     ``syscalls``: numbers to report (None = all).  ``prelude``: C text put before the source, for
     programs that extend it through CCPROF_EVENT_EXTRA / CCPROF_SYSCALL_HOOK and add programs of
-    their own (then reach them through :attr:`module`).
+    their own (then reach them through :attr:`module`).  ``cache_dir``: the analysis cache
+    directory; the compiled program is kept in its ``bpf/`` sub-directory (None: the default cache).
     """
 
     def __init__(
@@ -164,7 +167,7 @@ class SyscallSampler:
         # exec_target.c goes before the prelude too, so a prelude's exec hook can use it
         text = "\n".join(defines) + "\n" + exec_target_source(cache_dir) + "\n" + prelude + "\n" + \
             sampler_source(cache_dir)
-        self.module = BccModule(text, cflags)
+        self.module = load_module(text, cflags, cache_dir=cache_dir_under(cache_dir))
         self._pending: list[SamplerEvent] = []
         self._attached = False
         self._tracked = self.module.map("tracked")

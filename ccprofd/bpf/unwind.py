@@ -59,9 +59,17 @@ from importlib import resources
 from typing import Any
 
 from ccprofd.bpf import rawbpf
-from ccprofd.bpf.bcc_adapter import BccModule, BpfMap
+from ccprofd.bpf.attach import (
+    attach_raw_tracepoint_fd,
+    online_cpus,
+    perf_event_open_cpu_clock,
+    perf_event_set_bpf,
+)
+from ccprofd.bpf.bpfmap import RawMap
 from ccprofd.bpf.errors import BPFError
 from ccprofd.bpf.features import tracefs_dir
+from ccprofd.bpf.objcache import cache_dir_under
+from ccprofd.bpf.rawmodule import load_module
 from ccprofd.bpf.syscall_sampler import (
     NR_SYSCALL_SLOTS,
     SamplerEvent,
@@ -99,7 +107,6 @@ STATS = ("samples", "incomplete", "frames", "fp_frames", "collisions", "arena_fu
 _EV_SAMPLE, _EV_MAPS, _EV_HIT = 16, 17, 18
 _SAMPLE_HDR = struct.Struct("<QIIIiIIIIQQII")  # struct uw_sample up to arg
 ARG_LEN = 4096  # UW_ARG_LEN: the path argument's buffer (PATH_MAX)
-_BPF_RAW_TRACEPOINT_OPEN = 17
 _BPF_PROG_TYPE_PERF_EVENT = 7
 _BPF_PROG_TYPE_RAW_TRACEPOINT = 17
 _BPF_CALL = 0x85
@@ -414,20 +421,6 @@ def _packed_ok(maps: Any, enc: UnwindEncoding) -> bool:
     return True
 
 
-class _RawTpAttr(ctypes.Structure):
-    _fields_ = [("name", ctypes.c_uint64), ("prog_fd", ctypes.c_uint32), ("_pad", ctypes.c_uint32),
-                ("cookie", ctypes.c_uint64)]
-
-
-def attach_raw_tracepoint_fd(prog_fd: int, name: str) -> int:
-    """BPF_RAW_TRACEPOINT_OPEN for a program loaded outside bcc; returns the link fd."""
-    buf = ctypes.create_string_buffer(name.encode())
-    attr = _RawTpAttr()
-    attr.name = ctypes.addressof(buf)
-    attr.prog_fd = prog_fd
-    return rawbpf.bpf(_BPF_RAW_TRACEPOINT_OPEN, attr, f"attaching raw tracepoint {name}")
-
-
 class UnwindSampler:
     """Unwind the user stacks of tracked processes at selected syscalls.
 
@@ -513,7 +506,9 @@ class UnwindSampler:
             text += f"#define UW_EXIT_GROUP_DEAD_OFF {off}\n"
         off = tracepoint_field_offset("sched", "sched_process_fork", "child_pid")
         text += f"#define UW_FORK_CHILD_PID_OFF {off}\n"
-        self.module = BccModule(text + sampler_source(self.cache.directory) + "\n" + unwind_source())
+        bpf_cache = cache_dir_under(self.cache.directory) if cache is not None else None
+        self.module = load_module(text + sampler_source(self.cache.directory) + "\n" + unwind_source(),
+                                  cache_dir=bpf_cache)
         self._fds: list[int] = []
         self._loading: dict[str, tuple[threading.Thread, list[Any]]] = {}
         self._links: list[int] = []
@@ -541,7 +536,7 @@ class UnwindSampler:
         self._guard: Any = None
         self._perf_fds: list[int] = []
         self.process_events: list[SamplerEvent] = []
-        self._m: dict[str, BpfMap] = {name: self.module.map(name) for name in (
+        self._m: dict[str, RawMap] = {name: self.module.map(name) for name in (
             "tracked", "syscall_set", "config", "uw_rules", "uw_entries", "uw_modules", "uw_procs",
             "uw_counts", "uw_config", "uw_stats", "uw_arena_top", "uw_stop", "uw_held", "exec_targets")}
         self.module.open_ring_buffer("uw_events", self._on_record)
@@ -647,7 +642,7 @@ class UnwindSampler:
             raise BPFError(f"sampling frequency must be positive, not {hz}")
         callbacks = {n: name for n, name in self._callbacks("cpu").items() if "arena" not in name}
         fd = self._load_with_callbacks("uw_cpu_sample", callbacks, _BPF_PROG_TYPE_PERF_EVENT)
-        for cpu in _online_cpus():
+        for cpu in online_cpus():
             pfd = perf_event_open_cpu_clock(cpu, hz)
             self._perf_fds.append(pfd)
             perf_event_set_bpf(pfd, fd)
@@ -1095,68 +1090,3 @@ def _same_file(a: str, b: str) -> bool:
 
 def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
-
-
-def _online_cpus() -> list[int]:
-    try:
-        with open("/sys/devices/system/cpu/online") as fh:
-            text = fh.read().strip()
-    except OSError:
-        return list(range(os.cpu_count() or 1))
-    cpus: list[int] = []
-    for part in text.split(","):
-        if part:
-            lo, _, hi = part.partition("-")
-            cpus.extend(range(int(lo), int(hi or lo) + 1))
-    return cpus
-
-
-class _PerfEventAttr(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_uint32), ("size", ctypes.c_uint32), ("config", ctypes.c_uint64),
-                ("sample_freq", ctypes.c_uint64), ("sample_type", ctypes.c_uint64),
-                ("read_format", ctypes.c_uint64), ("flags", ctypes.c_uint64),
-                ("wakeup_events", ctypes.c_uint32), ("bp_type", ctypes.c_uint32),
-                ("config1", ctypes.c_uint64), ("config2", ctypes.c_uint64),
-                ("branch_sample_type", ctypes.c_uint64), ("sample_regs_user", ctypes.c_uint64),
-                ("sample_stack_user", ctypes.c_uint32), ("clockid", ctypes.c_int32),
-                ("sample_regs_intr", ctypes.c_uint64), ("aux_watermark", ctypes.c_uint32),
-                ("sample_max_stack", ctypes.c_uint16), ("_reserved2", ctypes.c_uint16),
-                ("aux_sample_size", ctypes.c_uint32), ("_reserved3", ctypes.c_uint32),
-                ("sig_data", ctypes.c_uint64), ("config3", ctypes.c_uint64)]
-
-
-_SYS_PERF_EVENT_OPEN = 298
-_PERF_TYPE_SOFTWARE = 1
-_PERF_COUNT_SW_CPU_CLOCK = 0
-_PERF_FLAG_DISABLED = 1 << 0
-_PERF_FLAG_FREQ = 1 << 10
-_PERF_EVENT_IOC_ENABLE = 0x2400
-_PERF_EVENT_IOC_SET_BPF = 0x40042408
-_PERF_FLAG_FD_CLOEXEC = 1 << 3
-
-
-def perf_event_open_cpu_clock(cpu: int, hz: int) -> int:
-    """A disabled software CPU-clock sampling event on one CPU (all tasks), ``hz`` samples/s."""
-    attr = _PerfEventAttr()
-    attr.type = _PERF_TYPE_SOFTWARE
-    attr.size = ctypes.sizeof(_PerfEventAttr)
-    attr.config = _PERF_COUNT_SW_CPU_CLOCK
-    attr.sample_freq = hz
-    attr.flags = _PERF_FLAG_DISABLED | _PERF_FLAG_FREQ
-    libc = ctypes.CDLL(None, use_errno=True)
-    fd = libc.syscall(_SYS_PERF_EVENT_OPEN, ctypes.byref(attr), -1, cpu, -1, _PERF_FLAG_FD_CLOEXEC)
-    if fd < 0:
-        err = ctypes.get_errno()
-        raise BPFError(f"perf_event_open(cpu-clock, cpu {cpu}) failed: {os.strerror(err)}")
-    return int(fd)
-
-
-def perf_event_set_bpf(perf_fd: int, prog_fd: int) -> None:
-    """Attach a raw-loaded BPF_PROG_TYPE_PERF_EVENT program to a perf event and enable it."""
-    import fcntl
-
-    try:
-        fcntl.ioctl(perf_fd, _PERF_EVENT_IOC_SET_BPF, prog_fd)
-        fcntl.ioctl(perf_fd, _PERF_EVENT_IOC_ENABLE, 0)
-    except OSError as exc:
-        raise BPFError(f"attaching the CPU sampler to a perf event failed: {exc.strerror}") from None

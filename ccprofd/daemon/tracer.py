@@ -188,7 +188,8 @@ class InstrumentedMode:
             self._graph_binary = {"path": graph.binary.path, "build_id": graph.binary.build_id,
                                   "content_hash": graph.binary.content_hash}
             self._names = dict(pp.names)
-            self._counter = CallCounter(self.path, image().addrspace, counted_sites(graph.sites))
+            self._counter = CallCounter(self.path, image().addrspace, counted_sites(graph.sites),
+                                        cache_dir=self.options.cache_dir)
             self._counter.attach()
 
     def _load_weights(self, graph: Any) -> dict[tuple[int, int, int], int] | None:
@@ -217,7 +218,7 @@ class InstrumentedMode:
             self.verify_skipped = (f"{self.path} does not keep frame pointers (.eh_frame: {fp} of its "
                                    f"{total} calls are made with the frame defined from rbp)")
             return
-        self._fp = FpStackSampler(syscalls=nrs)
+        self._fp = FpStackSampler(syscalls=nrs, cache_dir=self.options.cache_dir)
         self._fp.attach()
         self._verifier = FpVerifier(image.addrspace, pie=image.pie, bias_of=self._bias_of)
         self._biases: dict[int, int | None] = {}

@@ -1,0 +1,39 @@
+"""``python -m ccprofd.bpf.compile_worker``: compile one BPF C translation unit with bcc and print
+its :class:`~ccprofd.bpf.objcache.CompiledObject` as JSON.
+
+Run as a child process by :func:`ccprofd.bpf.objcache.compile_in_subprocess` so that libbcc (which
+embeds LLVM) and clang's heap never map into the daemon or the tracer.  Input on stdin:
+``{"text": ..., "cflags": [...]}``.  Exit 0 with the object on stdout; exit 1 with the one-line
+:class:`BPFError` message as the last stdout line.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from ccprofd.bpf.errors import BPFError
+
+
+def main() -> int:
+    from ccprofd.bpf.bcc_adapter import BccModule
+
+    try:
+        request = json.loads(sys.stdin.buffer.read())
+        text, cflags = str(request["text"]), [str(f) for f in request["cflags"]]
+    except (ValueError, KeyError, TypeError) as exc:
+        print(f"bad compile request: {exc}")
+        return 1
+    try:
+        with BccModule(text, cflags) as mod:
+            obj = mod.compiled_object()
+    except BPFError as exc:
+        print(str(exc))
+        return 1
+    sys.stdout.buffer.write(obj.to_json())
+    sys.stdout.flush()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
