@@ -1,4 +1,5 @@
-"""The bcc adapter: compile errors, maps, ring buffers, perf-event sampling — on the real kernel."""
+"""The bcc adapter and the raw loader (compile once in a subprocess, load with raw bpf(2)): compile
+errors, maps, ring buffers, perf-event sampling — on the real kernel, each test on both paths."""
 
 from __future__ import annotations
 
@@ -6,13 +7,16 @@ import os
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from bpf_helpers import compile_c
 
 from ccprofd.bpf.bcc_adapter import BccModule
 from ccprofd.bpf.errors import BPFError
+from ccprofd.bpf.rawmodule import load_module
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -41,42 +45,63 @@ def test_only_bcc_adapter_imports_bcc() -> None:
     assert offenders == []
 
 
+def test_only_the_compile_worker_reaches_bcc() -> None:
+    """The tracers load through the raw loader; bcc (libbcc, LLVM) runs only in the compile worker's
+    process (and in the start-up feature probe that checks bcc is installed)."""
+    users = []
+    for path in (REPO / "ccprofd").rglob("*.py"):
+        if re.search(r"^\s*(from ccprofd\.bpf(\.bcc_adapter| import bcc_adapter)|import ccprofd\.bpf\.bcc_adapter)",
+                     path.read_text(), re.MULTILINE):
+            users.append(str(path.relative_to(REPO)))
+    assert sorted(users) == ["ccprofd/bpf/compile_worker.py", "ccprofd/bpf/features.py"]
+
+
 def test_importing_the_bpf_layer_does_not_import_bcc() -> None:
     code = (
         "import sys\n"
         "import ccprofd.bpf.bcc_adapter, ccprofd.bpf.features, ccprofd.bpf.uprobe_multi\n"
-        "import ccprofd.bpf.syscall_sampler\n"
+        "import ccprofd.bpf.syscall_sampler, ccprofd.bpf.rawmodule, ccprofd.bpf.unwind, ccprofd.bpf.instrumented\n"
+        "import ccprofd.bpf.callcount, ccprofd.bpf.fpverify, ccprofd.daemon.service\n"
         "assert 'bcc' not in sys.modules, 'bcc imported eagerly'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)
 
 
-def test_compile_error_is_one_line(bpf: None) -> None:
+@pytest.fixture(params=["bcc", "raw"])
+def make(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Callable[..., Any]:
+    """A module constructor: bcc in this process, or compile-once + raw load (same API)."""
+    if request.param == "bcc":
+        return BccModule
+    cache = tmp_path_factory.mktemp("bpfobj")
+    return lambda text, cflags=(): load_module(text, cflags, cache_dir=cache)
+
+
+def test_compile_error_is_one_line(bpf: None, make: Any) -> None:
     with pytest.raises(BPFError) as ei:
-        BccModule("int f(void *ctx) { return undefined_symbol; }")
+        make("int f(void *ctx) { return undefined_symbol; }")
     text = str(ei.value)
     assert "\n" not in text
     assert "undefined_symbol" in text and "error" in text
 
 
-def test_verifier_rejection_is_one_line(bpf: None) -> None:
+def test_verifier_rejection_is_one_line(bpf: None, make: Any) -> None:
     src = "BPF_HASH(a, u32, u64, 1);\nint f(void *ctx) { u32 k = 0; u64 *v = a.lookup(&k); return *v; }"
-    with BccModule(src) as mod, pytest.raises(BPFError) as ei:
+    with make(src) as mod, pytest.raises(BPFError) as ei:
         mod.load_func("f", "kprobe")
     text = str(ei.value)
     assert "\n" not in text and text.startswith("loading BPF program f failed")
     assert "invalid mem access" in text  # the verifier's reason, from its log
 
 
-def test_unknown_program_and_map(bpf: None) -> None:
-    with BccModule("BPF_ARRAY(a, u64, 1);\nint f(void *ctx) { return 0; }") as mod:
+def test_unknown_program_and_map(bpf: None, make: Any) -> None:
+    with make("BPF_ARRAY(a, u64, 1);\nint f(void *ctx) { return 0; }") as mod:
         with pytest.raises(BPFError, match="nope"):
             mod.load_func("nope", "kprobe")
         with pytest.raises(BPFError, match="no BPF map nope"):
             mod.map("nope")
 
 
-def test_maps(bpf: None) -> None:
+def test_maps(bpf: None, make: Any) -> None:
     src = """
     struct pair { u64 a; u32 b; };
     BPF_ARRAY(arr, u64, 8);
@@ -84,7 +109,7 @@ def test_maps(bpf: None) -> None:
     BPF_PERCPU_ARRAY(pc, u64, 2);
     int f(void *ctx) { return 0; }
     """
-    with BccModule(src, cflags=["-DUNUSED=1"]) as mod:
+    with make(src, cflags=["-DUNUSED=1"]) as mod:
         arr = mod.map("arr")
         assert arr.max_entries == 8 and arr.fd > 0
         arr.set(3, 42)
@@ -115,7 +140,7 @@ def test_maps(bpf: None) -> None:
         assert len(pc.get_percpu(0)) >= os.cpu_count()  # type: ignore[operator]
 
 
-def test_ring_buffer_and_raw_tracepoint(bpf: None) -> None:
+def test_ring_buffer_and_raw_tracepoint(bpf: None, make: Any) -> None:
     src = """
     BPF_RINGBUF_OUTPUT(rb, 1);
     BPF_ARRAY(me, u32, 1);
@@ -129,7 +154,7 @@ def test_ring_buffer_and_raw_tracepoint(bpf: None) -> None:
         return 0;
     }
     """
-    with BccModule(src) as mod:
+    with make(src) as mod:
         mod.map("me").set(0, os.getpid())
         got: list[bytes] = []
         mod.open_ring_buffer("rb", got.append)
@@ -142,7 +167,7 @@ def test_ring_buffer_and_raw_tracepoint(bpf: None) -> None:
             mod.open_ring_buffer("me", got.append)
 
 
-def test_ring_buffer_callback_errors_propagate(bpf: None) -> None:
+def test_ring_buffer_callback_errors_propagate(bpf: None, make: Any) -> None:
     src = """
     BPF_RINGBUF_OUTPUT(rb, 1);
     int on_fork(struct tracepoint__sched__sched_process_fork *args) {
@@ -151,7 +176,7 @@ def test_ring_buffer_callback_errors_propagate(bpf: None) -> None:
         return 0;
     }
     """
-    with BccModule(src) as mod:
+    with make(src) as mod:
 
         def boom(_: bytes) -> None:
             raise RuntimeError("callback failed")
@@ -163,7 +188,7 @@ def test_ring_buffer_callback_errors_propagate(bpf: None) -> None:
             mod.ring_buffer_poll(1000)
 
 
-def test_perf_event_cpu_clock_sampling_of_one_process(bpf: None, tmp_path: Path) -> None:
+def test_perf_event_cpu_clock_sampling_of_one_process(bpf: None, make: Any, tmp_path: Path) -> None:
     exe = compile_c(tmp_path, "busy", BUSY_C, "-O0")
     src = """
     #include <uapi/linux/bpf_perf_event.h>
@@ -181,7 +206,7 @@ def test_perf_event_cpu_clock_sampling_of_one_process(bpf: None, tmp_path: Path)
     p = subprocess.Popen([str(exe)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
     try:
         assert p.stdout is not None and p.stdout.readline() == b"ready\n"
-        with BccModule(src) as mod:
+        with make(src) as mod:
             mod.attach_perf_event("on_sample", sample_freq=999, pid=p.pid)
             out, _ = p.communicate(b"g")
             samples = dict(mod.map("samples").items())
@@ -192,7 +217,7 @@ def test_perf_event_cpu_clock_sampling_of_one_process(bpf: None, tmp_path: Path)
     assert p.returncode == 0 and out.strip() == str(sum(range(50000000))).encode()
     assert samples.get(p.pid, 0) > 0
     assert set(samples) == {p.pid}  # a per-pid event samples nobody else
-    with BccModule("int f(void *ctx) { return 0; }") as mod, pytest.raises(BPFError, match="exactly one"):
+    with make("int f(void *ctx) { return 0; }") as mod, pytest.raises(BPFError, match="exactly one"):
         mod.attach_perf_event("f")
 
 
@@ -202,7 +227,7 @@ def _perf_attachments_of_this_process() -> list[str]:
     return [line for line in out.splitlines() if re.search(rf"\bpid {os.getpid()}\b", line)]
 
 
-def test_two_programs_on_one_tracepoint_are_both_detached(bpf: None) -> None:
+def test_two_programs_on_one_tracepoint_are_both_detached(bpf: None, make: Any) -> None:
     """bcc keys its tracepoint fds by name: the first of two programs of one module on the same
     tracepoint used to stay attached after cleanup (each instrumented-mode session leaked three,
     until the kernel's 64-per-tracepoint limit refused the next attach)."""
@@ -211,7 +236,7 @@ def test_two_programs_on_one_tracepoint_are_both_detached(bpf: None) -> None:
     int second(void *ctx) { return 0; }
     """
     before = _perf_attachments_of_this_process()
-    mod = BccModule(src)
+    mod = make(src)
     mod.attach_tracepoint("sched:sched_process_fork", "first")
     mod.attach_tracepoint("sched:sched_process_fork", "second")
     attached = _perf_attachments_of_this_process()

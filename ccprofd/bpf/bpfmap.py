@@ -151,6 +151,11 @@ class RawMap:
         return self.spec.max_entries
 
     @property
+    def id(self) -> int:
+        """The kernel's id of this map (what ``bpftool map`` shows)."""
+        return rawbpf.obj_id(self._fd)
+
+    @property
     def percpu(self) -> bool:
         return self.map_type in _PERCPU
 

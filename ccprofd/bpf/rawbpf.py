@@ -275,6 +275,18 @@ class InfoByFdAttr(ctypes.Structure):
     ]
 
 
+def obj_id(fd: int) -> int:
+    """The kernel id of a program, map or link fd (``struct bpf_{prog,map,link}_info`` all start
+    with u32 type, u32 id), as ``bpftool`` lists it."""
+    buf = (ctypes.c_uint32 * 64)()
+    attr = InfoByFdAttr()
+    attr.bpf_fd = fd
+    attr.info_len = 8
+    attr.info = ctypes.addressof(buf)
+    bpf(BPF_OBJ_GET_INFO_BY_FD, attr, f"querying BPF object fd {fd}")
+    return int(buf[1])
+
+
 def link_info(fd: int) -> tuple[int, int, int]:
     """(link type, link id, prog id) of a link fd — the head of ``struct bpf_link_info``."""
     buf = (ctypes.c_uint32 * 32)()

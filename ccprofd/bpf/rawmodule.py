@@ -85,6 +85,7 @@ class RawModule:
 
     def attach_tracepoint(self, tp: str, fn_name: str) -> None:
         """Attach ``fn_name`` to ``category:event``."""
+        _attach.tracepoint_id(tp)  # a bad name fails here, before the program is verified
         fd = self.load_func(fn_name, "tracepoint")
         self._attach_fds.append(_attach.attach_tracepoint_fd(fd, tp))
 
@@ -133,6 +134,16 @@ class RawModule:
             pfd = _attach.perf_event_open(attr, pid, c, f"{ev_type}:{ev_config} for {fn_name}")
             self._attach_fds.append(pfd)
             _attach.perf_event_set_bpf(pfd, fd, fn_name)
+
+    @property
+    def program_fds(self) -> dict[str, int]:
+        """Loaded programs by function name (fds owned by this module)."""
+        return {name: fd for (name, _, _), fd in self._progs.items()}
+
+    @property
+    def link_fds(self) -> list[int]:
+        """Raw tracepoint links owned by this module."""
+        return [fd for fds in self._raw_tps.values() for fd in fds]
 
     # -- maps -------------------------------------------------------------------------------------
     def map(self, name: str) -> RawMap:
