@@ -39,7 +39,8 @@ def test_relocations_split_and_apply_round_trip() -> None:
             + _insn(0x18, dst=3, imm=1) + _insn(0, src=1, imm=7) + _insn(0x95))
     insns, relocs = objcache.split_relocations(code, {7: "counts", 9: "events"})
     assert relocs == ((0, "counts"), (3, "events"))
-    assert struct.unpack_from("<i", insns, 0 * 8 + 4)[0] == 0 and struct.unpack_from("<i", insns, 3 * 8 + 4)[0] == 0
+    assert struct.unpack_from("<i", insns, 0 * 8 + 4)[0] == 0
+    assert struct.unpack_from("<i", insns, 3 * 8 + 4)[0] == 0
     assert insns[5 * 8:] == code[5 * 8:]  # the constant load is untouched
     fn = FunctionSpec("f", insns, relocs)
     out = objcache.apply_relocations(fn, {"counts": 40, "events": 41})
@@ -159,15 +160,16 @@ def test_map_operations_agree_with_bpftool(bpf: None, tmp_path: Path) -> None:
             items.append((k, v))
         h.update_many(items)
         dump = _bpftool("map", "dump", "id", str(h.id))
-        theirs = {struct.unpack("<I", _hexbytes(e["key"]))[0]: struct.unpack_from("<QI", _hexbytes(e["value"]))
-                  for e in dump}
+        theirs = {struct.unpack("<I", _hexbytes(e["key"]))[0]:
+                  struct.unpack_from("<QI", _hexbytes(e["value"])) for e in dump}
         assert theirs == {k: (k * 1_000_003, k ^ 0x5A5A) for k in range(1500)}
         ours = {k: (v.a, v.b) for k, v in h.items_batch()}
         assert ours == theirs and len(h) == 1500
         assert {k: (v.a, v.b) for k, v in h.items()} == theirs
         # written by bpftool, read by us
-        subprocess.run([require_tool("bpftool"), "map", "update", "id", str(h.id), "key", "hex", "0a", "00", "00", "00",
-                        "value", "hex", *([f"{b:02x}" for b in struct.pack("<QI", 77, 88)] + ["00"] * 4)],
+        value = [f"{b:02x}" for b in struct.pack("<QI", 77, 88) + bytes(4)]
+        subprocess.run([require_tool("bpftool"), "map", "update", "id", str(h.id),
+                        "key", "hex", "0a", "00", "00", "00", "value", "hex", *value],
                        check=True, capture_output=True)
         got = h.get(10)
         assert (got.a, got.b) == (77, 88)
@@ -217,7 +219,7 @@ def test_percpu_sums_and_queue_push_pop_from_both_sides(bpf: None, tmp_path: Pat
         n = sum(per_cpu.values())
         expected = [5, 6, 7]
         for _ in range(n):
-            expected = expected[1:] + [expected[0] + 1000]
+            expected = [*expected[1:], expected[0] + 1000]
         assert [q.pop(), q.pop(), q.pop(), q.pop()] == [*expected, None]
 
 
