@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from programs.build import build  # noqa: E402
 
-from ccprofd.bpf.bcc_adapter import BccModule  # noqa: E402
+from ccprofd.bpf.rawmodule import load_module  # noqa: E402
 from ccprofd.bpf.uprobe_multi import attach_uprobe_multi  # noqa: E402
 from ccprofd.callgraph import analyze_binary  # noqa: E402
 from ccprofd.callgraph.elfimage import ElfImage  # noqa: E402
@@ -51,7 +51,7 @@ def count_calls(cmd: list[str]) -> int:
     image = ElfImage(path)
     sites = sorted({s.address for s in graph.sites if s.kind in ("direct", "plt") and not s.is_jump})
     offsets = [image.addrspace.vaddr_to_offset(a) for a in sites]
-    mod = BccModule(COUNTER)
+    mod = load_module(COUNTER)
     try:
         fd = mod.load_func("count_call", "kprobe", attach_type=48)
         child = subprocess.Popen(["sh", "-c", 'read _ ; exec "$@"', "sh", *cmd], stdin=subprocess.PIPE,

@@ -448,7 +448,7 @@ def run_query(baselines: Baselines | None, reduced: bool, work: Path) -> dict[st
         try:
             idle = idle_cost("bl_sys_stack")
         finally:
-            baselines.module.raw.detach_raw_tracepoint(tp=b"sys_enter")
+            baselines.module.detach_raw_tracepoint("sys_enter")
         out["get_stack_filter_ns"] = idle
         for d in depths:
             argv = [str(binary), str(d - OUTSIDE_FRAMES), str(calls_at(d))]

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ccprofd.bpf.bcc_adapter import BccModule
+from ccprofd.bpf.rawmodule import load_module
 from ccprofd.bpf.uprobe_multi import UprobeMultiLink, attach_uprobe_multi
 from ccprofd.callgraph.elfimage import ElfImage
 from ccprofd.callgraph.model import CallGraph
@@ -240,7 +240,7 @@ class Baselines:
 
     def __init__(self, max_sites: int = 1 << 17) -> None:
         self.max_sites = max_sites
-        self.module = BccModule(f"#define NSITES {max_sites}\n" + BASELINE_C)
+        self.module = load_module(f"#define NSITES {max_sites}\n" + BASELINE_C)
         self.module.attach_tracepoint("sched:sched_process_fork", "bl_fork")
         self.path = ""
         self.sites: list[tuple[int, int, int]] = []
@@ -282,7 +282,7 @@ class Baselines:
         return Timing(ex.at - t0, ex.cpu), ex.code
 
     def _detach_sys_enter(self) -> None:
-        self.module.raw.detach_raw_tracepoint(tp=b"sys_enter")
+        self.module.detach_raw_tracepoint("sys_enter")
 
     def count_calls(
         self, argv: Sequence[str], *, stdin: str | None = None, env: dict[str, str] | None = None

@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import machine_line, update_readme_section
 from bench.report_bpf import owned_prog_stats  # this process's programs only: the machine is shared
-from ccprofd.bpf.bcc_adapter import BccModule
+from ccprofd.bpf.rawmodule import load_module
 from ccprofd.bpf.unwind import UnwindSampler
 from ccprofd.callgraph import cfi
 from ccprofd.callgraph.cache import AnalysisCache
@@ -173,7 +173,7 @@ def measure(args: argparse.Namespace) -> int:
 
     tmp = Path(tempfile.mkdtemp(prefix="ccprofd-bench-unwind-"))
     binary = build_program(tmp)
-    gs = BccModule(GET_STACK_C)
+    gs = load_module(GET_STACK_C)
     uw = UnwindSampler(syscalls=[NR_GETPPID], aggregate=True, max_depth=4096)
     t0 = time.perf_counter()
     uw.attach()

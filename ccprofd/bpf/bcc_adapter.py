@@ -274,10 +274,6 @@ class BccModule:
             raise BPFError(f"cannot read BPF source {os.fspath(path)}: {exc.strerror}") from None
         return cls(prelude + text, cflags)
 
-    @property
-    def raw(self) -> Any:
-        """The underlying ``bcc.BPF`` object, for what this wrapper does not cover (avoid)."""
-        return self._b
 
     def compiled_object(self) -> CompiledObject:
         """Everything a raw loader needs to load this module again without bcc (see
@@ -359,6 +355,10 @@ class BccModule:
             tp=tp.encode(),
             fn_name=fn_name.encode(),
         )
+
+    def detach_raw_tracepoint(self, tp: str) -> None:
+        """Detach the program attached to raw tracepoint ``tp``."""
+        self._call(f"detaching raw tracepoint {tp}", self._b.detach_raw_tracepoint, tp=tp.encode())
 
     def attach_uprobe(
         self, path: str, fn_name: str, *, sym: str, sym_off: int = 0, pid: int = -1, retprobe: bool = False
