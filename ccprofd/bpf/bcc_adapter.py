@@ -1,4 +1,7 @@
-"""The only module of ccprofd that imports ``bcc``.
+"""The only module of ccprofd that imports ``bcc``; used by the compile worker
+(:mod:`ccprofd.bpf.compile_worker`, which turns a compiled module into a
+:class:`~ccprofd.bpf.objcache.CompiledObject` for the raw loader) and by tests that compare the two
+paths, never in the tracer's or the daemon's own process.
 
 A thin typed layer over bcc 0.26's Python API: compile BPF C with cflags, load programs by name and
 type (including ``attach_type=48`` for uprobe_multi), attach tracepoints / raw tracepoints / perf
