@@ -10,6 +10,7 @@ embeds LLVM) and clang's heap never map into the daemon or the tracer.  Input on
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 from ccprofd.bpf.errors import BPFError
@@ -18,20 +19,24 @@ from ccprofd.bpf.errors import BPFError
 def main() -> int:
     from ccprofd.bpf.bcc_adapter import BccModule
 
-    try:
-        request = json.loads(sys.stdin.buffer.read())
-        text, cflags = str(request["text"]), [str(f) for f in request["cflags"]]
-    except (ValueError, KeyError, TypeError) as exc:
-        print(f"bad compile request: {exc}")
-        return 1
-    try:
-        with BccModule(text, cflags) as mod:
-            obj = mod.compiled_object()
-    except BPFError as exc:
-        print(str(exc))
-        return 1
-    sys.stdout.buffer.write(obj.to_json())
+    # The answer goes to the original stdout; anything bcc or clang print there goes to stderr.
     sys.stdout.flush()
+    answer = os.fdopen(os.dup(1), "wb")
+    os.dup2(2, 1)
+    with answer:
+        try:
+            request = json.loads(sys.stdin.buffer.read())
+            text, cflags = str(request["text"]), [str(f) for f in request["cflags"]]
+        except (ValueError, KeyError, TypeError) as exc:
+            answer.write(f"bad compile request: {exc}\n".encode())
+            return 1
+        try:
+            with BccModule(text, cflags) as mod:
+                obj = mod.compiled_object()
+        except BPFError as exc:
+            answer.write(f"{exc}\n".encode())
+            return 1
+        answer.write(obj.to_json())
     return 0
 
 
