@@ -26,7 +26,6 @@ BPF_MAP_DELETE_ELEM = 3
 BPF_MAP_GET_NEXT_KEY = 4
 BPF_MAP_LOOKUP_AND_DELETE_ELEM = 21
 BPF_MAP_LOOKUP_BATCH = 24
-BPF_MAP_UPDATE_BATCH = 26
 
 # enum bpf_map_type
 MAP_HASH, MAP_ARRAY, MAP_PERCPU_HASH, MAP_PERCPU_ARRAY, MAP_LRU_HASH = 1, 2, 5, 6, 9
@@ -44,21 +43,6 @@ _C_SCALARS: dict[str, Any] = {
     "double": ctypes.c_double, "long double": ctypes.c_longdouble, "__int128": ctypes.c_int64 * 2,
     "unsigned __int128": ctypes.c_uint64 * 2, "wchar_t": ctypes.c_wchar,
 }
-
-
-class ElemAttr(ctypes.Structure):
-    """The BPF_MAP_*_ELEM member of ``union bpf_attr``."""
-
-    _fields_ = [("map_fd", ctypes.c_uint32), ("_pad", ctypes.c_uint32), ("key", ctypes.c_uint64),
-                ("value", ctypes.c_uint64), ("flags", ctypes.c_uint64)]
-
-
-class BatchAttr(ctypes.Structure):
-    """The BPF_MAP_*_BATCH member of ``union bpf_attr``."""
-
-    _fields_ = [("in_batch", ctypes.c_uint64), ("out_batch", ctypes.c_uint64), ("keys", ctypes.c_uint64),
-                ("values", ctypes.c_uint64), ("count", ctypes.c_uint32), ("map_fd", ctypes.c_uint32),
-                ("elem_flags", ctypes.c_uint64), ("flags", ctypes.c_uint64)]
 
 
 def ctype_from_desc(desc: Any) -> Any:
@@ -182,7 +166,7 @@ class RawMap:
         return self.leaf_type()
 
     def _elem(self, cmd: int, key: Any, value: Any, flags: int, what: str) -> None:
-        attr = ElemAttr(map_fd=self._fd, key=_addr(key), value=_addr(value), flags=flags)
+        attr = rawbpf.MapElemAttr(map_fd=self._fd, key=_addr(key), value=_addr(value), flags=flags)
         rawbpf.bpf(cmd, attr, f"map {self.name}: {what}")
 
     def _lookup(self, key: Any) -> Any | None:
@@ -233,21 +217,16 @@ class RawMap:
 
     def update_many(self, items: Sequence[tuple[Any, Any]]) -> None:
         """Set many entries with one BPF_MAP_UPDATE_BATCH (element by element where the kernel or
-        the map type lacks it)."""
+        the map type lacks it; :func:`ccprofd.bpf.rawbpf.map_update_batch` for packed bytes)."""
         if not items:
             return
         n = len(items)
         keys = (self.key_type * n)(*(self._key(k) for k, _ in items))
         vals = (self.leaf_type * n)(*(self._leaf(v) for _, v in items))
-        attr = BatchAttr(keys=ctypes.addressof(keys), values=ctypes.addressof(vals), count=n, map_fd=self._fd)
         try:
-            rawbpf.bpf(BPF_MAP_UPDATE_BATCH, attr, f"map {self.name}: batch update")
-            if attr.count == n:
-                return
-        except rawbpf.BPFSyscallError:
-            pass
-        for k, v in items:
-            self.set(k, v)
+            rawbpf.map_update_batch(self._fd, bytes(keys), bytes(vals), n, f"map {self.name}")
+        except rawbpf.BPFSyscallError as exc:
+            raise BPFError(f"map {self.name}: update failed: {os.strerror(exc.errno)}") from None
 
     def delete(self, key: Any) -> bool:
         """Remove ``key``; False when it was absent (array maps: zero the slot)."""
@@ -322,7 +301,7 @@ class RawMap:
         out: list[tuple[Any, Any]] = []
         first = True
         while True:
-            attr = BatchAttr(in_batch=0 if first else ctypes.addressof(in_batch),
+            attr = rawbpf.MapBatchAttr(in_batch=0 if first else ctypes.addressof(in_batch),
                              out_batch=ctypes.addressof(out_batch), keys=ctypes.addressof(keys),
                              values=ctypes.addressof(vals), count=chunk, map_fd=self._fd)
             done = False
