@@ -490,3 +490,36 @@ def test_encoding_round_trips_through_its_packed_cache_form() -> None:
     torn["edges"] = {**plain["edges"], "mask": plain["edges"]["mask"][:-8]}
     with pytest.raises(ValueError):
         encoding_from_plain(torn)
+
+
+def test_cached_graph_is_read_only_when_needed_and_equals_the_analysis(tmp_path: Path) -> None:
+    from programs.build import build
+
+    from ccprofd.callgraph import SUMMARY_KIND, analyze_binary
+    binary = str(build("recursion", opt="O2"))
+    fresh = analyze_binary(binary, cache_dir=tmp_path, use_cache=False)
+    first = analyze_binary(binary, cache_dir=tmp_path)  # analysed, stored with its summary
+    assert not first.from_cache
+    warm = analyze_binary(binary, cache_dir=tmp_path)
+    assert warm.from_cache and warm._rows is None  # only the summary was read
+    assert (warm.number_of_nodes(), warm.number_of_edges(), warm.has_edge_weights()) == \
+        (fresh.graph.number_of_nodes(), fresh.graph.number_of_edges(), False)
+    built = get_plan(first, "valence", cache_dir=tmp_path)  # built from the graph and stored
+    assert get_plan(warm, "valence", cache_dir=tmp_path)["sites"] == built["sites"]
+    assert warm._rows is None  # a plan-cache hit needs the counts, not the rows
+    # once something needs the graph, the rows are read and equal the analysis
+    assert warm.to_dict()["edges"] == fresh.to_dict()["edges"] and warm._rows is not None
+    assert [s.address for s in warm.sites] == [s.address for s in fresh.sites]
+    # a damaged or rewritten graph entry is found out at once (the summary names the file it was
+    # made with), re-analysed and rewritten, never a traceback
+    (entry,) = (tmp_path / "callgraph").iterdir()
+    entry.write_bytes(b"garbage")
+    again = analyze_binary(binary, cache_dir=tmp_path)
+    assert not again.from_cache and again.to_dict()["edges"] == fresh.to_dict()["edges"]
+    warm2 = analyze_binary(binary, cache_dir=tmp_path)  # the rewritten entry and summary
+    assert warm2.from_cache and warm2._rows is None
+    (summary,) = (tmp_path / SUMMARY_KIND).iterdir()
+    summary.write_bytes(b"torn")
+    warm3 = analyze_binary(binary, cache_dir=tmp_path)  # a torn summary: the full entry is read
+    assert warm3.from_cache and warm3._rows is not None
+    assert warm3.to_dict()["edges"] == fresh.to_dict()["edges"]

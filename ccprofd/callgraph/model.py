@@ -25,7 +25,7 @@ Indirect call sites have no edge (the target is unknown statically); they are li
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -80,6 +80,10 @@ class CallGraph:
         self._graph = graph
         self._sites = sites
         self._rows: dict[str, Any] | None = None
+        # A cache hit may defer even reading the rows: ``_summary`` (counts, weights present) answers
+        # what a warm start asks, ``_loader`` reads the rows when something needs the graph itself.
+        self._loader: Callable[[], dict[str, Any]] | None = None
+        self._summary: dict[str, Any] | None = None
         self.analysis_seconds = analysis_seconds
         self.cached_stats: dict[str, Any] | None = None  # statistics already computed (see graph_stats)
         self.from_cache = False  # loaded from the analysis cache rather than analysed now
@@ -89,23 +93,36 @@ class CallGraph:
         if self._graph is None:
             import networkx as nx  # imported on first use: a cache hit for stats needs no graph
 
-            assert self._rows is not None
+            rows = self._serial()
+            assert rows is not None
             g = nx.MultiDiGraph()
             g.add_nodes_from((n, {"name": name, "kind": kind, "addr": addr, "size": size, "aliases": aliases,
                                   "address_taken": taken, "is_root": is_root, "fragments": fragments})
                              for n, name, kind, addr, size, aliases, taken, is_root, fragments
-                             in self._rows["nodes"])
+                             in rows["nodes"])
             g.add_edges_from((u, v, k, {"kind": kind, "site": site, "ret": ret, "length": length,
                                         "weight": weight})
-                             for u, v, k, kind, site, ret, length, weight in self._rows["edges"])
+                             for u, v, k, kind, site, ret, length, weight in rows["edges"])
             self._graph = g
         return self._graph
 
     @property
     def sites(self) -> list[CallSite]:
         if self._sites is None:
-            self._sites = [CallSite(*row) for row in self._rows["sites"]] if self._rows else []
+            rows = self._serial()
+            self._sites = [CallSite(*row) for row in rows["sites"]] if rows else []
         return self._sites
+
+    def _serial(self) -> dict[str, Any] | None:
+        """The serialised rows of a graph from the cache (read now if deferred), else None."""
+        if self._rows is None and self._loader is not None:
+            self._rows = self._loader()
+            self._loader = None
+        return self._rows
+
+    def _lazy(self) -> bool:
+        """True while the networkx graph is not built and the serialised rows stand for it."""
+        return self._graph is None and (self._rows is not None or self._loader is not None)
 
     # ----------------------------------------------------------------- construction helpers
     @staticmethod
@@ -141,20 +158,32 @@ class CallGraph:
     # ------------------------------------------------------------------------------ queries
     def number_of_nodes(self) -> int:
         """Node count, from the serialised rows when the networkx graph was not built (cache hit)."""
-        if self._graph is None and self._rows is not None:
-            return len(self._rows["nodes"])
+        if self._lazy():
+            if self._rows is None and self._summary is not None:
+                return int(self._summary["nodes"])
+            return len(self._serial()["nodes"])  # type: ignore[index]
         return int(self.graph.number_of_nodes())
 
     def number_of_edges(self) -> int:
-        if self._graph is None and self._rows is not None:
-            return len(self._rows["edges"])
+        if self._lazy():
+            if self._rows is None and self._summary is not None:
+                return int(self._summary["edges"])
+            return len(self._serial()["edges"])  # type: ignore[index]
         return int(self.graph.number_of_edges())
+
+    def has_edge_weights(self) -> bool:
+        """Whether any edge carries a dynamic call count (answered by a cache summary unread)."""
+        if self._lazy() and self._rows is None and self._summary is not None:
+            return bool(self._summary["weighted"])
+        return any(w for *_, w in self.edge_rows())
 
     def edge_rows(self) -> Iterator[tuple[int, int, int, Any, Any]]:
         """``(caller, callee, key, kind, weight)`` of every edge, without building the networkx graph
         when it is not built yet (a warm start reads the plan from the cache and needs no graph)."""
-        if self._graph is None and self._rows is not None:
-            return ((u, v, k, kind, weight) for u, v, k, kind, _s, _r, _l, weight in self._rows["edges"])
+        if self._lazy():
+            rows = self._serial()
+            assert rows is not None
+            return ((u, v, k, kind, weight) for u, v, k, kind, _s, _r, _l, weight in rows["edges"])
         return ((u, v, k, d.get("kind"), d.get("weight"))
                 for u, v, k, d in self.graph.edges(keys=True, data=True))
 
@@ -199,6 +228,26 @@ class CallGraph:
         cg = CallGraph(binary=BinaryInfo(**data["binary"]),
                        analysis_seconds=data.get("analysis_seconds", 0.0))
         cg._rows = data
+        return cg
+
+    def summary(self) -> dict[str, Any]:
+        """What a warm start needs without the rows: identity, counts, whether edges are weighted."""
+        return {"format": FORMAT_VERSION, "binary": asdict(self.binary),
+                "analysis_seconds": self.analysis_seconds, "nodes": self.number_of_nodes(),
+                "edges": self.number_of_edges(),
+                "weighted": any(w for *_, w in self.edge_rows())}
+
+    @staticmethod
+    def deferred(summary: dict[str, Any], load: Callable[[], dict[str, Any]]) -> CallGraph:
+        """A graph known by its :meth:`summary`, whose rows ``load`` returns (as :meth:`to_dict`) when
+        first needed."""
+        if summary.get("format") != FORMAT_VERSION:
+            raise ValueError(f"call graph format {summary.get('format')!r}, expected {FORMAT_VERSION}")
+        cg = CallGraph(binary=BinaryInfo(**summary["binary"]),
+                       analysis_seconds=summary.get("analysis_seconds", 0.0))
+        cg._summary = {"nodes": int(summary["nodes"]), "edges": int(summary["edges"]),
+                       "weighted": bool(summary["weighted"])}
+        cg._loader = load
         return cg
 
     def to_json(self) -> str:

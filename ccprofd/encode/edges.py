@@ -55,6 +55,8 @@ def effective_weights(graph: CallGraph, weights: Mapping[EdgeKey, int] | None,
     if weights is not None:
         return {k: int(w) for k, w in weights.items() if w}
     if rows is None:  # no need to sort every edge (a warm start's cache key) for the few weighted ones
+        if not graph.has_edge_weights():
+            return None
         found = {(u, v, k): int(w) for u, v, k, _, w in graph.edge_rows() if w}
     else:
         found = {(u, v, k): w for k, u, v, _, w in rows if w}
