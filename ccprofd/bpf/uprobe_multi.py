@@ -1,11 +1,12 @@
 """uprobe_multi links: one program on many sites of one binary, through a raw ``BPF_LINK_CREATE``.
 
-Why not bcc's ``attach_uprobe``: it creates one perf event per site, caps at 1,000 probes and takes
-~0.1 s per probe to detach on this kernel.  A uprobe_multi link (Linux >= 6.6) attaches tens of
-thousands of sites in one syscall and detaches them all by closing one fd.
+Why not classic uprobes (``RawModule.attach_uprobe``, bcc's ``attach_uprobe``): one perf event per
+site (bcc caps them at 1,000) and ~0.1 s per probe to detach on this kernel.  A uprobe_multi link
+(Linux >= 6.6) attaches tens of thousands of sites in one syscall and detaches them all by closing
+one fd.
 
 The program must have been loaded as ``BPF_PROG_TYPE_KPROBE`` with ``expected_attach_type =
-BPF_TRACE_UPROBE_MULTI`` (48) — e.g. ``BccModule.load_func(name, "kprobe", attach_type=48)`` — and
+BPF_TRACE_UPROBE_MULTI`` (48) — e.g. ``RawModule.load_func(name, "kprobe", attach_type=48)`` — and
 reads each hit's site id with ``bpf_get_attach_cookie(ctx)``.
 
 Offsets are **file offsets** of instruction starts (not virtual addresses); a mid-instruction offset
