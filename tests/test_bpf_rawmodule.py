@@ -104,6 +104,19 @@ def test_compile_cached_compiles_once_and_recompiles_on_change_or_corruption(
     assert (tmp_path / "env").is_dir() and len(calls) == 6
 
 
+def test_the_cache_keeps_the_most_recently_used_objects(tmp_path: Path) -> None:
+    obj = _sample_object()
+    paths = [tmp_path / f"{i:02d}.v{objcache.FORMAT_VERSION}.json" for i in range(5)]
+    for i, p in enumerate(paths):
+        objcache.store(p, obj, keep=3)
+        os.utime(p, ns=(i * 10**9, i * 10**9))  # stored in order, a second apart
+    assert sorted(tmp_path.iterdir()) == paths[2:]
+    assert objcache.load_cached(paths[2]) == obj  # a hit makes it the most recent
+    objcache.store(tmp_path / f"new.v{objcache.FORMAT_VERSION}.json", obj, keep=3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([paths[2].name, paths[4].name,
+                                                                 f"new.v{objcache.FORMAT_VERSION}.json"])
+
+
 def test_compile_error_in_the_worker_is_one_line(bpf: None, tmp_path: Path) -> None:
     with pytest.raises(BPFError) as ei:
         load_module("int f(void *ctx) { return undefined_symbol; }", cache_dir=tmp_path)

@@ -34,6 +34,7 @@ from ccprofd.bpf.errors import BPFError
 
 FORMAT_VERSION = 1
 ENV_CACHE_DIR = "CCPROFD_BPF_CACHE_DIR"
+MAX_CACHED = 256  # objects kept per cache directory (~120 kB each for the unwinder); least recent go
 LIBBCC_NAMES = ("libbcc.so.0",)
 _LIB_DIRS = ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/lib64",
              "/lib", "/usr/local/lib", "/usr/local/lib64")
@@ -218,21 +219,40 @@ def cache_path(directory: Path, key: str) -> Path:
 
 
 def load_cached(path: Path) -> CompiledObject | None:
-    """The object stored at ``path``; None when absent, unreadable or corrupt."""
+    """The object stored at ``path``; None when absent, unreadable or corrupt.  A hit renews the
+    file's mtime, the recency :func:`prune` keeps by."""
     try:
         data = path.read_bytes()
     except OSError:
         return None
     try:
-        return CompiledObject.from_json(data)
+        obj = CompiledObject.from_json(data)
     except ValueError:
         return None
+    with contextlib.suppress(OSError):
+        os.utime(path)
+    return obj
 
 
-def store(path: Path, obj: CompiledObject) -> None:
-    """Write ``obj`` atomically; an unwritable cache only costs the next start a compile."""
+def store(path: Path, obj: CompiledObject, *, keep: int = MAX_CACHED) -> None:
+    """Write ``obj`` atomically, then :func:`prune`; an unwritable cache only costs the next start a
+    compile."""
     with contextlib.suppress(OSError):
         atomic_write_bytes(path, obj.to_json())
+        prune(path.parent, keep)
+
+
+def prune(directory: Path, keep: int) -> None:
+    """Delete all but the ``keep`` most recently used objects (every distinct source — each target's
+    encoding sizes, each kernel — adds one, so the directory is bounded)."""
+    files = []
+    for p in directory.glob(f"*.v{FORMAT_VERSION}.json"):
+        with contextlib.suppress(OSError):
+            files.append((p.stat().st_mtime_ns, p))
+    files.sort(reverse=True)
+    for _, p in files[keep:]:
+        with contextlib.suppress(OSError):
+            p.unlink()
 
 
 def compile_in_subprocess(text: str, cflags: tuple[str, ...] | list[str]) -> CompiledObject:
