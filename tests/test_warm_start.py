@@ -523,3 +523,36 @@ def test_cached_graph_is_read_only_when_needed_and_equals_the_analysis(tmp_path:
     warm3 = analyze_binary(binary, cache_dir=tmp_path)  # a torn summary: the full entry is read
     assert warm3.from_cache and warm3._rows is not None
     assert warm3.to_dict()["edges"] == fresh.to_dict()["edges"]
+
+
+def _bpf_prog_fds() -> int:
+    import contextlib
+    import os
+
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            n += os.readlink(f"/proc/self/fd/{fd}") == "anon_inode:bpf-prog"
+    return n
+
+
+def test_early_verifier_load_is_attached_or_closed(tmp_path: Path) -> None:
+    """load_early hands the unwinder to the verifier in a thread at construction; attach() uses that
+    load, and a sampler closed without attaching leaves no program fd behind."""
+    from conftest import require_bpf
+
+    from ccprofd.bpf.unwind import UnwindSampler
+    from ccprofd.callgraph.cache import AnalysisCache
+
+    require_bpf()
+    before = _bpf_prog_fds()
+    s = UnwindSampler(syscalls=[1], max_depth=64, cache=AnalysisCache(tmp_path), load_early=True)
+    try:
+        assert "uw_sys_enter" in s._loading
+    finally:
+        s.close()
+    assert not s._loading and _bpf_prog_fds() == before
+    with UnwindSampler(syscalls=[1], max_depth=64, cache=AnalysisCache(tmp_path), load_early=True) as s:
+        s.attach()
+        assert not s._loading and len(s._links) == 1 and _bpf_prog_fds() > before
+    assert _bpf_prog_fds() == before
