@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from test_encode_graphs import EXTERNAL, addr, make_graph
 
 from ccprofd.callgraph.model import ROOT, CallGraph
-from ccprofd.decode import DecodeError, UnknownCaller, decoder_for
+from ccprofd.decode import DecodeError, StaleAboveSegment, UnknownCaller, decoder_for
 from ccprofd.encode import OUTSIDE, EncodedState, Encoder, Segment, build_plan
 
 MAIN, F, CMP = addr(0), addr(1), addr(2)
@@ -90,3 +92,27 @@ def test_garbage_segment_state_is_flagged() -> None:
     seg = Segment(saved=(0,), rec_height=5, site=OUTSIDE, callee=addr(1), caller=addr(0))
     with pytest.raises(DecodeError):  # recID below the segment is shorter than its recorded height
         decoder_for(plan).decode(EncodedState(acyc=(0,), rec=0, rec_len=0, segments=(seg,)), addr(1))
+
+
+@pytest.mark.parametrize("scheme", ["valence", "pcce", "hcce"])
+def test_invalid_state_above_a_segment_leaves_the_path_inside_it(scheme: str) -> None:
+    """Instrumented mode can save a dead call's bits as a segment's caller state (a piece kept after
+    its frame returned): not a valid state for that node.  The decoder then gives the path inside
+    the innermost segment -- decoded from what was set after it started -- as StaleAboveSegment's
+    partial path (reported flagged), not nothing; a valid state still decodes whole."""
+    plan = build_plan(qsort_graph(), scheme)
+    enc = Encoder(plan)
+    path, ops = qsort_run()
+    for edge, op in zip(path[:5], ops[:5], strict=True):  # main -> F -> qsort -> (outside) cmp -> F
+        if op == "call":
+            enc.call(edge)
+        else:
+            enc.enter_from_outside(edge[1])
+    st = enc.state()
+    (seg,) = st.segments
+    dec = decoder_for(plan)
+    assert dec.decode(st, F) == path[:5]
+    stale = replace(st, segments=(replace(seg, saved=(1 << 40,)),))  # above every level / id range here
+    with pytest.raises(StaleAboveSegment) as exc:
+        dec.decode(stale, F)
+    assert exc.value.partial == [path[4]]  # cmp -> F: inside the segment

@@ -12,14 +12,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ccprofd.decode.common import BaseDecoder, CachingDecoder, DecodeError, UnknownCaller
+from ccprofd.decode.common import BaseDecoder, CachingDecoder, DecodeError, StaleAboveSegment, UnknownCaller
 from ccprofd.decode.pcce import HcceDecoder, PcceDecoder
 from ccprofd.decode.stacktags import StackTagDecoder, TagCandidates
 from ccprofd.decode.valence import ValenceDecoder
 from ccprofd.encode.segments import Edge, EncodedState
 
 __all__ = ["BaseDecoder", "CachingDecoder", "DecodeError", "HcceDecoder", "PcceDecoder", "StackTagDecoder",
-           "TagCandidates", "UnknownCaller", "ValenceDecoder", "decode", "decoder_for"]
+           "StaleAboveSegment", "TagCandidates", "UnknownCaller", "ValenceDecoder", "decode", "decoder_for"]
 
 _DECODERS: dict[str, type[BaseDecoder]] = {
     "valence": ValenceDecoder, "pcce": PcceDecoder, "hcce": HcceDecoder}

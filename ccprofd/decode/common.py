@@ -31,6 +31,23 @@ class UnknownCaller(DecodeError):
         self.partial = partial
 
 
+class StaleAboveSegment(DecodeError):
+    """The state above a segment is not a valid encoding, though the path inside the innermost
+    segment decoded.
+
+    Why it happens: instrumented mode (no return probes) keeps a piece until a later event's frame
+    lies above it or its return-address word is overwritten; code that runs after a return through
+    unprobed edges, in frames that leave that word as it was, finds the dead piece still counted,
+    and a segment saves the state with its bits.  The path inside the innermost segment was decoded
+    from what was set after that segment started, so it stands; what is above is not known.
+    ``partial`` is that inner path, outermost first.
+    """
+
+    def __init__(self, message: str, partial: list[Edge]) -> None:
+        super().__init__(message)
+        self.partial = partial
+
+
 class BaseDecoder:
     """Flat site and node tables common to all schemes."""
 
@@ -85,7 +102,21 @@ class BaseDecoder:
                             partial_rev[::-1])
 
     def decode(self, state: EncodedState, node: int) -> list[Edge]:
-        """The call path ending at ``node``, outermost edge first."""
+        """The call path ending at ``node``, outermost edge first.  A state that stops decoding above
+        a segment raises :class:`StaleAboveSegment` with the path inside the innermost one."""
+        out: list[Edge] = []  # innermost first, filled by _decode as it goes
+        marks: list[int] = []  # len(out) before each segment's caller edge
+        try:
+            return self._decode(state, node, out, marks)
+        except UnknownCaller:
+            raise
+        except DecodeError as exc:
+            if not marks:
+                raise
+            raise StaleAboveSegment(str(exc), out[:marks[0]][::-1]) from None
+
+    def _decode(self, state: EncodedState, node: int, out: list[Edge], marks: list[int]) -> list[Edge]:
+        """The scheme's decoding: edges innermost first into ``out`` (returned outermost first)."""
         raise NotImplementedError
 
 

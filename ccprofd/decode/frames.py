@@ -39,8 +39,12 @@ from ccprofd.bpf.instrumented import (
 )
 from ccprofd.bpf.probeplan import CCOL, PCOL, R_SCOPE, FunctionIndex, ProbePlan
 from ccprofd.callgraph.model import ROOT
-from ccprofd.decode import CachingDecoder, DecodeError, UnknownCaller, decoder_for
+from ccprofd.decode import CachingDecoder, DecodeError, StaleAboveSegment, UnknownCaller, decoder_for
 from ccprofd.encode.segments import OUTSIDE, Edge, EncodedState, Segment
+
+#: Reason of a sample whose state is not a valid encoding above a segment (a dead call's piece kept,
+#: ccprofd/decode/common.py StaleAboveSegment): the frames inside the innermost segment are reported.
+STALE_ABOVE_SEGMENT = "decode error above a segment"
 
 
 @dataclass(slots=True)
@@ -210,6 +214,10 @@ class Symbolizer:
             path = self.decoder.decode(self.state_of(s), node)
         except UnknownCaller as exc:
             path, complete, reason = exc.partial, False, "caller of a segment unknown"
+        except StaleAboveSegment as exc:
+            # counted as a decode error, reported as what is known: the frames inside the segment
+            self.errors += 1
+            path, complete, reason = exc.partial, False, f"{STALE_ABOVE_SEGMENT}: {exc}"
         except DecodeError as exc:
             self.errors += 1
             return Decoded([], False, f"decode error: {exc}")

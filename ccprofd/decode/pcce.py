@@ -34,7 +34,7 @@ class PcceDecoder(BaseDecoder):
         self.numcc: list[int] = list(t["numcc"])
         self.back_map: list[int] = list(t["back_map"])
 
-    def decode(self, state: EncodedState, node: int) -> list[Edge]:
+    def _decode(self, state: EncodedState, node: int, out: list[Edge], marks: list[int]) -> list[Edge]:
         m = self.dense(node)
         ident = words_to_int(state.acyc)
         pairs = state.pairs
@@ -46,13 +46,13 @@ class PcceDecoder(BaseDecoder):
         numcc, ranges, caller, callee, edge = self.numcc, self.ranges, self.caller, self.callee, self.edge
         if ident >= numcc[m]:
             raise DecodeError(f"id {ident} out of range for node {node} (numCC {numcc[m]})")
-        out: list[Edge] = []
         while True:
             if si >= 0 and ph == floor and m == self.index.get(segs[si].callee):
                 sg = segs[si]
                 if ident:
                     raise DecodeError("id not back at 0 at a segment's start")
                 p = self.segment_caller(sg, out)
+                marks.append(len(out))
                 out.append((self.nodes[p], sg.callee, sg.site))
                 m = p
                 ident = words_to_int(sg.saved)
@@ -110,7 +110,7 @@ class HcceDecoder(BaseDecoder):
         self.rec_map: list[int] = list(t["rec_map"])
         self.rec_bits: int = t["rec_code_bits"]
 
-    def decode(self, state: EncodedState, node: int) -> list[Edge]:
+    def _decode(self, state: EncodedState, node: int, out: list[Edge], marks: list[int]) -> list[Edge]:
         m = self.dense(node)
         ident = words_to_int(state.acyc)
         rec, rl = state.rec, state.rec_len
@@ -124,7 +124,6 @@ class HcceDecoder(BaseDecoder):
                                                         self.edge, self.rec_map)
         if ident >= numcc[m]:
             raise DecodeError(f"id {ident} out of range for node {node}")
-        out: list[Edge] = []
         while True:
             at_seg = si >= 0 and m == self.index.get(segs[si].callee)
             if at_seg and rl == floor:
@@ -132,6 +131,7 @@ class HcceDecoder(BaseDecoder):
                 if ident:
                     raise DecodeError("id not back at 0 at a segment's start")
                 p = self.segment_caller(sg, out)
+                marks.append(len(out))
                 out.append((self.nodes[p], sg.callee, sg.site))
                 m = p
                 ident = words_to_int(sg.saved)

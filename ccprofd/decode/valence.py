@@ -36,7 +36,7 @@ class ValenceDecoder(BaseDecoder):
         comp_of: list[int] = self.plan["tables"]["comp_of"]
         return [comps[c] for c in comp_of]
 
-    def decode(self, state: EncodedState, node: int) -> list[Edge]:
+    def _decode(self, state: EncodedState, node: int, out: list[Edge], marks: list[int]) -> list[Edge]:
         m = self.dense(node)
         acyc = words_to_int(state.acyc)
         rec, rl = state.rec, state.rec_len
@@ -51,7 +51,6 @@ class ValenceDecoder(BaseDecoder):
         root = self.root
         if acyc >> table[m][0]:
             raise DecodeError(f"acycID has bits above level {table[m][0]} of node {node}")
-        out: list[Edge] = []  # innermost first
         while True:
             if si >= 0 and m == self.index.get(segs[si].callee):
                 if rl == floor:
@@ -59,6 +58,7 @@ class ValenceDecoder(BaseDecoder):
                     if acyc & mask(table[m][0]):
                         raise DecodeError("acycID not cleared at a segment's start")
                     p = self.segment_caller(sg, out)
+                    marks.append(len(out))
                     out.append((self.nodes[p], sg.callee, sg.site))
                     m = p
                     acyc = words_to_int(sg.saved)
