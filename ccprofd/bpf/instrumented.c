@@ -251,7 +251,9 @@ struct cc_agg_val {
     u32 pad;
 };
 
-// The sampler's event is small and zeroed with memset: the context goes to our own ring buffer.
+// The sampler's event is small and zeroed with memset: the context goes to our own ring buffer (or
+// is counted in the kernel), and the sampler's event is not sent at all.
+#define CCPROF_HOOK_SENDS_SYSCALLS 1
 #define CCPROF_SYSCALL_HOOK(ctx, regs, e) \
     cc_emit((e)->ktime_ns, (e)->nr, EV_CC_SYSCALL, (e)->ip, (e)->sp, cc_path_arg((regs), (e)->nr))
 

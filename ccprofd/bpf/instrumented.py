@@ -642,7 +642,7 @@ class InstrumentedBPF:
             # entry submitted before a sample of this batch is in the batch (entry before its samples).
             self.module.ring_buffer_consume()
         for ev in events:
-            if ev.kind != "syscall":  # syscall contexts come through cc_events
+            if ev.kind != "syscall":  # syscall contexts come through cc_events (the sampler sends none)
                 t = monotonic_to_realtime_ns(ev.time_ns)
                 out.append(ProcessEvent(ev.kind, t, ev.tgid, ev.tid, ev.aux))
         out.extend(self._contexts)

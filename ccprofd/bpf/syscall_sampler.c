@@ -7,7 +7,9 @@
 // processes + live threads they created), RINGBUF_PAGES (power of two), HAVE_GROUP_DEAD (the
 // sched_process_exit format has group_dead).  Extension points for programs built on this one:
 // CCPROF_EVENT_EXTRA (fields appended to struct ccprof_event) and
-// CCPROF_SYSCALL_HOOK(ctx, regs, ev) (fills them at each reported syscall).
+// CCPROF_SYSCALL_HOOK(ctx, regs, ev) (fills them at each reported syscall); with
+// CCPROF_HOOK_SENDS_SYSCALLS the hook sends each syscall's record itself (instrumented.c: through its
+// own ring buffer, or counted in the kernel) and the event is per-CPU scratch, never sent.
 #include <asm/ptrace.h>  // struct pt_regs; much cheaper to compile than linux/ptrace.h
 
 #ifndef MAX_TRACKED
@@ -63,6 +65,9 @@ BPF_ARRAY(syscall_set, u8, NR_SYSCALL_SLOTS);
 BPF_ARRAY(config, u64, 4);
 BPF_PERCPU_ARRAY(stats, u64, NR_STATS);
 BPF_RINGBUF_OUTPUT(events, RINGBUF_PAGES);
+#ifdef CCPROF_HOOK_SENDS_SYSCALLS
+BPF_PERCPU_ARRAY(syscall_scratch, struct ccprof_event, 1);  // sys_enter does not nest on a CPU
+#endif
 
 static __always_inline void ccprof_stat(u32 idx) {
     u64 *v = stats.lookup(&idx);
@@ -112,9 +117,21 @@ int ccprof_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
     if (!ccprof_syscall_wanted(nr))
         return 0;
     struct pt_regs *regs = (struct pt_regs *)ctx->args[0];
+#ifdef CCPROF_HOOK_SENDS_SYSCALLS
+    u32 zero = 0;
+    struct ccprof_event *e = syscall_scratch.lookup(&zero);
+    if (!e)
+        return 0;
+    __builtin_memset(e, 0, sizeof(*e));
+    e->ktime_ns = bpf_ktime_get_ns();
+    e->kind = EV_SYSCALL;
+    e->tgid = tgid;
+    e->tid = (u32)pid_tgid;
+#else
     struct ccprof_event *e = ccprof_reserve(EV_SYSCALL, pid_tgid);
     if (!e)
         return 0;
+#endif
     e->nr = (s32)nr;
     bpf_probe_read_kernel(&e->ip, sizeof(e->ip), &regs->ip);
     bpf_probe_read_kernel(&e->sp, sizeof(e->sp), &regs->sp);
@@ -122,7 +139,9 @@ int ccprof_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
 #ifdef CCPROF_SYSCALL_HOOK
     CCPROF_SYSCALL_HOOK(ctx, regs, e);
 #endif
+#ifndef CCPROF_HOOK_SENDS_SYSCALLS
     ccprof_submit(e);
+#endif
     return 0;
 }
 
