@@ -976,9 +976,11 @@ static __always_inline void cc_aggregate(struct cc_record *r, u32 words, u64 siz
         if (v >= cc_cfg(CFG_TEXT_LO) && v < cc_cfg(CFG_TEXT_HI))
             k->ipv = v;
     }
+    if (!(c->flags & SF_NOSTATE)) {  // a thread without state: cc_fill_sample leaves the words stale
 #pragma unroll
-    for (int w = 0; w < ACYC_WORDS; w++)
-        k->acyc[w] = c->acyc[w];
+        for (int w = 0; w < ACYC_WORDS; w++)
+            k->acyc[w] = c->acyc[w];
+    }
     u32 ns = cc_ix(nsegs, AGG_SEG_MASK);  // bounds the verifier sees (the compiler drops re-checks)
     if (ns > AGG_SEGS)
         ns = AGG_SEGS;
