@@ -232,6 +232,8 @@ struct uw_state {
     u64 r_hi;
     u32 r_id;
     u32 r_module;
+    u32 bs_lo;     // binary searches' bounds, kept in map memory (see uw_opaque)
+    u32 bs_hi;
 #ifdef UE_ENABLED
     struct ue_work w;
     u32 c_info;    // cached mapping's info
@@ -306,6 +308,14 @@ static __always_inline void uw_mix(struct uw_state *st, u64 v) {
     st->s.h2 = uw_rotl(st->s.h2 + v * 0xC2B2AE3D27D4EB4FULL, 31) ^ 0x165667B19E3779F9ULL;
 }
 
+// v, unknown to the verifier: a value read back from map memory has no tracked range.  A binary
+// search's bounds pass through here after each step, so the paths its branches fork end in equal
+// states that the verifier prunes, instead of distinct ranges multiplying per step.
+static __always_inline u32 uw_opaque(volatile u32 *slot, u32 v) {
+    *slot = v;
+    return *slot;
+}
+
 // The mapping containing pc, by binary search in the process's sorted mapping array.
 static __always_inline int uw_find_mapping(struct uw_state *st, u64 pc) {
     u32 tgid = st->s.tgid;
@@ -326,7 +336,8 @@ static __always_inline int uw_find_mapping(struct uw_state *st, u64 pc) {
         if (p->m[mid].start <= pc)
             lo = mid + 1;
         else
-            hi = mid;
+            hi = mid;        lo = uw_opaque(&st->bs_lo, lo);
+        hi = uw_opaque(&st->bs_hi, hi);
     }
     if (lo == 0)
         return -UW_WHY_UNKNOWN_PC;
@@ -377,7 +388,8 @@ static __always_inline struct uw_rule *uw_find_rule(struct uw_state *st, u64 v) 
         if (e->vaddr <= (u32)v)
             lo = mid + 1;
         else
-            hi = mid;
+            hi = mid;        lo = uw_opaque(&st->bs_lo, lo);
+        hi = uw_opaque(&st->bs_hi, hi);
     }
     if (lo == 0)
         return 0;
@@ -655,7 +667,8 @@ static __always_inline int ue_function(struct uw_state *st, u64 v, u32 *node, u3
         if (f->start <= (u32)v)
             lo = mid + 1;
         else
-            hi = mid;
+            hi = mid;        lo = uw_opaque(&st->bs_lo, lo);
+        hi = uw_opaque(&st->bs_hi, hi);
     }
     if (lo == 0)
         return -1;
