@@ -287,6 +287,19 @@ def obj_id(fd: int) -> int:
     return int(buf[1])
 
 
+def prog_verified_insns(fd: int) -> int:
+    """How many instructions the verifier processed to load program ``fd`` (``verified_insns`` of
+    ``struct bpf_prog_info``, at byte 216; kernels before 5.16 report 0): the work that grows with
+    the paths it explores, and that fails the load past its limit of 1,000,000."""
+    buf = (ctypes.c_uint32 * 57)()
+    attr = InfoByFdAttr()
+    attr.bpf_fd = fd
+    attr.info_len = ctypes.sizeof(buf)
+    attr.info = ctypes.addressof(buf)
+    bpf(BPF_OBJ_GET_INFO_BY_FD, attr, f"querying program fd {fd}")
+    return int(buf[216 // 4])
+
+
 def link_info(fd: int) -> tuple[int, int, int]:
     """(link type, link id, prog id) of a link fd — the head of ``struct bpf_link_info``."""
     buf = (ctypes.c_uint32 * 32)()

@@ -629,19 +629,29 @@ class UnwindSampler:
         self._links.append(attach_raw_tracepoint_fd(fd, "sys_enter"))
         self._attached = True
 
+    def verified_insns(self) -> dict[str, int]:
+        """Instructions the verifier processed for the syscall and CPU-sampling unwinders (loaded,
+        not attached; :meth:`close` closes them): how far their loads are from the kernel's limit."""
+        out = {}
+        for prog, callbacks, prog_type in (
+                ("uw_sys_enter", self._callbacks("sys"), _BPF_PROG_TYPE_RAW_TRACEPOINT),
+                ("uw_cpu_sample", self._callbacks("cpu"), _BPF_PROG_TYPE_PERF_EVENT)):
+            out[prog] = rawbpf.prog_verified_insns(self._load_with_callbacks(prog, callbacks, prog_type))
+        return out
+
     def _callbacks(self, kind: str) -> dict[int, str]:
-        """bpf_loop callbacks of the sys/cpu program, by loop count."""
+        """bpf_loop callbacks of the sys/cpu program, by loop count (the CPU sampler does not
+        aggregate: no arena loop)."""
         names = {"unwind": f"uw_step_{kind}", "arena": f"uw_arena_{kind}", "enc": f"ue_enc_{kind}",
                  "hash": f"ue_hash_{kind}"}
-        return {count: names[loop] for loop, count in self._loops.items()}
+        return {count: names[loop] for loop, count in self._loops.items() if kind == "sys" or loop != "arena"}
 
     def attach_cpu_sampling(self, hz: int) -> None:
         """CPU-clock samples of every tracked process (all threads, children included) at ``hz``:
         one software perf event per CPU runs the unwinder, which keeps only tracked processes."""
         if hz <= 0:
             raise BPFError(f"sampling frequency must be positive, not {hz}")
-        callbacks = {n: name for n, name in self._callbacks("cpu").items() if "arena" not in name}
-        fd = self._load_with_callbacks("uw_cpu_sample", callbacks, _BPF_PROG_TYPE_PERF_EVENT)
+        fd = self._load_with_callbacks("uw_cpu_sample", self._callbacks("cpu"), _BPF_PROG_TYPE_PERF_EVENT)
         for cpu in online_cpus():
             pfd = perf_event_open_cpu_clock(cpu, hz)
             self._perf_fds.append(pfd)
