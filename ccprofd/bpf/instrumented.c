@@ -61,6 +61,7 @@
 #define F_INDIRECT 16
 #define F_SCOPE 32
 #define F_OVERFLOW 64  // the edge's code does not fit in ACYC_WORDS words
+#define F_CUT 128      // a zero-code edge: the probe only cuts the state at the caller's CFA (no piece)
 
 // thread state flags
 #define ST_INCOMPLETE_BASE 1  // frames above the first event are unknown (attached to a running thread)
@@ -623,7 +624,9 @@ static __always_inline void cc_anchor_if_empty(struct cc_state *s, u64 cfa, u32 
         cc_push_segment(s, cfa, cc_read_word(s, cfa - 8), probe, CC_NONE);
 }
 
-// Probe on a call instruction.
+// Probe on a call instruction.  A zero-code edge (F_CUT) is probed too, for its cut alone: it drops
+// the pieces of calls the caller made earlier (returned), whose return-address words may survive in
+// the frames the callee is about to build; cc_edge then pushes nothing.
 int cc_site_probe(struct pt_regs *ctx) {
     struct cc_state *s = cc_state_of_current();
     if (!s)

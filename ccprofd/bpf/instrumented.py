@@ -30,6 +30,7 @@ from ccprofd.bpf.features import tracefs_dir
 from ccprofd.bpf.probeplan import (
     CCOL,
     PCOL,
+    R_CUT,
     R_CYCLIC,
     R_PLT_EXIT,
     R_SCOPE,
@@ -56,7 +57,7 @@ INCOMPLETE_FLAGS = (SF_NOSTATE | SF_FROZEN | SF_INCOMPLETE_BASE | SF_SEGS_TRUNC 
                     | SF_OVERFLOW)
 
 # site flags (instrumented.c F_*)
-F_ACYC, F_CYCLIC, F_EXIT, F_OVERFLOW = 1, 2, 4, 64
+F_ACYC, F_CYCLIC, F_EXIT, F_OVERFLOW, F_CUT = 1, 2, 4, 64, 128
 
 ST_INCOMPLETE_BASE = 1
 RS_INDIRECT, RS_IN_SCOPE, RS_VIA_PLT = 0x80000000, 0x40000000, 0x20000000
@@ -348,7 +349,9 @@ def site_table(probe_plan: ProbePlan, plan: Mapping[str, Any]) -> list[dict[str,
                 flags |= F_OVERFLOW
                 mask = val = 0
         flags |= reasons & (8 | 16 | R_SCOPE)
-        if p[PCOL["kind"]] in ("site", "tail") and not flags & (F_ACYC | F_CYCLIC | F_EXIT):
+        if reasons & R_CUT:
+            flags |= F_CUT  # a zero-code edge: the program cuts the state and pushes nothing
+        if p[PCOL["kind"]] in ("site", "tail") and not flags & (F_ACYC | F_CYCLIC | F_EXIT | F_CUT):
             raise BPFError(f"probe at {p[PCOL['vaddr']]:#x} has nothing to do (reasons {reasons})")
         cs = p[PCOL["callsite"]]
         length = probe_plan.callsites[cs][CCOL["length"]] if cs >= 0 else 0

@@ -18,12 +18,20 @@ Probe kinds (one BPF program each):
            starts a segment at that site.  Indirect call sites themselves need no probe: the entry
            probe identifies them by the return address on the stack.
 
-What is *not* probed (Valence's point, and what keeps the trap count down): edges whose code is
-all zero; edges into functions from which no sample point is reachable (for syscall sampling:
-functions that make no library call other than known pure ones, contain no ``syscall`` instruction
-and no indirect call); calls to pure library functions (``strlen``...); the ELF entry point.
+``site``/``tail`` with reason ``cut`` only: a call or tail jump whose edge has the zero code, into a
+function from which a sample point is reachable.  It changes no id bits and pushes nothing; it only
+drops the pieces recorded below the caller's CFA (calls that have returned).  Without it a dead
+call's piece whose return-address word survives (the frames reached next do not write it) stays in
+the state when every later call on the path has the zero code, and the sample decodes to a context
+that never happened (``/usr/bin/find``: a call in ``sub_c080``, returned before the traversal,
+surfacing as ``sub_7890``'s call at 0x7c13).  Liveness rests on "every call from a frame G cuts
+the state at G's CFA", so every call on a path to a sample point is an event.
 
-Schema (``PROBE_PLAN_VERSION`` 1), all addresses ELF virtual addresses:
+What is *not* probed (and what keeps the trap count down): edges into functions from which no
+sample point is reachable (for syscall sampling: functions that make no library call other than
+known pure ones, contain no ``syscall`` instruction and no indirect call); calls to pure library functions (``strlen``...); the ELF entry point.
+
+Schema (``PROBE_PLAN_VERSION`` 2), all addresses ELF virtual addresses:
 ``binary`` {path, build_id, identity}; ``encoding`` {scheme, key}; ``acyc_words``;
 ``rec_code_bits``; ``names`` {node: name}; ``functions`` [[start, end, node]] sorted (fragments are
 extra ranges of their owner); ``callsites`` [[vaddr, length, kind, caller, target|None, is_jump,
@@ -50,7 +58,7 @@ from ccprofd.callgraph.model import ROOT, CallGraph
 from ccprofd.encode.plan import COL, REASON_BITS
 
 PROBE_PLAN_FORMAT = "ccprofd-probe-plan"
-PROBE_PLAN_VERSION = 1
+PROBE_PLAN_VERSION = 2
 
 R_ACYC = REASON_BITS["acyc"]
 R_CYCLIC = REASON_BITS["cyclic"]
@@ -58,7 +66,8 @@ R_PLT_EXIT = REASON_BITS["plt_exit"]
 R_OUTSIDE_ENTRY = REASON_BITS["outside_entry"]
 R_INDIRECT = REASON_BITS["indirect"]
 R_SCOPE = 32  # entry of a --scope function: its callers are unknown (anchor segment)
-REASONS = {**REASON_BITS, "scope": R_SCOPE}
+R_CUT = 64  # a zero-code call/tail jump into a function that reaches a sample point: cut only
+REASONS = {**REASON_BITS, "scope": R_SCOPE, "cut": R_CUT}
 
 PROBE_KINDS = ("site", "tail", "entry")
 PROBE_COLUMNS = ["kind", "vaddr", "offset", "reasons", "plan_site", "callsite", "cfa_reg", "cfa_off", "node",
@@ -322,7 +331,7 @@ def build_probe_plan(graph: CallGraph, plan: Mapping[str, Any], image: ElfImage,
 
     probes: list[list[Any]] = []
     stats = {"acyc": 0, "cyclic": 0, "plt_exit": 0, "got_exit": 0, "entry": 0, "scope_entry": 0,
-             "skipped_zero_code": 0, "skipped_unreachable": 0, "skipped_pure": 0, "skipped_out_of_scope": 0}
+             "cut_only": 0, "skipped_unreachable": 0, "skipped_pure": 0, "skipped_out_of_scope": 0}
     pending: list[tuple[str, int, int, int, int, int]] = []  # kind, vaddr, reasons, plan site, cs, node
     rows = plan["sites"]
     ci, ki, si, ri, kd = COL["caller"], COL["callee"], COL["site"], COL["reasons"], COL["kind"]
@@ -343,11 +352,15 @@ def build_probe_plan(graph: CallGraph, plan: Mapping[str, Any], image: ElfImage,
             stats["plt_exit"] += 1
             continue
         reasons = row[ri] & (R_ACYC | R_CYCLIC)
-        if not reasons:
-            stats["skipped_zero_code"] += 1
-            continue
         if callee not in reach:
             stats["skipped_unreachable"] += 1
+            continue
+        if not reasons:
+            # The edge adds nothing to the id, but the call is an event all the same: pieces recorded
+            # below the caller's CFA belong to calls that have returned, and without this cut they
+            # survive when every later call on the path has the zero code (see the module docstring).
+            pending.append((kind, site, R_CUT, sid, cs_index[site], caller))
+            stats["cut_only"] += 1
             continue
         pending.append((kind, site, reasons, sid, cs_index[site], caller))
         stats["cyclic" if reasons & R_CYCLIC else "acyc"] += 1
