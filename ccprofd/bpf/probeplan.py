@@ -29,7 +29,8 @@ the state at G's CFA", so every call on a path to a sample point is an event.
 
 What is *not* probed (and what keeps the trap count down): edges into functions from which no
 sample point is reachable (for syscall sampling: functions that make no library call other than
-known pure ones, contain no ``syscall`` instruction and no indirect call); calls to pure library functions (``strlen``...); the ELF entry point.
+known pure ones, contain no ``syscall`` instruction and no indirect call); calls to pure library
+functions (``strlen``...); the ELF entry point.
 
 Schema (``PROBE_PLAN_VERSION`` 2), all addresses ELF virtual addresses:
 ``binary`` {path, build_id, identity}; ``encoding`` {scheme, key}; ``acyc_words``;
