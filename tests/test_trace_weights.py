@@ -5,8 +5,11 @@ counts every direct call site) and ``--edge-weights FILE`` (the plan gives hot e
   is refused with one line and exit status 2;
 * end to end on ``tests/programs/hotedges.c`` (a function reached from a cold call site first in
   address order and from a hot one inside a recursion): the saved counts equal what the program
-  does by construction, the weighted plan makes far fewer probe hits than the default plan, and both
-  runs stay exact against ``strace -f -k``.
+  does by construction, both runs stay exact against ``strace -f -k``, and the weighted plan makes
+  no more probe hits than the default plan.  It used to make far fewer (the hot edge had the zero
+  code and no probe); since zero-code edges into code that reaches a sample point carry a cut-only
+  probe (a dead call's pieces must be dropped at the next call, see test_instrumented_stale_path.py)
+  the hot edge is trapped too: with weights it only carries no id bits.
 """
 
 from __future__ import annotations
@@ -114,7 +117,7 @@ def names_of(doc: dict[str, Any]) -> dict[tuple[str, str], int]:
 @pytest.mark.bpf
 @pytest.mark.parametrize("variant", [pytest.param({"opt": "O0", "pie": True}, id="O0-pie"),
                                      pytest.param({"opt": "O2", "pie": False}, id="O2-nopie")])
-def test_weighted_plan_probes_less_and_stays_exact(tmp_path: pathlib.Path, variant: dict[str, Any]) -> None:
+def test_weighted_plan_stays_exact(tmp_path: pathlib.Path, variant: dict[str, Any]) -> None:
     require_bpf()
     require_tool("strace")
     binary = pathlib.Path(build("hotedges", **variant))
@@ -144,6 +147,9 @@ def test_weighted_plan_probes_less_and_stays_exact(tmp_path: pathlib.Path, varia
         assert result.ok, result.report()
     assert len(weighted) == len(plain) == 2 + 2 * (DEPTH + 1)
     # Default plan: the cold edge (first in address order) has the zero code and the hot edge is
-    # probed at each of its ITERS * (DEPTH + 1) calls; weighted, the hot edge is free.
+    # probed at each of its ITERS * (DEPTH + 1) calls.  Weighted, the hot edge has the zero code, but
+    # step reaches getppid, so the edge keeps a (cut-only) probe: as many hits, not 10x fewer as
+    # before the cut-only probes.
     assert plain_hits >= ITERS * (DEPTH + 1)
-    assert weighted_hits * 10 < plain_hits, (weighted_hits, plain_hits)
+    assert weighted_hits >= ITERS * (DEPTH + 1)
+    assert weighted_hits <= plain_hits, (weighted_hits, plain_hits)
