@@ -84,7 +84,13 @@ from ccprofd.callgraph.addrspace import AddressSpace
 from ccprofd.callgraph.cache import AnalysisCache
 from ccprofd.callgraph.elfimage import ElfImage
 from ccprofd.callgraph.errors import BinaryError
-from ccprofd.decode.procmaps import DEFAULT_PROC_ROOT, ModuleMapping, ProcessMaps, module_mappings
+from ccprofd.decode.procmaps import (
+    DEFAULT_PROC_ROOT,
+    ModuleMapping,
+    ProcessMaps,
+    module_mappings,
+    start_stack,
+)
 from ccprofd.decode.vdso import VDSO_PATH, VdsoImages
 
 C_SOURCE = "unwind.c"
@@ -732,7 +738,7 @@ class UnwindSampler:
             slot.bias = mm.bias & (2**64 - 1)
             slot.info = mod.key | (UE_ANALYSED if mod.analysed else 0)
         entry.n = len(mappings)
-        entry.start_stack = _start_stack(tgid, self.proc_root)
+        entry.start_stack = start_stack(tgid, self.proc_root)
         self._m["uw_procs"].set(tgid, entry)
         self._procs[tgid] = proc
         return True
@@ -1079,16 +1085,6 @@ def _process_view(open_path: str, proc_root: str) -> str:
         if sep and pid.isdigit():
             return "/" + tail
     return open_path
-
-
-def _start_stack(pid: int, proc_root: str) -> int:
-    """The main thread's initial stack pointer (``startstack``, field 28 of /proc/PID/stat)."""
-    try:
-        with open(os.path.join(proc_root, str(pid), "stat"), encoding="ascii", errors="replace") as fh:
-            fields = fh.read().rpartition(")")[2].split()
-        return int(fields[25])
-    except (OSError, IndexError, ValueError):
-        return 0
 
 
 def _same_file(a: str, b: str) -> bool:
