@@ -273,6 +273,10 @@ def run_daemon_case(binary: Path, rate: int, seconds: float, mode: str) -> Case:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_syscount(binary: Path, rate: int, seconds: float) -> Case | None:
     if not os.access(SYSCOUNT, os.X_OK):
         return None
@@ -283,6 +287,9 @@ def run_syscount(binary: Path, rate: int, seconds: float) -> Case | None:
         stderr=subprocess.STDOUT,
         text=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        # A bench started in the background by a non-interactive shell inherits SIGINT ignored, and
+        # syscount (Python) then never sees the Ctrl-C it stops and prints its counts on.
+        preexec_fn=_default_sigint,
     )
     assert tool.stdout is not None and proc.stdin is not None
     banner = tool.stdout.readline()
