@@ -838,19 +838,22 @@ class UnwindSampler:
         if self._next_module >= self.max_modules or self._next_entry + n > self.max_entries:
             return
         local_to_global: list[int] = []
-        new_rules: list[tuple[int, cfi.Rule]] = []
+        # Ids are handed out only once the whole table fits: a table that does not fit must not
+        # leave ids behind that a later module would reuse without their rules ever uploaded.
+        new_ids: dict[cfi.Rule, int] = {}
         for rule in table.rules:
-            rid = self._rule_ids.get(rule)
+            rid = self._rule_ids.get(rule, new_ids.get(rule))
             if rid is None:
-                if len(self._rule_ids) >= self.max_rules:
+                if len(self._rule_ids) + len(new_ids) >= self.max_rules:
                     return
-                rid = self._rule_ids[rule] = len(self._rule_ids)
-                new_rules.append((rid, rule))
+                rid = new_ids[rule] = len(self._rule_ids) + len(new_ids)
             local_to_global.append(rid)
+        new_rules = [(rid, rule) for rule, rid in new_ids.items()]
         if new_rules:
             rawbpf.map_update_batch(self._m["uw_rules"].fd, array("I", [r for r, _ in new_rules]).tobytes(),
                                     b"".join(pack_rule(rule) for _, rule in new_rules), len(new_rules),
                                     "uw_rules")
+        self._rule_ids.update(new_ids)
         first = self._next_entry
         rawbpf.map_update_batch(self._m["uw_entries"].fd, array("I", range(first, first + n)).tobytes(),
                                 pack_entries(table.starts, [local_to_global[r] for r in table.rule_ids]), n,
