@@ -31,14 +31,14 @@ def _encoding(acyc_words: int, rec_code_bits: int, nfuncs: int) -> UnwindEncodin
 @pytest.mark.parametrize("shape", [None, (2, 13, 7574), (8, 20, 1 << 16)],
                          ids=["unencoded", "python3.11-like", "bigger"])
 def test_unwinder_loads_far_below_the_verifier_limit(shape: tuple[int, int, int] | None) -> None:
-    from conftest import require_bpf
+    from conftest import require_bpf, skip_or_fail
 
     require_bpf()
     enc = _encoding(*shape) if shape else None
     with UnwindSampler(syscalls=[1], encoding=enc) as s:
         counts = s.verified_insns()
         if not any(counts.values()):
-            pytest.skip("kernel does not report verified_insns (before 5.16)")
+            skip_or_fail("kernel does not report verified_insns (before 5.16)")
         for prog, n in counts.items():
             assert 0 < n < KERNEL_LIMIT // MARGIN, f"{prog}: the verifier processed {n} instructions"
 
@@ -46,7 +46,7 @@ def test_unwinder_loads_far_below_the_verifier_limit(shape: tuple[int, int, int]
 def test_verified_insns_reads_the_kernels_count() -> None:
     """A program whose count is known by hand: 5 instructions, no branch, so the verifier processes
     each once."""
-    from conftest import require_bpf
+    from conftest import require_bpf, skip_or_fail
 
     require_bpf()
 
@@ -62,7 +62,7 @@ def test_verified_insns_reads_the_kernels_count() -> None:
     try:
         n = rawbpf.prog_verified_insns(fd)
         if n == 0:
-            pytest.skip("kernel does not report verified_insns (before 5.16)")
+            skip_or_fail("kernel does not report verified_insns (before 5.16)")
         assert n == 5
     finally:
         os.close(fd)
