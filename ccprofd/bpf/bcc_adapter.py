@@ -21,6 +21,7 @@ from collections.abc import Callable, Iterator, Sequence
 from types import ModuleType, TracebackType
 from typing import Any, Literal
 
+from ccprofd.bpf.bpfmap import MapValues
 from ccprofd.bpf.errors import BPFError, MissingFeature
 from ccprofd.bpf.objcache import CompiledObject, FunctionSpec, MapSpec, split_relocations
 
@@ -120,7 +121,7 @@ def _verifier_reason(log: Sequence[str]) -> str:
     return "; ".join(body[-1:] + hints[:1])
 
 
-class BpfMap:
+class BpfMap(MapValues):
     """One BPF map of a loaded module.  Keys and values are ints when the C type is a scalar, else
     the ctypes structure bcc derived from the C declaration (``key_type`` / ``leaf_type``)."""
 
@@ -144,20 +145,6 @@ class BpfMap:
     def percpu(self) -> bool:
         return self.map_type in (_MAP_PERCPU_ARRAY, _MAP_PERCPU_HASH)
 
-    def _key(self, key: Any) -> Any:
-        return self.key_type(key) if isinstance(key, int) else key
-
-    def _leaf(self, value: Any) -> Any:
-        if isinstance(value, int):
-            if self.percpu:
-                raise BPFError(f"map {self.name}: per-CPU values must be set per CPU")
-            return self.leaf_type(value)
-        return value
-
-    @staticmethod
-    def _out(value: Any) -> Any:
-        return value.value if isinstance(value, ctypes._SimpleCData) else value
-
     def get(self, key: Any, default: Any = None) -> Any:
         """Value at ``key`` (summed over CPUs for per-CPU maps), or ``default`` when absent."""
         try:
@@ -174,12 +161,6 @@ class BpfMap:
         except KeyError:
             return []
         return [self._out(v) for v in vals]
-
-    def sum_percpu(self, key: Any) -> Any:
-        vals = self.get_percpu(key)
-        if vals and all(isinstance(v, int) for v in vals):
-            return sum(vals)
-        return vals
 
     def set(self, key: Any, value: Any) -> None:
         """Insert or overwrite.  Raises BPFError when the kernel refuses (e.g. hash map full)."""

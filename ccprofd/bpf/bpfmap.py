@@ -112,7 +112,44 @@ def _addr(obj: Any) -> int:
     return ctypes.addressof(obj) if obj is not None else 0
 
 
-class RawMap:
+class MapValues:
+    """Key/value conversions and per-CPU summing shared by both map implementations (this module's
+    raw maps and bcc_adapter's, which the compile worker and the two-path tests use): ints become
+    the map's scalar ctypes, per-CPU values are set per CPU and read summed."""
+
+    name: str
+    key_type: Any
+    leaf_type: Any
+
+    @property
+    def percpu(self) -> bool:
+        raise NotImplementedError
+
+    def get_percpu(self, key: Any) -> list[Any]:
+        raise NotImplementedError
+
+    def _key(self, key: Any) -> Any:
+        return self.key_type(key) if isinstance(key, int) else key
+
+    def _leaf(self, value: Any) -> Any:
+        if isinstance(value, int):
+            if self.percpu:
+                raise BPFError(f"map {self.name}: per-CPU values must be set per CPU")
+            return self.leaf_type(value)
+        return value
+
+    @staticmethod
+    def _out(value: Any) -> Any:
+        return value.value if isinstance(value, ctypes._SimpleCData) else value
+
+    def sum_percpu(self, key: Any) -> Any:
+        vals = self.get_percpu(key)
+        if vals and all(isinstance(v, int) for v in vals):
+            return sum(vals)
+        return vals
+
+
+class RawMap(MapValues):
     """One map, owned by its module (which closes the fd)."""
 
     def __init__(self, spec: MapSpec, fd: int) -> None:
@@ -144,20 +181,6 @@ class RawMap:
         return self.map_type in _PERCPU
 
     # ----------------------------------------------------------------------------- conversions
-    def _key(self, key: Any) -> Any:
-        return self.key_type(key) if isinstance(key, int) else key
-
-    def _leaf(self, value: Any) -> Any:
-        if isinstance(value, int):
-            if self.percpu:
-                raise BPFError(f"map {self.name}: per-CPU values must be set per CPU")
-            return self.leaf_type(value)
-        return value
-
-    @staticmethod
-    def _out(value: Any) -> Any:
-        return value.value if isinstance(value, ctypes._SimpleCData) else value
-
     def _value_buffer(self) -> Any:
         """A buffer for one lookup result: a leaf, or per-CPU an array of 8-byte-aligned leaves."""
         if self.percpu:
@@ -201,12 +224,6 @@ class RawMap:
             v = self.leaf_type.from_buffer_copy(buf, cpu * stride)
             out.append(self._out(v))
         return out
-
-    def sum_percpu(self, key: Any) -> Any:
-        vals = self.get_percpu(key)
-        if vals and all(isinstance(v, int) for v in vals):
-            return sum(vals)
-        return vals
 
     def set(self, key: Any, value: Any) -> None:
         """Insert or overwrite.  Raises BPFError when the kernel refuses (e.g. hash map full)."""
