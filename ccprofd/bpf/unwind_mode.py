@@ -322,8 +322,8 @@ class UnwindMode:
         self.plan: dict[str, Any] | None = None
         self.encoding: UnwindEncoding | None = None
         # aggregate mode (the daemon): each new context's sample (no time, args) and the kernel
-        # count already taken for it (ccprofd/daemon/kernelcounts.py)
-        from ccprofd.daemon.kernelcounts import KernelCounts
+        # count already taken for it (ccprofd/bpf/kernelcounts.py)
+        from ccprofd.bpf.kernelcounts import KernelCounts
 
         self._kernel: KernelCounts[tuple[int, int]] = KernelCounts()
         self._per_sample = True

@@ -117,8 +117,8 @@ class InstrumentedMode:
         self._new_processes: list[int] = []
         self._scope: Any = None  # --scope: prefixes above scope entries (ccprofd/decode/scopeprefix.py)
         self._contexts: Any = None  # GetThreadContexts: LiveContextReader, made at first use
-        # aggregate mode (the daemon, ccprofd/daemon/kernelcounts.py): on from the first set_per_sample
-        from ccprofd.daemon.kernelcounts import KernelCounts
+        # aggregate mode (the daemon, ccprofd/bpf/kernelcounts.py): on from the first set_per_sample
+        from ccprofd.bpf.kernelcounts import KernelCounts
 
         self._kernel: KernelCounts[int] = KernelCounts()
         self._aggregating = False
