@@ -80,7 +80,7 @@ def main() -> None:
              "| peak RSS cold | `objdump -d` | objdump RSS |",
              "|---|---|---|---|---|---|---|---|"]
     for b in binaries:
-        from ccprofd.callgraph.elfimage import ElfImage
+        from ccprofd.elf.image import ElfImage
 
         text_mb = sum(s.size for s in ElfImage(str(b)).code_sections()) / 1e6
         m = measure(b, args.repeat)

@@ -26,11 +26,12 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from programs.build import build  # noqa: E402
 
-from ccprofd.bpf.rawmodule import load_module  # noqa: E402
-from ccprofd.bpf.uprobe_multi import attach_uprobe_multi  # noqa: E402
 from ccprofd.callgraph import analyze_binary  # noqa: E402
-from ccprofd.callgraph.elfimage import ElfImage  # noqa: E402
-from ccprofd.daemon.tracer import TraceOptions, open_session  # noqa: E402
+from ccprofd.elf.image import ElfImage  # noqa: E402
+from ccprofd.kbpf.rawmodule import load_module  # noqa: E402
+from ccprofd.kbpf.uprobe_multi import attach_uprobe_multi  # noqa: E402
+from ccprofd.tracing.api import TraceOptions  # noqa: E402
+from ccprofd.tracing.session import open_session  # noqa: E402
 
 COUNTER = r"""
 BPF_PERCPU_ARRAY(calls, u64, 1);
@@ -93,16 +94,16 @@ def traced(cmd: list[str], syscalls: str) -> tuple[float, dict[str, int], int]:
 
 
 def compile_times(path: str) -> dict[str, float]:
-    from ccprofd.bpf.instrumented import InstrumentedBPF
-    from ccprofd.bpf.probeplan import build_probe_plan
     from ccprofd.encode import get_plan
+    from ccprofd.tracing.instrumented.loader import InstrumentedBPF
+    from ccprofd.tracing.instrumented.probeplan import build_probe_plan
 
     graph = analyze_binary(path)
     plan = get_plan(graph, "valence")
     t0 = time.perf_counter()
     pp = build_probe_plan(graph, plan, ElfImage(path))
     t1 = time.perf_counter()
-    import ccprofd.bpf.instrumented as inst
+    import ccprofd.tracing.instrumented.loader as inst
 
     real_fill = inst.InstrumentedBPF._fill_maps
     fill: list[float] = []

@@ -113,7 +113,8 @@ def with_strace(argv: list[str]) -> float:
 
 def with_ccprofd(argv: list[str], mode: str, cap: float) -> tuple[float | None, int, dict[str, object]]:
     """The target's wall time under ccprofd (None: over the cap), samples, mode summary."""
-    from ccprofd.daemon.tracer import TraceOptions, open_session
+    from ccprofd.tracing.api import TraceOptions
+    from ccprofd.tracing.session import open_session
 
     opts = TraceOptions(mode=mode, syscalls="all")
     with _quiet_stdout():
@@ -138,11 +139,12 @@ def with_ccprofd(argv: list[str], mode: str, cap: float) -> tuple[float | None, 
 
 def table_build() -> list[str]:
     """Cold unwind tables (libc, python3.11) and unwind encoding (python3.11): time and peak memory."""
-    from ccprofd.bpf.unwind_plan import build_unwind_encoding
-    from ccprofd.callgraph import analyze_binary, cfi
-    from ccprofd.callgraph.cache import AnalysisCache
-    from ccprofd.callgraph.elfimage import ElfImage
+    from ccprofd.callgraph import analyze_binary
+    from ccprofd.elf import cfi
+    from ccprofd.elf.image import ElfImage
     from ccprofd.encode import get_plan
+    from ccprofd.persist.cache import AnalysisCache
+    from ccprofd.tracing.unwind.plan import build_unwind_encoding
 
     rows = []
     libc = "/usr/lib/x86_64-linux-gnu/libc.so.6"

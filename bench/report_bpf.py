@@ -28,10 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ccprofd.bpf.rawmodule import load_module
-from ccprofd.bpf.uprobe_multi import UprobeMultiLink, attach_uprobe_multi
-from ccprofd.callgraph.elfimage import ElfImage
 from ccprofd.callgraph.model import CallGraph
+from ccprofd.elf.image import ElfImage
+from ccprofd.kbpf.rawmodule import load_module
+from ccprofd.kbpf.uprobe_multi import UprobeMultiLink, attach_uprobe_multi
 
 BASELINE_C = r"""
 #include <asm/ptrace.h>

@@ -27,8 +27,8 @@ from typing import Any
 
 from ccprofd.callgraph.model import ROOT, CallGraph
 from ccprofd.decode import DecodeError, decoder_for
-from ccprofd.decode.frames import demangle
 from ccprofd.encode import EncodedState, Encoder, EncodingOverflow, build_plan
+from ccprofd.tracing.frames import demangle
 
 SCHEMES = ("pcce", "valence", "hcce")
 _SUB = re.compile(r"^sub_([0-9a-f]+)$")

@@ -19,7 +19,9 @@ from typing import Any
 
 from report_bpf import Reaper, launch, owned_prog_stats, stats_delta
 
-from ccprofd.daemon.tracer import InstrumentedMode, Mode, Session, TraceError, TraceOptions, make_mode
+from ccprofd.tracing.api import Mode, TraceError, TraceOptions
+from ccprofd.tracing.instrumented.mode import InstrumentedMode
+from ccprofd.tracing.session import Session, make_mode
 
 EdgeKey = tuple[int, int, int]
 

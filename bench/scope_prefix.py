@@ -27,7 +27,9 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from programs.build import build  # noqa: E402
 
-from ccprofd.daemon.tracer import InstrumentedMode, TraceOptions, open_session  # noqa: E402
+from ccprofd.tracing.api import TraceOptions  # noqa: E402
+from ccprofd.tracing.instrumented.mode import InstrumentedMode  # noqa: E402
+from ccprofd.tracing.session import open_session  # noqa: E402
 
 LOOP = r"""
 #include <stdio.h>

@@ -2,7 +2,7 @@
 
 The workload is tests/programs/blocked.c (4 threads blocked at a given recursion depth, built
 -O2 -fomit-frame-pointer, so every frame is unwound through ``.eh_frame``).  For each depth the
-snapshot (``ccprofd.daemon.threadsnap.snapshot``, unwind tables already cached, as in the daemon
+snapshot (``ccprofd.proc.threadsnap.snapshot``, unwind tables already cached, as in the daemon
 after its first call) is taken ``--runs`` times; reported: the time the process was held (first
 ``PTRACE_SEIZE`` to last ``PTRACE_DETACH``, which includes the stack walks), and the whole call
 with decoding into JSON frames (``ContextReader.read``).  Baseline: ``gdb -p PID -batch -ex
@@ -29,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "progr
 import build as programs
 from common import machine_line, update_readme_section
 
-from ccprofd.daemon.threadsnap import ContextReader, snapshot
-from ccprofd.decode.modules import ModuleCache
+from ccprofd.proc.modules import ModuleCache
+from ccprofd.proc.threadsnap import snapshot
+from ccprofd.tracing.threadcontexts import ContextReader
 
 
 def _blocked(pid: int) -> bool:

@@ -30,11 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import machine_line, update_readme_section
 from bench.report_bpf import owned_prog_stats  # this process's programs only: the machine is shared
-from ccprofd.bpf.rawmodule import load_module
-from ccprofd.bpf.unwind import UnwindSampler
-from ccprofd.callgraph import cfi
-from ccprofd.callgraph.cache import AnalysisCache
-from ccprofd.callgraph.elfimage import ElfImage
+from ccprofd.elf import cfi
+from ccprofd.elf.image import ElfImage
+from ccprofd.kbpf.rawmodule import load_module
+from ccprofd.persist.cache import AnalysisCache
+from ccprofd.tracing.unwind.sampler import UnwindSampler
 
 NR_GETPPID = 110
 DEPTHS = (6, 32, 104, 1000, 4000)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from ccprofd.callgraph import analyze_binary, graph_stats
-from ccprofd.callgraph.cache import AnalysisCache
+from ccprofd.persist.cache import AnalysisCache
 
 CCPROFD = [sys.executable, "-m", "ccprofd.cli"]
 JSON_KEYS = {"binary", "build_id", "pie", "functions", "external_functions", "direct_calls", "plt_calls",

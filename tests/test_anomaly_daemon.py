@@ -27,7 +27,7 @@ import pytest
 from daemon_fakes import config_text, wait_for
 from daemon_harness import ROOT, RunningDaemon, target_toml
 
-from ccprofd.daemon.modelstore import load_models
+from ccprofd.anomaly.modelstore import load_models
 from ccprofd.export import messages
 from ccprofd.export.gen import ccprofd_pb2 as pb
 
@@ -201,8 +201,9 @@ def test_daemon_learn_kill_restart_detect_upgrade(bpf: None, workdir: str, tmp_p
                      if t.name == "srv"]
             assert [(n.binary, n.build_id, n.reason) for n in srv.needs_learning] == [
                 (dict(labels)["binary"], new_build_id, "upgraded")]
-            text = subprocess.run([sys.executable, "-m", "ccprofd.ctl", "--socket", f"{workdir}/ccprofd.sock",
-                                   "targets"], capture_output=True, text=True, timeout=60).stdout
+            text = subprocess.run([sys.executable, "-m", "ccprofd.cli.ctl", "--socket",
+                                   f"{workdir}/ccprofd.sock", "targets"],
+                                  capture_output=True, text=True, timeout=60).stdout
             assert f"needs re-learning: {dict(labels)['binary']}  build-id {new_build_id}  (upgraded" in text
         finally:
             upgraded.close()

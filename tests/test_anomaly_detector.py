@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 from test_anomaly_model import BID, sample
 
-from ccprofd.daemon.anomaly import AllowRule, FramePattern, Learner, TargetModel
-from ccprofd.daemon.detector import AlertWriter, Detector, DetectorOptions, RateLimiter
+from ccprofd.anomaly.detector import AlertWriter, Detector, DetectorOptions, RateLimiter
+from ccprofd.anomaly.model import AllowRule, FramePattern, Learner, TargetModel
 
 S = 1_000_000_000
 OPEN_A = [("main", "0x10"), ("cmd_a", "0x20"), ("load", "0x30")]

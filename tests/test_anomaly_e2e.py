@@ -22,7 +22,8 @@ from anomaly_strace import strace_samples
 from conftest import require_bpf, require_tool, skip_or_fail
 from programs.build import build
 
-from ccprofd.daemon.tracer import MODES, TraceError, TraceOptions, make_mode
+from ccprofd.tracing.api import MODES, TraceError, TraceOptions
+from ccprofd.tracing.session import make_mode
 
 SYSCALLS = "openat,read,write,execve"
 Chain = tuple[str, tuple[str, ...]]

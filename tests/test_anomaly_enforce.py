@@ -18,7 +18,7 @@ from anomaly_strace import strace_samples
 from conftest import require_tool, skip_or_fail
 from programs.build import build
 
-from ccprofd.bpf.lsm_enforce import (
+from ccprofd.anomaly.enforce import (
     HOOK_EXEC,
     HOOK_FILE_OPEN,
     KEY_NONE,
@@ -27,8 +27,8 @@ from ccprofd.bpf.lsm_enforce import (
     context_hash,
     lsm_status,
 )
-from ccprofd.callgraph.elfimage import ElfImage
-from ccprofd.daemon.anomaly import Learner, ModelSet, TargetModel
+from ccprofd.anomaly.model import Learner, ModelSet, TargetModel
+from ccprofd.elf.image import ElfImage
 
 SYSCALLS = ["openat", "read", "write", "execve"]
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from ccprofd.daemon.anomaly import (
+from ccprofd.anomaly.model import (
     AllowRule,
     FramePattern,
     Learner,

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from test_anomaly_model import BID, MAIN_OPEN, sample
 
-from ccprofd.daemon.anomaly import Learner, ModelSet, context_key
-from ccprofd.daemon.modelstore import (
+from ccprofd.anomaly.model import Learner, ModelSet, context_key
+from ccprofd.anomaly.modelstore import (
     ModelFileError,
     ModelStore,
     PeriodicFlusher,
@@ -129,8 +129,8 @@ LEARNER = textwrap.dedent("""
     import sys, time
     sys.path.insert(0, {tests!r})
     from test_anomaly_model import BID, MAIN_OPEN, sample
-    from ccprofd.daemon.anomaly import Learner, ModelSet
-    from ccprofd.daemon.modelstore import PeriodicFlusher
+    from ccprofd.anomaly.model import Learner, ModelSet
+    from ccprofd.anomaly.modelstore import PeriodicFlusher
     learner = Learner(ModelSet().target(BID), syscalls=["openat"])
     flusher = PeriodicFlusher({path!r}, learner, 0.05)
     n = 0

@@ -15,8 +15,8 @@ from anomaly_strace import strace_samples
 from conftest import require_tool
 from programs.build import build
 
-from ccprofd.daemon.anomaly import Learner, ModelSet
-from ccprofd.daemon.detector import Detector, DetectorOptions
+from ccprofd.anomaly.detector import Detector, DetectorOptions
+from ccprofd.anomaly.model import Learner, ModelSet
 
 SYSCALLS = ["openat", "read", "write", "execve"]
 HIDDEN_OPEN = ["main", "run_script", "dispatch", "cmd_debug", "audit_dump", "raw_open"]

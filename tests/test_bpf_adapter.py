@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 from bpf_helpers import compile_c
 
-from ccprofd.bpf.bcc_adapter import BccModule
-from ccprofd.bpf.errors import BPFError
-from ccprofd.bpf.rawmodule import load_module
+from ccprofd.kbpf.bcc_adapter import BccModule
+from ccprofd.kbpf.errors import BPFError
+from ccprofd.kbpf.rawmodule import load_module
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -54,16 +54,17 @@ def test_only_the_compile_worker_reaches_bcc() -> None:
                    r"|import ccprofd\.bpf\.bcc_adapter)")
         if re.search(pattern, path.read_text(), re.MULTILINE):
             users.append(str(path.relative_to(REPO)))
-    assert sorted(users) == ["ccprofd/bpf/compile_worker.py", "ccprofd/bpf/features.py"]
+    assert sorted(users) == ["ccprofd/kbpf/compile_worker.py", "ccprofd/kbpf/features.py"]
 
 
 def test_importing_the_bpf_layer_does_not_import_bcc() -> None:
     code = (
         "import sys\n"
-        "import ccprofd.bpf.bcc_adapter, ccprofd.bpf.features, ccprofd.bpf.uprobe_multi\n"
-        "import ccprofd.bpf.syscall_sampler, ccprofd.bpf.rawmodule, ccprofd.bpf.unwind\n"
-        "import ccprofd.bpf.instrumented\n"
-        "import ccprofd.bpf.callcount, ccprofd.bpf.fpverify, ccprofd.daemon.service\n"
+        "import ccprofd.kbpf.bcc_adapter, ccprofd.kbpf.features, ccprofd.kbpf.uprobe_multi\n"
+        "import ccprofd.tracing.syscall_sampler, ccprofd.kbpf.rawmodule, ccprofd.tracing.unwind.sampler\n"
+        "import ccprofd.tracing.instrumented.loader\n"
+        "import ccprofd.tracing.instrumented.callcount, ccprofd.tracing.instrumented.fpverify\n"
+        "import ccprofd.daemon.service\n"
         "assert 'bcc' not in sys.modules, 'bcc imported eagerly'\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO)

@@ -11,8 +11,8 @@ import sys
 import pytest
 from conftest import skip_or_fail
 
-from ccprofd.bpf import features, rawbpf, uprobe_multi
-from ccprofd.bpf.errors import BPFError, MissingFeature
+from ccprofd.kbpf import features, rawbpf, uprobe_multi
+from ccprofd.kbpf.errors import BPFError, MissingFeature
 
 ONE_LINE_PREFIX = "ccprofd: missing kernel feature: "
 
@@ -65,8 +65,8 @@ def test_unprivileged_process_gets_one_line_and_exit_1(bpf: None) -> None:
     assert setpriv is not None
     code = (
         "import sys\n"
-        "from ccprofd.bpf.errors import BPFError\n"
-        "from ccprofd.bpf.features import check_features\n"
+        "from ccprofd.kbpf.errors import BPFError\n"
+        "from ccprofd.kbpf.features import check_features\n"
         "try:\n"
         "    check_features({'uprobe_multi', 'ringbuf'})\n"
         "except BPFError as e:\n"

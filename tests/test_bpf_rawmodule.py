@@ -16,10 +16,10 @@ import pytest
 from bpf_helpers import compile_c
 from conftest import require_tool
 
-from ccprofd.bpf import objcache, rawbpf
-from ccprofd.bpf.errors import BPFError
-from ccprofd.bpf.objcache import CompiledObject, FunctionSpec, MapSpec
-from ccprofd.bpf.rawmodule import load_module
+from ccprofd.kbpf import objcache, rawbpf
+from ccprofd.kbpf.errors import BPFError
+from ccprofd.kbpf.objcache import CompiledObject, FunctionSpec, MapSpec
+from ccprofd.kbpf.rawmodule import load_module
 
 # ----------------------------------------------------------------------------------------- units
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from bpf_helpers import compile_c
 
-from ccprofd.bpf.syscall_sampler import SamplerEvent, SyscallSampler
+from ccprofd.tracing.syscall_sampler import SamplerEvent, SyscallSampler
 
 NR_WRITE = 1
 NR_GETPPID = 110
@@ -226,7 +226,7 @@ def test_syscall_set_and_all(sampler: SyscallSampler, prog: Path) -> None:
 def test_tracked_table_is_bounded(prog: Path) -> None:
     from conftest import require_bpf
 
-    from ccprofd.bpf.errors import BPFError
+    from ccprofd.kbpf.errors import BPFError
 
     require_bpf()
     with SyscallSampler(syscalls=[NR_GETPPID], max_tracked=2, ringbuf_pages=1) as s:

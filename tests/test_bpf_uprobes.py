@@ -13,9 +13,9 @@ import pytest
 from bpf_helpers import compile_c, direct_call_sites, file_offset
 from conftest import require_tool, skip_or_fail
 
-from ccprofd.bpf.bcc_adapter import BccModule
-from ccprofd.bpf.errors import BPFError
-from ccprofd.bpf.uprobe_multi import EXPECTED_LAYOUT, UprobeMultiAttr, attach_uprobe_multi
+from ccprofd.kbpf.bcc_adapter import BccModule
+from ccprofd.kbpf.errors import BPFError
+from ccprofd.kbpf.uprobe_multi import EXPECTED_LAYOUT, UprobeMultiAttr, attach_uprobe_multi
 
 SMOKE_C = r"""
 #include <stdio.h>

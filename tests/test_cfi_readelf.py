@@ -1,4 +1,4 @@
-"""The unwind tables (ccprofd.callgraph.cfi) against binutils: every row of
+"""The unwind tables (ccprofd.elf.cfi) against binutils: every row of
 ``readelf --debug-dump=frames-interp`` must be the rule our table gives over the row's whole
 address span, for python3.11, libc, the dynamic loader and test programs (frame pointers, none,
 -O2, and a ``.debug_frame``-only build).  readelf is an independent CFI interpreter, so a wrong
@@ -16,9 +16,9 @@ import pytest
 from bpf_helpers import compile_c
 from conftest import require_tool
 
-from ccprofd.callgraph import cfi
-from ccprofd.callgraph.cache import AnalysisCache
-from ccprofd.callgraph.elfimage import ElfImage
+from ccprofd.elf import cfi
+from ccprofd.elf.image import ElfImage
+from ccprofd.persist.cache import AnalysisCache
 
 SYSTEM_OBJECTS = ["/usr/bin/python3.11", "/lib/x86_64-linux-gnu/libc.so.6", "/lib64/ld-linux-x86-64.so.2"]
 

@@ -47,7 +47,7 @@ def served() -> Iterator[tuple[Daemon, FakeFactory, str]]:
 
 def ctl(sock: str, *args: str, binary: bool = False) -> subprocess.CompletedProcess[bytes]:
     return subprocess.run(
-        [sys.executable, "-m", "ccprofd.ctl", "--socket", sock, *args], capture_output=True, timeout=60
+        [sys.executable, "-m", "ccprofd.cli.ctl", "--socket", sock, *args], capture_output=True, timeout=60
     )
 
 
@@ -121,7 +121,7 @@ def test_stream_json_lines(served: tuple[Daemon, FakeFactory, str]) -> None:
         [
             sys.executable,
             "-m",
-            "ccprofd.ctl",
+            "ccprofd.cli.ctl",
             "--socket",
             sock,
             "stream",

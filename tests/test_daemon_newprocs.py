@@ -274,7 +274,7 @@ def _guard_pids() -> set[int]:
         if p.isdigit():
             try:
                 with open(f"/proc/{p}/cmdline", "rb") as fh:
-                    if b"ccprofd.bpf.holdguard" in fh.read():
+                    if b"ccprofd.kbpf.holdguard" in fh.read():
                         out.add(int(p))
             except OSError:
                 continue

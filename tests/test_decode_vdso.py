@@ -1,4 +1,4 @@
-"""ccprofd/decode/vdso.py, the vDSO as a module (shared by unwind mode and thread snapshots), on this
+"""ccprofd/proc/vdso.py, the vDSO as a module (shared by unwind mode and thread snapshots), on this
 very process: the image it keeps is the one the kernel maps (its base from ``getauxval(AT_SYSINFO_EHDR)``,
 not from /proc/PID/maps), an ELF shared object with an ``.eh_frame`` as ``readelf`` reads it, and its
 load bias the one readelf's program headers give.  The end-to-end checks that frames in the vDSO
@@ -14,10 +14,10 @@ from pathlib import Path
 from bpf_helpers import pt_loads
 from conftest import require_tool, skip_or_fail
 
-from ccprofd.callgraph.addrspace import AddressSpace
-from ccprofd.callgraph.elfimage import ElfImage
-from ccprofd.decode.procmaps import module_mappings
-from ccprofd.decode.vdso import VdsoImages
+from ccprofd.elf.addrspace import AddressSpace
+from ccprofd.elf.image import ElfImage
+from ccprofd.proc.maps import module_mappings
+from ccprofd.proc.vdso import VdsoImages
 
 AT_SYSINFO_EHDR = 33  # include/uapi/linux/auxvec.h
 

@@ -1,4 +1,4 @@
-"""Exec targets (ccprofd/bpf/exec_target.c, kbtf.py): a process is tracked from its exec when its
+"""Exec targets (ccprofd/tracing/exec_target.c, kbtf.py): a process is tracked from its exec when its
 new image is a followed inode -- whatever path, symlink or shell started it -- and only then.
 
 The BTF reader is checked on a blob built here by hand (anonymous members, bit-field flag), and
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from ccprofd.bpf.kbtf import BTFError, KernelBTF
+from ccprofd.kbpf.btf import BTFError, KernelBTF
 
 
 def _btf(types: list[bytes], strings: bytes) -> bytes:
@@ -54,7 +54,7 @@ def test_btf_member_offsets_through_anonymous_members() -> None:
 
 
 def test_exec_target_tracks_the_inode_only(bpf: None, tmp_path: Path) -> None:
-    from ccprofd.bpf.syscall_sampler import SyscallSampler
+    from ccprofd.tracing.syscall_sampler import SyscallSampler
 
     followed = tmp_path / "followed"
     shutil.copy("/usr/bin/true", followed)

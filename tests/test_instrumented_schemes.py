@@ -142,8 +142,8 @@ def _recorded_states(monkeypatch: pytest.MonkeyPatch, argv: list[str],
                      scheme: str) -> Iterator[tuple[Any, int, list[Any], Mapping[str, Any]]]:
     """Run ``argv`` traced in-process and yield, per decoded sample, (EncodedState from BPF, node,
     decoded path, the plan): what the symboliser handed the plan's decoder."""
-    from ccprofd.daemon import tracer
     from ccprofd.decode import CachingDecoder
+    from ccprofd.tracing import session as tracer
 
     seen: list[tuple[Any, int, list[Any], Mapping[str, Any]]] = []
     real = CachingDecoder.decode
@@ -200,8 +200,8 @@ def test_id_overflow_is_flagged_not_wrapped(monkeypatch: pytest.MonkeyPatch, tmp
     """A PCCE code wider than the id's words (what an id that outgrows ``pcce_words`` looks like at a
     probe) freezes the thread at that frame: samples under that edge are ``complete: false`` with no
     frames, and samples after the frame is gone are exact again."""
-    from ccprofd.bpf import instrumented
     from ccprofd.encode.plan import COL
+    from ccprofd.tracing.instrumented import loader as instrumented
 
     binary = str(build("calls", opt="O0", pie=True))
     hit: dict[str, Any] = {}
@@ -226,7 +226,7 @@ def test_id_overflow_is_flagged_not_wrapped(monkeypatch: pytest.MonkeyPatch, tmp
         return table
 
     monkeypatch.setattr(instrumented, "site_table", widened)
-    from ccprofd.daemon import tracer
+    from ccprofd.tracing import session as tracer
 
     session = tracer.open_session([binary], syscalls=SYSCALLS,
                                   options=tracer.TraceOptions(mode="instrumented", encoding="pcce"))

@@ -1,5 +1,6 @@
 """``ccprofd trace --mode instrumented --scope``: the frames above a scope function come from one unwind
-of the stack copied at its entry (instrumented.c cc_scope_prefix + ccprofd/decode/scopeprefix.py).
+of the stack copied at its entry (instrumented.c cc_scope_prefix +
+ccprofd/tracing/instrumented/scopeprefix.py).
 
 tests/programs/scoped.c reaches ``handler`` through a mutual recursion whose depth and shape change
 every round, amid call-heavy code outside the scope.  With ``--scope '^handler$'`` every sample
@@ -99,7 +100,8 @@ def test_scope_samples_get_the_prefix(variant: dict[str, Any], depth: int, tmp_p
 
 def test_scope_probes_far_fewer_sites() -> None:
     """Probe hits (BPF counters) with and without --scope on the same program."""
-    from ccprofd.daemon.tracer import TraceOptions, open_session
+    from ccprofd.tracing.api import TraceOptions
+    from ccprofd.tracing.session import open_session
 
     binary = build("scoped", opt="O0", pie=True)
     hits = {}

@@ -1,5 +1,5 @@
 """``ccprofd trace --mode instrumented -p PID``: threads already deep in recursion at attach are seeded
-by one unwind (ccprofd/bpf/seed.py), so their samples are complete from then on.
+by one unwind (ccprofd/tracing/instrumented/seed.py), so their samples are complete from then on.
 
 The program (tests/programs/seeding.c) parks every thread in ``read`` at the bottom of a mutual
 recursion; ccprofd attaches (probes, then one ptrace stop per thread to seed its state), then

@@ -48,11 +48,11 @@ def test_the_true_path_has_only_zero_code_edges(encoding: str) -> None:
 
 
 def test_zero_code_edges_get_a_cut_only_probe() -> None:
-    from ccprofd.bpf.instrumented import F_ACYC, F_CUT, F_CYCLIC, site_table
-    from ccprofd.bpf.probeplan import PCOL, R_CUT, build_probe_plan
     from ccprofd.callgraph import analyze_binary
-    from ccprofd.callgraph.elfimage import ElfImage
+    from ccprofd.elf.image import ElfImage
     from ccprofd.encode.plan import build_plan
+    from ccprofd.tracing.instrumented.loader import F_ACYC, F_CUT, F_CYCLIC, site_table
+    from ccprofd.tracing.instrumented.probeplan import PCOL, R_CUT, build_probe_plan
 
     binary = str(build("stalepath", opt="O0", pie=True))
     graph = analyze_binary(binary, use_cache=False)
@@ -78,7 +78,8 @@ def test_zero_code_edges_get_a_cut_only_probe() -> None:
 def test_a_dead_calls_pieces_do_not_decode_as_the_context(encoding: str) -> None:
     require_bpf()
     require_tool("strace")
-    from ccprofd.daemon.tracer import TraceOptions, open_session
+    from ccprofd.tracing.api import TraceOptions
+    from ccprofd.tracing.session import open_session
 
     binary = str(build("stalepath", opt="O0", pie=True))
     session = open_session([binary, str(ROUNDS)], options=TraceOptions(

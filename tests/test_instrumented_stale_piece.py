@@ -38,7 +38,8 @@ def _prerequisites() -> None:
 
 
 def trace(binary: str, encoding: str) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    from ccprofd.daemon.tracer import TraceOptions, open_session
+    from ccprofd.tracing.api import TraceOptions
+    from ccprofd.tracing.session import open_session
 
     session = open_session([binary, str(ROUNDS)], options=TraceOptions(
         mode="instrumented", syscalls="getppid", encoding=encoding))

@@ -1,5 +1,6 @@
 """``ccprofd trace --mode instrumented --verify``: every syscall sample is also unwound in BPF by a
-frame-pointer walk (``bpf_get_stack``) and compared with the decoded context (ccprofd/bpf/fpverify.py).
+frame-pointer walk (``bpf_get_stack``) and compared with the decoded context
+(ccprofd/tracing/instrumented/fpverify.py).
 
 * end to end on the frame-pointer builds of the test programs: zero mismatches, and the check really
   compared frames (checked frames > 0, read from the exit line and, independently, the walk's
@@ -24,7 +25,9 @@ import pytest
 from conftest import require_bpf, require_tool
 from programs.build import build
 
-from ccprofd.bpf.fpverify import (
+from ccprofd.elf.cfi import CFA_RBP, CFA_RSP, NONE, PLT
+from ccprofd.tracing.frames import Frame
+from ccprofd.tracing.instrumented.fpverify import (
     JOIN_SLACK_NS,
     MAX_FRAMES,
     FpStack,
@@ -32,8 +35,6 @@ from ccprofd.bpf.fpverify import (
     compare_stack,
     frame_pointer_calls,
 )
-from ccprofd.callgraph.cfi import CFA_RBP, CFA_RSP, NONE, PLT
-from ccprofd.decode.frames import Frame
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SYSCALLS = "write,openat,getppid,close"
@@ -264,8 +265,10 @@ def test_verify_catches_a_broken_decoder(monkeypatch: pytest.MonkeyPatch) -> Non
     context with two or more stack frames gets the call site of one frame moved by one byte.  The walk
     must disagree."""
     require_bpf()
-    from ccprofd.daemon.tracer import TraceOptions, open_session
-    from ccprofd.decode.frames import Decoded, Symbolizer
+    from ccprofd.tracing.api import TraceOptions
+    from ccprofd.tracing.frames import Decoded
+    from ccprofd.tracing.instrumented.symbolize import Symbolizer
+    from ccprofd.tracing.session import open_session
 
     real = Symbolizer.decode
 

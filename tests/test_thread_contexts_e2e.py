@@ -28,14 +28,14 @@ from daemon_fakes import config_text, wait_for
 from daemon_harness import ROOT, RunningDaemon, target_toml
 from test_userstack import EXPECTED_OUTPUT, all_blocked, blocked_program, release
 
-from ccprofd.daemon.threadsnap import tracer_of
+from ccprofd.proc.threadsnap import tracer_of
 
 DEPTH = 6
 
 
 def ctl(sock: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ccprofd.ctl", "--socket", sock, *args], capture_output=True,
-                          text=True, timeout=300, cwd=ROOT)
+    return subprocess.run([sys.executable, "-m", "ccprofd.cli.ctl", "--socket", sock, *args],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
 def ctl_targets(daemon: RunningDaemon) -> list[dict[str, Any]]:
@@ -156,7 +156,7 @@ def test_snapshot_frames_equal_the_tracers_samples_of_the_same_stacks(bpf: None,
     very stack it is blocked with -- must carry the same JSON frames as a snapshot of that thread."""
     from test_userstack import programs
 
-    from ccprofd.daemon.threadsnap import ContextReader
+    from ccprofd.tracing.threadcontexts import ContextReader
 
     exe = programs.build("blocked", opt="O2", frame_pointer=False)
     out = tmp_path / "samples.jsonl"

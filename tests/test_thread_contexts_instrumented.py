@@ -1,5 +1,5 @@
 """``GetThreadContexts`` in instrumented mode answers from the live per-thread BPF state
-(ccprofd/daemon/livestate.py).
+(ccprofd/tracing/instrumented/livestate.py).
 
 End to end: the real ``ccprofd run`` with an instrumented target built WITHOUT unwind tables (no
 ``.eh_frame``/``.eh_frame_hdr``/``.debug_frame`` in the running file) and started after the daemon, so
@@ -39,9 +39,15 @@ from daemon_harness import ROOT, RunningDaemon, target_toml
 from test_thread_contexts_e2e import ctl, ctl_targets, vaddr_of
 from test_userstack import EXPECTED_OUTPUT, all_blocked, release
 
-from ccprofd.bpf.seed import Piece, SeedParams, SeedState, StateModel, state_blob
-from ccprofd.daemon.livestate import LiveState, current, parse_state, raw_context, splice_library_frames
-from ccprofd.decode.frames import Frame
+from ccprofd.tracing.frames import Frame
+from ccprofd.tracing.instrumented.livestate import (
+    LiveState,
+    current,
+    parse_state,
+    raw_context,
+    splice_library_frames,
+)
+from ccprofd.tracing.instrumented.seed import Piece, SeedParams, SeedState, StateModel, state_blob
 
 PROGRAMS = ROOT / "tests" / "programs"
 DEPTH = 6
@@ -263,7 +269,7 @@ def test_contexts_of_a_binary_without_unwind_tables_from_bpf_state(
     checked against objdump's call sites, is."""
     from gdb_threads import gdb_threads
 
-    from ccprofd.daemon.threadsnap import ContextReader
+    from ccprofd.tracing.threadcontexts import ContextReader
 
     if frame_pointer:
         require_tool("gdb")

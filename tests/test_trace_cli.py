@@ -123,8 +123,9 @@ def test_killed_command_reports_128_plus_signal(tmp_path: pathlib.Path) -> None:
 
 @pytest.mark.bpf
 def test_attach_to_running_process_is_seeded(tmp_path: pathlib.Path) -> None:
-    """-p PID: the thread is seeded by one unwind at attach (ccprofd/bpf/seed.py), so every sample is
-    complete and equal to the true stack (tests/test_instrumented_seeding.py compares with strace -p;
+    """-p PID: the thread is seeded by one unwind at attach (ccprofd/tracing/instrumented/seed.py),
+    so every sample is complete and equal to the true stack (tests/test_instrumented_seeding.py
+    compares with strace -p;
     the refused-ptrace case, flagged and a suffix, is tested there too)."""
     require_bpf()
     prog = compile_c(tmp_path, "loop", r"""

@@ -20,8 +20,14 @@ from bpf_helpers import compile_c, file_offset
 from conftest import require_tool
 from programs.build import build
 
-from ccprofd.bpf.cfi import RBP, RSP, CfaRule, cfa_rules
-from ccprofd.bpf.probeplan import (
+from ccprofd.callgraph import analyze_binary
+from ccprofd.elf.cfarules import RBP, RSP, CfaRule, cfa_rules
+from ccprofd.elf.image import ElfImage
+from ccprofd.encode import build_plan
+from ccprofd.encode.plan import COL
+from ccprofd.export.jsonl import format_text, write_jsonl
+from ccprofd.kbpf.syscalls import parse_syscalls, syscall_name
+from ccprofd.tracing.instrumented.probeplan import (
     PCOL,
     R_ACYC,
     R_CYCLIC,
@@ -30,12 +36,6 @@ from ccprofd.bpf.probeplan import (
     ProbePlan,
     build_probe_plan,
 )
-from ccprofd.bpf.syscall_names import parse_syscalls, syscall_name
-from ccprofd.callgraph import analyze_binary
-from ccprofd.callgraph.elfimage import ElfImage
-from ccprofd.encode import build_plan
-from ccprofd.encode.plan import COL
-from ccprofd.export.jsonl import format_text, write_jsonl
 
 
 def objdump_calls(binary: pathlib.Path) -> dict[int, tuple[str, str, str]]:

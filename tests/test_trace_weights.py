@@ -97,7 +97,8 @@ def test_cli_weights_need_instrumented_mode(tmp_path: pathlib.Path) -> None:
 # -------------------------------------------------------------------------------- end to end
 def traced(cmd: list[str], **options: Any) -> tuple[list[dict[str, Any]], int]:
     """Samples and probe hits of one in-process trace session (what ``ccprofd trace`` runs)."""
-    from ccprofd.daemon.tracer import TraceOptions, open_session
+    from ccprofd.tracing.api import TraceOptions
+    from ccprofd.tracing.session import open_session
 
     session = open_session(cmd, options=TraceOptions(mode="instrumented", syscalls=SYSCALLS, **options))
     samples = list(session.samples())

@@ -22,8 +22,8 @@ from bpf_helpers import compile_c, direct_call_sites
 from programs.build import build
 from test_unwind_gdb import GdbStop, run_with_gdb
 
-from ccprofd.bpf.unwind import UnwindSampler, UnwoundSample
-from ccprofd.callgraph import cfi
+from ccprofd.elf import cfi
+from ccprofd.tracing.unwind.sampler import UnwindSampler, UnwoundSample
 
 NR_WRITE, NR_GETPPID = 1, 110
 SYSCALLS = ["getppid", "write"]

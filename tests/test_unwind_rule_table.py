@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from array import array
 
-from ccprofd.bpf.unwind import RULE_STRUCT, UnwindSampler, _Module, pack_rule
-from ccprofd.callgraph import cfi
-from ccprofd.callgraph.addrspace import AddressSpace
+from ccprofd.elf import cfi
+from ccprofd.elf.addrspace import AddressSpace
+from ccprofd.tracing.unwind.sampler import RULE_STRUCT, UnwindSampler, _Module, pack_rule
 
 
 def _table(path: str, rules: list[cfi.Rule]) -> cfi.UnwindTable:

@@ -13,14 +13,15 @@ import pytest
 from bpf_helpers import pt_loads
 from programs.build import build
 
-from ccprofd.bpf import rawbpf, unwind_plan
-from ccprofd.bpf.errors import BPFError
-from ccprofd.bpf.unwind import ARG_LEN, FLAG_HIT, UnwoundSample, link_loop_callbacks
 from ccprofd.callgraph import analyze_binary
-from ccprofd.callgraph.cache import AnalysisCache
-from ccprofd.callgraph.elfimage import ElfImage
-from ccprofd.decode.procmaps import module_mappings, parse_maps, read_maps
+from ccprofd.elf.image import ElfImage
 from ccprofd.encode import get_plan
+from ccprofd.kbpf import rawbpf
+from ccprofd.kbpf.errors import BPFError
+from ccprofd.persist.cache import AnalysisCache
+from ccprofd.proc.maps import module_mappings, parse_maps, read_maps
+from ccprofd.tracing.unwind import plan as unwind_plan
+from ccprofd.tracing.unwind.sampler import ARG_LEN, FLAG_HIT, UnwoundSample, link_loop_callbacks
 
 LIBC = "/usr/lib/x86_64-linux-gnu/libc.so.6"
 

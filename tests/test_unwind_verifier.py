@@ -12,9 +12,9 @@ import struct
 
 import pytest
 
-from ccprofd.bpf import rawbpf
-from ccprofd.bpf.unwind import UnwindSampler
-from ccprofd.bpf.unwind_plan import UnwindEncoding
+from ccprofd.kbpf import rawbpf
+from ccprofd.tracing.unwind.plan import UnwindEncoding
+from ccprofd.tracing.unwind.sampler import UnwindSampler
 
 KERNEL_LIMIT = 1_000_000
 MARGIN = 10  # each load processes at most a tenth of the limit

@@ -1,5 +1,5 @@
-"""The userspace unwinder (ccprofd/decode/userstack.py) and the ptrace snapshot
-(ccprofd/daemon/threadsnap.py) against gdb on stopped test programs.
+"""The userspace unwinder (ccprofd/proc/userstack.py) and the ptrace snapshot
+(ccprofd/proc/threadsnap.py) against gdb on stopped test programs.
 
 tests/programs/blocked.c has four threads blocked at known depths (read, nanosleep, read inside a
 signal handler, the main thread's read); each snapshot's frames -- every pc, innermost to the outermost
@@ -25,9 +25,9 @@ sys.path.insert(0, str(Path(__file__).parent / "programs"))
 import build as programs
 from gdb_threads import gdb_threads
 
-from ccprofd.daemon.threadsnap import ProcessSnapshot, snapshot
-from ccprofd.decode.modules import ModuleCache
-from ccprofd.decode.userstack import StackMemory, unwind
+from ccprofd.proc.modules import ModuleCache
+from ccprofd.proc.threadsnap import ProcessSnapshot, snapshot
+from ccprofd.proc.userstack import StackMemory, unwind
 
 EXPECTED_OUTPUT = ("main: got=1 spurious=0\nreader: got=1 byte=R spurious=0\nsleeper: woken=1 spurious=0\n"
                    "handler: got=1 byte=H spurious=0\n")
@@ -153,7 +153,7 @@ def test_errors_are_one_line_values() -> None:
         tracer = subprocess.Popen([strace, "-qq", "-o", "/dev/null", "-p", str(proc.pid)],
                                   stderr=subprocess.DEVNULL)
         try:
-            from ccprofd.daemon.threadsnap import tracer_of
+            from ccprofd.proc.threadsnap import tracer_of
 
             while tracer_of(proc.pid) != tracer.pid:
                 time.sleep(0.01)
@@ -167,7 +167,7 @@ def test_errors_are_one_line_values() -> None:
             time.sleep(0.01)
         assert snapshot(proc.pid, ModuleCache()).error is None  # free again once strace detached
         # held by ourselves (e.g. a snapshot or the attach-time seeding in progress): said so
-        from ccprofd.daemon import threadsnap
+        from ccprofd.proc import threadsnap
 
         tids = sorted(int(t) for t in os.listdir(f"/proc/{proc.pid}/task"))
         held = tids[-1]  # refused at the last thread: the ones seized before must all be let go

@@ -1,5 +1,5 @@
-"""Who removes the private vDSO copies (ccprofd/decode/vdso.py) that the stack walks outside BPF make
-when the cache directory cannot be written: the :class:`ccprofd.decode.modules.ModuleCache` that made
+"""Who removes the private vDSO copies (ccprofd/proc/vdso.py) that the stack walks outside BPF make
+when the cache directory cannot be written: the :class:`ccprofd.proc.modules.ModuleCache` that made
 them, closed by its owner -- a thread-snapshot reader at its tracer mode's close, attach-time seeding
 when its one snapshot is done, ``--scope`` prefixes at the tracer's close.  Before, nothing closed
 them and every snapshot reader, seeding and scoped run left a ``ccprofd-vdso-*.so`` in the temporary
@@ -54,8 +54,8 @@ def test_snapshot_reader_removes_its_copy_when_its_mode_closes(unwritable_cache:
     """GetThreadContexts in unwind mode: the reader walks through a private copy (a thread blocked in
     a syscall has the vDSO nowhere on its stack, but its maps hold it), and the mode's close removes
     it; the reader is made again on a later request."""
-    from ccprofd.bpf.unwind_mode import UnwindMode
-    from ccprofd.daemon.tracer import TraceOptions
+    from ccprofd.tracing.api import TraceOptions
+    from ccprofd.tracing.unwind.mode import UnwindMode
 
     exe = build("blocked", opt="O0")
     mode = UnwindMode(str(exe), TraceOptions(mode="unwind", cache_dir=str(unwritable_cache)))

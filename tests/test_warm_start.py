@@ -66,7 +66,7 @@ def _bpftool_offsets() -> dict[tuple[str, str], int]:
 
     from conftest import require_tool
 
-    from ccprofd.bpf.kbtf import EXE_INODE_CHAIN, VMLINUX_BTF
+    from ccprofd.kbpf.btf import EXE_INODE_CHAIN, VMLINUX_BTF
 
     tool = require_tool("bpftool")
     if not Path(VMLINUX_BTF).exists():
@@ -121,7 +121,7 @@ def _bpftool_offsets() -> dict[tuple[str, str], int]:
 
 
 def test_kbtf_offsets_cached_equal_parsed_and_bpftool(tmp_path: Path) -> None:
-    from ccprofd.bpf import kbtf
+    from ccprofd.kbpf import btf as kbtf
 
     expected = _bpftool_offsets()
     data = Path(kbtf.VMLINUX_BTF).read_bytes()
@@ -136,8 +136,8 @@ def test_kbtf_offsets_cached_equal_parsed_and_bpftool(tmp_path: Path) -> None:
 
 
 def test_kbtf_cache_is_keyed_by_the_blob_and_a_corrupt_entry_reparses(tmp_path: Path) -> None:
-    from ccprofd.bpf import kbtf
-    from ccprofd.callgraph.cache import AnalysisCache
+    from ccprofd.kbpf import btf as kbtf
+    from ccprofd.persist.cache import AnalysisCache
 
     if not Path(kbtf.VMLINUX_BTF).exists():
         from conftest import skip_or_fail
@@ -164,7 +164,7 @@ LIBC = "/usr/lib/x86_64-linux-gnu/libc.so.6"
 
 def _synthetic_encoding() -> Any:
     """Two acycID words, rows pushing up to four recID codes (the widest codes u32 holds)."""
-    from ccprofd.bpf.unwind_plan import Row, UnwindEncoding
+    from ccprofd.tracing.unwind.plan import Row, UnwindEncoding
 
     edges = {}
     for i in range(300):
@@ -215,7 +215,7 @@ def _read_back(sampler: Any, name: str, keys: list[bytes]) -> dict[bytes, bytes]
     """Map contents read back from the kernel (BPF_MAP_LOOKUP_ELEM per key)."""
     import ctypes
 
-    from ccprofd.bpf import rawbpf
+    from ccprofd.kbpf import rawbpf
 
     m = sampler.module.map(name)
     vsize = ctypes.sizeof(m.leaf_type)
@@ -245,11 +245,11 @@ def test_unwind_maps_packed_and_cached_equal_the_ctypes_rows(which: str, tmp_pat
     from conftest import require_bpf
     from programs.build import build
 
-    from ccprofd.bpf import unwind
-    from ccprofd.bpf.unwind_plan import cached_unwind_encoding
     from ccprofd.callgraph import analyze_binary
-    from ccprofd.callgraph import cfi as ccfi
-    from ccprofd.callgraph.cache import AnalysisCache
+    from ccprofd.elf import cfi as ccfi
+    from ccprofd.persist.cache import AnalysisCache
+    from ccprofd.tracing.unwind import sampler as unwind
+    from ccprofd.tracing.unwind.plan import cached_unwind_encoding
 
     require_bpf()
     cache = AnalysisCache(tmp_path / "cache")
@@ -296,8 +296,8 @@ def test_unwind_maps_packed_and_cached_equal_the_ctypes_rows(which: str, tmp_pat
 def test_packed_encoding_cache_key_and_corrupt_entry(tmp_path: Path) -> None:
     from dataclasses import replace as dc_replace
 
-    from ccprofd.bpf import unwind
-    from ccprofd.callgraph.cache import AnalysisCache
+    from ccprofd.persist.cache import AnalysisCache
+    from ccprofd.tracing.unwind import sampler as unwind
 
     cache = AnalysisCache(tmp_path)
     enc = _synthetic_encoding()
@@ -340,14 +340,14 @@ def _program_plan(tmp_path: Path, name: str = "calls", scheme: str = "valence", 
 @pytest.mark.parametrize("scope", [None, "^handler$"])
 def test_probe_plan_cache_equals_built_plan_and_misses_on_changed_inputs(tmp_path: Path,
                                                                           scope: str | None) -> None:
-    from ccprofd.bpf.probeplan import (
+    from ccprofd.elf.image import ElfImage
+    from ccprofd.persist.cache import AnalysisCache
+    from ccprofd.tracing.instrumented.probeplan import (
         PROBE_PLAN_CACHE_KIND,
         build_probe_plan,
         cached_probe_plan,
         probe_plan_cache_key,
     )
-    from ccprofd.callgraph.cache import AnalysisCache
-    from ccprofd.callgraph.elfimage import ElfImage
 
     binary, graph, plan = _program_plan(tmp_path, "scoped" if scope else "calls")
     cache = AnalysisCache(tmp_path / "cache")
@@ -383,8 +383,8 @@ def _ctypes_instrumented_rows(bpf: Any) -> dict[str, dict[bytes, bytes]]:
     """The maps' contents as the element-by-element ctypes code (before packing) built them."""
     import ctypes
 
-    from ccprofd.bpf.instrumented import NONE32, dense_nodes, ret_table
-    from ccprofd.bpf.probeplan import CCOL
+    from ccprofd.tracing.instrumented.loader import NONE32, dense_nodes, ret_table
+    from ccprofd.tracing.instrumented.probeplan import CCOL
 
     out: dict[str, dict[bytes, bytes]] = {}
     m = bpf.module.map("cc_sites")
@@ -423,9 +423,9 @@ def test_instrumented_maps_packed_equal_the_ctypes_rows(tmp_path: Path, name: st
                                                         words: int) -> None:
     from conftest import require_bpf
 
-    from ccprofd.bpf.instrumented import InstrumentedBPF
-    from ccprofd.bpf.probeplan import build_probe_plan
-    from ccprofd.callgraph.elfimage import ElfImage
+    from ccprofd.elf.image import ElfImage
+    from ccprofd.tracing.instrumented.loader import InstrumentedBPF
+    from ccprofd.tracing.instrumented.probeplan import build_probe_plan
 
     require_bpf()
     binary, graph, plan = _program_plan(tmp_path, name, scheme, words)
@@ -445,8 +445,8 @@ def test_instrumented_maps_packed_equal_the_ctypes_rows(tmp_path: Path, name: st
 def test_plan_marshal_copy_equals_the_json_file_and_follows_it(tmp_path: Path) -> None:
     import json
 
-    from ccprofd.callgraph.cache import AnalysisCache
     from ccprofd.encode.plan import MARSHAL_KIND, load_plan, save_plan
+    from ccprofd.persist.cache import AnalysisCache
 
     g = _weighted_graph()
     key = get_plan(g, "valence", cache_dir=tmp_path)["key"]
@@ -470,7 +470,7 @@ def test_plan_marshal_copy_equals_the_json_file_and_follows_it(tmp_path: Path) -
 def test_encoding_round_trips_through_its_packed_cache_form() -> None:
     import marshal
 
-    from ccprofd.bpf.unwind_plan import encoding_from_plain, encoding_to_plain
+    from ccprofd.tracing.unwind.plan import encoding_from_plain, encoding_to_plain
 
     enc = _synthetic_encoding()
     enc.call_lengths.update({0x1000 + 16 * i: 5 for i in range(1, 300)})
@@ -541,8 +541,8 @@ def test_early_verifier_load_is_attached_or_closed(tmp_path: Path) -> None:
     load, and a sampler closed without attaching leaves no program fd behind."""
     from conftest import require_bpf
 
-    from ccprofd.bpf.unwind import UnwindSampler
-    from ccprofd.callgraph.cache import AnalysisCache
+    from ccprofd.persist.cache import AnalysisCache
+    from ccprofd.tracing.unwind.sampler import UnwindSampler
 
     require_bpf()
     before = _bpf_prog_fds()

@@ -15,14 +15,14 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .cache import AnalysisCache
-from .elfimage import ElfImage
-from .errors import BinaryError
-from .model import ROOT, BinaryInfo, CallGraph, CallSite
-from .stats import graph_stats
+from ccprofd.callgraph.model import ROOT, BinaryInfo, CallGraph, CallSite
+from ccprofd.callgraph.stats import graph_stats
+from ccprofd.elf.errors import BinaryError
+from ccprofd.elf.image import ElfImage
+from ccprofd.persist.cache import AnalysisCache
 
 if TYPE_CHECKING:
-    from .analysis import Progress
+    from ccprofd.callgraph.analysis import Progress
 
 __all__ = ["ROOT", "AnalysisCache", "BinaryError", "BinaryInfo", "CallGraph", "CallSite", "analyze_binary",
            "cache_key", "graph_stats"]
@@ -59,7 +59,7 @@ def analyze_binary(path: str | os.PathLike[str], *, cache_dir: Path | None = Non
             graph.from_cache = True
             _store_summary(cache, key, graph, cached["stats"])
             return graph
-    from .analysis import analyze_image  # capstone & co.: not needed when the cache has the graph
+    from ccprofd.callgraph.analysis import analyze_image
 
     graph = analyze_image(image, progress)
     if cache is not None:
@@ -98,7 +98,7 @@ def _rows_of(cache: AnalysisCache, key: str, path: str, summary: dict[str, Any])
     cached = cache.load("callgraph", key)
     rows = cached.get("graph") if isinstance(cached, dict) else None
     if not isinstance(rows, dict) or rows.get("format") != summary["graph"]["format"]:
-        from .analysis import analyze_image
+        from ccprofd.callgraph.analysis import analyze_image
 
         rows = analyze_image(ElfImage(path)).to_dict()
     if (len(rows["nodes"]), len(rows["edges"])) != (summary["graph"]["nodes"], summary["graph"]["edges"]):

@@ -12,11 +12,11 @@ from collections.abc import Callable
 from capstone import Cs
 from elftools.elf.relocation import RelocationSection
 
-from .disasm import Branch, SweepResult, first_non_padding, make_disassembler, sweep
-from .elfimage import ElfImage
-from .functions import FunctionTable
-from .model import BinaryInfo, CallGraph, CallSite
-from .plt import PltResolver
+from ccprofd.callgraph.disasm import Branch, SweepResult, first_non_padding, make_disassembler, sweep
+from ccprofd.callgraph.functions import FunctionTable
+from ccprofd.callgraph.model import BinaryInfo, CallGraph, CallSite
+from ccprofd.elf.image import ElfImage
+from ccprofd.elf.plt import PltResolver
 
 Progress = Callable[[str, int, int], None]
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from bisect import bisect_right
 from dataclasses import dataclass, field
 
-from .ehframe import parse_eh_frame
-from .elfimage import PLT_SECTIONS, ElfImage, Section
+from ccprofd.elf.ehframe import parse_eh_frame
+from ccprofd.elf.image import PLT_SECTIONS, ElfImage, Section
 
 _FUNC_TYPES = ("STT_FUNC", "STT_GNU_IFUNC")
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .model import ROOT, CallGraph
+from ccprofd.callgraph.model import ROOT, CallGraph
 
 
 def graph_stats(graph: CallGraph) -> dict[str, Any]:

@@ -2,12 +2,12 @@
 "enforce"`` applied to each target's sample stream.
 
 Data flow (one way): the daemon's pump threads hand every decoded sample to :meth:`AnomalyMonitor.observe`
-(a sample observer) -> per (target, build-id) a :class:`~ccprofd.daemon.anomaly.Learner` (flushed
+(a sample observer) -> per (target, build-id) a :class:`~ccprofd.anomaly.model.Learner` (flushed
 into the target's model file every ``flush_seconds`` and at shutdown, so a SIGKILL loses at most one
-interval) or a :class:`~ccprofd.daemon.detector.Detector` -> alerts, each published on the daemon's
+interval) or a :class:`~ccprofd.anomaly.detector.Detector` -> alerts, each published on the daemon's
 alert bus (gRPC ``StreamAlerts``), counted for ``ccprofd_alerts_total{target, syscall, kind}`` and
 logged as one structured line.  ``enforce`` also loads the kernel-side
-:class:`~ccprofd.bpf.lsm_enforce.Enforcer` for the binary and puts the target's processes under it
+:class:`~ccprofd.anomaly.enforce.Enforcer` for the binary and puts the target's processes under it
 (checked every second: a process found by the daemon's rescan is unenforced until then, and its
 threads' first hooked syscall before any PLT call is keyed as "no context in the binary").
 
@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ccprofd.daemon.anomaly import Learner, ModelSet, TargetModel
+from ccprofd.anomaly.detector import Detector, DetectorOptions
+from ccprofd.anomaly.model import Learner, ModelSet, TargetModel
+from ccprofd.anomaly.modelstore import ModelFileError, ModelStore, PeriodicFlusher, load_or_quarantine
 from ccprofd.daemon.config import AnomalyConfig
-from ccprofd.daemon.detector import Detector, DetectorOptions
-from ccprofd.daemon.modelstore import ModelFileError, ModelStore, PeriodicFlusher, load_or_quarantine
 
 if TYPE_CHECKING:
     from ccprofd.daemon.service import Daemon, TargetRuntime
@@ -254,7 +254,7 @@ class AnomalyMonitor:
         return b
 
     def _enforcer(self, t: _Target, path: str, model: TargetModel) -> Any:
-        from ccprofd.bpf.lsm_enforce import Enforcer
+        from ccprofd.anomaly.enforce import Enforcer
 
         try:
             enf = Enforcer(path, model, enforce=True)
@@ -285,7 +285,7 @@ class AnomalyMonitor:
             b.enforced_pids.discard(pid)
 
     def _collect_denials(self, t: _Target, b: _Binary) -> None:
-        from ccprofd.bpf.syscall_names import syscall_name
+        from ccprofd.kbpf.syscalls import syscall_name
 
         for d in b.enforcer.poll(0):
             t.denials += 1

@@ -80,7 +80,7 @@ class UnknownProcess(LookupError):
 class SampleSource(Protocol):
     def start(self) -> None:
         """Analyse (from the cache when the build-id is known), attach, and return once probes are
-        live.  Raise :class:`ccprofd.bpf.errors.BPFError` (one-line message) on failure."""
+        live.  Raise :class:`ccprofd.kbpf.errors.BPFError` (one-line message) on failure."""
 
     def poll(self, timeout_ms: int) -> Iterable[Sample]:
         """Decoded samples that arrived since the last call, waiting at most ``timeout_ms``."""

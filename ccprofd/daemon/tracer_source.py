@@ -1,5 +1,5 @@
 """The daemon's :class:`~ccprofd.daemon.source.SampleSource` over the tracer's modes
-(:mod:`ccprofd.daemon.tracer`): one prepared mode (analysis, plan, probes) per binary inode, fed with
+(:mod:`ccprofd.tracing.session`): one prepared mode (analysis, plan, probes) per binary inode, fed with
 the processes of the target.
 
 Which processes: a ``path`` target follows every process whose executable is that inode; a ``pid``
@@ -20,7 +20,7 @@ never guessed.  A process in another mount namespace is analysed through ``/proc
 reported with its host pid.  The daemon's own pid is never tracked.
 
 Per-thread contexts (``thread_contexts``) come from a brief ptrace stop of the process, each thread
-unwound with the same CFI tables as the BPF unwinder (ccprofd/daemon/threadsnap.py), in both modes.
+unwound with the same CFI tables as the BPF unwinder (ccprofd/proc/threadsnap.py), in both modes.
 Left for the tracer to provide (see the daemon's README section): per-source probe-hit counters.
 """
 
@@ -86,7 +86,7 @@ def _comm(pid: int) -> str:
 
 class TracerSource:
     def __init__(self, target: TargetConfig, daemon: DaemonConfig) -> None:
-        from ccprofd.daemon.tracer import TraceOptions
+        from ccprofd.tracing.api import TraceOptions
 
         self.target = target
         self.options = TraceOptions(
@@ -144,7 +144,7 @@ class TracerSource:
         return [int(p) for p in os.listdir("/proc") if p.isdigit()]
 
     def _binary_for(self, path: str, inode: Inode) -> _Binary:
-        from ccprofd.daemon.tracer import make_mode
+        from ccprofd.tracing.session import make_mode
 
         b = self.binaries_by_inode.get(inode)
         if b is None:
@@ -164,7 +164,7 @@ class TracerSource:
             except OSError:
                 want = None
         alive = set()
-        from ccprofd.bpf.holdguard import is_guard
+        from ccprofd.kbpf.holdguard import is_guard
 
         for pid in self._candidates():
             if pid == self.self_pid or is_guard(pid):  # the daemon and its hold guards

@@ -48,22 +48,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from ccprofd.atomicfile import atomic_write_bytes
 from ccprofd.callgraph.model import BinaryInfo, CallGraph
 from ccprofd.encode.bits import words_for_bits
-from ccprofd.encode.edges import (
-    EdgeArrays,
-    EdgeKey,
-    edge_arrays,
-    effective_weights,
-    read_edges,
-    weights_hash,
-)
+from ccprofd.encode.edges import EdgeArrays, EdgeKey, edge_arrays, effective_weights, read_edges, weights_hash
 from ccprofd.encode.hcce import build_hcce
 from ccprofd.encode.pcce import build_pcce
 from ccprofd.encode.scc import Sccs, sccs
 from ccprofd.encode.stacktags import build_stacktags
 from ccprofd.encode.valence import SchemeTables, build_valence
+from ccprofd.persist.atomicfile import atomic_write_bytes
 
 PLAN_FORMAT = "ccprofd-encoding-plan"
 PLAN_VERSION = 1
@@ -245,7 +238,7 @@ def _load_cached(path: Path, key: str, base: str | os.PathLike[str]) -> dict[str
     """The plan in ``path``; the JSON file is the cache entry, but parsing 4 MB of JSON is 2-3x
     slower than marshal, so a marshal copy of what was parsed is kept beside it in the analysis
     cache, used only while the JSON file is the very one it was made from (inode, size, mtime)."""
-    from ccprofd.callgraph.cache import AnalysisCache
+    from ccprofd.persist.cache import AnalysisCache
 
     st = os.stat(path)
     stamp = (st.st_ino, st.st_size, st.st_mtime_ns)

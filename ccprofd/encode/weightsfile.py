@@ -21,7 +21,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ccprofd.atomicfile import atomic_write_bytes
+from ccprofd.persist.atomicfile import atomic_write_bytes
 
 FORMAT = "ccprofd-edge-weights"
 VERSION = 1

@@ -1,0 +1,1 @@
+"""Anomaly detection: the model of (syscall, calling context) pairs, detection, storage, enforcement."""

@@ -1,0 +1,232 @@
+"""Detection: compare decoded samples with a learned :class:`TargetModel` and raise alerts.
+
+Alert kinds:
+
+* ``unseen_context`` — the (syscall, exact context) pair was never learned (or was seen fewer than
+  ``min_count`` times), and no allow rule covers it;
+* ``unseen_transition`` — both contexts are known, but this thread never went from the previous
+  one to this one (only when asked for and the model recorded transitions in every run);
+* ``incomplete_context`` — the tracer flagged the sample ``complete: false``: the model cannot
+  judge a context whose outer part is unknown, and says so instead of guessing.
+
+Each alert carries the sample's identity, its decoded frames, cheap syscall arguments when the
+sample carries them (``args``: e.g. the ``openat`` path, the ``execve`` filename), and the three known
+contexts of the same syscall sharing the longest prefix with it, for comparison.  The same alert
+(kind + context, + previous context for transitions) is emitted at most once per
+``alert_interval_seconds`` of sample time; the next emission says how many were suppressed.
+
+Output is plain data: :meth:`Alert.to_dict` (one JSON object per line for ``ccprofd detect``, the
+gRPC ``StreamAlerts`` message and the metric labels are built from it) and :meth:`Alert.log_line`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import IO, Any
+
+from ccprofd.anomaly.model import (
+    DEFAULT_MAX_CYCLE,
+    ContextKey,
+    FrameKey,
+    TargetModel,
+    collapse_cycles,
+    common_prefix_len,
+    context_key,
+)
+
+KINDS = ("unseen_context", "unseen_transition", "incomplete_context")
+_FRAME_OUT = ("function", "module", "build_id", "analysed", "call_site", "return_address", "tail_call")
+
+
+@dataclass(frozen=True, slots=True)
+class DetectorOptions:
+    """Names match the daemon's ``[target.anomaly]`` keys where they overlap."""
+
+    collapse_recursion: bool = False
+    max_cycle: int = DEFAULT_MAX_CYCLE
+    transitions: bool = False
+    min_count: int = 1
+    alert_interval_seconds: float = 60.0
+    nearest: int = 3
+    report_incomplete: bool = True
+
+
+@dataclass(slots=True)
+class Alert:
+    kind: str
+    time_ns: int
+    pid: int
+    tid: int
+    syscall: str
+    build_id: str
+    complete: bool
+    frames: list[dict[str, Any]]
+    args: dict[str, Any] = field(default_factory=dict)
+    nearest: list[dict[str, Any]] = field(default_factory=list)
+    previous: dict[str, Any] | None = None
+    suppressed: int = 0
+
+    def to_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "kind": self.kind, "time_ns": self.time_ns, "pid": self.pid, "tid": self.tid,
+            "syscall": self.syscall, "build_id": self.build_id, "complete": self.complete,
+            "args": self.args, "frames": self.frames, "nearest": self.nearest,
+            "suppressed": self.suppressed}
+        if self.kind == "unseen_transition":
+            out["previous"] = self.previous  # null: the thread's first sample
+        return out
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), separators=(",", ":"))
+
+    def log_line(self) -> str:
+        """One structured line (key=value, journald-friendly); the context as ``a>b>c``."""
+        chain = ">".join(str(f.get("function") or "?") for f in self.frames) or "-"
+        args = "".join(f" {k}={json.dumps(v)}" for k, v in sorted(self.args.items()))
+        return (f"ccprofd alert kind={self.kind} syscall={self.syscall} pid={self.pid} tid={self.tid} "
+                f"build_id={self.build_id} complete={str(self.complete).lower()}{args} "
+                f"suppressed={self.suppressed} context={chain}")
+
+
+class RateLimiter:
+    """Emit a given alert key at most once per interval (of sample time)."""
+
+    def __init__(self, interval_seconds: float) -> None:
+        self.interval_ns = int(interval_seconds * 1e9)
+        self._last: dict[Any, int] = {}
+        self._held: dict[Any, int] = {}
+
+    def admit(self, key: Any, time_ns: int) -> int | None:
+        """None when suppressed; else how many were suppressed since the last emission."""
+        last = self._last.get(key)
+        if last is not None and self.interval_ns > 0 and time_ns - last < self.interval_ns:
+            self._held[key] = self._held.get(key, 0) + 1
+            return None
+        self._last[key] = time_ns
+        return self._held.pop(key, 0)
+
+
+_UNKNOWN = object()  # a thread's previous context was not judged (unseen or incomplete)
+
+
+class Detector:
+    """Judges samples of one target against its model.  Not thread-safe: one per sample stream."""
+
+    def __init__(self, model: TargetModel, options: DetectorOptions | None = None) -> None:
+        self.model = model
+        self.options = options or DetectorOptions()
+        if self.options.transitions and not model.transitions_usable():
+            raise ValueError(
+                f"model of build-id {model.build_id} has transitions from {model.runs_with_transitions} of "
+                f"{model.runs} learning runs; learn every run with transitions to detect unseen transitions")
+        self._limiter = RateLimiter(self.options.alert_interval_seconds)
+        self._last: dict[int, Any] = {}
+        self.counts: dict[str, int] = dict.fromkeys(
+            (*KINDS, "samples", "suppressed", "allowed_by_rule", "unmodelled_syscall"), 0)
+        self._index()
+
+    def _view(self, frames: Sequence[FrameKey]) -> tuple[FrameKey, ...]:
+        if self.options.collapse_recursion:
+            return collapse_cycles(frames, self.options.max_cycle)
+        return tuple(frames)
+
+    def _index(self) -> None:
+        self._known: dict[ContextKey, int] = {}
+        self._by_syscall: dict[str, list[tuple[ContextKey, int]]] = {}
+        for key, st in self.model.contexts.items():
+            view = (key[0], self._view(key[1]))
+            self._known[view] = self._known.get(view, 0) + st.count
+            self._by_syscall.setdefault(key[0], []).append((key, st.count))
+        self._transitions: set[tuple[ContextKey | None, ContextKey]] = set()
+        for a, b in self.model.transitions:
+            va = None if a is None else (a[0], self._view(a[1]))
+            self._transitions.add((va, (b[0], self._view(b[1]))))
+
+    def known(self, key: ContextKey) -> bool:
+        view = (key[0], self._view(key[1]))
+        return self._known.get(view, 0) >= max(1, self.options.min_count)
+
+    def nearest(self, key: ContextKey) -> list[dict[str, Any]]:
+        """The known contexts of the same syscall sharing the longest prefix with ``key``."""
+        syscall, frames = key
+        candidates = self._by_syscall.get(syscall, [])
+        scored = sorted(((common_prefix_len(frames, k[1]), n, k) for k, n in candidates),
+                        key=lambda t: (-t[0], -t[1]))
+        return [{"common_prefix": lcp, "count": n, "frames": [self._frame_out(f) for f in k[1]]}
+                for lcp, n, k in scored[: self.options.nearest]]
+
+    def _frame_out(self, f: FrameKey) -> dict[str, Any]:
+        mid, fn, site = f
+        return {"function": fn, "module": self.model.modules.get(mid, ""), "build_id": mid, "call_site": site}
+
+    def check(self, sample: Mapping[str, Any]) -> list[Alert]:
+        """Alerts for one sample (after rate limiting)."""
+        if sample.get("event", "syscall") != "syscall":
+            return []
+        self.counts["samples"] += 1
+        tid = int(sample.get("tid", 0))
+        key = context_key(sample)
+        if not self.model.learned_syscall(key[0]):
+            self.counts["unmodelled_syscall"] += 1
+            self._last[tid] = _UNKNOWN
+            return []
+        if not sample.get("complete", True):
+            self._last[tid] = _UNKNOWN
+            if not self.options.report_incomplete:
+                return []
+            return self._emit("incomplete_context", ("incomplete_context", key), sample, key)
+        prev = self._last.get(tid)
+        view = (key[0], self._view(key[1]))
+        if self.model.allowed_by_rule(key) is not None:
+            self.counts["allowed_by_rule"] += 1
+            self._last[tid] = view
+            return []
+        if not self.known(key):
+            self._last[tid] = _UNKNOWN
+            return self._emit("unseen_context", ("unseen_context", view), sample, key)
+        self._last[tid] = view
+        if not self.options.transitions or prev is _UNKNOWN:
+            return []
+        prev_view: ContextKey | None = prev if isinstance(prev, tuple) else None
+        if (prev_view, view) in self._transitions:
+            return []
+        return self._emit("unseen_transition", ("unseen_transition", prev_view, view), sample, key,
+                          previous=prev_view)
+
+    def thread_exited(self, tid: int) -> None:
+        self._last.pop(tid, None)
+
+    def _emit(self, kind: str, rkey: Any, sample: Mapping[str, Any], key: ContextKey,
+              previous: ContextKey | None = None) -> list[Alert]:
+        time_ns = int(sample.get("time_ns", 0))
+        held = self._limiter.admit(rkey, time_ns)
+        if held is None:
+            self.counts["suppressed"] += 1
+            return []
+        self.counts[kind] += 1
+        args = sample.get("args")
+        alert = Alert(
+            kind=kind, time_ns=time_ns, pid=int(sample.get("pid", 0)), tid=int(sample.get("tid", 0)),
+            syscall=key[0], build_id=self.model.build_id, complete=bool(sample.get("complete", True)),
+            frames=[{k: f[k] for k in _FRAME_OUT if k in f} for f in sample.get("frames", [])],
+            args=dict(args) if isinstance(args, Mapping) else {},
+            nearest=self.nearest(key), suppressed=held)
+        if kind == "unseen_transition":
+            alert.previous = None if previous is None else {
+                "syscall": previous[0], "frames": [self._frame_out(f) for f in previous[1]]}
+        return [alert]
+
+
+class AlertWriter:
+    """JSON lines to a stream, flushed per alert (a tail -f or a log shipper sees each at once)."""
+
+    def __init__(self, stream: IO[str]) -> None:
+        self.stream = stream
+        self.written = 0
+
+    def write(self, alert: Alert) -> None:
+        self.stream.write(alert.to_json() + "\n")
+        self.stream.flush()
+        self.written += 1

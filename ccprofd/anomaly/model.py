@@ -1,0 +1,442 @@
+"""The anomaly model: which (syscall, exact calling context) pairs a target binary normally makes.
+
+Input is the tracer's decoded sample (``{"time_ns", "pid", "tid", "event", "syscall", "complete",
+"frames": [{"function", "module", "build_id", "analysed", "call_site", "return_address",
+"tail_call"?}, ...]}``, frames outermost first).  A context is identified by its frames' (module,
+function, call site) triples — the call site is what separates two calls of ``open`` from the same
+function, which is the point of a calling-context model (Feng et al., S&P 2003) over a syscall-set
+model.  Models are kept per target build-id: code addresses mean nothing across builds.
+
+The model stores exact contexts only.  Looking up with recursion collapsed is a view computed at
+lookup time (:func:`collapse_cycles`), so the same learned model can be evaluated both ways.
+Transitions between consecutive (syscall, context) pairs of a thread (Feng's "virtual path") are
+recorded only when asked for, and the model counts how many runs recorded them: a transition set
+learned from only some runs is incomplete and must not be used to alert.
+
+Everything here is plain data with a documented JSON form (:meth:`ModelSet.to_dict`), written and
+read by :mod:`ccprofd.anomaly.modelstore`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+FORMAT_NAME = "ccprofd-anomaly-model"
+FORMAT_VERSION = 1
+
+#: (module id, function, call site).  Module id is the module's build-id, else its path.
+FrameKey = tuple[str, str, str | None]
+#: (syscall name, frames outermost first).
+ContextKey = tuple[str, tuple[FrameKey, ...]]
+#: A thread's first sample has no predecessor: its transition starts here.
+THREAD_START = None
+
+DEFAULT_MAX_CYCLE = 16
+#: The "return address" of a call site reached by a tail jump: none on the machine stack.
+TAIL_CALL = "tail"
+_BROKEN = ("", ())  # a thread's previous sample was incomplete: no transition from it
+
+
+class ModelError(ValueError):
+    """A model value that does not have the documented shape (bad input: exit status 2)."""
+
+
+# ------------------------------------------------------------------------------ sample -> keys
+def module_id(frame: Mapping[str, Any]) -> str:
+    """A frame's module identity: its build-id, else its path (build-ids survive moves and renames)."""
+    return str(frame.get("build_id") or frame.get("module") or "?")
+
+
+def frame_key(frame: Mapping[str, Any]) -> FrameKey:
+    site = frame.get("call_site")
+    return (module_id(frame), str(frame.get("function") or "?"), None if site is None else str(site))
+
+
+def context_key(sample: Mapping[str, Any]) -> ContextKey:
+    """The model key of one decoded sample."""
+    try:
+        frames = sample["frames"]
+        syscall = str(sample["syscall"])
+    except (KeyError, TypeError) as exc:
+        raise ModelError(f"sample without {exc}: not a decoded syscall sample") from None
+    return syscall, tuple(frame_key(f) for f in frames)
+
+
+def collapse_cycles(frames: Sequence[FrameKey], max_cycle: int = DEFAULT_MAX_CYCLE) -> tuple[FrameKey, ...]:
+    """Collapse every run of a repeated block of frames to one copy (a recursive cycle entered
+    again through the same call sites), for blocks of up to ``max_cycle`` frames.
+
+    ``f@1 f@1 f@1 g@2`` -> ``f@1 g@2``; mutual ``a@1 b@2 a@1 b@2 a@1`` -> ``a@1 b@2 a@1``.  Deeper
+    recursion through the same edges then maps to the same key; a cycle through a new call site
+    does not disappear, because the frames differ.
+    """
+    out = list(frames)
+    changed = True
+    while changed:
+        changed = False
+        for period in range(1, min(max_cycle, len(out) // 2) + 1):
+            i = 0
+            while i + 2 * period <= len(out):
+                if out[i:i + period] == out[i + period:i + 2 * period]:
+                    del out[i + period:i + 2 * period]
+                    changed = True
+                else:
+                    i += 1
+    return tuple(out)
+
+
+def common_prefix_len(a: Sequence[FrameKey], b: Sequence[FrameKey]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+# ---------------------------------------------------------------------------------- allow rules
+@dataclass(frozen=True, slots=True)
+class FramePattern:
+    """One frame of an allow rule's prefix: a function name, optionally pinned to one call site."""
+
+    function: str
+    call_site: str | None = None
+
+    def matches(self, frame: FrameKey) -> bool:
+        return frame[1] == self.function and (self.call_site is None or frame[2] == self.call_site)
+
+    @classmethod
+    def parse(cls, text: str) -> FramePattern:
+        """``FUNCTION`` or ``FUNCTION@0xCALLSITE``."""
+        name, _, site = text.strip().partition("@")
+        if not name:
+            raise ModelError(f"empty function name in frame pattern {text!r}")
+        if site:
+            try:
+                site = hex(int(site, 16))
+            except ValueError:
+                raise ModelError(f"call site in {text!r} is not a hex address") from None
+        return cls(name, site or None)
+
+    def __str__(self) -> str:
+        return self.function + (f"@{self.call_site}" if self.call_site else "")
+
+
+@dataclass(frozen=True, slots=True)
+class AllowRule:
+    """Allow ``syscall`` (``*``: any) from every context that starts with ``prefix`` (outermost
+    first).  An operator's edit: learned contexts are exact; rules cover families of them."""
+
+    syscall: str
+    prefix: tuple[FramePattern, ...]
+    comment: str = ""
+
+    def matches(self, key: ContextKey) -> bool:
+        syscall, frames = key
+        if self.syscall not in ("*", syscall) or len(frames) < len(self.prefix):
+            return False
+        return all(p.matches(f) for p, f in zip(self.prefix, frames, strict=False))
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"syscall": self.syscall, "prefix": [str(p) for p in self.prefix], "comment": self.comment}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> AllowRule:
+        prefix = tuple(FramePattern.parse(p) for p in d["prefix"])
+        return cls(str(d["syscall"]), prefix, str(d.get("comment", "")))
+
+
+# -------------------------------------------------------------------------------------- model
+@dataclass(slots=True)
+class ContextStats:
+    count: int = 0
+    first_ns: int = 0
+    last_ns: int = 0
+
+    def add(self, n: int, first_ns: int, last_ns: int) -> None:
+        self.first_ns = first_ns if not self.count else min(self.first_ns, first_ns)
+        self.last_ns = max(self.last_ns, last_ns)
+        self.count += n
+
+
+@dataclass
+class TargetModel:
+    """Normal behaviour of one target binary (one build-id)."""
+
+    build_id: str
+    path: str = ""
+    runs: int = 0
+    runs_with_transitions: int = 0
+    samples: int = 0
+    incomplete_skipped: int = 0
+    #: Syscall names learned; None = all syscalls were traced.
+    syscalls: frozenset[str] | None = None
+    contexts: dict[ContextKey, ContextStats] = field(default_factory=dict)
+    transitions: dict[tuple[ContextKey | None, ContextKey], int] = field(default_factory=dict)
+    allow_rules: list[AllowRule] = field(default_factory=list)
+    #: module id -> path, for display.
+    modules: dict[str, str] = field(default_factory=dict)
+    #: (module id, call site) -> return address (vaddr hex) or TAIL_CALL, for enforcement keys.
+    return_addresses: dict[tuple[str, str], str] = field(default_factory=dict)
+
+    # -- learning ----------------------------------------------------------------------------
+    def add_context(self, key: ContextKey, time_ns: int, n: int = 1) -> None:
+        stats = self.contexts.get(key)
+        if stats is None:
+            stats = self.contexts[key] = ContextStats()
+        stats.add(n, time_ns, time_ns)
+
+    def note_frames(self, frames: Iterable[Mapping[str, Any]]) -> None:
+        for f in frames:
+            mid = module_id(f)
+            if mid not in self.modules and f.get("module"):
+                self.modules[mid] = str(f["module"])
+            site, ret = f.get("call_site"), f.get("return_address")
+            if site is not None and f.get("tail_call"):
+                # A tail jump leaves no return address on the machine stack: a stack walk skips it.
+                self.return_addresses.setdefault((mid, str(site)), TAIL_CALL)
+            elif site is not None and ret is not None:
+                self.return_addresses.setdefault((mid, str(site)), str(ret))
+
+    def learned_syscall(self, syscall: str) -> bool:
+        """Whether this model has an opinion about ``syscall`` (it was traced while learning)."""
+        return self.syscalls is None or syscall in self.syscalls
+
+    def transitions_usable(self) -> bool:
+        """Transitions alert only if every learning run recorded them."""
+        return self.runs > 0 and self.runs_with_transitions == self.runs
+
+    def merge(self, other: TargetModel) -> None:
+        """Add another model of the same build (other runs, processes or hosts) into this one."""
+        if other.build_id != self.build_id:
+            raise ModelError(f"cannot merge a model of build-id {other.build_id} into {self.build_id}")
+        if not self.runs and not self.contexts:
+            self.syscalls = other.syscalls
+        elif self.syscalls is not None:
+            # Modelled syscalls: those any merged part traced (None, "all", absorbs).
+            self.syscalls = None if other.syscalls is None else self.syscalls | other.syscalls
+        self.path = other.path or self.path
+        self.runs += other.runs
+        self.runs_with_transitions += other.runs_with_transitions
+        self.samples += other.samples
+        self.incomplete_skipped += other.incomplete_skipped
+        for key, st in other.contexts.items():
+            mine = self.contexts.get(key)
+            if mine is None:
+                self.contexts[key] = ContextStats(st.count, st.first_ns, st.last_ns)
+            else:
+                mine.add(st.count, st.first_ns, st.last_ns)
+        for tkey, n in other.transitions.items():
+            self.transitions[tkey] = self.transitions.get(tkey, 0) + n
+        for rule in other.allow_rules:
+            if rule not in self.allow_rules:
+                self.allow_rules.append(rule)
+        for mid, path in other.modules.items():
+            self.modules.setdefault(mid, path)
+        for rkey, ret in other.return_addresses.items():
+            self.return_addresses.setdefault(rkey, ret)
+
+    # -- editing -----------------------------------------------------------------------------
+    def ordered_contexts(self) -> list[ContextKey]:
+        """Contexts in the stable order ``model show`` numbers them (by syscall, then frames)."""
+        return sorted(self.contexts, key=_sort_key)
+
+    def remove_context(self, key: ContextKey) -> None:
+        """Forget a context and every transition into or out of it."""
+        if key not in self.contexts:
+            raise ModelError("no such context in the model")
+        del self.contexts[key]
+        self.transitions = {t: n for t, n in self.transitions.items() if key not in t}
+
+    def add_allow_rule(self, rule: AllowRule) -> None:
+        if rule not in self.allow_rules:
+            self.allow_rules.append(rule)
+
+    def allowed_by_rule(self, key: ContextKey) -> AllowRule | None:
+        for rule in self.allow_rules:
+            if rule.matches(key):
+                return rule
+        return None
+
+    # -- serialisation -----------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        ordered = self.ordered_contexts()
+        index = {k: i for i, k in enumerate(ordered)}
+        mods = sorted({f[0] for _, frames in ordered for f in frames} | set(self.modules))
+        mod_index = {m: i for i, m in enumerate(mods)}
+        contexts = []
+        for key in ordered:
+            syscall, frames = key
+            st = self.contexts[key]
+            contexts.append({
+                "syscall": syscall,
+                "frames": [[mod_index[m], fn, site] for m, fn, site in frames],
+                "count": st.count, "first_ns": st.first_ns, "last_ns": st.last_ns,
+            })
+        transitions = sorted(
+            ([-1 if a is None else index[a], index[b], n] for (a, b), n in self.transitions.items()
+             if (a is None or a in index) and b in index))
+        return {
+            "build_id": self.build_id,
+            "path": self.path,
+            "runs": self.runs,
+            "runs_with_transitions": self.runs_with_transitions,
+            "samples": self.samples,
+            "incomplete_skipped": self.incomplete_skipped,
+            "syscalls": None if self.syscalls is None else sorted(self.syscalls),
+            "modules": [{"id": m, "path": self.modules.get(m, "")} for m in mods],
+            "contexts": contexts,
+            "transitions": transitions,
+            "allow_rules": [r.to_dict() for r in self.allow_rules],
+            "return_addresses": sorted([mod_index[m], site, ret]
+                                       for (m, site), ret in self.return_addresses.items() if m in mod_index),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> TargetModel:
+        try:
+            mods = [str(m["id"]) for m in d["modules"]]
+            model = cls(
+                build_id=str(d["build_id"]), path=str(d.get("path", "")), runs=int(d["runs"]),
+                runs_with_transitions=int(d.get("runs_with_transitions", 0)),
+                samples=int(d.get("samples", 0)),
+                incomplete_skipped=int(d.get("incomplete_skipped", 0)),
+                syscalls=None if d.get("syscalls") is None else frozenset(map(str, d["syscalls"])))
+            model.modules = {str(m["id"]): str(m.get("path", "")) for m in d["modules"]}
+            ordered: list[ContextKey] = []
+            for c in d["contexts"]:
+                key: ContextKey = (str(c["syscall"]), tuple(
+                    (mods[int(mi)], str(fn), None if site is None else str(site))
+                    for mi, fn, site in c["frames"]))
+                ordered.append(key)
+                model.contexts[key] = ContextStats(int(c["count"]), int(c.get("first_ns", 0)),
+                                                   int(c.get("last_ns", 0)))
+            for a, b, n in d.get("transitions", []):
+                model.transitions[(None if int(a) < 0 else ordered[int(a)], ordered[int(b)])] = int(n)
+            model.allow_rules = [AllowRule.from_dict(r) for r in d.get("allow_rules", [])]
+            for mi, site, ret in d.get("return_addresses", []):
+                model.return_addresses[(mods[int(mi)], str(site))] = str(ret)
+        except (KeyError, TypeError, ValueError, IndexError) as exc:
+            raise ModelError(f"malformed target model: {type(exc).__name__}: {exc}") from None
+        return model
+
+
+def _sort_key(key: ContextKey) -> tuple[str, int, tuple[tuple[str, str, str], ...]]:
+    syscall, frames = key
+    return syscall, len(frames), tuple((m, fn, site or "") for m, fn, site in frames)
+
+
+@dataclass
+class ModelSet:
+    """All target models of one model file, by build-id.  A model for an old build-id stays (an
+    upgrade can be rolled back) but is never applied to another build."""
+
+    targets: dict[str, TargetModel] = field(default_factory=dict)
+
+    def target(self, build_id: str, path: str = "") -> TargetModel:
+        """The model of ``build_id``, created empty when absent."""
+        model = self.targets.get(build_id)
+        if model is None:
+            model = self.targets[build_id] = TargetModel(build_id, path)
+        elif path:
+            model.path = path
+        return model
+
+    def merge(self, other: ModelSet) -> None:
+        for bid, model in other.targets.items():
+            self.target(bid).merge(model)
+
+    def stale_for(self, path: str, build_id: str) -> list[TargetModel]:
+        """Models learned for ``path`` under another build-id: the target was upgraded and needs
+        re-learning (they are kept, not applied)."""
+        return [m for bid, m in self.targets.items() if bid != build_id and m.path == path]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"format": FORMAT_NAME, "version": FORMAT_VERSION,
+                "targets": [self.targets[b].to_dict() for b in sorted(self.targets)]}
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> ModelSet:
+        if not isinstance(d, Mapping) or d.get("format") != FORMAT_NAME:
+            raise ModelError("not a ccprofd anomaly model (no \"format\": \"ccprofd-anomaly-model\")")
+        if d.get("version") != FORMAT_VERSION:
+            raise ModelError(f"model format version {d.get('version')!r}; this ccprofd reads version "
+                             f"{FORMAT_VERSION}")
+        targets = d.get("targets")
+        if not isinstance(targets, list):
+            raise ModelError("model has no list of targets")
+        out = cls()
+        for t in targets:
+            if not isinstance(t, Mapping):
+                raise ModelError("target model is not an object")
+            model = TargetModel.from_dict(t)
+            out.targets[model.build_id] = model
+        return out
+
+
+# ------------------------------------------------------------------------------------ learning
+class Learner:
+    """Feeds one run's samples into a target model: counts contexts, and optionally the
+    per-thread transitions between consecutive (syscall, context) pairs.
+
+    Incomplete samples (``complete: false``) are counted and skipped: their unknown prefix would
+    teach the model a context that never happened.
+    """
+
+    def __init__(self, model: TargetModel, *, syscalls: Iterable[str] | None = None,
+                 transitions: bool = False) -> None:
+        self.model = model
+        self.transitions = transitions
+        self._last: dict[int, Any] = {}
+        traced = None if syscalls is None else frozenset(syscalls)
+        if model.runs == 0 and not model.contexts:
+            model.syscalls = traced
+        elif model.syscalls is not None:
+            model.syscalls = None if traced is None else model.syscalls | traced
+        model.runs += 1
+        if transitions:
+            model.runs_with_transitions += 1
+
+    def observe(self, sample: Mapping[str, Any]) -> ContextKey | None:
+        """Learn one sample; returns its key (None when skipped)."""
+        if sample.get("event", "syscall") != "syscall":
+            return None
+        tid = int(sample.get("tid", 0))
+        if not sample.get("complete", True):
+            self.model.incomplete_skipped += 1
+            # The thread's sequence is broken: its next transition has no known predecessor.
+            self._last[tid] = _BROKEN
+            return None
+        key = context_key(sample)
+        self.model.samples += 1
+        self.model.add_context(key, int(sample.get("time_ns", 0)))
+        self.model.note_frames(sample["frames"])
+        if self.transitions:
+            prev = self._last.get(tid, THREAD_START)
+            if prev is not _BROKEN:
+                tkey = (prev, key)
+                self.model.transitions[tkey] = self.model.transitions.get(tkey, 0) + 1
+            self._last[tid] = key
+        return key
+
+    def take_delta(self) -> TargetModel:
+        """Hand over everything learned so far and continue into a fresh, empty delta of the same
+        target (what a periodic flush merges into the file).  The run is counted in the first
+        delta only; per-thread transition state carries over."""
+        delta = self.model
+        self.model = TargetModel(delta.build_id, delta.path, syscalls=delta.syscalls)
+        return delta
+
+    def thread_exited(self, tid: int) -> None:
+        """Forget a thread (tids are reused)."""
+        self._last.pop(tid, None)
+
+
+def iter_frames_text(frames: Sequence[FrameKey], modules: Mapping[str, str]) -> Iterator[str]:
+    """``function  call_site  module`` lines of a context, outermost first (for ``model show``)."""
+    for mid, fn, site in frames:
+        path = modules.get(mid, "")
+        where = path.rsplit("/", 1)[-1] if path else (mid[:12] if mid else "?")
+        yield f"{fn:<32} {site or '-':<12} {where}"

@@ -1,0 +1,1 @@
+"""Command-line entry points (``ccprofd``, ``ccprofctl``) and their usage errors."""

@@ -1,0 +1,224 @@
+"""``ccprofd``: the daemon and its tools (analyze now; trace, learn, detect and run as they land).
+
+Exit status convention for every command: 0 success, 2 bad input or usage, 1 other failure;
+commands that run a child pass its exit status through and use 125 when ccprofd fails mid-run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from ccprofd import __version__
+
+EXIT_OK = 0
+EXIT_FAILURE = 1
+EXIT_USAGE = 2
+EXIT_MIDRUN = 125
+
+
+class UsageError(Exception):
+    """Bad input or usage: reported in one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_USAGE)
+
+
+def _progress_printer() -> Any:
+    if not sys.stderr.isatty():
+        return None
+
+    def show(stage: str, done: int, total: int) -> None:
+        end = "\n" if done >= total else ""
+        print(f"\r{stage}: {done}/{total} functions", end=end, file=sys.stderr, flush=True)
+
+    return show
+
+
+# ------------------------------------------------------------------------------------- analyze
+def cmd_analyze(args: argparse.Namespace) -> int:
+    from ccprofd.callgraph import analyze_binary, graph_stats
+
+    graph = analyze_binary(args.binary, cache_dir=args.cache_dir, use_cache=not args.no_cache,
+                           progress=_progress_printer())
+    stats: dict[str, Any] = graph_stats(graph)
+    if args.encoding:
+        from ccprofd.encode.report import encoding_report
+
+        schemes = ["valence", "pcce", "hcce"] if args.encoding == "all" else [args.encoding]
+        stats["encodings"] = encoding_report(graph, schemes)
+    if args.json:
+        print(json.dumps(stats))
+    else:
+        _print_table(stats)
+    return EXIT_OK
+
+
+def _print_table(stats: dict[str, Any]) -> None:
+    rows = [(k, v) for k, v in stats.items() if k != "encodings"]
+    width = max(len(k) for k, _ in rows)
+    for k, v in rows:
+        print(f"{k.replace('_', ' '):<{width}}  {v}")
+    for scheme, rep in stats.get("encodings", {}).items():
+        print(f"\nencoding {scheme}:")
+        for k, v in rep.items():
+            print(f"  {k.replace('_', ' '):<{width}}  {v}")
+
+
+# --------------------------------------------------------------------------------------- trace
+def cmd_trace(args: argparse.Namespace) -> int:
+    """``ccprofd trace``: calling contexts at each syscall of ``-- CMD`` or ``-p PID``."""
+    from ccprofd.export.jsonl import write_jsonl, write_text
+    from ccprofd.tracing.api import DEFAULT_MODE, TraceError, TraceOptions
+    from ccprofd.tracing.session import attach_session, open_session, run
+
+    command = list(args.command or [])
+    if command and command[0] == "--":
+        command = command[1:]
+    if bool(command) == (args.pid is not None):
+        raise UsageError("give exactly one of -p PID and -- CMD [ARGS...]")
+    if args.sample_hz < 0:
+        raise UsageError("--sample-hz must be positive")
+    mode = args.mode or ("instrumented" if args.scope else DEFAULT_MODE)
+    if args.scope and mode != "instrumented":
+        raise UsageError("--scope needs --mode instrumented (unwind mode always sees the whole stack)")
+    if (args.edge_weights or args.save_edge_weights) and mode != "instrumented":
+        raise UsageError("--edge-weights and --save-edge-weights need --mode instrumented")
+    options = TraceOptions(mode=mode, syscalls=args.syscalls, encoding=args.encoding, scope=args.scope,
+                           sample_hz=args.sample_hz, verify=args.verify,
+                           cache_dir=str(args.cache_dir) if args.cache_dir else None,
+                           edge_weights=args.edge_weights, save_edge_weights=args.save_edge_weights)
+    try:
+        out = open(args.output, "w", encoding="utf-8") if args.output else sys.stderr  # noqa: SIM115
+    except OSError as exc:
+        raise UsageError(f"cannot write {args.output}: {exc.strerror}") from None
+    writer = write_jsonl if args.format == "jsonl" else write_text
+    try:
+        try:
+            session = open_session(command, options=options) if command else attach_session(args.pid, options)
+        except TraceError as exc:
+            raise UsageError(str(exc)) from None
+        return run(session, lambda s: writer(out, s.to_json()), launched=bool(command))
+    finally:
+        if out is not sys.stderr:
+            out.close()
+
+
+# ---------------------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="ccprofd",
+        description="Calling-context profiler daemon: which exact chain of calls reached each syscall "
+                    "or CPU sample of a native x86-64 program, without recompiling it.",
+        epilog="Exit status: 0 success, 2 bad input or usage, 1 other failure. "
+               "See the README (man-page style) for every command.")
+    parser.add_argument("--version", action="version", version=f"ccprofd {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    an = sub.add_parser(
+        "analyze", help="static call graph and encoding statistics of an ELF binary",
+        description="Disassemble an x86-64 ELF executable or shared object, build its static call graph "
+                    "(functions from symbols and .eh_frame, direct/PLT/tail/indirect call sites, "
+                    "address-taken functions, roots) and print Table-1-style statistics. Results are "
+                    "cached by build-id.")
+    an.add_argument("binary", metavar="BINARY", help="path of the ELF file to analyse")
+    an.add_argument("--json", action="store_true", help="print one JSON object (stable key names)")
+    an.add_argument("--encoding", choices=["valence", "pcce", "hcce", "all"],
+                    help="also compute the calling-context encoding(s) and report their sizes")
+    an.add_argument("--cache-dir", type=_path_arg, default=None,
+                    help="analysis cache directory (default: $CCPROFD_CACHE_DIR or ~/.cache/ccprofd)")
+    an.add_argument("--no-cache", action="store_true", help="neither read nor write the cache")
+    an.set_defaults(func=cmd_analyze)
+
+    tr = sub.add_parser(
+        "trace", help="calling context of every syscall of a command or process (like strace -k)",
+        description="Run CMD (or attach to PID) with calling-context probes and report, for every selected "
+                    "syscall, the exact chain of calls of the analysed binary that reached it. The command's "
+                    "stdin/stdout/stderr and exit status pass through; samples go to --output or stderr.",
+        epilog="Exit status: the command's own (128+N if killed by signal N); 125 if ccprofd fails while "
+               "the command runs; 2 for bad input; 1 if tracing cannot start.")
+    tr.add_argument("--mode", choices=["instrumented", "unwind"], default=None,
+                    help="how contexts are obtained: unwind (default; BPF unwinds with .eh_frame at each "
+                         "sample) or instrumented (uprobes keep the context; the default with --scope)")
+    tr.add_argument("--syscalls", default="all", metavar="LIST",
+                    help="comma-separated syscall names to sample, or 'all' (default)")
+    tr.add_argument("--format", choices=["text", "jsonl"], default="text",
+                    help="output format (default text)")
+    tr.add_argument("--output", "-o", metavar="FILE", help="write samples to FILE instead of stderr")
+    tr.add_argument("--encoding", choices=["valence", "pcce", "hcce"], default="valence",
+                    help="calling-context encoding of instrumented mode (unwind mode: valence only)")
+    tr.add_argument("--scope", metavar="FUNCTION_REGEX",
+                    help="instrument only the call graph below functions whose name matches")
+    tr.add_argument("--sample-hz", type=int, default=0, metavar="N", help="also take CPU samples at N Hz")
+    tr.add_argument("--verify", action="store_true",
+                    help="cross-check each sample: unwind mode re-encodes its stack with the reference "
+                         "encoder; instrumented mode compares it with a frame-pointer walk (bpf_get_stack, "
+                         "up to 127 frames; skipped for binaries without frame pointers). Counts at exit")
+    tr.add_argument("--edge-weights", metavar="FILE",
+                    help="instrumented mode: build the plan with the call counts in FILE (from "
+                         "--save-edge-weights on the same binary); hot edges get the zero code, no probe")
+    tr.add_argument("--save-edge-weights", metavar="FILE",
+                    help="instrumented mode, profiling run: also count calls on every direct call site of "
+                         "the binary (slow: one probe hit per call) and write the counts to FILE at exit")
+    tr.add_argument("--cache-dir", type=_path_arg, default=None, help="analysis cache directory")
+    tr.add_argument("-p", "--pid", type=int, help="attach to the running process PID")
+    tr.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]",
+                    help="the command to run traced")
+    tr.set_defaults(func=cmd_trace)
+
+    from ccprofd.cli.anomaly import add_commands as add_anomaly_commands
+
+    add_anomaly_commands(sub)
+
+    from ccprofd.cli.daemon import add_daemon_commands
+
+    add_daemon_commands(sub)  # run, install-service
+    return parser
+
+
+def _path_arg(value: str) -> Any:
+    from pathlib import Path
+
+    return Path(value)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    from ccprofd.elf.errors import BinaryError
+    from ccprofd.kbpf.errors import BPFError
+
+    try:
+        return int(args.func(args))
+    except (BinaryError, UsageError) as exc:
+        print(f"ccprofd: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except BPFError as exc:
+        text = str(exc)
+        print(text if text.startswith("ccprofd:") else f"ccprofd: {text}", file=sys.stderr)
+        return EXIT_FAILURE
+    except KeyboardInterrupt:
+        return 130
+    except BrokenPipeError:
+        # Output closed early (e.g. piped to head): not an error worth a traceback.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return EXIT_OK
+    except OSError as exc:
+        print(f"ccprofd: {exc.strerror or exc}", file=sys.stderr)
+        return EXIT_FAILURE
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

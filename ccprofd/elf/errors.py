@@ -1,0 +1,12 @@
+"""Domain errors of reading an ELF object: each carries the file and a one-line reason."""
+
+from __future__ import annotations
+
+
+class BinaryError(Exception):
+    """The input file cannot be analysed (bad input: exit status 2)."""
+
+    def __init__(self, path: str, reason: str) -> None:
+        super().__init__(f"{path}: {reason}")
+        self.path = path
+        self.reason = reason

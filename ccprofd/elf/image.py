@@ -1,0 +1,205 @@
+"""Opening and validating one x86-64 ELF object, and the facts later modules read from it.
+
+Every way an input can be wrong is turned into a :class:`BinaryError` with a one-line reason here,
+so that the rest of the analysis can assume a well-formed ELF64 x86-64 object.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import stat
+import struct
+from dataclasses import dataclass
+from io import BytesIO
+
+from elftools.common.exceptions import ELFError
+from elftools.elf.elffile import ELFFile
+
+from ccprofd.elf.addrspace import AddressSpace, Segment
+from ccprofd.elf.errors import BinaryError
+
+SHF_EXECINSTR = 0x4
+SHF_ALLOC = 0x2
+PLT_SECTIONS = (".plt", ".plt.sec", ".plt.got")
+_MACHINES = {3: "x86 (EM_386)", 40: "ARM (EM_ARM)", 183: "AArch64 (EM_AARCH64)", 243: "RISC-V (EM_RISCV)",
+             8: "MIPS (EM_MIPS)", 20: "PowerPC (EM_PPC)", 21: "PowerPC64 (EM_PPC64)", 22: "s390 (EM_S390)"}
+
+
+@dataclass(frozen=True, slots=True)
+class Section:
+    name: str
+    vaddr: int
+    offset: int
+    size: int
+    flags: int
+    type: str
+
+    @property
+    def executable(self) -> bool:
+        return bool(self.flags & SHF_EXECINSTR) and bool(self.flags & SHF_ALLOC)
+
+    def contains(self, vaddr: int) -> bool:
+        return self.vaddr <= vaddr < self.vaddr + self.size
+
+
+@dataclass(frozen=True, slots=True)
+class Symbol:
+    name: str
+    value: int
+    size: int
+    type: str  # STT_FUNC, STT_GNU_IFUNC, STT_OBJECT, ...
+    bind: str
+    defined: bool
+    table: str  # ".symtab" | ".dynsym"
+
+
+class ElfImage:
+    """A validated ELF64 x86-64 object held in memory."""
+
+    def __init__(self, path: str) -> None:
+        self.path = os.path.abspath(path)
+        self.data = _read_checked(path)
+        try:
+            self.elf = ELFFile(BytesIO(self.data))
+            self._validate_header(path)
+            self.sections = self._read_sections(path)
+            self.addrspace = AddressSpace([
+                Segment(s["p_vaddr"], s["p_memsz"], s["p_offset"], s["p_filesz"], s["p_flags"])
+                for s in self.elf.iter_segments() if s["p_type"] == "PT_LOAD"])
+        except (ELFError, struct.error, ValueError, KeyError, IndexError) as exc:
+            raise BinaryError(path, f"truncated or corrupt ELF ({_short(exc)})") from None
+        if not any(s.executable and s.size > 0 and s.type != "SHT_NOBITS" for s in self.sections.values()):
+            raise BinaryError(path, "ELF has no executable code (no allocated SHF_EXECINSTR section)")
+        self.content_hash = hashlib.sha256(self.data).hexdigest()
+
+    # --------------------------------------------------------------------------- validation
+    def _validate_header(self, path: str) -> None:
+        if self.elf.elfclass != 64:
+            raise BinaryError(path, "32-bit ELF (ELFCLASS32); only x86-64 ELF64 objects are supported")
+        machine = self.elf.header["e_machine"]
+        if machine != "EM_X86_64":
+            raw = struct.unpack_from("<H", self.data, 18)[0]
+            desc = _MACHINES.get(raw, str(machine))
+            raise BinaryError(path, f"ELF for {desc}; only x86-64 is supported")
+        if not self.elf.little_endian:
+            raise BinaryError(path, "big-endian ELF; only x86-64 is supported")
+        if self.elf.header["e_type"] not in ("ET_EXEC", "ET_DYN"):
+            etype = self.elf.header["e_type"]
+            raise BinaryError(path, f"ELF type {etype} is not an executable or shared object")
+        shoff, shnum, shentsize = (self.elf.header[k] for k in ("e_shoff", "e_shnum", "e_shentsize"))
+        if shoff + shnum * shentsize > len(self.data):
+            raise BinaryError(path, "truncated ELF (section header table past end of file)")
+
+    def _read_sections(self, path: str) -> dict[str, Section]:
+        out: dict[str, Section] = {}
+        for sec in self.elf.iter_sections():
+            if sec["sh_type"] != "SHT_NOBITS" and sec["sh_offset"] + sec["sh_size"] > len(self.data):
+                raise BinaryError(path, f"truncated ELF (section {sec.name} past end of file)")
+            out.setdefault(sec.name, Section(sec.name, sec["sh_addr"], sec["sh_offset"], sec["sh_size"],
+                                             sec["sh_flags"], sec["sh_type"]))
+        return out
+
+    # -------------------------------------------------------------------------------- facts
+    @property
+    def elf_type(self) -> str:
+        return "DYN" if self.elf.header["e_type"] == "ET_DYN" else "EXEC"
+
+    @property
+    def pie(self) -> bool:
+        """True for position-independent executables (ET_DYN with PT_INTERP or DF_1_PIE)."""
+        if self.elf_type != "DYN":
+            return False
+        if any(seg["p_type"] == "PT_INTERP" for seg in self.elf.iter_segments()):
+            return True
+        return bool(self.dynamic_tags().get("DT_FLAGS_1", 0) & 0x08000000)
+
+    @property
+    def entry(self) -> int:
+        return int(self.elf.header["e_entry"])
+
+    def build_id(self) -> str | None:
+        for sec in self.elf.iter_sections():
+            if sec["sh_type"] != "SHT_NOTE":
+                continue
+            for note in sec.iter_notes():  # type: ignore[attr-defined]
+                if note["n_type"] == "NT_GNU_BUILD_ID":
+                    return str(note["n_desc"])
+        return None
+
+    def code_sections(self) -> list[Section]:
+        """Executable sections with file bytes, in address order (what objdump -d disassembles)."""
+        return sorted((s for s in self.sections.values()
+                       if s.executable and s.type != "SHT_NOBITS" and s.size > 0), key=lambda s: s.vaddr)
+
+    def plt_sections(self) -> list[Section]:
+        return [self.sections[n] for n in PLT_SECTIONS if n in self.sections]
+
+    def bytes_at(self, vaddr: int, size: int) -> bytes:
+        off = self.addrspace.vaddr_to_offset(vaddr)
+        return self.data[off:off + size]
+
+    def section_bytes(self, section: Section) -> bytes:
+        return self.data[section.offset:section.offset + section.size]
+
+    def dynamic_tags(self) -> dict[str, int]:
+        tags: dict[str, int] = {}
+        dyn = self.elf.get_section_by_name(".dynamic")
+        if dyn is None:
+            return tags
+        for tag in dyn.iter_tags():  # type: ignore[attr-defined]
+            if isinstance(tag.entry.d_val, int):
+                tags.setdefault(str(tag.entry.d_tag), tag.entry.d_val)
+        return tags
+
+    def symbols(self) -> list[Symbol]:
+        out: list[Symbol] = []
+        for table in (".symtab", ".dynsym"):
+            sec = self.elf.get_section_by_name(table)
+            if sec is None or not hasattr(sec, "iter_symbols"):
+                continue
+            for sym in sec.iter_symbols():
+                info = sym["st_info"]
+                out.append(Symbol(sym.name, sym["st_value"], sym["st_size"], info["type"], info["bind"],
+                                  sym["st_shndx"] != "SHN_UNDEF", table))
+        return out
+
+    @property
+    def has_symtab(self) -> bool:
+        return ".symtab" in self.sections
+
+
+def _read_checked(path: str) -> bytes:
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        raise BinaryError(path, "no such file") from None
+    except PermissionError:
+        raise BinaryError(path, "permission denied") from None
+    except OSError as exc:
+        raise BinaryError(path, exc.strerror or str(exc)) from None
+    if stat.S_ISDIR(st.st_mode):
+        raise BinaryError(path, "is a directory, not an ELF file")
+    if not stat.S_ISREG(st.st_mode):
+        raise BinaryError(path, "not a regular file")
+    try:
+        with open(path, "rb") as fh:
+            data = fh.read()
+    except PermissionError:
+        raise BinaryError(path, "permission denied (cannot read the file)") from None
+    except OSError as exc:
+        raise BinaryError(path, exc.strerror or str(exc)) from None
+    if len(data) < 4 or data[:4] != b"\x7fELF":
+        raise BinaryError(path, "not an ELF file" + (" (empty)" if not data else ""))
+    if len(data) < 64:
+        raise BinaryError(path, "truncated ELF (shorter than an ELF header)")
+    if data[4] == 1:
+        raise BinaryError(path, "32-bit ELF (ELFCLASS32); only x86-64 ELF64 objects are supported")
+    if data[4] != 2:
+        raise BinaryError(path, f"corrupt ELF (EI_CLASS={data[4]})")
+    return data
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text[:120]

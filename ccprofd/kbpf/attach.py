@@ -1,0 +1,170 @@
+"""Attaching loaded BPF programs with raw syscalls: raw tracepoints (BPF_RAW_TRACEPOINT_OPEN),
+and perf events — tracepoints (PERF_TYPE_TRACEPOINT, id from tracefs), software sampling events,
+classic uprobes (the ``uprobe`` PMU) — with PERF_EVENT_IOC_SET_BPF + ENABLE.
+
+Every attachment is owned by the fd returned here: closing it detaches, so nothing stays attached
+after the owning process dies.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import fcntl
+import os
+
+from ccprofd.kbpf import rawbpf
+from ccprofd.kbpf.errors import BPFError
+from ccprofd.kbpf.features import tracefs_dir
+
+BPF_RAW_TRACEPOINT_OPEN = 17
+
+SYS_PERF_EVENT_OPEN = 298
+PERF_TYPE_SOFTWARE = 1
+PERF_TYPE_TRACEPOINT = 2
+PERF_COUNT_SW_CPU_CLOCK = 0
+PERF_ATTR_DISABLED = 1 << 0
+PERF_ATTR_FREQ = 1 << 10
+PERF_EVENT_IOC_ENABLE = 0x2400
+PERF_EVENT_IOC_SET_BPF = 0x40042408
+PERF_FLAG_FD_CLOEXEC = 1 << 3
+
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+class RawTracepointAttr(ctypes.Structure):
+    _fields_ = [("name", ctypes.c_uint64), ("prog_fd", ctypes.c_uint32), ("_pad", ctypes.c_uint32),
+                ("cookie", ctypes.c_uint64)]
+
+
+def attach_raw_tracepoint_fd(prog_fd: int, name: str) -> int:
+    """BPF_RAW_TRACEPOINT_OPEN; returns the link fd (closing it detaches)."""
+    buf = ctypes.create_string_buffer(name.encode())
+    attr = RawTracepointAttr()
+    attr.name = ctypes.addressof(buf)
+    attr.prog_fd = prog_fd
+    return rawbpf.bpf(BPF_RAW_TRACEPOINT_OPEN, attr, f"attaching raw tracepoint {name}")
+
+
+class PerfEventAttr(ctypes.Structure):
+    """``struct perf_event_attr`` (PERF_ATTR_SIZE_VER8)."""
+
+    _fields_ = [("type", ctypes.c_uint32), ("size", ctypes.c_uint32), ("config", ctypes.c_uint64),
+                ("sample_freq", ctypes.c_uint64), ("sample_type", ctypes.c_uint64),
+                ("read_format", ctypes.c_uint64), ("flags", ctypes.c_uint64),
+                ("wakeup_events", ctypes.c_uint32), ("bp_type", ctypes.c_uint32),
+                ("config1", ctypes.c_uint64), ("config2", ctypes.c_uint64),
+                ("branch_sample_type", ctypes.c_uint64), ("sample_regs_user", ctypes.c_uint64),
+                ("sample_stack_user", ctypes.c_uint32), ("clockid", ctypes.c_int32),
+                ("sample_regs_intr", ctypes.c_uint64), ("aux_watermark", ctypes.c_uint32),
+                ("sample_max_stack", ctypes.c_uint16), ("_reserved2", ctypes.c_uint16),
+                ("aux_sample_size", ctypes.c_uint32), ("_reserved3", ctypes.c_uint32),
+                ("sig_data", ctypes.c_uint64), ("config3", ctypes.c_uint64)]
+
+
+def perf_event_open(attr: PerfEventAttr, pid: int, cpu: int, what: str) -> int:
+    """perf_event_open(2) with FD_CLOEXEC; returns the fd or raises a one-line BPFError."""
+    attr.size = ctypes.sizeof(PerfEventAttr)
+    fd = _libc.syscall(SYS_PERF_EVENT_OPEN, ctypes.byref(attr), pid, cpu, -1, PERF_FLAG_FD_CLOEXEC)
+    if fd < 0:
+        err = ctypes.get_errno()
+        raise BPFError(f"perf_event_open({what}) failed: {os.strerror(err)}")
+    return int(fd)
+
+
+def perf_event_open_cpu_clock(cpu: int, hz: int) -> int:
+    """A disabled software CPU-clock sampling event on one CPU (all tasks), ``hz`` samples/s."""
+    attr = PerfEventAttr(type=PERF_TYPE_SOFTWARE, config=PERF_COUNT_SW_CPU_CLOCK, sample_freq=hz,
+                         flags=PERF_ATTR_DISABLED | PERF_ATTR_FREQ)
+    return perf_event_open(attr, -1, cpu, f"cpu-clock, cpu {cpu}")
+
+
+def perf_event_set_bpf(perf_fd: int, prog_fd: int, what: str = "the CPU sampler") -> None:
+    """Attach a loaded program to a perf event and enable it."""
+    try:
+        fcntl.ioctl(perf_fd, PERF_EVENT_IOC_SET_BPF, prog_fd)
+        fcntl.ioctl(perf_fd, PERF_EVENT_IOC_ENABLE, 0)
+    except OSError as exc:
+        raise BPFError(f"attaching {what} to a perf event failed: {exc.strerror}") from None
+
+
+def online_cpus() -> list[int]:
+    try:
+        with open("/sys/devices/system/cpu/online", encoding="ascii") as fh:
+            text = fh.read().strip()
+    except OSError:
+        return list(range(os.cpu_count() or 1))
+    cpus: list[int] = []
+    for part in text.split(","):
+        if part:
+            lo, _, hi = part.partition("-")
+            cpus.extend(range(int(lo), int(hi or lo) + 1))
+    return cpus
+
+
+def tracepoint_id(tp: str) -> int:
+    """The perf id of tracepoint ``category:event`` (tracefs ``events/<category>/<event>/id``)."""
+    category, sep, event = tp.partition(":")
+    if not sep or not category or not event or "/" in tp:
+        raise BPFError(f"bad tracepoint name {tp!r} (want category:event)")
+    base = tracefs_dir()
+    if base is None:
+        raise BPFError("tracefs is not mounted (no /sys/kernel/tracing)")
+    try:
+        with open(os.path.join(base, "events", category, event, "id"), encoding="ascii") as fh:
+            return int(fh.read().strip())
+    except (OSError, ValueError) as exc:
+        raise BPFError(f"no tracepoint {tp}: {getattr(exc, 'strerror', None) or exc}") from None
+
+
+def attach_tracepoint_fd(prog_fd: int, tp: str) -> int:
+    """A tracepoint program on ``category:event``; returns the perf event fd that owns it."""
+    attr = PerfEventAttr(type=PERF_TYPE_TRACEPOINT, config=tracepoint_id(tp), sample_freq=1,
+                         wakeup_events=1)
+    fd = perf_event_open(attr, -1, 0, f"tracepoint {tp}")
+    try:
+        perf_event_set_bpf(fd, prog_fd, f"a program to tracepoint {tp}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _read_sysfs(path: str) -> str:
+    with open(path, encoding="ascii") as fh:
+        return fh.read().strip()
+
+
+def uprobe_pmu() -> tuple[int, int]:
+    """(perf type of the ``uprobe`` PMU, config bit that makes a uretprobe)."""
+    base = "/sys/bus/event_source/devices/uprobe"
+    try:
+        ptype = int(_read_sysfs(f"{base}/type"))
+        fmt = _read_sysfs(f"{base}/format/retprobe")  # "config:0"
+        bit = int(fmt.split(":", 1)[1].split("-")[0])
+    except (OSError, ValueError, IndexError) as exc:
+        raise BPFError(f"the kernel has no usable uprobe PMU ({base}): {exc}") from None
+    return ptype, bit
+
+
+def attach_uprobe_fd(prog_fd: int, path: str, offset: int, *, pid: int = -1, retprobe: bool = False) -> int:
+    """A classic uprobe (or uretprobe) at file offset ``offset`` of ``path``, for process ``pid``
+    (-1: every process); returns the perf event fd that owns it."""
+    ptype, retbit = uprobe_pmu()
+    cpath = ctypes.create_string_buffer(os.fsencode(path))
+    attr = PerfEventAttr(type=ptype, config=(1 << retbit) if retprobe else 0, sample_freq=1, wakeup_events=1,
+                         config1=ctypes.addressof(cpath), config2=offset)
+    what = f"{'uretprobe' if retprobe else 'uprobe'} {path}+{offset:#x}"
+    fd = perf_event_open(attr, pid if pid >= 0 else -1, 0 if pid < 0 else -1, what)
+    try:
+        perf_event_set_bpf(fd, prog_fd, f"a program to {what}")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+
+
+__all__ = ["attach_raw_tracepoint_fd", "attach_tracepoint_fd", "attach_uprobe_fd", "online_cpus",
+           "perf_event_open", "perf_event_open_cpu_clock", "perf_event_set_bpf",
+           "tracepoint_id", "uprobe_pmu"]

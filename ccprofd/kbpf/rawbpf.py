@@ -1,0 +1,364 @@
+"""Minimal raw ``bpf(2)`` syscall access through ctypes.
+
+bcc 0.26 has no wrapper for uprobe_multi links, and feature probes should not pay a clang compile
+(~0.2 s each) or depend on bcc at all, so the few commands we need are issued directly.  Layouts are
+those of ``union bpf_attr`` in the kernel UAPI header ``include/uapi/linux/bpf.h``; they were checked
+against the running kernel's BTF (``bpftool btf dump file /sys/kernel/btf/vmlinux``) and the tests
+check them again on the machine they run on.  x86-64 only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import platform
+import struct
+from collections.abc import Sequence
+
+from ccprofd.kbpf.errors import BPFError
+
+SYS_BPF_X86_64 = 321
+
+# enum bpf_cmd
+BPF_MAP_CREATE = 0
+BPF_MAP_UPDATE_ELEM = 2
+BPF_PROG_LOAD = 5
+BPF_OBJ_GET_INFO_BY_FD = 15
+BPF_BTF_LOAD = 18
+BPF_MAP_UPDATE_BATCH = 26
+BPF_LINK_CREATE = 28
+
+# enum bpf_prog_type
+BPF_PROG_TYPE_SOCKET_FILTER = 1
+BPF_PROG_TYPE_KPROBE = 2
+BPF_PROG_TYPE_TRACEPOINT = 5
+
+# enum bpf_map_type
+BPF_MAP_TYPE_RINGBUF = 27
+BPF_MAP_TYPE_TASK_STORAGE = 29
+
+# enum bpf_attach_type
+BPF_TRACE_UPROBE_MULTI = 48
+
+BPF_F_NO_PREALLOC = 1
+BPF_FUNC_LOOP = 181
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_syscall = _libc.syscall
+_syscall.restype = ctypes.c_long
+
+
+class BPFSyscallError(BPFError):
+    """A raw bpf(2) command failed; ``errno`` is kept for callers that branch on it."""
+
+    def __init__(self, what: str, err: int, log_reason: str = "") -> None:
+        self.errno = err
+        self.log_reason = log_reason  # BPF_PROG_LOAD: the verifier's reason, when known
+        super().__init__(f"{what}: {os.strerror(err)} (errno {err})")
+
+
+def _check_arch() -> None:
+    if platform.machine() != "x86_64":
+        raise BPFError(f"raw bpf syscalls are implemented for x86-64 only, not {platform.machine()}")
+
+
+def bpf(cmd: int, attr: ctypes.Structure | ctypes.Array[ctypes.c_char], what: str) -> int:
+    """Issue ``bpf(cmd, &attr, sizeof(attr))``; return the (non-negative) result or raise."""
+    _check_arch()
+    ret = _syscall(
+        ctypes.c_long(SYS_BPF_X86_64),
+        ctypes.c_long(cmd),
+        ctypes.byref(attr),
+        ctypes.c_uint(ctypes.sizeof(attr)),
+    )
+    if ret < 0:
+        raise BPFSyscallError(what, ctypes.get_errno())
+    return int(ret)
+
+
+class ProgLoadAttr(ctypes.Structure):
+    """The BPF_PROG_LOAD member of ``union bpf_attr`` up to ``func_info_cnt``."""
+
+    _fields_ = [
+        ("prog_type", ctypes.c_uint32),
+        ("insn_cnt", ctypes.c_uint32),
+        ("insns", ctypes.c_uint64),
+        ("license", ctypes.c_uint64),
+        ("log_level", ctypes.c_uint32),
+        ("log_size", ctypes.c_uint32),
+        ("log_buf", ctypes.c_uint64),
+        ("kern_version", ctypes.c_uint32),
+        ("prog_flags", ctypes.c_uint32),
+        ("prog_name", ctypes.c_char * 16),
+        ("prog_ifindex", ctypes.c_uint32),
+        ("expected_attach_type", ctypes.c_uint32),
+        ("prog_btf_fd", ctypes.c_uint32),
+        ("func_info_rec_size", ctypes.c_uint32),
+        ("func_info", ctypes.c_uint64),
+        ("func_info_cnt", ctypes.c_uint32),
+        ("_pad", ctypes.c_uint32),
+    ]
+
+
+class MapCreateAttr(ctypes.Structure):
+    """The BPF_MAP_CREATE member of ``union bpf_attr`` up to ``btf_vmlinux_value_type_id``."""
+
+    _fields_ = [
+        ("map_type", ctypes.c_uint32),
+        ("key_size", ctypes.c_uint32),
+        ("value_size", ctypes.c_uint32),
+        ("max_entries", ctypes.c_uint32),
+        ("map_flags", ctypes.c_uint32),
+        ("inner_map_fd", ctypes.c_uint32),
+        ("numa_node", ctypes.c_uint32),
+        ("map_name", ctypes.c_char * 16),
+        ("map_ifindex", ctypes.c_uint32),
+        ("btf_fd", ctypes.c_uint32),
+        ("btf_key_type_id", ctypes.c_uint32),
+        ("btf_value_type_id", ctypes.c_uint32),
+        ("btf_vmlinux_value_type_id", ctypes.c_uint32),
+    ]
+
+
+class BtfLoadAttr(ctypes.Structure):
+    """The BPF_BTF_LOAD member of ``union bpf_attr``."""
+
+    _fields_ = [
+        ("btf", ctypes.c_uint64),
+        ("btf_log_buf", ctypes.c_uint64),
+        ("btf_size", ctypes.c_uint32),
+        ("btf_log_size", ctypes.c_uint32),
+        ("btf_log_level", ctypes.c_uint32),
+    ]
+
+
+def insn(code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> bytes:
+    """Encode one ``struct bpf_insn`` (little-endian: dst_reg in the low nibble)."""
+    return struct.pack("<BBhi", code, (src << 4) | dst, off, imm)
+
+
+# A few opcodes for hand-assembled probe programs.
+def mov64_imm(dst: int, imm: int) -> bytes:
+    return insn(0xB7, dst=dst, imm=imm)
+
+
+def call_helper(helper_id: int) -> bytes:
+    return insn(0x85, imm=helper_id)
+
+
+def exit_insn() -> bytes:
+    return insn(0x95)
+
+
+def ld_pseudo_func(dst: int, rel: int) -> bytes:
+    """``ld_imm64 dst, <subprog>`` (BPF_PSEUDO_FUNC): target insn = this insn + rel + 1."""
+    return insn(0x18, dst=dst, src=4, imm=rel) + insn(0)
+
+
+def prog_load(
+    prog_type: int,
+    insns: bytes,
+    *,
+    expected_attach_type: int = 0,
+    name: str = "ccprofd_probe",
+    license_: str = "GPL",
+    btf_fd: int = 0,
+    func_info: Sequence[tuple[int, int]] = (),
+    log_size: int = 4096,
+) -> int:
+    """Load a hand-assembled program; return its fd (caller closes).  ``func_info`` lists
+    (insn offset, BTF FUNC type id) per subprogram (needed for callbacks).  The verifier log's last
+    line is attached to the error so a failed probe says why."""
+    buf = ctypes.create_string_buffer(insns, len(insns))
+    lic = ctypes.create_string_buffer(license_.encode())
+    attr = ProgLoadAttr()
+    attr.prog_type = prog_type
+    attr.insn_cnt = len(insns) // 8
+    attr.insns = ctypes.addressof(buf)
+    attr.license = ctypes.addressof(lic)
+    attr.prog_name = name.encode()[:15]
+    attr.expected_attach_type = expected_attach_type
+    finfo = (ctypes.c_uint32 * (2 * len(func_info)))(*(x for pair in func_info for x in pair))
+    if func_info:
+        attr.prog_btf_fd = btf_fd
+        attr.func_info_rec_size = 8
+        attr.func_info = ctypes.addressof(finfo)
+        attr.func_info_cnt = len(func_info)
+    try:
+        # No log first: the verifier formats its log even past the buffer's end, which made the
+        # unwinder's load 9 s instead of 2.5 s (and such a log overflows the buffer anyway).
+        return bpf(BPF_PROG_LOAD, attr, f"loading probe program {name}")
+    except BPFSyscallError as exc:
+        # Load again with a log, only to say why it failed.
+        log = ctypes.create_string_buffer(log_size)
+        attr.log_level = 1
+        attr.log_size = len(log)
+        attr.log_buf = ctypes.addressof(log)
+        try:
+            return bpf(BPF_PROG_LOAD, attr, f"loading probe program {name}")
+        except BPFSyscallError:
+            lines = log.value.decode(errors="replace").strip().splitlines()
+            # the verifier's reason, not the statistics lines it ends with
+            stats = ("processed ", "verification time")
+            why = next((ln for ln in reversed(lines) if not ln.startswith(stats)), lines[-1] if lines else "")
+            raise BPFSyscallError(f"loading probe program {name} [{why}]", exc.errno, why) from None
+
+
+def map_create(
+    map_type: int,
+    key_size: int,
+    value_size: int,
+    max_entries: int,
+    *,
+    flags: int = 0,
+    btf_fd: int = 0,
+    btf_key_type_id: int = 0,
+    btf_value_type_id: int = 0,
+    name: str = "ccprofd_probe",
+) -> int:
+    """Create a map; return its fd (caller closes)."""
+    attr = MapCreateAttr()
+    attr.map_type = map_type
+    attr.key_size = key_size
+    attr.value_size = value_size
+    attr.max_entries = max_entries
+    attr.map_flags = flags
+    attr.map_name = name.encode()[:15]
+    attr.btf_fd = btf_fd
+    attr.btf_key_type_id = btf_key_type_id
+    attr.btf_value_type_id = btf_value_type_id
+    return bpf(BPF_MAP_CREATE, attr, f"creating map {name} (type {map_type})")
+
+
+BTF_KIND_INT = 1
+BTF_KIND_FUNC = 12
+BTF_KIND_FUNC_PROTO = 13
+
+
+def int_btf(funcs: Sequence[str] = ()) -> bytes:
+    """A minimal BTF blob: type 1 is ``int`` (4 bytes, signed); with ``funcs``, type 2 is
+    ``int (void)`` and types 3, 4, ... are static FUNCs of that prototype named ``funcs``.
+    Local-storage maps need BTF for key and value; programs with callbacks need FUNC info."""
+    strings = bytearray(b"\x00")
+
+    def name(text: str) -> int:
+        off = len(strings)
+        strings.extend(text.encode() + b"\x00")
+        return off
+
+    types = struct.pack("<IIII", name("int"), BTF_KIND_INT << 24, 4, (1 << 24) | 32)
+    if funcs:
+        types += struct.pack("<III", 0, BTF_KIND_FUNC_PROTO << 24, 1)
+        for fn in funcs:
+            types += struct.pack("<III", name(fn), BTF_KIND_FUNC << 24, 2)
+    hdr_len = 24
+    header = struct.pack("<HBBIIIII", 0xEB9F, 1, 0, hdr_len, 0, len(types), len(types), len(strings))
+    return header + types + bytes(strings)
+
+
+def btf_load(blob: bytes) -> int:
+    """Load a BTF blob; return its fd (caller closes)."""
+    buf = ctypes.create_string_buffer(blob, len(blob))
+    attr = BtfLoadAttr()
+    attr.btf = ctypes.addressof(buf)
+    attr.btf_size = len(blob)
+    return bpf(BPF_BTF_LOAD, attr, "loading BTF")
+
+
+class InfoByFdAttr(ctypes.Structure):
+    """The BPF_OBJ_GET_INFO_BY_FD member of ``union bpf_attr``."""
+
+    _fields_ = [
+        ("bpf_fd", ctypes.c_uint32),
+        ("info_len", ctypes.c_uint32),
+        ("info", ctypes.c_uint64),
+    ]
+
+
+def obj_id(fd: int) -> int:
+    """The kernel id of a program, map or link fd (``struct bpf_{prog,map,link}_info`` all start
+    with u32 type, u32 id), as ``bpftool`` lists it."""
+    buf = (ctypes.c_uint32 * 64)()
+    attr = InfoByFdAttr()
+    attr.bpf_fd = fd
+    attr.info_len = 8
+    attr.info = ctypes.addressof(buf)
+    bpf(BPF_OBJ_GET_INFO_BY_FD, attr, f"querying BPF object fd {fd}")
+    return int(buf[1])
+
+
+def prog_verified_insns(fd: int) -> int:
+    """How many instructions the verifier processed to load program ``fd`` (``verified_insns`` of
+    ``struct bpf_prog_info``, at byte 216; kernels before 5.16 report 0): the work that grows with
+    the paths it explores, and that fails the load past its limit of 1,000,000."""
+    buf = (ctypes.c_uint32 * 57)()
+    attr = InfoByFdAttr()
+    attr.bpf_fd = fd
+    attr.info_len = ctypes.sizeof(buf)
+    attr.info = ctypes.addressof(buf)
+    bpf(BPF_OBJ_GET_INFO_BY_FD, attr, f"querying program fd {fd}")
+    return int(buf[216 // 4])
+
+
+def link_info(fd: int) -> tuple[int, int, int]:
+    """(link type, link id, prog id) of a link fd — the head of ``struct bpf_link_info``."""
+    buf = (ctypes.c_uint32 * 32)()
+    attr = InfoByFdAttr()
+    attr.bpf_fd = fd
+    attr.info_len = ctypes.sizeof(buf)
+    attr.info = ctypes.addressof(buf)
+    bpf(BPF_OBJ_GET_INFO_BY_FD, attr, f"querying link fd {fd}")
+    return int(buf[0]), int(buf[1]), int(buf[2])
+
+
+class MapElemAttr(ctypes.Structure):
+    """The BPF_MAP_*_ELEM member of ``union bpf_attr``."""
+
+    _fields_ = [("map_fd", ctypes.c_uint32), ("_pad", ctypes.c_uint32), ("key", ctypes.c_uint64),
+                ("value", ctypes.c_uint64), ("flags", ctypes.c_uint64)]
+
+
+class MapBatchAttr(ctypes.Structure):
+    """The BPF_MAP_*_BATCH member of ``union bpf_attr``."""
+
+    _fields_ = [("in_batch", ctypes.c_uint64), ("out_batch", ctypes.c_uint64), ("keys", ctypes.c_uint64),
+                ("values", ctypes.c_uint64), ("count", ctypes.c_uint32), ("map_fd", ctypes.c_uint32),
+                ("elem_flags", ctypes.c_uint64), ("flags", ctypes.c_uint64)]
+
+
+_EINVAL, _ENOTSUPP, _EOPNOTSUPP = 22, 524, 95
+
+
+def map_update_batch(fd: int, keys: bytes, values: bytes, count: int, what: str = "map") -> None:
+    """Write ``count`` entries to the map ``fd`` with ONE ``BPF_MAP_UPDATE_BATCH``: ``keys`` and
+    ``values`` are the packed C arrays (``count`` keys, ``count`` values, back to back, each the map's
+    key/value size).  Packing bytes once (or loading them packed from a cache) instead of building a
+    ctypes object per entry is what makes filling a 200k-row table cost milliseconds.  Kernels or
+    map types without batch updates get one ``BPF_MAP_UPDATE_ELEM`` per entry."""
+    if count <= 0:
+        return
+    if len(keys) % count or len(values) % count:
+        raise BPFError(f"{what}: {len(keys)} key bytes / {len(values)} value bytes are not {count} entries")
+    kbuf = ctypes.create_string_buffer(keys, len(keys))
+    vbuf = ctypes.create_string_buffer(values, len(values))
+    attr = MapBatchAttr()
+    attr.keys = ctypes.addressof(kbuf)
+    attr.values = ctypes.addressof(vbuf)
+    attr.count = count
+    attr.map_fd = fd
+    try:
+        bpf(BPF_MAP_UPDATE_BATCH, attr, f"{what}: batch update of {count} entries")
+        if attr.count == count:
+            return
+    except BPFSyscallError as exc:
+        if exc.errno not in (_EINVAL, _ENOTSUPP, _EOPNOTSUPP):
+            raise
+    # No batch support (or a partial batch): element by element, from the start (idempotent).
+    ks, vs = len(keys) // count, len(values) // count
+    elem = MapElemAttr()
+    elem.map_fd = fd
+    base_k, base_v = ctypes.addressof(kbuf), ctypes.addressof(vbuf)
+    for i in range(count):
+        elem.key = base_k + i * ks
+        elem.value = base_v + i * vs
+        bpf(BPF_MAP_UPDATE_ELEM, elem, f"{what}: update of entry {i}")

@@ -1,0 +1,1 @@
+"""Persistence every stage shares: atomic file writes and the on-disk analysis cache."""

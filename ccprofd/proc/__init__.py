@@ -1,0 +1,1 @@
+"""Running processes: /proc maps and modules, the vDSO, ptrace snapshots and user-stack walks."""

@@ -1,0 +1,86 @@
+"""The tracing API every mode and every caller shares: options, samples, errors, the mode protocol."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+MODES = ("instrumented", "unwind")
+
+
+
+DEFAULT_MODE = "unwind"  # cheap; instrumented mode is for --scope and unwind-table-less code
+
+
+
+class TraceError(Exception):
+    """Bad input for a trace (one line, exit status 2)."""
+
+
+
+@dataclass(frozen=True, slots=True)
+class TraceOptions:
+    mode: str = DEFAULT_MODE
+    syscalls: str | None = None  # "write,openat" or "all"/None
+    encoding: str = "valence"
+    scope: str | None = None
+    sample_hz: int = 0
+    verify: bool = False
+    cache_dir: str | None = None
+    edge_weights: str | None = None  # instrumented mode: build the plan with the call counts in this file
+    save_edge_weights: str | None = None  # count every direct call site's hits; write them here at exit
+
+
+
+@dataclass(slots=True)
+class TraceSample:
+    """One decoded sample in the issue-4 JSONL format."""
+
+    time_ns: int
+    pid: int
+    tid: int
+    event: str
+    syscall: str | None
+    complete: bool
+    frames: list[dict[str, Any]] = field(default_factory=list)
+    #: Cheap syscall arguments, e.g. {"path": ...} for open*/execve* (absent when unknown).
+    args: dict[str, str] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"time_ns": self.time_ns, "pid": self.pid, "tid": self.tid, "event": self.event,
+                               "syscall": self.syscall, "complete": self.complete, "frames": self.frames}
+        if self.args:
+            out["args"] = self.args
+        return out
+
+
+
+class Mode(Protocol):
+    """How contexts are obtained.  ``prepare`` before the command runs (analysis, compile, attach);
+    ``track_launch`` for our gated child (before it execs the target), ``track_running`` for -p;
+    ``follow_exec`` for every process that execs a file later (the daemon's path targets; found ones
+    come back from ``take_new_processes``); ``poll`` returns decoded samples; ``summary`` statistics
+    for the end-of-run report."""
+
+    name: str
+    path: str
+    build_id: str | None
+
+    def prepare(self) -> None: ...
+    def track_launch(self, pid: int) -> None: ...
+    def track_running(self, pid: int, tids: Sequence[int]) -> None: ...
+    def follow_exec(self, inode: tuple[int, int], cgroup_id: int = 0) -> None: ...
+    def take_new_processes(self) -> list[int]: ...
+    def poll(self, timeout_ms: int) -> list[TraceSample]: ...
+    def summary(self) -> dict[str, Any]: ...
+    def close(self) -> None: ...
+
+
+
+def path_args(syscall: str | None, arg: str | None) -> dict[str, str] | None:
+    """A sample's cheap arguments: the kernel's name for the path argument (exec*: filename)."""
+    if arg is None:
+        return None
+    return {"filename" if (syscall or "").startswith("exec") else "path": arg}
+

@@ -1,0 +1,64 @@
+"""The tracer's frame values (JSON-ready, outermost first) and C++ demangling, shared by both modes."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(slots=True)
+class Frame:
+    """One frame of a reported context."""
+
+    function: str | None
+    module: str | None
+    build_id: str | None
+    analysed: bool
+    call_site: int | None = None
+    return_address: int | None = None
+    tail_call: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        d: dict[str, Any] = {
+            "function": self.function, "module": self.module, "build_id": self.build_id,
+            "analysed": self.analysed,
+            "call_site": f"{self.call_site:#x}" if self.call_site is not None else None,
+            "return_address": f"{self.return_address:#x}" if self.return_address is not None else None,
+        }
+        if self.tail_call:
+            d["tail_call"] = True
+        return d
+
+
+
+def demangle(names: Iterable[str]) -> dict[str, str]:
+    """Demangled forms of C++ names (``_Z...``), through one batched ``c++filt`` run; names it cannot
+    demangle (or every name, when c++filt is missing) map to themselves."""
+    mangled = sorted({n for n in names if n.startswith("_Z")})
+    out = {n: n for n in mangled}
+    tool = shutil.which("c++filt")
+    if not mangled or tool is None:
+        return out
+    try:
+        proc = subprocess.run([tool], input="\n".join(mangled) + "\n", capture_output=True, text=True,
+                              timeout=60, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return out
+    lines = proc.stdout.splitlines()
+    if len(lines) == len(mangled):
+        out.update(zip(mangled, lines, strict=True))
+    return out
+
+
+
+@dataclass(frozen=True, slots=True)
+class Decoded:
+    """A symbolised sample: its frames and whether they are the whole context."""
+
+    frames: list[Frame]
+    complete: bool
+    reason: str | None = None  # why incomplete (for statistics), None when complete
+

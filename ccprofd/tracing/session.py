@@ -1,0 +1,269 @@
+"""A trace session: ``ccprofd trace`` — start ``-- CMD`` with probes attached before its exec, or
+attach to ``-p PID``; stream decoded samples; pass the command's stdio and exit status through.
+
+Modes plug in through :class:`Mode`: anything that can be prepared for a binary, told which
+processes to follow, and polled for :class:`TraceSample` values (instrumented mode here; unwind mode
+implements the same interface).  The session owns the process side (fork, exec gate, wait, signals)
+and nothing about how contexts are obtained.
+
+Public API::
+
+    TraceOptions(...)                         what to trace and how
+    open_session(argv, *, syscalls=None, options=None) -> Session   (also used by learn/detect)
+    Session.samples() -> Iterator[dict]       JSON-ready samples until the command has exited
+    Session.wait() -> int                     the command's exit status (128+N for signal N)
+    attach_session(pid, options) -> Session   for -p PID (wait() returns 0 after detaching)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+from collections.abc import Callable, Iterator, Sequence
+from types import FrameType
+from typing import Any
+
+from ccprofd.kbpf.errors import BPFError
+from ccprofd.tracing.api import MODES, Mode, TraceError, TraceOptions, TraceSample
+from ccprofd.tracing.instrumented.mode import InstrumentedMode
+
+
+def make_mode(binary: str, options: TraceOptions) -> Mode:
+    if options.mode == "instrumented":
+        return InstrumentedMode(binary, options)
+    if options.mode == "unwind":
+        from ccprofd.tracing.unwind.mode import UnwindMode
+
+        return UnwindMode(binary, options)
+    raise TraceError(f"unknown --mode {options.mode!r} (expected one of {', '.join(MODES)})")
+
+
+def resolve_command(argv: Sequence[str]) -> str:
+    """The executable ``argv[0]`` names (PATH lookup as execvp does); TraceError when there is none."""
+    if not argv:
+        raise TraceError("no command given after --")
+    cmd = argv[0]
+    path = cmd if "/" in cmd else shutil.which(cmd)
+    if path is None or not os.path.exists(path):
+        raise TraceError(f"command not found: {cmd}")
+    if os.path.isdir(path) or not os.access(path, os.X_OK):
+        raise TraceError(f"{cmd}: not an executable file")
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    if magic != b"\x7fELF":
+        raise TraceError(f"{cmd}: not an ELF executable (to trace a script, trace its interpreter)")
+    return os.path.abspath(path)
+
+
+def exit_status(wait_status: int) -> int:
+    code = os.waitstatus_to_exitcode(wait_status)
+    return 128 - code if code < 0 else code
+
+
+class Session:
+    """A running trace: the mode plus the traced process(es)."""
+
+    def __init__(self, mode: Mode, *, child: int | None = None, attached: int | None = None) -> None:
+        self.mode = mode
+        self.child = child
+        self.attached = attached
+        self.path = mode.path
+        self.build_id = mode.build_id
+        self.status: int | None = None
+        self.failed: BaseException | None = None
+        self._stop = False
+
+    # ------------------------------------------------------------------------------ running
+    def stop(self) -> None:
+        """Detach at the next poll (Ctrl-C in -p mode)."""
+        self._stop = True
+
+    def _target_alive(self) -> bool:
+        if self.child is not None:
+            if self.status is not None:
+                return False
+            pid, st = os.waitpid(self.child, os.WNOHANG)
+            if pid == self.child:
+                self.status = exit_status(st)
+                return False
+            return True
+        if self.attached is not None:
+            return os.path.exists(f"/proc/{self.attached}")
+        return False
+
+    def batches(self, poll_ms: int = 100) -> Iterator[list[TraceSample]]:
+        """Batches of samples until the target exits (then the buffers are drained) or stop()."""
+        try:
+            while not self._stop and self._target_alive():
+                batch = self.mode.poll(poll_ms)
+                if batch:
+                    yield batch
+            empty = 0
+            while empty < 2:
+                batch = self.mode.poll(20)
+                if batch:
+                    empty = 0
+                    yield batch
+                else:
+                    empty += 1
+        except (BPFError, OSError) as exc:
+            self.failed = exc
+            raise
+
+    def samples(self) -> Iterator[dict[str, Any]]:
+        for batch in self.batches():
+            for s in batch:
+                yield s.to_json()
+
+    def wait(self) -> int:
+        """The command's exit status (waiting for it if needed); 0 for an attached process."""
+        if self.child is not None and self.status is None:
+            while True:
+                try:
+                    _, st = os.waitpid(self.child, 0)
+                    self.status = exit_status(st)
+                    break
+                except InterruptedError:
+                    continue
+                except ChildProcessError:
+                    self.status = 0
+                    break
+        self.close()
+        return self.status if self.status is not None else 0
+
+    def close(self) -> None:
+        self.mode.close()
+
+    def summary(self) -> dict[str, Any]:
+        return self.mode.summary()
+
+
+def _gated_child(path: str, argv: Sequence[str]) -> tuple[int, int]:
+    """Fork a child that execs ``path`` once released (one byte on the returned pipe fd); EOF
+    without the byte (ccprofd failed before attaching) makes it exit 125 without running anything."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - runs in the child
+        try:
+            os.close(w)
+            go = os.read(r, 1)
+            os.close(r)
+            if go != b"x":
+                os._exit(125)
+            # Python ignores SIGPIPE and SIGXFSZ and an ignored disposition survives exec: give
+            # the command the dispositions its shell would (`ccprofd trace -- yes | head` must end
+            # by SIGPIPE, not loop on EPIPE), as subprocess's restore_signals does.
+            for sig in (signal.SIGINT, signal.SIGPIPE, signal.SIGXFSZ):
+                signal.signal(sig, signal.SIG_DFL)
+            os.execv(path, list(argv))
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.write(2, f"ccprofd: cannot execute {argv[0]}: {exc.strerror}\n".encode())
+            os._exit(126 if exc.errno in (13, 8) else 127)
+        os._exit(127)
+    os.close(r)
+    return pid, w
+
+
+def open_session(argv: Sequence[str], *, syscalls: Sequence[str] | str | None = None,
+                 options: TraceOptions | None = None,
+                 on_launch: Callable[[int], None] | None = None) -> Session:
+    """Start ``argv`` traced: probes attached before it execs, so contexts are complete from the
+    first instruction of ``main``.  ``syscalls``: names (or a comma-separated string); None = all.
+    ``on_launch(pid)`` runs before the child is released (e.g. to put it under enforcement too)."""
+    opts = options or TraceOptions()
+    if syscalls is not None and not isinstance(syscalls, str):
+        syscalls = ",".join(syscalls)
+    if syscalls is not None:
+        opts = TraceOptions(**{**_asdict(opts), "syscalls": syscalls})
+    path = resolve_command(argv)
+    mode = make_mode(path, opts)
+    pid, gate = _gated_child(path, argv)
+    try:
+        mode.prepare()
+        mode.track_launch(pid)
+        if on_launch is not None:
+            on_launch(pid)
+    except BaseException:
+        os.close(gate)  # the child exits without running the command
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+        mode.close()
+        raise
+    os.write(gate, b"x")
+    os.close(gate)
+    return Session(mode, child=pid)
+
+
+def attach_session(pid: int, options: TraceOptions) -> Session:
+    """Trace the running process ``pid`` (its threads' frames above the first event are unknown)."""
+    try:
+        exe = os.readlink(f"/proc/{pid}/exe")
+        tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+    except FileNotFoundError:
+        raise TraceError(f"no process {pid}") from None
+    except PermissionError:
+        raise TraceError(f"cannot inspect process {pid}: permission denied") from None
+    if exe.endswith(" (deleted)"):
+        raise TraceError(f"process {pid} runs a deleted executable")
+    mode = make_mode(exe, options)
+    try:
+        mode.prepare()
+        mode.track_running(pid, tids)
+    except BaseException:
+        mode.close()
+        raise
+    seeded = mode.summary().get("seeding", {}).get(str(pid))
+    if seeded is not None:  # one line once the threads run again: what is complete from now on
+        import sys
+
+        bad = {t: r for t, r in seeded.items() if r is not None}
+        why = "".join(f"; {'thread ' + t if t != '0' else 'all'} not seeded: {r}" for t, r in bad.items())
+        print(f"ccprofd: attached to pid {pid}: {len(seeded) - len(bad)} of {len(seeded)} threads seeded by "
+              f"one unwind{why}", file=sys.stderr, flush=True)
+    return Session(mode, attached=pid)
+
+
+def _asdict(o: TraceOptions) -> dict[str, Any]:
+    return {k: getattr(o, k) for k in o.__slots__}
+
+
+# ------------------------------------------------------------------------------------------ run
+Writer = Callable[[TraceSample], None]
+
+
+def run(session: Session, write: Writer, *, launched: bool) -> int:
+    """Stream the session's samples to ``write``; returns the exit status for the CLI."""
+    previous: dict[signal.Signals, Any] = {}
+
+    def on_signal(signum: int, _frame: FrameType | None) -> None:
+        if launched:
+            if signum == signal.SIGTERM and session.child is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(session.child, signal.SIGTERM)
+            return  # Ctrl-C reaches the command through the terminal; we keep tracing it
+        session.stop()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous[sig] = signal.signal(sig, on_signal)
+    try:
+        try:
+            for batch in session.batches():
+                for s in batch:
+                    write(s)
+        except (BPFError, OSError) as exc:
+            import sys
+
+            print(f"ccprofd: tracing failed: {exc}", file=sys.stderr)
+            session.close()
+            if launched:
+                session.wait()
+            return 125
+        status = session.wait()
+        return status if launched else 0
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+

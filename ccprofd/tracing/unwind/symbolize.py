@@ -1,0 +1,248 @@
+"""Unwind mode's records -> frames: decode the encoded part with the plan, splice in library frames."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ccprofd.callgraph.model import ROOT
+from ccprofd.decode import CachingDecoder, DecodeError, UnknownCaller, decoder_for
+from ccprofd.encode import Encoder
+from ccprofd.encode.plan import COL
+from ccprofd.encode.segments import OUTSIDE, EncodedState, Segment
+from ccprofd.tracing.frames import Decoded, Frame, demangle
+from ccprofd.tracing.symbols import ModuleSymbols
+from ccprofd.tracing.unwind.plan import FN_SKIP, NO_NODE, UnwindEncoding
+from ccprofd.tracing.unwind.sampler import (
+    UE_F_ANCHOR,
+    UE_F_INNER_EXACT,
+    UE_F_REC_OVF,
+    UE_F_SEG_OVF,
+    UE_F_UNAN_OVF,
+    EncodedRecord,
+    UnwoundSample,
+)
+
+
+# ---------------------------------------------------------------------------- symbolisation
+class UnwindSymbolizer:
+    """Decodes encoded records of one analysed binary into issue-4 frames (cached per context)."""
+
+    def __init__(self, encoding: UnwindEncoding, plan: Mapping[str, Any],
+                 module_of_key: Any) -> None:
+        self.enc = encoding
+        self.plan = plan
+        self.decoder = CachingDecoder(decoder_for(plan))
+        self.module: str = os.path.realpath(str(encoding.binary["path"]))
+        self.build_id: str | None = encoding.binary.get("build_id")
+        names = [str(n) for n in plan["names"]]
+        pretty = demangle(names)
+        self.names = [pretty.get(n, n) for n in names]
+        self.nodes = encoding.nodes
+        self.module_of_key = module_of_key
+        self._index = {n: i for i, n in enumerate(self.nodes)}
+        self._symbols: dict[str, ModuleSymbols] = {}
+        self.errors = 0
+
+    def _name(self, node: int) -> str:
+        i = self._index.get(node)
+        if i is None:
+            return f"sub_{node:x}" if node >= 0 else f"node_{node}"
+        return self.names[i]
+
+    def _frame(self, node: int) -> Frame:
+        return Frame(self._name(node), self.module, self.build_id, True)
+
+    def _unanalysed(self, key: int, vaddr: int, exact: bool) -> Frame:
+        mod = self.module_of_key(key)
+        if mod is None:
+            return Frame(None, None, None, False, None, None if exact else vaddr)
+        path, build_id, readable = mod
+        syms = self._symbols.get(readable)
+        if syms is None:
+            syms = self._symbols[readable] = ModuleSymbols(readable)
+        name = syms.name_at(vaddr if exact else vaddr - 1)
+        if name is not None and name.startswith("_Z"):
+            name = demangle([name]).get(name, name)
+        return Frame(name, path, build_id, False, None, None if exact else vaddr)
+
+    def state_of(self, rec: EncodedRecord) -> EncodedState:
+        nodes = self.nodes
+        segs = tuple(Segment(s.saved, s.rec_height, s.site, nodes[s.callee],
+                             None if s.caller == NO_NODE else nodes[s.caller]) for s in rec.segments)
+        return EncodedState(acyc=rec.acyc, rec=rec.rec, rec_len=rec.rec_len, segments=segs)
+
+    def decode(self, rec: EncodedRecord | None, reason: str | None) -> Decoded:
+        complete = reason is None
+        if rec is None:
+            return Decoded([], False, reason or "no encoded context")
+        if rec.flags & (UE_F_ANCHOR | UE_F_SEG_OVF | UE_F_REC_OVF | UE_F_UNAN_OVF):
+            complete = False
+            reason = reason or _flag_reason(rec.flags)
+        if rec.node == NO_NODE:
+            return Decoded([], complete, reason)
+        node = self.nodes[rec.node]
+        state = self.state_of(rec)
+        try:
+            path = self.decoder.decode(state, node)
+        except UnknownCaller as exc:
+            path = exc.partial
+            if not rec.flags & UE_F_ANCHOR:
+                self.errors += 1
+                return Decoded([], False, "decode error: unknown caller")
+        except DecodeError as exc:
+            self.errors += 1
+            return Decoded([], False, f"decode error: {exc}")
+        nodes = self.nodes
+        seg_ret = {(s.site, nodes[s.callee], nodes[s.caller]): s.ret
+                   for s in rec.segments if s.caller != NO_NODE}
+        frames = self._path_frames(path, node, seg_ret)
+        stack_frames = [i for i, f in enumerate(frames) if not f.tail_call]
+        if len(stack_frames) != rec.nframes:
+            self.errors += 1
+            return Decoded([], False, f"decode error: {len(stack_frames)} frames decoded, "
+                                      f"{rec.nframes} unwound")
+        inner = frames[-1]
+        if rec.flags & UE_F_INNER_EXACT:
+            inner.call_site = rec.inner
+        else:
+            inner.return_address = rec.inner
+            inner.call_site = self.enc.callsites.get(rec.inner)
+        if rec.unanalysed:
+            out: list[Frame] = []
+            below: dict[int, list[Frame]] = {}
+            for u in rec.unanalysed:
+                below.setdefault(u.after, []).append(self._unanalysed(u.module_key, u.vaddr, u.exact))
+            k = 0
+            for f in frames:
+                out.append(f)
+                if not f.tail_call:
+                    out.extend(below.get(k, ()))
+                    k += 1
+            frames = out
+        return Decoded(frames, complete, reason)
+
+    def _path_frames(self, path: Sequence[tuple[int, int, int]], node: int,
+                     seg_ret: Mapping[tuple[int, int, int], int]) -> list[Frame]:
+        if not path:
+            return [self._frame(node)]
+        start = 0
+        if path[0][0] == ROOT:
+            first, start = path[0][1], 1
+        else:
+            first = path[0][0]
+        frames = [self._frame(first)]
+        for caller, callee, site in path[start:]:
+            prev = frames[-1]
+            if site == OUTSIDE:
+                ret = seg_ret.get((site, callee, caller), 0)
+                prev.return_address = ret or None
+            elif site:
+                prev.call_site = site
+                if site in self.enc.jump_sites:
+                    prev.tail_call = True
+                else:
+                    prev.return_address = site + self.enc.call_lengths.get(site, 0)
+            frames.append(self._frame(callee))
+        return frames
+
+
+
+def _flag_reason(flags: int) -> str:
+    for bit, why in ((UE_F_SEG_OVF, "segments_full"), (UE_F_REC_OVF, "recid_full"),
+                     (UE_F_UNAN_OVF, "unanalysed_frames_full"), (UE_F_ANCHOR, "outer_frames_unknown")):
+        if flags & bit:
+            return why
+    return "incomplete"
+
+
+
+# ------------------------------------------------------------------------- reference encoder
+@dataclass(frozen=True, slots=True)
+class StackFrame:
+    """One unwound frame as the reference encoder sees it (outermost first)."""
+
+    module_key: int
+    analysed: bool  # in the analysed binary's mapping
+    vaddr: int
+    exact: bool
+
+
+
+def reference_record(enc: UnwindEncoding, plan: Mapping[str, Any], frames: Sequence[StackFrame],
+                     complete_unwind: bool, *, max_segments: int = 64) -> tuple[EncodedState, int, int]:
+    """(encoded state, innermost dense node or NO_NODE, analysed frames) of a stack, computed by
+    driving :class:`Encoder` with the calls that built it -- the semantics the BPF pass must match.
+    Anchors (outer frames unknown) are segments whose caller is None."""
+    rows = plan["sites"]
+    nodes = enc.nodes
+    e = Encoder(plan)
+    cur: int | None = None
+    cur_v = 0
+    cur_exact = False
+    gap = 0
+    nframes = 0
+    anchored = False
+
+    def anchor(callee: int) -> None:
+        nonlocal e, nframes, anchored
+        e = Encoder(plan)
+        e.enter_from_outside(nodes[callee])
+        anchored = True
+        nframes = 0
+
+    for f in frames:
+        hit = enc.function_at(f.vaddr if f.exact else f.vaddr - 1) if f.analysed else None
+        if hit is None or hit[1] & FN_SKIP:
+            if cur is not None:
+                gap += 1
+            continue
+        node = hit[0]
+        if cur is None:
+            if not complete_unwind:
+                anchor(node)
+            elif (0, node) in enc.edges:
+                for sid in enc.edges[(0, node)].sites:
+                    r = rows[sid]
+                    e.call((r[COL["caller"]], r[COL["callee"]], r[COL["site"]]))
+            else:
+                e.enter_from_outside(nodes[node])
+        else:
+            row = enc.edges.get((cur_v, node)) if not cur_exact and gap == 0 else None
+            if row is not None:
+                for sid in row.sites:
+                    r = rows[sid]
+                    e.call((r[COL["caller"]], r[COL["callee"]], r[COL["site"]]))
+            elif len(e.segments) >= max_segments:
+                anchor(node)
+            elif not cur_exact and cur_v in enc.callsites:
+                e.unencoded_call(enc.callsites[cur_v], nodes[node])
+            else:
+                e.enter_from_outside(nodes[node])
+        nframes += 1
+        cur, cur_v, cur_exact, gap = node, f.vaddr, f.exact, 0
+    st = e.state()
+    if anchored and st.segments:
+        first = st.segments[0]
+        st = EncodedState(acyc=st.acyc, rec=st.rec, rec_len=st.rec_len,
+                          segments=(Segment(first.saved, first.rec_height, first.site, first.callee, None),
+                                    *st.segments[1:]))
+    return st, (cur if cur is not None else NO_NODE), nframes
+
+
+
+def stack_frames(sampler: Any, s: UnwoundSample) -> list[StackFrame] | None:
+    """A sample's pcs as :class:`StackFrame` values, outermost first (None: mappings unknown)."""
+    out: list[StackFrame] = []
+    for pc, exact in zip(reversed(s.pcs), reversed(s.exact), strict=True):
+        info = sampler.resolve(s.tgid, pc, s.time_ns)
+        if info is None:
+            if out:
+                return None
+            continue  # the outermost pc of a stack cut short at an unknown mapping
+        key, analysed, vaddr = info
+        out.append(StackFrame(key, analysed, vaddr, exact))
+    return out
+
