@@ -29,7 +29,7 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
-CCPROFD = [sys.executable, "-c", "from ccprofd.cli import main; raise SystemExit(main())"]
+CCPROFD = [sys.executable, "-c", "from ccprofd.cli.main import main; raise SystemExit(main())"]
 
 WORKLOAD = r"""
 # Commands from the argument list: NAME ARG pairs, run in order (pure bash: no external programs,
