@@ -50,8 +50,8 @@ def test_only_the_compile_worker_reaches_bcc() -> None:
     process (and in the start-up feature probe that checks bcc is installed)."""
     users = []
     for path in (REPO / "ccprofd").rglob("*.py"):
-        pattern = (r"^\s*(from ccprofd\.bpf(\.bcc_adapter| import bcc_adapter)"
-                   r"|import ccprofd\.bpf\.bcc_adapter)")
+        pattern = (r"^\s*(from ccprofd\.kbpf(\.bcc_adapter| import bcc_adapter)"
+                   r"|import ccprofd\.kbpf\.bcc_adapter)")
         if re.search(pattern, path.read_text(), re.MULTILINE):
             users.append(str(path.relative_to(REPO)))
     assert sorted(users) == ["ccprofd/kbpf/compile_worker.py", "ccprofd/kbpf/features.py"]
