@@ -21,7 +21,7 @@ from ccprofd.kbpf.abi import (
     RawTracepointAttr,
 )
 from ccprofd.kbpf.errors import BPFError
-from ccprofd.kbpf.features import tracefs_dir
+from ccprofd.kbpf.tracefs import tracepoint_id
 
 SYS_PERF_EVENT_OPEN = 298
 PERF_TYPE_SOFTWARE = 1
@@ -83,21 +83,6 @@ def online_cpus() -> list[int]:
     return cpus
 
 
-def tracepoint_id(tp: str) -> int:
-    """The perf id of tracepoint ``category:event`` (tracefs ``events/<category>/<event>/id``)."""
-    category, sep, event = tp.partition(":")
-    if not sep or not category or not event or "/" in tp:
-        raise BPFError(f"bad tracepoint name {tp!r} (want category:event)")
-    base = tracefs_dir()
-    if base is None:
-        raise BPFError("tracefs is not mounted (no /sys/kernel/tracing)")
-    try:
-        with open(os.path.join(base, "events", category, event, "id"), encoding="ascii") as fh:
-            return int(fh.read().strip())
-    except (OSError, ValueError) as exc:
-        raise BPFError(f"no tracepoint {tp}: {getattr(exc, 'strerror', None) or exc}") from None
-
-
 def attach_tracepoint_fd(prog_fd: int, tp: str) -> int:
     """A tracepoint program on ``category:event``; returns the perf event fd that owns it."""
     attr = PerfEventAttr(type=PERF_TYPE_TRACEPOINT, config=tracepoint_id(tp), sample_freq=1,
@@ -149,4 +134,4 @@ def attach_uprobe_fd(prog_fd: int, path: str, offset: int, *, pid: int = -1, ret
 
 __all__ = ["attach_raw_tracepoint_fd", "attach_tracepoint_fd", "attach_uprobe_fd", "online_cpus",
            "perf_event_open", "perf_event_open_cpu_clock", "perf_event_set_bpf",
-           "tracepoint_id", "uprobe_pmu"]
+           "uprobe_pmu"]

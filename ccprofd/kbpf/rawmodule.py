@@ -25,6 +25,7 @@ from ccprofd.kbpf.bpfmap import MAP_RINGBUF, RawMap, create_map
 from ccprofd.kbpf.errors import BPFError
 from ccprofd.kbpf.objcache import CompiledObject, apply_relocations, compile_cached
 from ccprofd.kbpf.ringbuf import RingBuffer, RingBufferSet
+from ccprofd.kbpf.tracefs import tracepoint_id
 
 ProgType = Literal["kprobe", "tracepoint", "raw_tracepoint", "perf_event"]
 PROG_TYPES: dict[str, int] = {"kprobe": 2, "tracepoint": 5, "perf_event": 7, "raw_tracepoint": 17}
@@ -88,7 +89,7 @@ class RawModule:
 
     def attach_tracepoint(self, tp: str, fn_name: str) -> None:
         """Attach ``fn_name`` to ``category:event``."""
-        _attach.tracepoint_id(tp)  # a bad name fails here, before the program is verified
+        tracepoint_id(tp)  # a bad name fails here, before the program is verified
         fd = self.load_func(fn_name, "tracepoint")
         self._attach_fds.append(_attach.attach_tracepoint_fd(fd, tp))
 
