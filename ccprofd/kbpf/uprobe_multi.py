@@ -156,24 +156,3 @@ def attach_uprobe_multi(
         raise BPFSyscallError(what, exc.errno) from None
     return UprobeMultiLink(fd, spath, n, pid, retprobe)
 
-
-def vaddrs_to_file_offsets(path: str | os.PathLike[str], vaddrs: Sequence[int]) -> list[int]:
-    """Translate ELF virtual addresses to file offsets through the PT_LOAD program headers
-    (uprobe_multi wants file offsets).  Raises BPFError for an address in no PT_LOAD segment."""
-    from elftools.elf.elffile import ELFFile
-
-    segs: list[tuple[int, int, int]] = []
-    with open(path, "rb") as fh:
-        elf = ELFFile(fh)
-        for seg in elf.iter_segments():
-            if seg["p_type"] == "PT_LOAD":
-                segs.append((seg["p_vaddr"], seg["p_filesz"], seg["p_offset"]))
-    out: list[int] = []
-    for va in vaddrs:
-        for vstart, filesz, off in segs:
-            if vstart <= va < vstart + filesz:
-                out.append(va - vstart + off)
-                break
-        else:
-            raise BPFError(f"{os.fspath(path)}: address {va:#x} is in no file-backed PT_LOAD segment")
-    return out
