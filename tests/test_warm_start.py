@@ -216,6 +216,7 @@ def _read_back(sampler: Any, name: str, keys: list[bytes]) -> dict[bytes, bytes]
     import ctypes
 
     from ccprofd.kbpf import rawbpf
+    from ccprofd.kbpf.abi import BPF_MAP_LOOKUP_ELEM, MapElemAttr
 
     m = sampler.module.map(name)
     vsize = ctypes.sizeof(m.leaf_type)
@@ -223,8 +224,8 @@ def _read_back(sampler: Any, name: str, keys: list[bytes]) -> dict[bytes, bytes]
     for k in keys:
         kb = ctypes.create_string_buffer(k, len(k))
         vb = ctypes.create_string_buffer(vsize)
-        attr = rawbpf.MapElemAttr(map_fd=m.fd, key=ctypes.addressof(kb), value=ctypes.addressof(vb))
-        rawbpf.bpf(1, attr, f"lookup in {name}")  # BPF_MAP_LOOKUP_ELEM
+        attr = MapElemAttr(map_fd=m.fd, key=ctypes.addressof(kb), value=ctypes.addressof(vb))
+        rawbpf.bpf(BPF_MAP_LOOKUP_ELEM, attr, f"lookup in {name}")
         out[k] = vb.raw
     return out
 

@@ -28,6 +28,7 @@ from pathlib import Path
 from ccprofd.anomaly.model import TAIL_CALL, TargetModel
 from ccprofd.elf.addrspace import AddressSpace
 from ccprofd.kbpf.errors import BPFError
+from ccprofd.kbpf.tracefs import tracepoint_field_offset
 from ccprofd.tracing.syscall_sampler import SamplerEvent, SyscallSampler
 
 LSM_FILE = "/sys/kernel/security/lsm"
@@ -289,23 +290,6 @@ class Enforcer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def tracepoint_field_offset(category: str, event: str, field: str) -> int:
-    """Offset of ``field`` in a tracepoint's record, from its format file in tracefs."""
-    from ccprofd.kbpf.features import tracefs_dir
-
-    base = tracefs_dir()
-    path = f"{base}/events/{category}/{event}/format" if base else ""
-    try:
-        with open(path, encoding="ascii") as fh:
-            for line in fh:
-                parts = [p.strip() for p in line.strip().split(";")]
-                if parts and parts[0].startswith("field:") and parts[0].split()[-1] == field:
-                    return int(parts[1].split(":")[1])
-    except (OSError, IndexError, ValueError):
-        pass
-    raise BPFError(f"tracepoint {category}:{event} has no readable field {field} (is tracefs mounted?)")
 
 
 def wait_status(pid: int) -> int:

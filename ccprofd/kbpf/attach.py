@@ -13,27 +13,25 @@ import fcntl
 import os
 
 from ccprofd.kbpf import rawbpf
+from ccprofd.kbpf.abi import (
+    BPF_RAW_TRACEPOINT_OPEN,
+    PERF_ATTR_DISABLED,
+    PERF_ATTR_FREQ,
+    PerfEventAttr,
+    RawTracepointAttr,
+)
 from ccprofd.kbpf.errors import BPFError
-from ccprofd.kbpf.features import tracefs_dir
-
-BPF_RAW_TRACEPOINT_OPEN = 17
+from ccprofd.kbpf.tracefs import tracepoint_id
 
 SYS_PERF_EVENT_OPEN = 298
 PERF_TYPE_SOFTWARE = 1
 PERF_TYPE_TRACEPOINT = 2
 PERF_COUNT_SW_CPU_CLOCK = 0
-PERF_ATTR_DISABLED = 1 << 0
-PERF_ATTR_FREQ = 1 << 10
 PERF_EVENT_IOC_ENABLE = 0x2400
 PERF_EVENT_IOC_SET_BPF = 0x40042408
 PERF_FLAG_FD_CLOEXEC = 1 << 3
 
 _libc = ctypes.CDLL(None, use_errno=True)
-
-
-class RawTracepointAttr(ctypes.Structure):
-    _fields_ = [("name", ctypes.c_uint64), ("prog_fd", ctypes.c_uint32), ("_pad", ctypes.c_uint32),
-                ("cookie", ctypes.c_uint64)]
 
 
 def attach_raw_tracepoint_fd(prog_fd: int, name: str) -> int:
@@ -43,22 +41,6 @@ def attach_raw_tracepoint_fd(prog_fd: int, name: str) -> int:
     attr.name = ctypes.addressof(buf)
     attr.prog_fd = prog_fd
     return rawbpf.bpf(BPF_RAW_TRACEPOINT_OPEN, attr, f"attaching raw tracepoint {name}")
-
-
-class PerfEventAttr(ctypes.Structure):
-    """``struct perf_event_attr`` (PERF_ATTR_SIZE_VER8)."""
-
-    _fields_ = [("type", ctypes.c_uint32), ("size", ctypes.c_uint32), ("config", ctypes.c_uint64),
-                ("sample_freq", ctypes.c_uint64), ("sample_type", ctypes.c_uint64),
-                ("read_format", ctypes.c_uint64), ("flags", ctypes.c_uint64),
-                ("wakeup_events", ctypes.c_uint32), ("bp_type", ctypes.c_uint32),
-                ("config1", ctypes.c_uint64), ("config2", ctypes.c_uint64),
-                ("branch_sample_type", ctypes.c_uint64), ("sample_regs_user", ctypes.c_uint64),
-                ("sample_stack_user", ctypes.c_uint32), ("clockid", ctypes.c_int32),
-                ("sample_regs_intr", ctypes.c_uint64), ("aux_watermark", ctypes.c_uint32),
-                ("sample_max_stack", ctypes.c_uint16), ("_reserved2", ctypes.c_uint16),
-                ("aux_sample_size", ctypes.c_uint32), ("_reserved3", ctypes.c_uint32),
-                ("sig_data", ctypes.c_uint64), ("config3", ctypes.c_uint64)]
 
 
 def perf_event_open(attr: PerfEventAttr, pid: int, cpu: int, what: str) -> int:
@@ -99,21 +81,6 @@ def online_cpus() -> list[int]:
             lo, _, hi = part.partition("-")
             cpus.extend(range(int(lo), int(hi or lo) + 1))
     return cpus
-
-
-def tracepoint_id(tp: str) -> int:
-    """The perf id of tracepoint ``category:event`` (tracefs ``events/<category>/<event>/id``)."""
-    category, sep, event = tp.partition(":")
-    if not sep or not category or not event or "/" in tp:
-        raise BPFError(f"bad tracepoint name {tp!r} (want category:event)")
-    base = tracefs_dir()
-    if base is None:
-        raise BPFError("tracefs is not mounted (no /sys/kernel/tracing)")
-    try:
-        with open(os.path.join(base, "events", category, event, "id"), encoding="ascii") as fh:
-            return int(fh.read().strip())
-    except (OSError, ValueError) as exc:
-        raise BPFError(f"no tracepoint {tp}: {getattr(exc, 'strerror', None) or exc}") from None
 
 
 def attach_tracepoint_fd(prog_fd: int, tp: str) -> int:
@@ -167,4 +134,4 @@ def attach_uprobe_fd(prog_fd: int, path: str, offset: int, *, pid: int = -1, ret
 
 __all__ = ["attach_raw_tracepoint_fd", "attach_tracepoint_fd", "attach_uprobe_fd", "online_cpus",
            "perf_event_open", "perf_event_open_cpu_clock", "perf_event_set_bpf",
-           "tracepoint_id", "uprobe_pmu"]
+           "uprobe_pmu"]

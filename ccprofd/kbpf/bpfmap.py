@@ -16,16 +16,18 @@ from collections.abc import Sequence
 from typing import Any
 
 from ccprofd.kbpf import rawbpf
+from ccprofd.kbpf.abi import (
+    BPF_MAP_DELETE_ELEM,
+    BPF_MAP_GET_NEXT_KEY,
+    BPF_MAP_LOOKUP_AND_DELETE_ELEM,
+    BPF_MAP_LOOKUP_BATCH,
+    BPF_MAP_LOOKUP_ELEM,
+    BPF_MAP_UPDATE_ELEM,
+    MapBatchAttr,
+    MapElemAttr,
+)
 from ccprofd.kbpf.errors import BPFError
 from ccprofd.kbpf.objcache import MapSpec
-
-# enum bpf_cmd
-BPF_MAP_LOOKUP_ELEM = 1
-BPF_MAP_UPDATE_ELEM = 2
-BPF_MAP_DELETE_ELEM = 3
-BPF_MAP_GET_NEXT_KEY = 4
-BPF_MAP_LOOKUP_AND_DELETE_ELEM = 21
-BPF_MAP_LOOKUP_BATCH = 24
 
 # enum bpf_map_type
 MAP_HASH, MAP_ARRAY, MAP_PERCPU_HASH, MAP_PERCPU_ARRAY, MAP_LRU_HASH = 1, 2, 5, 6, 9
@@ -189,7 +191,7 @@ class RawMap(MapValues):
         return self.leaf_type()
 
     def _elem(self, cmd: int, key: Any, value: Any, flags: int, what: str) -> None:
-        attr = rawbpf.MapElemAttr(map_fd=self._fd, key=_addr(key), value=_addr(value), flags=flags)
+        attr = MapElemAttr(map_fd=self._fd, key=_addr(key), value=_addr(value), flags=flags)
         rawbpf.bpf(cmd, attr, f"map {self.name}: {what}")
 
     def _lookup(self, key: Any) -> Any | None:
@@ -318,9 +320,9 @@ class RawMap(MapValues):
         out: list[tuple[Any, Any]] = []
         first = True
         while True:
-            attr = rawbpf.MapBatchAttr(in_batch=0 if first else ctypes.addressof(in_batch),
-                             out_batch=ctypes.addressof(out_batch), keys=ctypes.addressof(keys),
-                             values=ctypes.addressof(vals), count=chunk, map_fd=self._fd)
+            attr = MapBatchAttr(in_batch=0 if first else ctypes.addressof(in_batch),
+                                out_batch=ctypes.addressof(out_batch), keys=ctypes.addressof(keys),
+                                values=ctypes.addressof(vals), count=chunk, map_fd=self._fd)
             done = False
             try:
                 rawbpf.bpf(BPF_MAP_LOOKUP_BATCH, attr, f"map {self.name}: batch lookup")

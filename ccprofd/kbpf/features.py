@@ -16,12 +16,11 @@ from dataclasses import dataclass
 
 from ccprofd.kbpf import rawbpf
 from ccprofd.kbpf.errors import BPFError, MissingFeature
+from ccprofd.kbpf.tracefs import tracefs_dir
 
 CAP_PERFMON = 38
 CAP_BPF = 39
 CAP_SYS_ADMIN = 21
-
-TRACEFS_DIRS = ("/sys/kernel/tracing", "/sys/kernel/debug/tracing")
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,13 +79,6 @@ def probe_kernel_headers() -> None:
             "kernel headers",
             f"/lib/modules/{platform.release()}/build is missing; install linux-headers or run set-up",
         )
-
-
-def tracefs_dir() -> str | None:
-    for d in TRACEFS_DIRS:
-        if os.path.isdir(os.path.join(d, "events")):
-            return d
-    return None
 
 
 def probe_tracefs() -> None:

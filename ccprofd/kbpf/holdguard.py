@@ -30,9 +30,8 @@ import subprocess
 import sys
 import time
 
-BPF_MAP_LOOKUP_ELEM = 1
-BPF_MAP_DELETE_ELEM = 3
-BPF_MAP_GET_NEXT_KEY = 4
+from ccprofd.kbpf.abi import BPF_MAP_DELETE_ELEM, BPF_MAP_GET_NEXT_KEY, MapElemAttr
+
 SWEEP_INTERVAL_S = 0.05
 _GUARDS: set[int] = set()  # pids of the guards this process started
 
@@ -44,11 +43,6 @@ def is_guard(pid: int) -> bool:
 QUIET_S = 2.0  # after the daemon is gone: exit once no hold has been seen for this long
 
 
-class _MapKeyAttr(ctypes.Structure):
-    _fields_ = [("map_fd", ctypes.c_uint32), ("_pad", ctypes.c_uint32), ("key", ctypes.c_uint64),
-                ("next_key", ctypes.c_uint64), ("flags", ctypes.c_uint64)]
-
-
 def held_tgids(map_fd: int) -> list[int]:
     """Keys (u32 tgids) of a BPF hash, read through raw ``bpf(2)`` (no bcc in the guard)."""
     from ccprofd.kbpf.rawbpf import BPFSyscallError, bpf
@@ -58,7 +52,7 @@ def held_tgids(map_fd: int) -> list[int]:
     nxt = ctypes.c_uint32(0)
     first = True
     for _ in range(1 << 20):
-        attr = _MapKeyAttr(map_fd=map_fd, key=0 if first else ctypes.addressof(key),
+        attr = MapElemAttr(map_fd=map_fd, key=0 if first else ctypes.addressof(key),
                            next_key=ctypes.addressof(nxt))
         try:
             bpf(BPF_MAP_GET_NEXT_KEY, attr, "listing held processes")
@@ -75,7 +69,7 @@ def _delete(map_fd: int, tgid: int) -> None:
 
     key = ctypes.c_uint32(tgid)
     with contextlib.suppress(BPFSyscallError):
-        bpf(BPF_MAP_DELETE_ELEM, _MapKeyAttr(map_fd=map_fd, key=ctypes.addressof(key)), "releasing")
+        bpf(BPF_MAP_DELETE_ELEM, MapElemAttr(map_fd=map_fd, key=ctypes.addressof(key)), "releasing")
 
 
 def sweep(map_fd: int) -> list[int]:

@@ -1,10 +1,9 @@
 """Minimal raw ``bpf(2)`` syscall access through ctypes.
 
 bcc 0.26 has no wrapper for uprobe_multi links, and feature probes should not pay a clang compile
-(~0.2 s each) or depend on bcc at all, so the few commands we need are issued directly.  Layouts are
-those of ``union bpf_attr`` in the kernel UAPI header ``include/uapi/linux/bpf.h``; they were checked
-against the running kernel's BTF (``bpftool btf dump file /sys/kernel/btf/vmlinux``) and the tests
-check them again on the machine they run on.  x86-64 only.
+(~0.2 s each) or depend on bcc at all, so the few commands we need are issued directly.  The command
+numbers and ``union bpf_attr`` layouts live in :mod:`ccprofd.kbpf.abi` (the tests check them against
+the running kernel's BTF).  x86-64 only.
 """
 
 from __future__ import annotations
@@ -15,18 +14,26 @@ import platform
 import struct
 from collections.abc import Sequence
 
+from ccprofd.kbpf.abi import (
+    BPF_BTF_LOAD,
+    BPF_MAP_CREATE,
+    BPF_MAP_UPDATE_BATCH,
+    BPF_MAP_UPDATE_ELEM,
+    BPF_OBJ_GET_INFO_BY_FD,
+    BPF_PROG_LOAD,
+    BtfLoadAttr,
+    InfoByFdAttr,
+    InfoHead,
+    LinkInfoHead,
+    MapBatchAttr,
+    MapCreateAttr,
+    MapElemAttr,
+    ProgInfo,
+    ProgLoadAttr,
+)
 from ccprofd.kbpf.errors import BPFError
 
 SYS_BPF_X86_64 = 321
-
-# enum bpf_cmd
-BPF_MAP_CREATE = 0
-BPF_MAP_UPDATE_ELEM = 2
-BPF_PROG_LOAD = 5
-BPF_OBJ_GET_INFO_BY_FD = 15
-BPF_BTF_LOAD = 18
-BPF_MAP_UPDATE_BATCH = 26
-BPF_LINK_CREATE = 28
 
 # enum bpf_prog_type
 BPF_PROG_TYPE_SOCKET_FILTER = 1
@@ -74,62 +81,6 @@ def bpf(cmd: int, attr: ctypes.Structure | ctypes.Array[ctypes.c_char], what: st
     if ret < 0:
         raise BPFSyscallError(what, ctypes.get_errno())
     return int(ret)
-
-
-class ProgLoadAttr(ctypes.Structure):
-    """The BPF_PROG_LOAD member of ``union bpf_attr`` up to ``func_info_cnt``."""
-
-    _fields_ = [
-        ("prog_type", ctypes.c_uint32),
-        ("insn_cnt", ctypes.c_uint32),
-        ("insns", ctypes.c_uint64),
-        ("license", ctypes.c_uint64),
-        ("log_level", ctypes.c_uint32),
-        ("log_size", ctypes.c_uint32),
-        ("log_buf", ctypes.c_uint64),
-        ("kern_version", ctypes.c_uint32),
-        ("prog_flags", ctypes.c_uint32),
-        ("prog_name", ctypes.c_char * 16),
-        ("prog_ifindex", ctypes.c_uint32),
-        ("expected_attach_type", ctypes.c_uint32),
-        ("prog_btf_fd", ctypes.c_uint32),
-        ("func_info_rec_size", ctypes.c_uint32),
-        ("func_info", ctypes.c_uint64),
-        ("func_info_cnt", ctypes.c_uint32),
-        ("_pad", ctypes.c_uint32),
-    ]
-
-
-class MapCreateAttr(ctypes.Structure):
-    """The BPF_MAP_CREATE member of ``union bpf_attr`` up to ``btf_vmlinux_value_type_id``."""
-
-    _fields_ = [
-        ("map_type", ctypes.c_uint32),
-        ("key_size", ctypes.c_uint32),
-        ("value_size", ctypes.c_uint32),
-        ("max_entries", ctypes.c_uint32),
-        ("map_flags", ctypes.c_uint32),
-        ("inner_map_fd", ctypes.c_uint32),
-        ("numa_node", ctypes.c_uint32),
-        ("map_name", ctypes.c_char * 16),
-        ("map_ifindex", ctypes.c_uint32),
-        ("btf_fd", ctypes.c_uint32),
-        ("btf_key_type_id", ctypes.c_uint32),
-        ("btf_value_type_id", ctypes.c_uint32),
-        ("btf_vmlinux_value_type_id", ctypes.c_uint32),
-    ]
-
-
-class BtfLoadAttr(ctypes.Structure):
-    """The BPF_BTF_LOAD member of ``union bpf_attr``."""
-
-    _fields_ = [
-        ("btf", ctypes.c_uint64),
-        ("btf_log_buf", ctypes.c_uint64),
-        ("btf_size", ctypes.c_uint32),
-        ("btf_log_size", ctypes.c_uint32),
-        ("btf_log_level", ctypes.c_uint32),
-    ]
 
 
 def insn(code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> bytes:
@@ -265,65 +216,37 @@ def btf_load(blob: bytes) -> int:
     return bpf(BPF_BTF_LOAD, attr, "loading BTF")
 
 
-class InfoByFdAttr(ctypes.Structure):
-    """The BPF_OBJ_GET_INFO_BY_FD member of ``union bpf_attr``."""
-
-    _fields_ = [
-        ("bpf_fd", ctypes.c_uint32),
-        ("info_len", ctypes.c_uint32),
-        ("info", ctypes.c_uint64),
-    ]
+def _info_by_fd(fd: int, info: ctypes.Structure, what: str) -> None:
+    """BPF_OBJ_GET_INFO_BY_FD into ``info`` (the kernel fills at most ``sizeof(info)`` bytes)."""
+    attr = InfoByFdAttr()
+    attr.bpf_fd = fd
+    attr.info_len = ctypes.sizeof(info)
+    attr.info = ctypes.addressof(info)
+    bpf(BPF_OBJ_GET_INFO_BY_FD, attr, what)
 
 
 def obj_id(fd: int) -> int:
     """The kernel id of a program, map or link fd (``struct bpf_{prog,map,link}_info`` all start
     with u32 type, u32 id), as ``bpftool`` lists it."""
-    buf = (ctypes.c_uint32 * 64)()
-    attr = InfoByFdAttr()
-    attr.bpf_fd = fd
-    attr.info_len = 8
-    attr.info = ctypes.addressof(buf)
-    bpf(BPF_OBJ_GET_INFO_BY_FD, attr, f"querying BPF object fd {fd}")
-    return int(buf[1])
+    head = InfoHead()
+    _info_by_fd(fd, head, f"querying BPF object fd {fd}")
+    return int(head.id)
 
 
 def prog_verified_insns(fd: int) -> int:
     """How many instructions the verifier processed to load program ``fd`` (``verified_insns`` of
-    ``struct bpf_prog_info``, at byte 216; kernels before 5.16 report 0): the work that grows with
-    the paths it explores, and that fails the load past its limit of 1,000,000."""
-    buf = (ctypes.c_uint32 * 57)()
-    attr = InfoByFdAttr()
-    attr.bpf_fd = fd
-    attr.info_len = ctypes.sizeof(buf)
-    attr.info = ctypes.addressof(buf)
-    bpf(BPF_OBJ_GET_INFO_BY_FD, attr, f"querying program fd {fd}")
-    return int(buf[216 // 4])
+    ``struct bpf_prog_info``; kernels before 5.16 report 0): the work that grows with the paths it
+    explores, and that fails the load past its limit of 1,000,000."""
+    info = ProgInfo()
+    _info_by_fd(fd, info, f"querying program fd {fd}")
+    return int(info.verified_insns)
 
 
 def link_info(fd: int) -> tuple[int, int, int]:
     """(link type, link id, prog id) of a link fd — the head of ``struct bpf_link_info``."""
-    buf = (ctypes.c_uint32 * 32)()
-    attr = InfoByFdAttr()
-    attr.bpf_fd = fd
-    attr.info_len = ctypes.sizeof(buf)
-    attr.info = ctypes.addressof(buf)
-    bpf(BPF_OBJ_GET_INFO_BY_FD, attr, f"querying link fd {fd}")
-    return int(buf[0]), int(buf[1]), int(buf[2])
-
-
-class MapElemAttr(ctypes.Structure):
-    """The BPF_MAP_*_ELEM member of ``union bpf_attr``."""
-
-    _fields_ = [("map_fd", ctypes.c_uint32), ("_pad", ctypes.c_uint32), ("key", ctypes.c_uint64),
-                ("value", ctypes.c_uint64), ("flags", ctypes.c_uint64)]
-
-
-class MapBatchAttr(ctypes.Structure):
-    """The BPF_MAP_*_BATCH member of ``union bpf_attr``."""
-
-    _fields_ = [("in_batch", ctypes.c_uint64), ("out_batch", ctypes.c_uint64), ("keys", ctypes.c_uint64),
-                ("values", ctypes.c_uint64), ("count", ctypes.c_uint32), ("map_fd", ctypes.c_uint32),
-                ("elem_flags", ctypes.c_uint64), ("flags", ctypes.c_uint64)]
+    head = LinkInfoHead()
+    _info_by_fd(fd, head, f"querying link fd {fd}")
+    return int(head.type), int(head.id), int(head.prog_id)
 
 
 _EINVAL, _ENOTSUPP, _EOPNOTSUPP = 22, 524, 95

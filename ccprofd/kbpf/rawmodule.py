@@ -20,10 +20,12 @@ from ccprofd.elf.errors import BinaryError
 from ccprofd.elf.symbols import symbol_offset
 from ccprofd.kbpf import attach as _attach
 from ccprofd.kbpf import rawbpf
+from ccprofd.kbpf.abi import PERF_ATTR_DISABLED, PERF_ATTR_FREQ, PerfEventAttr
 from ccprofd.kbpf.bpfmap import MAP_RINGBUF, RawMap, create_map
 from ccprofd.kbpf.errors import BPFError
 from ccprofd.kbpf.objcache import CompiledObject, apply_relocations, compile_cached
 from ccprofd.kbpf.ringbuf import RingBuffer, RingBufferSet
+from ccprofd.kbpf.tracefs import tracepoint_id
 
 ProgType = Literal["kprobe", "tracepoint", "raw_tracepoint", "perf_event"]
 PROG_TYPES: dict[str, int] = {"kprobe": 2, "tracepoint": 5, "perf_event": 7, "raw_tracepoint": 17}
@@ -87,7 +89,7 @@ class RawModule:
 
     def attach_tracepoint(self, tp: str, fn_name: str) -> None:
         """Attach ``fn_name`` to ``category:event``."""
-        _attach.tracepoint_id(tp)  # a bad name fails here, before the program is verified
+        tracepoint_id(tp)  # a bad name fails here, before the program is verified
         fd = self.load_func(fn_name, "tracepoint")
         self._attach_fds.append(_attach.attach_tracepoint_fd(fd, tp))
 
@@ -132,10 +134,8 @@ class RawModule:
         fd = self.load_func(fn_name, "perf_event")
         cpus = [cpu] if cpu >= 0 or pid >= 0 else _attach.online_cpus()
         for c in cpus:
-            attr = _attach.PerfEventAttr(type=ev_type, config=ev_config,
-                                         sample_freq=sample_freq or sample_period,
-                                         flags=_attach.PERF_ATTR_DISABLED
-                                         | (_attach.PERF_ATTR_FREQ if sample_freq else 0))
+            attr = PerfEventAttr(type=ev_type, config=ev_config, sample_freq=sample_freq or sample_period,
+                                 flags=PERF_ATTR_DISABLED | (PERF_ATTR_FREQ if sample_freq else 0))
             pfd = _attach.perf_event_open(attr, pid, c, f"{ev_type}:{ev_config} for {fn_name}")
             self._attach_fds.append(pfd)
             _attach.perf_event_set_bpf(pfd, fd, fn_name)

@@ -10,10 +10,10 @@ BPF_TRACE_UPROBE_MULTI`` (48) — e.g. ``RawModule.load_func(name, "kprobe", att
 reads each hit's site id with ``bpf_get_attach_cookie(ctx)``.
 
 Offsets are **file offsets** of instruction starts (not virtual addresses); a mid-instruction offset
-is accepted silently by the kernel and corrupts the target.  :func:`vaddrs_to_file_offsets`
-translates ELF virtual addresses through the PT_LOAD program headers.
+is accepted silently by the kernel and corrupts the target.
 
-``union bpf_attr`` member used (x86-64, verified against the running kernel's BTF):
+``union bpf_attr`` member used (x86-64; :class:`ccprofd.kbpf.abi.LinkCreateAttr`, which the tests
+check against the running kernel's BTF):
 
 ====== ==== =====================================================
 offset size field
@@ -40,49 +40,13 @@ import os
 from collections.abc import Sequence
 from types import TracebackType
 
+from ccprofd.kbpf.abi import BPF_LINK_CREATE, LinkCreateAttr
 from ccprofd.kbpf.errors import BPFError
-from ccprofd.kbpf.rawbpf import BPF_LINK_CREATE, BPF_TRACE_UPROBE_MULTI, BPFSyscallError, bpf, link_info
+from ccprofd.kbpf.rawbpf import BPF_TRACE_UPROBE_MULTI, BPFSyscallError, bpf, link_info
 
 BPF_F_UPROBE_MULTI_RETURN = 1
 # Kernel limit (MAX_UPROBE_MULTI_CNT in kernel/trace/bpf_trace.c).
 MAX_UPROBE_MULTI_CNT = 1 << 20
-
-
-class UprobeMultiAttr(ctypes.Structure):
-    """``union bpf_attr`` as used by BPF_LINK_CREATE with ``attach_type = BPF_TRACE_UPROBE_MULTI``."""
-
-    _fields_ = [
-        ("prog_fd", ctypes.c_uint32),
-        ("target_fd", ctypes.c_uint32),
-        ("attach_type", ctypes.c_uint32),
-        ("flags", ctypes.c_uint32),
-        ("path", ctypes.c_uint64),
-        ("offsets", ctypes.c_uint64),
-        ("ref_ctr_offsets", ctypes.c_uint64),
-        ("cookies", ctypes.c_uint64),
-        ("cnt", ctypes.c_uint32),
-        ("um_flags", ctypes.c_uint32),
-        ("pid", ctypes.c_uint32),
-        ("_pad", ctypes.c_uint32),
-    ]
-
-
-# Byte offsets the kernel expects; the tests compare these with the running kernel's BTF.
-EXPECTED_LAYOUT: dict[str, int] = {
-    "prog_fd": 0,
-    "target_fd": 4,
-    "attach_type": 8,
-    "flags": 12,
-    "path": 16,
-    "offsets": 24,
-    "ref_ctr_offsets": 32,
-    "cookies": 40,
-    "cnt": 48,
-    "um_flags": 52,
-    "pid": 56,
-}
-assert all(getattr(UprobeMultiAttr, k).offset == v for k, v in EXPECTED_LAYOUT.items())
-assert ctypes.sizeof(UprobeMultiAttr) == 64
 
 
 class UprobeMultiLink:
@@ -174,16 +138,17 @@ def attach_uprobe_multi(
     c_cookies = (ctypes.c_uint64 * n)(*(c & 0xFFFFFFFFFFFFFFFF for c in cookies)) if cookies else None
     c_refs = (ctypes.c_uint64 * n)(*ref_ctr_offsets) if ref_ctr_offsets else None
 
-    attr = UprobeMultiAttr()
+    attr = LinkCreateAttr()
     attr.prog_fd = prog_fd
     attr.attach_type = BPF_TRACE_UPROBE_MULTI
-    attr.path = ctypes.addressof(c_path)
-    attr.offsets = ctypes.addressof(c_offsets)
-    attr.ref_ctr_offsets = ctypes.addressof(c_refs) if c_refs is not None else 0
-    attr.cookies = ctypes.addressof(c_cookies) if c_cookies is not None else 0
-    attr.cnt = n
-    attr.um_flags = BPF_F_UPROBE_MULTI_RETURN if retprobe else 0
-    attr.pid = pid or 0
+    um = attr.uprobe_multi
+    um.path = ctypes.addressof(c_path)
+    um.offsets = ctypes.addressof(c_offsets)
+    um.ref_ctr_offsets = ctypes.addressof(c_refs) if c_refs is not None else 0
+    um.cookies = ctypes.addressof(c_cookies) if c_cookies is not None else 0
+    um.cnt = n
+    um.flags = BPF_F_UPROBE_MULTI_RETURN if retprobe else 0
+    um.pid = pid or 0
     what = f"uprobe_multi link on {spath} ({n} sites{f', pid {pid}' if pid else ''})"
     try:
         fd = bpf(BPF_LINK_CREATE, attr, what)
@@ -191,24 +156,3 @@ def attach_uprobe_multi(
         raise BPFSyscallError(what, exc.errno) from None
     return UprobeMultiLink(fd, spath, n, pid, retprobe)
 
-
-def vaddrs_to_file_offsets(path: str | os.PathLike[str], vaddrs: Sequence[int]) -> list[int]:
-    """Translate ELF virtual addresses to file offsets through the PT_LOAD program headers
-    (uprobe_multi wants file offsets).  Raises BPFError for an address in no PT_LOAD segment."""
-    from elftools.elf.elffile import ELFFile
-
-    segs: list[tuple[int, int, int]] = []
-    with open(path, "rb") as fh:
-        elf = ELFFile(fh)
-        for seg in elf.iter_segments():
-            if seg["p_type"] == "PT_LOAD":
-                segs.append((seg["p_vaddr"], seg["p_filesz"], seg["p_offset"]))
-    out: list[int] = []
-    for va in vaddrs:
-        for vstart, filesz, off in segs:
-            if vstart <= va < vstart + filesz:
-                out.append(va - vstart + off)
-                break
-        else:
-            raise BPFError(f"{os.fspath(path)}: address {va:#x} is in no file-backed PT_LOAD segment")
-    return out

@@ -23,9 +23,9 @@ from pathlib import Path
 
 from ccprofd.kbpf.bpfmap import RawMap
 from ccprofd.kbpf.errors import BPFError
-from ccprofd.kbpf.features import tracefs_dir
 from ccprofd.kbpf.objcache import cache_dir_under
 from ccprofd.kbpf.rawmodule import load_module
+from ccprofd.kbpf.tracefs import tracepoint_has_field
 
 C_SOURCE = "syscall_sampler.c"
 EXEC_TARGET_SOURCE = "exec_target.c"
@@ -83,18 +83,6 @@ def monotonic_to_realtime_ns(mono_ns: int) -> int:
     """Convert a bpf_ktime_get_ns() timestamp to CLOCK_REALTIME (offset measured now)."""
     offset = time.clock_gettime_ns(time.CLOCK_REALTIME) - time.clock_gettime_ns(time.CLOCK_MONOTONIC)
     return mono_ns + offset
-
-
-def tracepoint_has_field(category: str, event: str, field: str) -> bool:
-    """Whether a tracepoint's format (in tracefs) has ``field`` — kernels differ."""
-    base = tracefs_dir()
-    if base is None:
-        return False
-    try:
-        with open(os.path.join(base, "events", category, event, "format"), encoding="ascii") as fh:
-            return any(f" {field};" in line for line in fh if line.strip().startswith("field:"))
-    except OSError:
-        return False
 
 
 def exec_target_source(cache_dir: str | os.PathLike[str] | None = None) -> str:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import re
 import struct
 from array import array
 from collections.abc import Iterable, Mapping, Sequence
@@ -27,9 +26,9 @@ from typing import Any
 
 from ccprofd.encode.plan import COL
 from ccprofd.kbpf.errors import BPFError
-from ccprofd.kbpf.features import tracefs_dir
 from ccprofd.kbpf.rawbpf import map_update_batch
 from ccprofd.kbpf.rawmodule import RawModule
+from ccprofd.kbpf.tracefs import tracepoint_field_offset
 from ccprofd.kbpf.uprobe_multi import UprobeMultiLink, attach_uprobe_multi
 from ccprofd.tracing.instrumented.probeplan import CCOL, PCOL, R_CUT, R_CYCLIC, R_PLT_EXIT, R_SCOPE, ProbePlan
 from ccprofd.tracing.syscall_sampler import SyscallSampler, monotonic_to_realtime_ns
@@ -382,23 +381,6 @@ def ret_table(probe_plan: ProbePlan) -> list[tuple[int, int]]:
             v |= RS_IN_SCOPE
         out.append((c[CCOL["vaddr"]] + c[CCOL["length"]], v))
     return out
-
-
-def tracepoint_field_offset(category: str, event: str, name: str) -> int:
-    """Byte offset of a tracepoint field, from its tracefs format (layouts differ by kernel)."""
-    base = tracefs_dir()
-    if base is None:
-        raise BPFError("tracefs is not mounted (mount -t tracefs tracefs /sys/kernel/tracing)")
-    path = os.path.join(base, "events", category, event, "format")
-    try:
-        with open(path, encoding="ascii") as fh:
-            for line in fh:
-                m = re.search(r"field:[^;]*[ *]" + re.escape(name) + r";\s*offset:(\d+);", line)
-                if m:
-                    return int(m.group(1))
-    except OSError as exc:
-        raise BPFError(f"cannot read {path}: {exc.strerror}") from None
-    raise BPFError(f"tracepoint {category}:{event} has no field {name}")
 
 
 def _pow2_at_least(n: int) -> int:

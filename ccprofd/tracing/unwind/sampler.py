@@ -71,9 +71,9 @@ from ccprofd.kbpf.attach import (
 )
 from ccprofd.kbpf.bpfmap import RawMap
 from ccprofd.kbpf.errors import BPFError
-from ccprofd.kbpf.features import tracefs_dir
 from ccprofd.kbpf.objcache import cache_dir_under
 from ccprofd.kbpf.rawmodule import load_module
+from ccprofd.kbpf.tracefs import tracepoint_field_offset, tracepoint_has_field
 from ccprofd.persist.cache import AnalysisCache
 from ccprofd.proc.maps import DEFAULT_PROC_ROOT, ModuleMapping, ProcessMaps, module_mappings, start_stack
 from ccprofd.proc.vdso import VDSO_PATH, VdsoImages
@@ -83,7 +83,6 @@ from ccprofd.tracing.syscall_sampler import (
     exe_matches,
     sampler_source,
     set_exec_target,
-    tracepoint_has_field,
 )
 from ccprofd.tracing.unwind.plan import UNWIND_ENCODING_VERSION, UnwindEncoding
 
@@ -1045,21 +1044,6 @@ class UnwindSampler:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def tracepoint_field_offset(category: str, event: str, name: str) -> int:
-    """Offset of a tracepoint field in its record, from the tracefs format file."""
-    base = tracefs_dir()
-    path = os.path.join(base or "/sys/kernel/tracing", "events", category, event, "format")
-    try:
-        with open(path, encoding="ascii") as fh:
-            for line in fh:
-                parts = [p.strip() for p in line.strip().split(";")]
-                if parts and parts[0].startswith("field:") and parts[0].split()[-1] == name:
-                    return int(parts[1].split(":")[1])
-    except OSError as exc:
-        raise BPFError(f"cannot read tracepoint format {path}: {exc.strerror}") from None
-    raise BPFError(f"tracepoint {category}:{event} has no field {name}")
 
 
 def _count_cpus(text: str) -> int:
