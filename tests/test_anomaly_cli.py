@@ -19,7 +19,7 @@ SYSCALLS = "openat,read,write"
 
 
 def ccprofd(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", "from ccprofd.cli.main import main; raise SystemExit(main())",
+    return subprocess.run([sys.executable, "-m", "ccprofd.cli",
                            *args], capture_output=True, text=True)
 
 

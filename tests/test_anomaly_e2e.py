@@ -30,7 +30,7 @@ Chain = tuple[str, tuple[str, ...]]
 
 
 def ccprofd(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-c", "from ccprofd.cli.main import main; raise SystemExit(main())",
+    return subprocess.run([sys.executable, "-m", "ccprofd.cli",
                            *args], capture_output=True, text=True, cwd=cwd)
 
 
