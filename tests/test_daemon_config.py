@@ -198,7 +198,7 @@ def test_missing_and_unreadable_files(tmp_path: Path) -> None:
 
 
 def test_syscall_names_checked_against_the_running_kernel() -> None:
-    from ccprofd.daemon.config import tracefs_syscalls
+    from ccprofd.kbpf.tracefs import tracefs_syscalls
 
     names = tracefs_syscalls()
     if names is None:

@@ -46,6 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ccprofd.kbpf.tracefs import tracefs_syscalls
+
 DEFAULT_CONFIG_PATH = "/etc/ccprofd/ccprofd.toml"
 ENCODINGS = ("valence", "pcce", "hcce")
 MODES = ("unwind", "instrumented")
@@ -468,17 +470,3 @@ def _parse_anomaly(chk: _Checker, where: tuple[Any, ...], raw: Any) -> AnomalyCo
         collapse_recursion=bool(chk.get(tbl, where, "collapse_recursion", bool, d.collapse_recursion)),
         transitions=bool(chk.get(tbl, where, "transitions", bool, d.transitions)),
         flush_seconds=seconds("flush_seconds", d.flush_seconds))
-
-
-def tracefs_syscalls() -> frozenset[str] | None:
-    """Syscall names the running kernel knows (its ``syscalls:sys_enter_*`` events), or None when
-    tracefs is not readable — then names are checked for syntax only."""
-    for base in ("/sys/kernel/tracing", "/sys/kernel/debug/tracing"):
-        try:
-            names = os.listdir(f"{base}/events/syscalls")
-        except OSError:
-            continue
-        found = frozenset(n[len("sys_enter_"):] for n in names if n.startswith("sys_enter_"))
-        if found:
-            return found
-    return None

@@ -95,3 +95,17 @@ def tracepoint_has_field(category: str, event: str, name: str) -> bool:
         return name in tracepoint_fields(category, event)
     except BPFError:
         return False
+
+
+def tracefs_syscalls() -> frozenset[str] | None:
+    """Syscall names the running kernel knows (its ``syscalls:sys_enter_*`` events), or None when
+    tracefs is not readable — then names are checked for syntax only."""
+    for base in TRACEFS_DIRS:
+        try:
+            names = os.listdir(f"{base}/events/syscalls")
+        except OSError:
+            continue
+        found = frozenset(n[len("sys_enter_"):] for n in names if n.startswith("sys_enter_"))
+        if found:
+            return found
+    return None
