@@ -18,6 +18,7 @@ from daemon_fakes import TARGET_APP, FakeFactory, config_text, frame, sample, sh
 from ccprofd.daemon.config import parse_config
 from ccprofd.daemon.service import Daemon
 from ccprofd.daemon.store import context_id
+from ccprofd.export.servers import standard_servers
 
 WRITE_CTX = [frame("main", 0x1139), frame("emit", 0x1180)]
 OPEN_CTX = [frame("main", 0x1145), frame("load", 0x11A0)]
@@ -31,7 +32,7 @@ def served() -> Iterator[tuple[Daemon, FakeFactory, str]]:
         parse_config(
             config_text(workdir, TARGET_APP + '[[target]]\nname="cpuapp"\npid=77\nperf_sample_hz = 50\n')
         ),
-        factory,
+        factory, servers=standard_servers(),
     )
     daemon.start()
     src = factory.sources["app"]

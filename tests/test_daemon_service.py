@@ -24,6 +24,7 @@ from ccprofd.daemon.notify import Notifier
 from ccprofd.daemon.service import Daemon
 from ccprofd.export.gen import ccprofd_pb2 as pb
 from ccprofd.export.gen import ccprofd_pb2_grpc as pb_grpc
+from ccprofd.export.servers import standard_servers
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
@@ -240,7 +241,7 @@ def test_missing_tracer_is_a_one_line_failure(workdir: str) -> None:
 
 def test_failed_target_is_retried_on_reload_and_changed_targets_restart(workdir: str) -> None:
     factory = FakeFactory(fail={"app": "binary not found"})
-    daemon = Daemon(parse_config(config_text(workdir, TARGET_APP)), factory)
+    daemon = Daemon(parse_config(config_text(workdir, TARGET_APP)), factory, servers=standard_servers())
     daemon.start()
     try:
         assert daemon.targets["app"].state == "failed" and daemon.targets["app"].error == "binary not found"
@@ -271,7 +272,7 @@ def test_probe_hit_budget_switches_to_unwind_mode(workdir: str) -> None:
     target = (
         '[[target]]\nname = "hot"\npath = "/opt/hot"\nmode = "instrumented"\nmax_probe_hits_per_sec = 1000\n'
     )
-    daemon = Daemon(parse_config(config_text(workdir, target)), factory)
+    daemon = Daemon(parse_config(config_text(workdir, target)), factory, servers=standard_servers())
     daemon.start()
     try:
         src = factory.sources["hot"]
@@ -292,7 +293,8 @@ def test_probe_hit_budget_switches_to_unwind_mode(workdir: str) -> None:
 def test_stop_closes_every_source_even_after_a_source_failure(workdir: str) -> None:
     factory = FakeFactory()
     daemon = Daemon(
-        parse_config(config_text(workdir, TARGET_APP + '[[target]]\nname = "b"\npid = 5\n')), factory
+        parse_config(config_text(workdir, TARGET_APP + '[[target]]\nname = "b"\npid = 5\n')), factory,
+        servers=standard_servers(),
     )
     daemon.start()
 

@@ -34,6 +34,7 @@ from ccprofd.daemon.service import Daemon
 from ccprofd.daemon.store import context_id
 from ccprofd.export.gen import ccprofd_pb2 as pb
 from ccprofd.export.gen import ccprofd_pb2_grpc as pb_grpc
+from ccprofd.export.servers import standard_servers
 
 WRITE_CTX = [frame("main", 0x1139), frame("emit", 0x1180)]
 OPEN_CTX = [frame("main", 0x1145), frame("load", 0x11A0), frame("read_cfg", 0x11C4)]
@@ -43,7 +44,8 @@ OPEN_CTX = [frame("main", 0x1145), frame("load", 0x11A0), frame("read_cfg", 0x11
 def served() -> Iterator[tuple[Daemon, FakeFactory, str]]:
     workdir = short_tmpdir()
     factory = FakeFactory()
-    daemon = Daemon(parse_config(config_text(workdir, TARGET_APP + TARGET_DB)), factory)
+    daemon = Daemon(parse_config(config_text(workdir, TARGET_APP + TARGET_DB)), factory,
+                    servers=standard_servers())
     daemon.start()
     try:
         yield daemon, factory, f"{workdir}/ccprofd.sock"
@@ -230,11 +232,11 @@ def test_stale_socket_is_replaced_and_a_live_one_refused(tmp_path: Path) -> None
     s = socketmod.socket(socketmod.AF_UNIX)
     s.bind(sock)
     s.close()  # bound, never listening: what a SIGKILLed daemon leaves behind
-    d1 = Daemon(parse_config(config_text(workdir)), FakeFactory())
+    d1 = Daemon(parse_config(config_text(workdir)), FakeFactory(), servers=standard_servers())
     d1.start()
     try:
         assert stub(sock).ListTargets(pb.ListTargetsRequest(), timeout=10).targets == []
-        d2 = Daemon(parse_config(config_text(workdir)), FakeFactory())
+        d2 = Daemon(parse_config(config_text(workdir)), FakeFactory(), servers=standard_servers())
         with pytest.raises(ServerError, match="another process is serving it"):
             d2.start()
         d2.stop()
@@ -313,7 +315,7 @@ def test_tcp_with_mutual_tls(tmp_path: Path) -> None:
         parse_config(
             config_text(str(tmp_path), TARGET_APP, daemon_extra=extra, grpc_listen="tcp://127.0.0.1:0")
         ),
-        FakeFactory(),
+        FakeFactory(), servers=standard_servers(),
     )
     daemon.start()
     try:

@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from ccprofd.daemon.config import parse_config
 from ccprofd.daemon.service import Daemon
 from ccprofd.daemon.store import context_id
+from ccprofd.export.servers import standard_servers
 
 Labels = tuple[tuple[str, str], ...]
 
@@ -31,7 +32,8 @@ def served() -> Iterator[tuple[Daemon, FakeFactory]]:
     workdir = short_tmpdir()
     factory = FakeFactory()
     daemon = Daemon(
-        parse_config(config_text(workdir, TARGET_APP + TARGET_DB, daemon_extra="top_k = 2\n")), factory
+        parse_config(config_text(workdir, TARGET_APP + TARGET_DB, daemon_extra="top_k = 2\n")), factory,
+        servers=standard_servers(),
     )
     daemon.start()
     try:
@@ -109,7 +111,7 @@ def test_failed_target_is_down_and_says_why(served: tuple[Daemon, FakeFactory]) 
     _daemon, _ = served
     workdir = short_tmpdir()
     factory = FakeFactory(fail={"app": "cannot attach: no such binary"})
-    d2 = Daemon(parse_config(config_text(workdir, TARGET_APP)), factory)
+    d2 = Daemon(parse_config(config_text(workdir, TARGET_APP)), factory, servers=standard_servers())
     d2.start()
     try:
         m = scrape(d2)

@@ -58,9 +58,10 @@ def cmd_run(args: argparse.Namespace) -> int:
             return EXIT_OK
         from ccprofd.daemon.service import run_daemon
         from ccprofd.daemon.source import load_factory
+        from ccprofd.export.servers import standard_servers
 
         factory = load_factory(args.source_factory) if args.source_factory else None
-        return run_daemon(args.config, factory)
+        return run_daemon(args.config, factory, servers=standard_servers())
     except ConfigError as exc:
         print(f"ccprofd: {exc}", file=sys.stderr)
         return EXIT_USAGE

@@ -25,15 +25,13 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ccprofd.anomaly.detector import Detector, DetectorOptions
 from ccprofd.anomaly.model import Learner, ModelSet, TargetModel
 from ccprofd.anomaly.modelstore import ModelFileError, ModelStore, PeriodicFlusher, load_or_quarantine
 from ccprofd.daemon.config import AnomalyConfig
-
-if TYPE_CHECKING:
-    from ccprofd.daemon.service import Daemon, TargetRuntime
+from ccprofd.daemon.query import DaemonView, TargetView
 
 log = logging.getLogger("ccprofd")
 TICK_S = 1.0
@@ -74,7 +72,7 @@ def model_path(state_dir: Path, target: str, config: AnomalyConfig) -> Path:
 class AnomalyMonitor:
     """Learn/detect/enforce for every target whose anomaly action is not "off"."""
 
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: DaemonView) -> None:
         self.daemon = daemon
         self.targets: dict[str, _Target] = {}
         self._lock = threading.Lock()
@@ -129,7 +127,7 @@ class AnomalyMonitor:
                         self._enforce_processes(t, b, rt)
                         self._collect_denials(t, b)
 
-    def _prepare(self, rt: TargetRuntime) -> None:
+    def _prepare(self, rt: TargetView) -> None:
         """Set up every binary the target's processes run before their next sample arrives: an
         enforcer must be in place before the first offending syscall, not after it."""
         t = self._target(rt)
@@ -182,7 +180,7 @@ class AnomalyMonitor:
                 for alert in binary.detector.check(sample):
                     self._publish(t, binary, alert.to_dict(), alert.log_line())
 
-    def _target(self, rt: TargetRuntime) -> _Target:
+    def _target(self, rt: TargetView) -> _Target:
         t = self.targets.get(rt.name)
         if t is not None and t.config == rt.config.anomaly:
             return t
@@ -206,7 +204,7 @@ class AnomalyMonitor:
                  len(models.targets))
         return t
 
-    def _binary_of(self, t: _Target, rt: TargetRuntime, pid: int) -> _Binary | None:
+    def _binary_of(self, t: _Target, rt: TargetView, pid: int) -> _Binary | None:
         known = t.pid_build.get(pid)
         if known is None and rt.source is not None:
             try:
@@ -266,7 +264,7 @@ class AnomalyMonitor:
         log.warning("target %s: enforcing the model of %s by %s", t.name, path, how)
         return enf
 
-    def _enforce_processes(self, t: _Target, b: _Binary, rt: TargetRuntime) -> None:
+    def _enforce_processes(self, t: _Target, b: _Binary, rt: TargetView) -> None:
         src = rt.source
         if src is None:
             return

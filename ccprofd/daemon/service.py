@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 from ccprofd.daemon.bus import Bus, Subscription
 from ccprofd.daemon.config import Config, ConfigError, DaemonConfig, TargetConfig, load_config
 from ccprofd.daemon.notify import Notifier
+from ccprofd.daemon.query import Server, ServerFactories
 from ccprofd.daemon.source import SampleSource, SourceCounters, SourceFactory, UnknownProcess
 from ccprofd.daemon.store import TargetStore
 
@@ -92,6 +93,24 @@ class TargetRuntime:
                 pass
         return self.effective_config.mode
 
+    def probe_hit_rate_over_budget(self, now: float) -> float | None:
+        """The probe hits per second since the last call at least 1 s ago, when that exceeds
+        ``max_probe_hits_per_sec`` of an attached instrumented target; else None."""
+        ceiling = self.config.max_probe_hits_per_sec
+        if not ceiling or self.source is None or self.mode() != "instrumented":
+            self._rate = None
+            return None
+        hits = self.counters().probe_hits
+        if self._rate is None:
+            self._rate = (now, hits)
+            return None
+        t0, h0 = self._rate
+        if now - t0 < 1.0:
+            return None
+        rate = (hits - h0) / (now - t0)
+        self._rate = (now, hits)
+        return rate if rate > ceiling else None
+
     def counters(self) -> SourceCounters:
         """Cumulative over every source this target had (carried + live)."""
         live = SourceCounters()
@@ -111,12 +130,15 @@ class TargetRuntime:
 
 
 class Daemon:
-    """Everything the daemon runs; the gRPC servicer and the metrics collector read from it."""
+    """Everything the daemon runs; its servers (built by the caller, see :class:`ServerFactories`)
+    read from it through :class:`~ccprofd.daemon.query.DaemonView`."""
 
-    def __init__(self, config: Config, factory: SourceFactory, notifier: Notifier | None = None) -> None:
+    def __init__(self, config: Config, factory: SourceFactory, notifier: Notifier | None = None,
+                 servers: ServerFactories | None = None) -> None:
         self.config = config
         self.factory = factory
         self.notifier = notifier or Notifier({})
+        self.servers = servers
         self.targets: dict[str, TargetRuntime] = {}
         self._switch_lock = threading.Lock()
         self.samples: Bus = _SampleBus(config.daemon.stream_queue, self._every_sample_now)
@@ -125,8 +147,8 @@ class Daemon:
         self.started_ns = time.time_ns()
         self.reloads = {"ok": 0, "failed": 0}
         self._lock = threading.RLock()
-        self._grpc: Any = None
-        self._metrics: Any = None
+        self._grpc: Server | None = None
+        self._metrics: Server | None = None
         self.stopping = False
         # Issue 7: [target.anomaly] learn/detect/enforce, fed as a sample observer.
         from ccprofd.daemon.anomaly_runtime import AnomalyMonitor
@@ -257,22 +279,10 @@ class Daemon:
         """Switch instrumented targets whose probe hit rate exceeds their ceiling to unwind mode."""
         now = time.monotonic() if now is None else now
         for rt in list(self.targets.values()):
-            ceiling = rt.config.max_probe_hits_per_sec
-            if not ceiling or rt.source is None or rt.mode() != "instrumented":
-                rt._rate = None
-                continue
-            hits = rt.counters().probe_hits
-            if rt._rate is None:
-                rt._rate = (now, hits)
-                continue
-            t0, h0 = rt._rate
-            if now - t0 < 1.0:
-                continue
-            rate = (hits - h0) / (now - t0)
-            rt._rate = (now, hits)
-            if rate > ceiling:
+            rate = rt.probe_hit_rate_over_budget(now)
+            if rate is not None:
                 log.warning("target %s: %.0f probe hits/s exceeds max_probe_hits_per_sec = %d: "
-                            "switching to unwind mode", rt.name, rate, ceiling)
+                            "switching to unwind mode", rt.name, rate, rt.config.max_probe_hits_per_sec)
                 self.switch_mode(rt, "unwind", reason="probe_hit_budget")
 
     def switch_mode(self, rt: TargetRuntime, mode: str, reason: str) -> None:
@@ -311,11 +321,20 @@ class Daemon:
             items = list(self.targets.values())
         yield from items
 
+    def alert_counts(self) -> list[tuple[str, str, str, int]]:
+        """(target, syscall, kind, alerts published) of the anomaly monitor."""
+        return list(self.anomaly.alert_counts())
+
+    def needs_learning(self) -> list[tuple[str, str, str, str]]:
+        """(target, binary, build-id, reason) for binaries no anomaly model applies to."""
+        return list(self.anomaly.needs_learning())
+
     # ------------------------------------------------------------------------- lifecycle
     def start(self) -> None:
         d = self.config.daemon
         os.makedirs(d.state_dir, mode=0o750, exist_ok=True)
-        threading.Thread(target=_preimport_servers, name="ccprofd-preimport", daemon=True).start()
+        if self.servers is not None and self.servers.preimport is not None:
+            threading.Thread(target=self.servers.preimport, name="ccprofd-preimport", daemon=True).start()
         for tc in self.config.targets:
             self.start_target(tc)
         self.anomaly.start()
@@ -327,18 +346,17 @@ class Daemon:
         log.info("ready: %s; gRPC on %s; metrics on %s", status, d.grpc_listen, metrics)
 
     def _start_servers(self, d: DaemonConfig) -> None:
-        from ccprofd.export.grpc_server import GrpcServer
-        from ccprofd.export.metrics import MetricsServer
-
-        self._grpc = GrpcServer(self, d)
+        if self.servers is None:
+            return
+        self._grpc = self.servers.grpc(self, d)
         self._grpc.start()
         if d.metrics_listen is not None:
-            self._metrics = MetricsServer(self, *d.metrics_listen)
+            self._metrics = self.servers.metrics(self, *d.metrics_listen)
             self._metrics.start()
 
-    def _stop_servers(self, grace: float = 0.5) -> None:
+    def _stop_servers(self) -> None:
         if self._grpc is not None:
-            self._grpc.stop(grace)
+            self._grpc.stop()
             self._grpc = None
         if self._metrics is not None:
             self._metrics.stop()
@@ -425,17 +443,6 @@ class _SampleBus(Bus):
         return sub
 
 
-def _preimport_servers() -> None:
-    """Import gRPC, protobuf and prometheus-client (~0.3-0.5 s) while the targets attach: the main
-    thread spends much of that time in GIL-free calls (bcc's compile, the BPF verifier), so the
-    servers' imports cost READY=1 little.  A failure is left to the real import to report."""
-    import importlib
-
-    for name in ("ccprofd.export.grpc_server", "ccprofd.export.metrics"):
-        with contextlib.suppress(Exception):
-            importlib.import_module(name)
-
-
 def _one_line(exc: BaseException) -> str:
     text = str(exc).strip().splitlines()
     return (text[0] if text else type(exc).__name__).removeprefix("ccprofd: ")
@@ -482,9 +489,9 @@ def setup_logging(level: str) -> None:
 
 
 def run_daemon(config_path: str, factory: SourceFactory | None = None,
-               notifier: Notifier | None = None) -> int:
-    """``ccprofd run``: foreground daemon until SIGTERM/SIGINT.  Exit 2 on a bad config, 1 when the
-    servers cannot start, 0 after a clean shutdown."""
+               notifier: Notifier | None = None, servers: ServerFactories | None = None) -> int:
+    """``ccprofd run``: foreground daemon until SIGTERM/SIGINT, serving with ``servers``.  Exit 2 on
+    a bad config, 1 when the servers cannot start, 0 after a clean shutdown."""
     from ccprofd.daemon.source import load_factory
 
     config = load_config(config_path)  # ConfigError -> the CLI prints it and exits 2
@@ -493,7 +500,7 @@ def run_daemon(config_path: str, factory: SourceFactory | None = None,
         factory = load_factory()
     signals = _Signals()
     signals.install()
-    daemon = Daemon(config, factory, notifier or Notifier())
+    daemon = Daemon(config, factory, notifier or Notifier(), servers)
     try:
         daemon.start()
     except Exception:

@@ -18,7 +18,7 @@ import stat
 import time
 from collections.abc import Iterator
 from concurrent import futures
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import grpc
 from google.protobuf import struct_pb2
@@ -26,13 +26,11 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from ccprofd.daemon.config import DaemonConfig
+from ccprofd.daemon.query import DaemonView, TargetView
 from ccprofd.daemon.source import UnknownProcess
 from ccprofd.export import messages
 from ccprofd.export.gen import ccprofd_pb2 as pb
 from ccprofd.export.gen import ccprofd_pb2_grpc as pb_grpc
-
-if TYPE_CHECKING:
-    from ccprofd.daemon.service import Daemon, TargetRuntime
 
 log = logging.getLogger("ccprofd")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Profiler"].full_name
@@ -46,10 +44,10 @@ class ServerError(RuntimeError):
 class ProfilerServicer(pb_grpc.ProfilerServicer):
     """Answers from the daemon's live state; never blocks the sample path."""
 
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: DaemonView) -> None:
         self.daemon = daemon
 
-    def _target(self, name: str, context: grpc.ServicerContext) -> TargetRuntime:
+    def _target(self, name: str, context: grpc.ServicerContext) -> TargetView:
         rt = self.daemon.targets.get(name)
         if rt is None:
             known = ", ".join(sorted(self.daemon.targets)) or "none"
@@ -82,11 +80,8 @@ class ProfilerServicer(pb_grpc.ProfilerServicer):
 
     def _needs_learning(self, out: Any) -> None:
         """Issue 7: binaries no anomaly model applies to (upgraded: the old model is kept, unused)."""
-        monitor = getattr(self.daemon, "anomaly", None)
-        if monitor is None:
-            return
         by_name = {t.name: t for t in out.targets}
-        for target, binary, build_id, reason in monitor.needs_learning():
+        for target, binary, build_id, reason in self.daemon.needs_learning():
             t = by_name.get(target)
             if t is not None:
                 t.needs_learning.add(binary=binary, build_id=build_id, reason=reason)
@@ -198,7 +193,7 @@ def _jsonable(value: Any) -> Any:
 
 
 class GrpcServer:
-    def __init__(self, daemon: Daemon, config: DaemonConfig, max_workers: int = 16) -> None:
+    def __init__(self, daemon: DaemonView, config: DaemonConfig, max_workers: int = 16) -> None:
         self.daemon = daemon
         self.config = config
         self.max_workers = max_workers

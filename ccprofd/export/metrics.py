@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -18,14 +18,12 @@ from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
-if TYPE_CHECKING:
-    from ccprofd.daemon.service import Daemon
-
-MODES = ("instrumented", "unwind")
+from ccprofd.daemon.query import DaemonView, TargetView
+from ccprofd.tracing.api import MODES
 
 
 class DaemonCollector(Collector):
-    def __init__(self, daemon: Daemon) -> None:
+    def __init__(self, daemon: DaemonView) -> None:
         self.daemon = daemon
         self._lock = threading.Lock()  # one promotion round at a time
 
@@ -103,7 +101,7 @@ class DaemonCollector(Collector):
                     contexts, maps, reloads)
 
 
-def _anomaly_families(daemon: Daemon) -> Iterator[Metric]:
+def _anomaly_families(daemon: DaemonView) -> Iterator[Metric]:
     """Issue 7: alerts per target, syscall and kind; binaries whose model is missing or outdated."""
     alerts = CounterMetricFamily("ccprofd_alerts", "Anomaly alerts published (after rate limiting)",
                                  labels=["target", "syscall", "kind"])
@@ -111,16 +109,14 @@ def _anomaly_families(daemon: Daemon) -> Iterator[Metric]:
                                 "1 per binary of a detect/enforce target that no model applies to "
                                 "(reason=upgraded: models of older build-ids are kept, not applied)",
                                 labels=["target", "binary", "build_id", "reason"])
-    monitor = getattr(daemon, "anomaly", None)
-    if monitor is not None:
-        for target, syscall, kind, n in monitor.alert_counts():
-            alerts.add_metric([target, syscall, kind], n)
-        for target, binary, build_id, reason in monitor.needs_learning():
-            relearn.add_metric([target, binary, build_id, reason], 1.0)
+    for target, syscall, kind, n in daemon.alert_counts():
+        alerts.add_metric([target, syscall, kind], n)
+    for target, binary, build_id, reason in daemon.needs_learning():
+        relearn.add_metric([target, binary, build_id, reason], 1.0)
     yield from (alerts, relearn)
 
 
-def _count_processes(rt: Any) -> int:
+def _count_processes(rt: TargetView) -> int:
     src = rt.source
     if src is None:
         return 0
@@ -130,7 +126,7 @@ def _count_processes(rt: Any) -> int:
         return 0
 
 
-def build_registry(daemon: Daemon) -> CollectorRegistry:
+def build_registry(daemon: DaemonView) -> CollectorRegistry:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(DaemonCollector(daemon))
     ProcessCollector(registry=registry)
@@ -141,7 +137,7 @@ def build_registry(daemon: Daemon) -> CollectorRegistry:
 class MetricsServer:
     """``GET /metrics`` on ``host:port`` (port 0 picks a free one; see :attr:`address`)."""
 
-    def __init__(self, daemon: Daemon, host: str, port: int) -> None:
+    def __init__(self, daemon: DaemonView, host: str, port: int) -> None:
         self.registry = build_registry(daemon)
         self.host, self.port = host, port
         self._server: Any = None
