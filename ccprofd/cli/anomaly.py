@@ -34,6 +34,7 @@ from ccprofd.anomaly.modelstore import (
     merge_into,
     save_models,
 )
+from ccprofd.cli.errors import UsageError
 
 
 class _Usage(Exception):
@@ -438,8 +439,6 @@ def _check_source(args: argparse.Namespace) -> None:
 
 def _run(func: Any) -> Any:
     def run(args: argparse.Namespace) -> int:
-        from ccprofd.cli.main import UsageError
-
         try:
             if hasattr(args, "command") and isinstance(args.command, list):
                 _check_source(args)

@@ -14,15 +14,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from ccprofd import __version__
+from ccprofd.cli.errors import UsageError
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 EXIT_MIDRUN = 125
-
-
-class UsageError(Exception):
-    """Bad input or usage: reported in one line, exit status 2."""
 
 
 class _Parser(argparse.ArgumentParser):
