@@ -35,6 +35,7 @@ from typing import Any
 
 from ccprofd.daemon.config import DaemonConfig, TargetConfig
 from ccprofd.daemon.source import BinaryInfo, ProcessInfo, SourceCounters, ThreadContext, UnknownProcess
+from ccprofd.proc.tasks import threads_of
 
 RESCAN_S = 1.0
 Inode = tuple[int, int]
@@ -67,13 +68,6 @@ def _exe_of(pid: int) -> tuple[str, Inode] | None:
         if (cst.st_dev, cst.st_ino) == inode:
             return candidate, inode
     return None
-
-
-def _tids(pid: int) -> list[int]:
-    try:
-        return sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
-    except OSError:
-        return []
 
 
 def _comm(pid: int) -> str:
@@ -185,7 +179,7 @@ class TracerSource:
             if pid in self.tracked:
                 alive.add(pid)
                 continue
-            binary.mode.track_running(pid, _tids(pid))
+            binary.mode.track_running(pid, threads_of(pid))
             self.tracked[pid] = inode
             alive.add(pid)
         for pid in set(self.tracked) - alive:
@@ -258,7 +252,7 @@ class TracerSource:
         out = []
         for pid, inode in sorted(self.tracked.items()):
             b = self.binaries_by_inode[inode]
-            out.append(ProcessInfo(pid, b.path, b.build_id, len(_tids(pid)), _comm(pid), inode[1]))
+            out.append(ProcessInfo(pid, b.path, b.build_id, len(threads_of(pid)), _comm(pid), inode[1]))
         return out
 
     def binaries(self) -> list[BinaryInfo]:

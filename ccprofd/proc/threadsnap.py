@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from ccprofd.elf import cfi
 from ccprofd.proc.maps import DEFAULT_PROC_ROOT, ProcessMaps, module_mappings, start_stack
 from ccprofd.proc.modules import ModuleCache
+from ccprofd.proc.tasks import threads_of
 from ccprofd.proc.userstack import StackMemory, UnwoundStack, UserRegs, unwind
 
 PTRACE_GETREGS = 12
@@ -116,13 +117,6 @@ def _refused(pid: int, exc: OSError, proc_root: str) -> str:
            f"that allows it)"
 
 
-def _tids(pid: int, proc_root: str) -> list[int]:
-    try:
-        return sorted(int(t) for t in os.listdir(os.path.join(proc_root, str(pid), "task")) if t.isdigit())
-    except OSError:
-        return []
-
-
 def snapshot(pid: int, modules: ModuleCache, *, proc_root: str = DEFAULT_PROC_ROOT,
              max_depth: int = 4096,
              while_stopped: Callable[[ThreadSnapshot, Callable[[int], int | None]], None] | None = None
@@ -132,7 +126,7 @@ def snapshot(pid: int, modules: ModuleCache, *, proc_root: str = DEFAULT_PROC_RO
     ``while_stopped(thread, read_word)`` runs for each unwound thread before any is let go (seeding
     instrumented mode's state from the stack must happen while the stack is that one)."""
     out = ProcessSnapshot(pid)
-    tids = _tids(pid, proc_root)
+    tids = threads_of(pid, proc_root)
     if not tids:
         out.error = f"no process {pid}"
         return out

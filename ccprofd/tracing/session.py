@@ -26,6 +26,7 @@ from types import FrameType
 from typing import Any
 
 from ccprofd.kbpf.errors import BPFError
+from ccprofd.proc.tasks import list_threads
 from ccprofd.tracing.api import MODES, Mode, TraceError, TraceOptions, TraceSample
 from ccprofd.tracing.instrumented.mode import InstrumentedMode
 
@@ -201,7 +202,7 @@ def attach_session(pid: int, options: TraceOptions) -> Session:
     """Trace the running process ``pid`` (its threads' frames above the first event are unknown)."""
     try:
         exe = os.readlink(f"/proc/{pid}/exe")
-        tids = sorted(int(t) for t in os.listdir(f"/proc/{pid}/task"))
+        tids = list_threads(pid)
     except FileNotFoundError:
         raise TraceError(f"no process {pid}") from None
     except PermissionError:

@@ -30,6 +30,7 @@ from ccprofd.kbpf.rawbpf import map_update_batch
 from ccprofd.kbpf.rawmodule import RawModule
 from ccprofd.kbpf.tracefs import tracepoint_field_offset
 from ccprofd.kbpf.uprobe_multi import UprobeMultiLink, attach_uprobe_multi
+from ccprofd.proc.tasks import threads_of
 from ccprofd.tracing.instrumented.probeplan import CCOL, PCOL, R_CUT, R_CYCLIC, R_PLT_EXIT, R_SCOPE, ProbePlan
 from ccprofd.tracing.syscall_sampler import SyscallSampler, monotonic_to_realtime_ns
 
@@ -549,11 +550,7 @@ class InstrumentedBPF:
             # sample or probe event of the process can fall between its tracking and its seeding.
             nonlocal tracked
             tracked = True
-            try:
-                live = {int(t) for t in os.listdir(f"/proc/{pid}/task") if t.isdigit()}
-            except OSError:
-                live = set()
-            for tid in sorted(set(tids) | live):
+            for tid in sorted(set(tids) | set(threads_of(pid))):
                 self.add_thread(tid, incomplete=True)
             self.sampler.track(pid)
 
