@@ -384,8 +384,9 @@ def _ctypes_instrumented_rows(bpf: Any) -> dict[str, dict[bytes, bytes]]:
     """The maps' contents as the element-by-element ctypes code (before packing) built them."""
     import ctypes
 
-    from ccprofd.tracing.instrumented.loader import NONE32, dense_nodes, ret_table
+    from ccprofd.tracing.instrumented.loader import NONE32
     from ccprofd.tracing.instrumented.probeplan import CCOL
+    from ccprofd.tracing.instrumented.sitetables import dense_nodes, ret_table
 
     out: dict[str, dict[bytes, bytes]] = {}
     m = bpf.module.map("cc_sites")

@@ -32,6 +32,7 @@ from ccprofd.kbpf.tracefs import tracepoint_field_offset
 from ccprofd.kbpf.uprobe_multi import UprobeMultiLink, attach_uprobe_multi
 from ccprofd.proc.tasks import threads_of
 from ccprofd.tracing.instrumented.probeplan import CCOL, PCOL, R_CUT, R_CYCLIC, R_PLT_EXIT, R_SCOPE, ProbePlan
+from ccprofd.tracing.instrumented.sitetables import dense_nodes, ret_table
 from ccprofd.tracing.syscall_sampler import SyscallSampler, monotonic_to_realtime_ns
 
 C_SOURCE = "instrumented.c"
@@ -52,7 +53,6 @@ INCOMPLETE_FLAGS = (SF_NOSTATE | SF_FROZEN | SF_INCOMPLETE_BASE | SF_SEGS_TRUNC 
 F_ACYC, F_CYCLIC, F_EXIT, F_OVERFLOW, F_CUT = 1, 2, 4, 64, 128
 
 ST_INCOMPLETE_BASE = 1
-RS_INDIRECT, RS_IN_SCOPE, RS_VIA_PLT = 0x80000000, 0x40000000, 0x20000000
 CFG_LAUNCH_TGID, CFG_LAUNCHED, CFG_AGGREGATE, CFG_EMIT_HITS, CFG_TEXT_LO, CFG_TEXT_HI = 0, 1, 3, 4, 5, 6
 
 # how a record's sample is counted (instrumented.c AGG_*)
@@ -360,30 +360,6 @@ def cc_site_struct(acyc_words: int) -> struct.Struct:
     return struct.Struct(f"<QQ{acyc_words}Q{acyc_words}QIIIiqIi")
 
 
-def dense_nodes(probe_plan: ProbePlan) -> dict[int, int]:
-    """Node id -> the small index the BPF maps use for it."""
-    return {n: i for i, n in enumerate(sorted(probe_plan.names))}
-
-
-def ret_table(probe_plan: ProbePlan) -> list[tuple[int, int]]:
-    """Return address vaddr -> callsite id | RS_INDIRECT | RS_VIA_PLT | RS_IN_SCOPE, for every call
-    instruction."""
-    scope = set(probe_plan.in_scope) if probe_plan.in_scope is not None else None
-    out: list[tuple[int, int]] = []
-    for i, c in enumerate(probe_plan.callsites):
-        if c[CCOL["is_jump"]]:
-            continue
-        v = i
-        if c[CCOL["kind"]] == "indirect":
-            v |= RS_INDIRECT
-        elif c[CCOL["kind"]] == "plt":
-            v |= RS_VIA_PLT  # a PLT call can land in the binary's own exported functions
-        if scope is None or c[CCOL["caller"]] in scope:
-            v |= RS_IN_SCOPE
-        out.append((c[CCOL["vaddr"]] + c[CCOL["length"]], v))
-    return out
-
-
 def _pow2_at_least(n: int) -> int:
     p = 1
     while p < n:
@@ -660,5 +636,5 @@ class InstrumentedBPF:
 __all__ = ["AGG_HIT", "AGG_NEW", "AGG_NONE", "AGG_UNAGGREGATED", "EXIT_KINDS", "INCOMPLETE_FLAGS", "K_CALL",
            "K_EXIT", "K_ROOT", "K_SEG", "K_TAIL", "K_TAILEXIT",
            "SF_OVERFLOW", "InstrumentedBPF", "Limits", "ProcessEvent", "RawContext", "RawHit", "RawSegment",
-           "SampleLayout", "SchemeParams", "ScopeEntry", "ret_table", "site_table"]
+           "SampleLayout", "SchemeParams", "ScopeEntry", "site_table"]
 

@@ -29,13 +29,20 @@ from typing import Any
 from ccprofd.proc.maps import ModuleMapping
 from ccprofd.proc.userstack import UnwoundStack
 from ccprofd.tracing.instrumented.probeplan import CCOL, PCOL, FunctionIndex, ProbePlan
+from ccprofd.tracing.instrumented.sitetables import (
+    RS_IN_SCOPE,
+    RS_INDEX,
+    RS_INDIRECT,
+    RS_VIA_PLT,
+    dense_nodes,
+    ret_table,
+)
 
 NONE32 = 0xFFFFFFFF
 M64 = (1 << 64) - 1
 K_CALL, K_TAIL, K_EXIT, K_TAILEXIT, K_ROOT, K_SEG = 1, 2, 3, 4, 5, 6
 F_ACYC, F_CYCLIC, F_EXIT, F_SCOPE, F_OVERFLOW = 1, 2, 4, 32, 64
 ST_INCOMPLETE_BASE, ST_BIAS = 1, 8
-RS_INDIRECT, RS_IN_SCOPE, RS_VIA_PLT, RS_INDEX = 0x80000000, 0x40000000, 0x20000000, 0x1FFFFFFF
 STACK_SWITCH_GAP = 64 << 20
 
 WordReader = Callable[[int], "int | None"]
@@ -405,8 +412,6 @@ def state_blob(s: SeedState, params: SeedParams, size: int) -> bytes:
 def seeder_for(bpf: Any) -> tuple[Seeder, SeedParams]:
     """A :class:`Seeder` over a loaded :class:`~ccprofd.tracing.instrumented.loader.InstrumentedBPF`'s
     tables."""
-    from ccprofd.tracing.instrumented.loader import dense_nodes, ret_table
-
     pp: ProbePlan = bpf.probe_plan
     sc = bpf.scheme
     params = SeedParams(pp.acyc_words, sc.add, sc.pairs, sc.id_bits, sc.rec_bits, sc.pair_code_bits,
