@@ -256,3 +256,25 @@ def test_cache_roundtrip(tmp_path: Path) -> None:
     second = cfi.load_table(path, cache)
     assert second.starts == first.starts and second.rule_ids == first.rule_ids and second.rules == first.rules
     assert second.build_id == ElfImage(path).build_id()
+
+
+@pytest.mark.parametrize("path", ["/usr/bin/python3.11", "/lib/x86_64-linux-gnu/libc.so.6"])
+def test_cfa_rules_agree_with_the_unwind_table(path: str) -> None:
+    """One interpreter, two projections: the probe plan's CFA rule at an address equals the CFA of
+    the unwind table's row there (where that row is a plain rsp/rbp rule), and no rule where the
+    table has no CFI."""
+    image = ElfImage(path)
+    eh = image.sections[".eh_frame"]
+    table = cfi.build_table(image)
+    addrs = list(range(table.starts[0], table.starts[-1], 89))
+    rules = cfi.cfa_rules(image.section_bytes(eh), eh.vaddr, addrs)
+    checked = 0
+    for a in addrs:
+        row = table.lookup(a)
+        if row.kind in (cfi.CFA_RSP, cfi.CFA_RBP):
+            reg = cfi.RSP if row.kind == cfi.CFA_RSP else cfi.RBP
+            assert rules[a] == cfi.CfaRule(reg, row.cfa_off), (hex(a), row, rules[a])
+            checked += 1
+        elif row.kind == cfi.NONE:
+            assert rules[a] is None, (hex(a), rules[a])
+    assert checked > len(addrs) // 2

@@ -21,7 +21,7 @@ from conftest import require_tool
 from programs.build import build
 
 from ccprofd.callgraph import analyze_binary
-from ccprofd.elf.cfarules import RBP, RSP, CfaRule, cfa_rules
+from ccprofd.elf.cfi import RBP, RSP, CfaRule, cfa_rules
 from ccprofd.elf.image import ElfImage
 from ccprofd.encode import build_plan
 from ccprofd.encode.plan import COL

@@ -9,23 +9,29 @@ For every address range of one ELF object the table says how to find the caller'
 * ``END`` where the return address is undefined (``_start``, thread entry: the outermost frame),
   ``NONE`` where no FDE covers the address, ``UNSUPPORTED`` for any other DWARF expression.
 
-Built by a small CFI interpreter over the raw section bytes (pyelftools decodes every instruction
-into objects and takes ~1.7 s on python3.11; this takes a fraction of that), reusing the pointer
-decoders of :mod:`ccprofd.elf.ehframe`.  Tables are plain data (sorted start addresses, a rule
-index per start, a list of rule tuples), cached by build-id, and the same for every process that
-maps the object: runtime addresses are translated by the caller (load bias), never stored here.
+Built by the one CFI interpreter of ccprofd (:func:`_execute`) over the records
+:mod:`ccprofd.elf.ehframe` reads from the raw section bytes (pyelftools decodes every instruction
+into objects and takes ~1.7 s on python3.11; this takes a fraction of that).  The same interpreter
+answers the two lighter questions other stages ask: where each FDE's range starts and whether it is
+a function entry (:func:`fde_ranges`, for the call graph), and the CFA rule at given addresses
+(:func:`cfa_rules`, for instrumented mode's probe plan).  Tables are plain data (sorted start
+addresses, a rule index per start, a list of rule tuples), cached by build-id, and the same for
+every process that maps the object: runtime addresses are translated by the caller (load bias),
+never stored here.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import struct
 from array import array
 from bisect import bisect_right
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
-from ccprofd.elf.ehframe import _read_encoded, _sleb, _uleb
+from ccprofd.elf.ehframe import Cie, FdeHeader, iter_fdes, read_encoded, sleb, uleb
 from ccprofd.elf.image import ElfImage
 from ccprofd.persist.cache import AnalysisCache
 
@@ -55,7 +61,8 @@ WHY_CFA_REG = 2
 WHY_RA_RULE = 3
 WHY_BAD_CFI = 4
 
-_RSP, _RBP, _RIP = 7, 6, 16
+RSP, RBP, _RIP = 7, 6, 16  # DWARF register numbers
+T = TypeVar("T")
 
 
 class Rule(NamedTuple):
@@ -122,26 +129,13 @@ class UnwindTable:
 
 
 # ------------------------------------------------------------------------------------- parsing
-@dataclass(slots=True)
-class _Cie:
-    code_align: int
-    data_align: int
-    ra_reg: int
-    fde_encoding: int
-    has_z: bool
-    signal: bool
-    init_pos: int
-    init_end: int
-    addr_size: int
-
-
 class _State:
     """Register rules of the CFI interpreter that the table needs (CFA, rbp, return address)."""
 
     __slots__ = ("cfa_off", "cfa_reg", "cfa_special", "ra", "rbp")
 
     def __init__(self) -> None:
-        self.cfa_reg = _RSP
+        self.cfa_reg = RSP
         self.cfa_off = 8
         self.cfa_special: tuple[int, ...] | None = None  # (PLT, k, n) | (SIGNAL, k) | (UNSUPPORTED,)
         # rules: ("same",) ("undef",) ("cfa", off) ("sp", off) ("other",)
@@ -167,9 +161,9 @@ class _State:
             return Rule(END, 0, RBP_SAME, 0, 0, 0)
         if self.ra[0] != "cfa":
             return Rule(UNSUPPORTED, aux=WHY_RA_RULE)
-        if self.cfa_reg == _RSP:
+        if self.cfa_reg == RSP:
             kind = CFA_RSP
-        elif self.cfa_reg == _RBP:
+        elif self.cfa_reg == RBP:
             kind = CFA_RBP
         else:
             return Rule(UNSUPPORTED, aux=WHY_CFA_REG)
@@ -185,7 +179,7 @@ def _classify_cfa_expr(expr: bytes) -> tuple[int, ...]:
     """Recognise the two CFA expressions x86-64 code uses in practice."""
     try:
         if expr and expr[0] == 0x77:  # DW_OP_breg7 (rsp)
-            k, pos = _sleb(expr, 1)
+            k, pos = sleb(expr, 1)
             rest = expr[pos:]
             if rest == b"\x06":  # deref: signal frame, CFA = *(rsp + k)
                 return (SIGNAL, k)
@@ -202,7 +196,7 @@ def _sp_expr(expr: bytes) -> tuple[str, int]:
     """``DW_OP_breg7 k`` (register saved at rsp + k, as in signal frames), else 'other'."""
     if expr and expr[0] == 0x77:
         try:
-            k, pos = _sleb(expr, 1)
+            k, pos = sleb(expr, 1)
         except IndexError:
             return ("other", 0)
         if pos == len(expr):
@@ -210,16 +204,22 @@ def _sp_expr(expr: bytes) -> tuple[str, int]:
     return ("other", 0)
 
 
-def _execute(buf: bytes, pos: int, end: int, st: _State, cie: _Cie, init: _State | None, loc: int,
-             rows: list[tuple[int, Rule]] | None, enc: int, sec_vaddr: int, is_eh: bool) -> int:
-    """Run CFI instructions [pos, end); append (loc, rule) to ``rows`` at each advance.  Returns loc."""
+class _StopAtAdvance(Exception):
+    """Raised by an emit that wants the state at the first advance only."""
+
+
+def _execute(buf: bytes, pos: int, end: int, st: _State, cie: Cie, init: _State | None, loc: int,
+             emit_row: Callable[[int, _State], None] | None, sec_vaddr: int, is_eh: bool) -> int:
+    """Run CFI instructions [pos, end) on ``st``; at each advance, ``emit_row(loc, st)`` with the
+    state of the row that ends there.  Returns the final loc.  ValueError on an unknown opcode
+    (``st`` then holds the state so far)."""
     stack: list[_State] = []
     ca, da = cie.code_align, cie.data_align
-    signal = cie.signal
+    enc = cie.fde_encoding
 
     def emit(_at: int) -> None:
-        if rows is not None:
-            rows.append((loc, st.rule(signal)))
+        if emit_row is not None:
+            emit_row(loc, st)
 
     while pos < end:
         op = buf[pos]
@@ -231,7 +231,7 @@ def _execute(buf: bytes, pos: int, end: int, st: _State, cie: _Cie, init: _State
             loc += low * ca
             continue
         if hi == 0x80:  # offset(reg) uleb*da
-            v, pos = _uleb(buf, pos)
+            v, pos = uleb(buf, pos)
             _set_reg(st, low, ("cfa", v * da))
             continue
         if hi == 0xC0:  # restore(reg)
@@ -255,56 +255,56 @@ def _execute(buf: bytes, pos: int, end: int, st: _State, cie: _Cie, init: _State
         elif op == 0x01:  # set_loc
             emit(loc)
             if is_eh:
-                loc, pos = _read_encoded(buf, pos, enc, sec_vaddr + pos)
+                loc, pos = read_encoded(buf, pos, enc, sec_vaddr + pos)
             else:
                 loc = struct.unpack_from("<Q", buf, pos)[0]
                 pos += 8
         elif op == 0x0C:  # def_cfa
-            st.cfa_reg, pos = _uleb(buf, pos)
-            st.cfa_off, pos = _uleb(buf, pos)
+            st.cfa_reg, pos = uleb(buf, pos)
+            st.cfa_off, pos = uleb(buf, pos)
             st.cfa_special = None
         elif op == 0x0D:  # def_cfa_register
-            st.cfa_reg, pos = _uleb(buf, pos)
+            st.cfa_reg, pos = uleb(buf, pos)
             st.cfa_special = None
         elif op == 0x0E:  # def_cfa_offset
-            st.cfa_off, pos = _uleb(buf, pos)
+            st.cfa_off, pos = uleb(buf, pos)
         elif op == 0x12:  # def_cfa_sf
-            st.cfa_reg, pos = _uleb(buf, pos)
-            v, pos = _sleb(buf, pos)
+            st.cfa_reg, pos = uleb(buf, pos)
+            v, pos = sleb(buf, pos)
             st.cfa_off = v * da
             st.cfa_special = None
         elif op == 0x13:  # def_cfa_offset_sf
-            v, pos = _sleb(buf, pos)
+            v, pos = sleb(buf, pos)
             st.cfa_off = v * da
         elif op == 0x0F:  # def_cfa_expression
-            n, pos = _uleb(buf, pos)
+            n, pos = uleb(buf, pos)
             st.cfa_special = _classify_cfa_expr(buf[pos:pos + n])
             pos += n
         elif op == 0x05:  # offset_extended reg, uleb
-            r, pos = _uleb(buf, pos)
-            v, pos = _uleb(buf, pos)
+            r, pos = uleb(buf, pos)
+            v, pos = uleb(buf, pos)
             _set_reg(st, r, ("cfa", v * da))
         elif op == 0x11:  # offset_extended_sf reg, sleb
-            r, pos = _uleb(buf, pos)
-            v, pos = _sleb(buf, pos)
+            r, pos = uleb(buf, pos)
+            v, pos = sleb(buf, pos)
             _set_reg(st, r, ("cfa", v * da))
         elif op == 0x2F:  # GNU_negative_offset_extended
-            r, pos = _uleb(buf, pos)
-            v, pos = _uleb(buf, pos)
+            r, pos = uleb(buf, pos)
+            v, pos = uleb(buf, pos)
             _set_reg(st, r, ("cfa", -v * da))
         elif op == 0x06:  # restore_extended
-            r, pos = _uleb(buf, pos)
+            r, pos = uleb(buf, pos)
             if init is not None:
                 _restore_reg(st, init, r)
         elif op == 0x07:  # undefined
-            r, pos = _uleb(buf, pos)
+            r, pos = uleb(buf, pos)
             _set_reg(st, r, ("undef", 0))
         elif op == 0x08:  # same_value
-            r, pos = _uleb(buf, pos)
+            r, pos = uleb(buf, pos)
             _set_reg(st, r, ("same", 0))
         elif op == 0x09:  # register reg, reg2
-            r, pos = _uleb(buf, pos)
-            r2, pos = _uleb(buf, pos)
+            r, pos = uleb(buf, pos)
+            r2, pos = uleb(buf, pos)
             _set_reg(st, r, ("same", 0) if r == r2 else ("other", 0))
         elif op == 0x0A:  # remember_state
             stack.append(st.copy())
@@ -314,154 +314,151 @@ def _execute(buf: bytes, pos: int, end: int, st: _State, cie: _Cie, init: _State
                 st.cfa_reg, st.cfa_off, st.cfa_special, st.rbp, st.ra = (s.cfa_reg, s.cfa_off, s.cfa_special,
                                                                          s.rbp, s.ra)
         elif op == 0x10:  # expression reg, block
-            r, pos = _uleb(buf, pos)
-            n, pos = _uleb(buf, pos)
+            r, pos = uleb(buf, pos)
+            n, pos = uleb(buf, pos)
             _set_reg(st, r, _sp_expr(buf[pos:pos + n]))
             pos += n
         elif op == 0x16:  # val_expression reg, block
-            r, pos = _uleb(buf, pos)
-            n, pos = _uleb(buf, pos)
+            r, pos = uleb(buf, pos)
+            n, pos = uleb(buf, pos)
             _set_reg(st, r, ("other", 0))
             pos += n
         elif op in (0x14, 0x15):  # val_offset(_sf)
-            r, pos = _uleb(buf, pos)
-            _, pos = (_uleb if op == 0x14 else _sleb)(buf, pos)
+            r, pos = uleb(buf, pos)
+            _, pos = (uleb if op == 0x14 else sleb)(buf, pos)
             _set_reg(st, r, ("other", 0))
         elif op == 0x2E:  # GNU_args_size
-            _, pos = _uleb(buf, pos)
+            _, pos = uleb(buf, pos)
         else:
             raise ValueError(f"unknown DW_CFA opcode {op:#x}")
     return loc
 
 
 def _set_reg(st: _State, reg: int, rule: tuple[str, int]) -> None:
-    if reg == _RBP:
+    if reg == RBP:
         st.rbp = rule
     elif reg == _RIP:
         st.ra = rule
 
 
 def _restore_reg(st: _State, init: _State, reg: int) -> None:
-    if reg == _RBP:
+    if reg == RBP:
         st.rbp = init.rbp
     elif reg == _RIP:
         st.ra = init.ra
 
 
-def _entry_header(buf: bytes, pos: int) -> tuple[int, int, int, bool]:
-    """(length-field end = body start, entry end, id field offset, 64-bit DWARF)."""
-    length = struct.unpack_from("<I", buf, pos)[0]
-    pos += 4
-    is64 = False
-    if length == 0xFFFFFFFF:
-        length = struct.unpack_from("<Q", buf, pos)[0]
-        pos += 8
-        is64 = True
-    return pos, pos + length, pos, is64
-
-
-def _parse_cie(buf: bytes, off: int, is_eh: bool) -> _Cie:
-    body, end, _, is64 = _entry_header(buf, off)
-    pos = body + (8 if is64 else 4)
-    version = buf[pos]
-    pos += 1
-    aug_end = buf.index(b"\x00", pos)
-    aug = buf[pos:aug_end].decode("ascii", "replace")
-    pos = aug_end + 1
-    addr_size = 8
-    if "eh" in aug:
-        pos += 8
-    if not is_eh and version >= 4:
-        addr_size = buf[pos]
-        pos += 2  # address_size, segment_selector_size
-    code_align, pos = _uleb(buf, pos)
-    data_align, pos = _sleb(buf, pos)
-    if version == 1:
-        ra_reg = buf[pos]
-        pos += 1
-    else:
-        ra_reg, pos = _uleb(buf, pos)
-    fde_enc = 0x00
-    has_z = aug.startswith("z")
-    if has_z:
-        alen, pos = _uleb(buf, pos)
-        apos, aend = pos, pos + alen
-        for ch in aug[1:]:
-            if ch == "R":
-                fde_enc = buf[apos]
-                apos += 1
-            elif ch == "L":
-                apos += 1
-            elif ch == "P":
-                penc = buf[apos]
-                apos += 1
-                _, apos = _read_encoded(buf, apos, penc & 0x7F, 0, apply=False)
-            elif ch in "SB":
-                continue
-            else:
-                break
-        pos = aend
-    return _Cie(code_align, data_align, ra_reg, fde_enc, has_z, "S" in aug, pos, end, addr_size)
-
-
 Fde = tuple[int, int, list[tuple[int, Rule]]]
+
+
+def _frames(buf: bytes, section_vaddr: int, is_eh: bool) -> Iterator[tuple[Cie, _State, FdeHeader]]:
+    """Every FDE of one section with its CIE and the state after the CIE's initial instructions."""
+    cies: dict[int, Cie] = {}
+    inits: dict[int, _State] = {}
+    for fde in iter_fdes(buf, section_vaddr, is_eh, cies):
+        cie = cies[fde.cie_offset]
+        init = inits.get(fde.cie_offset)
+        if init is None:
+            init = inits[fde.cie_offset] = _State()
+            _execute(buf, cie.init_pos, cie.init_end, init, cie, None, 0, None, section_vaddr, is_eh)
+        yield cie, init, fde
+
+
+def _rows(buf: bytes, section_vaddr: int, is_eh: bool, cie: Cie, init: _State, fde: FdeHeader,
+          project: Callable[[_State], T]) -> list[tuple[int, T]]:
+    """One FDE's rows (address, ``project(state)``) in order."""
+    st = init.copy()
+    rows: list[tuple[int, T]] = []
+    loc = _execute(buf, fde.insn_pos, fde.end, st, cie, init, fde.pc_begin,
+                   lambda at, state: rows.append((at, project(state))), section_vaddr, is_eh)
+    rows.append((loc, project(st)))
+    return rows
+
+
+def _rule_of(signal: bool) -> Callable[[_State], Rule]:
+    return lambda st: st.rule(signal)
 
 
 def parse_frames(buf: bytes, section_vaddr: int, is_eh: bool) -> tuple[list[Fde], int]:
     """Every FDE of one section as (pc_begin, pc_end, rows); rows are (address, rule) in order."""
-    cies: dict[int, tuple[_Cie, _State]] = {}
     fdes: list[Fde] = []
-    pos = 0
-    n = len(buf)
     count = 0
-    while pos + 4 <= n:
-        body, end, _, is64 = _entry_header(buf, pos)
-        if end == body and not is64:  # zero terminator
-            if is_eh:
-                break
-            pos = end
-            continue
-        if end > n:
-            raise ValueError("truncated CFI entry")
-        if is64:
-            cie_id = struct.unpack_from("<Q", buf, body)[0]
-            after_id = body + 8
-            is_cie = cie_id == 0 if is_eh else cie_id == 0xFFFFFFFFFFFFFFFF
-        else:
-            cie_id = struct.unpack_from("<I", buf, body)[0]
-            after_id = body + 4
-            is_cie = cie_id == 0 if is_eh else cie_id == 0xFFFFFFFF
-        if is_cie:
-            pos = end
-            continue
-        cie_off = body - cie_id if is_eh else cie_id
-        got = cies.get(cie_off)
-        if got is None:
-            cie = _parse_cie(buf, cie_off, is_eh)
-            init = _State()
-            _execute(buf, cie.init_pos, cie.init_end, init, cie, None, 0, None, cie.fde_encoding,
-                     section_vaddr, is_eh)
-            got = cies[cie_off] = (cie, init)
-        cie, init = got
-        p = after_id
-        if is_eh:
-            pc_begin, p = _read_encoded(buf, p, cie.fde_encoding, section_vaddr + p)
-            pc_range, p = _read_encoded(buf, p, cie.fde_encoding & 0x0F, 0, apply=False)
-        else:
-            pc_begin, pc_range = struct.unpack_from("<QQ", buf, p)
-            p += 16
-        if cie.has_z:
-            alen, p = _uleb(buf, p)
-            p += alen
+    for cie, init, fde in _frames(buf, section_vaddr, is_eh):
         count += 1
-        if pc_range > 0:
-            st = init.copy()
-            rows: list[tuple[int, Rule]] = []
-            loc = _execute(buf, p, end, st, cie, init, pc_begin, rows, cie.fde_encoding, section_vaddr, is_eh)
-            rows.append((loc, st.rule(cie.signal)))
-            fdes.append((pc_begin, pc_begin + pc_range, rows))
-        pos = end
+        if fde.pc_range > 0:
+            rows = _rows(buf, section_vaddr, is_eh, cie, init, fde, _rule_of(cie.signal))
+            fdes.append((fde.pc_begin, fde.pc_begin + fde.pc_range, rows))
     return fdes, count
+
+
+# --------------------------------------------------------------------- function entries (callgraph)
+@dataclass(frozen=True, slots=True)
+class FdeRange:
+    start: int
+    end: int
+    entry: bool  # CFA == rsp+8 at start: a function entered by call (or a signal trampoline)
+    signal_frame: bool  # CIE augmentation 'S'
+
+
+def fde_ranges(buf: bytes, section_vaddr: int) -> list[FdeRange]:
+    """Every FDE range of one ``.eh_frame`` section, each with whether it is a function *entry*: at
+    its first address (before the first advance) the CFA is still ``rsp + 8``, the return address
+    just pushed by a call.  gcc's split-off cold parts (``foo.cold``) instead start mid-frame with a
+    ``DW_CFA_def_cfa_offset`` at location 0: they are *fragments* of another function."""
+
+    def stop(_at: int, _st: _State) -> None:
+        raise _StopAtAdvance
+
+    out: list[FdeRange] = []
+    for cie, init, fde in _frames(buf, section_vaddr, True):
+        if fde.pc_range <= 0:
+            continue
+        st = init.copy()
+        with contextlib.suppress(_StopAtAdvance, ValueError):  # ValueError: the state read so far
+            _execute(buf, fde.insn_pos, fde.end, st, cie, init, fde.pc_begin, stop, section_vaddr, True)
+        entry = cie.signal or (st.cfa_special is None and (st.cfa_reg, st.cfa_off) == (RSP, 8))
+        out.append(FdeRange(fde.pc_begin, fde.pc_begin + fde.pc_range, entry, cie.signal))
+    return out
+
+
+# ---------------------------------------------------------------- CFA at addresses (probe plans)
+@dataclass(frozen=True, slots=True)
+class CfaRule:
+    """CFA = value of DWARF register ``reg`` (7 = rsp, 6 = rbp) + ``offset``."""
+
+    reg: int
+    offset: int
+
+
+def _cfa(st: _State) -> CfaRule | None:
+    return CfaRule(st.cfa_reg, st.cfa_off) if st.cfa_special is None else None
+
+
+def cfa_rules(eh_frame: bytes, section_vaddr: int, addresses: Iterable[int]) -> dict[int, CfaRule | None]:
+    """CFA rule at each address; None where no FDE covers it or the CFA is a DWARF expression.
+    Only the FDEs that contain a queried address are interpreted."""
+    frames = sorted(((f.pc_begin, f.pc_begin + f.pc_range, cie, init, f)
+                     for cie, init, f in _frames(eh_frame, section_vaddr, True) if f.pc_range > 0),
+                    key=lambda x: x[0])
+    starts = [f[0] for f in frames]
+    out: dict[int, CfaRule | None] = {}
+    tables: dict[int, tuple[list[int], list[CfaRule | None]]] = {}
+    for addr in addresses:
+        i = bisect_right(starts, addr) - 1
+        if i < 0 or addr >= frames[i][1]:
+            out[addr] = None
+            continue
+        table = tables.get(i)
+        if table is None:
+            _, _, cie, init, fde = frames[i]
+            try:
+                rows = _rows(eh_frame, section_vaddr, True, cie, init, fde, _cfa)
+            except ValueError:
+                rows = []  # undecodable CFI: no rule (the site is probed without a CFA)
+            table = tables[i] = ([r[0] for r in rows], [r[1] for r in rows])
+        j = bisect_right(table[0], addr) - 1
+        out[addr] = table[1][j] if j >= 0 else None
+    return out
 
 
 # ------------------------------------------------------------------------------ table building

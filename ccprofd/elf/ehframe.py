@@ -1,44 +1,22 @@
-"""A fast reader of ``.eh_frame`` FDE headers: code ranges and whether each range is a function entry.
+"""The one reader of DWARF call frame information records (``.eh_frame`` and ``.debug_frame``): the
+entry headers, CIEs (with their augmentation), FDE headers, and the LEB128 / pointer encodings they
+use.  What the CFI *instructions* mean is :mod:`ccprofd.elf.cfi`'s (the one interpreter).
 
-pyelftools decodes every CFI instruction and takes ~1.7 s on python3.11's 10k FDEs; function
-discovery only needs each FDE's [pc_begin, pc_begin + pc_range) and a look at the first CFI
-instructions, so this reader parses the headers directly (DWARF pointer encodings, CIE
-augmentation) and stays well under 0.1 s for that binary.
-
-An FDE is an *entry* when, at its first address, the CFA is still ``rsp + 8`` (the return address
-was just pushed by a call).  gcc's split-off cold parts (``foo.cold``) instead start mid-frame
-with a ``DW_CFA_def_cfa_offset`` at location 0; they are *fragments* of another function.
+pyelftools decodes every CFI instruction into objects and takes ~1.7 s on python3.11's 10k FDEs;
+reading the raw section bytes here keeps a pass over the headers well under 0.1 s for that binary.
 """
 
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 DW_EH_PE_omit = 0xFF
-_RSP = 7
 
 
-@dataclass(frozen=True, slots=True)
-class FdeRange:
-    start: int
-    end: int
-    entry: bool  # CFA == rsp+8 at start: a function entered by call (or a signal trampoline)
-    signal_frame: bool  # CIE augmentation 'S'
-
-
-@dataclass(slots=True)
-class _Cie:
-    fde_encoding: int
-    lsda_encoding: int
-    has_z: bool
-    signal: bool
-    data_align: int
-    cfa_reg: int
-    cfa_off: int
-
-
-def _uleb(buf: bytes, pos: int) -> tuple[int, int]:
+def uleb(buf: bytes, pos: int) -> tuple[int, int]:
+    """Unsigned LEB128 at ``pos``: (value, position after it)."""
     result = shift = 0
     while True:
         b = buf[pos]
@@ -49,7 +27,8 @@ def _uleb(buf: bytes, pos: int) -> tuple[int, int]:
             return result, pos
 
 
-def _sleb(buf: bytes, pos: int) -> tuple[int, int]:
+def sleb(buf: bytes, pos: int) -> tuple[int, int]:
+    """Signed LEB128 at ``pos``: (value, position after it)."""
     result = shift = 0
     while True:
         b = buf[pos]
@@ -62,12 +41,14 @@ def _sleb(buf: bytes, pos: int) -> tuple[int, int]:
             return result, pos
 
 
-def _read_encoded(buf: bytes, pos: int, enc: int, field_vaddr: int, apply: bool = True) -> tuple[int, int]:
+def read_encoded(buf: bytes, pos: int, enc: int, field_vaddr: int, apply: bool = True) -> tuple[int, int]:
+    """A DW_EH_PE-encoded pointer at ``pos`` (``field_vaddr``: where the field is, for pc-relative
+    encodings; ``apply=False`` reads the value alone, as for a range)."""
     fmt = enc & 0x0F
     if fmt == 0x00:
         val, pos = struct.unpack_from("<Q", buf, pos)[0], pos + 8
     elif fmt == 0x01:
-        val, pos = _uleb(buf, pos)
+        val, pos = uleb(buf, pos)
     elif fmt == 0x02:
         val, pos = struct.unpack_from("<H", buf, pos)[0], pos + 2
     elif fmt == 0x03:
@@ -75,7 +56,7 @@ def _read_encoded(buf: bytes, pos: int, enc: int, field_vaddr: int, apply: bool 
     elif fmt == 0x04:
         val, pos = struct.unpack_from("<Q", buf, pos)[0], pos + 8
     elif fmt == 0x09:
-        val, pos = _sleb(buf, pos)
+        val, pos = sleb(buf, pos)
     elif fmt == 0x0A:
         val, pos = struct.unpack_from("<h", buf, pos)[0], pos + 2
     elif fmt == 0x0B:
@@ -89,145 +70,74 @@ def _read_encoded(buf: bytes, pos: int, enc: int, field_vaddr: int, apply: bool 
     return val & 0xFFFFFFFFFFFFFFFF, pos
 
 
-def _initial_cfa(buf: bytes, pos: int, end: int, cfa: tuple[int, int], data_align: int,
-                 stop_at_advance: bool) -> tuple[int, int] | None:
-    """Apply CFA-defining instructions at location 0; None when the CFA becomes an expression."""
-    reg, off = cfa
-    while pos < end:
-        op = buf[pos]
-        pos += 1
-        hi = op & 0xC0
-        if hi == 0x40:  # advance_loc
-            if stop_at_advance:
-                break
-            continue
-        if hi == 0x80:  # offset(reg), uleb
-            _, pos = _uleb(buf, pos)
-            continue
-        if hi == 0xC0:  # restore(reg)
-            continue
-        if op == 0x00:  # nop
-            continue
-        if op in (0x02, 0x03, 0x04):  # advance_loc1/2/4
-            if stop_at_advance:
-                break
-            pos += {0x02: 1, 0x03: 2, 0x04: 4}[op]
-            continue
-        if op == 0x01:  # set_loc: treat like an advance
-            break
-        if op == 0x0C:  # def_cfa reg, off
-            reg, pos = _uleb(buf, pos)
-            off, pos = _uleb(buf, pos)
-        elif op == 0x0D:  # def_cfa_register
-            reg, pos = _uleb(buf, pos)
-        elif op == 0x0E:  # def_cfa_offset
-            off, pos = _uleb(buf, pos)
-        elif op == 0x12:  # def_cfa_sf
-            reg, pos = _uleb(buf, pos)
-            v, pos = _sleb(buf, pos)
-            off = v * data_align
-        elif op == 0x13:  # def_cfa_offset_sf
-            v, pos = _sleb(buf, pos)
-            off = v * data_align
-        elif op == 0x0F:  # def_cfa_expression
-            return None
-        elif op in (0x05, 0x14):  # offset_extended(_sf) reg, off
-            _, pos = _uleb(buf, pos)
-            _, pos = (_uleb if op == 0x05 else _sleb)(buf, pos)
-        elif op == 0x11:  # offset_extended_sf
-            _, pos = _uleb(buf, pos)
-            _, pos = _sleb(buf, pos)
-        elif op in (0x06, 0x07, 0x08):  # restore_extended, undefined, same_value
-            _, pos = _uleb(buf, pos)
-        elif op == 0x09:  # register
-            _, pos = _uleb(buf, pos)
-            _, pos = _uleb(buf, pos)
-        elif op in (0x0A, 0x0B):  # remember/restore_state
-            continue
-        elif op in (0x10, 0x16):  # expression, val_expression: reg, block
-            _, pos = _uleb(buf, pos)
-            n, pos = _uleb(buf, pos)
-            pos += n
-        elif op == 0x2E:  # GNU_args_size
-            _, pos = _uleb(buf, pos)
-        elif op == 0x2F:  # GNU_negative_offset_extended
-            _, pos = _uleb(buf, pos)
-            _, pos = _uleb(buf, pos)
-        else:
-            break
-    return reg, off
+@dataclass(slots=True)
+class Cie:
+    """A Common Information Entry: alignment factors, encodings, and where its initial
+    instructions are (``init_pos``..``init_end`` in the section)."""
+
+    code_align: int
+    data_align: int
+    ra_reg: int
+    fde_encoding: int
+    lsda_encoding: int
+    has_z: bool
+    signal: bool  # augmentation 'S': the FDEs describe signal trampolines
+    init_pos: int
+    init_end: int
+    addr_size: int
 
 
-def parse_eh_frame(buf: bytes, section_vaddr: int) -> list[FdeRange]:
-    """All FDE ranges of one ``.eh_frame`` section (bytes and the section's vaddr)."""
-    cies: dict[int, _Cie] = {}
-    out: list[FdeRange] = []
-    pos = 0
-    n = len(buf)
-    while pos + 4 <= n:
-        start = pos
-        length = struct.unpack_from("<I", buf, pos)[0]
-        pos += 4
-        if length == 0:  # terminator
-            break
-        if length == 0xFFFFFFFF:
-            length = struct.unpack_from("<Q", buf, pos)[0]
-            pos += 8
-        body = pos
-        end = body + length
-        if end > n:
-            raise ValueError("truncated .eh_frame entry")
-        cie_id = struct.unpack_from("<I", buf, pos)[0]
-        pos += 4
-        if cie_id == 0:
-            cies[start] = _parse_cie(buf, pos, end)
-        else:
-            cie_off = body - cie_id
-            cie = cies.get(cie_off)
-            if cie is None:
-                cie = cies[cie_off] = _parse_cie_at(buf, cie_off)
-            pc_begin, pos = _read_encoded(buf, pos, cie.fde_encoding, section_vaddr + pos)
-            pc_range, pos = _read_encoded(buf, pos, cie.fde_encoding & 0x0F, 0, apply=False)
-            if cie.has_z:
-                alen, pos = _uleb(buf, pos)
-                pos += alen
-            cfa = _initial_cfa(buf, pos, end, (cie.cfa_reg, cie.cfa_off), cie.data_align, True)
-            entry = cie.signal or (cfa is not None and cfa == (_RSP, 8))
-            if pc_range > 0:
-                out.append(FdeRange(pc_begin, pc_begin + pc_range, entry, cie.signal))
-        pos = end
-    return out
+@dataclass(frozen=True, slots=True)
+class FdeHeader:
+    """A Frame Description Entry's header: its code range, its CIE (by offset), and where its
+    instructions are (``insn_pos``..``end``)."""
+
+    pc_begin: int
+    pc_range: int
+    cie_offset: int
+    insn_pos: int
+    end: int
 
 
-def _parse_cie_at(buf: bytes, off: int) -> _Cie:
-    length = struct.unpack_from("<I", buf, off)[0]
-    pos = off + 4
+def entry_header(buf: bytes, pos: int) -> tuple[int, int, bool]:
+    """(body start, entry end, 64-bit DWARF) of the CIE/FDE entry at ``pos``."""
+    length = struct.unpack_from("<I", buf, pos)[0]
+    pos += 4
+    is64 = False
     if length == 0xFFFFFFFF:
         length = struct.unpack_from("<Q", buf, pos)[0]
         pos += 8
-    return _parse_cie(buf, pos + 4, pos + length)
+        is64 = True
+    return pos, pos + length, is64
 
 
-def _parse_cie(buf: bytes, pos: int, end: int) -> _Cie:
+def parse_cie(buf: bytes, off: int, is_eh: bool) -> Cie:
+    """The CIE whose entry starts at ``off``."""
+    body, end, is64 = entry_header(buf, off)
+    pos = body + (8 if is64 else 4)
     version = buf[pos]
     pos += 1
     aug_end = buf.index(b"\x00", pos)
     aug = buf[pos:aug_end].decode("ascii", "replace")
     pos = aug_end + 1
+    addr_size = 8
     if "eh" in aug:
         pos += 8
-    _, pos = _uleb(buf, pos)  # code alignment
-    data_align, pos = _sleb(buf, pos)
+    if not is_eh and version >= 4:
+        addr_size = buf[pos]
+        pos += 2  # address_size, segment_selector_size
+    code_align, pos = uleb(buf, pos)
+    data_align, pos = sleb(buf, pos)
     if version == 1:
+        ra_reg = buf[pos]
         pos += 1
     else:
-        _, pos = _uleb(buf, pos)
+        ra_reg, pos = uleb(buf, pos)
     fde_enc = 0x00
     lsda_enc = DW_EH_PE_omit
     has_z = aug.startswith("z")
-    signal = "S" in aug
     if has_z:
-        alen, pos = _uleb(buf, pos)
+        alen, pos = uleb(buf, pos)
         apos, aend = pos, pos + alen
         for ch in aug[1:]:
             if ch == "R":
@@ -239,11 +149,55 @@ def _parse_cie(buf: bytes, pos: int, end: int) -> _Cie:
             elif ch == "P":
                 penc = buf[apos]
                 apos += 1
-                _, apos = _read_encoded(buf, apos, penc & 0x7F, 0, apply=False)
+                _, apos = read_encoded(buf, apos, penc & 0x7F, 0, apply=False)
             elif ch in "SB":
                 continue
             else:
                 break
         pos = aend
-    cfa = _initial_cfa(buf, pos, end, (_RSP, 8), data_align, False) or (-1, 0)
-    return _Cie(fde_enc, lsda_enc, has_z, signal, data_align, cfa[0], cfa[1])
+    return Cie(code_align, data_align, ra_reg, fde_enc, lsda_enc, has_z, "S" in aug, pos, end, addr_size)
+
+
+def iter_fdes(buf: bytes, section_vaddr: int, is_eh: bool,
+              cies: dict[int, Cie] | None = None) -> Iterator[FdeHeader]:
+    """Every FDE of one section, in section order (CIEs are parsed into ``cies``, by offset, as the
+    FDEs name them).  ValueError on a truncated entry or an unsupported pointer encoding."""
+    cies = {} if cies is None else cies
+    section = ".eh_frame" if is_eh else ".debug_frame"
+    pos, n = 0, len(buf)
+    while pos + 4 <= n:
+        body, end, is64 = entry_header(buf, pos)
+        if end == body and not is64:  # zero terminator
+            if is_eh:
+                break
+            pos = end
+            continue
+        if end > n:
+            raise ValueError(f"truncated {section} entry")
+        if is64:
+            cie_id = struct.unpack_from("<Q", buf, body)[0]
+            after_id = body + 8
+            is_cie = cie_id == 0 if is_eh else cie_id == 0xFFFFFFFFFFFFFFFF
+        else:
+            cie_id = struct.unpack_from("<I", buf, body)[0]
+            after_id = body + 4
+            is_cie = cie_id == 0 if is_eh else cie_id == 0xFFFFFFFF
+        if is_cie:
+            pos = end
+            continue
+        cie_off = body - cie_id if is_eh else cie_id
+        cie = cies.get(cie_off)
+        if cie is None:
+            cie = cies[cie_off] = parse_cie(buf, cie_off, is_eh)
+        p = after_id
+        if is_eh:
+            pc_begin, p = read_encoded(buf, p, cie.fde_encoding, section_vaddr + p)
+            pc_range, p = read_encoded(buf, p, cie.fde_encoding & 0x0F, 0, apply=False)
+        else:
+            pc_begin, pc_range = struct.unpack_from("<QQ", buf, p)
+            p += 16
+        if cie.has_z:
+            alen, p = uleb(buf, p)
+            p += alen
+        yield FdeHeader(pc_begin, pc_range, cie_off, p, end)
+        pos = end

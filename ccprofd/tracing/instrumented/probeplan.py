@@ -52,7 +52,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ccprofd.callgraph.model import ROOT, CallGraph
-from ccprofd.elf.cfarules import RBP, RSP, cfa_rules
+from ccprofd.elf.cfi import RBP, RSP, cfa_rules
 from ccprofd.elf.image import ElfImage
 from ccprofd.encode.plan import COL, REASON_BITS
 from ccprofd.persist.cache import CACHE_FORMAT as ANALYSIS_FORMAT
