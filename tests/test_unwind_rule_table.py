@@ -10,7 +10,8 @@ from array import array
 
 from ccprofd.elf import cfi
 from ccprofd.elf.addrspace import AddressSpace
-from ccprofd.tracing.unwind.sampler import RULE_STRUCT, UnwindSampler, _Module, pack_rule
+from ccprofd.tracing.unwind.sampler import UnwindSampler
+from ccprofd.tracing.unwind.tables import RULE_STRUCT, LoadedModule, pack_rule
 
 
 def _table(path: str, rules: list[cfi.Rule]) -> cfi.UnwindTable:
@@ -19,8 +20,8 @@ def _table(path: str, rules: list[cfi.Rule]) -> cfi.UnwindTable:
     return cfi.UnwindTable(None, path, starts, rule_ids, rules)
 
 
-def _module(path: str) -> _Module:
-    return _Module(-1, path, None, AddressSpace([]), None)
+def _module(path: str) -> LoadedModule:
+    return LoadedModule(-1, path, None, AddressSpace([]), None)
 
 
 def test_a_table_that_does_not_fit_leaves_no_unuploaded_rule_ids() -> None:
@@ -32,17 +33,17 @@ def test_a_table_that_does_not_fit_leaves_no_unuploaded_rule_ids() -> None:
     r3 = cfi.Rule(cfi.CFA_RBP, 16, cfi.RBP_AT_CFA, -16)
     with UnwindSampler(syscalls=[1], max_rules=2, max_depth=64) as s:
         too_big = _module("/too-big")
-        s._upload_table(too_big, _table("/too-big", [r1, r2, r3]))  # 3 rules, room for 2
+        s.tables.upload_table(too_big, _table("/too-big", [r1, r2, r3]))  # 3 rules, room for 2
         assert too_big.rows == 0  # not uploaded: its frames are flagged, not unwound wrongly
         fits = _module("/fits")
-        s._upload_table(fits, _table("/fits", [r2, r1]))
+        s.tables.upload_table(fits, _table("/fits", [r2, r1]))
         assert fits.rows == 3
-        rules = s._m["uw_rules"]
+        rules = s.module.map("uw_rules")
         for rule in (r1, r2):
-            rid = s._rule_ids[rule]
+            rid = s.tables.rule_ids[rule]
             stored = bytes(rules.get(rid))[: RULE_STRUCT.size]
             assert stored == pack_rule(rule), (rule, rid, stored)
         # and the module's rows name exactly those ids, in its order
-        entries = s._m["uw_entries"]
+        entries = s.module.map("uw_entries")
         first = [entries.get(i) for i in range(2)]
-        assert [int(e.rule) for e in first] == [s._rule_ids[r2], s._rule_ids[r1]]
+        assert [int(e.rule) for e in first] == [s.tables.rule_ids[r2], s.tables.rule_ids[r1]]

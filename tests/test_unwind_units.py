@@ -21,7 +21,8 @@ from ccprofd.kbpf.errors import BPFError
 from ccprofd.persist.cache import AnalysisCache
 from ccprofd.proc.maps import module_mappings, parse_maps, read_maps
 from ccprofd.tracing.unwind import plan as unwind_plan
-from ccprofd.tracing.unwind.sampler import ARG_LEN, FLAG_HIT, UnwoundSample, link_loop_callbacks
+from ccprofd.tracing.unwind.programs import link_loop_callbacks
+from ccprofd.tracing.unwind.sampler import ARG_LEN, FLAG_HIT, UnwoundSample
 
 LIBC = "/usr/lib/x86_64-linux-gnu/libc.so.6"
 

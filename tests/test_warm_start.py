@@ -250,6 +250,7 @@ def test_unwind_maps_packed_and_cached_equal_the_ctypes_rows(which: str, tmp_pat
     from ccprofd.elf import cfi as ccfi
     from ccprofd.persist.cache import AnalysisCache
     from ccprofd.tracing.unwind import sampler as unwind
+    from ccprofd.tracing.unwind import tables
     from ccprofd.tracing.unwind.plan import cached_unwind_encoding
 
     require_bpf()
@@ -264,8 +265,8 @@ def test_unwind_maps_packed_and_cached_equal_the_ctypes_rows(which: str, tmp_pat
         cached_unwind_encoding(graph, plan, cache)  # stored ...
         enc = cached_unwind_encoding(CallGraph.from_dict(graph.to_dict()), plan, cache)  # ... and loaded
         assert any(r.rec for r in enc.edges.values()) and any(any(r.mask) for r in enc.edges.values())
-    cold = unwind.cached_packed_encoding(enc, cache)  # packed and stored
-    assert unwind.cached_packed_encoding(enc, cache) == cold == unwind.pack_encoding(enc)
+    cold = tables.cached_packed_encoding(enc, cache)  # packed and stored
+    assert tables.cached_packed_encoding(enc, cache) == cold == tables.pack_encoding(enc)
     with unwind.UnwindSampler(syscalls=[1], encoding=enc, cache=cache, max_depth=64) as s:  # from the cache
         _check_sampler_maps(s, enc)
         if binary is None:
@@ -274,7 +275,7 @@ def test_unwind_maps_packed_and_cached_equal_the_ctypes_rows(which: str, tmp_pat
             assert s.preload(path)
         rules = s.module.map("uw_rules")
         entries = s.module.map("uw_entries")
-        for rule, rid in s._rule_ids.items():
+        for rule, rid in s.tables.rule_ids.items():
             v = rules.leaf_type()
             v.kind, v.rbp_kind, v.aux = rule.kind, rule.rbp_kind, rule.aux & 0xFF
             v.cfa_off, v.rbp_off, v.ra_off = rule.cfa_off, rule.rbp_off, rule.ra_off
@@ -282,14 +283,14 @@ def test_unwind_maps_packed_and_cached_equal_the_ctypes_rows(which: str, tmp_pat
             assert _read_back(s, "uw_rules", [key]) == {key: bytes(v)}
         for path in (binary, LIBC):
             table = ccfi.load_table(path, cache)
-            mod = next(m for m in s._modules.values() if m.path == table.path)
+            mod = next(m for m in s.tables.modules.values() if m.path == table.path)
             first, count = s.module.map("uw_modules").get(mod.module_id).first, mod.rows
             assert count == len(table)
             picks = sorted({*range(min(count, 64)), *range(0, count, 97), *range(max(0, count - 64), count)})
             want = {}
             for i in picks:
                 e = entries.leaf_type()
-                e.vaddr, e.rule = table.starts[i], s._rule_ids[table.rules[table.rule_ids[i]]]
+                e.vaddr, e.rule = table.starts[i], s.tables.rule_ids[table.rules[table.rule_ids[i]]]
                 want[bytes(ctypes.c_uint32(first + i))] = bytes(e)
             assert _read_back(s, "uw_entries", list(want)) == want
 
@@ -298,32 +299,32 @@ def test_packed_encoding_cache_key_and_corrupt_entry(tmp_path: Path) -> None:
     from dataclasses import replace as dc_replace
 
     from ccprofd.persist.cache import AnalysisCache
-    from ccprofd.tracing.unwind import sampler as unwind
+    from ccprofd.tracing.unwind import tables
 
     cache = AnalysisCache(tmp_path)
     enc = _synthetic_encoding()
-    packed = unwind.cached_packed_encoding(enc, cache)
-    key = unwind.packed_encoding_key(enc)
+    packed = tables.cached_packed_encoding(enc, cache)
+    key = tables.packed_encoding_key(enc)
     assert key is not None
-    path = cache.path_for(unwind.PACKED_CACHE_KIND, key)
+    path = cache.path_for(tables.PACKED_CACHE_KIND, key)
     assert path.exists()
     # another plan (or binary content) is another entry, never this one
     other = dc_replace(enc, plan_key="another-plan")
-    assert unwind.packed_encoding_key(other) != key
-    assert unwind.packed_encoding_key(dc_replace(enc, binary={**enc.binary, "content_hash": "cd" * 32})) \
+    assert tables.packed_encoding_key(other) != key
+    assert tables.packed_encoding_key(dc_replace(enc, binary={**enc.binary, "content_hash": "cd" * 32})) \
         != key
     # a poisoned entry under the key is what is used (so the key is all that selects it) ...
     bogus = dict(packed)
     k, v, n = bogus["ue_sites"]
     bogus["ue_sites"] = (k, bytes(len(v)), n)
-    cache.store(unwind.PACKED_CACHE_KIND, key, {"key": key, "maps": bogus})
-    assert unwind.cached_packed_encoding(enc, cache)["ue_sites"][1] == bytes(len(v))
+    cache.store(tables.PACKED_CACHE_KIND, key, {"key": key, "maps": bogus})
+    assert tables.cached_packed_encoding(enc, cache)["ue_sites"][1] == bytes(len(v))
     # ... a torn or mis-sized one is packed again
-    cache.store(unwind.PACKED_CACHE_KIND, key, {"key": key, "maps": {**packed, "ue_sites": (k, v[:-8], n)}})
-    assert unwind.cached_packed_encoding(enc, cache) == packed
+    cache.store(tables.PACKED_CACHE_KIND, key, {"key": key, "maps": {**packed, "ue_sites": (k, v[:-8], n)}})
+    assert tables.cached_packed_encoding(enc, cache) == packed
     path.write_bytes(b"torn")
-    assert unwind.cached_packed_encoding(enc, cache) == packed
-    assert unwind.pack_encoding(enc) == packed
+    assert tables.cached_packed_encoding(enc, cache) == packed
+    assert tables.pack_encoding(enc) == packed
 
 
 # ----------------------------------------------------------------------- instrumented mode
@@ -550,11 +551,11 @@ def test_early_verifier_load_is_attached_or_closed(tmp_path: Path) -> None:
     before = _bpf_prog_fds()
     s = UnwindSampler(syscalls=[1], max_depth=64, cache=AnalysisCache(tmp_path), load_early=True)
     try:
-        assert "uw_sys_enter" in s._loading
+        assert "uw_sys_enter" in s.programs.loading
     finally:
         s.close()
-    assert not s._loading and _bpf_prog_fds() == before
+    assert not s.programs.loading and _bpf_prog_fds() == before
     with UnwindSampler(syscalls=[1], max_depth=64, cache=AnalysisCache(tmp_path), load_early=True) as s:
         s.attach()
-        assert not s._loading and len(s._links) == 1 and _bpf_prog_fds() > before
+        assert not s.programs.loading and len(s._links) == 1 and _bpf_prog_fds() > before
     assert _bpf_prog_fds() == before

@@ -28,11 +28,12 @@ from typing import Any
 from ccprofd.kbpf.errors import BPFError
 from ccprofd.proc.tasks import list_threads
 from ccprofd.tracing.api import MODES, Mode, TraceError, TraceOptions, TraceSample
-from ccprofd.tracing.instrumented.mode import InstrumentedMode
 
 
 def make_mode(binary: str, options: TraceOptions) -> Mode:
     if options.mode == "instrumented":
+        from ccprofd.tracing.instrumented.mode import InstrumentedMode
+
         return InstrumentedMode(binary, options)
     if options.mode == "unwind":
         from ccprofd.tracing.unwind.mode import UnwindMode

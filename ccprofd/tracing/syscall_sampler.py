@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 import struct
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,6 +123,21 @@ def exe_matches(pid: int, inode: tuple[int, int]) -> bool:
     except OSError:
         return False
     return (st.st_dev, st.st_ino) == inode
+
+
+def exec_verdict(tgid: int, followed: Mapping[int, tuple[int, int]]) -> str:
+    """BPF matched process ``tgid``'s new image by inode number alone; what it really runs:
+    "followed" (one of ``followed``, st_ino -> (st_dev, st_ino)), "gone" (exited already), or
+    "other" (another file with the same inode number, or our own hold guard): stop tracking it."""
+    from ccprofd.kbpf.holdguard import is_guard
+
+    try:
+        st = os.stat(f"/proc/{tgid}/exe")
+    except OSError:
+        return "other" if os.path.exists(f"/proc/{tgid}") else "gone"
+    if is_guard(tgid):
+        return "other"
+    return "followed" if followed.get(st.st_ino) == (st.st_dev, st.st_ino) else "other"
 
 
 class SyscallSampler:

@@ -332,3 +332,91 @@ def frame_pointer_calls(rules: Iterable[int]) -> tuple[int, int]:
 
 __all__ = ["JOIN_SLACK_NS", "MAX_FRAMES", "FpStack", "FpStackSampler", "FpVerifier", "StackCheck",
            "VerifyCounts", "compare_stack", "frame_pointer_calls"]
+
+
+class VerifyRun:
+    """``--verify`` for one traced binary: a frame-pointer walk at each sampled syscall, joined with
+    the decoded samples.  A binary whose functions do not keep frame pointers is not checked (the
+    walk would be wrong, not the context): ``skipped`` says why, and so does the exit line."""
+
+    def __init__(self, path: str, image: Any, call_kinds: Iterable[Any], syscalls: Any,
+                 cache_dir: str | None) -> None:
+        self.path = path
+        self.skipped: str | None = None
+        self.sampler: FpStackSampler | None = None
+        self.verifier: FpVerifier | None = None
+        fp, total = frame_pointer_calls(call_kinds)
+        if total == 0 or fp * 10 < total * 9:
+            self.skipped = (f"{path} does not keep frame pointers (.eh_frame: {fp} of its "
+                            f"{total} calls are made with the frame defined from rbp)")
+            return
+        self._biases: dict[int, int] = {}
+        self._addrspace = image.addrspace
+        self.sampler = FpStackSampler(syscalls=syscalls, cache_dir=cache_dir)
+        self.sampler.attach()
+        self.verifier = FpVerifier(image.addrspace, pie=image.pie, bias_of=self._bias_of)
+
+    def _bias_of(self, tgid: int) -> int | None:
+        """Load bias of the binary in process ``tgid`` from its maps (None when it is gone)."""
+        if tgid not in self._biases:
+            import os
+
+            from ccprofd.proc.maps import read_maps
+
+            bias = None
+            try:
+                for m in read_maps(tgid):
+                    if m.file_backed and os.path.realpath(m.path) == self.path:
+                        bias = self._addrspace.load_bias(m.start, m.offset)
+                        break
+            except (OSError, ValueError):
+                bias = None
+            if bias is None:
+                return None  # not cached: a later sample may find the process
+            self._biases[tgid] = bias
+        return self._biases[tgid]
+
+    def track_launch(self, pid: int) -> None:
+        if self.sampler is not None:
+            self.sampler.track_launch(pid)
+
+    def track_running(self, pid: int) -> None:
+        if self.sampler is not None:
+            self.sampler.track_running(pid)
+
+    def follow_exec(self, inode: int, cgroup_id: int) -> None:
+        if self.sampler is not None:
+            self.sampler.follow_exec(inode, cgroup_id)  # walks of the same processes
+
+    def after_poll(self) -> None:
+        if self.sampler is not None and self.verifier is not None:
+            self.verifier.add_walks(self.sampler.poll())  # after the samples: their walks are in by now
+
+    def summary(self) -> dict[str, Any]:
+        if self.skipped is not None or self.verifier is None:
+            return {"checked": 0, "mismatches": 0, "frames_checked": 0, "skipped": self.skipped}
+        out: dict[str, Any] = self.verifier.counts.to_json()
+        if self.sampler is not None:
+            out["bpf"] = self.sampler.stats()
+        return out
+
+    def close(self) -> None:
+        """Join the last walks and print the result line (the skip reason when not checked)."""
+        import sys
+
+        sampler, self.sampler = self.sampler, None
+        if sampler is None or self.verifier is None:
+            if self.skipped is not None:
+                print(f"ccprofd: verify: skipped: {self.skipped}", file=sys.stderr)
+            return
+        try:
+            self.verifier.add_walks(sampler.poll())
+            c = self.verifier.finish()
+        finally:
+            sampler.close()
+        print(f"ccprofd: verify: {c.checked} contexts checked, {c.mismatches} mismatches against a "
+              f"frame-pointer walk ({c.frames_checked} frames checked; {c.no_frames} samples whose walk "
+              f"reached no frame of the binary, {c.unjoined} without a walk, {c.cpu_not_verified} CPU "
+              "samples not verified)", file=sys.stderr)
+        for line in c.examples:
+            print(f"ccprofd: verify: mismatch: {line}", file=sys.stderr)

@@ -31,51 +31,34 @@ the BPF encoder sample by sample.
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ccprofd.elf.needed import load_set
+from ccprofd.tracing.api import TraceOptions, TraceSample
+from ccprofd.tracing.base import ContextReader, ModeBase
 from ccprofd.tracing.frames import Decoded, Frame
 from ccprofd.tracing.unwind.plan import UnwindEncoding
-from ccprofd.tracing.unwind.sampler import (
-    FLAG_HIT,
-    FLAG_NEW,
-    UnwoundSample,
-)
+from ccprofd.tracing.unwind.sampler import FLAG_HIT, FLAG_NEW, UnwindSampler, UnwoundSample
 from ccprofd.tracing.unwind.symbolize import UnwindSymbolizer, reference_record, stack_frames
 
 
 # ---------------------------------------------------------------------------------- the mode
-class UnwindMode:
+class UnwindMode(ModeBase[UnwoundSample, tuple[int, int]]):
     """``ccprofd trace --mode unwind`` (the tracer's Mode interface)."""
 
     name = "unwind"
 
-    def __init__(self, binary: str, options: Any) -> None:
-        # /proc/PID/root/...: a binary in another mount namespace; resolving it would leave that namespace.
-        self.path = binary if binary.startswith("/proc/") else os.path.realpath(binary)
-        self.options = options
-        self.build_id: str | None = None
-        self.sampler: Any = None
-        self._contexts: Any = None  # GetThreadContexts: a ContextReader, made at first use, closed at close()
+    def __init__(self, binary: str, options: TraceOptions) -> None:
+        super().__init__(binary, options)
+        self.sampler: UnwindSampler | None = None
         self.symbolizer: UnwindSymbolizer | None = None
         self.plan: dict[str, Any] | None = None
         self.encoding: UnwindEncoding | None = None
-        # aggregate mode (the daemon): each new context's sample (no time, args) and the kernel
-        # count already taken for it (ccprofd/tracing/kernelcounts.py)
-        from ccprofd.tracing.kernelcounts import KernelCounts
-
-        self._kernel: KernelCounts[tuple[int, int]] = KernelCounts()
-        self._per_sample = True
-        self.records = 0  # ring-buffer records received (samples of new contexts only in aggregate mode)
         self._clock_offset = time.time_ns() - time.clock_gettime_ns(time.CLOCK_MONOTONIC)
-        self.samples_seen = 0
-        self.incomplete = 0
         self.verify_checked = 0
         self.verify_mismatches = 0
-        self.reasons: dict[str, int] = {}
         self.fp_frames = 0
 
     # -------------------------------------------------------------------------------- set-up
@@ -88,7 +71,6 @@ class UnwindMode:
         from ccprofd.persist.cache import AnalysisCache
         from ccprofd.tracing.api import TraceError
         from ccprofd.tracing.unwind.plan import UnwindPlanError, cached_unwind_encoding
-        from ccprofd.tracing.unwind.sampler import UnwindSampler
 
         try:
             nrs = parse_syscalls(self.options.syscalls)
@@ -119,62 +101,56 @@ class UnwindMode:
             self.sampler.attach_cpu_sampling(int(self.options.sample_hz))
 
     def track_launch(self, pid: int) -> None:
+        assert self.sampler is not None
         self.sampler.track(pid, launched=True)
 
     def track_running(self, pid: int, tids: Sequence[int]) -> None:
+        assert self.sampler is not None
         self.sampler.track(pid)  # every thread: each sample unwinds its whole stack
 
     def follow_exec(self, inode: tuple[int, int], cgroup_id: int = 0) -> None:
         """Track every process that execs the file ``inode`` = (st_dev, st_ino) from its first
         instruction (BPF holds it at exec until its mappings are loaded)."""
+        assert self.sampler is not None
         self.sampler.follow_exec(inode, cgroup_id)
 
     def take_new_processes(self) -> list[int]:
         """Processes found at their exec of a followed file since the last call (confirmed)."""
+        assert self.sampler is not None
         out, self.sampler.new_processes = self.sampler.new_processes, []
         return list(out)
 
     # -------------------------------------------------------------------------------- samples
-    def poll(self, timeout_ms: int) -> list[Any]:
-        return [t for t, _ in self._poll_decoded(timeout_ms, in_kernel=False)]
-
-    def _poll_decoded(self, timeout_ms: int, *, in_kernel: bool) -> list[tuple[Any, bool]]:
-        """Every record as a TraceSample, each with whether it is one sample counted here (False
-        with ``in_kernel`` for new and repeated contexts: the kernel's count has them)."""
-        from ccprofd.kbpf.syscalls import syscall_name
-        from ccprofd.tracing.api import TraceSample, path_args
-
+    # ------------------------------------------------------------------ ModeBase's hooks
+    def _receive(self, timeout_ms: int) -> list[UnwoundSample]:
+        assert self.sampler is not None
         raw = self.sampler.poll(timeout_ms)
-        self.records += len(raw)
-        fresh: dict[int, Decoded] = {}
-        for s in raw:  # new contexts first: a hit may overtake its context's record
-            if s.flags & FLAG_NEW and not s.flags & FLAG_HIT:
-                d = fresh[id(s)] = self._decode(s)
-                name = syscall_name(s.syscall) if s.syscall is not None else None
-                self._kernel.learn(s.key, TraceSample(0, s.tgid, s.tid, s.event, name, d.complete,
-                                                      [f.to_json() for f in d.frames]), d)
-        out: list[tuple[Any, bool]] = []
-        for s in raw:
-            if s.flags & FLAG_HIT:
-                known = self._kernel.hit(s.key)
-                d = known if known is not None else Decoded([], False, "context record lost")
-            else:
-                d = fresh[id(s)] if id(s) in fresh else self._decode(s)
-            counted = not (in_kernel and s.flags & (FLAG_HIT | FLAG_NEW))
-            self.fp_frames += s.fp_frames
-            if counted:
-                self._count(d.complete, d.reason, 1)
-            name = syscall_name(s.syscall) if s.syscall is not None else None
-            out.append((TraceSample(s.time_ns + self._clock_offset, s.tgid, s.tid, s.event, name, d.complete,
-                                    [f.to_json() for f in d.frames], path_args(name, s.arg)), counted))
-        return out
+        self.fp_frames += sum(s.fp_frames for s in raw)
+        return raw
 
-    def _count(self, complete: bool, reason: str | None, n: int) -> None:
-        self.samples_seen += n
-        if not complete:
-            self.incomplete += n
-            key = (reason or "?").split(":")[0]
-            self.reasons[key] = self.reasons.get(key, 0) + n
+    def _is_new(self, r: UnwoundSample) -> bool:
+        return bool(r.flags & FLAG_NEW and not r.flags & FLAG_HIT)
+
+    def _is_hit(self, r: UnwoundSample) -> bool:
+        return bool(r.flags & FLAG_HIT)
+
+    def _key(self, r: UnwoundSample) -> tuple[int, int]:
+        return r.key
+
+    def _sample(self, r: UnwoundSample, d: Decoded, *, timed: bool = True) -> TraceSample:
+        if not timed:
+            return self.trace_sample(0, r.tgid, r.tid, r.event, r.syscall, d)
+        return self.trace_sample(r.time_ns + self._clock_offset, r.tgid, r.tid, r.event, r.syscall, d, r.arg)
+
+    def _kernel_counts(self) -> Mapping[tuple[int, int], int]:
+        assert self.sampler is not None
+        return self.sampler.counts()
+
+    def _new_context_reader(self) -> ContextReader:
+        """Every thread unwound from a brief ptrace stop with the CFI tables (proc/threadsnap.py)."""
+        from ccprofd.tracing.threadcontexts import ContextReader as SnapshotReader
+
+        return SnapshotReader(self.path, self.options.cache_dir)
 
     def set_per_sample(self, on: bool) -> None:
         """The daemon's switch: a record per sample (a consumer needs each one) or only new
@@ -183,28 +159,10 @@ class UnwindMode:
             self.sampler.set_emit_hits(on)
             self._per_sample = on
 
-    def poll_counted(self, timeout_ms: int) -> tuple[list[tuple[Any, bool]], list[tuple[Any, int]]]:
-        """The daemon's poll: ``(records, counts)``.  ``records``: every record received, each with
-        whether it is itself one sample to count (CPU samples, collisions, contexts the kernel
-        could not store); ``counts``: ``(context, n)``, the samples the kernel counted under
-        each context since the previous call, whether or not per-sample records were sent for
-        them (the kernel increments a context's count before it sends its record, so counting
-        from the map alone neither loses nor repeats a sample when the switch flips).
-
-        The map is read after the ring buffer is drained: a context whose first record is not
-        in yet (still being sent by another CPU) is left for the next call, its count not yet
-        taken, so nothing is lost.  Keys whose record was never sent are deleted by BPF."""
-        records = self._poll_decoded(timeout_ms, in_kernel=True)
-        counts: list[tuple[Any, int]] = []
-        for ctx, d, n in self._kernel.deltas(self.sampler.counts()):
-            counts.append((ctx, n))
-            self._count(d.complete, d.reason, n)
-        return records, counts
-
     def _decode(self, s: UnwoundSample) -> Decoded:
         assert self.symbolizer is not None
         d = self.symbolizer.decode(s.encoded, s.reason)
-        if getattr(self.options, "verify", False):
+        if self.options.verify:
             self._verify(s)
         # frames are mutable: each sample gets its own copies
         return Decoded([Frame(f.function, f.module, f.build_id, f.analysed, f.call_site, f.return_address,
@@ -225,45 +183,24 @@ class UnwindMode:
             self.verify_mismatches += 1
 
     def summary(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"mode": self.name, "samples": self.samples_seen, "incomplete": self.incomplete,
-                               "incomplete_reasons": dict(self.reasons), "lost_contexts": self._kernel.lost,
-                               "fp_frames": self.fp_frames, "records": self.records,
-                               "per_sample_records": self._per_sample}
+        out = self._summary(per_sample_records=self._per_sample)
+        out["fp_frames"] = self.fp_frames
         if self.sampler is not None:
             out["bpf"] = self.sampler.stats()
             out["map_bytes"] = sum(self.sampler.map_memory_bytes().values())
         if self.symbolizer is not None:
             out["decode_errors"] = self.symbolizer.errors
-        if getattr(self.options, "verify", False):
+        if self.options.verify:
             out["verify"] = {"checked": self.verify_checked, "mismatches": self.verify_mismatches}
         return out
 
     def close(self) -> None:
-        reader = getattr(self, "_contexts", None)
-        if reader is not None:  # thread snapshots' private vDSO copies (ccprofd/proc/modules.py)
-            self._contexts = None
-            reader.close()
+        self._close_contexts()  # thread snapshots' private vDSO copies
         if self.sampler is not None:
             self.sampler.close()
             self.sampler = None
-            if getattr(self.options, "verify", False):
+            if self.options.verify:
                 import sys
 
                 print(f"ccprofd: verify: {self.verify_checked} contexts checked, {self.verify_mismatches} "
                       f"mismatches against the reference encoder", file=sys.stderr)
-
-    def thread_contexts(self, pid: int) -> dict[str, Any]:
-        """Every thread's context now, unwound from a brief ptrace stop with the CFI tables
-        (ccprofd/proc/threadsnap.py): ``{"pid", "error", "threads": [...]}``."""
-        from ccprofd.tracing.threadcontexts import ContextReader
-
-        reader = getattr(self, "_contexts", None)
-        if reader is None:
-            reader = self._contexts = ContextReader(self.path, self.options.cache_dir)
-        return reader.read(pid)
-
-
-
-
-
-

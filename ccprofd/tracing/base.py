@@ -1,0 +1,172 @@
+"""What both tracer modes do the same way once their BPF side has produced records: the poll loop
+(new contexts decoded first, hits resolved through the kernel's context table), aggregate-mode
+counting, the incomplete-sample tally, the common summary, and the lazily made thread-context
+reader.  A mode supplies how to receive, classify and decode its own records
+(:class:`ModeBase`'s abstract methods); everything here is mode-agnostic.
+"""
+
+from __future__ import annotations
+
+import os
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Mapping
+from typing import Any, Generic, Protocol, TypeVar
+
+from ccprofd.kbpf.syscalls import syscall_name
+from ccprofd.tracing.api import TraceOptions, TraceSample, path_args
+from ccprofd.tracing.frames import Decoded
+from ccprofd.tracing.kernelcounts import KernelCounts
+
+Record = TypeVar("Record")
+Key = TypeVar("Key", bound=Hashable)
+
+LOST_CONTEXT = "context record lost"
+
+
+class ContextReader(Protocol):
+    """GetThreadContexts for one mode: every thread's context of a process, now."""
+
+    def read(self, pid: int) -> dict[str, Any]: ...
+    def close(self) -> None: ...
+
+
+class ModeBase(ABC, Generic[Record, Key]):
+    """The shared half of :class:`~ccprofd.tracing.api.Mode` implementations."""
+
+    name = ""
+
+    def __init__(self, binary: str, options: TraceOptions) -> None:
+        # /proc/PID/root/...: a binary in another mount namespace; resolving it would leave that namespace.
+        self.path = binary if binary.startswith("/proc/") else os.path.realpath(binary)
+        self.options = options
+        self.build_id: str | None = None
+        self._kernel: KernelCounts[Key] = KernelCounts()
+        self._per_sample = True
+        self.records = 0  # sample records received (new contexts only, in aggregate mode)
+        self.samples_seen = 0
+        self.incomplete = 0
+        self.reasons: dict[str, int] = {}
+        self._contexts: ContextReader | None = None  # GetThreadContexts: made at first use
+
+    # ------------------------------------------------------------------------ a mode's own part
+    @abstractmethod
+    def _receive(self, timeout_ms: int) -> list[Record]:
+        """The records that arrived, in order (samples and the mode's side events)."""
+
+    def _is_sample(self, r: Record) -> bool:
+        """False for a side event (exec, scope entry...), given to :meth:`_on_side_event` in order."""
+        return True
+
+    def _on_side_event(self, r: Record) -> None:
+        """A side event, seen between the samples it arrived among."""
+
+    @abstractmethod
+    def _is_new(self, r: Record) -> bool:
+        """A new context's first record in aggregate mode (its key then names it in later hits)."""
+
+    @abstractmethod
+    def _is_hit(self, r: Record) -> bool:
+        """A repeated sample sent as its context's key only."""
+
+    @abstractmethod
+    def _key(self, r: Record) -> Key: ...
+
+    @abstractmethod
+    def _decode(self, r: Record) -> Decoded: ...
+
+    @abstractmethod
+    def _sample(self, r: Record, d: Decoded, *, timed: bool = True) -> TraceSample:
+        """The TraceSample of a record (``timed=False``: the context's representative, no time)."""
+
+    @abstractmethod
+    def _kernel_counts(self) -> Mapping[Key, int]:
+        """The kernel's per-context sample counts (empty while not aggregating)."""
+
+    @abstractmethod
+    def _new_context_reader(self) -> ContextReader: ...
+
+    def _after_poll(self) -> None:
+        """Work after each poll's records (e.g. --verify joins its stack walks)."""
+
+    # --------------------------------------------------------------------------- shared part
+    @staticmethod
+    def trace_sample(r_time: int, pid: int, tid: int, event: str, nr: int | None, d: Decoded,
+                     arg: str | None = None) -> TraceSample:
+        name = syscall_name(nr) if nr is not None else None
+        return TraceSample(r_time, pid, tid, event, name, d.complete, [f.to_json() for f in d.frames],
+                           path_args(name, arg))
+
+    def poll(self, timeout_ms: int) -> list[TraceSample]:
+        return [t for t, _ in self._poll_decoded(timeout_ms, in_kernel=False)]
+
+    def _poll_decoded(self, timeout_ms: int, *, in_kernel: bool) -> list[tuple[TraceSample, bool]]:
+        """Every record as a TraceSample, each with whether it is one sample counted here (False
+        with ``in_kernel`` for new and repeated contexts: the kernel's count has them)."""
+        raw = self._receive(timeout_ms)
+        fresh: dict[int, Decoded] = {}
+        for r in raw:  # new contexts first: a hit (another CPU) may overtake its context's record
+            if self._is_new(r):
+                d = fresh[id(r)] = self._decode(r)
+                self._kernel.learn(self._key(r), self._sample(r, d, timed=False), d)
+        out: list[tuple[TraceSample, bool]] = []
+        for r in raw:
+            if not self._is_sample(r):
+                self._on_side_event(r)
+                continue
+            self.records += 1
+            if self._is_hit(r):
+                known = self._kernel.hit(self._key(r))
+                d = known if known is not None else Decoded([], False, LOST_CONTEXT)
+            else:
+                d = fresh[id(r)] if id(r) in fresh else self._decode(r)
+            counted = not (in_kernel and (self._is_hit(r) or self._is_new(r)))
+            if counted:
+                self._count(d.complete, d.reason, 1)
+            out.append((self._sample(r, d), counted))
+        self._after_poll()
+        return out
+
+    def poll_counted(self, timeout_ms: int) -> tuple[list[tuple[TraceSample, bool]],
+                                                     list[tuple[TraceSample, int]]]:
+        """The daemon's poll: ``(records, counts)``.  ``records``: every record received, each with
+        whether it is itself one sample to count (without aggregation, CPU samples, states too big
+        to key, contexts the full kernel table could not take); ``counts``: ``(context, n)``, the
+        samples the kernel counted under each context since the previous call, whether or not
+        per-sample records were sent for them (BPF increments a context's count before it sends
+        its record, so counting from the map alone neither loses nor repeats a sample when the
+        per-sample switch flips).
+
+        The map is read after the ring buffer is drained: a context whose first record is not in
+        yet (still being sent by another CPU) is left for the next call, its count not yet taken,
+        so nothing is lost (see kernelcounts.py)."""
+        records = self._poll_decoded(timeout_ms, in_kernel=True)
+        counts: list[tuple[TraceSample, int]] = []
+        for ctx, d, n in self._kernel.deltas(self._kernel_counts()):
+            counts.append((ctx, n))
+            self._count(d.complete, d.reason, n)
+        return records, counts
+
+    def _count(self, complete: bool, reason: str | None, n: int) -> None:
+        self.samples_seen += n
+        if not complete:
+            self.incomplete += n
+            key = (reason or "?").split(":")[0]
+            self.reasons[key] = self.reasons.get(key, 0) + n
+
+    def _summary(self, per_sample_records: bool) -> dict[str, Any]:
+        return {"mode": self.name, "samples": self.samples_seen, "incomplete": self.incomplete,
+                "incomplete_reasons": dict(self.reasons), "records": self.records,
+                "per_sample_records": per_sample_records, "lost_contexts": self._kernel.lost}
+
+    def thread_contexts(self, pid: int) -> dict[str, Any]:
+        """Every thread's context now: ``{"pid", "error", "threads": [...]}``."""
+        if self._contexts is None:
+            self._contexts = self._new_context_reader()
+        return self._contexts.read(pid)
+
+    def _close_contexts(self) -> None:
+        """Thread snapshots' private vDSO copies go with the reader (ccprofd/proc/modules.py)."""
+        reader, self._contexts = self._contexts, None
+        if reader is not None:
+            reader.close()
+
