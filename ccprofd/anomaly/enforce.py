@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ccprofd.anomaly.model import TAIL_CALL, TargetModel
 from ccprofd.elf.addrspace import AddressSpace
+from ccprofd.kbpf.cdefs import c_constants
 from ccprofd.kbpf.errors import BPFError
 from ccprofd.kbpf.tracefs import tracepoint_field_offset
 from ccprofd.tracing.syscall_sampler import SamplerEvent, SyscallSampler
@@ -34,7 +35,9 @@ from ccprofd.tracing.syscall_sampler import SamplerEvent, SyscallSampler
 LSM_FILE = "/sys/kernel/security/lsm"
 SECURITYFS = "/sys/kernel/security"
 
-HOOK_FILE_OPEN, HOOK_EXEC, HOOK_CONNECT = 1, 2, 3
+C_SOURCE = "lsm_enforce.c"
+_C = c_constants(Path(__file__).with_name(C_SOURCE))  # the constants shared with the C (kbpf/cdefs.py)
+HOOK_FILE_OPEN, HOOK_EXEC, HOOK_CONNECT = _C["HOOK_FILE_OPEN"], _C["HOOK_EXEC"], _C["HOOK_CONNECT"]
 HOOK_NAMES = {HOOK_FILE_OPEN: "file_open", HOOK_EXEC: "bprm_check_security", HOOK_CONNECT: "socket_connect"}
 #: x86-64 numbers of the syscalls each hook guards (ABI constants).
 SYSCALL_HOOKS: dict[str, tuple[int, int]] = {
@@ -42,12 +45,10 @@ SYSCALL_HOOKS: dict[str, tuple[int, int]] = {
     "openat2": (437, HOOK_FILE_OPEN), "execve": (59, HOOK_EXEC), "execveat": (322, HOOK_EXEC),
     "connect": (42, HOOK_CONNECT)}
 
-KEY_SEED = 0xCBF29CE484222325
-KEY_PRIME = 0x100000001B3
-KEY_NONE = KEY_SEED
+KEY_SEED, KEY_PRIME, KEY_NONE = _C["KEY_SEED"], _C["KEY_PRIME"], _C["KEY_NONE"]
 _MASK = (1 << 64) - 1
-VERDICTS = {1: "allowed", 2: "denied", 3: "killed"}
-ENF_ARMED, ENF_ACTIVE = 1, 2  # enf_procs values (lsm_enforce.c)
+VERDICTS = {_C["VERDICT_ALLOWED"]: "allowed", _C["VERDICT_DENIED"]: "denied", _C["VERDICT_KILLED"]: "killed"}
+ENF_ARMED, ENF_ACTIVE = _C["ENF_ARMED"], _C["ENF_ACTIVE"]  # enf_procs values
 _EXTRA = struct.Struct("<QII")
 
 
@@ -179,7 +180,7 @@ class Enforcer:
         self.mode = "signal"
         self.lsm_error = "" if self.status.active else f"bpf not in active LSMs ({self.status.detail})"
         syscalls = [nr for nr, _ in SYSCALL_HOOKS.values()]
-        source = Path(__file__).with_name("lsm_enforce.c").read_text(encoding="utf-8")
+        source = Path(__file__).with_name(C_SOURCE).read_text(encoding="utf-8")
         child_pid_at = tracepoint_field_offset("sched", "sched_process_fork", "child_pid")
         defines = f"#define MAX_STACK {max_stack}\n#define FORK_CHILD_PID_OFFSET {child_pid_at}\n"
         sampler: SyscallSampler | None = None

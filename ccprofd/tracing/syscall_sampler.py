@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ccprofd.kbpf.bpfmap import RawMap
+from ccprofd.kbpf.cdefs import c_constants
 from ccprofd.kbpf.errors import BPFError
 from ccprofd.kbpf.objcache import cache_dir_under
 from ccprofd.kbpf.rawmodule import load_module
@@ -29,10 +30,11 @@ from ccprofd.kbpf.tracefs import tracepoint_has_field
 
 C_SOURCE = "syscall_sampler.c"
 EXEC_TARGET_SOURCE = "exec_target.c"
-EXEC_TARGET_FLAG = 1 << 32  # EV_EXEC aux: the new image is an exec target
-NR_SYSCALL_SLOTS = 1024
+_C = c_constants(Path(__file__).with_name(C_SOURCE))  # the constants shared with the C (kbpf/cdefs.py)
+EXEC_TARGET_FLAG = _C["CCPROF_EXEC_TARGET"]  # EV_EXEC aux: the new image is an exec target
+NR_SYSCALL_SLOTS = _C["NR_SYSCALL_SLOTS"]
 
-KINDS = {1: "syscall", 2: "fork", 3: "exec", 4: "exit"}
+KINDS = {_C["EV_SYSCALL"]: "syscall", _C["EV_FORK"]: "fork", _C["EV_EXEC"]: "exec", _C["EV_EXIT"]: "exit"}
 STATS = ("events", "ringbuf_full", "tracked_full", "forks", "execs_stopped", "execs_found")
 
 _EVENT = struct.Struct("<QIIIiQQQQ")  # struct ccprof_event without CCPROF_EVENT_EXTRA

@@ -46,13 +46,20 @@ from typing import Any
 
 from ccprofd.proc.threadsnap import ThreadSnapshot, snapshot
 from ccprofd.tracing.frames import Decoded, Frame
+from ccprofd.tracing.instrumented.constants import (
+    ST_BIAS,
+    ST_FORK_PENDING,
+    ST_FROZEN,
+    ST_INCOMPLETE_BASE,
+    ST_OVERFLOW,
+    ST_READFAIL,
+)
 from ccprofd.tracing.instrumented.loader import NONE32, RawContext, RawSegment
 from ccprofd.tracing.instrumented.probeplan import PCOL
 from ccprofd.tracing.instrumented.seed import Piece, SeedError, SeedParams, SeedState, StateModel, seeder_for
 from ccprofd.tracing.threadcontexts import ContextReader
 
 # thread state flags (instrumented.c ST_*) and the sample flags a sample would carry (SF_*)
-ST_INCOMPLETE_BASE, ST_FROZEN, ST_FORK_PENDING, ST_BIAS, ST_READFAIL, ST_OVERFLOW = 1, 2, 4, 8, 16, 32
 _SF_OF_ST = {ST_FROZEN: 2, ST_INCOMPLETE_BASE: 4, ST_READFAIL: 32, ST_BIAS: 64, ST_OVERFLOW: 128}
 
 WordReader = Callable[[int], "int | None"]

@@ -31,32 +31,40 @@ from ccprofd.kbpf.rawmodule import RawModule
 from ccprofd.kbpf.tracefs import tracepoint_field_offset
 from ccprofd.kbpf.uprobe_multi import UprobeMultiLink, attach_uprobe_multi
 from ccprofd.proc.tasks import threads_of
+from ccprofd.tracing.instrumented.constants import (
+    AGG_HIT,
+    AGG_NEW,
+    AGG_NONE,
+    AGG_UNAGGREGATED,
+    ARG_LEN,
+    C_SOURCE,
+    CFG_AGGREGATE,
+    CFG_EMIT_HITS,
+    CFG_LAUNCH_TGID,
+    CFG_LAUNCHED,
+    CFG_TEXT_HI,
+    CFG_TEXT_LO,
+    EXIT_KINDS,
+    F_ACYC,
+    F_CUT,
+    F_CYCLIC,
+    F_EXIT,
+    F_OVERFLOW,
+    INCOMPLETE_FLAGS,
+    K_CALL,
+    K_EXIT,
+    K_ROOT,
+    K_SEG,
+    K_TAIL,
+    K_TAILEXIT,
+    NONE32,
+    SF_OVERFLOW,
+    SF_REC_TRUNC,
+    ST_INCOMPLETE_BASE,
+)
 from ccprofd.tracing.instrumented.probeplan import CCOL, PCOL, R_CUT, R_CYCLIC, R_PLT_EXIT, R_SCOPE, ProbePlan
 from ccprofd.tracing.instrumented.sitetables import dense_nodes, ret_table
 from ccprofd.tracing.syscall_sampler import SyscallSampler, monotonic_to_realtime_ns
-
-C_SOURCE = "instrumented.c"
-NONE32 = 0xFFFFFFFF
-
-# piece kinds (instrumented.c K_*)
-K_CALL, K_TAIL, K_EXIT, K_TAILEXIT, K_ROOT, K_SEG = 1, 2, 3, 4, 5, 6
-EXIT_KINDS = frozenset({K_EXIT, K_TAILEXIT})
-
-# sample flags (SF_*)
-SF_NOSTATE, SF_FROZEN, SF_INCOMPLETE_BASE, SF_SEGS_TRUNC, SF_REC_TRUNC, SF_READFAIL, SF_BIAS = (
-    1, 2, 4, 8, 16, 32, 64)
-SF_OVERFLOW = 128  # frozen because a PCCE/HCCE id did not fit its words (never wrapped)
-INCOMPLETE_FLAGS = (SF_NOSTATE | SF_FROZEN | SF_INCOMPLETE_BASE | SF_SEGS_TRUNC | SF_REC_TRUNC | SF_READFAIL
-                    | SF_OVERFLOW)
-
-# site flags (instrumented.c F_*)
-F_ACYC, F_CYCLIC, F_EXIT, F_OVERFLOW, F_CUT = 1, 2, 4, 64, 128
-
-ST_INCOMPLETE_BASE = 1
-CFG_LAUNCH_TGID, CFG_LAUNCHED, CFG_AGGREGATE, CFG_EMIT_HITS, CFG_TEXT_LO, CFG_TEXT_HI = 0, 1, 3, 4, 5, 6
-
-# how a record's sample is counted (instrumented.c AGG_*)
-AGG_NONE, AGG_NEW, AGG_HIT, AGG_UNAGGREGATED = 0, 1, 2, 3
 
 STATS = ("site_hits", "tail_hits", "entry_hits", "samples", "pushes", "cuts", "frozen", "no_slot",
          "read_failures", "fork_copies", "ret_dead", "ringbuf_full", "overflows", "agg_new", "counts_full",
@@ -64,7 +72,6 @@ STATS = ("site_hits", "tail_hits", "entry_hits", "samples", "pushes", "cuts", "f
 SCHEMES = ("valence", "pcce", "hcce")
 PROGRAMS = {"site": "cc_site_probe", "tail": "cc_tail_probe", "entry": "cc_entry_probe"}
 
-ARG_LEN = 256  # instrumented.c CC_ARG_LEN
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,9 +8,9 @@ from typing import TYPE_CHECKING, Any
 from ccprofd.tracing.api import TraceError, TraceOptions, TraceSample
 from ccprofd.tracing.base import ContextReader, ModeBase
 from ccprofd.tracing.frames import Decoded
+from ccprofd.tracing.instrumented.constants import SF_BIAS
 from ccprofd.tracing.instrumented.loader import (
     AGG_NEW,
-    SF_BIAS,
     InstrumentedBPF,
     ProcessEvent,
     RawContext,

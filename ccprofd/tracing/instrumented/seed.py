@@ -28,22 +28,30 @@ from typing import Any
 
 from ccprofd.proc.maps import ModuleMapping
 from ccprofd.proc.userstack import UnwoundStack
-from ccprofd.tracing.instrumented.probeplan import CCOL, PCOL, FunctionIndex, ProbePlan
-from ccprofd.tracing.instrumented.sitetables import (
+from ccprofd.tracing.instrumented.constants import (
+    F_ACYC,
+    F_CYCLIC,
+    F_EXIT,
+    F_OVERFLOW,
+    F_SCOPE,
+    K_CALL,
+    K_EXIT,
+    K_ROOT,
+    K_SEG,
+    K_TAILEXIT,
+    NONE32,
     RS_IN_SCOPE,
     RS_INDEX,
     RS_INDIRECT,
     RS_VIA_PLT,
-    dense_nodes,
-    ret_table,
+    ST_BIAS,
+    ST_INCOMPLETE_BASE,
+    STACK_SWITCH_GAP,
 )
+from ccprofd.tracing.instrumented.probeplan import CCOL, PCOL, FunctionIndex, ProbePlan
+from ccprofd.tracing.instrumented.sitetables import dense_nodes, ret_table
 
-NONE32 = 0xFFFFFFFF
 M64 = (1 << 64) - 1
-K_CALL, K_TAIL, K_EXIT, K_TAILEXIT, K_ROOT, K_SEG = 1, 2, 3, 4, 5, 6
-F_ACYC, F_CYCLIC, F_EXIT, F_SCOPE, F_OVERFLOW = 1, 2, 4, 32, 64
-ST_INCOMPLETE_BASE, ST_BIAS = 1, 8
-STACK_SWITCH_GAP = 64 << 20
 
 WordReader = Callable[[int], "int | None"]
 

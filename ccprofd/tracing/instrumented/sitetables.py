@@ -4,10 +4,8 @@ the seeder's model of it come from one computation."""
 
 from __future__ import annotations
 
+from ccprofd.tracing.instrumented.constants import RS_IN_SCOPE, RS_INDIRECT, RS_VIA_PLT
 from ccprofd.tracing.instrumented.probeplan import CCOL, ProbePlan
-
-# instrumented.c RS_* (the flags above a return-site entry's call site id)
-RS_INDIRECT, RS_IN_SCOPE, RS_VIA_PLT, RS_INDEX = 0x80000000, 0x40000000, 0x20000000, 0x1FFFFFFF
 
 
 def dense_nodes(probe_plan: ProbePlan) -> dict[int, int]:

@@ -28,15 +28,13 @@ from ccprofd.callgraph.model import ROOT
 from ccprofd.decode import CachingDecoder, DecodeError, StaleAboveSegment, UnknownCaller, decoder_for
 from ccprofd.encode.segments import OUTSIDE, Edge, EncodedState, Segment
 from ccprofd.tracing.frames import Decoded, Frame, demangle
+from ccprofd.tracing.instrumented.constants import SF_BIAS, SF_FROZEN, SF_SEGS_TRUNC
 from ccprofd.tracing.instrumented.loader import (
     EXIT_KINDS,
     INCOMPLETE_FLAGS,
     NONE32,
-    SF_BIAS,
-    SF_FROZEN,
     SF_OVERFLOW,
     SF_REC_TRUNC,
-    SF_SEGS_TRUNC,
     RawContext,
 )
 from ccprofd.tracing.instrumented.probeplan import CCOL, PCOL, R_SCOPE, FunctionIndex, ProbePlan

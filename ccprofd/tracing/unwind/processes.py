@@ -14,12 +14,12 @@ from ccprofd.kbpf.bpfmap import RawMap
 from ccprofd.kbpf.errors import BPFError
 from ccprofd.proc.maps import ProcessMaps, module_mappings, start_stack
 from ccprofd.tracing.syscall_sampler import SamplerEvent, exec_verdict, set_exec_target
+from ccprofd.tracing.unwind.constants import UE_ANALYSED
 from ccprofd.tracing.unwind.tables import LoadedModule, ModuleTables
 
 if TYPE_CHECKING:
     from ccprofd.kbpf.holdguard import HoldGuard
 
-UE_ANALYSED = 0x80000000
 
 
 @dataclass(frozen=True, slots=True)

@@ -71,6 +71,19 @@ from ccprofd.tracing.syscall_sampler import (
     SamplerEvent,
     sampler_source,
 )
+from ccprofd.tracing.unwind.constants import (
+    ARG_LEN,
+    C_SOURCE,
+    CFG_AGGREGATE,
+    CFG_EMIT_HITS,
+    EV_HIT,
+    EV_MAPS,
+    EXACT_BIT,
+    FLAG_HIT,
+    FLAG_NEW,
+    REASONS,
+    STATS,
+)
 from ccprofd.tracing.unwind.plan import UnwindEncoding
 from ccprofd.tracing.unwind.processes import ProcessTracker, ResolvedPc
 from ccprofd.tracing.unwind.programs import ProgramLoader
@@ -79,22 +92,9 @@ from ccprofd.tracing.unwind.tables import (
     ModuleTables,
 )
 
-C_SOURCE = "unwind.c"
 DEFAULT_MAX_DEPTH = 4096
 
-REASONS = {0: None, 1: "max_depth", 2: "unknown_pc", 3: "no_maps", 4: "no_cfi", 5: "unsupported_cfi",
-           6: "rbp_lost", 7: "read_fault", 8: "bad_frame", 9: "no_table", 10: "no_user_regs"}
-FLAG_NEW, FLAG_COLLISION, FLAG_UNAGGREGATED = 1, 2, 4
-FLAG_HIT = 0x100  # userspace only: a header-only record of a context sent before
-EXACT_BIT = 1 << 63
-# encoded-context flags (struct ue_rec)
-UE_F_ANCHOR, UE_F_SEG_OVF, UE_F_REC_OVF, UE_F_UNAN_OVF, UE_F_INNER_EXACT = 1, 2, 4, 8, 16
-STATS = ("samples", "incomplete", "frames", "fp_frames", "collisions", "arena_full", "counts_full",
-         "ringbuf_full", "new_contexts", "procs_inherited")
-
-_EV_SAMPLE, _EV_MAPS, _EV_HIT = 16, 17, 18
 _SAMPLE_HDR = struct.Struct("<QIIIiIIIIQQII")  # struct uw_sample up to arg
-ARG_LEN = 4096  # UW_ARG_LEN: the path argument's buffer (PATH_MAX)
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,7 +134,7 @@ class UnwoundSample:
         if 0 < arg_len <= ARG_LEN:
             text = raw[_SAMPLE_HDR.size:_SAMPLE_HDR.size + arg_len].split(b"\0", 1)[0]
             arg = text.decode("utf-8", "surrogateescape")
-        if kind == _EV_HIT:
+        if kind == EV_HIT:
             return cls(t, tgid, tid, None if nr < 0 else nr, (), why, fp, flags | FLAG_HIT, (h1, h2), arg=arg)
         off = _SAMPLE_HDR.size + ARG_LEN
         enc = None
@@ -317,8 +317,8 @@ class UnwindSampler:
         self.processes = ProcessTracker(self._m, self.tables, proc_root=proc_root, max_maps=max_maps)
         self.module.open_ring_buffer("uw_events", self._on_record)
         self.module.open_ring_buffer("events", self.processes.on_event)
-        self._m["uw_config"].set(0, 1 if aggregate else 0)
-        self._m["uw_config"].set(2, 1 if emit_hits else 0)
+        self._m["uw_config"].set(CFG_AGGREGATE, 1 if aggregate else 0)
+        self._m["uw_config"].set(CFG_EMIT_HITS, 1 if emit_hits else 0)
         if load_early:  # the verifier runs while the maps are filled and the modules loaded
             self.programs.start("uw_sys_enter")
         if encoding is not None:
@@ -420,7 +420,7 @@ class UnwindSampler:
     # ---------------------------------------------------------------------------------- samples
     def _on_record(self, raw: bytes) -> None:
         kind = struct.unpack_from("<I", raw, 8)[0]
-        if kind == _EV_MAPS:
+        if kind == EV_MAPS:
             self.processes.stale.add(struct.unpack_from("<I", raw, 12)[0])
             return
         sample = UnwoundSample.decode(raw, self.layout)
@@ -449,7 +449,7 @@ class UnwindSampler:
         context (every sample reaches userspace) or only new contexts (the kernel's per-context
         counts, read with :meth:`counts`, are then the only record of repeated samples).  The
         kernel count is incremented whether or not the record is sent."""
-        self._m["uw_config"].set(2, 1 if on else 0)
+        self._m["uw_config"].set(CFG_EMIT_HITS, 1 if on else 0)
 
     # ------------------------------------------------------------------------------- reporting
     def stats(self) -> dict[str, int]:

@@ -14,16 +14,15 @@ from ccprofd.encode.plan import COL
 from ccprofd.encode.segments import OUTSIDE, EncodedState, Segment
 from ccprofd.tracing.frames import Decoded, Frame, demangle
 from ccprofd.tracing.symbols import ModuleSymbols
-from ccprofd.tracing.unwind.plan import FN_SKIP, NO_NODE, UnwindEncoding
-from ccprofd.tracing.unwind.sampler import (
+from ccprofd.tracing.unwind.constants import (
     UE_F_ANCHOR,
     UE_F_INNER_EXACT,
     UE_F_REC_OVF,
     UE_F_SEG_OVF,
     UE_F_UNAN_OVF,
-    EncodedRecord,
-    UnwoundSample,
 )
+from ccprofd.tracing.unwind.plan import FN_SKIP, NO_NODE, UnwindEncoding
+from ccprofd.tracing.unwind.sampler import EncodedRecord, UnwoundSample
 
 
 # ---------------------------------------------------------------------------- symbolisation
