@@ -15,6 +15,7 @@ from typing import Any
 
 from ccprofd import __version__
 from ccprofd.cli.errors import UsageError
+from ccprofd.tracing.api import MODES
 
 EXIT_OK = 0
 EXIT_FAILURE = 1
@@ -142,7 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "stdin/stdout/stderr and exit status pass through; samples go to --output or stderr.",
         epilog="Exit status: the command's own (128+N if killed by signal N); 125 if ccprofd fails while "
                "the command runs; 2 for bad input; 1 if tracing cannot start.")
-    tr.add_argument("--mode", choices=["instrumented", "unwind"], default=None,
+    tr.add_argument("--mode", choices=MODES, default=None,
                     help="how contexts are obtained: unwind (default; BPF unwinds with .eh_frame at each "
                          "sample) or instrumented (uprobes keep the context; the default with --scope)")
     tr.add_argument("--syscalls", default="all", metavar="LIST",

@@ -47,10 +47,10 @@ from pathlib import Path
 from typing import Any
 
 from ccprofd.kbpf.tracefs import tracefs_syscalls
+from ccprofd.tracing.api import MODES
 
 DEFAULT_CONFIG_PATH = "/etc/ccprofd/ccprofd.toml"
 ENCODINGS = ("valence", "pcce", "hcce")
-MODES = ("unwind", "instrumented")
 ANOMALY_ACTIONS = ("off", "learn", "detect", "enforce")
 
 

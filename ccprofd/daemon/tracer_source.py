@@ -36,6 +36,7 @@ from typing import Any
 from ccprofd.daemon.config import DaemonConfig, TargetConfig
 from ccprofd.daemon.source import BinaryInfo, ProcessInfo, SourceCounters, ThreadContext, UnknownProcess
 from ccprofd.proc.tasks import threads_of
+from ccprofd.tracing.api import Mode, TraceOptions
 
 RESCAN_S = 1.0
 Inode = tuple[int, int]
@@ -45,7 +46,7 @@ Inode = tuple[int, int]
 class _Binary:
     path: str
     inode: Inode
-    mode: Any
+    mode: Mode
     build_id: str = ""
     following_execs: bool = False  # the mode tracks new processes of this inode from their exec
 
@@ -80,8 +81,6 @@ def _comm(pid: int) -> str:
 
 class TracerSource:
     def __init__(self, target: TargetConfig, daemon: DaemonConfig) -> None:
-        from ccprofd.tracing.api import TraceOptions
-
         self.target = target
         self.options = TraceOptions(
             mode=target.mode, syscalls=",".join(target.syscalls) if target.syscalls else None,
@@ -109,18 +108,12 @@ class TracerSource:
                 cgroup_id = os.stat(t.cgroup).st_ino  # cgroup v2 id = the directory's inode number
             except OSError:
                 return
-        follow = getattr(binary.mode, "follow_exec", None)
-        if follow is None:
-            return
-        follow(binary.inode, cgroup_id)
+        binary.mode.follow_exec(binary.inode, cgroup_id)
         binary.following_execs = True
 
     def _register_new(self, binary: _Binary) -> None:
         """Processes the mode found at their exec of ``binary``: tracked from their first instruction."""
-        take = getattr(binary.mode, "take_new_processes", None)
-        if take is None:
-            return
-        for pid in take():
+        for pid in binary.mode.take_new_processes():
             if pid != self.self_pid and os.path.exists(f"/proc/{pid}"):
                 self.tracked[pid] = binary.inode
                 self.execs_found += 1
@@ -213,9 +206,7 @@ class TracerSource:
         modes count samples in the kernel otherwise (aggregate mode)."""
         self.per_sample = on
         for b in list(self.binaries_by_inode.values()):  # also called from gRPC threads
-            switch = getattr(b.mode, "set_per_sample", None)
-            if switch is not None:
-                switch(on)
+            b.mode.set_per_sample(on)
 
     def poll_counted(self, timeout_ms: int) -> tuple[list[tuple[dict[str, Any], bool]],
                                                      list[tuple[dict[str, Any], int]]]:
@@ -230,16 +221,10 @@ class TracerSource:
         else:
             share = max(1, timeout_ms // len(binaries))
             for b in binaries:
-                split = getattr(b.mode, "poll_counted", None)
-                if split is None:
-                    records.extend((s.to_json(), True) for s in b.mode.poll(share))
-                else:
-                    switch = getattr(b.mode, "set_per_sample", None)
-                    if switch is not None:
-                        switch(self.per_sample)  # a mode prepared since the last switch
-                    got, deltas = split(share)
-                    records.extend((s.to_json(), counted) for s, counted in got)
-                    counts.extend((s.to_json(), n) for s, n in deltas)
+                b.mode.set_per_sample(self.per_sample)  # a mode prepared since the last switch
+                got, deltas = b.mode.poll_counted(share)
+                records.extend((s.to_json(), counted) for s, counted in got)
+                counts.extend((s.to_json(), n) for s, n in deltas)
                 self._register_new(b)  # found at exec: registered now, before any rescan
         if time.monotonic() - self._last_scan >= RESCAN_S:
             self._scan()

@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-MODES = ("instrumented", "unwind")
+MODES = ("unwind", "instrumented")  # the default first
 
 
 
@@ -61,7 +61,8 @@ class Mode(Protocol):
     ``track_launch`` for our gated child (before it execs the target), ``track_running`` for -p;
     ``follow_exec`` for every process that execs a file later (the daemon's path targets; found ones
     come back from ``take_new_processes``); ``poll`` returns decoded samples; ``summary`` statistics
-    for the end-of-run report."""
+    for the end-of-run report.  The daemon also uses ``set_per_sample``/``poll_counted`` (aggregate
+    mode: the kernel counts repeated contexts) and ``thread_contexts`` (GetThreadContexts)."""
 
     name: str
     path: str
@@ -75,7 +76,10 @@ class Mode(Protocol):
     def poll(self, timeout_ms: int) -> list[TraceSample]: ...
     def summary(self) -> dict[str, Any]: ...
     def close(self) -> None: ...
-
+    def set_per_sample(self, on: bool) -> None: ...
+    def poll_counted(self, timeout_ms: int) -> tuple[list[tuple[TraceSample, bool]],
+                                                     list[tuple[TraceSample, int]]]: ...
+    def thread_contexts(self, pid: int) -> dict[str, Any]: ...
 
 
 def path_args(syscall: str | None, arg: str | None) -> dict[str, str] | None:
