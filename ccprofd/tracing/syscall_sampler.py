@@ -118,15 +118,6 @@ def set_exec_target(targets: RawMap, inode: int, cgroup_id: int = 0) -> None:
         raise BPFError(f"cannot follow execs of inode {inode}: exec-target table full") from None
 
 
-def exe_matches(pid: int, inode: tuple[int, int]) -> bool:
-    """Whether process ``pid`` runs the file ``inode`` = (st_dev, st_ino) (its /proc/PID/exe)."""
-    try:
-        st = os.stat(f"/proc/{pid}/exe")
-    except OSError:
-        return False
-    return (st.st_dev, st.st_ino) == inode
-
-
 def exec_verdict(tgid: int, followed: Mapping[int, tuple[int, int]]) -> str:
     """BPF matched process ``tgid``'s new image by inode number alone; what it really runs:
     "followed" (one of ``followed``, st_ino -> (st_dev, st_ino)), "gone" (exited already), or
@@ -223,7 +214,7 @@ class SyscallSampler:
     def follow_exec(self, inode: int, cgroup_id: int = 0) -> None:
         """Track every process that execs the file with inode number ``inode`` (from its exec on;
         only in cgroup ``cgroup_id`` unless 0).  Its EV_EXEC event has :attr:`SamplerEvent.exec_target`;
-        the match is by inode number only, so confirm it (:func:`exe_matches`) and untrack on a miss."""
+        the match is by inode number only, so confirm it (:func:`exec_verdict`) and untrack on a miss."""
         set_exec_target(self.module.map("exec_targets"), inode, cgroup_id)
 
     def unfollow_exec(self, inode: int) -> None:
