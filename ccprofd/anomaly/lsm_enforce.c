@@ -10,7 +10,7 @@
 // pushes.  At the hook, the record is used only if that return address is still in the word below
 // the recorded sp (the library call is still on the stack); otherwise the key is KEY_NONE (no
 // context in the binary: the dynamic loader, exit handlers).  Userspace computes the same hash
-// from the model's decoded frames (see lsm_enforce.py), so the allowed set is the model.
+// from the model's decoded frames (see enforce.py), so the allowed set is the model.
 //
 // Knobs (defines): MAX_STACK (frames walked), CCPROF_ENFORCE_LSM (attach LSM hooks that return
 // -EPERM; else the sys_enter hook kills with SIGKILL before the syscall returns to user space).

@@ -3,7 +3,7 @@
 // instruction, so a process tracked there loses none of its syscalls.
 //
 // The inode is read through task->mm->exe_file->f_inode->i_ino (what /proc/PID/exe names), with
-// member offsets taken from the running kernel's BTF (kbtf.py: the compile-time headers may be
+// member offsets taken from the running kernel's BTF (kbpf/btf.py: the compile-time headers may be
 // from another kernel) and bpf_probe_read_kernel, so a wrong offset yields a wrong number, never a
 // fault; userspace confirms every match against /proc/PID/exe before it trusts it.  Without the
 // offsets (CCPROF_OFF_TASK_MM undefined) nothing matches and the caller falls back to rescans.

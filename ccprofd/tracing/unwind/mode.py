@@ -1,7 +1,7 @@
 """Unwind mode for ``ccprofd trace``: contexts computed at each sample by unwinding the stack in BPF
 and encoding it there with the analysed binary's Valence plan, decoded here into issue-4 frames.
 
-Stages (data flows one way): call graph + Valence plan -> :class:`UnwindEncoding` (unwind_plan.py)
+Stages (data flows one way): call graph + Valence plan -> :class:`UnwindEncoding` (plan.py)
 -> BPF maps -> :class:`~ccprofd.tracing.unwind.sampler.EncodedRecord` per new context -> ``decoder_for(plan)``
 -> :class:`~ccprofd.tracing.instrumented.symbolize.Frame` values.  :class:`UnwindMode` implements the tracer's
 ``Mode`` interface (ccprofd/tracing/session.py).
@@ -11,7 +11,7 @@ How a record becomes frames (outermost first):
 * the plan's decoder turns the encoded state (acycID, recID, segments) and the innermost analysed
   node into a path ``[(caller, callee, site), ...]``; each edge gives the caller frame's
   ``call_site`` and ``return_address`` (``site`` + the call's length), or ``tail_call`` for a tail
-  jump (a chain the stack cannot show but the plan encoded, see unwind_plan.py); a segment at
+  jump (a chain the stack cannot show but the plan encoded, see plan.py); a segment at
   ``OUTSIDE`` leaves them null (the caller was interrupted by a signal) unless the stack held a
   return address there;
 * frames outside the analysed binary (libc, the loader, the vDSO, ...) come with the record as

@@ -244,7 +244,7 @@ class ModuleTables:
         return mod.view_path or mod.path, mod.build_id, mod.readable or mod.path
 
     def upload_encoding(self, enc: UnwindEncoding) -> None:
-        """The analysed binary's function ranges, edge rows and call sites (unwind_plan.py), packed
+        """The analysed binary's function ranges, edge rows and call sites (plan.py), packed
         once (cached with the encoding's identity) and written with one batch update per map."""
         for name, (keys, values, count) in cached_packed_encoding(enc, self.cache).items():
             if count:

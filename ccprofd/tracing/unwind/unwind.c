@@ -114,7 +114,7 @@ struct uw_proc {
 #define UE_NONE 0xffffffffu
 
 #ifdef UE_ENABLED
-// The Valence encoding of one unwound stack (see unwind_plan.py / unwind_mode.py).  Its first
+// The Valence encoding of one unwound stack (see plan.py / mode.py).  Its first
 // UE_HDR_WORDS words, then the used segments, recID words and unanalysed frames, are the context
 // that is hashed, stored in the arena and compared.
 #define UE_F_ANCHOR 1       // the frames above the first segment are unknown (caller NONE)
