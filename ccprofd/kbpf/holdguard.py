@@ -95,7 +95,8 @@ class HoldGuard:
         try:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "ccprofd.kbpf.holdguard", str(held_map_fd), str(r), str(os.getpid())],
-                pass_fds=(held_map_fd, r), stdin=subprocess.DEVNULL, start_new_session=True)
+                pass_fds=(held_map_fd, r), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                stderr=None if _stderr_is_journal() else subprocess.DEVNULL, start_new_session=True)
         finally:
             os.close(r)
         self._w = w
@@ -145,6 +146,19 @@ def main(argv: list[str]) -> int:
         else:
             quiet_since = time.monotonic()
         time.sleep(SWEEP_INTERVAL_S)
+
+
+def _stderr_is_journal() -> bool:
+    """Whether our stderr is systemd's journal stream (the daemon under systemd): then the guard may
+    write its one line there.  Any other stderr (a terminal, a caller's pipe as in
+    ``out=$(ccprofd trace ... 2>&1)``) is not inherited: the guard outlives us by a few seconds and
+    would keep a caller reading our output waiting for EOF."""
+    stream = os.environ.get("JOURNAL_STREAM", "")
+    try:
+        st = os.fstat(2)
+    except OSError:
+        return False
+    return bool(stream) and stream == f"{st.st_dev}:{st.st_ino}"
 
 
 def _alive(pid: int) -> bool:
