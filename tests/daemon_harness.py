@@ -311,6 +311,8 @@ class SampleStream:
         self._samples: list[Any] = []
         self._lock = threading.Lock()
         self._call = stub.StreamSamples(pb.SampleFilter(target=target))
+        # live once the server says so: samples published before that would not reach the stream
+        assert dict(self._call.initial_metadata()).get("ccprofd-subscribed") == "1"
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
 

@@ -146,6 +146,8 @@ def test_daemon_learn_kill_restart_detect_upgrade(bpf: None, workdir: str, tmp_p
 
         def collect() -> None:
             stream = d.stub.StreamAlerts(pb.AlertFilter(target="srv"), timeout=600)
+            # the call returns before the server subscribed; its initial metadata says it has
+            assert dict(stream.initial_metadata()).get("ccprofd-subscribed") == "1"
             subscribed.set()
             try:
                 for msg in stream:
@@ -155,7 +157,7 @@ def test_daemon_learn_kill_restart_detect_upgrade(bpf: None, workdir: str, tmp_p
 
         reader = threading.Thread(target=collect, daemon=True)
         reader.start()
-        subscribed.wait(30)
+        assert subscribed.wait(60)
         assert server.run("cat", str(data)) == "done 5\n"
         assert server.run("debug", str(data)) == "done 7\n"
         wait_for(lambda: alerts, timeout=60)

@@ -144,6 +144,8 @@ def test_get_call_graph_stats(served: tuple[Daemon, FakeFactory, str]) -> None:
 def test_stream_samples_live_with_filter(served: tuple[Daemon, FakeFactory, str]) -> None:
     daemon, factory, path = served
     call = stub(path).StreamSamples(pb.SampleFilter(target="app", syscalls=["openat"]), timeout=30)
+    assert dict(call.initial_metadata()).get("ccprofd-subscribed") == "1"
+    assert daemon.samples.subscribers() == 1  # the metadata arrives only once the server subscribed
     received: list[pb.Sample] = []
 
     def consume() -> None:
@@ -168,6 +170,8 @@ def test_stream_samples_live_with_filter(served: tuple[Daemon, FakeFactory, str]
 def test_stream_alerts(served: tuple[Daemon, FakeFactory, str]) -> None:
     daemon, _, path = served
     call = stub(path).StreamAlerts(pb.AlertFilter(kinds=["unseen_context"]), timeout=30)
+    assert dict(call.initial_metadata()).get("ccprofd-subscribed") == "1"
+    assert daemon.alerts.subscribers() == 1  # the metadata arrives only once the server subscribed
     received: list[pb.Alert] = []
 
     def consume() -> None:

@@ -132,7 +132,10 @@ def test_cpu_samples_in_the_vdso_are_complete_and_exact(tmp_path: pathlib.Path) 
         frames = s["frames"]
         analysed = [f for f in frames if f["analysed"]]
         loop = analysed[1]["function"]
-        assert [f["function"] for f in analysed] == ["main", loop] and loop in ("spin_monotonic", "spin_tod")
+        # cpu_clock_calls' clock_gettime runs in the vDSO too (then makes the syscall from there):
+        # rarer, but a CPU sample may land in it
+        assert [f["function"] for f in analysed] == ["main", loop]
+        assert loop in ("spin_monotonic", "spin_tod", "cpu_clock_calls")
         assert frames[: len(analysed)] == analysed  # the program's frames, then the libraries'
         assert hexint(analysed[0]["return_address"]) in ret_after("main", loop)
         vdso = frames[-1]
@@ -145,9 +148,10 @@ def test_cpu_samples_in_the_vdso_are_complete_and_exact(tmp_path: pathlib.Path) 
             lib = frames[2]
             assert len(frames) == 4 and vdso["function"] == "clock_gettime"
             assert (lib["module"], lib["function"]) == (LIBC, "clock_gettime")
-            assert hexint(analysed[1]["return_address"]) in ret_after("spin_monotonic", "clock_gettime")
+            assert hexint(analysed[1]["return_address"]) in ret_after(loop, "clock_gettime")
             libc_calls.add(hexint(lib["return_address"]))
     # libc's frame returns right after its (indirect) call into the vDSO
     for ret in libc_calls:
         assert ret is not None and "call" in _call_ending_at(LIBC, ret), hex(ret or 0)
-    assert {s["frames"][1]["function"] for s in in_vdso} == {"spin_monotonic", "spin_tod"}
+    loops = {s["frames"][1]["function"] for s in in_vdso}
+    assert loops - {"cpu_clock_calls"} == {"spin_monotonic", "spin_tod"}

@@ -35,6 +35,10 @@ from ccprofd.export.gen import ccprofd_pb2_grpc as pb_grpc
 log = logging.getLogger("ccprofd")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Profiler"].full_name
 STREAM_POLL_S = 0.25
+# Sent as a stream's initial metadata once its subscription is live: a client that waits for it
+# (``call.initial_metadata()``) knows every item published from then on reaches it. Without it a
+# client cannot tell, since gRPC returns the call before the server's handler has run.
+SUBSCRIBED = (("ccprofd-subscribed", "1"),)
 
 
 class ServerError(RuntimeError):
@@ -143,6 +147,7 @@ class ProfilerServicer(pb_grpc.ProfilerServicer):
                     and (not syscalls or item.get("syscall") in syscalls))
 
         with self.daemon.samples.subscribe(accept) as sub:
+            context.send_initial_metadata(SUBSCRIBED)
             while context.is_active() and not self.daemon.stopping:
                 item = sub.get(STREAM_POLL_S)
                 if item is not None:
@@ -173,6 +178,7 @@ class ProfilerServicer(pb_grpc.ProfilerServicer):
                     and (not syscalls or item.get("syscall") in syscalls))
 
         with self.daemon.alerts.subscribe(accept) as sub:
+            context.send_initial_metadata(SUBSCRIBED)
             while context.is_active() and not self.daemon.stopping:
                 item = sub.get(STREAM_POLL_S)
                 if item is not None:
