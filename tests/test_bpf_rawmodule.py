@@ -299,6 +299,28 @@ def test_ring_buffer_wraps_around_and_skips_discarded_records(bpf: None, tmp_pat
     assert sum(len(r) + 8 for r in got) > 50 * 4096  # wrapped the one-page data area many times
 
 
+def test_ring_buffer_budget_backlog_and_detach(bpf: None, tmp_path: Path) -> None:
+    """A budget bounds what one consume delivers (the rest waits in the ring, counted by backlog);
+    after detach() the program no longer runs but what it recorded can still be read."""
+    with load_module(RING_C, cache_dir=tmp_path) as mod:
+        mod.map("state").set(0, os.getpid())
+        got: list[bytes] = []
+        mod.open_ring_buffer("rb", got.append)
+        mod.attach_raw_tracepoint("sys_enter", "on_enter")
+        for _ in range(7):  # sequence 0..6: seq 3 is discarded, 6 records of <= 208 bytes fit
+            os.getppid()
+        assert mod.ring_buffer_backlog() == 6
+        assert mod.ring_buffer_consume(budget=4) == 4
+        assert mod.ring_buffer_backlog() == 2
+        mod.detach()
+        for _ in range(5):
+            os.getppid()
+        assert mod.map("state").get(1) == 7  # the program ran no more
+        assert mod.ring_buffer_consume(budget=10) == 2
+        assert mod.ring_buffer_backlog() == 0
+    assert got == [_expected_record(s) for s in range(7) if s != 3]
+
+
 def test_ring_buffer_poll_waits_for_a_record(bpf: None, tmp_path: Path) -> None:
     src = """
     BPF_RINGBUF_OUTPUT(rb, 1);

@@ -131,10 +131,15 @@ def _target_binary(argv: Sequence[str]) -> tuple[str, str]:
 
 
 def _run_session(session: Any, write: Callable[[dict[str, Any]], None]) -> int:
-    """Stream the session's samples to ``write``: the command's status, 125 if tracing failed."""
+    """Stream the session's samples to ``write``: the command's status, 125 if tracing failed.
+    ``lost`` records (samples the kernel dropped) are not samples: run() reports them on stderr."""
     from ccprofd.tracing import session as tracer
 
-    return int(tracer.run(session, lambda s: write(s.to_json()), launched=True))
+    def samples_only(record: dict[str, Any]) -> None:
+        if record.get("event") != "lost":
+            write(record)
+
+    return int(tracer.run(session, samples_only, launched=True))
 
 
 # ------------------------------------------------------------------------------------- learn

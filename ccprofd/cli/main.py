@@ -104,7 +104,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
             session = open_session(command, options=options) if command else attach_session(args.pid, options)
         except TraceError as exc:
             raise UsageError(str(exc)) from None
-        return run(session, lambda s: writer(out, s.to_json()), launched=bool(command))
+        return run(session, lambda s: writer(out, s), launched=bool(command))
     finally:
         if out is not sys.stderr:
             out.close()

@@ -22,6 +22,8 @@ def write_jsonl(out: IO[str], sample: Mapping[str, Any]) -> None:
 def format_text(sample: Mapping[str, Any]) -> str:
     """``[pid P tid T] syscall`` (plus ``<incomplete>``), then the frames innermost first as strace -k
     prints them: `` > module(function) call_site=... return_address=...``."""
+    if sample.get("event") == "lost":
+        return f"--- {sample['samples']} samples lost ({sample['reason']}) ---\n"
     what = sample.get("syscall") if sample.get("event") == "syscall" else sample.get("event")
     head = f"[pid {sample['pid']} tid {sample['tid']}] {what}"
     if not sample.get("complete", True):

@@ -236,6 +236,8 @@ class BccModule:
         self._shadowed_tp_fds: list[int] = []
         self._ringbuf_errors: list[BaseException] = []
         self._ringbuf_cbs: list[Any] = []
+        self._ringbuf_left: int | None = None  # records the current poll may still deliver
+        self._ringbuf_delivered = 0
         err: Exception | None = None
         with _capture_stderr() as diag:
             try:
@@ -430,7 +432,12 @@ class BccModule:
                 callback(ctypes.string_at(data, size))
             except BaseException as exc:
                 self._ringbuf_errors.append(exc)
-                return -1  # stops this poll round
+                return -1  # stops this poll round (libbpf has consumed the record)
+            self._ringbuf_delivered += 1
+            if self._ringbuf_left is not None:
+                self._ringbuf_left -= 1
+                if self._ringbuf_left <= 0:
+                    return -1  # the budget is spent: stop this round the same way
             return 0
 
         # bcc keeps the ctypes callback only inside the table object, and get_table returns a new
@@ -441,15 +448,23 @@ class BccModule:
         except Exception as exc:
             raise BPFError(f"opening ring buffer {name} failed: {exc}") from None
 
-    def ring_buffer_poll(self, timeout_ms: int = -1) -> None:
-        """Wait up to ``timeout_ms`` (-1: forever) for records and dispatch them."""
-        self._b.ring_buffer_poll(timeout_ms)
-        self._raise_ringbuf_error()
+    def ring_buffer_poll(self, timeout_ms: int = -1, budget: int | None = None) -> int:
+        """Wait up to ``timeout_ms`` (-1: forever) for records and dispatch them (at most ``budget``,
+        as :meth:`RawModule.ring_buffer_poll <ccprofd.kbpf.rawmodule.RawModule.ring_buffer_poll>`)."""
+        return self._dispatch(lambda: self._b.ring_buffer_poll(timeout_ms), budget)
 
-    def ring_buffer_consume(self) -> None:
-        """Dispatch every record available now, without waiting."""
-        self._b.ring_buffer_consume()
+    def ring_buffer_consume(self, budget: int | None = None) -> int:
+        """Dispatch the records available now (at most ``budget``), without waiting."""
+        return self._dispatch(self._b.ring_buffer_consume, budget)
+
+    def _dispatch(self, run: Callable[[], Any], budget: int | None) -> int:
+        self._ringbuf_left, self._ringbuf_delivered = budget, 0
+        try:
+            run()
+        finally:
+            self._ringbuf_left = None
         self._raise_ringbuf_error()
+        return self._ringbuf_delivered
 
     def _raise_ringbuf_error(self) -> None:
         if self._ringbuf_errors:

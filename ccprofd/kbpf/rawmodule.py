@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from types import TracebackType
 from typing import Literal
 
@@ -167,15 +167,31 @@ class RawModule:
             raise BPFError(f"map {name} is not a ring buffer")
         self._rings.add(RingBuffer(name, m.fd, m.max_entries, callback))
 
-    def ring_buffer_poll(self, timeout_ms: int = -1) -> None:
-        """Wait up to ``timeout_ms`` (-1: forever) for records and dispatch them."""
-        self._rings.poll(timeout_ms)
+    def ring_buffer_poll(self, timeout_ms: int = -1, budget: int | None = None) -> int:
+        """Wait up to ``timeout_ms`` (-1: forever) for records and dispatch them (at most ``budget``);
+        returns how many were dispatched."""
+        return self._rings.poll(timeout_ms, budget)
 
-    def ring_buffer_consume(self) -> None:
-        """Dispatch every record available now, without waiting."""
-        self._rings.consume()
+    def ring_buffer_consume(self, budget: int | None = None, rings: Collection[str] | None = None) -> int:
+        """Dispatch the records available now (at most ``budget``; of the ring buffers called
+        ``rings``, default all), without waiting."""
+        return self._rings.consume(budget, rings)
+
+    def ring_buffer_backlog(self) -> int:
+        """Records waiting in this module's ring buffers."""
+        return self._rings.backlog()
 
     # -- lifetime ---------------------------------------------------------------------------------
+    def detach(self) -> None:
+        """Detach every attachment (no program runs from here on) but keep maps and ring buffers,
+        so what is already recorded can still be read; :meth:`cleanup` closes the rest."""
+        fds = [*self._attach_fds, *(fd for fds in self._raw_tps.values() for fd in fds)]
+        self._attach_fds.clear()
+        self._raw_tps.clear()
+        for fd in fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
     def cleanup(self) -> None:
         """Detach everything attached through this module and close it (idempotent)."""
         if self._closed:

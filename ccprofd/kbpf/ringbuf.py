@@ -13,7 +13,7 @@ from __future__ import annotations
 import mmap
 import select
 import struct
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 from ccprofd.kbpf.errors import BPFError
 
@@ -43,20 +43,24 @@ class RingBuffer:
         except OSError as exc:
             raise BPFError(f"mapping ring buffer {name} failed: {exc.strerror}") from None
 
-    def consume(self) -> int:
-        """Deliver every committed record; return how many were delivered.  The position advances
-        past each record before its callback runs, so an exception from the callback propagates
-        with that record consumed (as libbpf does) and the next call resumes after it."""
+    def consume(self, budget: int | None = None) -> int:
+        """Deliver committed records, at most ``budget`` (None: until none is left); return how
+        many were delivered.  A budget is what keeps a caller responsive when the producer is faster
+        than the callbacks: without it this loop never returns (records keep arriving) and the
+        callbacks' output grows without bound; with it the unread records wait in the ring, and
+        once it is full the BPF side drops and counts.  The position advances past each record
+        before its callback runs, so an exception from the callback propagates with that record
+        consumed (as libbpf does) and the next call resumes after it."""
         cons = _U64.unpack_from(self._cons, 0)[0]
         delivered = 0
-        while True:
+        while budget is None or delivered < budget:
             prod = _U64.unpack_from(self._prod, 0)[0]
             if cons >= prod:
-                return delivered
+                break
             off = PAGE + (cons & self.mask)
             length = _U32.unpack_from(self._prod, off)[0]
             if length & BUSY_BIT:
-                return delivered
+                break
             size = length & ~(BUSY_BIT | DISCARD_BIT)
             cons += (size + HDR_SIZE + 7) & ~7
             record = None if length & DISCARD_BIT else self._prod[off + HDR_SIZE:off + HDR_SIZE + size]
@@ -64,6 +68,20 @@ class RingBuffer:
             if record is not None:
                 delivered += 1
                 self.callback(record)
+        return delivered
+
+    def backlog(self) -> int:
+        """Committed records not consumed yet (discarded ones not counted); reads headers only."""
+        cons = _U64.unpack_from(self._cons, 0)[0]
+        prod = _U64.unpack_from(self._prod, 0)[0]
+        n = 0
+        while cons < prod:
+            length = _U32.unpack_from(self._prod, PAGE + (cons & self.mask))[0]
+            if length & BUSY_BIT:
+                break
+            n += 0 if length & DISCARD_BIT else 1
+            cons += ((length & ~(BUSY_BIT | DISCARD_BIT)) + HDR_SIZE + 7) & ~7
+        return n
 
     def close(self) -> None:
         for m in (self._cons, self._prod):
@@ -83,19 +101,36 @@ class RingBufferSet:
         self._epoll.register(ring.fd, select.EPOLLIN)
         self.rings[ring.fd] = ring
 
-    def consume(self) -> int:
-        """Drain every ring now."""
-        return sum(ring.consume() for ring in list(self.rings.values()))
+    def consume(self, budget: int | None = None, names: Collection[str] | None = None) -> int:
+        """Deliver the records available now, at most ``budget`` in all (None: every one), from
+        every ring or the rings called ``names``."""
+        rings = [r for r in self.rings.values() if names is None or r.name in names]
+        return self._consume(rings, budget)
 
-    def poll(self, timeout_ms: int = -1) -> int:
-        """Wait up to ``timeout_ms`` (-1: forever) for a ring to signal, then drain the rings that did."""
+    def poll(self, timeout_ms: int = -1, budget: int | None = None) -> int:
+        """Wait up to ``timeout_ms`` (-1: forever) for a ring to signal, then deliver the records of
+        the rings that did, at most ``budget`` in all."""
         if self._epoll is None:
             raise BPFError("no ring buffer opened")
         try:
             ready = self._epoll.poll(-1 if timeout_ms < 0 else timeout_ms / 1000.0)
         except InterruptedError:
             return 0
-        return sum(self.rings[fd].consume() for fd, _ in ready if fd in self.rings)
+        return self._consume([self.rings[fd] for fd, _ in ready if fd in self.rings], budget)
+
+    @staticmethod
+    def _consume(rings: list[RingBuffer], budget: int | None) -> int:
+        delivered = 0
+        for ring in rings:
+            left = None if budget is None else budget - delivered
+            if left is not None and left <= 0:
+                break
+            delivered += ring.consume(left)
+        return delivered
+
+    def backlog(self) -> int:
+        """Records committed to the rings and not delivered yet."""
+        return sum(ring.backlog() for ring in self.rings.values())
 
     def close(self) -> None:
         for ring in self.rings.values():

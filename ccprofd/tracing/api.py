@@ -12,6 +12,12 @@ MODES = ("unwind", "instrumented")  # the default first
 
 DEFAULT_MODE = "unwind"  # cheap; instrumented mode is for --scope and unwind-table-less code
 
+# Ring buffer records one poll takes at most.  The bound keeps memory flat and a poll short when
+# the target produces records faster than they are decoded: the rest waits in the kernel's ring,
+# and once that is full the BPF side drops and counts (``ringbuf_full``) -- backpressure instead
+# of an ever-growing queue in Python, and a stop request is seen within one batch.
+RECORDS_PER_POLL = 4096
+
 
 
 class TraceError(Exception):
@@ -61,7 +67,10 @@ class Mode(Protocol):
     ``track_launch`` for our gated child (before it execs the target), ``track_running`` for -p;
     ``follow_exec`` for every process that execs a file later (the daemon's path targets; found ones
     come back from ``take_new_processes``); ``poll`` returns decoded samples; ``summary`` statistics
-    for the end-of-run report.  The daemon also uses ``set_per_sample``/``poll_counted`` (aggregate
+    for the end-of-run report; ``detach`` stops producing samples while what is recorded can
+    still be polled (a stop drains it: ``backlog`` says how many records wait); ``dropped_samples``
+    counts the samples the kernel side could not send (rings full: decoding fell behind); ``close``
+    releases everything.  The daemon also uses ``set_per_sample``/``poll_counted`` (aggregate
     mode: the kernel counts repeated contexts) and ``thread_contexts`` (GetThreadContexts)."""
 
     name: str
@@ -75,6 +84,9 @@ class Mode(Protocol):
     def take_new_processes(self) -> list[int]: ...
     def poll(self, timeout_ms: int) -> list[TraceSample]: ...
     def summary(self) -> dict[str, Any]: ...
+    def detach(self) -> None: ...
+    def backlog(self) -> int: ...
+    def dropped_samples(self) -> int: ...
     def close(self) -> None: ...
     def set_per_sample(self, on: bool) -> None: ...
     def poll_counted(self, timeout_ms: int) -> tuple[list[tuple[TraceSample, bool]],

@@ -21,6 +21,7 @@ import contextlib
 import os
 import shutil
 import signal
+import time
 from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 from typing import Any
@@ -28,6 +29,10 @@ from typing import Any
 from ccprofd.kbpf.errors import BPFError
 from ccprofd.proc.tasks import list_threads
 from ccprofd.tracing.api import MODES, Mode, TraceError, TraceOptions, TraceSample
+
+# After Ctrl-C/SIGTERM (stop()), how long the records already in the rings are still decoded and
+# written before the rest is reported as unread: the user asked to stop, so not much longer.
+STOP_DRAIN_S = 1.0
 
 
 def make_mode(binary: str, options: TraceOptions) -> Mode:
@@ -75,12 +80,20 @@ class Session:
         self.build_id = mode.build_id
         self.status: int | None = None
         self.failed: BaseException | None = None
+        self.unread = 0  # records left in the rings when the drain after stop() ran out of time
         self._stop = False
+        self._hurry = False
 
     # ------------------------------------------------------------------------------ running
     def stop(self) -> None:
         """Detach at the next poll (Ctrl-C in -p mode)."""
         self._stop = True
+        self._hurry = True
+
+    def hurry(self) -> None:
+        """Keep tracing until the command exits, then drain for at most STOP_DRAIN_S (Ctrl-C or
+        SIGTERM while tracing a command: the user wants it over, not every buffered sample)."""
+        self._hurry = True
 
     def _target_alive(self) -> bool:
         if self.child is not None:
@@ -96,20 +109,23 @@ class Session:
         return False
 
     def batches(self, poll_ms: int = 100) -> Iterator[list[TraceSample]]:
-        """Batches of samples until the target exits (then the buffers are drained) or stop()."""
+        """Batches of samples until the target exits or stop(); then the mode is detached (no new
+        samples) and what is already recorded is drained: all of it after an exit, for at most
+        :data:`STOP_DRAIN_S` after stop() or hurry(), so a flood in the rings cannot hold us."""
         try:
             while not self._stop and self._target_alive():
                 batch = self.mode.poll(poll_ms)
                 if batch:
                     yield batch
-            empty = 0
-            while empty < 2:
-                batch = self.mode.poll(20)
+            self.mode.detach()
+            deadline = time.monotonic() + STOP_DRAIN_S
+            while self.mode.backlog():
+                if self._hurry and time.monotonic() > deadline:
+                    self.unread = self.mode.backlog()
+                    break
+                batch = self.mode.poll(0)
                 if batch:
-                    empty = 0
                     yield batch
-                else:
-                    empty += 1
         except (BPFError, OSError) as exc:
             self.failed = exc
             raise
@@ -233,15 +249,25 @@ def _asdict(o: TraceOptions) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ run
-Writer = Callable[[TraceSample], None]
+Writer = Callable[[dict[str, Any]], None]
+
+
+def lost_record(count: int) -> dict[str, Any]:
+    """The output record of ``count`` samples the kernel side dropped since the previous one."""
+    return {"time_ns": time.time_ns(), "event": "lost", "samples": count, "reason": "ringbuf_full"}
 
 
 def run(session: Session, write: Writer, *, launched: bool) -> int:
-    """Stream the session's samples to ``write``; returns the exit status for the CLI."""
+    """Stream the session's samples to ``write`` (as JSON-ready dicts, with a ``lost`` record
+    whenever the kernel side dropped samples since the previous batch); returns the exit status
+    for the CLI.  What was lost or left unread is also said on stderr at the end."""
+    import sys
+
     previous: dict[signal.Signals, Any] = {}
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:
         if launched:
+            session.hurry()
             if signum == signal.SIGTERM and session.child is not None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(session.child, signal.SIGTERM)
@@ -250,22 +276,34 @@ def run(session: Session, write: Writer, *, launched: bool) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         previous[sig] = signal.signal(sig, on_signal)
+    dropped = 0
     try:
         try:
             for batch in session.batches():
                 for s in batch:
-                    write(s)
+                    write(s.to_json())
+                now = session.mode.dropped_samples()
+                if now > dropped:
+                    write(lost_record(now - dropped))
+                    dropped = now
+            now = session.mode.dropped_samples()
+            if now > dropped:
+                write(lost_record(now - dropped))
+                dropped = now
         except (BPFError, OSError) as exc:
-            import sys
-
             print(f"ccprofd: tracing failed: {exc}", file=sys.stderr)
             session.close()
             if launched:
                 session.wait()
             return 125
+        if dropped:
+            print(f"ccprofd: {dropped} samples dropped: decoding fell behind and the ring buffer was full",
+                  file=sys.stderr)
+        if session.unread:
+            print(f"ccprofd: stopped with {session.unread} recorded samples not yet decoded "
+                  f"(drained for {STOP_DRAIN_S:g} s)", file=sys.stderr)
         status = session.wait()
         return status if launched else 0
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-

@@ -27,6 +27,7 @@ from ccprofd.kbpf.errors import BPFError
 from ccprofd.kbpf.objcache import cache_dir_under
 from ccprofd.kbpf.rawmodule import load_module
 from ccprofd.kbpf.tracefs import tracepoint_has_field
+from ccprofd.tracing.api import RECORDS_PER_POLL
 
 C_SOURCE = "syscall_sampler.c"
 EXEC_TARGET_SOURCE = "exec_target.c"
@@ -226,15 +227,18 @@ class SyscallSampler:
 
     def poll(self, timeout_ms: int = 0) -> list[SamplerEvent]:
         """Events that arrived since the last call (waits up to ``timeout_ms`` when there are none)."""
-        self.module.ring_buffer_consume()
-        if not self._pending and timeout_ms != 0:
-            self.module.ring_buffer_poll(timeout_ms)
+        if not self.module.ring_buffer_consume(RECORDS_PER_POLL) and timeout_ms != 0:
+            self.module.ring_buffer_poll(timeout_ms, RECORDS_PER_POLL)
         out, self._pending = self._pending, []
         return out
 
     def stats(self) -> dict[str, int]:
         """Counters summed over CPUs: events, ringbuf_full (dropped), tracked_full, forks, execs_stopped."""
         return {name: int(self._stats.get(i) or 0) for i, name in enumerate(STATS)}
+
+    def detach(self) -> None:
+        """Stop sampling (every program detached); what is in the rings stays readable until close()."""
+        self.module.detach()
 
     def close(self) -> None:
         self.module.cleanup()

@@ -132,6 +132,9 @@ class FpStackSampler:
         out.update({f"sampler_{k}": v for k, v in self.sampler.stats().items()})
         return out
 
+    def detach(self) -> None:
+        self.sampler.detach()
+
     def close(self) -> None:
         self.sampler.close()
 
@@ -387,6 +390,10 @@ class VerifyRun:
     def follow_exec(self, inode: int, cgroup_id: int) -> None:
         if self.sampler is not None:
             self.sampler.follow_exec(inode, cgroup_id)  # walks of the same processes
+
+    def detach(self) -> None:
+        if self.sampler is not None:
+            self.sampler.detach()
 
     def after_poll(self) -> None:
         if self.sampler is not None and self.verifier is not None:

@@ -595,9 +595,10 @@ class InstrumentedBPF:
         out: list[RawContext | RawHit | ProcessEvent | ScopeEntry] = []
         events = self.sampler.poll(timeout_ms)
         if self._scope_entries is not None and self.probe_plan.scope is not None:
-            # A poll consumes only the rings that signalled: drain them all once more, so every scope
-            # entry submitted before a sample of this batch is in the batch (entry before its samples).
-            self.module.ring_buffer_consume()
+            # A poll consumes only the rings that signalled, and at most RECORDS_PER_POLL: drain the
+            # scope ring once more, without a budget (entries are rare), so every scope entry
+            # submitted before a sample of this batch is in the batch (entry before its samples).
+            self.module.ring_buffer_consume(rings=("cc_scope_events",))
         for ev in events:
             if ev.kind != "syscall":  # syscall contexts come through cc_events (the sampler sends none)
                 t = monotonic_to_realtime_ns(ev.time_ns)
@@ -609,6 +610,10 @@ class InstrumentedBPF:
         out.sort(key=lambda e: e.time_ns)
         return out
 
+    def dropped_samples(self) -> int:
+        """Samples whose record did not fit in the ring (cc_events full)."""
+        return int(self.module.map("cc_stats").get(STATS.index("ringbuf_full")) or 0)
+
     def stats(self) -> dict[str, int]:
         m = self.module.map("cc_stats")
         out = {name: int(m.get(i) or 0) for i, name in enumerate(STATS)}
@@ -616,10 +621,17 @@ class InstrumentedBPF:
         out["probes"] = len(self.probe_plan.probes)
         return out
 
-    def close(self) -> None:
+    def detach(self) -> None:
+        """Stop sampling, then remove every probe (the other order would let a sample be taken
+        from a state the removed probes no longer keep right); the rings stay readable until
+        :meth:`close`."""
+        self.sampler.detach()
         for link in self._links:
             link.close()
         self._links.clear()
+
+    def close(self) -> None:
+        self.detach()
         self.sampler.close()
 
     def __enter__(self) -> InstrumentedBPF:

@@ -260,6 +260,18 @@ class InstrumentedMode(ModeBase[Event, int]):
             out["verify"] = self._verify.summary()
         return out
 
+    def detach(self) -> None:
+        if self._verify is not None:
+            self._verify.detach()
+        if self._bpf is not None:
+            self._bpf.detach()
+
+    def backlog(self) -> int:
+        return self._bpf.module.ring_buffer_backlog() if self._bpf is not None else 0
+
+    def dropped_samples(self) -> int:
+        return self._bpf.dropped_samples() if self._bpf is not None else 0
+
     def close(self) -> None:
         import sys
 

@@ -194,6 +194,16 @@ class UnwindMode(ModeBase[UnwoundSample, tuple[int, int]]):
             out["verify"] = {"checked": self.verify_checked, "mismatches": self.verify_mismatches}
         return out
 
+    def detach(self) -> None:
+        if self.sampler is not None:
+            self.sampler.detach()
+
+    def backlog(self) -> int:
+        return self.sampler.module.ring_buffer_backlog() if self.sampler is not None else 0
+
+    def dropped_samples(self) -> int:
+        return self.sampler.stats()["ringbuf_full"] if self.sampler is not None else 0
+
     def close(self) -> None:
         self._close_contexts()  # thread snapshots' private vDSO copies
         if self.sampler is not None:

@@ -66,6 +66,7 @@ from ccprofd.kbpf.rawmodule import load_module
 from ccprofd.kbpf.tracefs import tracepoint_field_offset, tracepoint_has_field
 from ccprofd.persist.cache import AnalysisCache
 from ccprofd.proc.maps import DEFAULT_PROC_ROOT
+from ccprofd.tracing.api import RECORDS_PER_POLL
 from ccprofd.tracing.syscall_sampler import (
     NR_SYSCALL_SLOTS,
     SamplerEvent,
@@ -433,9 +434,8 @@ class UnwindSampler:
     def poll(self, timeout_ms: int = 0) -> list[UnwoundSample]:
         """Samples that arrived since the last call (waits up to ``timeout_ms`` when there are none).
         Processes whose mappings changed are re-read here."""
-        self.module.ring_buffer_consume()
-        if not self._pending and timeout_ms != 0:
-            self.module.ring_buffer_poll(timeout_ms)
+        if not self.module.ring_buffer_consume(RECORDS_PER_POLL) and timeout_ms != 0:
+            self.module.ring_buffer_poll(timeout_ms, RECORDS_PER_POLL)
         self.processes.refresh_stale()
         out, self._pending = self._pending, []
         return out
@@ -473,16 +473,22 @@ class UnwindSampler:
         out["uw_arena"] = arena.max_entries * 8
         return out
 
-    def close(self) -> None:
-        self.processes.continue_launched()
-        self.programs.join()
+    def detach(self) -> None:
+        """Stop sampling: no new holds at exec, no syscall or CPU samples; the rings and tables stay
+        until :meth:`close`, so what was recorded can still be read and decoded."""
         with contextlib.suppress(BPFError):
-            self._m["exec_targets"].clear()  # no new holds at exec from here on
+            self._m["exec_targets"].clear()
         for fd in self._perf_fds + self._links:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._links.clear()
         self._perf_fds.clear()
+        self.module.detach()
+
+    def close(self) -> None:
+        self.processes.continue_launched()
+        self.programs.join()
+        self.detach()
         self.programs.close()
         self.processes.release_all()
         self.module.cleanup()
