@@ -8,6 +8,7 @@ import json
 import os
 import struct
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -297,6 +298,32 @@ def test_ring_buffer_wraps_around_and_skips_discarded_records(bpf: None, tmp_pat
     assert len(got) == len(expected)
     assert got == expected
     assert sum(len(r) + 8 for r in got) > 50 * 4096  # wrapped the one-page data area many times
+
+
+def test_records_stay_intact_while_a_producer_refills_a_full_ring(bpf: None, tmp_path: Path) -> None:
+    """A record is copied out before the consumer position that frees its space is published: a
+    producer on the other CPU keeping the ring full must never overwrite a record being read (a
+    consumer that advanced first read records half overwritten by the next ones)."""
+    with load_module(RING_C, cache_dir=tmp_path) as mod:
+        got: list[bytes] = []
+        mod.open_ring_buffer("rb", got.append)
+        child = subprocess.Popen([sys.executable, "-c",
+                                  "import os, sys\nsys.stdin.read(1)\nfor _ in range(400000): os.getppid()"],
+                                 stdin=subprocess.PIPE)
+        assert child.stdin is not None
+        mod.map("state").set(0, child.pid)
+        mod.attach_raw_tracepoint("sys_enter", "on_enter")
+        child.stdin.write(b"x")
+        child.stdin.close()
+        while child.poll() is None:
+            mod.ring_buffer_consume(budget=64)  # the ring is refilled as soon as space is freed
+        mod.ring_buffer_consume()
+        sent = mod.map("state").get(1)
+    assert sent == 400000 and len(got) > 2000
+    seqs = [struct.unpack_from("<I", r)[0] for r in got]
+    bad = [s for s, r in zip(seqs, got, strict=True) if r != _expected_record(s)]
+    assert not bad, f"{len(bad)} of {len(got)} records overwritten while read"
+    assert seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
 
 
 def test_ring_buffer_budget_backlog_and_detach(bpf: None, tmp_path: Path) -> None:

@@ -51,23 +51,32 @@ class RingBuffer:
         once it is full the BPF side drops and counts.  The position advances past each record
         before its callback runs, so an exception from the callback propagates with that record
         consumed (as libbpf does) and the next call resumes after it."""
-        cons = _U64.unpack_from(self._cons, 0)[0]
+        data, cons_page, callback, mask = self._prod, self._cons, self.callback, self.mask
+        read_u64, read_u32, write_u64 = _U64.unpack_from, _U32.unpack_from, _U64.pack_into
+        cons = read_u64(cons_page, 0)[0]
+        prod = read_u64(data, 0)[0]  # re-read only when the records known so far are consumed
+        limit = -1 if budget is None else max(budget, 0)
         delivered = 0
-        while budget is None or delivered < budget:
-            prod = _U64.unpack_from(self._prod, 0)[0]
+        while delivered != limit:
             if cons >= prod:
-                break
-            off = PAGE + (cons & self.mask)
-            length = _U32.unpack_from(self._prod, off)[0]
+                prod = read_u64(data, 0)[0]
+                if cons >= prod:
+                    break
+            off = PAGE + (cons & mask)
+            length = read_u32(data, off)[0]
             if length & BUSY_BIT:
                 break
             size = length & ~(BUSY_BIT | DISCARD_BIT)
             cons += (size + HDR_SIZE + 7) & ~7
-            record = None if length & DISCARD_BIT else self._prod[off + HDR_SIZE:off + HDR_SIZE + size]
-            _U64.pack_into(self._cons, 0, cons)
-            if record is not None:
-                delivered += 1
-                self.callback(record)
+            if length & DISCARD_BIT:
+                write_u64(cons_page, 0, cons)
+                continue
+            # Copy the record out BEFORE publishing the new consumer position: from then on the
+            # kernel may reserve that space for the next record and overwrite it.
+            record = data[off + HDR_SIZE:off + HDR_SIZE + size]
+            write_u64(cons_page, 0, cons)
+            delivered += 1
+            callback(record)
         return delivered
 
     def backlog(self) -> int:
