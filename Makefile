@@ -4,7 +4,7 @@
 PYTHON ?= .venv/bin/python
 BENCH_OUT ?= docs
 
-.PHONY: bench bench-setup bench-ci bench-daemon bench-unwind
+.PHONY: bench bench-setup bench-ci bench-daemon bench-unwind bench-trace
 
 bench-setup:
 	bash bench/setup.sh
@@ -13,6 +13,7 @@ bench: bench-setup
 	$(PYTHON) bench/report.py --out $(BENCH_OUT)
 	$(PYTHON) bench/unwind.py --update-readme
 	$(PYTHON) bench/daemon.py --update-readme
+	$(PYTHON) bench/trace_throughput.py --update-readme
 
 # Unwind mode's cost per sample against bpf_get_stack at 6..4,000 frames, and unwind-table build
 # time; rewrites the README's bench:unwind section (~3 minutes).
@@ -23,6 +24,11 @@ bench-unwind: bench-setup
 # and stop; rewrites the README's bench:daemon section (~10 minutes).
 bench-daemon: bench-setup
 	$(PYTHON) bench/daemon.py --update-readme
+
+# ccprofd trace's decode-and-write throughput (repeated and distinct contexts) and end-to-end rate
+# beside strace -k; rewrites the README's bench:trace_throughput section (~3 minutes).
+bench-trace: bench-setup
+	$(PYTHON) bench/trace_throughput.py --update-readme
 
 bench-ci:
 	out=$$(mktemp -d /tmp/ccprofd-bench-ci-XXXXXX) && $(PYTHON) bench/report.py --reduced --out "$$out" && \

@@ -135,11 +135,17 @@ def _run_session(session: Any, write: Callable[[dict[str, Any]], None]) -> int:
     ``lost`` records (samples the kernel dropped) are not samples: run() reports them on stderr."""
     from ccprofd.tracing import session as tracer
 
-    def samples_only(record: dict[str, Any]) -> None:
-        if record.get("event") != "lost":
-            write(record)
+    class SamplesOnly:
+        def sample(self, s: Any) -> None:
+            write(s.to_json())
 
-    return int(tracer.run(session, samples_only, launched=True))
+        def record(self, r: dict[str, Any]) -> None:
+            pass
+
+        def flush(self) -> None:
+            pass
+
+    return int(tracer.run(session, SamplesOnly(), launched=True))
 
 
 # ------------------------------------------------------------------------------------- learn

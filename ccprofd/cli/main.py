@@ -74,23 +74,27 @@ def _print_table(stats: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------------------- trace
 def cmd_trace(args: argparse.Namespace) -> int:
     """``ccprofd trace``: calling contexts at each syscall of ``-- CMD`` or ``-p PID``."""
-    from ccprofd.export.jsonl import write_jsonl, write_text
+    from ccprofd.export.jsonl import writer_for
     from ccprofd.tracing.api import DEFAULT_MODE, TraceError, TraceOptions
     from ccprofd.tracing.session import attach_session, open_session, run
 
     command = list(args.command or [])
     if command and command[0] == "--":
         command = command[1:]
-    if bool(command) == (args.pid is not None):
-        raise UsageError("give exactly one of -p PID and -- CMD [ARGS...]")
+    pids = list(args.pid or [])
+    if bool(command) == bool(pids):
+        raise UsageError("give exactly one of -p PID (repeatable) and -- CMD [ARGS...]")
     if args.sample_hz < 0:
         raise UsageError("--sample-hz must be positive")
+    if args.duration is not None and args.duration <= 0:
+        raise UsageError("--duration must be a positive number of seconds")
+    syscalls = _trace_expression(args.expr, args.syscalls)
     mode = args.mode or ("instrumented" if args.scope else DEFAULT_MODE)
     if args.scope and mode != "instrumented":
         raise UsageError("--scope needs --mode instrumented (unwind mode always sees the whole stack)")
     if (args.edge_weights or args.save_edge_weights) and mode != "instrumented":
         raise UsageError("--edge-weights and --save-edge-weights need --mode instrumented")
-    options = TraceOptions(mode=mode, syscalls=args.syscalls, encoding=args.encoding, scope=args.scope,
+    options = TraceOptions(mode=mode, syscalls=syscalls, encoding=args.encoding, scope=args.scope,
                            sample_hz=args.sample_hz, verify=args.verify,
                            cache_dir=str(args.cache_dir) if args.cache_dir else None,
                            edge_weights=args.edge_weights, save_edge_weights=args.save_edge_weights)
@@ -98,16 +102,31 @@ def cmd_trace(args: argparse.Namespace) -> int:
         out = open(args.output, "w", encoding="utf-8") if args.output else sys.stderr  # noqa: SIM115
     except OSError as exc:
         raise UsageError(f"cannot write {args.output}: {exc.strerror}") from None
-    writer = write_jsonl if args.format == "jsonl" else write_text
+    writer = writer_for(args.format, out, timestamps=args.timestamps)
     try:
         try:
-            session = open_session(command, options=options) if command else attach_session(args.pid, options)
+            session = open_session(command, options=options) if command else attach_session(pids, options)
         except TraceError as exc:
             raise UsageError(str(exc)) from None
-        return run(session, lambda s: writer(out, s), launched=bool(command))
+        return run(session, writer, launched=bool(command), duration=args.duration)
     finally:
         if out is not sys.stderr:
             out.close()
+
+
+def _trace_expression(expr: str | None, syscalls: str | None) -> str:
+    """The syscall list of strace's ``-e trace=LIST`` (or ``-e LIST``) and/or ``--syscalls``."""
+    if expr is None:
+        return syscalls or "all"
+    qualifier, sep, value = expr.partition("=")
+    if not sep:
+        qualifier, value = "trace", expr
+    if qualifier not in ("trace", "t"):
+        raise UsageError(f"-e {expr}: only -e trace=LIST is supported (syscall names and the classes "
+                         "%file, %network, %process, %memory)")
+    if syscalls is not None:
+        raise UsageError("give the syscalls once: -e trace=LIST or --syscalls LIST")
+    return value or "all"
 
 
 # ---------------------------------------------------------------------------------------- main
@@ -146,8 +165,20 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--mode", choices=MODES, default=None,
                     help="how contexts are obtained: unwind (default; BPF unwinds with .eh_frame at each "
                          "sample) or instrumented (uprobes keep the context; the default with --scope)")
-    tr.add_argument("--syscalls", default="all", metavar="LIST",
-                    help="comma-separated syscall names to sample, or 'all' (default)")
+    tr.add_argument("--syscalls", default=None, metavar="LIST",
+                    help="comma-separated syscall names to sample, or 'all' (default); strace's classes "
+                         "%%file, %%network, %%process and %%memory stand for their syscalls")
+    tr.add_argument("-e", dest="expr", metavar="trace=LIST",
+                    help="strace's spelling of --syscalls: -e trace=write,%%file (or -e write)")
+    tr.add_argument("-f", dest="follow_forks", action="store_true",
+                    help="accepted for strace habits: forks and threads are always followed")
+    tr.add_argument("-tt", dest="timestamps", action="store_const", const="tt", default=None,
+                    help="text format: start each sample with the wall-clock time, HH:MM:SS.microseconds")
+    tr.add_argument("-ttt", dest="timestamps", action="store_const", const="ttt",
+                    help="text format: start each sample with seconds since the epoch, with microseconds")
+    tr.add_argument("--duration", type=float, metavar="SECONDS",
+                    help="stop after SECONDS as on SIGTERM: an attached process is detached and left "
+                         "running; a command is sent SIGTERM (as timeout(1) does) and its status returned")
     tr.add_argument("--format", choices=["text", "jsonl"], default="text",
                     help="output format (default text)")
     tr.add_argument("--output", "-o", metavar="FILE", help="write samples to FILE instead of stderr")
@@ -167,7 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
                     help="instrumented mode, profiling run: also count calls on every direct call site of "
                          "the binary (slow: one probe hit per call) and write the counts to FILE at exit")
     tr.add_argument("--cache-dir", type=_path_arg, default=None, help="analysis cache directory")
-    tr.add_argument("-p", "--pid", type=int, help="attach to the running process PID")
+    tr.add_argument("-p", "--pid", type=int, action="append", metavar="PID",
+                    help="attach to the running process PID; repeat for several processes of the same "
+                         "executable")
     tr.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]",
                     help="the command to run traced")
     tr.set_defaults(func=cmd_trace)
@@ -206,7 +239,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         text = str(exc)
         print(text if text.startswith("ccprofd:") else f"ccprofd: {text}", file=sys.stderr)
         return EXIT_FAILURE
-    except KeyboardInterrupt:
+    except KeyboardInterrupt:  # before the tracer's own handlers were installed (start-up)
+        print("ccprofd: interrupted", file=sys.stderr)
         return 130
     except BrokenPipeError:
         # Output closed early (e.g. piped to head): not an error worth a traceback.

@@ -1,21 +1,36 @@
 """``ccprofd trace`` output: one JSON object per sample (``--format jsonl``) or ``strace -k``-like text.
 
 Both take the sample dicts of the issue-4 format (``time_ns, pid, tid, event, syscall, complete,
-frames``; frames outermost first) and write to a text stream, flushing per sample so a reader of
-the file (or a pipe) sees samples as they happen.
+frames``; frames outermost first) and write to a text stream.
+
+:class:`JsonlWriter` and :class:`TextWriter` are the fast path ``ccprofd trace`` uses: they take
+:class:`~ccprofd.tracing.api.TraceSample` values and serialise each context's frames once -- the
+modes give every sample of one context the same frames list -- so a repeated context costs one
+string format per sample instead of a JSON encoding of its whole stack.  They write without
+flushing; the caller flushes once per batch, so a reader of the file or pipe still sees samples
+within one poll of their arrival.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
-from typing import IO, Any
+from typing import IO, Any, Protocol
+
+from ccprofd.tracing.api import TraceSample
 
 FORMATS = ("text", "jsonl")
 
+# Serialised frame lists kept per writer: enough for every context of a long trace; past it the
+# cache starts over (a context is then serialised once more, nothing else changes).
+FRAME_CACHE_ENTRIES = 1 << 16
+
+_dumps = json.JSONEncoder(separators=(",", ":")).encode
+
 
 def write_jsonl(out: IO[str], sample: Mapping[str, Any]) -> None:
-    out.write(json.dumps(sample, separators=(",", ":")) + "\n")
+    out.write(_dumps(sample) + "\n")
     out.flush()
 
 
@@ -28,8 +43,13 @@ def format_text(sample: Mapping[str, Any]) -> str:
     head = f"[pid {sample['pid']} tid {sample['tid']}] {what}"
     if not sample.get("complete", True):
         head += " <incomplete>"
-    lines = [head]
-    for f in reversed(sample.get("frames") or []):
+    return head + "\n" + format_frames_text(sample.get("frames") or [])
+
+
+def format_frames_text(frames: list[dict[str, Any]]) -> str:
+    """The frame lines of a text sample, innermost first, each ending in a newline."""
+    lines = []
+    for f in reversed(frames):
         name = f.get("function") or "?"
         parts = [f" > {f.get('module') or '?'}({name})"]
         if f.get("call_site"):
@@ -40,10 +60,131 @@ def format_text(sample: Mapping[str, Any]) -> str:
             parts.append("[tail call]")
         if not f.get("analysed", True):
             parts.append("[not analysed]")
-        lines.append(" ".join(parts))
-    return "\n".join(lines) + "\n"
+        lines.append(" ".join(parts) + "\n")
+    return "".join(lines)
 
 
 def write_text(out: IO[str], sample: Mapping[str, Any]) -> None:
     out.write(format_text(sample))
     out.flush()
+
+
+class SampleWriter(Protocol):
+    """Where ``ccprofd trace`` puts its output: samples, side records (``lost``), a flush per batch."""
+
+    def sample(self, s: TraceSample) -> None: ...
+    def record(self, r: Mapping[str, Any]) -> None: ...
+    def flush(self) -> None: ...
+
+
+class _FrameCache:
+    """Serialised frames by the identity of the frames list (held, so the identity stays valid)."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[list[dict[str, Any]], str]] = {}
+
+    def text(self, frames: list[dict[str, Any]], render: Any) -> str:
+        got = self._by_id.get(id(frames))
+        if got is not None and got[0] is frames:
+            return got[1]
+        if len(self._by_id) >= FRAME_CACHE_ENTRIES:
+            self._by_id.clear()
+        text = render(frames)
+        self._by_id[id(frames)] = (frames, text)
+        return text
+
+
+class JsonlWriter:
+    """``--format jsonl``: each line equals ``json.dumps(sample.to_json(), separators=(",", ":"))``.
+    Everything after ``tid`` but the arguments is the same for every sample of one context and
+    syscall: it is serialised once per frames list and reused while the event, syscall and
+    completeness stay the same."""
+
+    def __init__(self, out: IO[str]) -> None:
+        self.out = out
+        self._tails: dict[int, tuple[list[dict[str, Any]], str, str | None, bool, str]] = {}
+        self._frame_texts: dict[int, tuple[dict[str, Any], str]] = {}
+
+    def _frames_text(self, frames: list[dict[str, Any]]) -> str:
+        """The JSON of a frames list, each frame dict serialised once (the modes share equal
+        frames' dicts between contexts, so a new context mostly costs a join)."""
+        texts = self._frame_texts
+        if len(texts) >= FRAME_CACHE_ENTRIES:
+            texts.clear()
+        parts = []
+        for f in frames:
+            got = texts.get(id(f))
+            if got is None or got[0] is not f:
+                got = texts[id(f)] = (f, _dumps(f))
+            parts.append(got[1])
+        return "[" + ",".join(parts) + "]"
+
+    def _tail(self, s: TraceSample) -> str:
+        frames = s.frames
+        got = self._tails.get(id(frames))
+        if got is not None and got[0] is frames and got[1] == s.event and got[2] == s.syscall \
+                and got[3] == s.complete:
+            return got[4]
+        if len(self._tails) >= FRAME_CACHE_ENTRIES:
+            self._tails.clear()
+        tail = (f'"event":{_dumps(s.event)},"syscall":{_dumps(s.syscall)},'
+                f'"complete":{"true" if s.complete else "false"},"frames":{self._frames_text(frames)}')
+        self._tails[id(frames)] = (frames, s.event, s.syscall, s.complete, tail)
+        return tail
+
+    def sample(self, s: TraceSample) -> None:
+        if s.args:
+            self.out.write(f'{{"time_ns":{s.time_ns},"pid":{s.pid},"tid":{s.tid},{self._tail(s)},'
+                           f'"args":{_dumps(s.args)}}}\n')
+        else:
+            self.out.write(f'{{"time_ns":{s.time_ns},"pid":{s.pid},"tid":{s.tid},{self._tail(s)}}}\n')
+
+    def record(self, r: Mapping[str, Any]) -> None:
+        self.out.write(_dumps(r) + "\n")
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+def timestamp(time_ns: int, style: str | None) -> str:
+    """strace's ``-tt`` (local ``HH:MM:SS.uuuuuu``) or ``-ttt`` (``seconds.uuuuuu``) prefix, with
+    its trailing space; empty for no style."""
+    if style is None:
+        return ""
+    sec, us = divmod(time_ns // 1000, 1_000_000)
+    if style == "ttt":
+        return f"{sec}.{us:06d} "
+    return time.strftime("%H:%M:%S", time.localtime(sec)) + f".{us:06d} "
+
+
+class TextWriter:
+    """``--format text``: :func:`format_text` lines, the frame lines of each context rendered once;
+    ``timestamps`` ("tt"/"ttt") prefixes each sample's first line with its time as strace does."""
+
+    def __init__(self, out: IO[str], timestamps: str | None = None) -> None:
+        self.out = out
+        self.timestamps = timestamps
+        self._frames = _FrameCache()
+
+    def sample(self, s: TraceSample) -> None:
+        what = s.syscall if s.event == "syscall" else s.event
+        head = f"[pid {s.pid} tid {s.tid}] {what}\n" if s.complete else \
+            f"[pid {s.pid} tid {s.tid}] {what} <incomplete>\n"
+        if self.timestamps:
+            head = timestamp(s.time_ns, self.timestamps) + head
+        self.out.write(head + self._frames.text(s.frames, format_frames_text))
+
+    def record(self, r: Mapping[str, Any]) -> None:
+        self.out.write(format_text(r))
+
+    def flush(self) -> None:
+        self.out.flush()
+
+
+def writer_for(fmt: str, out: IO[str], *, timestamps: str | None = None) -> SampleWriter:
+    """The writer of ``--format fmt`` (``timestamps``: text only; JSONL always has ``time_ns``)."""
+    if fmt == "jsonl":
+        return JsonlWriter(out)
+    if fmt == "text":
+        return TextWriter(out, timestamps)
+    raise ValueError(f"unknown format {fmt!r} (expected one of {', '.join(FORMATS)})")

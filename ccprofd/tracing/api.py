@@ -41,7 +41,8 @@ class TraceOptions:
 
 @dataclass(slots=True)
 class TraceSample:
-    """One decoded sample in the issue-4 JSONL format."""
+    """One decoded sample in the issue-4 JSONL format.  ``frames`` is shared by every sample of
+    the same context (the writers serialise it once): read it, never change it."""
 
     time_ns: int
     pid: int

@@ -22,6 +22,20 @@ Key = TypeVar("Key", bound=Hashable)
 
 LOST_CONTEXT = "context record lost"
 
+_NAMES: dict[int | None, str | None] = {}  # syscall names by number, filled as they are seen
+
+
+def _name(nr: int | None) -> str | None:
+    name = _NAMES[nr] = syscall_name(nr)
+    return name
+
+
+# A hit whose context's record never came (counted in KernelCounts.lost).
+LOST_DECODED = Decoded([], False, LOST_CONTEXT)
+
+# Record kinds (ModeBase._kind).
+SIDE, PLAIN, NEW, HIT = range(4)
+
 
 class ContextReader(Protocol):
     """GetThreadContexts for one mode: every thread's context of a process, now."""
@@ -53,20 +67,16 @@ class ModeBase(ABC, Generic[Record, Key]):
     def _receive(self, timeout_ms: int) -> list[Record]:
         """The records that arrived, in order (samples and the mode's side events)."""
 
-    def _is_sample(self, r: Record) -> bool:
-        """False for a side event (exec, scope entry...), given to :meth:`_on_side_event` in order."""
-        return True
+    @abstractmethod
+    def _kind(self, r: Record) -> int:
+        """What a record is: :data:`SIDE` (an exec, a scope entry...: given to
+        :meth:`_on_side_event` in order), :data:`PLAIN` (a sample of its own), :data:`NEW` (a new
+        context's first record in aggregate mode: its key names it in later hits) or :data:`HIT`
+        (a repeated sample sent as its context's key only).  One call per record: it is the hot
+        path when a flood of repeated samples is decoded."""
 
     def _on_side_event(self, r: Record) -> None:
         """A side event, seen between the samples it arrived among."""
-
-    @abstractmethod
-    def _is_new(self, r: Record) -> bool:
-        """A new context's first record in aggregate mode (its key then names it in later hits)."""
-
-    @abstractmethod
-    def _is_hit(self, r: Record) -> bool:
-        """A repeated sample sent as its context's key only."""
 
     @abstractmethod
     def _key(self, r: Record) -> Key: ...
@@ -92,39 +102,55 @@ class ModeBase(ABC, Generic[Record, Key]):
     @staticmethod
     def trace_sample(r_time: int, pid: int, tid: int, event: str, nr: int | None, d: Decoded,
                      arg: str | None = None) -> TraceSample:
-        name = syscall_name(nr) if nr is not None else None
-        return TraceSample(r_time, pid, tid, event, name, d.complete, [f.to_json() for f in d.frames],
-                           path_args(name, arg))
+        name = _NAMES.get(nr) or _name(nr)
+        return TraceSample(r_time, pid, tid, event, name, d.complete, d.json_frames(),
+                           path_args(name, arg) if arg is not None else None)
 
     def poll(self, timeout_ms: int) -> list[TraceSample]:
-        return [t for t, _ in self._poll_decoded(timeout_ms, in_kernel=False)]
+        return self._poll_decoded(timeout_ms, in_kernel=False)[0]
 
-    def _poll_decoded(self, timeout_ms: int, *, in_kernel: bool) -> list[tuple[TraceSample, bool]]:
-        """Every record as a TraceSample, each with whether it is one sample counted here (False
-        with ``in_kernel`` for new and repeated contexts: the kernel's count has them)."""
+    def _poll_decoded(self, timeout_ms: int, *, in_kernel: bool) -> tuple[list[TraceSample], list[bool]]:
+        """Every sample record as a TraceSample, and for each whether it is one sample counted here
+        (False with ``in_kernel`` for new and repeated contexts: the kernel's count has them).
+        Written for speed: a repeated context costs a key lookup and one TraceSample."""
         raw = self._receive(timeout_ms)
+        kind = self._kind
+        kinds = [kind(r) for r in raw]
         fresh: dict[int, Decoded] = {}
-        for r in raw:  # new contexts first: a hit (another CPU) may overtake its context's record
-            if self._is_new(r):
-                d = fresh[id(r)] = self._decode(r)
-                self._kernel.learn(self._key(r), self._sample(r, d, timed=False), d)
-        out: list[tuple[TraceSample, bool]] = []
-        for r in raw:
-            if not self._is_sample(r):
+        key = self._key
+        sample = self._sample
+        if NEW in kinds:  # new contexts first: a hit (another CPU) may overtake its context's record
+            for i, r in enumerate(raw):
+                if kinds[i] == NEW:
+                    d = fresh[i] = self._decode(r)
+                    self._kernel.learn(key(r), sample(r, d, timed=False), d)
+        out: list[TraceSample] = []
+        counted: list[bool] = []
+        hit = self._kernel.hit
+        seen = 0
+        for i, r in enumerate(raw):
+            k = kinds[i]
+            if k == HIT:
+                d = hit(key(r)) or LOST_DECODED
+            elif k == NEW:
+                d = fresh[i]
+            elif k == PLAIN:
+                d = self._decode(r)
+            else:
                 self._on_side_event(r)
                 continue
-            self.records += 1
-            if self._is_hit(r):
-                known = self._kernel.hit(self._key(r))
-                d = known if known is not None else Decoded([], False, LOST_CONTEXT)
-            else:
-                d = fresh[id(r)] if id(r) in fresh else self._decode(r)
-            counted = not (in_kernel and (self._is_hit(r) or self._is_new(r)))
-            if counted:
-                self._count(d.complete, d.reason, 1)
-            out.append((self._sample(r, d), counted))
+            one = k == PLAIN or not in_kernel
+            if one:
+                if d.complete:
+                    seen += 1
+                else:
+                    self._count(False, d.reason, 1)
+            out.append(sample(r, d))
+            counted.append(one)
+        self.samples_seen += seen
+        self.records += len(out)
         self._after_poll()
-        return out
+        return out, counted
 
     def poll_counted(self, timeout_ms: int) -> tuple[list[tuple[TraceSample, bool]],
                                                      list[tuple[TraceSample, int]]]:
@@ -139,7 +165,8 @@ class ModeBase(ABC, Generic[Record, Key]):
         The map is read after the ring buffer is drained: a context whose first record is not in
         yet (still being sent by another CPU) is left for the next call, its count not yet taken,
         so nothing is lost (see kernelcounts.py)."""
-        records = self._poll_decoded(timeout_ms, in_kernel=True)
+        samples, counted = self._poll_decoded(timeout_ms, in_kernel=True)
+        records = list(zip(samples, counted, strict=True))
         counts: list[tuple[TraceSample, int]] = []
         for ctx, d, n in self._kernel.deltas(self._kernel_counts()):
             counts.append((ctx, n))
@@ -147,6 +174,7 @@ class ModeBase(ABC, Generic[Record, Key]):
         return records, counts
 
     def _count(self, complete: bool, reason: str | None, n: int) -> None:
+        """Tally ``n`` samples (complete or not, with the reason's first word)."""
         self.samples_seen += n
         if not complete:
             self.incomplete += n

@@ -5,7 +5,7 @@ from __future__ import annotations
 import shutil
 import subprocess
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 
@@ -32,6 +32,23 @@ class Frame:
             d["tail_call"] = True
         return d
 
+
+
+# One JSON dict per distinct frame, shared by every context that has it (contexts share most of
+# their frames), so writers can serialise a frame once; bounded, starts over when full.
+_FRAME_JSON: dict[tuple[Any, ...], dict[str, Any]] = {}
+FRAME_JSON_ENTRIES = 1 << 17
+
+
+def frame_json(f: Frame) -> dict[str, Any]:
+    """``f.to_json()``, the same (read-only) dict for equal frames."""
+    key = (f.function, f.module, f.build_id, f.analysed, f.call_site, f.return_address, f.tail_call)
+    got = _FRAME_JSON.get(key)
+    if got is None:
+        if len(_FRAME_JSON) >= FRAME_JSON_ENTRIES:
+            _FRAME_JSON.clear()
+        got = _FRAME_JSON[key] = f.to_json()
+    return got
 
 
 def demangle(names: Iterable[str]) -> dict[str, str]:
@@ -61,4 +78,13 @@ class Decoded:
     frames: list[Frame]
     complete: bool
     reason: str | None = None  # why incomplete (for statistics), None when complete
+    _json: list[dict[str, Any]] | None = field(default=None, init=False, repr=False, compare=False)
+
+    def json_frames(self) -> list[dict[str, Any]]:
+        """The frames as JSON-ready dicts, made once: every sample of this context shares the list
+        (read-only), which is what lets the writers serialise a repeated context only once."""
+        if self._json is None:
+            object.__setattr__(self, "_json", [frame_json(f) for f in self.frames])
+        assert self._json is not None
+        return self._json
 

@@ -12,7 +12,7 @@ Public API::
     open_session(argv, *, syscalls=None, options=None) -> Session   (also used by learn/detect)
     Session.samples() -> Iterator[dict]       JSON-ready samples until the command has exited
     Session.wait() -> int                     the command's exit status (128+N for signal N)
-    attach_session(pid, options) -> Session   for -p PID (wait() returns 0 after detaching)
+    attach_session(pids, options) -> Session  for -p PID... (wait() returns 0 after detaching)
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import signal
 import time
 from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 from ccprofd.kbpf.errors import BPFError
 from ccprofd.proc.tasks import list_threads
@@ -72,10 +72,11 @@ def exit_status(wait_status: int) -> int:
 class Session:
     """A running trace: the mode plus the traced process(es)."""
 
-    def __init__(self, mode: Mode, *, child: int | None = None, attached: int | None = None) -> None:
+    def __init__(self, mode: Mode, *, child: int | None = None,
+                 attached: Sequence[int] | int | None = None) -> None:
         self.mode = mode
         self.child = child
-        self.attached = attached
+        self.attached: tuple[int, ...] = (attached,) if isinstance(attached, int) else tuple(attached or ())
         self.path = mode.path
         self.build_id = mode.build_id
         self.status: int | None = None
@@ -104,8 +105,8 @@ class Session:
                 self.status = exit_status(st)
                 return False
             return True
-        if self.attached is not None:
-            return os.path.exists(f"/proc/{self.attached}")
+        if self.attached:
+            return any(os.path.exists(f"/proc/{pid}") for pid in self.attached)
         return False
 
     def batches(self, poll_ms: int = 100) -> Iterator[list[TraceSample]]:
@@ -119,13 +120,15 @@ class Session:
                     yield batch
             self.mode.detach()
             deadline = time.monotonic() + STOP_DRAIN_S
-            while self.mode.backlog():
+            while True:
                 if self._hurry and time.monotonic() > deadline:
                     self.unread = self.mode.backlog()
                     break
                 batch = self.mode.poll(0)
                 if batch:
                     yield batch
+                elif not self.mode.backlog():  # counting the backlog walks the ring: only when idle
+                    break
         except (BPFError, OSError) as exc:
             self.failed = exc
             raise
@@ -215,33 +218,44 @@ def open_session(argv: Sequence[str], *, syscalls: Sequence[str] | str | None = 
     return Session(mode, child=pid)
 
 
-def attach_session(pid: int, options: TraceOptions) -> Session:
-    """Trace the running process ``pid`` (its threads' frames above the first event are unknown)."""
-    try:
-        exe = os.readlink(f"/proc/{pid}/exe")
-        tids = list_threads(pid)
-    except FileNotFoundError:
-        raise TraceError(f"no process {pid}") from None
-    except PermissionError:
-        raise TraceError(f"cannot inspect process {pid}: permission denied") from None
-    if exe.endswith(" (deleted)"):
-        raise TraceError(f"process {pid} runs a deleted executable")
-    mode = make_mode(exe, options)
+def attach_session(pids: int | Sequence[int], options: TraceOptions) -> Session:
+    """Trace the running process(es) ``pids`` (their threads' frames above the first event are
+    unknown).  Several processes must run the same executable: one binary is analysed per trace."""
+    import sys
+
+    pids = [pids] if isinstance(pids, int) else list(dict.fromkeys(pids))
+    targets: dict[int, tuple[str, list[int]]] = {}
+    for pid in pids:
+        try:
+            exe = os.readlink(f"/proc/{pid}/exe")
+            targets[pid] = (exe, list_threads(pid))
+        except FileNotFoundError:
+            raise TraceError(f"no process {pid}") from None
+        except PermissionError:
+            raise TraceError(f"cannot inspect process {pid}: permission denied") from None
+        if exe.endswith(" (deleted)"):
+            raise TraceError(f"process {pid} runs a deleted executable")
+    exes = {exe for exe, _ in targets.values()}
+    if len(exes) > 1:
+        listing = ", ".join(f"{pid}: {exe}" for pid, (exe, _) in targets.items())
+        raise TraceError(f"the processes run different executables ({listing}); trace one executable "
+                         "per ccprofd trace")
+    mode = make_mode(exes.pop(), options)
     try:
         mode.prepare()
-        mode.track_running(pid, tids)
+        for pid, (_, tids) in targets.items():
+            mode.track_running(pid, tids)
     except BaseException:
         mode.close()
         raise
-    seeded = mode.summary().get("seeding", {}).get(str(pid))
-    if seeded is not None:  # one line once the threads run again: what is complete from now on
-        import sys
-
-        bad = {t: r for t, r in seeded.items() if r is not None}
-        why = "".join(f"; {'thread ' + t if t != '0' else 'all'} not seeded: {r}" for t, r in bad.items())
-        print(f"ccprofd: attached to pid {pid}: {len(seeded) - len(bad)} of {len(seeded)} threads seeded by "
-              f"one unwind{why}", file=sys.stderr, flush=True)
-    return Session(mode, attached=pid)
+    for pid in targets:
+        seeded = mode.summary().get("seeding", {}).get(str(pid))
+        if seeded is not None:  # one line once the threads run again: what is complete from now on
+            bad = {t: r for t, r in seeded.items() if r is not None}
+            why = "".join(f"; {'thread ' + t if t != '0' else 'all'} not seeded: {r}" for t, r in bad.items())
+            print(f"ccprofd: attached to pid {pid}: {len(seeded) - len(bad)} of {len(seeded)} threads seeded "
+                  f"by one unwind{why}", file=sys.stderr, flush=True)
+    return Session(mode, attached=list(targets))
 
 
 def _asdict(o: TraceOptions) -> dict[str, Any]:
@@ -249,7 +263,12 @@ def _asdict(o: TraceOptions) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------ run
-Writer = Callable[[dict[str, Any]], None]
+class Writer(Protocol):
+    """Where :func:`run` puts its output (ccprofd/export/jsonl.py's writers are ones)."""
+
+    def sample(self, s: TraceSample) -> None: ...
+    def record(self, r: dict[str, Any]) -> None: ...
+    def flush(self) -> None: ...
 
 
 def lost_record(count: int) -> dict[str, Any]:
@@ -257,10 +276,12 @@ def lost_record(count: int) -> dict[str, Any]:
     return {"time_ns": time.time_ns(), "event": "lost", "samples": count, "reason": "ringbuf_full"}
 
 
-def run(session: Session, write: Writer, *, launched: bool) -> int:
-    """Stream the session's samples to ``write`` (as JSON-ready dicts, with a ``lost`` record
+def run(session: Session, writer: Writer, *, launched: bool, duration: float | None = None) -> int:
+    """Stream the session's samples to ``writer`` (flushed once per batch, with a ``lost`` record
     whenever the kernel side dropped samples since the previous batch); returns the exit status
-    for the CLI.  What was lost or left unread is also said on stderr at the end."""
+    for the CLI.  What was lost or left unread is also said on stderr at the end.  ``duration``:
+    stop after that many seconds as on SIGTERM (a launched command is sent SIGTERM, as `timeout`
+    does; an attached process is detached and left running)."""
     import sys
 
     previous: dict[signal.Signals, Any] = {}
@@ -276,20 +297,27 @@ def run(session: Session, write: Writer, *, launched: bool) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         previous[sig] = signal.signal(sig, on_signal)
+    if duration is not None:
+        previous[signal.SIGALRM] = signal.signal(signal.SIGALRM,
+                                                 lambda _s, _f: on_signal(signal.SIGTERM, None))
+        signal.setitimer(signal.ITIMER_REAL, max(duration, 0.001))
     dropped = 0
+    write = writer.sample
     try:
         try:
             for batch in session.batches():
                 for s in batch:
-                    write(s.to_json())
+                    write(s)
                 now = session.mode.dropped_samples()
                 if now > dropped:
-                    write(lost_record(now - dropped))
+                    writer.record(lost_record(now - dropped))
                     dropped = now
+                writer.flush()
             now = session.mode.dropped_samples()
             if now > dropped:
-                write(lost_record(now - dropped))
+                writer.record(lost_record(now - dropped))
                 dropped = now
+            writer.flush()
         except (BPFError, OSError) as exc:
             print(f"ccprofd: tracing failed: {exc}", file=sys.stderr)
             session.close()
@@ -305,5 +333,7 @@ def run(session: Session, write: Writer, *, launched: bool) -> int:
         status = session.wait()
         return status if launched else 0
     finally:
+        if duration is not None:
+            signal.setitimer(signal.ITIMER_REAL, 0)
         for sig, handler in previous.items():
             signal.signal(sig, handler)

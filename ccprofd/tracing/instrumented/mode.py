@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ccprofd.tracing.api import TraceError, TraceOptions, TraceSample
-from ccprofd.tracing.base import ContextReader, ModeBase
+from ccprofd.tracing.base import HIT, NEW, PLAIN, SIDE, ContextReader, ModeBase
 from ccprofd.tracing.frames import Decoded
 from ccprofd.tracing.instrumented.constants import SF_BIAS
 from ccprofd.tracing.instrumented.loader import (
@@ -170,8 +170,12 @@ class InstrumentedMode(ModeBase[Event, int]):
         assert self._bpf is not None
         return list(self._bpf.poll(timeout_ms))
 
-    def _is_sample(self, r: Event) -> bool:
-        return isinstance(r, RawContext | RawHit)
+    def _kind(self, r: Event) -> int:
+        if isinstance(r, RawHit):
+            return HIT
+        if isinstance(r, RawContext):
+            return NEW if r.agg == AGG_NEW else PLAIN
+        return SIDE
 
     def _on_side_event(self, r: Event) -> None:
         if isinstance(r, ProcessEvent) and r.kind == "exec" and r.aux & EXEC_TARGET_FLAG:
@@ -183,12 +187,6 @@ class InstrumentedMode(ModeBase[Event, int]):
                 self._bpf.sampler.untrack(r.pid)
         elif isinstance(r, ScopeEntry) and self._scope is not None:
             self._scope.add(r)
-
-    def _is_new(self, r: Event) -> bool:
-        return isinstance(r, RawContext) and r.agg == AGG_NEW
-
-    def _is_hit(self, r: Event) -> bool:
-        return isinstance(r, RawHit)
 
     def _key(self, r: Event) -> int:
         assert isinstance(r, RawContext | RawHit)

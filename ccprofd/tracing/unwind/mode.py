@@ -37,8 +37,8 @@ from typing import Any
 
 from ccprofd.elf.needed import load_set
 from ccprofd.tracing.api import TraceOptions, TraceSample
-from ccprofd.tracing.base import ContextReader, ModeBase
-from ccprofd.tracing.frames import Decoded, Frame
+from ccprofd.tracing.base import HIT, NEW, PLAIN, ContextReader, ModeBase
+from ccprofd.tracing.frames import Decoded
 from ccprofd.tracing.unwind.plan import UnwindEncoding
 from ccprofd.tracing.unwind.sampler import FLAG_HIT, FLAG_NEW, UnwindSampler, UnwoundSample
 from ccprofd.tracing.unwind.symbolize import UnwindSymbolizer, reference_record, stack_frames
@@ -128,11 +128,9 @@ class UnwindMode(ModeBase[UnwoundSample, tuple[int, int]]):
         self.fp_frames += sum(s.fp_frames for s in raw)
         return raw
 
-    def _is_new(self, r: UnwoundSample) -> bool:
-        return bool(r.flags & FLAG_NEW and not r.flags & FLAG_HIT)
-
-    def _is_hit(self, r: UnwoundSample) -> bool:
-        return bool(r.flags & FLAG_HIT)
+    def _kind(self, r: UnwoundSample) -> int:
+        flags = r.flags
+        return HIT if flags & FLAG_HIT else NEW if flags & FLAG_NEW else PLAIN
 
     def _key(self, r: UnwoundSample) -> tuple[int, int]:
         return r.key
@@ -161,12 +159,10 @@ class UnwindMode(ModeBase[UnwoundSample, tuple[int, int]]):
 
     def _decode(self, s: UnwoundSample) -> Decoded:
         assert self.symbolizer is not None
-        d = self.symbolizer.decode(s.encoded, s.reason)
+        d = self.symbolizer.decode(s.encoded, s.reason)  # fresh Frame objects for every record
         if self.options.verify:
             self._verify(s)
-        # frames are mutable: each sample gets its own copies
-        return Decoded([Frame(f.function, f.module, f.build_id, f.analysed, f.call_site, f.return_address,
-                              f.tail_call) for f in d.frames], d.complete, d.reason)
+        return d
 
     def _verify(self, s: UnwoundSample) -> None:
         """Re-encode the sample's own stack with the reference Encoder and compare (--verify)."""

@@ -96,11 +96,15 @@ from ccprofd.tracing.unwind.tables import (
 DEFAULT_MAX_DEPTH = 4096
 
 _SAMPLE_HDR = struct.Struct("<QIIIiIIIIQQII")  # struct uw_sample up to arg
+_KIND = struct.Struct("<I")
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class UnwoundSample:
-    """One unwound stack.  ``pcs``: runtime addresses, innermost first (the interrupted pc, then
+    """One unwound stack (not frozen: a frozen dataclass's __init__ costs a microsecond more per
+    record, and a flood of repeated samples is decoded at hundreds of thousands a second).
+
+    ``pcs``: runtime addresses, innermost first (the interrupted pc, then
     return addresses; after a signal frame, the interrupted pc of the frame below it).  ``syscall``
     is None for CPU samples.  ``key``: the 128-bit context hash (aggregated mode)."""
 
@@ -130,7 +134,7 @@ class UnwoundSample:
     @classmethod
     def decode(cls, raw: bytes, layout: RecordLayout | None = None) -> UnwoundSample:
         t, kind, tgid, tid, nr, n, reason, fp, flags, h1, h2, arg_len, _ = _SAMPLE_HDR.unpack_from(raw)
-        why = REASONS.get(reason, f"reason_{reason}")
+        why = None if reason == 0 else REASONS.get(reason, f"reason_{reason}")
         arg = None
         if 0 < arg_len <= ARG_LEN:
             text = raw[_SAMPLE_HDR.size:_SAMPLE_HDR.size + arg_len].split(b"\0", 1)[0]
@@ -316,7 +320,7 @@ class UnwindSampler:
         self.tables = ModuleTables(self.module, self.cache, proc_root=proc_root, encoding=encoding,
                                    max_modules=max_modules, max_entries=max_entries, max_rules=max_rules)
         self.processes = ProcessTracker(self._m, self.tables, proc_root=proc_root, max_maps=max_maps)
-        self.module.open_ring_buffer("uw_events", self._on_record)
+        self.module.open_ring_buffer("uw_events", self.deliver)
         self.module.open_ring_buffer("events", self.processes.on_event)
         self._m["uw_config"].set(CFG_AGGREGATE, 1 if aggregate else 0)
         self._m["uw_config"].set(CFG_EMIT_HITS, 1 if emit_hits else 0)
@@ -419,13 +423,15 @@ class UnwindSampler:
         return self.tables.module_of_key(key)
 
     # ---------------------------------------------------------------------------------- samples
-    def _on_record(self, raw: bytes) -> None:
-        kind = struct.unpack_from("<I", raw, 8)[0]
+    def deliver(self, raw: bytes) -> None:
+        """Take one ``uw_events`` record (the ring buffer's callback; bench/trace_throughput.py
+        replays captured records through it to time decoding apart from the kernel side)."""
+        kind = _KIND.unpack_from(raw, 8)[0]
         if kind == EV_MAPS:
-            self.processes.stale.add(struct.unpack_from("<I", raw, 12)[0])
+            self.processes.stale.add(_KIND.unpack_from(raw, 12)[0])
             return
         sample = UnwoundSample.decode(raw, self.layout)
-        if sample.reason in ("unknown_pc", "no_maps"):
+        if sample.reason is not None and sample.reason in ("unknown_pc", "no_maps"):
             self.processes.stale.add(sample.tgid)
         if sample.flags & FLAG_NEW:
             self.contexts[sample.key] = sample

@@ -42,6 +42,11 @@ class UnwindSymbolizer:
         self.nodes = encoding.nodes
         self.module_of_key = module_of_key
         self._index = {n: i for i, n in enumerate(self.nodes)}
+        self._names_by_node = {n: self.names[i] for n, i in self._index.items() if i < len(self.names)}
+        self._dicts: tuple[dict[int, int], dict[int, int]] | None = None
+        # Outer frames by (node, call site, return address, tail call): shared by the contexts
+        # that pass through them (read-only once made), so a new context mostly reuses frames.
+        self._frames: dict[tuple[int, int | None, int | None, bool], Frame] = {}
         self._symbols: dict[str, ModuleSymbols] = {}
         self.errors = 0
 
@@ -52,7 +57,14 @@ class UnwindSymbolizer:
         return self.names[i]
 
     def _frame(self, node: int) -> Frame:
-        return Frame(self._name(node), self.module, self.build_id, True)
+        name = self._names_by_node.get(node) or self._name(node)
+        return Frame(name, self.module, self.build_id, True)
+
+    def _lookups(self) -> tuple[dict[int, int], dict[int, int]]:
+        """(call sites by return address, call lengths by site) as plain dicts, made at first use."""
+        if self._dicts is None:
+            self._dicts = (_plain(self.enc.callsites), _plain(self.enc.call_lengths))
+        return self._dicts
 
     def _unanalysed(self, key: int, vaddr: int, exact: bool) -> Frame:
         mod = self.module_of_key(key)
@@ -108,7 +120,7 @@ class UnwindSymbolizer:
             inner.call_site = rec.inner
         else:
             inner.return_address = rec.inner
-            inner.call_site = self.enc.callsites.get(rec.inner)
+            inner.call_site = self._lookups()[0].get(rec.inner)
         if rec.unanalysed:
             out: list[Frame] = []
             below: dict[int, list[Frame]] = {}
@@ -132,21 +144,40 @@ class UnwindSymbolizer:
             first, start = path[0][1], 1
         else:
             first = path[0][0]
-        frames = [self._frame(first)]
+        lengths = self._lookups()[1]
+        jumps = self.enc.jump_sites
+        cache = self._frames
+        if len(cache) >= FRAME_CACHE_ENTRIES:
+            cache.clear()
+        frames = []
+        cur = first
         for caller, callee, site in path[start:]:
-            prev = frames[-1]
             if site == OUTSIDE:
-                ret = seg_ret.get((site, callee, caller), 0)
-                prev.return_address = ret or None
-            elif site:
-                prev.call_site = site
-                if site in self.enc.jump_sites:
-                    prev.tail_call = True
-                else:
-                    prev.return_address = site + self.enc.call_lengths.get(site, 0)
-            frames.append(self._frame(callee))
+                call_site, ret, tail = None, seg_ret.get((site, callee, caller), 0) or None, False
+            elif not site:
+                call_site, ret, tail = None, None, False
+            elif site in jumps:
+                call_site, ret, tail = site, None, True
+            else:
+                call_site, ret, tail = site, site + lengths.get(site, 0), False
+            key = (cur, call_site, ret, tail)
+            f = cache.get(key)
+            if f is None:
+                f = cache[key] = Frame(self._names_by_node.get(cur) or self._name(cur), self.module,
+                                       self.build_id, True, call_site, ret, tail)
+            frames.append(f)
+            cur = callee
+        frames.append(self._frame(cur))  # the innermost frame: its own object, decode() completes it
         return frames
 
+
+
+FRAME_CACHE_ENTRIES = 1 << 17
+
+
+def _plain(m: Mapping[int, int]) -> dict[int, int]:
+    as_dict = getattr(m, "as_dict", None)
+    return as_dict() if as_dict is not None else dict(m)
 
 
 def _flag_reason(flags: int) -> str:
