@@ -55,9 +55,37 @@ def syscall_name(nr: int | None) -> str | None:
     return syscall_table().get(nr, f"syscall_{nr}")
 
 
+# strace's syscall classes (``-e trace=%file`` ...), as strace 6 defines them for x86-64: %file
+# takes a file name, %network the socket calls, %process the lifecycle of processes, %memory the
+# mapping calls.  Names this kernel's table lacks are left out when expanded.
+SYSCALL_CLASSES: dict[str, tuple[str, ...]] = {
+    "%file": ("open", "stat", "lstat", "access", "execve", "truncate", "chdir", "rename", "mkdir", "rmdir",
+              "creat", "link", "unlink", "symlink", "readlink", "chmod", "chown", "lchown", "utime", "mknod",
+              "uselib", "statfs", "pivot_root", "chroot", "acct", "mount", "umount2", "swapon", "swapoff",
+              "quotactl", "setxattr", "lsetxattr", "getxattr", "lgetxattr", "listxattr", "llistxattr",
+              "removexattr", "lremovexattr", "utimes", "inotify_add_watch", "openat", "mkdirat", "mknodat",
+              "fchownat", "futimesat", "newfstatat", "unlinkat", "renameat", "linkat", "symlinkat",
+              "readlinkat", "fchmodat", "faccessat", "utimensat", "fanotify_mark", "name_to_handle_at",
+              "renameat2", "execveat", "statx", "open_tree", "move_mount", "fspick", "openat2",
+              "faccessat2", "mount_setattr", "fchmodat2", "setxattrat", "getxattrat", "listxattrat",
+              "removexattrat"),
+    "%network": ("socket", "connect", "accept", "sendto", "recvfrom", "sendmsg", "recvmsg", "shutdown",
+                 "bind", "listen", "getsockname", "getpeername", "socketpair", "setsockopt", "getsockopt",
+                 "accept4", "recvmmsg", "sendmmsg"),
+    "%process": ("clone", "fork", "vfork", "execve", "exit", "wait4", "kill", "tkill", "tgkill", "exit_group",
+                 "waitid", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "execveat", "pidfd_send_signal", "clone3"),
+    "%memory": ("mmap", "mprotect", "munmap", "brk", "mremap", "msync", "mincore", "madvise", "shmat",
+                "shmdt",
+                "mlock", "munlock", "mlockall", "munlockall", "remap_file_pages", "mbind", "set_mempolicy",
+                "get_mempolicy", "migrate_pages", "move_pages", "mlock2", "pkey_mprotect", "process_madvise",
+                "process_mrelease", "mseal", "map_shadow_stack"),
+}
+
+
 def parse_syscalls(text: str | None) -> list[int] | None:
-    """``"write,openat"`` -> numbers; ``None``/``"all"`` -> None (every syscall).  Raises ValueError
-    naming the first unknown syscall."""
+    """``"write,openat"`` -> numbers; ``None``/``"all"`` -> None (every syscall).  strace's classes
+    (``%file``, ``%network``, ``%process``, ``%memory``) stand for their syscalls.  Raises ValueError
+    naming the first unknown syscall or class."""
     if text is None or text.strip() == "all":
         return None
     names = [n.strip() for n in text.split(",") if n.strip()]
@@ -70,6 +98,10 @@ def parse_syscalls(text: str | None) -> list[int] | None:
             out.append(int(n))
         elif n in table:
             out.append(table[n])
+        elif n in SYSCALL_CLASSES:
+            out.extend(table[m] for m in SYSCALL_CLASSES[n] if m in table)
+        elif n.startswith("%"):
+            raise ValueError(f"unknown syscall class {n!r} (known: {', '.join(SYSCALL_CLASSES)})")
         else:
             raise ValueError(f"unknown syscall {n!r}")
-    return out
+    return sorted(set(out))
