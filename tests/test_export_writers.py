@@ -45,11 +45,14 @@ def test_writers_equal_the_reference_serialisation(contexts: list[list[dict]], d
     w = JsonlWriter(out)
     for s in samples:
         w.sample(s)
+    assert out.getvalue() == ""  # written at flush(), once per batch
+    w.flush()
     assert out.getvalue() == reference_jsonl(samples)
     out = io.StringIO()
     t = TextWriter(out)
     for s in samples:
         t.sample(s)
+    t.flush()
     assert out.getvalue() == "".join(format_text(s.to_json()) for s in samples)
 
 
@@ -63,6 +66,7 @@ def test_text_writer_prints_strace_k_like_lines() -> None:
     w.sample(TraceSample(1, 7, 8, "syscall", "write", True, frames))
     w.sample(TraceSample(2, 7, 9, "syscall", "write", False, frames))
     w.record({"event": "lost", "samples": 3, "reason": "ringbuf_full"})
+    w.flush()
     assert out.getvalue().splitlines() == [
         "[pid 7 tid 8] write",
         " > /libc.so.6(write) [not analysed]",
@@ -88,5 +92,6 @@ def test_cache_follows_list_identity_not_address(monkeypatch) -> None:
         samples.append(s.to_json())
         w.sample(s)
         del s, frames  # the next list may reuse the address
+    w.flush()
     assert [json.loads(line) for line in out.getvalue().splitlines()] == samples
     assert len(w._tails) <= 4

@@ -104,6 +104,7 @@ class JsonlWriter:
         self.out = out
         self._tails: dict[int, tuple[list[dict[str, Any]], str, str | None, bool, str]] = {}
         self._frame_texts: dict[int, tuple[dict[str, Any], str]] = {}
+        self._lines: list[str] = []  # this batch's output, written at flush()
 
     def _frames_text(self, frames: list[dict[str, Any]]) -> str:
         """The JSON of a frames list, each frame dict serialised once (the modes share equal
@@ -121,10 +122,6 @@ class JsonlWriter:
 
     def _tail(self, s: TraceSample) -> str:
         frames = s.frames
-        got = self._tails.get(id(frames))
-        if got is not None and got[0] is frames and got[1] == s.event and got[2] == s.syscall \
-                and got[3] == s.complete:
-            return got[4]
         if len(self._tails) >= FRAME_CACHE_ENTRIES:
             self._tails.clear()
         tail = (f'"event":{_dumps(s.event)},"syscall":{_dumps(s.syscall)},'
@@ -133,16 +130,27 @@ class JsonlWriter:
         return tail
 
     def sample(self, s: TraceSample) -> None:
-        if s.args:
-            self.out.write(f'{{"time_ns":{s.time_ns},"pid":{s.pid},"tid":{s.tid},{self._tail(s)},'
-                           f'"args":{_dumps(s.args)}}}\n')
+        frames = s.frames
+        got = self._tails.get(id(frames))
+        if got is None or got[0] is not frames or got[1] != s.event or got[2] != s.syscall \
+                or got[3] != s.complete:
+            tail = self._tail(s)
         else:
-            self.out.write(f'{{"time_ns":{s.time_ns},"pid":{s.pid},"tid":{s.tid},{self._tail(s)}}}\n')
+            tail = got[4]
+        if s.args:
+            self._lines.append(f'{{"time_ns":{s.time_ns},"pid":{s.pid},"tid":{s.tid},{tail},'
+                               f'"args":{_dumps(s.args)}}}\n')
+        else:
+            self._lines.append(f'{{"time_ns":{s.time_ns},"pid":{s.pid},"tid":{s.tid},{tail}}}\n')
 
     def record(self, r: Mapping[str, Any]) -> None:
-        self.out.write(_dumps(r) + "\n")
+        self._lines.append(_dumps(r) + "\n")
 
     def flush(self) -> None:
+        """Write the lines of this batch (one write call) and flush the stream."""
+        if self._lines:
+            self.out.write("".join(self._lines))
+            self._lines.clear()
         self.out.flush()
 
 

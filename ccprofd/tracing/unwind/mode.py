@@ -138,7 +138,9 @@ class UnwindMode(ModeBase[UnwoundSample, tuple[int, int]]):
     def _sample(self, r: UnwoundSample, d: Decoded, *, timed: bool = True) -> TraceSample:
         if not timed:
             return self.trace_sample(0, r.tgid, r.tid, r.event, r.syscall, d)
-        return self.trace_sample(r.time_ns + self._clock_offset, r.tgid, r.tid, r.event, r.syscall, d, r.arg)
+        nr = r.syscall
+        return self.trace_sample(r.time_ns + self._clock_offset, r.tgid, r.tid,
+                                 "cpu" if nr is None else "syscall", nr, d, r.arg)
 
     def _kernel_counts(self) -> Mapping[tuple[int, int], int]:
         assert self.sampler is not None

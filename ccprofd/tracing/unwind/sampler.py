@@ -430,6 +430,12 @@ class UnwindSampler:
         if kind == EV_MAPS:
             self.processes.stale.add(_KIND.unpack_from(raw, 12)[0])
             return
+        if kind == EV_HIT and len(raw) == _SAMPLE_HDR.size:  # a flood's record: complete, no argument
+            t, _, tgid, tid, nr, _, reason, fp, flags, h1, h2, _, _ = _SAMPLE_HDR.unpack_from(raw)
+            if reason == 0:
+                self._pending.append(UnwoundSample(t, tgid, tid, None if nr < 0 else nr, (), None, fp,
+                                                   flags | FLAG_HIT, (h1, h2)))
+                return
         sample = UnwoundSample.decode(raw, self.layout)
         if sample.reason is not None and sample.reason in ("unknown_pc", "no_maps"):
             self.processes.stale.add(sample.tgid)
