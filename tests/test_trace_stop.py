@@ -191,3 +191,48 @@ def test_ctrl_c_ends_a_traced_command_that_floods(mode: str, tmp_path: pathlib.P
     assert "Traceback" not in err, err
     assert 0 < peak <= RSS_LIMIT_KB, f"peak RSS {peak} kB"
     _check_samples(_samples(out))
+
+
+def _distinct_c(levels: int) -> str:
+    """Function pairs l<k>a/l<k>b per level, the path picked by bit k of the loop counter: every
+    call reaches getppid through a context not seen before (2**levels of them)."""
+    out = ["#include <stdlib.h>", "#include <unistd.h>", "volatile unsigned long sink;",
+           "__attribute__((noinline)) void leaf(unsigned long v) { sink = getppid() + v; }"]
+    for k in reversed(range(levels)):
+        nxt = "leaf(v)" if k == levels - 1 else f"((v >> {k + 1}) & 1 ? l{k + 1}b(v) : l{k + 1}a(v))"
+        out += [f"__attribute__((noinline)) void l{k}{s}(unsigned long v) {{ {nxt}; sink++; }}" for s in "ab"]
+    out.append("int main(int argc, char **argv) { long n = atol(argv[1]);"
+               " for (long i = 0; i < n; i++) { if (i & 1) l0b(i); else l0a(i); } return 0; }")
+    return "\n".join(out) + "\n"
+
+
+@pytest.mark.bpf
+def test_a_flood_of_distinct_contexts_keeps_memory_bounded(tmp_path: pathlib.Path) -> None:
+    """1M getppid calls, each through a new context (17 levels of a/b choices): ccprofd decodes
+    what it can, drops and reports the rest, and its RSS stays under the bound (the caches of
+    decoded paths and serialised contexts are bounded; before they were, 350 MB).  Every complete
+    sample is main > l0? > ... > l16? > leaf, as the source says."""
+    require_bpf()
+    levels = 17
+    prog = compile_c(tmp_path, "distinct", _distinct_c(levels), "-O1")
+    out = tmp_path / "out.jsonl"
+    tracer = subprocess.Popen([*TRACE, "-o", str(out), "--", str(prog), "1000000"], cwd=REPO,
+                              stderr=subprocess.PIPE, text=True)
+    watch = RssWatch(tracer.pid)
+    _, err = tracer.communicate(timeout=600)
+    peak = watch.stop()
+    assert tracer.returncode == 0, err
+    assert 0 < peak <= RSS_LIMIT_KB, f"peak RSS {peak} kB"
+    samples = _samples(out)
+    syscalls = [s for s in samples if s["event"] == "syscall"]
+    lost = sum(s["samples"] for s in samples if s["event"] == "lost")
+    assert len(syscalls) + lost == 1_000_000, (len(syscalls), lost)
+    shapes = set()
+    for s in syscalls:
+        if not s["complete"]:
+            continue
+        names = [f["function"] for f in s["frames"] if f["analysed"]]
+        assert names[0] == "main" and names[-1] == "leaf" and len(names) == levels + 2, names
+        assert all(n[:-1] == f"l{k}" and n[-1] in "ab" for k, n in enumerate(names[1:-1])), names
+        shapes.add(tuple(names))
+    assert len(shapes) > 1000  # distinct contexts indeed

@@ -22,9 +22,10 @@ from ccprofd.tracing.api import TraceSample
 
 FORMATS = ("text", "jsonl")
 
-# Serialised frame lists kept per writer: enough for every context of a long trace; past it the
-# cache starts over (a context is then serialised once more, nothing else changes).
-FRAME_CACHE_ENTRIES = 1 << 16
+# Serialised contexts kept per writer (each a few KB of JSON): enough for the hot contexts of a
+# trace; past it the cache starts over (a context is then serialised once more, nothing else
+# changes).  A flood of distinct contexts would otherwise hold them all: 65,536 were 160 MB.
+FRAME_CACHE_ENTRIES = 4096
 
 _dumps = json.JSONEncoder(separators=(",", ":")).encode
 

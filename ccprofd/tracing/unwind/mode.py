@@ -39,8 +39,9 @@ from ccprofd.elf.needed import load_set
 from ccprofd.tracing.api import TraceOptions, TraceSample
 from ccprofd.tracing.base import HIT, NEW, PLAIN, ContextReader, ModeBase
 from ccprofd.tracing.frames import Decoded
+from ccprofd.tracing.unwind.constants import FLAG_HIT, FLAG_NEW
 from ccprofd.tracing.unwind.plan import UnwindEncoding
-from ccprofd.tracing.unwind.sampler import FLAG_HIT, FLAG_NEW, UnwindSampler, UnwoundSample
+from ccprofd.tracing.unwind.sampler import UnwindSampler, UnwoundSample
 from ccprofd.tracing.unwind.symbolize import UnwindSymbolizer, reference_record, stack_frames
 
 

@@ -81,7 +81,6 @@ from ccprofd.tracing.unwind.constants import (
     EV_MAPS,
     EXACT_BIT,
     FLAG_HIT,
-    FLAG_NEW,
     REASONS,
     STATS,
 )
@@ -313,7 +312,6 @@ class UnwindSampler:
         self._perf_fds: list[int] = []
         self._attached = False
         self._pending: list[UnwoundSample] = []
-        self.contexts: dict[tuple[int, int], UnwoundSample] = {}
         self._m: dict[str, RawMap] = {name: self.module.map(name) for name in (
             "tracked", "syscall_set", "config", "uw_procs", "uw_counts", "uw_config", "uw_stats",
             "uw_stop", "uw_held", "exec_targets")}
@@ -439,8 +437,6 @@ class UnwindSampler:
         sample = UnwoundSample.decode(raw, self.layout)
         if sample.reason is not None and sample.reason in ("unknown_pc", "no_maps"):
             self.processes.stale.add(sample.tgid)
-        if sample.flags & FLAG_NEW:
-            self.contexts[sample.key] = sample
         self._pending.append(sample)
 
     def poll(self, timeout_ms: int = 0) -> list[UnwoundSample]:
@@ -453,7 +449,7 @@ class UnwindSampler:
         return out
 
     def counts(self) -> dict[tuple[int, int], int]:
-        """Aggregated mode: samples per context key (see :attr:`contexts` for each key's sample)."""
+        """Aggregated mode: samples per context key."""
         return {(int(k.h1), int(k.h2)): int(v.count) for k, v in self._m["uw_counts"].items_batch()}
 
     def set_emit_hits(self, on: bool) -> None:

@@ -33,7 +33,10 @@ class UnwindSymbolizer:
                  module_of_key: Any) -> None:
         self.enc = encoding
         self.plan = plan
-        self.decoder = CachingDecoder(decoder_for(plan))
+        # Each new kernel context is decoded once (hits reuse the result, tracing/kernelcounts.py), so
+        # this cache only catches a state seen under another key: small, it bounds memory in a
+        # flood of distinct contexts (65,536 cached paths were ~130 MB).
+        self.decoder = CachingDecoder(decoder_for(plan), max_entries=4096)
         self.module: str = os.path.realpath(str(encoding.binary["path"]))
         self.build_id: str | None = encoding.binary.get("build_id")
         names = [str(n) for n in plan["names"]]
