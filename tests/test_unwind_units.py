@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import struct
 import subprocess
+import types
 from pathlib import Path
 from typing import Any
 
@@ -22,7 +23,7 @@ from ccprofd.persist.cache import AnalysisCache
 from ccprofd.proc.maps import module_mappings, parse_maps, read_maps
 from ccprofd.tracing.unwind import plan as unwind_plan
 from ccprofd.tracing.unwind.programs import link_loop_callbacks
-from ccprofd.tracing.unwind.sampler import ARG_LEN, FLAG_HIT, UnwoundSample
+from ccprofd.tracing.unwind.sampler import ARG_LEN, FLAG_HIT, UnwindSampler, UnwoundSample
 
 LIBC = "/usr/lib/x86_64-linux-gnu/libc.so.6"
 
@@ -124,6 +125,22 @@ def test_sample_decoding() -> None:
     hit = UnwoundSample.decode(struct.pack("<QIIIiIIIIQQII", 5, 18, 2, 2, 59, 4, 0, 0, 0, 7, 8, len(path), 0)
                                + path)
     assert hit.flags & FLAG_HIT and hit.pcs == () and hit.arg == "/tmp/x.txt" and hit.key == (7, 8)
+
+
+def test_deliver_counts_a_short_record_and_decodes_hits_inline() -> None:
+    """The ring callback: a complete hit header is decoded by the inline fast path the same as by
+    UnwoundSample.decode; a record shorter than its kind needs is counted, not decoded (no
+    exception out of the poll)."""
+    sampler = UnwindSampler.__new__(UnwindSampler)  # deliver() needs no BPF: only its own state
+    sampler._pending, sampler.malformed, sampler.layout = [], 0, None
+    sampler.processes = types.SimpleNamespace(stale=set())
+    hit = struct.pack("<QIIIiIIIIQQII", 5, 18, 2, 3, 110, 4, 0, 1, 0, 7, 8, 0, 0)
+    sampler.deliver(hit)
+    assert sampler._pending == [UnwoundSample.decode(hit)]
+    assert sampler._pending[0].flags & FLAG_HIT and sampler._pending[0].syscall == 110
+    sample_header_only = struct.pack("<QIIIiIIIIQQII", 5, 16, 2, 3, 110, 4, 0, 0, 0, 7, 8, 0, 0)
+    sampler.deliver(sample_header_only)  # a full sample's kind, but no room for its 4 pcs
+    assert sampler.malformed == 1 and len(sampler._pending) == 1
 
 
 def test_unwind_encoding_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -312,6 +312,7 @@ class UnwindSampler:
         self._perf_fds: list[int] = []
         self._attached = False
         self._pending: list[UnwoundSample] = []
+        self.malformed = 0  # records too short for their kind (never expected; counted, not decoded)
         self._m: dict[str, RawMap] = {name: self.module.map(name) for name in (
             "tracked", "syscall_set", "config", "uw_procs", "uw_counts", "uw_config", "uw_stats",
             "uw_stop", "uw_held", "exec_targets")}
@@ -434,7 +435,11 @@ class UnwindSampler:
                 self._pending.append(UnwoundSample(t, tgid, tid, None if nr < 0 else nr, (), None, fp,
                                                    flags | FLAG_HIT, (h1, h2)))
                 return
-        sample = UnwoundSample.decode(raw, self.layout)
+        try:
+            sample = UnwoundSample.decode(raw, self.layout)
+        except struct.error:  # shorter than its kind says: counted (stats "malformed"), never decoded
+            self.malformed += 1
+            return
         if sample.reason is not None and sample.reason in ("unknown_pc", "no_maps"):
             self.processes.stale.add(sample.tgid)
         self._pending.append(sample)
@@ -463,6 +468,7 @@ class UnwindSampler:
     def stats(self) -> dict[str, int]:
         out = {name: int(self._m["uw_stats"].get(i) or 0) for i, name in enumerate(STATS)}
         out["exec_mismatches"] = self.processes.exec_mismatches
+        out["malformed"] = self.malformed
         out["refresh_failures"] = self.processes.refresh_failures
         return out
 
