@@ -153,7 +153,7 @@ class Tracer:
         before_c = _counters(self.mode.summary())
         before = owned_prog_stats()
         t0 = child.release()
-        session = Session(self.mode, attached=child.pid)
+        session = Session(self.mode, attached=child.pid, detach_at_end=False)  # the next run reuses it
         samples: list[dict[str, Any]] = []
         limit = (1 << 62) if keep_samples is True else int(keep_samples)
         for batch in session.batches():

@@ -95,3 +95,4 @@ def test_cache_follows_list_identity_not_address(monkeypatch) -> None:
     w.flush()
     assert [json.loads(line) for line in out.getvalue().splitlines()] == samples
     assert len(w._tails) <= 4
+

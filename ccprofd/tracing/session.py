@@ -73,8 +73,11 @@ class Session:
     """A running trace: the mode plus the traced process(es)."""
 
     def __init__(self, mode: Mode, *, child: int | None = None,
-                 attached: Sequence[int] | int | None = None) -> None:
+                 attached: Sequence[int] | int | None = None, detach_at_end: bool = True) -> None:
+        """``detach_at_end=False``: the mode outlives this session (one prepared mode traces
+        several commands in turn, as bench/report_trace.py does): it is drained, not detached."""
         self.mode = mode
+        self.detach_at_end = detach_at_end
         self.child = child
         self.attached: tuple[int, ...] = (attached,) if isinstance(attached, int) else tuple(attached or ())
         self.path = mode.path
@@ -118,7 +121,8 @@ class Session:
                 batch = self.mode.poll(poll_ms)
                 if batch:
                     yield batch
-            self.mode.detach()
+            if self.detach_at_end:
+                self.mode.detach()
             deadline = time.monotonic() + STOP_DRAIN_S
             while True:
                 if self._hurry and time.monotonic() > deadline:
