@@ -4,7 +4,7 @@
 PYTHON ?= .venv/bin/python
 BENCH_OUT ?= docs
 
-.PHONY: bench bench-setup bench-ci bench-daemon bench-unwind bench-trace
+.PHONY: bench bench-setup bench-ci bench-daemon bench-unwind bench-trace bench-services
 
 bench-setup:
 	bash bench/setup.sh
@@ -29,6 +29,12 @@ bench-daemon: bench-setup
 # beside strace -k; rewrites the README's bench:trace_throughput section (~3 minutes).
 bench-trace: bench-setup
 	$(PYTHON) bench/trace_throughput.py --update-readme
+
+# A real service under the daemon (issue 14; redis so far): throughput and latency untraced, under
+# ccprofd run (unwind, all syscalls and a security set) and under perf record --call-graph dwarf;
+# rewrites the README's bench:services section (~5 minutes).
+bench-services: bench-setup
+	$(PYTHON) bench/services.py --update-readme
 
 bench-ci:
 	out=$$(mktemp -d /tmp/ccprofd-bench-ci-XXXXXX) && $(PYTHON) bench/report.py --reduced --out "$$out" && \
