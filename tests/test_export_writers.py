@@ -65,6 +65,7 @@ def test_text_writer_prints_strace_k_like_lines() -> None:
     w = writer_for("text", out)
     w.sample(TraceSample(1, 7, 8, "syscall", "write", True, frames))
     w.sample(TraceSample(2, 7, 9, "syscall", "write", False, frames))
+    w.sample(TraceSample(3, 7, 7, "syscall", "openat", True, frames[:1], {"path": 'a "b"\n\u00e9'}))
     w.record({"event": "lost", "samples": 3, "reason": "ringbuf_full"})
     w.flush()
     assert out.getvalue().splitlines() == [
@@ -73,6 +74,8 @@ def test_text_writer_prints_strace_k_like_lines() -> None:
         " > /b(main) call_site=0x10 return_address=0x15",
         "[pid 7 tid 9] write <incomplete>",
         " > /libc.so.6(write) [not analysed]",
+        " > /b(main) call_site=0x10 return_address=0x15",
+        '[pid 7 tid 7] openat("a \\"b\\"\\n\\303\\251")',  # the path as strace escapes it
         " > /b(main) call_site=0x10 return_address=0x15",
         "--- 3 samples lost (ringbuf_full) ---",
     ]

@@ -41,10 +41,32 @@ def format_text(sample: Mapping[str, Any]) -> str:
     if sample.get("event") == "lost":
         return f"--- {sample['samples']} samples lost ({sample['reason']}) ---\n"
     what = sample.get("syscall") if sample.get("event") == "syscall" else sample.get("event")
-    head = f"[pid {sample['pid']} tid {sample['tid']}] {what}"
+    head = f"[pid {sample['pid']} tid {sample['tid']}] {what}{args_text(sample.get('args'))}"
     if not sample.get("complete", True):
         head += " <incomplete>"
     return head + "\n" + format_frames_text(sample.get("frames") or [])
+
+
+def args_text(args: Mapping[str, str] | None) -> str:
+    """The arguments ccprofd knows, strace style: ``("/etc/passwd")`` (a path, C-escaped and quoted
+    as strace prints it); empty when none is known."""
+    if not args:
+        return ""
+    return "(" + ", ".join(_c_string(v) for v in args.values()) + ")"
+
+
+def _c_string(value: str) -> str:
+    raw = value.encode("utf-8", "surrogateescape")
+    out = []
+    for b in raw:
+        ch = chr(b)
+        if ch in '"\\':
+            out.append("\\" + ch)
+        elif 32 <= b < 127:
+            out.append(ch)
+        else:
+            out.append({9: "\\t", 10: "\\n", 13: "\\r"}.get(b, f"\\{b:o}"))
+    return '"' + "".join(out) + '"'
 
 
 def format_frames_text(frames: list[dict[str, Any]]) -> str:
@@ -177,6 +199,8 @@ class TextWriter:
 
     def sample(self, s: TraceSample) -> None:
         what = s.syscall if s.event == "syscall" else s.event
+        if s.args:
+            what = f"{what}{args_text(s.args)}"
         head = f"[pid {s.pid} tid {s.tid}] {what}\n" if s.complete else \
             f"[pid {s.pid} tid {s.tid}] {what} <incomplete>\n"
         if self.timestamps:
