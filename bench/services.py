@@ -1,7 +1,8 @@
-"""Benchmark: a real service under ccprofd, driven by its own load generator (issue 14; redis so far).
+"""Benchmark: real services under ccprofd, driven by their own load generators (issue 14).
 
-Debian's ``redis-server`` is started on a loopback port in a temporary directory (no persistence)
-and loaded with ``redis-benchmark`` (GET, SET, LRANGE_100; 50 clients).  In one run, alternating
+Debian's ``redis-server`` (loaded with ``redis-benchmark``: SET, GET, LPUSH, LRANGE_100; 50 clients)
+and ``nginx`` (a master and two workers serving a 4 KB and a 64 KB file, loaded with ``ab -k``,
+50 clients) are started on loopback ports in a temporary directory.  In one run, alternating
 round by round so drifts of this shared VM hit every configuration alike:
 
 * ``untraced``;
@@ -15,14 +16,15 @@ round by round so drifts of this shared VM hit every configuration alike:
 Per configuration: requests/s and p50/p99 latency per test (medians over the rounds), and for the
 daemon its CPU (utime+stime during the load, % of one core), peak RSS (VmHWM), dropped samples and
 distinct contexts (its /metrics), and the top of ``ccprofctl hot`` (the hot contexts must name
-redis' own functions).
+the service's own functions).
 
-Not yet here (issue 14 asks for them): nginx/ab and postgres/pgbench, instrumented mode with
+Not yet here (issue 14 asks for them): postgres/pgbench, instrumented mode with
 --scope, a frame-pointer baseline, the exactness check against perf script, anomaly learning
 curves and injected attacks.
 
 Usage (root): .venv/bin/python bench/services.py [--rounds 3] [--requests 50000] [--update-readme]
-Needs redis-server and redis-tools (bench/setup.sh installs them) and linux-perf for perf-dwarf.
+Needs redis-server, redis-tools, nginx-light, apache2-utils (bench/setup.sh installs them) and
+linux-perf for perf-dwarf.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import csv
 import io
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -41,7 +44,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from common import ROOT, machine_line, update_readme_section
 
@@ -75,9 +78,21 @@ def vm_hwm_mb(pid: int) -> float:
     return 0.0
 
 
-# ------------------------------------------------------------------------------------- redis
+# ---------------------------------------------------------------------------------- services
+def children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with open(task / "children") as fh:
+            out += [int(c) for c in fh.read().split()]
+    return out
+
+
 class Redis:
+    """redis-server (one process; its I/O threads off, as Debian ships it) under redis-benchmark."""
+
+    name = "redis"
     binary = "/usr/bin/redis-server"
+    tools = ("redis-server", "redis-benchmark", "redis-cli")
 
     def __init__(self, workdir: Path) -> None:
         self.port = free_port()
@@ -90,6 +105,12 @@ class Redis:
     def _answers(self) -> bool:
         got = subprocess.run(["redis-cli", "-p", str(self.port), "ping"], capture_output=True, text=True)
         return got.stdout.strip() == "PONG"
+
+    def version(self) -> str:
+        return subprocess.run([self.binary, "--version"], capture_output=True, text=True).stdout.split()[2]
+
+    def pids(self) -> list[int]:
+        return [self.proc.pid]
 
     def load(self, requests: int) -> dict[str, dict[str, float]]:
         """redis-benchmark's CSV: per test, requests/s and p50/p99 latency (ms)."""
@@ -104,15 +125,103 @@ class Redis:
         self.proc.wait(timeout=30)
 
 
+NGINX_CONF = """
+daemon off;
+master_process on;
+worker_processes 2;
+pid {dir}/nginx.pid;
+error_log {dir}/error.log;
+events {{ worker_connections 1024; }}
+http {{
+    access_log off;
+    client_body_temp_path {dir}/body;
+    proxy_temp_path {dir}/proxy;
+    fastcgi_temp_path {dir}/fastcgi;
+    uwsgi_temp_path {dir}/uwsgi;
+    scgi_temp_path {dir}/scgi;
+    server {{
+        listen 127.0.0.1:{port};
+        root {dir}/www;
+        location / {{ }}
+    }}
+}}
+"""
+
+
+class Nginx:
+    """nginx (a master and two workers) serving a 4 KB and a 64 KB static file under ab."""
+
+    name = "nginx"
+    binary = "/usr/sbin/nginx"
+    tools = ("nginx", "ab")
+    FILES: ClassVar[dict[str, int]] = {"small.html": 4096, "large.bin": 65536}
+
+    def __init__(self, workdir: Path) -> None:
+        self.port = free_port()
+        root = workdir / "nginx"
+        (root / "www").mkdir(parents=True)
+        for d in (workdir, root, root / "www"):  # the workers run as www-data: they must read the files
+            d.chmod(0o755)
+        for name, size in self.FILES.items():
+            (root / "www" / name).write_bytes(os.urandom(size // 2).hex().encode()[:size])
+            (root / "www" / name).chmod(0o644)
+        conf = root / "nginx.conf"
+        conf.write_text(NGINX_CONF.format(dir=root, port=self.port))
+        self.proc = subprocess.Popen([self.binary, "-c", str(conf), "-p", str(root)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_for(lambda: len(children(self.proc.pid)) == 2 and self._answers(), timeout=30, interval=0.1)
+
+    def _answers(self) -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", self.port), timeout=1):
+                return True
+        except OSError:
+            return False
+
+    def version(self) -> str:
+        got = subprocess.run([self.binary, "-v"], capture_output=True, text=True)
+        return got.stderr.strip().split("/")[-1]
+
+    def pids(self) -> list[int]:
+        return [self.proc.pid, *children(self.proc.pid)]
+
+    def load(self, requests: int) -> dict[str, dict[str, float]]:
+        """ab, keep-alive, 50 concurrent clients: requests/s and p50/p99 (ms) per file."""
+        out: dict[str, dict[str, float]] = {}
+        for name in self.FILES:
+            text = subprocess.run(["ab", "-q", "-k", "-n", str(requests), "-c", "50",
+                                   f"http://127.0.0.1:{self.port}/{name}"],
+                                  capture_output=True, text=True, check=True).stdout
+            if "Non-2xx responses" in text or "Failed requests:        0" not in text:
+                raise RuntimeError(f"nginx answered {name} with errors:\n{text}")
+            rps = float(re.search(r"Requests per second:\s+([\d.]+)", text).group(1))  # type: ignore[union-attr]
+            pct = dict(re.findall(r"^\s+(\d+)%\s+(\d+)", text, re.M))
+            out[f"GET /{name}"] = {"rps": rps, "p50": float(pct["50"]), "p99": float(pct["99"])}
+        return out
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGQUIT)  # graceful: the workers finish, the master exits
+        self.proc.wait(timeout=30)
+
+
+SERVICES = {"redis": Redis, "nginx": Nginx}
+
+
 # ---------------------------------------------------------------------------------- tracers
-def run_daemon(workdir: Path, redis: Redis, syscalls: list[str] | str, requests: int) -> dict[str, Any]:
+Service = Redis | Nginx
+
+
+def run_daemon(workdir: Path, svc: Service, syscalls: list[str] | str, requests: int) -> dict[str, Any]:
+    """The service's load under ``ccprofd run`` with the service's binary as a ``path`` target
+    (its running processes are found by the daemon's /proc rescan)."""
     wd = tempfile.mkdtemp(dir=workdir, prefix="d-")
-    target = target_toml("redis", f'path = "{redis.binary}"', syscalls, "unwind")
+    target = target_toml(svc.name, f'path = "{svc.binary}"', syscalls, "unwind")
     with RunningDaemon(wd, config_text(wd, target, daemon_extra="top_k = 20")) as daemon:
-        daemon.wait_tracked(redis.proc.pid, timeout=120)
+        for pid in svc.pids():
+            daemon.wait_tracked(pid, timeout=120)
         cpu0 = cpu_seconds(daemon.proc.pid)
         t0 = time.perf_counter()
-        result = redis.load(requests)
+        result = svc.load(requests)
         wall = time.perf_counter() - t0
         time.sleep(1.5)  # the daemon drains what the load left in the rings
         cpu = cpu_seconds(daemon.proc.pid) - cpu0
@@ -129,15 +238,15 @@ def run_daemon(workdir: Path, redis: Redis, syscalls: list[str] | str, requests:
             "dropped": dropped, "contexts": contexts, "samples": samples, "hot": hot}
 
 
-def run_perf(workdir: Path, redis: Redis, requests: int) -> dict[str, Any]:
+def run_perf(workdir: Path, svc: Service, requests: int) -> dict[str, Any]:
     data = workdir / "perf.data"
     perf = subprocess.Popen(["perf", "record", "-q", "-e", "raw_syscalls:sys_enter", "--call-graph", "dwarf",
-                             "-p", str(redis.proc.pid), "-o", str(data)],
+                             "-p", ",".join(map(str, svc.pids())), "-o", str(data)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(1.0)  # perf attaches
     cpu0 = cpu_seconds(perf.pid)
     t0 = time.perf_counter()
-    result = redis.load(requests)
+    result = svc.load(requests)
     wall = time.perf_counter() - t0
     cpu = cpu_seconds(perf.pid) - cpu0
     perf.send_signal(signal.SIGINT)
@@ -154,11 +263,14 @@ def median_tests(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
             for t in tests}
 
 
-def render(results: dict[str, list[dict[str, Any]]], rounds: int, requests: int) -> str:
+LOADS = {"redis": "redis-benchmark -c 50 -n {n}", "nginx": "ab -k -c 50 -n {n}"}
+
+
+def render_service(name: str, version: str, results: dict[str, list[dict[str, Any]]], rounds: int,
+                   requests: int) -> list[str]:
     base = median_tests(results["untraced"])
-    version = subprocess.run([Redis.binary, "--version"], capture_output=True, text=True).stdout.split()[2]
-    lines = [f"Measured by `bench/services.py` on {machine_line()}; redis-server {version}, "
-             f"redis-benchmark -c 50 -n {requests:,}, {rounds} rounds alternating, medians.", "",
+    lines = [f"**{name} {version}**, {LOADS[name].format(n=f'{requests:,}')}, {rounds} rounds alternating, "
+             "medians:", "",
              "| configuration | test | requests/s | vs untraced | p50 ms | p99 ms |",
              "|---|---|---:|---:|---:|---:|"]
     for cfg in CONFIGS:
@@ -185,13 +297,14 @@ def render(results: dict[str, list[dict[str, Any]]], rounds: int, requests: int)
         lines.append(f"| perf-dwarf | {statistics.median(x['perf_cpu_pct'] for x in r):.0f} | – | – | – | "
                      f"({statistics.median(x['perf_data_mb'] for x in r):.0f} MB perf.data) |")
     if results.get("unwind-all"):
-        lines += ["", "Top of `ccprofctl hot` (unwind-all, last round):", "", "```",
+        lines += ["", f"Top of `ccprofctl hot` ({name}, unwind-all, last round):", "", "```",
                   results["unwind-all"][-1]["hot"].rstrip()[:3000], "```"]
-    return "\n".join(lines) + "\n"
+    return [*lines, ""]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--services", default="redis,nginx", help="comma-separated: redis, nginx")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--requests", type=int, default=50_000)
     ap.add_argument("--update-readme", action="store_true")
@@ -199,37 +312,42 @@ def main() -> int:
     if os.geteuid() != 0:
         print("services: needs root (BPF)", file=sys.stderr)
         return 2
-    for tool in ("redis-server", "redis-benchmark", "redis-cli"):
-        if not shutil.which(tool):
-            print(f"services: {tool} missing: run bench/setup.sh (apt-get install redis-server redis-tools)",
-                  file=sys.stderr)
-            return 2
-    results: dict[str, list[dict[str, Any]]] = {c: [] for c in CONFIGS}
-    with tempfile.TemporaryDirectory(prefix="ccprofd-services-") as d:
-        work = Path(d)
-        redis = Redis(work)
-        try:
-            redis.load(args.requests)  # warm-up: allocator, page cache
-            for rnd in range(args.rounds):
-                for cfg in CONFIGS:
-                    if cfg == "untraced":
-                        r: dict[str, Any] = {"tests": redis.load(args.requests)}
-                    elif cfg == "unwind-all":
-                        r = run_daemon(work, redis, "all", args.requests)
-                    elif cfg == "unwind-security":
-                        r = run_daemon(work, redis, SECURITY, args.requests)
-                    elif shutil.which("perf"):
-                        r = run_perf(work, redis, args.requests)
-                    else:
-                        continue
-                    results[cfg].append(r)
-                    print(f"round {rnd + 1} {cfg}: " + ", ".join(
-                        f"{t} {m['rps']:,.0f}/s" for t, m in r["tests"].items()), file=sys.stderr)
-        finally:
-            redis.stop()
-    text = render(results, args.rounds, args.requests)
-    print(text)
-    if args.update_readme and not update_readme_section("services", text):
+    text = [f"Measured by `bench/services.py` on {machine_line()}.", ""]
+    for name in args.services.split(","):
+        cls = SERVICES[name]
+        missing = [t for t in cls.tools if not shutil.which(t)]
+        if missing:
+            print(f"services: {name}: {', '.join(missing)} missing: run bench/setup.sh", file=sys.stderr)
+            text += [f"**{name}**: not measured ({', '.join(missing)} missing).", ""]
+            continue
+        results: dict[str, list[dict[str, Any]]] = {c: [] for c in CONFIGS}
+        with tempfile.TemporaryDirectory(prefix=f"ccprofd-{name}-") as d:
+            work = Path(d)
+            svc = cls(work)
+            try:
+                svc.load(args.requests)  # warm-up: allocator, page cache
+                for rnd in range(args.rounds):
+                    for cfg in CONFIGS:
+                        if cfg == "untraced":
+                            r: dict[str, Any] = {"tests": svc.load(args.requests)}
+                        elif cfg == "unwind-all":
+                            r = run_daemon(work, svc, "all", args.requests)
+                        elif cfg == "unwind-security":
+                            r = run_daemon(work, svc, SECURITY, args.requests)
+                        elif shutil.which("perf"):
+                            r = run_perf(work, svc, args.requests)
+                        else:
+                            continue
+                        results[cfg].append(r)
+                        print(f"{name} round {rnd + 1} {cfg}: " + ", ".join(
+                            f"{t} {m['rps']:,.0f}/s" for t, m in r["tests"].items()), file=sys.stderr)
+                version = svc.version()
+            finally:
+                svc.stop()
+        text += render_service(name, version, results, args.rounds, args.requests)
+    out = "\n".join(text)
+    print(out)
+    if args.update_readme and not update_readme_section("services", out):
         print("services: README has no bench:services section", file=sys.stderr)
     return 0
 
