@@ -51,5 +51,34 @@ def update_readme_section(name: str, body: str) -> bool:
     return True
 
 
+CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of ``pid`` (all its threads) in seconds."""
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def status_mb(pid: int, key: str) -> float:
+    """A size line of /proc/PID/status (``VmRSS``, ``VmHWM``...) in MB; 0 once the process is gone."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            for line in fh:
+                if line.startswith(key + ":"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def publish(section: str, text: str, update_readme: bool) -> None:
+    """Print a benchmark's report and, when asked, put it into the README's bench:SECTION."""
+    print(text)
+    if update_readme and not update_readme_section(section, text):
+        print(f"{section}: README has no bench:{section} section", file=sys.stderr)
+
+
 def python() -> str:
     return sys.executable

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from common import ROOT, machine_line, update_readme_section
+from common import ROOT, cpu_seconds, machine_line, status_mb, update_readme_section
 
 sys.path.insert(0, str(ROOT / "tests"))  # the daemon harness the end-to-end tests use
 from daemon_fakes import config_text, wait_for
@@ -48,26 +48,10 @@ from daemon_harness import RunningDaemon, target_toml
 WORKLOAD_SRC = Path(__file__).resolve().parent / "daemon_workload.c"
 SYSCOUNT = "/usr/sbin/syscount-bpfcc"
 TARGETS = {"cpu_pct": 5.0, "rss_mb": 200.0, "scrape_ms": 100.0, "startup_s": 1.0, "stop_s": 2.0}
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 SCRAPE_EVERY_S = 2.0
 
 
 # ------------------------------------------------------------------------------------ /proc
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of ``pid`` (all its threads) in seconds."""
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def status_mb(pid: int, key: str) -> float:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) / 1024
-    return 0.0
-
-
 # ---------------------------------------------------------------------------------- daemon
 DAEMON_SETTINGS = 'top_k = 20\nlog_level = "info"'
 

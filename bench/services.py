@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
-from common import ROOT, machine_line, update_readme_section
+from common import ROOT, cpu_seconds, machine_line, publish, status_mb
 
 sys.path.insert(0, str(ROOT / "tests"))  # the daemon harness the end-to-end tests use
 from daemon_fakes import config_text, wait_for
@@ -54,7 +54,6 @@ from daemon_harness import RunningDaemon, target_toml
 
 SECURITY = ["execve", "openat", "connect", "accept4", "mprotect", "mmap", "clone3", "unlinkat", "renameat2"]
 TESTS = "get,set,lrange_100"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 CONFIGS = ("untraced", "unwind-all", "unwind-security", "perf-dwarf")
 
 
@@ -62,20 +61,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
-def vm_hwm_mb(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as fh:
-        for line in fh:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-    return 0.0
 
 
 # ---------------------------------------------------------------------------------- services
@@ -232,7 +217,7 @@ def run_daemon(workdir: Path, svc: Service, syscalls: list[str] | str, requests:
         contexts, samples = len(every["contexts"]), every["total_samples"]
         hot = subprocess.run([*ctl, "hot", "--top", "3"], capture_output=True, text=True, cwd=ROOT,
                              timeout=60).stdout
-        rss = vm_hwm_mb(daemon.proc.pid)
+        rss = status_mb(daemon.proc.pid, "VmHWM")
         daemon.stop()
     return {"tests": result, "daemon_cpu_pct": 100 * cpu / (wall + 1.5), "daemon_rss_mb": rss,
             "dropped": dropped, "contexts": contexts, "samples": samples, "hot": hot}
@@ -345,10 +330,7 @@ def main() -> int:
             finally:
                 svc.stop()
         text += render_service(name, version, results, args.rounds, args.requests)
-    out = "\n".join(text)
-    print(out)
-    if args.update_readme and not update_readme_section("services", out):
-        print("services: README has no bench:services section", file=sys.stderr)
+    publish("services", "\n".join(text), args.update_readme)
     return 0
 
 

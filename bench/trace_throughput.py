@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import machine_line, run_measured, update_readme_section
+from bench.common import machine_line, publish, run_measured, status_mb
 from ccprofd.export.jsonl import JsonlWriter
 from ccprofd.tracing.api import RECORDS_PER_POLL, TraceOptions
 from ccprofd.tracing.session import open_session
@@ -146,28 +146,16 @@ def count_lines(path: Path) -> tuple[int, int]:
     return samples, lost
 
 
-def vm_hwm_kb(pid: int) -> int:
-    """The process's own peak RSS so far (VmHWM), 0 once it is gone."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="ascii") as fh:
-            for line in fh:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
-
-
 def traced_run(argv: list[str]) -> tuple[float, float]:
     """(wall seconds, peak RSS MB of ccprofd itself -- not of its compile worker or hold guard,
     which wait4's rusage would fold in), VmHWM read every 20 ms while it runs."""
     t0 = time.perf_counter()
     proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    peak = 0
+    peak = 0.0
     while proc.poll() is None:
-        peak = max(peak, vm_hwm_kb(proc.pid))
+        peak = max(peak, status_mb(proc.pid, "VmHWM"))
         time.sleep(0.02)
-    return time.perf_counter() - t0, peak / 1024
+    return time.perf_counter() - t0, peak
 
 
 def end_to_end(prog: Path, calls: int, tmp: Path, strace_calls: int) -> dict[str, float]:
@@ -241,10 +229,7 @@ def main() -> int:
         for name in ("repeat", "distinct"):
             e2e[name] = end_to_end(progs[name], args.calls, tmp, min(args.calls, args.strace_calls))
             print(f"end to end {name}: {e2e[name]}", file=sys.stderr)
-    text = render(stage, e2e, args.calls)
-    print(text)
-    if args.update_readme and not update_readme_section("trace_throughput", text):
-        print("trace_throughput: README has no bench:trace_throughput section", file=sys.stderr)
+    publish("trace_throughput", render(stage, e2e, args.calls), args.update_readme)
     return 0
 
 
