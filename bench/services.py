@@ -22,7 +22,7 @@ Not yet here (issue 14 asks for them): postgres/pgbench, instrumented mode with
 --scope, a frame-pointer baseline, the exactness check against perf script, anomaly learning
 curves and injected attacks.
 
-Usage (root): .venv/bin/python bench/services.py [--rounds 3] [--requests 50000] [--update-readme]
+Usage (root): .venv/bin/python bench/services.py [--rounds 5] [--requests 50000] [--update-readme]
 Needs redis-server, redis-tools, nginx-light, apache2-utils (bench/setup.sh installs them) and
 linux-perf for perf-dwarf.
 """
@@ -290,7 +290,8 @@ def render_service(name: str, version: str, results: dict[str, list[dict[str, An
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--services", default="redis,nginx", help="comma-separated: redis, nginx")
-    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="alternating rounds (this VM varies +-20%% run to run)")
     ap.add_argument("--requests", type=int, default=50_000)
     ap.add_argument("--update-readme", action="store_true")
     args = ap.parse_args()
