@@ -87,11 +87,6 @@ def format_frames_text(frames: list[dict[str, Any]]) -> str:
     return "".join(lines)
 
 
-def write_text(out: IO[str], sample: Mapping[str, Any]) -> None:
-    out.write(format_text(sample))
-    out.flush()
-
-
 class SampleWriter(Protocol):
     """Where ``ccprofd trace`` puts its output: samples, side records (``lost``), a flush per batch."""
 
@@ -101,19 +96,20 @@ class SampleWriter(Protocol):
 
 
 class _FrameCache:
-    """Serialised frames by the identity of the frames list (held, so the identity stays valid)."""
+    """Serialised frames (a frames list, or one frame's dict) by the object's identity; the object is
+    held, so its identity stays valid."""
 
     def __init__(self) -> None:
-        self._by_id: dict[int, tuple[list[dict[str, Any]], str]] = {}
+        self._by_id: dict[int, tuple[Any, str]] = {}
 
-    def text(self, frames: list[dict[str, Any]], render: Any) -> str:
-        got = self._by_id.get(id(frames))
-        if got is not None and got[0] is frames:
+    def text(self, obj: Any, render: Any) -> str:
+        got = self._by_id.get(id(obj))
+        if got is not None and got[0] is obj:
             return got[1]
         if len(self._by_id) >= FRAME_CACHE_ENTRIES:
             self._by_id.clear()
-        text = render(frames)
-        self._by_id[id(frames)] = (frames, text)
+        text = render(obj)
+        self._by_id[id(obj)] = (obj, text)
         return text
 
 
@@ -126,22 +122,14 @@ class JsonlWriter:
     def __init__(self, out: IO[str]) -> None:
         self.out = out
         self._tails: dict[int, tuple[list[dict[str, Any]], str, str | None, bool, str]] = {}
-        self._frame_texts: dict[int, tuple[dict[str, Any], str]] = {}
+        self._frame_texts = _FrameCache()
         self._lines: list[str] = []  # this batch's output, written at flush()
 
     def _frames_text(self, frames: list[dict[str, Any]]) -> str:
         """The JSON of a frames list, each frame dict serialised once (the modes share equal
         frames' dicts between contexts, so a new context mostly costs a join)."""
-        texts = self._frame_texts
-        if len(texts) >= FRAME_CACHE_ENTRIES:
-            texts.clear()
-        parts = []
-        for f in frames:
-            got = texts.get(id(f))
-            if got is None or got[0] is not f:
-                got = texts[id(f)] = (f, _dumps(f))
-            parts.append(got[1])
-        return "[" + ",".join(parts) + "]"
+        text = self._frame_texts.text
+        return "[" + ",".join(text(f, _dumps) for f in frames) + "]"
 
     def _tail(self, s: TraceSample) -> str:
         frames = s.frames

@@ -49,7 +49,9 @@ def syscall_table() -> dict[int, str]:
     return {nr: name for name, nr in syscall_numbers().items()}
 
 
+@functools.cache
 def syscall_name(nr: int | None) -> str | None:
+    """The name of syscall ``nr`` (``syscall_N`` when unknown); memoised: called once per sample."""
     if nr is None:
         return None
     return syscall_table().get(nr, f"syscall_{nr}")

@@ -22,14 +22,6 @@ Key = TypeVar("Key", bound=Hashable)
 
 LOST_CONTEXT = "context record lost"
 
-_NAMES: dict[int | None, str | None] = {}  # syscall names by number, filled as they are seen
-
-
-def _name(nr: int | None) -> str | None:
-    name = _NAMES[nr] = syscall_name(nr)
-    return name
-
-
 # A hit whose context's record never came (counted in KernelCounts.lost).
 LOST_DECODED = Decoded([], False, LOST_CONTEXT)
 
@@ -102,7 +94,7 @@ class ModeBase(ABC, Generic[Record, Key]):
     @staticmethod
     def trace_sample(r_time: int, pid: int, tid: int, event: str, nr: int | None, d: Decoded,
                      arg: str | None = None) -> TraceSample:
-        name = _NAMES.get(nr) or _name(nr)
+        name = syscall_name(nr)
         return TraceSample(r_time, pid, tid, event, name, d.complete, d.json_frames(),
                            path_args(name, arg) if arg is not None else None)
 

@@ -252,8 +252,9 @@ def attach_session(pids: int | Sequence[int], options: TraceOptions) -> Session:
     except BaseException:
         mode.close()
         raise
+    seeding = mode.summary().get("seeding", {})
     for pid in targets:
-        seeded = mode.summary().get("seeding", {}).get(str(pid))
+        seeded = seeding.get(str(pid))
         if seeded is not None:  # one line once the threads run again: what is complete from now on
             bad = {t: r for t, r in seeded.items() if r is not None}
             why = "".join(f"; {'thread ' + t if t != '0' else 'all'} not seeded: {r}" for t, r in bad.items())

@@ -147,9 +147,6 @@ class PackedIntMap(Mapping[int, int]):
     def __getitem__(self, key: int) -> int:
         return self._dict()[key]
 
-    def get(self, key: int, default: Any = None) -> Any:
-        return self._dict().get(key, default)
-
     def as_dict(self) -> dict[int, int]:
         """The map as a plain dict (shared, read-only): for loops that look up every frame."""
         return self._dict()

@@ -45,7 +45,6 @@ class UnwindSymbolizer:
         self.nodes = encoding.nodes
         self.module_of_key = module_of_key
         self._index = {n: i for i, n in enumerate(self.nodes)}
-        self._names_by_node = {n: self.names[i] for n, i in self._index.items() if i < len(self.names)}
         self._dicts: tuple[dict[int, int], dict[int, int]] | None = None
         # Outer frames by (node, call site, return address, tail call): shared by the contexts
         # that pass through them (read-only once made), so a new context mostly reuses frames.
@@ -60,8 +59,7 @@ class UnwindSymbolizer:
         return self.names[i]
 
     def _frame(self, node: int) -> Frame:
-        name = self._names_by_node.get(node) or self._name(node)
-        return Frame(name, self.module, self.build_id, True)
+        return Frame(self._name(node), self.module, self.build_id, True)
 
     def _lookups(self) -> tuple[dict[int, int], dict[int, int]]:
         """(call sites by return address, call lengths by site) as plain dicts, made at first use."""
@@ -166,8 +164,8 @@ class UnwindSymbolizer:
             key = (cur, call_site, ret, tail)
             f = cache.get(key)
             if f is None:
-                f = cache[key] = Frame(self._names_by_node.get(cur) or self._name(cur), self.module,
-                                       self.build_id, True, call_site, ret, tail)
+                f = cache[key] = Frame(self._name(cur), self.module, self.build_id, True, call_site, ret,
+                                       tail)
             frames.append(f)
             cur = callee
         frames.append(self._frame(cur))  # the innermost frame: its own object, decode() completes it
