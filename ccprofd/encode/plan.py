@@ -253,6 +253,13 @@ def _load_cached(path: Path, key: str, base: str | os.PathLike[str]) -> dict[str
     return plan
 
 
+def at_path(plan: dict[str, Any], path: str) -> dict[str, Any]:
+    """``plan`` naming the file at ``path``: a cached plan is shared by every copy of the same bytes
+    (its key is their content), so the path it was first made for says nothing about this one."""
+    plan["binary"] = {**plan["binary"], "path": path}
+    return plan
+
+
 def get_plan(graph: CallGraph, scheme: str, *, pcce_words: int = 1,
              weights: Mapping[EdgeKey, int] | None = None,
              cache_dir: str | os.PathLike[str] | None = None, use_cache: bool = True) -> dict[str, Any]:
@@ -268,7 +275,7 @@ def get_plan(graph: CallGraph, scheme: str, *, pcce_words: int = 1,
             rep = plan["report"]
             if (plan.get("key") == key and rep.get("nodes") == graph.number_of_nodes()
                     and rep.get("edges") == graph.number_of_edges()):
-                return plan
+                return at_path(plan, graph.binary.path)
         except (OSError, ValueError, KeyError, TypeError):
             pass  # unreadable or stale: rebuild below
     plan = build_plan(graph, scheme, pcce_words=pcce_words, weights=w)

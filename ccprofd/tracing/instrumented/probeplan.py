@@ -469,6 +469,9 @@ def cached_probe_plan(graph: CallGraph, plan: Mapping[str, Any], image: Callable
                 pp = ProbePlan.from_dict(got["plan"])
                 if pp.binary.get("identity") == plan.get("identity") and \
                         pp.encoding.get("key") == plan.get("key"):
+                    # keyed by content: the entry may have been made for a copy at another path,
+                    # and the probes go on the file at this one
+                    pp.binary["path"] = graph.binary.path
                     return pp
             except (KeyError, TypeError, ValueError, AttributeError):
                 pass  # damaged: rebuilt below

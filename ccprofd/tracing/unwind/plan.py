@@ -389,7 +389,9 @@ def cached_unwind_encoding(graph: CallGraph, plan: Mapping[str, Any], cache: Ana
             and plain.get("plan_key") == plan["key"] \
             and plain.get("binary", {}).get("content_hash") == graph.binary.content_hash:
         try:
-            return encoding_from_plain(plain)
+            enc = encoding_from_plain(plain)
+            enc.binary["path"] = graph.binary.path  # keyed by content: maybe a copy's entry
+            return enc
         except (KeyError, TypeError, ValueError):
             pass  # a damaged entry: rebuilt and replaced below
     enc = build_unwind_encoding(graph, plan)
