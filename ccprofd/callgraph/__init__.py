@@ -29,8 +29,9 @@ __all__ = ["ROOT", "AnalysisCache", "BinaryError", "BinaryInfo", "CallGraph", "C
 
 
 def cache_key(image: ElfImage) -> str:
-    ident = image.build_id() or f"sha256-{image.content_hash}"
-    return f"{ident}-{len(image.data)}-{'sym' if image.has_symtab else 'nosym'}"
+    """The file's content hash (an edited binary may keep its build-id and size; a stripped copy
+    keeps the build-id), after the build-id for whoever lists the cache."""
+    return f"{image.build_id() or 'nobuildid'}-{image.content_hash}"
 
 
 def analyze_binary(path: str | os.PathLike[str], *, cache_dir: Path | None = None, use_cache: bool = True,

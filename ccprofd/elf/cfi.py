@@ -537,9 +537,9 @@ def _overlaps(ranges: list[tuple[int, int]], lo: int, hi: int) -> bool:
 
 
 def cache_key(image: ElfImage) -> str:
-    """Build-id where there is one (shared by every copy of the object), else the content hash."""
-    bid = image.build_id()
-    return f"b{bid}-{len(image.data)}" if bid else f"h{image.content_hash}"
+    """The content hash (shared by every copy of the object, at any path; an edited object may keep
+    its build-id and size but not its hash)."""
+    return f"h{image.content_hash}"
 
 
 def load_table(path: str | os.PathLike[str], cache: AnalysisCache | None = None,
@@ -550,9 +550,12 @@ def load_table(path: str | os.PathLike[str], cache: AnalysisCache | None = None,
     key = cache_key(img)
     plain = cache.load(CACHE_KIND, key)
     if isinstance(plain, dict) and plain.get("format") == TABLE_FORMAT:
-        table = UnwindTable.from_plain(plain)
-        table.path = img.path
-        return table
+        try:
+            table = UnwindTable.from_plain(plain)
+            table.path = img.path
+            return table
+        except (KeyError, TypeError, ValueError, IndexError):
+            pass  # an entry of the right format but not a table: built again below
     table = build_table(img)
     cache.store(CACHE_KIND, key, table.to_plain())
     return table

@@ -234,10 +234,15 @@ def load_plan(path: str | os.PathLike[str]) -> dict[str, Any]:
 MARSHAL_KIND = "plan-marshal"
 
 
+SUM_KIND = "plan-sum"
+
+
 def _load_cached(path: Path, key: str, base: str | os.PathLike[str]) -> dict[str, Any]:
     """The plan in ``path``; the JSON file is the cache entry, but parsing 4 MB of JSON is 2-3x
     slower than marshal, so a marshal copy of what was parsed is kept beside it in the analysis
-    cache, used only while the JSON file is the very one it was made from (inode, size, mtime)."""
+    cache, used only while the JSON file is the very one it was made from (inode, size, mtime).
+    The JSON file itself is read only when its SHA-256 is the one stored when it was written (a
+    flipped digit still parses, as another plan): otherwise ValueError, and the plan is rebuilt."""
     from ccprofd.persist.cache import AnalysisCache
 
     st = os.stat(path)
@@ -248,9 +253,24 @@ def _load_cached(path: Path, key: str, base: str | os.PathLike[str]) -> dict[str
         plan = dict(fast["plan"])
         check_plan(plan)
         return plan
-    plan = load_plan(path)
+    data = path.read_bytes()
+    want = side.load(SUM_KIND, key)
+    if not isinstance(want, dict) or want.get("sha256") != hashlib.sha256(data).hexdigest():
+        raise ValueError(f"cached plan {path} does not match its checksum")
+    plan = json.loads(data)
+    check_plan(plan)
+    plan = dict(plan)
     side.store(MARSHAL_KIND, key, {"stamp": stamp, "plan": plan})
     return plan
+
+
+def _store_cached(plan: Mapping[str, Any], path: Path, key: str, base: str | os.PathLike[str]) -> None:
+    """Write the plan's JSON file and, beside it in the analysis cache, its checksum."""
+    from ccprofd.persist.cache import AnalysisCache
+
+    data = json.dumps(plan, separators=(",", ":")).encode()
+    atomic_write_bytes(path, data)
+    AnalysisCache(Path(base)).store(SUM_KIND, key, {"sha256": hashlib.sha256(data).hexdigest()})
 
 
 def at_path(plan: dict[str, Any], path: str) -> dict[str, Any]:
@@ -281,5 +301,5 @@ def get_plan(graph: CallGraph, scheme: str, *, pcce_words: int = 1,
     plan = build_plan(graph, scheme, pcce_words=pcce_words, weights=w)
     if use_cache:
         with contextlib.suppress(OSError):  # a read-only cache directory: the plan is only not kept
-            save_plan(plan, path)
+            _store_cached(plan, path, key, base)
     return plan

@@ -2,14 +2,20 @@
 
 Values are plain data serialised with marshal: fast to load, and loading runs no code.
 
-The key also includes the file size and whether ``.symtab`` is present: a stripped copy shares its
-build-id with the unstripped original but yields different names.
+Entries are checked, not trusted: each file is a magic, the SHA-256 of the marshal payload and the
+payload; a file whose digest does not match (flipped bits, a torn or foreign file) is a miss, with
+one warning line, and the caller recomputes and rewrites it.  A flipped bit in a marshal payload
+often still loads, as a *different* value (a changed count, an IndexError later), so loading alone
+proves nothing.  Callers key entries by the content hash of the file they describe (build-id and
+size are not enough: an edited binary can keep both).
 """
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import hashlib
+import logging
 import marshal
 import os
 from pathlib import Path
@@ -17,7 +23,10 @@ from typing import Any
 
 from ccprofd.persist.atomicfile import atomic_write_bytes
 
-CACHE_FORMAT = 3  # bump whenever the analysis output changes meaning
+CACHE_FORMAT = 4  # bump whenever the analysis output changes meaning
+MAGIC = b"ccprofd-cache\n"
+_DIGEST = 32  # SHA-256 of the payload, after the magic
+log = logging.getLogger("ccprofd")
 
 
 def default_cache_dir() -> Path:
@@ -40,23 +49,28 @@ class AnalysisCache:
         try:
             with open(path, "rb") as fh:
                 raw = fh.read()
-            gc_was_enabled = gc.isenabled()
-            gc.disable()  # millions of small containers: the cyclic GC would triple the load time
-            try:
-                obj = marshal.loads(raw)
-            finally:
-                if gc_was_enabled:
-                    gc.enable()
-        except FileNotFoundError:
+        except OSError:
             return None
+        head = len(MAGIC) + _DIGEST
+        payload = memoryview(raw)[head:]
+        if raw[:len(MAGIC)] != MAGIC or hashlib.sha256(payload).digest() != raw[len(MAGIC):head]:
+            log.warning("cache entry %s is damaged (checksum mismatch): recomputed", path)
+            return None
+        gc_was_enabled = gc.isenabled()
+        gc.disable()  # millions of small containers: the cyclic GC would triple the load time
+        try:
+            obj = marshal.loads(payload)
         except Exception:
-            # A corrupt entry is only a cache miss; it is rewritten by the next store.
-            return None
+            return None  # checksummed but unreadable (another Python's marshal): a miss
+        finally:
+            if gc_was_enabled:
+                gc.enable()
         if not isinstance(obj, dict) or obj.get("cache_format") != CACHE_FORMAT:
             return None
         return obj.get("value")
 
     def store(self, kind: str, key: str, value: Any) -> None:
-        data = marshal.dumps({"cache_format": CACHE_FORMAT, "value": value})
+        payload = marshal.dumps({"cache_format": CACHE_FORMAT, "value": value})
+        data = b"".join((MAGIC, hashlib.sha256(payload).digest(), payload))
         with contextlib.suppress(OSError):  # a read-only or full cache dir must not fail the analysis
             atomic_write_bytes(self.path_for(kind, key), data)

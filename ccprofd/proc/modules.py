@@ -35,7 +35,7 @@ class _Module:
 class ModuleCache:
     """ELF facts of the objects processes map -- PT_LOAD segments, build-id, unwind table -- kept
     per file identity (dev, inode, size, mtime) so a repeated walk reads nothing again; tables
-    come from :func:`ccprofd.elf.cfi.load_table` (the analysis cache, by build-id)."""
+    come from :func:`ccprofd.elf.cfi.load_table` (the analysis cache, by content hash)."""
 
     def __init__(self, cache: AnalysisCache | None = None) -> None:
         self.cache = cache
