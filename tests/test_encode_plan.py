@@ -12,7 +12,7 @@ from test_encode_graphs import BIN, make_graph
 from ccprofd.callgraph.model import ROOT, CallGraph
 from ccprofd.decode import decoder_for
 from ccprofd.encode import Encoder, PlanError, build_plan, get_plan, load_plan, save_plan
-from ccprofd.encode.plan import COL, SITE_COLUMNS, plan_key, plan_path
+from ccprofd.encode.plan import COL, SITE_COLUMNS, plan_key, plan_path, store_plan
 
 
 def graph() -> CallGraph:
@@ -61,7 +61,9 @@ def test_cache_round_trip_and_atomic_files(tmp_path: Path) -> None:
     # a second call reads the file: prove it by marking the stored copy
     stored = json.loads(path.read_text())
     stored["report"]["marker"] = 42
-    save_plan(stored, path)
+    save_plan(stored, path)  # edited without its checksum: not trusted, rebuilt
+    assert "marker" not in get_plan(g, "valence", cache_dir=tmp_path)["report"]
+    store_plan(stored, tmp_path)
     assert get_plan(g, "valence", cache_dir=tmp_path)["report"]["marker"] == 42
     # other weights -> other key -> other file
     w = {(0x1000, 0x2000, 0x1001): 5}

@@ -448,7 +448,7 @@ def test_instrumented_maps_packed_equal_the_ctypes_rows(tmp_path: Path, name: st
 def test_plan_marshal_copy_equals_the_json_file_and_follows_it(tmp_path: Path) -> None:
     import json
 
-    from ccprofd.encode.plan import MARSHAL_KIND, load_plan, save_plan
+    from ccprofd.encode.plan import MARSHAL_KIND, load_plan, store_plan
     from ccprofd.persist.cache import AnalysisCache
 
     g = _weighted_graph()
@@ -463,7 +463,7 @@ def test_plan_marshal_copy_equals_the_json_file_and_follows_it(tmp_path: Path) -
     # the JSON file is the entry: replaced, the copy is stale and not used
     stored = json.loads(path.read_text())
     stored["report"]["marker"] = 7
-    save_plan(stored, path)
+    store_plan(stored, tmp_path)
     assert get_plan(g, "valence", cache_dir=tmp_path)["report"]["marker"] == 7
     assert get_plan(g, "valence", cache_dir=tmp_path)["report"]["marker"] == 7
     side.path_for(MARSHAL_KIND, key).write_bytes(b"torn")

@@ -264,13 +264,14 @@ def _load_cached(path: Path, key: str, base: str | os.PathLike[str]) -> dict[str
     return plan
 
 
-def _store_cached(plan: Mapping[str, Any], path: Path, key: str, base: str | os.PathLike[str]) -> None:
-    """Write the plan's JSON file and, beside it in the analysis cache, its checksum."""
+def store_plan(plan: Mapping[str, Any], base: str | os.PathLike[str]) -> None:
+    """Put ``plan`` in the cache under ``base``: its JSON file (atomically) and, beside it in the
+    analysis cache, the file's checksum (a file written without it is not trusted)."""
     from ccprofd.persist.cache import AnalysisCache
 
     data = json.dumps(plan, separators=(",", ":")).encode()
-    atomic_write_bytes(path, data)
-    AnalysisCache(Path(base)).store(SUM_KIND, key, {"sha256": hashlib.sha256(data).hexdigest()})
+    atomic_write_bytes(plan_path(base, plan["key"]), data)
+    AnalysisCache(Path(base)).store(SUM_KIND, plan["key"], {"sha256": hashlib.sha256(data).hexdigest()})
 
 
 def at_path(plan: dict[str, Any], path: str) -> dict[str, Any]:
@@ -301,5 +302,5 @@ def get_plan(graph: CallGraph, scheme: str, *, pcce_words: int = 1,
     plan = build_plan(graph, scheme, pcce_words=pcce_words, weights=w)
     if use_cache:
         with contextlib.suppress(OSError):  # a read-only cache directory: the plan is only not kept
-            _store_cached(plan, path, key, base)
+            store_plan(plan, base)
     return plan
