@@ -19,6 +19,13 @@ their threads' contexts flagged incomplete until their frames are known (the tra
 never guessed.  A process in another mount namespace is analysed through ``/proc/PID/root`` and
 reported with its host pid.  The daemon's own pid is never tracked.
 
+A binary is planned for its bytes, not its inode: a file rewritten in place (``cp new old``) is
+re-planned -- its old mode closed (probes detached) and a new one prepared for the new bytes --
+before any process runs it, through the exec gate (:mod:`ccprofd.daemon.filewatch`: each exec of a
+watched file waits until the plan in place is for the bytes exec'd); where fanotify is not
+available, the file's identity is compared at each poll instead (a process exec'd in between runs
+under the old plan).
+
 Per-thread contexts (``thread_contexts``) come from a brief ptrace stop of the process, each thread
 unwound with the same CFI tables as the BPF unwinder (ccprofd/proc/threadsnap.py), in both modes.
 Left for the tracer to provide (see the daemon's README section): per-source probe-hit counters.
@@ -27,19 +34,24 @@ Left for the tracer to provide (see the daemon's README section): per-source pro
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
+import threading
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 from ccprofd.daemon.config import DaemonConfig, TargetConfig
+from ccprofd.daemon.filewatch import ExecGate, FileIdentity, file_identity
 from ccprofd.daemon.source import BinaryInfo, ProcessInfo, SourceCounters, ThreadContext, UnknownProcess
 from ccprofd.proc.tasks import threads_of
 from ccprofd.tracing.api import Mode, TraceOptions
 
 RESCAN_S = 1.0
+REPLAN_WAIT_S = 120.0  # the longest an exec of a rewritten file waits for its new plan
 Inode = tuple[int, int]
+log = logging.getLogger("ccprofd")
 
 
 @dataclass
@@ -49,6 +61,7 @@ class _Binary:
     mode: Mode
     build_id: str = ""
     following_execs: bool = False  # the mode tracks new processes of this inode from their exec
+    ident: FileIdentity | None = None  # the file as it was when planned (taken before reading it)
 
 
 def _exe_of(pid: int) -> tuple[str, Inode] | None:
@@ -93,6 +106,10 @@ class TracerSource:
         self.execs_found = 0  # processes registered through an exec hook (not a rescan)
         self.per_sample = True  # until the daemon says no consumer needs every sample
         self._last_scan = 0.0
+        self.replans = 0  # binaries re-planned because their file was rewritten
+        self._gate: ExecGate | None = None
+        self._stale: dict[Inode, threading.Event] = {}  # rewritten: re-plan, then set the event
+        self._stale_lock = threading.Lock()
 
     # ------------------------------------------------------------------------------ discovery
     def _follow_execs(self, binary: _Binary) -> None:
@@ -135,11 +152,68 @@ class TracerSource:
 
         b = self.binaries_by_inode.get(inode)
         if b is None:
+            ident = file_identity(path)  # before the bytes are read: a later write shows as a change
+            if self._gate is not None:
+                try:
+                    self._gate.watch(path)
+                except OSError as exc:
+                    log.warning("target %s: %s: rewrites found by polling only", self.target.name, exc)
             mode = make_mode(path, self.options)
             mode.prepare()
-            b = _Binary(path, inode, mode, mode.build_id or "")
+            b = _Binary(path, inode, mode, mode.build_id or "", ident=ident)
             self.binaries_by_inode[inode] = b
         return b
+
+    # ------------------------------------------------------------------ rewritten binaries
+    def _gate_check(self, ident: FileIdentity, pid: int) -> None:
+        """The exec gate's thread, before ``pid`` maps the file ``ident``: wait until the plan in
+        place is the one for these bytes (the pump thread re-plans, :meth:`_replan_stale`)."""
+        b = self.binaries_by_inode.get(ident.inode)
+        if b is None or b.ident == ident:
+            return
+        event = self._mark_stale(ident.inode)
+        if not event.wait(REPLAN_WAIT_S):
+            log.warning("target %s: pid %d exec'd %s before its new plan was ready", self.target.name,
+                        pid, b.path)
+
+    def _gate_changed(self, ident: FileIdentity) -> None:
+        """The file ``ident`` was closed after a write: re-plan it now, before any exec asks."""
+        b = self.binaries_by_inode.get(ident.inode)
+        if b is not None and b.ident != ident:
+            self._mark_stale(ident.inode)
+
+    def _mark_stale(self, inode: Inode) -> threading.Event:
+        with self._stale_lock:
+            return self._stale.setdefault(inode, threading.Event())
+
+    def _replan_stale(self) -> None:
+        """Re-plan every binary whose file was rewritten in place: close its mode first (its probes
+        were placed for other bytes), then prepare one for the bytes there now.  Its processes
+        (none can run the old bytes: the write needed the file not running) are dropped."""
+        for inode, b in list(self.binaries_by_inode.items()):
+            now = file_identity(b.path)
+            if b.ident is not None and now is not None and now.inode == inode and now != b.ident:
+                self._mark_stale(inode)
+        with self._stale_lock:
+            stale, self._stale = self._stale, {}
+        for inode, event in stale.items():
+            try:
+                old = self.binaries_by_inode.pop(inode, None)
+                if old is None:
+                    continue
+                for pid in [p for p, i in self.tracked.items() if i == inode]:
+                    del self.tracked[pid]
+                with contextlib.suppress(Exception):
+                    old.mode.close()
+                new = self._binary_for(old.path, inode)
+                self._follow_execs(new)
+                self.replans += 1
+                log.info("target %s: %s was rewritten (build-id %s -> %s): re-planned", self.target.name,
+                         old.path, old.build_id or "none", new.build_id or "none")
+            except Exception as exc:  # e.g. a half-written file: found again by the rescan
+                log.error("target %s: re-planning %s failed: %s", self.target.name, inode, exc)
+            finally:
+                event.set()
 
     def _scan(self) -> None:
         self._last_scan = time.monotonic()
@@ -180,6 +254,13 @@ class TracerSource:
 
     # ------------------------------------------------------------------------ SampleSource
     def start(self) -> None:
+        gate = ExecGate(self._gate_check, self._gate_changed)
+        try:
+            gate.start()
+            self._gate = gate
+        except OSError as exc:
+            log.warning("target %s: no exec gate (%s): a binary rewritten in place is re-planned at "
+                        "the next poll", self.target.name, exc)
         if self.target.path is not None:
             st = os.stat(self.target.path)  # a missing binary fails the target with one line
             self._follow_execs(self._binary_for(self.target.path, (st.st_dev, st.st_ino)))
@@ -188,6 +269,7 @@ class TracerSource:
             raise RuntimeError(f"no process {self.target.pid} (or it runs a deleted executable)")
 
     def poll(self, timeout_ms: int) -> list[dict[str, Any]]:
+        self._replan_stale()
         out: list[dict[str, Any]] = []
         binaries = list(self.binaries_by_inode.values())
         if not binaries:
@@ -213,6 +295,7 @@ class TracerSource:
         """Like :meth:`poll`, for the daemon's store: ``(records, counts)`` -- every record with
         whether it is one sample to count, and ``(context sample, n)`` for samples counted in the
         kernel (aggregate mode's per-context counts) since the previous call."""
+        self._replan_stale()
         records: list[tuple[dict[str, Any], bool]] = []
         counts: list[tuple[dict[str, Any], int]] = []
         binaries = list(self.binaries_by_inode.values())
@@ -236,12 +319,15 @@ class TracerSource:
     def processes(self) -> list[ProcessInfo]:
         out = []
         for pid, inode in sorted(self.tracked.items()):
-            b = self.binaries_by_inode[inode]
+            b = self.binaries_by_inode.get(inode)  # a binary being re-planned has none
+            if b is None:
+                continue
             out.append(ProcessInfo(pid, b.path, b.build_id, len(threads_of(pid)), _comm(pid), inode[1]))
         return out
 
     def binaries(self) -> list[BinaryInfo]:
-        return [BinaryInfo(b.path, b.build_id, inode[1], True) for inode, b in self.binaries_by_inode.items()]
+        return [BinaryInfo(b.path, b.build_id, inode[1], True)
+                for inode, b in list(self.binaries_by_inode.items())]
 
     def thread_contexts(self, pid: int) -> list[ThreadContext]:
         inode = self.tracked.get(pid)
@@ -289,6 +375,13 @@ class TracerSource:
                               map_entries=maps)
 
     def close(self) -> None:
+        if self._gate is not None:
+            self._gate.close()  # pending execs are allowed by the kernel
+            self._gate = None
+        with self._stale_lock:
+            for event in self._stale.values():
+                event.set()
+            self._stale.clear()
         for b in self.binaries_by_inode.values():
             with contextlib.suppress(Exception):  # one failing close must not keep the others attached
                 b.mode.close()

@@ -1,0 +1,105 @@
+"""End to end with real BPF: a ``path`` target's file replaced in place (``cp new old``: the same
+inode, other bytes) while the daemon runs (issue 15).
+
+Before, the daemon never noticed: its build-id stayed the old one in ``ListTargets``, every new
+process of an instrumented target died with SIGSEGV (its uprobes went in at the old build's
+offsets), and an unwind target reported the new build's samples as ``frames: []``,
+``complete: true``.  Now the daemon holds each exec of a watched file (fanotify permission event)
+until the probes and tables in place are the ones planned for the bytes being exec'd, so every
+process of the new build runs unharmed and its samples name the new build's functions.
+
+Expected frames come from the two programs' sources (version B's getppid is reached by main >
+b_outer > b_leaf), the expected build-id from ``readelf -n``.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+from bpf_helpers import compile_c
+from conftest import require_tool
+from daemon_fakes import wait_for
+from daemon_harness import SampleStream
+from test_daemon_newprocs import PROGRAM as VERSION_A
+from test_daemon_newprocs import start_daemon, warm_up
+
+N = 6
+# Another build: other functions, other sizes, so every offset of version A is wrong for it.
+VERSION_B = r"""
+#include <unistd.h>
+#include <sys/syscall.h>
+volatile long sink;
+__attribute__((noinline)) long b_leaf(int k) { sink += k; return syscall(SYS_getppid); }
+__attribute__((noinline)) long b_pad(int n) {
+    long s = 0;
+    for (int i = 0; i < n; i++) s += i * sink;
+    return s;
+}
+__attribute__((noinline)) long b_outer(int n) {
+    long s = b_pad(n);
+    for (int i = 0; i < n; i++) s += b_leaf(i);
+    return s;
+}
+int main(void) { return b_outer(N) > 0 ? 0 : 1; }
+""".replace("(N)", f"({N})")
+
+
+def build_id(path: Path) -> str:
+    out = subprocess.run([require_tool("readelf"), "-n", str(path)], check=True, capture_output=True,
+                         text=True).stdout
+    m = re.search(r"Build ID: ([0-9a-f]+)", out)
+    assert m, out
+    return m.group(1)
+
+
+@pytest.mark.parametrize("mode", ["instrumented", "unwind"])
+def test_binary_replaced_in_place_is_replanned_before_it_runs(bpf: None, workdir: str, tmp_path: Path,
+                                                              mode: str) -> None:
+    a = compile_c(tmp_path, "version_a", VERSION_A, "-O1", "-fno-omit-frame-pointer")
+    b = compile_c(tmp_path, "version_b", VERSION_B, "-O1", "-fno-omit-frame-pointer")
+    assert build_id(a) != build_id(b)
+    target = tmp_path / "target"
+    shutil.copy2(a, target)
+    inode = target.stat().st_ino
+    with start_daemon(workdir, target, mode) as daemon:
+        stream = SampleStream(daemon.stub, "prog")
+        try:
+            warm: list[int] = []
+            wait_for(lambda: warm_up(target, stream, warm), timeout=120, interval=0.2)
+            shutil.copyfile(b, target)  # cp new old: truncated and rewritten in place
+            assert target.stat().st_ino == inode
+            runs = []
+            for _ in range(4):  # at once: no time for a rescan to notice first
+                p = subprocess.Popen([str(target)])
+                try:
+                    status: int | str = p.wait(timeout=60)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+                    status = "hung"
+                assert status == 0, f"run of the replaced binary: status {status}\n{daemon.log()}"
+                runs.append(p.pid)
+
+            def sampled() -> bool:
+                return all(sum(s.syscall == "getppid" for s in stream.of(pid)) >= N for pid in runs)
+
+            wait_for(sampled, timeout=120, interval=0.2)
+            for pid in runs:
+                inner = [s for s in stream.of(pid) if s.syscall == "getppid"]
+                assert len(inner) == N
+                for s in inner:
+                    chain = [(f.function, f.module) for f in s.frames if f.analysed]
+                    assert s.complete and [fn for fn, _ in chain] == ["main", "b_outer", "b_leaf"], \
+                        (pid, s.complete, chain)
+                    assert {m for _, m in chain} == {str(target)}
+            assert "was rewritten" in daemon.log() and "no exec gate" not in daemon.log()
+            listed = daemon.targets()
+            assert listed is not None
+            assert {bi.build_id for bi in listed.targets[0].binaries} == {build_id(b)}, listed
+        finally:
+            stream.close()
+        daemon.stop().assert_clean()
