@@ -87,7 +87,11 @@ def test_binary_replaced_in_place_is_replanned_before_it_runs(bpf: None, workdir
             def sampled() -> bool:
                 return all(sum(s.syscall == "getppid" for s in stream.of(pid)) >= N for pid in runs)
 
-            wait_for(sampled, timeout=120, interval=0.2)
+            try:
+                wait_for(sampled, timeout=120, interval=0.2)
+            except AssertionError:
+                got = {pid: [(s.syscall, s.complete, len(s.frames)) for s in stream.of(pid)] for pid in runs}
+                raise AssertionError(f"runs not sampled: {got}\n{daemon.log()}") from None
             for pid in runs:
                 inner = [s for s in stream.of(pid) if s.syscall == "getppid"]
                 assert len(inner) == N

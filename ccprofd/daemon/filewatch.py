@@ -14,6 +14,11 @@ caller re-plans first when the identity is not the one it planned for); ``FAN_CL
 ``changed(identity)`` so a rewrite is re-planned before any exec at all.  Every exec is allowed:
 on a timeout or an error too (a missed or flagged sample is better than a failed exec), and the
 kernel allows pending execs itself when the group is closed (the daemon stops or dies).
+
+The cost: while the daemon is frozen (SIGSTOP, a debugger) the gated file's execs wait.  Only
+instrumented-mode targets are gated (a stale plan there plants breakpoints mid-instruction); unwind
+mode holds each new process at exec until the daemon has loaded its mappings anyway, and the daemon
+compares the file's identity before each poll that may release such holds.
 """
 
 from __future__ import annotations
@@ -113,12 +118,13 @@ class ExecGate:
         self._thread = threading.Thread(target=self._run, name="ccprofd-exec-gate", daemon=True)
         self._thread.start()
 
-    def watch(self, path: str) -> None:
-        """Gate the execs of the file at ``path`` (its inode: a later rename does not move it)."""
+    def watch(self, path: str, gate_execs: bool = True) -> None:
+        """Watch the file at ``path`` (its inode: a later rename does not move the mark) for rewrites
+        and, with ``gate_execs``, hold its execs (see the module docstring)."""
         if self._fd < 0:
             return
-        if self._mark_fn(self._fd, FAN_MARK_ADD, FAN_OPEN_EXEC_PERM | FAN_CLOSE_WRITE, AT_FDCWD,
-                         os.fsencode(path)) != 0:
+        mask = FAN_CLOSE_WRITE | (FAN_OPEN_EXEC_PERM if gate_execs else 0)
+        if self._mark_fn(self._fd, FAN_MARK_ADD, mask, AT_FDCWD, os.fsencode(path)) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"fanotify_mark {path}: {os.strerror(err)}")
 

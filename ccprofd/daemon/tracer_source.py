@@ -21,10 +21,12 @@ reported with its host pid.  The daemon's own pid is never tracked.
 
 A binary is planned for its bytes, not its inode: a file rewritten in place (``cp new old``) is
 re-planned -- its old mode closed (probes detached) and a new one prepared for the new bytes --
-before any process runs it, through the exec gate (:mod:`ccprofd.daemon.filewatch`: each exec of a
-watched file waits until the plan in place is for the bytes exec'd); where fanotify is not
-available, the file's identity is compared at each poll instead (a process exec'd in between runs
-under the old plan).
+before any process runs it: in instrumented mode through the exec gate
+(:mod:`ccprofd.daemon.filewatch`: each exec of a watched file waits until the plan in place is for
+the bytes exec'd); in unwind mode, where BPF holds each new process at its exec until a poll loads
+its mappings, the file's identity is compared before each poll (and a rewrite's ``close`` starts
+the re-plan at once).  Where fanotify is not available, instrumented mode compares at each poll too
+(a process exec'd in between runs under the old plan).
 
 Per-thread contexts (``thread_contexts``) come from a brief ptrace stop of the process, each thread
 unwound with the same CFI tables as the BPF unwinder (ccprofd/proc/threadsnap.py), in both modes.
@@ -155,7 +157,7 @@ class TracerSource:
             ident = file_identity(path)  # before the bytes are read: a later write shows as a change
             if self._gate is not None:
                 try:
-                    self._gate.watch(path)
+                    self._gate.watch(path, gate_execs=self.options.mode == "instrumented")
                 except OSError as exc:
                     log.warning("target %s: %s: rewrites found by polling only", self.target.name, exc)
             mode = make_mode(path, self.options)
@@ -168,13 +170,16 @@ class TracerSource:
     def _gate_check(self, ident: FileIdentity, pid: int) -> None:
         """The exec gate's thread, before ``pid`` maps the file ``ident``: wait until the plan in
         place is the one for these bytes (the pump thread re-plans, :meth:`_replan_stale`)."""
-        b = self.binaries_by_inode.get(ident.inode)
-        if b is None or b.ident == ident:
-            return
-        event = self._mark_stale(ident.inode)
+        with self._stale_lock:
+            event = self._stale.get(ident.inode)  # being re-planned: wait for the end of it
+        if event is None:
+            b = self.binaries_by_inode.get(ident.inode)
+            if b is None or b.ident == ident:
+                return
+            event = self._mark_stale(ident.inode)
         if not event.wait(REPLAN_WAIT_S):
-            log.warning("target %s: pid %d exec'd %s before its new plan was ready", self.target.name,
-                        pid, b.path)
+            log.warning("target %s: pid %d exec'd inode %d before its new plan was ready", self.target.name,
+                        pid, ident.ino)
 
     def _gate_changed(self, ident: FileIdentity) -> None:
         """The file ``ident`` was closed after a write: re-plan it now, before any exec asks."""
@@ -187,33 +192,54 @@ class TracerSource:
             return self._stale.setdefault(inode, threading.Event())
 
     def _replan_stale(self) -> None:
-        """Re-plan every binary whose file was rewritten in place: close its mode first (its probes
-        were placed for other bytes), then prepare one for the bytes there now.  Its processes
-        (none can run the old bytes: the write needed the file not running) are dropped."""
+        """Re-plan every binary whose file was rewritten in place.  No process can run the old
+        bytes (the write needed the file not running), so whatever runs that inode runs the new
+        bytes: instrumented mode closes the old mode first (its probes were placed for other
+        bytes; the exec gate holds new execs meanwhile); unwind mode first hands the processes the
+        old mode found at their exec (held there, not yet run) to the new one, then closes it."""
         for inode, b in list(self.binaries_by_inode.items()):
             now = file_identity(b.path)
             if b.ident is not None and now is not None and now.inode == inode and now != b.ident:
-                self._mark_stale(inode)
+                self._mark_stale(inode)  # no gate, or its event not seen yet
         with self._stale_lock:
-            stale, self._stale = self._stale, {}
-        for inode, event in stale.items():
+            stale = list(self._stale.items())
+        for inode, event in stale:
             try:
-                old = self.binaries_by_inode.pop(inode, None)
-                if old is None:
-                    continue
-                for pid in [p for p, i in self.tracked.items() if i == inode]:
-                    del self.tracked[pid]
-                with contextlib.suppress(Exception):
-                    old.mode.close()
-                new = self._binary_for(old.path, inode)
-                self._follow_execs(new)
-                self.replans += 1
-                log.info("target %s: %s was rewritten (build-id %s -> %s): re-planned", self.target.name,
-                         old.path, old.build_id or "none", new.build_id or "none")
+                old = self.binaries_by_inode.get(inode)
+                if old is not None:
+                    self._replan(inode, old)
             except Exception as exc:  # e.g. a half-written file: found again by the rescan
                 log.error("target %s: re-planning %s failed: %s", self.target.name, inode, exc)
             finally:
+                with self._stale_lock:
+                    self._stale.pop(inode, None)
                 event.set()
+
+    def _replan(self, inode: Inode, old: _Binary) -> None:
+        pids = [p for p, i in self.tracked.items() if i == inode]
+        with contextlib.suppress(Exception):
+            pids += old.mode.take_new_processes()
+        for pid in pids:
+            self.tracked.pop(pid, None)
+        del self.binaries_by_inode[inode]
+        if self.options.mode == "instrumented":
+            with contextlib.suppress(Exception):
+                old.mode.close()
+        try:
+            new = self._binary_for(old.path, inode)
+            self._follow_execs(new)
+            for pid in dict.fromkeys(pids):
+                if pid != self.self_pid and os.path.exists(f"/proc/{pid}"):
+                    new.mode.track_running(pid, threads_of(pid))
+                    self.tracked[pid] = inode
+            self._scan()  # and those whose exec the old mode saw but did not report (still held)
+        finally:
+            if self.options.mode != "instrumented":
+                with contextlib.suppress(Exception):
+                    old.mode.close()  # continues what it held: tracked by the new mode now
+        self.replans += 1
+        log.info("target %s: %s was rewritten (build-id %s -> %s): re-planned", self.target.name,
+                 old.path, old.build_id or "none", new.build_id or "none")
 
     def _scan(self) -> None:
         self._last_scan = time.monotonic()
