@@ -95,6 +95,12 @@ def _comm(pid: int) -> str:
 
 
 class TracerSource:
+    """The daemon's sample source for one target over the tracer's modes (see the module docstring).
+
+    Why this class is long: it is the one owner of a target's binaries -- discovery by rescan and
+    exec hooks, the SampleSource queries, and the re-plan of a binary rewritten in place, which
+    must act on the same table of binaries and tracked processes under the pump thread."""
+
     def __init__(self, target: TargetConfig, daemon: DaemonConfig) -> None:
         self.target = target
         self.options = TraceOptions(
