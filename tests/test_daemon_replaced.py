@@ -162,3 +162,38 @@ def test_exec_gate_holds_each_exec_until_checked_and_reports_rewrites(tmp_path: 
     finally:
         release.set()
         gate.close()
+
+
+@pytest.mark.parametrize("mode", ["instrumented", "unwind"])
+def test_daemon_traces_a_copy_of_an_analysed_binary_at_its_own_path(bpf: None, workdir: str, tmp_path: Path,
+                                                                     mode: str) -> None:
+    """The daemon's cache already holds the plans of the same bytes at another path (a ``trace``
+    of the original with the daemon's cache directory): a ``path`` target on the copy must probe
+    and name the copy (before: every sample ``frames: []``, or the original's module)."""
+    import sys
+
+    original = compile_c(tmp_path, "original", VERSION_A, "-O1", "-fno-omit-frame-pointer")
+    copy = tmp_path / "copy"
+    shutil.copy2(original, copy)
+    cache = Path(workdir) / "state" / "cache"
+    subprocess.run([sys.executable, "-m", "ccprofd.cli", "trace", "--cache-dir", str(cache), "--mode", mode,
+                    "-e", "trace=getppid", "-o", str(tmp_path / "out.txt"), "--", str(original)],
+                   check=True, capture_output=True, timeout=600)
+    with start_daemon(workdir, copy, mode) as daemon:
+        stream = SampleStream(daemon.stub, "prog")
+        try:
+            warm: list[int] = []
+            wait_for(lambda: warm_up(copy, stream, warm), timeout=120, interval=0.2)
+            p = subprocess.Popen([str(copy)])
+            assert p.wait(timeout=60) == 0
+            wait_for(lambda: sum(s.syscall == "getppid" for s in stream.of(p.pid)) >= 8, timeout=120,
+                     interval=0.2)
+            for s in stream.of(p.pid):
+                if s.syscall == "getppid":  # main > work_a|work_b > leaf (test_daemon_newprocs.PROGRAM)
+                    chain = [(f.function, f.module) for f in s.frames if f.analysed]
+                    assert s.complete and [fn for fn, _ in chain] in (["main", "work_a", "leaf"],
+                                                                      ["main", "work_b", "leaf"]), s
+                    assert {m for _, m in chain} == {str(copy)}
+        finally:
+            stream.close()
+        daemon.stop().assert_clean()
