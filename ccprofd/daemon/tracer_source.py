@@ -21,7 +21,6 @@ reported with its host pid.  The daemon's own pid is never tracked.
 
 Per-thread contexts (``thread_contexts``) come from a brief ptrace stop of the process, each thread
 unwound with the same CFI tables as the BPF unwinder (ccprofd/proc/threadsnap.py), in both modes.
-Left for the tracer to provide (see the daemon's README section): per-source probe-hit counters.
 """
 
 from __future__ import annotations
@@ -39,6 +38,8 @@ from ccprofd.proc.tasks import threads_of
 from ccprofd.tracing.api import Mode, TraceOptions
 
 RESCAN_S = 1.0
+#: instrumented mode's uprobe hit counters (cc_stats): call sites, tail jumps, function entries
+PROBE_HIT_STATS = ("site_hits", "tail_hits", "entry_hits")
 Inode = tuple[int, int]
 
 
@@ -276,17 +277,21 @@ class TracerSource:
 
     def counters(self) -> SourceCounters:
         dropped: dict[str, int] = {}
-        errors = mismatches = 0
+        errors = mismatches = hits = 0
         maps: dict[str, int] = {}
-        for b in self.binaries_by_inode.values():
+        for b in list(self.binaries_by_inode.values()):
             summary = b.mode.summary()
             errors += int(summary.get("decode_errors") or 0)
             mismatches += int((summary.get("verify") or {}).get("mismatches") or 0)  # verify = true
-            for key, value in (summary.get("bpf") or {}).items():
+            bpf = summary.get("bpf") or {}
+            hits += sum(int(bpf.get(k) or 0) for k in PROBE_HIT_STATS)  # instrumented mode's uprobes
+            for key, value in bpf.items():
                 if isinstance(value, int) and ("full" in key or "lost" in key or "drop" in key):
                     dropped[key] = dropped.get(key, 0) + value
-        return SourceCounters(decode_errors=errors, verify_mismatches=mismatches, dropped=dropped,
-                              map_entries=maps)
+            for name, n in b.mode.map_entries().items():
+                maps[name] = maps.get(name, 0) + n
+        return SourceCounters(probe_hits=hits, decode_errors=errors, verify_mismatches=mismatches,
+                              dropped=dropped, map_entries=maps)
 
     def close(self) -> None:
         for b in self.binaries_by_inode.values():
