@@ -54,7 +54,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         if args.check:
             config = load_config(args.config)
-            print(f"{args.config}: OK ({len(config.targets)} targets)")
+            for warning in config.warnings:
+                print(f"ccprofd: warning: {warning}", file=sys.stderr)
+            print(f"{args.config}: OK ({len(config.targets)} targets"
+                  + (f", {len(config.warnings)} warnings)" if config.warnings else ")"))
             return EXIT_OK
         from ccprofd.daemon.service import run_daemon
         from ccprofd.daemon.source import load_factory

@@ -32,8 +32,15 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ccprofd.daemon.config import DaemonConfig, TargetConfig
-from ccprofd.daemon.source import BinaryInfo, ProcessInfo, SourceCounters, ThreadContext, UnknownProcess
+from ccprofd.daemon.config import DaemonConfig, TargetConfig, binary_problem, cgroup_problem
+from ccprofd.daemon.source import (
+    BinaryInfo,
+    ProcessInfo,
+    SourceCounters,
+    TargetWaiting,
+    ThreadContext,
+    UnknownProcess,
+)
 from ccprofd.proc.tasks import threads_of
 from ccprofd.tracing.api import Mode, TraceOptions
 
@@ -181,9 +188,17 @@ class TracerSource:
 
     # ------------------------------------------------------------------------ SampleSource
     def start(self) -> None:
-        if self.target.path is not None:
-            st = os.stat(self.target.path)  # a missing binary fails the target with one line
-            self._follow_execs(self._binary_for(self.target.path, (st.st_dev, st.st_ino)))
+        t = self.target
+        problem = binary_problem(t.path) if t.path is not None else \
+            cgroup_problem(t.cgroup) if t.cgroup is not None else None
+        if problem is not None:  # the daemon retries until it is there
+            raise TargetWaiting(f"{t.path or t.cgroup} {problem}")
+        if t.path is not None:
+            try:
+                st = os.stat(t.path)
+            except FileNotFoundError:  # removed since the check
+                raise TargetWaiting(f"{t.path} does not exist") from None
+            self._follow_execs(self._binary_for(t.path, (st.st_dev, st.st_ino)))
         self._scan()
         if self.target.pid is not None and not self.tracked:
             raise RuntimeError(f"no process {self.target.pid} (or it runs a deleted executable)")
