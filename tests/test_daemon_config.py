@@ -315,3 +315,12 @@ def test_run_check_prints_warnings_and_refuses_errors(tmp_path: Path) -> None:
     bad = check()
     assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1 and "Traceback" not in bad.stderr
     assert bad.stderr.startswith(f"ccprofd: {config}:2: daemon.metrics_listen: /metrics on 0.0.0.0")
+
+
+def test_perf_sample_hz_above_the_kernel_limit_is_refused() -> None:
+    limit = int(Path("/proc/sys/kernel/perf_event_max_sample_rate").read_text())
+    cfg = parse(f"[[target]]\npid = 1\nperf_sample_hz = {limit}\n")
+    assert cfg.targets[0].perf_sample_hz == limit  # type: ignore[attr-defined]
+    message = error_of(f"[[target]]\npid = 1\nperf_sample_hz = {limit + 1}\n")
+    assert message == (f"/etc/ccprofd/test.toml:3: target[0].perf_sample_hz: {limit + 1} exceeds the "
+                       f"kernel's limit (kernel.perf_event_max_sample_rate = {limit})")
