@@ -90,6 +90,8 @@ def test_probe_hits_counted_and_budget_enforced(bpf: None, workdir: str, tmp_pat
         # CALLS hits within one (stated) second exceed 100/s: the target switches to unwind mode
         daemon.check_budgets(now=101.0)
         assert rt.state == "attached" and rt.mode() == "unwind", rt.error
+        assert rt.error.startswith("switched to unwind mode: ") and rt.error.endswith(
+            " probe hits/s exceeded max_probe_hits_per_sec = 100"), rt.error
         assert rt.mode_switches == {"probe_hit_budget": 1}
         m = metrics(daemon)
         assert m["ccprofd_mode_switches_total"][(("reason", "probe_hit_budget"), ("target", "prog"))] == 1

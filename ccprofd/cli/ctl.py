@@ -247,7 +247,8 @@ def cmd_targets(args: argparse.Namespace, channel: Any, fmt: str, w: _Writer) ->
                f"samples {t.samples}  syscalls {','.join(t.syscalls) or 'all'}"
                + (f"  perf {t.perf_sample_hz} Hz" if t.perf_sample_hz else ""))
         if t.error:
-            w.line(f"  {'waiting' if t.state == 'waiting' else 'error'}: {t.error}")
+            label = {"waiting": "waiting", "attached": "note"}.get(t.state, "error")
+            w.line(f"  {label}: {t.error}")
         for b in t.binaries:
             w.line(f"  binary {b.path}  build-id {b.build_id or '-'}  inode {b.inode}"
                    + ("" if b.attached else "  (not attached)"))

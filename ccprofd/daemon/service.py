@@ -70,6 +70,7 @@ class TargetRuntime:
         self.error = ""
         self.mode_override: str | None = None
         self.mode_switches: dict[str, int] = {}
+        self.note = ""  # why it runs otherwise than configured: its ``error`` while attached
         self.carried = Carried()
         self.stream_dropped = 0
         self.observer_errors = 0
@@ -107,6 +108,11 @@ class TargetRuntime:
             return
         self.state, self.error = "failed", reason
         log.error("target %s: cannot attach (%s mode): %s", self.name, self.effective_config.mode, reason)
+
+    def over_budget(self, rate: float) -> None:
+        self.note = (f"switched to unwind mode: {rate:.0f} probe hits/s exceeded max_probe_hits_per_sec = "
+                     f"{self.config.max_probe_hits_per_sec}")
+        log.warning("target %s: %s", self.name, self.note)
 
     def settled(self) -> bool:
         """Whether the path (or cgroup) a waiting target names exists and is unchanged since the
@@ -205,7 +211,7 @@ class Daemon:
             return
         with rt.lock:
             rt.source = source
-            rt.state, rt.error = "attached", ""
+            rt.state, rt.error = "attached", rt.note
             rt._stop = threading.Event()
             rt._thread = threading.Thread(target=self._pump, args=(rt, source, rt._stop),
                                           name=f"pump-{tc.name}", daemon=True)
@@ -306,8 +312,7 @@ class Daemon:
         for rt in list(self.targets.values()):
             rate = rt.probe_hit_rate_over_budget(now)
             if rate is not None:
-                log.warning("target %s: %.0f probe hits/s exceeds max_probe_hits_per_sec = %d: "
-                            "switching to unwind mode", rt.name, rate, rt.config.max_probe_hits_per_sec)
+                rt.over_budget(rate)
                 self.switch_mode(rt, "unwind", reason="probe_hit_budget")
 
     def switch_mode(self, rt: TargetRuntime, mode: str, reason: str) -> None:
