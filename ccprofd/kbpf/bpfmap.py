@@ -348,7 +348,7 @@ class RawMap(MapValues):
             return self.max_entries
         if self.percpu or self.key_type is None or self.leaf_type is None:
             return len(self)
-        chunk = max(1, min(self.max_entries, 4096))
+        chunk = max(1, min(self.max_entries, 1024))  # buffers of at most 1024 entries per scrape
         keys = (self.key_type * chunk)()
         vals = (self.leaf_type * chunk)()
         in_batch, out_batch = ctypes.c_uint32(0), ctypes.c_uint32(0)
