@@ -264,7 +264,9 @@ def test_plain_tcp_on_loopback_warns_and_tls_or_loopback_metrics_do_not(tmp_path
     pem.write_text("x")
     tls = f'[daemon]\ngrpc_listen = "tcp://0.0.0.0:1"\ntls_cert = "{pem}"\ntls_key = "{pem}"\n'
     assert parse(tls).daemon.grpc_listen.host == "0.0.0.0"  # type: ignore[attr-defined]
-    assert warnings_of(tls) == ()
+    (warning,) = warnings_of(tls)  # encrypted, but anyone may connect
+    assert warning.startswith("/etc/ccprofd/test.toml:2: daemon.grpc_listen: TLS without tls_client_ca")
+    assert warnings_of(tls + f'tls_client_ca = "{pem}"\n') == ()
     for metrics in ("127.0.0.1:1", "localhost:1", "[::1]:1", "127.0.0.2:1", ""):
         assert warnings_of(f'[daemon]\nmetrics_listen = "{metrics}"\n') == (), metrics
     assert warnings_of("") == ()  # the defaults: Unix socket, metrics on 127.0.0.1

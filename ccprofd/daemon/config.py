@@ -372,7 +372,8 @@ def _parse_daemon(chk: _Checker, raw: Any) -> DaemonConfig:
     metrics_text = str(chk.get(tbl, w, "metrics_listen", str, "127.0.0.1:9464"))
     metrics = _parse_hostport(chk, (*w, "metrics_listen"), metrics_text) if metrics_text else None
     insecure = bool(chk.get(tbl, w, "insecure_remote", bool, False))
-    _check_exposure(chk, w, grpc, tls["tls_cert"] is not None, metrics, insecure)
+    _check_exposure(chk, w, grpc, tls["tls_cert"] is not None, tls["tls_client_ca"] is not None, metrics,
+                    insecure)
     level = chk.choice(tbl, w, "log_level", ("debug", "info", "warning", "error"), d.log_level)
     bucket = chk.positive(tbl, w, "bucket_seconds", d.bucket_seconds)
     history = chk.positive(tbl, w, "history_seconds", d.history_seconds)
@@ -404,7 +405,7 @@ def is_loopback(host: str) -> bool:
         return False  # another host name: it may resolve to any interface
 
 
-def _check_exposure(chk: _Checker, w: tuple[Any, ...], grpc: Endpoint, tls: bool,
+def _check_exposure(chk: _Checker, w: tuple[Any, ...], grpc: Endpoint, tls: bool, client_ca: bool,
                     metrics: tuple[str, int] | None, insecure: bool) -> None:
     """Whoever connects reads other processes' calling contexts (gRPC) or hot-context names
     (/metrics): plain TCP off loopback is refused unless ``insecure_remote = true``; plain gRPC
@@ -422,6 +423,9 @@ def _check_exposure(chk: _Checker, w: tuple[Any, ...], grpc: Endpoint, tls: bool
         else:
             chk.warn((*w, "grpc_listen"), "plain TCP on loopback: every local user can connect and read "
                      "other processes' calling contexts (the Unix socket's mode and group do not apply)")
+    elif grpc.kind == "tcp" and not client_ca and not is_loopback(grpc.host):
+        chk.warn((*w, "grpc_listen"), f"TLS without tls_client_ca on {grpc.host}: every client that reaches "
+                 "this port can connect and read other processes' calling contexts")
     if metrics is not None and not is_loopback(metrics[0]):
         problem = (f"/metrics on {metrics[0] or 'every interface'} (plain HTTP, no authentication) shows "
                    "the hot calling contexts' function names to anyone who reaches this port")
