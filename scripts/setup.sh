@@ -94,6 +94,11 @@ if [ "${CCPROFD_SKIP_LINKS:-0}" != 1 ]; then
   ln -sfn "$ROOT/.venv/bin/ccprofd" /usr/local/bin/ccprofd
   ln -sfn "$ROOT/.venv/bin/ccprofctl" /usr/local/bin/ccprofctl
 fi
+# Members of the ccprofd group run ccprofctl as themselves: a checkout (or Python) under a 0700
+# home is out of their reach (README: "ccprofctl for the ccprofd group").
+PROBLEM=$(.venv/bin/python -c 'import sys; from ccprofd.cli.daemon import access_problem as a; print(a(sys.argv[1]) or "")' \
+          "$ROOT/.venv/bin/ccprofctl")
+[ -z "$PROBLEM" ] || say "warning: other users cannot run $ROOT/.venv/bin/ccprofctl: $PROBLEM (see the README, \"ccprofctl for the ccprofd group\")"
 say "ready: $ROOT/.venv/bin/ccprofd, $ROOT/.venv/bin/ccprofctl"
 
 # ---- 5. the main job on the bundled example --------------------------------------------------------

@@ -179,6 +179,8 @@ def test_map_operations_agree_with_bpftool(bpf: None, tmp_path: Path) -> None:
         assert theirs == {k: (k * 1_000_003, k ^ 0x5A5A) for k in range(1500)}
         ours = {k: (v.a, v.b) for k, v in h.items_batch()}
         assert ours == theirs and len(h) == 1500
+        # the map-entries metric: counted in batches of 1024, as many as bpftool lists
+        assert h.entries() == len(dump) == 1500 and mod.map_entries() == {"h": 1500}
         assert {k: (v.a, v.b) for k, v in h.items()} == theirs
         # written by bpftool, read by us
         value = [f"{b:02x}" for b in struct.pack("<QI", 77, 88) + bytes(4)]
@@ -190,7 +192,7 @@ def test_map_operations_agree_with_bpftool(bpf: None, tmp_path: Path) -> None:
         assert h.delete(10) and not h.delete(10) and h.get(10) is None
         assert len(_bpftool("map", "dump", "id", str(h.id))) == 1499
         h.clear()
-        assert _bpftool("map", "dump", "id", str(h.id)) == [] and len(h) == 0
+        assert _bpftool("map", "dump", "id", str(h.id)) == [] and len(h) == 0 and h.entries() == 0
 
         arr = mod.map("arr")
         arr.update_many([(1, 11), (6, 66)])

@@ -175,3 +175,31 @@ def test_errors_and_exit_codes(served: tuple[Daemon, FakeFactory, str]) -> None:
     assert usage.returncode == 2 and b"Traceback" not in usage.stderr
     tls_on_unix = ctl(sock, "--tls-ca", "/x", "targets")
     assert tls_on_unix.returncode == 2
+
+
+def test_out_of_range_numbers_are_usage_errors(served: tuple[Daemon, FakeFactory, str]) -> None:
+    """Issue 15: no ValueError traceback from protobuf for numbers its fields cannot hold."""
+    _, _, sock = served
+    for argv, needle in (
+        (("contexts", "99999999999"), b"expected a process id (1 to 4194303), got '99999999999'"),
+        (("contexts", "4194304"), b"expected a process id"),
+        (("stream", "--pid", "99999999999"), b"expected a process id"),
+        (("hot", "--since", "-10"), b"expected a positive number of seconds, got '-10'"),
+        (("hot", "--since", "0"), b"expected a positive number of seconds"),
+        (("hot", "--since", "nan"), b"expected a positive number of seconds"),
+        (("hot", "--since", "inf"), b"expected a positive number of seconds"),
+        (("alerts", "--duration", "-1"), b"expected a positive number of seconds"),
+        (("--timeout", "-1", "targets"), b"expected a positive number of seconds"),
+    ):
+        out = ctl(sock, *argv)
+        assert out.returncode == 2 and b"Traceback" not in out.stderr, (argv, out.stderr)
+        assert needle in out.stderr.splitlines()[-1], (argv, out.stderr)
+    # longer ago than the epoch: everything the daemon holds (as without --since), not an error
+    huge = ctl(sock, "hot", "--since", "99999999999", "--json")
+    assert huge.returncode == 0, huge.stderr
+    everything = json.loads(ctl(sock, "hot", "--json").stdout)
+    assert json.loads(huge.stdout)["total_samples"] == everything["total_samples"] >= 7
+    many = ctl(sock, "hot", "--top", "99999999999", "--json")
+    assert many.returncode == 0, many.stderr
+    thousand = ctl(sock, "hot", "--top", "1000", "--json")
+    assert json.loads(many.stdout)["contexts"] == json.loads(thousand.stdout)["contexts"]

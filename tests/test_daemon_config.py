@@ -4,6 +4,9 @@ example parses (including its commented example targets)."""
 from __future__ import annotations
 
 import re
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -222,3 +225,104 @@ def test_shipped_example_config_parses_with_its_example_targets(tmp_path: Path) 
     cfg = parse_config(example + "\n" + uncommented, "ccprofd.toml", known_syscalls=lambda: SYSCALLS)
     assert [t.name for t in cfg.targets] == ["nginx", "api", "postgresql.service"]
     assert cfg.targets[1].scope == "^handle_request$" and cfg.targets[2].anomaly.action == "detect"
+
+
+# ------------------------------------------------------------- issue 15: exposure and target paths
+def warnings_of(text: str) -> tuple[str, ...]:
+    return parse(text).warnings  # type: ignore[attr-defined, no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("daemon", "key", "problem"),
+    [
+        ('grpc_listen = "tcp://0.0.0.0:50051"', "daemon.grpc_listen", "plain TCP on 0.0.0.0"),
+        ('grpc_listen = "tcp://:50051"', "daemon.grpc_listen", "plain TCP on 0.0.0.0"),
+        ('grpc_listen = "tcp://[::]:50051"', "daemon.grpc_listen", "plain TCP on ::"),
+        ('grpc_listen = "tcp://10.1.2.3:50051"', "daemon.grpc_listen", "plain TCP on 10.1.2.3"),
+        ('grpc_listen = "tcp://myhost:50051"', "daemon.grpc_listen", "plain TCP on myhost"),
+        ('metrics_listen = ":9464"', "daemon.metrics_listen", "/metrics on 0.0.0.0"),
+        ('metrics_listen = "0.0.0.0:9464"', "daemon.metrics_listen", "/metrics on 0.0.0.0"),
+        ('metrics_listen = "[::]:9464"', "daemon.metrics_listen", "/metrics on ::"),
+    ],
+)
+def test_plain_tcp_off_loopback_is_refused_unless_explicit(daemon: str, key: str, problem: str) -> None:
+    text = f"[daemon]\n# exposure\n{daemon}\n"
+    message = error_of(text)
+    assert message.startswith(f"/etc/ccprofd/test.toml:3: {key}: {problem}"), message
+    assert "insecure_remote = true" in message
+    # explicit opt-in: accepted, with the same problem as a warning on the same line
+    (warning,) = warnings_of(text + "insecure_remote = true\n")
+    assert warning.startswith(f"/etc/ccprofd/test.toml:3: {key}: {problem}") and "accepted" in warning
+
+
+def test_plain_tcp_on_loopback_warns_and_tls_or_loopback_metrics_do_not(tmp_path: Path) -> None:
+    (warning,) = warnings_of('[daemon]\ngrpc_listen = "tcp://127.0.0.1:50051"\n')
+    assert warning.startswith("/etc/ccprofd/test.toml:2: daemon.grpc_listen: plain TCP on loopback")
+    assert "every local user" in warning
+    assert warnings_of('[daemon]\ngrpc_listen = "tcp://[::1]:1"\n')
+    pem = tmp_path / "x.pem"
+    pem.write_text("x")
+    tls = f'[daemon]\ngrpc_listen = "tcp://0.0.0.0:1"\ntls_cert = "{pem}"\ntls_key = "{pem}"\n'
+    assert parse(tls).daemon.grpc_listen.host == "0.0.0.0"  # type: ignore[attr-defined]
+    (warning,) = warnings_of(tls)  # encrypted, but anyone may connect
+    assert warning.startswith("/etc/ccprofd/test.toml:2: daemon.grpc_listen: TLS without tls_client_ca")
+    assert warnings_of(tls + f'tls_client_ca = "{pem}"\n') == ()
+    for metrics in ("127.0.0.1:1", "localhost:1", "[::1]:1", "127.0.0.2:1", ""):
+        assert warnings_of(f'[daemon]\nmetrics_listen = "{metrics}"\n') == (), metrics
+    assert warnings_of("") == ()  # the defaults: Unix socket, metrics on 127.0.0.1
+
+
+def test_target_path_missing_warns_directory_or_non_elf_is_refused(tmp_path: Path) -> None:
+    missing = tmp_path / "later" / "prog"
+    text = f'[[target]]\nname = "a"\npath = "{missing}"\n'
+    (warning,) = warnings_of(text)
+    assert warning == (f"/etc/ccprofd/test.toml:3: target[0].path: {missing} does not exist: the target "
+                       "waits for it and attaches when it appears")
+    assert "is a directory" in error_of(f'[[target]]\npath = "{tmp_path}"\n')
+    script = tmp_path / "run.sh"
+    script.write_text("#!/bin/sh\nexec true\n")
+    message = error_of(f'[[target]]\nname = "s"\n\npath = "{script}"\n')
+    assert message == (f"/etc/ccprofd/test.toml:4: target[0].path: {script} is not an ELF file "
+                       "(a script: name its interpreter's binary)")
+    data = tmp_path / "data"
+    data.write_bytes(b"\x00" * 64)
+    assert error_of(f'[[target]]\npath = "{data}"\n').endswith(f"{data} is not an ELF file")
+    assert "not a regular file" in error_of('[[target]]\npath = "/dev/null"\n')
+    true = shutil.which("true")
+    assert true is not None and Path(true).read_bytes()[:4] == b"\x7fELF"
+    assert warnings_of(f'[[target]]\npath = "{true}"\n') == ()
+
+
+def test_target_cgroup_missing_warns_non_cgroup_is_refused(tmp_path: Path) -> None:
+    missing = "/sys/fs/cgroup/ccprofd-no-such-group.service"
+    (warning,) = warnings_of(f'[[target]]\ncgroup = "{missing}"\n')
+    assert warning.startswith(f"/etc/ccprofd/test.toml:2: target[0].cgroup: {missing} does not exist")
+    assert "not a cgroup directory" in error_of(f'[[target]]\ncgroup = "{tmp_path}"\n')
+
+
+def test_run_check_prints_warnings_and_refuses_errors(tmp_path: Path) -> None:
+    missing = tmp_path / "prog"
+    config = tmp_path / "c.toml"
+    config.write_text(f'[[target]]\npath = "{missing}"\n')
+
+    def check() -> subprocess.CompletedProcess[str]:
+        argv = [sys.executable, "-m", "ccprofd.cli", "run", "--check", "--config", str(config)]
+        return subprocess.run(argv, capture_output=True, text=True, cwd=ROOT, timeout=120)
+
+    ok = check()
+    assert ok.returncode == 0 and ok.stdout == f"{config}: OK (1 targets, 1 warnings)\n", ok
+    assert ok.stderr == (f"ccprofd: warning: {config}:2: target[0].path: {missing} does not exist: "
+                         "the target waits for it and attaches when it appears\n")
+    config.write_text('[daemon]\nmetrics_listen = ":9464"\n')
+    bad = check()
+    assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1 and "Traceback" not in bad.stderr
+    assert bad.stderr.startswith(f"ccprofd: {config}:2: daemon.metrics_listen: /metrics on 0.0.0.0")
+
+
+def test_perf_sample_hz_above_the_kernel_limit_is_refused() -> None:
+    limit = int(Path("/proc/sys/kernel/perf_event_max_sample_rate").read_text())
+    cfg = parse(f"[[target]]\npid = 1\nperf_sample_hz = {limit}\n")
+    assert cfg.targets[0].perf_sample_hz == limit  # type: ignore[attr-defined]
+    message = error_of(f"[[target]]\npid = 1\nperf_sample_hz = {limit + 1}\n")
+    assert message == (f"/etc/ccprofd/test.toml:3: target[0].perf_sample_hz: {limit + 1} exceeds the "
+                       f"kernel's limit (kernel.perf_event_max_sample_rate = {limit})")

@@ -286,6 +286,14 @@ def test_probe_hit_budget_switches_to_unwind_mode(workdir: str) -> None:
         assert src.closed and factory.sources["hot"].target.mode == "unwind" and rt.mode() == "unwind"
         assert rt.mode_switches == {"probe_hit_budget": 1}
         assert rt.counters().probe_hits == 5000  # carried over: the exported counter stays monotonic
+        # the reason is the target's status (issue 15): ListTargets and ccprofctl targets
+        note = "switched to unwind mode: 4500 probe hits/s exceeded max_probe_hits_per_sec = 1000"
+        assert (rt.state, rt.error) == ("attached", note)
+        out = subprocess.run([sys.executable, "-m", "ccprofd.cli.ctl", "--socket", f"{workdir}/ccprofd.sock",
+                              "targets"], capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert out.returncode == 0, out.stderr
+        lines = out.stdout.splitlines()
+        assert "mode unwind (configured instrumented)" in lines[0] and lines[1] == f"  note: {note}", lines
     finally:
         daemon.stop()
 

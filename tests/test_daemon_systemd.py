@@ -86,3 +86,68 @@ def test_install_service_into_directories(tmp_path: Path) -> None:
         timeout=60,
     )
     assert bad.returncode == 2 and "absolute path" in bad.stderr
+
+
+def runs_as_nobody(path: Path) -> bool:
+    """The oracle: does ``path`` actually run for user nobody (not root, not in root's group)?"""
+    setpriv = require_tool("setpriv")
+    # through a shell: setpriv's own exec of the target is not checked as nobody's on this system
+    out = subprocess.run([setpriv, "--reuid=nobody", "--regid=nogroup", "--clear-groups", "/bin/sh", "-c",
+                          'exec "$0"', str(path)], capture_output=True, text=True, timeout=60)
+    return out.returncode == 0 and out.stdout == "ok\n"
+
+
+def test_client_unreachable_by_the_socket_group_is_reported() -> None:
+    """Issue 15: a ccprofctl in a venv under a 0700 home cannot be run by the ccprofd group's
+    members; access_problem says why, agreeing with running it as nobody, and install-service
+    warns."""
+    import shutil
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(prefix="ccpaccess", dir="/tmp"))
+    try:
+        base.chmod(0o755)
+        home = base / "home"
+        (home / "venv" / "bin").mkdir(parents=True)
+        home.chmod(0o700)
+        (home / "venv" / "bin").chmod(0o755)
+        (home / "venv").chmod(0o755)
+        interp = home / "venv" / "bin" / "sh"
+        shutil.copy2("/bin/sh", interp)
+        interp.chmod(0o755)
+        client = home / "venv" / "bin" / "ccprofctl"
+        client.write_text(f"#!{interp}\necho ok\n")
+        client.chmod(0o755)
+        (home / "venv" / "bin" / "ccprofd").write_text("#!/bin/sh\n")
+        (home / "venv" / "bin" / "ccprofd").chmod(0o755)
+        link = base / "ccprofctl"
+        link.symlink_to(client)
+        problem = f"{home} (mode 0700) is not searchable by other users"
+        assert not runs_as_nobody(link)
+        ccprofd = str(home / "venv" / "bin" / "ccprofd")
+        out = subprocess.run(
+            [sys.executable, "-m", "ccprofd.cli", "install-service", "--unit-dir", str(base / "units"),
+             "--config-dir", str(base / "etc"), "--exec", ccprofd, "--no-group", "--no-reload"],
+            capture_output=True, text=True, cwd=ROOT, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert out.stderr.startswith(f"ccprofd: warning: members of 'ccprofd' cannot run {client}: {problem}")
+
+        from ccprofd.cli.daemon import access_problem
+
+        assert access_problem(str(link)) == problem
+        home.chmod(0o755)
+        assert access_problem(str(link)) is None and runs_as_nobody(link)
+        # the script is reachable, its interpreter is not
+        (home / "venv" / "bin").chmod(0o700)
+        outside = base / "ccprofctl2"
+        outside.write_text(f"#!{interp}\necho ok\n")
+        outside.chmod(0o755)
+        assert access_problem(str(outside)) == (f"{home / 'venv' / 'bin'} (mode 0700) is not searchable by "
+                                                "other users")
+        assert not runs_as_nobody(outside)
+        (home / "venv" / "bin").chmod(0o755)
+        client.chmod(0o750)
+        assert "is not readable and executable by other users" in str(access_problem(str(client)))
+        assert not runs_as_nobody(client)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)

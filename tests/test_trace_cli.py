@@ -9,6 +9,7 @@ import bisect
 import itertools
 import json
 import pathlib
+import pwd
 import re
 import signal
 import subprocess
@@ -38,6 +39,50 @@ def one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
     return lines[-1]
 
 
+def unprivileged_python() -> list[str]:
+    """``python -m``-ready argv of this Python as user nobody: a system interpreter of the same
+    version (the venv's may live under a root-only home) with this checkout and the venv's
+    packages on its path."""
+    import shutil
+    import site
+
+    exe = shutil.which(f"python{sys.version_info.major}.{sys.version_info.minor}", path="/usr/bin:/bin")
+    setpriv = shutil.which("setpriv")
+    if exe is None or setpriv is None:
+        require_tool(f"python{sys.version_info.major}.{sys.version_info.minor} in /usr/bin and setpriv")
+    path = ":".join([str(REPO), *site.getsitepackages()])
+    return [str(setpriv), "--reuid=nobody", "--regid=nogroup", "--clear-groups", "env", f"PYTHONPATH={path}",
+            "HOME=/tmp", str(exe)]
+
+
+@pytest.mark.parametrize("mode", ["instrumented", "unwind"])
+def test_unprivileged_trace_says_permissions(mode: str) -> None:
+    """Issue 15: as an unprivileged user the one line names the privileges needed, not tracefs."""
+    proc = subprocess.run([*unprivileged_python(), "-m", "ccprofd.cli", "trace", "--mode", mode, "--",
+                           "/bin/true"], capture_output=True, text=True, cwd="/tmp", timeout=600)
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.splitlines() == [
+        "ccprofd: permission denied: tracing needs root, or CAP_BPF and CAP_PERFMON (running as uid "
+        f"{pwd.getpwnam('nobody').pw_uid})"], proc.stderr
+
+
+def test_unreadable_tracefs_is_a_permission_error(tmp_path: pathlib.Path, monkeypatch: Any) -> None:
+    """A tracefs mounted root-only (0700, as on this machine) is not reported as "not mounted"."""
+    from ccprofd.kbpf import tracefs
+
+    locked = tmp_path / "tracing"  # what an unprivileged user sees: a directory it cannot enter
+    locked.mkdir()
+    monkeypatch.setattr(tracefs, "TRACEFS_DIRS", (str(locked),))
+    monkeypatch.setattr(tracefs.os, "access", lambda path, mode: path != str(locked))
+    with pytest.raises(tracefs.BPFError, match=r"^permission denied: .*tracefs.*tracing needs root"):
+        tracefs.tracepoint_id("raw_syscalls:sys_enter")
+    with pytest.raises(tracefs.BPFError, match=r"^permission denied: "):
+        tracefs.tracepoint_fields("raw_syscalls", "sys_enter")
+    monkeypatch.setattr(tracefs, "TRACEFS_DIRS", (str(tmp_path / "absent"),))
+    with pytest.raises(tracefs.BPFError, match=r"^tracefs is not mounted"):
+        tracefs.tracepoint_id("raw_syscalls:sys_enter")
+
+
 # ------------------------------------------------------------------------------ bad input (exit 2)
 @pytest.mark.parametrize(("argv", "message"), [
     (["trace"], "give exactly one of"),
@@ -49,6 +94,7 @@ def one_line_error(proc: subprocess.CompletedProcess[str]) -> str:
     (["trace", "--scope", "(", "--", "/bin/true"], "not a valid regular expression"),
     (["trace", "--scope", "^no_such_function_anywhere$", "--", "/bin/true"], "matches no function"),
     (["trace", "--encoding", "pcce", "--", "/bin/true"], "implements valence only"),
+    (["trace", "--sample-hz", "100000000", "--", "/bin/true"], "kernel.perf_event_max_sample_rate"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv: list[str], message: str) -> None:
     if "--scope" in argv or "--encoding" in argv:

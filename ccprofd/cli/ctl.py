@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -52,17 +53,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tls-ca", help="CA certificate that signed the daemon's (enables TLS)")
     p.add_argument("--tls-cert", help="client certificate (when the daemon requires one)")
     p.add_argument("--tls-key", help="client private key")
-    p.add_argument("--timeout", type=float, default=10.0, help="seconds per unary call (default 10)")
+    p.add_argument("--timeout", type=_seconds, default=10.0, help="seconds per unary call (default 10)")
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.add_parser("targets", parents=[fmt], help="targets, binaries, build-ids, processes, threads")
     c = sub.add_parser("contexts", parents=[fmt], help="current context of every thread of a process")
-    c.add_argument("pid", type=_positive_int, metavar="PID")
+    c.add_argument("pid", type=_pid, metavar="PID")
     h = sub.add_parser("hot", parents=[fmt], help="most frequent contexts")
     h.add_argument("--target", default="", help="one target (default: all)")
     h.add_argument("--by", choices=("syscall", "cpu"), default="syscall")
     h.add_argument("--top", type=_positive_int, default=0, metavar="N",
                    help="how many (default: the daemon's top_k)")
-    h.add_argument("--since", type=float, default=0.0, metavar="SECONDS",
+    h.add_argument("--since", type=_seconds, default=0.0, metavar="SECONDS",
                    help="only samples of the last SECONDS (default: since the daemon started)")
     h.add_argument("--syscall", default="", help="only this syscall")
     for name, helptext in (("stream", "live decoded samples"), ("alerts", "live anomaly alerts")):
@@ -70,9 +71,9 @@ def build_parser() -> argparse.ArgumentParser:
         s.add_argument("--target", default="")
         s.add_argument("--syscalls", default="", help="comma-separated syscall names")
         s.add_argument("--count", type=_positive_int, default=0, help="stop after N items")
-        s.add_argument("--duration", type=float, default=0.0, help="stop after SECONDS")
+        s.add_argument("--duration", type=_seconds, default=0.0, help="stop after SECONDS")
         if name == "stream":
-            s.add_argument("--pid", type=_positive_int, default=0)
+            s.add_argument("--pid", type=_pid, default=0)
             s.add_argument("--event", choices=("syscall", "cpu"), default="")
         else:
             s.add_argument("--kind", action="append", default=[], help="only this alert kind (repeatable)")
@@ -88,6 +89,35 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return min(value, INT32_MAX)  # a count: "more than there can be" is "all"
+
+
+INT32_MAX = 2**31 - 1
+
+
+def _pid(text: str) -> int:
+    """A process id any pid namespace can have (below the kernel's PID_MAX_LIMIT, 2**22): the
+    daemon names host pids, which this client's own pid_max need not bound."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if not 0 < value < PID_MAX_LIMIT:
+        raise argparse.ArgumentTypeError(f"expected a process id (1 to {PID_MAX_LIMIT - 1}), got {text!r}")
+    return value
+
+
+PID_MAX_LIMIT = 2**22
+
+
+def _seconds(text: str) -> float:
+    """A positive, finite number of seconds."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
     return value
 
 
@@ -217,7 +247,8 @@ def cmd_targets(args: argparse.Namespace, channel: Any, fmt: str, w: _Writer) ->
                f"samples {t.samples}  syscalls {','.join(t.syscalls) or 'all'}"
                + (f"  perf {t.perf_sample_hz} Hz" if t.perf_sample_hz else ""))
         if t.error:
-            w.line(f"  error: {t.error}")
+            label = {"waiting": "waiting", "attached": "note"}.get(t.state, "error")
+            w.line(f"  {label}: {t.error}")
         for b in t.binaries:
             w.line(f"  binary {b.path}  build-id {b.build_id or '-'}  inode {b.inode}"
                    + ("" if b.attached else "  (not attached)"))
@@ -259,7 +290,9 @@ def hot_rows(resp: Any) -> list[dict[str, Any]]:
 def cmd_hot(args: argparse.Namespace, channel: Any, fmt: str, w: _Writer) -> int:
     from ccprofd.export.gen import ccprofd_pb2 as pb
 
-    since = time.time_ns() - int(args.since * 1e9) if args.since > 0 else 0
+    now = time.time_ns()
+    # --since longer than the epoch (the daemon's whole life, then): all-time totals
+    since = now - int(args.since * 1e9) if 0 < args.since * 1e9 < now else 0
     by = pb.HOT_BY_CPU if args.by == "cpu" else pb.HOT_BY_SYSCALL
     req = pb.GetHotContextsRequest(target=args.target, by=by, top_k=args.top, since_ns=since,
                                    syscall=args.syscall)

@@ -8,6 +8,7 @@ import grp
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -54,7 +55,10 @@ def cmd_run(args: argparse.Namespace) -> int:
     try:
         if args.check:
             config = load_config(args.config)
-            print(f"{args.config}: OK ({len(config.targets)} targets)")
+            for warning in config.warnings:
+                print(f"ccprofd: warning: {warning}", file=sys.stderr)
+            print(f"{args.config}: OK ({len(config.targets)} targets"
+                  + (f", {len(config.warnings)} warnings)" if config.warnings else ")"))
             return EXIT_OK
         from ccprofd.daemon.service import run_daemon
         from ccprofd.daemon.source import load_factory
@@ -75,6 +79,40 @@ def unit_text(executable: str, config_path: str) -> str:
     """The shipped unit with ExecStart pointing at ``executable`` and ``config_path``."""
     text = (SYSTEMD_DIR / "ccprofd.service").read_text()
     return re.sub(r"^ExecStart=.*$", f"ExecStart={executable} run --config {config_path}", text, flags=re.M)
+
+
+def access_problem(path: str) -> str | None:
+    """Why a user who is neither root nor in root's group (a member of the socket group) cannot
+    run ``path``: the first directory on the way that others may not search, or the file itself
+    not readable/executable by them (symlinks followed, and a script's ``#!`` interpreter too).
+    None when they can."""
+    real = os.path.realpath(path)
+    try:
+        st = os.stat(real)
+    except OSError as exc:
+        return f"{real}: {exc.strerror}"
+    for d in reversed(Path(real).parents):  # from / down
+        mode = os.stat(d).st_mode
+        if not mode & stat.S_IXOTH:
+            return f"{d} (mode {stat.S_IMODE(mode):04o}) is not searchable by other users"
+    if not (st.st_mode & stat.S_IXOTH and st.st_mode & stat.S_IROTH):
+        return f"{real} (mode {stat.S_IMODE(st.st_mode):04o}) is not readable and executable by other users"
+    try:
+        with open(real, "rb") as fh:
+            first = fh.readline(4096)
+    except OSError:
+        return None
+    if first.startswith(b"#!"):
+        interpreter = first[2:].decode(errors="replace").split()
+        if interpreter and interpreter[0] != path and os.path.isabs(interpreter[0]):
+            return access_problem(interpreter[0])
+    return None
+
+
+def client_path(ccprofd_exe: str) -> str | None:
+    """The ``ccprofctl`` installed beside ``ccprofd_exe`` (the same venv), else the one on PATH."""
+    beside = os.path.join(os.path.dirname(ccprofd_exe), "ccprofctl")
+    return beside if os.access(beside, os.X_OK) else shutil.which("ccprofctl")
 
 
 def cmd_install_service(args: argparse.Namespace) -> int:
@@ -107,6 +145,11 @@ def cmd_install_service(args: argparse.Namespace) -> int:
         except KeyError:
             subprocess.run(["groupadd", "--system", SOCKET_GROUP], check=True)
             print(f"created the system group {SOCKET_GROUP} (members may use ccprofctl)")
+    client = client_path(exe)
+    problem = access_problem(client) if client else None
+    if client and problem:
+        print(f"ccprofd: warning: members of '{SOCKET_GROUP}' cannot run {client}: {problem}; install the "
+              "client where they can (see the README, \"ccprofctl for the ccprofd group\")", file=sys.stderr)
     if not args.no_reload and os.path.isdir("/run/systemd/system"):
         subprocess.run(["systemctl", "daemon-reload"], check=True)
         print("systemctl daemon-reload done; start with: systemctl enable --now ccprofd")

@@ -86,6 +86,12 @@ def cmd_trace(args: argparse.Namespace) -> int:
         raise UsageError("give exactly one of -p PID (repeatable) and -- CMD [ARGS...]")
     if args.sample_hz < 0:
         raise UsageError("--sample-hz must be positive")
+    from ccprofd.kbpf.features import max_sample_hz, privileges_problem
+
+    ceiling = max_sample_hz()
+    if ceiling is not None and args.sample_hz > ceiling:
+        raise UsageError(f"--sample-hz {args.sample_hz} exceeds the kernel's limit "
+                         f"(kernel.perf_event_max_sample_rate = {ceiling})")
     if args.duration is not None and args.duration <= 0:
         raise UsageError("--duration must be a positive number of seconds")
     syscalls = _trace_expression(args.expr, args.syscalls)
@@ -98,6 +104,10 @@ def cmd_trace(args: argparse.Namespace) -> int:
                            sample_hz=args.sample_hz, verify=args.verify,
                            cache_dir=str(args.cache_dir) if args.cache_dir else None,
                            edge_weights=args.edge_weights, save_edge_weights=args.save_edge_weights)
+    problem = privileges_problem()
+    if problem is not None:
+        print(f"ccprofd: {problem}", file=sys.stderr)
+        return EXIT_FAILURE
     try:
         out = open(args.output, "w", encoding="utf-8") if args.output else sys.stderr  # noqa: SIM115
     except OSError as exc:

@@ -7,11 +7,14 @@ targets.  Schema (defaults in brackets)::
 
     [daemon]
     state_dir = "/var/lib/ccprofd"                    analysis/plan cache, models, durable state
-    grpc_listen = "unix:///run/ccprofd/ccprofd.sock"  or "tcp://HOST:PORT" (explicit opt-in)
+    grpc_listen = "unix:///run/ccprofd/ccprofd.sock"  or "tcp://HOST:PORT" (explicit opt-in; needs TLS
+                                                      off loopback unless insecure_remote = true)
     grpc_socket_mode = "0660"                         Unix socket permissions
     grpc_socket_group = "ccprofd"                     group of the socket if that group exists
     tls_cert / tls_key / tls_client_ca = PATH         TCP only; client CA => client certs required
-    metrics_listen = "127.0.0.1:9464"                 Prometheus /metrics; "" disables
+    metrics_listen = "127.0.0.1:9464"                 Prometheus /metrics; "" disables; loopback
+                                                      only unless insecure_remote = true
+    insecure_remote = false                           allow plain gRPC / metrics off loopback
     top_k = 20                                        hot contexts promoted to series per round
     max_series = 200                                  exported series per target and family
     max_contexts = 10000                              context table size per target
@@ -22,7 +25,7 @@ targets.  Schema (defaults in brackets)::
 
     [[target]]                                        one of path / pid / cgroup
     name = "..."                                      [basename of path, "pid-N", cgroup basename]
-    path = "/usr/sbin/some-service"
+    path = "/usr/sbin/some-service"                   an ELF file; missing: warning, the target waits
     syscalls = ["openat", "write"] | "all"            ["all"]
     perf_sample_hz = 0                                CPU-clock sampling; 0 = off
     encoding = "valence" | "pcce" | "hcce"            ["valence"]
@@ -38,14 +41,18 @@ targets.  Schema (defaults in brackets)::
 
 from __future__ import annotations
 
+import errno
+import ipaddress
 import os
 import re
+import stat
 import tomllib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ccprofd.kbpf.features import max_sample_hz
 from ccprofd.kbpf.tracefs import tracefs_syscalls
 from ccprofd.tracing.api import MODES
 
@@ -134,13 +141,18 @@ class DaemonConfig:
     promotion_window_seconds: int = 300
     stream_queue: int = 10000
     log_level: str = "info"
+    insecure_remote: bool = False
 
 
 @dataclass(frozen=True, slots=True)
 class Config:
+    """A validated configuration; ``warnings`` are one-line ``FILE:LINE: KEY: problem`` notes about
+    settings that are accepted but risky or not usable yet (a target path that does not exist)."""
+
     source: str
     daemon: DaemonConfig
     targets: tuple[TargetConfig, ...]
+    warnings: tuple[str, ...] = field(default=(), compare=False)
 
     def target(self, name: str) -> TargetConfig | None:
         return next((t for t in self.targets if t.name == name), None)
@@ -205,15 +217,22 @@ class _Checker:
     def __init__(self, source: str, text: str) -> None:
         self.source = source
         self.lines = _key_lines(text)
+        self.warnings: list[str] = []
 
-    def fail(self, where: tuple[Any, ...], problem: str) -> ConfigError:
+    def _where(self, where: tuple[Any, ...], problem: str) -> str:
         line = None
         for cut in range(len(where), 0, -1):
             line = self.lines.get(where[:cut])
             if line is not None:
                 break
         loc = f"{self.source}:{line}" if line is not None else self.source
-        return ConfigError(f"{loc}: {_dotted(where)}: {problem}")
+        return f"{loc}: {_dotted(where)}: {problem}"
+
+    def fail(self, where: tuple[Any, ...], problem: str) -> ConfigError:
+        return ConfigError(self._where(where, problem))
+
+    def warn(self, where: tuple[Any, ...], problem: str) -> None:
+        self.warnings.append(self._where(where, problem))
 
     def table(self, value: Any, where: tuple[Any, ...], allowed: Mapping[str, Any]) -> dict[str, Any]:
         if not isinstance(value, dict):
@@ -271,7 +290,7 @@ def _kinds(kinds: tuple[type, ...]) -> str:
 _DAEMON_KEYS: dict[str, Any] = {k: None for k in (
     "state_dir", "grpc_listen", "grpc_socket_mode", "grpc_socket_group", "tls_cert", "tls_key",
     "tls_client_ca", "metrics_listen", "top_k", "max_series", "max_contexts", "history_seconds",
-    "bucket_seconds", "promotion_window_seconds", "stream_queue", "log_level")}
+    "bucket_seconds", "promotion_window_seconds", "stream_queue", "log_level", "insecure_remote")}
 _TARGET_KEYS: dict[str, Any] = {k: None for k in (
     "name", "path", "pid", "cgroup", "syscalls", "perf_sample_hz", "encoding", "mode", "scope",
     "max_probe_hits_per_sec", "verify", "anomaly")}
@@ -317,7 +336,7 @@ def parse_config(text: str, source: str = "<config>", *,
             raise chk.fail(("target", i, key),
                            f"duplicate target name {t.name!r} (also target[{seen[t.name]}]); set name = ...")
         seen[t.name] = i
-    return Config(source, daemon, targets)
+    return Config(source, daemon, targets, tuple(chk.warnings))
 
 
 def _parse_daemon(chk: _Checker, raw: Any) -> DaemonConfig:
@@ -352,6 +371,9 @@ def _parse_daemon(chk: _Checker, raw: Any) -> DaemonConfig:
         raise chk.fail((*w, "tls_cert"), "TLS applies to tcp:// listen addresses only")
     metrics_text = str(chk.get(tbl, w, "metrics_listen", str, "127.0.0.1:9464"))
     metrics = _parse_hostport(chk, (*w, "metrics_listen"), metrics_text) if metrics_text else None
+    insecure = bool(chk.get(tbl, w, "insecure_remote", bool, False))
+    _check_exposure(chk, w, grpc, tls["tls_cert"] is not None, tls["tls_client_ca"] is not None, metrics,
+                    insecure)
     level = chk.choice(tbl, w, "log_level", ("debug", "info", "warning", "error"), d.log_level)
     bucket = chk.positive(tbl, w, "bucket_seconds", d.bucket_seconds)
     history = chk.positive(tbl, w, "history_seconds", d.history_seconds)
@@ -369,7 +391,47 @@ def _parse_daemon(chk: _Checker, raw: Any) -> DaemonConfig:
         max_contexts=chk.positive(tbl, w, "max_contexts", d.max_contexts),
         history_seconds=history, bucket_seconds=bucket,
         promotion_window_seconds=chk.positive(tbl, w, "promotion_window_seconds", d.promotion_window_seconds),
-        stream_queue=chk.positive(tbl, w, "stream_queue", d.stream_queue), log_level=level)
+        stream_queue=chk.positive(tbl, w, "stream_queue", d.stream_queue), log_level=level,
+        insecure_remote=insecure)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (an address or "localhost") is reachable from this machine only."""
+    if host.lower() in ("localhost", "localhost."):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # another host name: it may resolve to any interface
+
+
+def _check_exposure(chk: _Checker, w: tuple[Any, ...], grpc: Endpoint, tls: bool, client_ca: bool,
+                    metrics: tuple[str, int] | None, insecure: bool) -> None:
+    """Whoever connects reads other processes' calling contexts (gRPC) or hot-context names
+    (/metrics): plain TCP off loopback is refused unless ``insecure_remote = true``; plain gRPC
+    on loopback is accepted with a warning (every local user can connect: the Unix socket's
+    mode and group do not apply)."""
+    opt_in = "set insecure_remote = true to accept this"
+    if grpc.kind == "tcp" and not tls:
+        if not is_loopback(grpc.host):
+            problem = (f"plain TCP on {grpc.host} lets anyone who reaches this port read other processes' "
+                       "calling contexts; use unix://, TLS (tls_cert, tls_key, tls_client_ca) or a "
+                       "loopback address")
+            if not insecure:
+                raise chk.fail((*w, "grpc_listen"), f"{problem}, or {opt_in}")
+            chk.warn((*w, "grpc_listen"), f"{problem} (accepted: insecure_remote = true)")
+        else:
+            chk.warn((*w, "grpc_listen"), "plain TCP on loopback: every local user can connect and read "
+                     "other processes' calling contexts (the Unix socket's mode and group do not apply)")
+    elif grpc.kind == "tcp" and not client_ca and not is_loopback(grpc.host):
+        chk.warn((*w, "grpc_listen"), f"TLS without tls_client_ca on {grpc.host}: every client that reaches "
+                 "this port can connect and read other processes' calling contexts")
+    if metrics is not None and not is_loopback(metrics[0]):
+        problem = (f"/metrics on {metrics[0] or 'every interface'} (plain HTTP, no authentication) shows "
+                   "the hot calling contexts' function names to anyone who reaches this port")
+        if not insecure:
+            raise chk.fail((*w, "metrics_listen"), f"{problem}; use 127.0.0.1:PORT or {opt_in}")
+        chk.warn((*w, "metrics_listen"), f"{problem} (accepted: insecure_remote = true)")
 
 
 def _parse_endpoint(chk: _Checker, where: tuple[Any, ...], text: str) -> Endpoint:
@@ -408,12 +470,16 @@ def _parse_target(chk: _Checker, raw: Any, index: int, syscall_table: frozenset[
     path = chk.get(tbl, w, "path", str, None)
     if path is not None and not os.path.isabs(path):
         raise chk.fail((*w, "path"), f"must be an absolute path, got {path!r}")
+    if path is not None:
+        _check_present(chk, (*w, "path"), path, binary_problem(path))
     pid = chk.get(tbl, w, "pid", int, None)
     if pid is not None and pid <= 0:
         raise chk.fail((*w, "pid"), f"must be a positive process id, got {pid}")
     cgroup = chk.get(tbl, w, "cgroup", str, None)
     if cgroup is not None and not os.path.isabs(cgroup):
         raise chk.fail((*w, "cgroup"), f"must be an absolute /sys/fs/cgroup/... path, got {cgroup!r}")
+    if cgroup is not None:
+        _check_present(chk, (*w, "cgroup"), cgroup, cgroup_problem(cgroup))
     default_name = (os.path.basename(path) if path else f"pid-{pid}" if pid is not None
                     else os.path.basename(str(cgroup).rstrip("/")) or "cgroup")
     name = str(chk.get(tbl, w, "name", str, default_name))
@@ -430,12 +496,73 @@ def _parse_target(chk: _Checker, raw: Any, index: int, syscall_table: frozenset[
         except re.error as exc:
             raise chk.fail((*w, "scope"), f"not a valid regular expression: {exc}") from None
     anomaly = _parse_anomaly(chk, (*w, "anomaly"), tbl.get("anomaly", {}))
+    sample_hz = chk.positive(tbl, w, "perf_sample_hz", 0, minimum=0)
+    ceiling = max_sample_hz()
+    if ceiling is not None and sample_hz > ceiling:
+        raise chk.fail((*w, "perf_sample_hz"), f"{sample_hz} exceeds the kernel's limit "
+                       f"(kernel.perf_event_max_sample_rate = {ceiling})")
     return TargetConfig(
-        name=name, path=path, pid=pid, cgroup=cgroup, syscalls=syscalls,
-        perf_sample_hz=chk.positive(tbl, w, "perf_sample_hz", 0, minimum=0),
+        name=name, path=path, pid=pid, cgroup=cgroup, syscalls=syscalls, perf_sample_hz=sample_hz,
         encoding=chk.choice(tbl, w, "encoding", ENCODINGS, "valence"), mode=mode, scope=scope,
         max_probe_hits_per_sec=chk.positive(tbl, w, "max_probe_hits_per_sec", 0, minimum=0),
         verify=bool(chk.get(tbl, w, "verify", bool, False)), anomaly=anomaly)
+
+
+class Problem(str):
+    """Why a target's path or cgroup cannot be followed now; ``waits``: it may appear later (it
+    does not exist, or cannot be read by whoever runs ``--check``), so the target waits for it;
+    otherwise the configuration is wrong (a directory, a script)."""
+
+    waits: bool
+
+    def __new__(cls, text: str, waits: bool) -> Problem:
+        obj = super().__new__(cls, text)
+        obj.waits = waits
+        return obj
+
+
+ELF_MAGIC = b"\x7fELF"
+
+
+def binary_problem(path: str) -> Problem | None:
+    """None when ``path`` is a regular ELF file that can be read, else what is wrong with it."""
+    try:
+        st = os.stat(path)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            return Problem("does not exist", waits=True)
+        return Problem(f"cannot be examined: {exc.strerror}", waits=True)
+    if stat.S_ISDIR(st.st_mode):
+        return Problem("is a directory, not an ELF executable", waits=False)
+    if not stat.S_ISREG(st.st_mode):
+        return Problem("is not a regular file, not an ELF executable", waits=False)
+    try:
+        with open(path, "rb") as fh:
+            magic = fh.read(4)
+    except OSError as exc:
+        return Problem(f"cannot be read: {exc.strerror}", waits=True)
+    if magic != ELF_MAGIC:
+        hint = " (a script: name its interpreter's binary)" if magic[:2] == b"#!" else ""
+        return Problem(f"is not an ELF file{hint}", waits=False)
+    return None
+
+
+def cgroup_problem(cgroup: str) -> Problem | None:
+    """None when ``cgroup`` is a cgroup directory (it lists ``cgroup.procs``)."""
+    if not os.path.exists(cgroup):
+        return Problem("does not exist", waits=True)
+    if not os.path.isfile(os.path.join(cgroup, "cgroup.procs")):
+        return Problem("is not a cgroup directory (no cgroup.procs)", waits=False)
+    return None
+
+
+def _check_present(chk: _Checker, where: tuple[Any, ...], spec: str, problem: Problem | None) -> None:
+    """A target's path or cgroup that is not there yet: a warning (the daemon waits for it); one
+    that can never be followed as it is (a directory, a script): an error."""
+    if problem is not None and problem.waits:
+        chk.warn(where, f"{spec} {problem}: the target waits for it and attaches when it appears")
+    elif problem is not None:
+        raise chk.fail(where, f"{spec} {problem}")
 
 
 def _parse_syscalls(chk: _Checker, where: tuple[Any, ...], value: Any,

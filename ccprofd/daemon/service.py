@@ -7,11 +7,13 @@ publishes on the alert bus) -> the exporters read stores and buses; nothing flow
 
 Lifecycle (:func:`run_daemon`): validate the config (bad -> exit 2, nothing started), start every
 target (a target that fails to attach is reported in ``ListTargets`` and the log, and retried on
-the next ``SIGHUP``), serve gRPC and metrics, send ``READY=1``.  ``SIGHUP`` reloads: a bad new
-config is logged and the old one keeps running; changed or removed targets are stopped, new ones
-started, unchanged ones untouched.  ``SIGTERM``/``SIGINT`` send ``STOPPING=1``, stop serving, close
-every source (which detaches its probes) and exit 0.  An instrumented target whose probe hit rate
-exceeds ``max_probe_hits_per_sec`` is switched to unwind mode (log line + metric).
+the next ``SIGHUP``; one whose path or cgroup does not exist yet is ``waiting`` and attached once
+it exists and has not changed for a main-loop tick), serve gRPC and metrics, send ``READY=1``.
+``SIGHUP`` reloads: a bad new config is logged and the old one keeps running; changed or removed
+targets are stopped, new ones started, unchanged ones untouched.  ``SIGTERM``/``SIGINT`` send
+``STOPPING=1``, stop serving, close every source (which detaches its probes) and exit 0.  An
+instrumented target whose probe hit rate exceeds ``max_probe_hits_per_sec`` is switched to unwind
+mode (log line + metric).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from ccprofd.daemon.bus import Bus, Subscription
 from ccprofd.daemon.config import Config, ConfigError, DaemonConfig, TargetConfig, load_config
 from ccprofd.daemon.notify import Notifier
 from ccprofd.daemon.query import Server, ServerFactories
-from ccprofd.daemon.source import SampleSource, SourceCounters, SourceFactory, UnknownProcess
+from ccprofd.daemon.source import SampleSource, SourceCounters, SourceFactory, TargetWaiting, UnknownProcess
 from ccprofd.daemon.store import TargetStore
 
 log = logging.getLogger("ccprofd")
@@ -68,12 +70,14 @@ class TargetRuntime:
         self.error = ""
         self.mode_override: str | None = None
         self.mode_switches: dict[str, int] = {}
+        self.note = ""  # why it runs otherwise than configured: its ``error`` while attached
         self.carried = Carried()
         self.stream_dropped = 0
         self.observer_errors = 0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._rate: tuple[float, int] | None = None
+        self._seen: tuple[int, int, int] | None = None  # the waited-for path's last (inode, size, mtime)
         self.lock = threading.RLock()
 
     @property
@@ -92,6 +96,34 @@ class TargetRuntime:
             except Exception:  # a broken source must not break ListTargets or a scrape
                 pass
         return self.effective_config.mode
+
+    def attach_failed(self, exc: Exception) -> None:
+        """Record why the daemon could not attach: ``waiting`` (:class:`TargetWaiting`, retried by
+        :func:`attach_waiting`; logged when its reason changes) or ``failed`` (one log line)."""
+        reason = _one_line(exc)
+        if isinstance(exc, TargetWaiting):
+            if (self.state, self.error) != ("waiting", reason):
+                log.warning("target %s: waiting: %s", self.name, reason)
+            self.state, self.error = "waiting", reason
+            return
+        self.state, self.error = "failed", reason
+        log.error("target %s: cannot attach (%s mode): %s", self.name, self.effective_config.mode, reason)
+
+    def over_budget(self, rate: float) -> None:
+        self.note = (f"switched to unwind mode: {rate:.0f} probe hits/s exceeded max_probe_hits_per_sec = "
+                     f"{self.config.max_probe_hits_per_sec}")
+        log.warning("target %s: %s", self.name, self.note)
+
+    def settled(self) -> bool:
+        """Whether the path (or cgroup) a waiting target names exists and is unchanged since the
+        previous call: a binary still being copied in is not analysed half-written."""
+        try:
+            st = os.stat(self.config.path or self.config.cgroup or "")
+            seen: tuple[int, int, int] | None = (st.st_ino, st.st_size, st.st_mtime_ns)
+        except OSError:
+            seen = None
+        previous, self._seen = self._seen, seen
+        return seen is not None and seen == previous
 
     def probe_hit_rate_over_budget(self, now: float) -> float | None:
         """The probe hits per second since the last call at least 1 s ago, when that exceeds
@@ -174,13 +206,12 @@ class Daemon:
         try:
             source = self.factory(tc, self.config.daemon)
             source.start()
-        except Exception as exc:  # BPFError, OSError, analysis errors: one line, target marked failed
-            rt.state, rt.error = "failed", _one_line(exc)
-            log.error("target %s: cannot attach (%s mode): %s", tc.name, tc.mode, rt.error)
+        except Exception as exc:  # BPFError, OSError, analysis errors, TargetWaiting
+            rt.attach_failed(exc)
             return
         with rt.lock:
             rt.source = source
-            rt.state, rt.error = "attached", ""
+            rt.state, rt.error = "attached", rt.note
             rt._stop = threading.Event()
             rt._thread = threading.Thread(target=self._pump, args=(rt, source, rt._stop),
                                           name=f"pump-{tc.name}", daemon=True)
@@ -281,8 +312,7 @@ class Daemon:
         for rt in list(self.targets.values()):
             rate = rt.probe_hit_rate_over_budget(now)
             if rate is not None:
-                log.warning("target %s: %.0f probe hits/s exceeds max_probe_hits_per_sec = %d: "
-                            "switching to unwind mode", rt.name, rate, rt.config.max_probe_hits_per_sec)
+                rt.over_budget(rate)
                 self.switch_mode(rt, "unwind", reason="probe_hit_budget")
 
     def switch_mode(self, rt: TargetRuntime, mode: str, reason: str) -> None:
@@ -409,6 +439,7 @@ class Daemon:
             log.error("reload rejected, keeping the running configuration: %s", exc)
             self.notifier.ready("reload rejected; running the previous configuration")
             return False
+        _log_warnings(new)
         self.apply(new)
         self.reloads["ok"] += 1
         attached = sum(rt.state == "attached" for rt in self.targets.values())
@@ -430,6 +461,14 @@ class Daemon:
         log.info("stopped: every probe detached")
 
 
+def attach_waiting(daemon: Daemon) -> None:
+    """Attach waiting targets whose path or cgroup now exists and did not change since the previous
+    call (run every main-loop tick: one ``stat`` per waiting target)."""
+    for rt in daemon.runtimes():
+        if rt.state == "waiting" and rt.settled():
+            daemon._attach(rt)
+
+
 class _SampleBus(Bus):
     """The live-sample bus: a new subscription first turns per-sample records on everywhere."""
 
@@ -441,6 +480,11 @@ class _SampleBus(Bus):
         sub = super().subscribe(accept)
         self._on_subscribe()
         return sub
+
+
+def _log_warnings(config: Config) -> None:
+    for warning in config.warnings:
+        log.warning("%s", warning)
 
 
 def _one_line(exc: BaseException) -> str:
@@ -496,6 +540,7 @@ def run_daemon(config_path: str, factory: SourceFactory | None = None,
 
     config = load_config(config_path)  # ConfigError -> the CLI prints it and exits 2
     setup_logging(config.daemon.log_level)
+    _log_warnings(config)
     if factory is None:
         factory = load_factory()
     signals = _Signals()
@@ -516,6 +561,7 @@ def run_daemon(config_path: str, factory: SourceFactory | None = None,
             if signals.reload:
                 signals.reload = False
                 daemon.reload(config_path)
+            attach_waiting(daemon)
             daemon.check_budgets()
             if daemon.notifier.watchdog_due():
                 daemon.notifier.watchdog()

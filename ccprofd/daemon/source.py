@@ -72,6 +72,12 @@ class SourceCounters:
     map_entries: Mapping[str, int] = field(default_factory=dict)
 
 
+class TargetWaiting(Exception):
+    """``start`` found nothing to attach to yet: the target's path or cgroup does not exist (or is
+    not an ELF file / a cgroup now).  The daemon shows the target as ``waiting`` with this one-line
+    reason and calls ``start`` of a new source again until it succeeds."""
+
+
 class UnknownProcess(LookupError):
     """``thread_contexts`` was asked about a pid the source does not follow."""
 
@@ -80,7 +86,8 @@ class UnknownProcess(LookupError):
 class SampleSource(Protocol):
     def start(self) -> None:
         """Analyse (from the cache when the build-id is known), attach, and return once probes are
-        live.  Raise :class:`ccprofd.kbpf.errors.BPFError` (one-line message) on failure."""
+        live.  Raise :class:`ccprofd.kbpf.errors.BPFError` (one-line message) on failure, and
+        :class:`TargetWaiting` when the target's path or cgroup is not there (yet)."""
 
     def poll(self, timeout_ms: int) -> Iterable[Sample]:
         """Decoded samples that arrived since the last call, waiting at most ``timeout_ms``."""

@@ -30,7 +30,6 @@ the re-plan at once).  Where fanotify is not available, instrumented mode compar
 
 Per-thread contexts (``thread_contexts``) come from a brief ptrace stop of the process, each thread
 unwound with the same CFI tables as the BPF unwinder (ccprofd/proc/threadsnap.py), in both modes.
-Left for the tracer to provide (see the daemon's README section): per-source probe-hit counters.
 """
 
 from __future__ import annotations
@@ -44,14 +43,23 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from ccprofd.daemon.config import DaemonConfig, TargetConfig
+from ccprofd.daemon.config import DaemonConfig, TargetConfig, binary_problem, cgroup_problem
 from ccprofd.daemon.filewatch import ExecGate, FileIdentity, file_identity
-from ccprofd.daemon.source import BinaryInfo, ProcessInfo, SourceCounters, ThreadContext, UnknownProcess
+from ccprofd.daemon.source import (
+    BinaryInfo,
+    ProcessInfo,
+    SourceCounters,
+    TargetWaiting,
+    ThreadContext,
+    UnknownProcess,
+)
 from ccprofd.proc.tasks import threads_of
 from ccprofd.tracing.api import Mode, TraceOptions
 
 RESCAN_S = 1.0
 REPLAN_WAIT_S = 120.0  # the longest an exec of a rewritten file waits for its new plan
+#: instrumented mode's uprobe hit counters (cc_stats): call sites, tail jumps, function entries
+PROBE_HIT_STATS = ("site_hits", "tail_hits", "entry_hits")
 Inode = tuple[int, int]
 log = logging.getLogger("ccprofd")
 
@@ -286,16 +294,25 @@ class TracerSource:
 
     # ------------------------------------------------------------------------ SampleSource
     def start(self) -> None:
+        t = self.target
+        problem = binary_problem(t.path) if t.path is not None else \
+            cgroup_problem(t.cgroup) if t.cgroup is not None else None
+        if problem is not None:  # the daemon retries until it is there
+            raise TargetWaiting(f"{t.path or t.cgroup} {problem}")
         gate = ExecGate(self._gate_check, self._gate_changed)
         try:
             gate.start()
             self._gate = gate
         except OSError as exc:
             log.warning("target %s: no exec gate (%s): a binary rewritten in place is re-planned at "
-                        "the next poll", self.target.name, exc)
-        if self.target.path is not None:
-            st = os.stat(self.target.path)  # a missing binary fails the target with one line
-            self._follow_execs(self._binary_for(self.target.path, (st.st_dev, st.st_ino)))
+                        "the next poll", t.name, exc)
+        if t.path is not None:
+            try:
+                st = os.stat(t.path)
+            except FileNotFoundError:  # removed since the check
+                self.close()  # the gate started above
+                raise TargetWaiting(f"{t.path} does not exist") from None
+            self._follow_execs(self._binary_for(t.path, (st.st_dev, st.st_ino)))
         self._scan()
         if self.target.pid is not None and not self.tracked:
             raise RuntimeError(f"no process {self.target.pid} (or it runs a deleted executable)")
@@ -394,17 +411,21 @@ class TracerSource:
 
     def counters(self) -> SourceCounters:
         dropped: dict[str, int] = {}
-        errors = mismatches = 0
+        errors = mismatches = hits = 0
         maps: dict[str, int] = {}
-        for b in self.binaries_by_inode.values():
+        for b in list(self.binaries_by_inode.values()):
             summary = b.mode.summary()
             errors += int(summary.get("decode_errors") or 0)
             mismatches += int((summary.get("verify") or {}).get("mismatches") or 0)  # verify = true
-            for key, value in (summary.get("bpf") or {}).items():
+            bpf = summary.get("bpf") or {}
+            hits += sum(int(bpf.get(k) or 0) for k in PROBE_HIT_STATS)  # instrumented mode's uprobes
+            for key, value in bpf.items():
                 if isinstance(value, int) and ("full" in key or "lost" in key or "drop" in key):
                     dropped[key] = dropped.get(key, 0) + value
-        return SourceCounters(decode_errors=errors, verify_mismatches=mismatches, dropped=dropped,
-                              map_entries=maps)
+            for name, n in b.mode.map_entries().items():
+                maps[name] = maps.get(name, 0) + n
+        return SourceCounters(probe_hits=hits, decode_errors=errors, verify_mismatches=mismatches,
+                              dropped=dropped, map_entries=maps)
 
     def close(self) -> None:
         if self._gate is not None:

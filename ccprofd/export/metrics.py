@@ -21,6 +21,8 @@ from prometheus_client.registry import Collector
 from ccprofd.daemon.query import DaemonView, TargetView
 from ccprofd.tracing.api import MODES
 
+TARGET_STATES = ("starting", "attached", "waiting", "failed")
+
 
 class DaemonCollector(Collector):
     def __init__(self, daemon: DaemonView) -> None:
@@ -56,6 +58,8 @@ class DaemonCollector(Collector):
         attached = GaugeMetricFamily("ccprofd_attached_processes", "Processes followed", labels=["target"])
         up = GaugeMetricFamily("ccprofd_target_up", "1 when the target's probes are attached",
                                labels=["target"])
+        state = GaugeMetricFamily("ccprofd_target_state", "1 for the target's state (waiting: its path "
+                                  "or cgroup does not exist yet)", labels=["target", "state"])
         contexts = GaugeMetricFamily("ccprofd_contexts", "Distinct contexts held in memory",
                                      labels=["target"])
         maps = GaugeMetricFamily("ccprofd_bpf_map_entries", "Entries in the daemon's BPF maps",
@@ -88,6 +92,8 @@ class DaemonCollector(Collector):
             incomplete.add_metric([name], store["incomplete"])
             contexts.add_metric([name], store["contexts"])
             up.add_metric([name], 1.0 if rt.state == "attached" else 0.0)
+            for st in TARGET_STATES:
+                state.add_metric([name, st], 1.0 if rt.state == st else 0.0)
             attached.add_metric([name], _count_processes(rt))
             for m, n in counters.map_entries.items():
                 map_totals[m] = map_totals.get(m, 0) + n
@@ -98,7 +104,7 @@ class DaemonCollector(Collector):
         for result, n in sorted(self.daemon.reloads.items()):
             reloads.add_metric([result], n)
         yield from (ctx, cpu, hits, verify, mode, switches, dropped, incomplete, decode_err, attached, up,
-                    contexts, maps, reloads)
+                    state, contexts, maps, reloads)
 
 
 def _anomaly_families(daemon: DaemonView) -> Iterator[Metric]:

@@ -340,6 +340,33 @@ class RawMap(MapValues):
     def __len__(self) -> int:
         return len(self.keys())
 
+    def entries(self) -> int:
+        """How many entries a hash map holds now (the metric ``ccprofd_bpf_map_entries``): counted
+        with BPF_MAP_LOOKUP_BATCH, a few syscalls for the whole map, without converting them
+        (``len`` where the kernel or map type lacks it).  Arrays: their fixed size."""
+        if self.map_type in _ARRAYS:
+            return self.max_entries
+        if self.percpu or self.key_type is None or self.leaf_type is None:
+            return len(self)
+        chunk = max(1, min(self.max_entries, 1024))  # buffers of at most 1024 entries per scrape
+        keys = (self.key_type * chunk)()
+        vals = (self.leaf_type * chunk)()
+        in_batch, out_batch = ctypes.c_uint32(0), ctypes.c_uint32(0)
+        total, first = 0, True
+        while True:
+            attr = MapBatchAttr(in_batch=0 if first else ctypes.addressof(in_batch),
+                                out_batch=ctypes.addressof(out_batch), keys=ctypes.addressof(keys),
+                                values=ctypes.addressof(vals), count=chunk, map_fd=self._fd)
+            try:
+                rawbpf.bpf(BPF_MAP_LOOKUP_BATCH, attr, f"map {self.name}: batch lookup")
+            except rawbpf.BPFSyscallError as exc:
+                if exc.errno != 2:  # ENOENT: this was the last batch
+                    return len(self)
+                return total + attr.count
+            total += attr.count
+            in_batch.value = out_batch.value
+            first = False
+
     # ---------------------------------------------------------------------------------- queues
     def push(self, value: Any) -> None:
         """Push onto a queue/stack map (BPF_MAP_UPDATE_ELEM with no key)."""

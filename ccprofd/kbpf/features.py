@@ -51,6 +51,28 @@ def probe_privileges() -> None:
         raise MissingFeature("BPF privileges", "run as root or with CAP_BPF and CAP_PERFMON")
 
 
+PERMISSION_HINT = "tracing needs root, or CAP_BPF and CAP_PERFMON"
+
+
+def privileges_problem() -> str | None:
+    """One line for the CLI when this process may not trace (None when it may): said before
+    anything else fails with a misleading EPERM or an unreadable tracefs."""
+    try:
+        probe_privileges()
+    except MissingFeature:
+        return f"permission denied: {PERMISSION_HINT} (running as uid {os.geteuid()})"
+    return None
+
+
+def max_sample_hz() -> int | None:
+    """The kernel's ceiling for CPU-clock sampling (``kernel.perf_event_max_sample_rate``)."""
+    try:
+        with open("/proc/sys/kernel/perf_event_max_sample_rate", encoding="ascii") as fh:
+            return int(fh.read().strip())
+    except (OSError, ValueError):
+        return None
+
+
 def probe_bcc() -> None:
     """bcc's Python module imports (it loads libbcc.so)."""
     from ccprofd.kbpf.bcc_adapter import bcc_available

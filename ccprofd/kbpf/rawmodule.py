@@ -21,7 +21,15 @@ from ccprofd.elf.symbols import symbol_offset
 from ccprofd.kbpf import attach as _attach
 from ccprofd.kbpf import rawbpf
 from ccprofd.kbpf.abi import PERF_ATTR_DISABLED, PERF_ATTR_FREQ, PerfEventAttr
-from ccprofd.kbpf.bpfmap import MAP_RINGBUF, RawMap, create_map
+from ccprofd.kbpf.bpfmap import (
+    MAP_HASH,
+    MAP_LRU_HASH,
+    MAP_LRU_PERCPU_HASH,
+    MAP_PERCPU_HASH,
+    MAP_RINGBUF,
+    RawMap,
+    create_map,
+)
 from ccprofd.kbpf.errors import BPFError
 from ccprofd.kbpf.objcache import CompiledObject, apply_relocations, compile_cached
 from ccprofd.kbpf.ringbuf import RingBuffer, RingBufferSet
@@ -157,6 +165,12 @@ class RawModule:
             return self._maps[name]
         except KeyError:
             raise BPFError(f"no BPF map {name}") from None
+
+    def map_entries(self) -> dict[str, int]:
+        """Entries held now by each hash map of this module (arrays, rings and queues have a fixed
+        size or none: left out)."""
+        hashes = (MAP_HASH, MAP_LRU_HASH, MAP_PERCPU_HASH, MAP_LRU_PERCPU_HASH)
+        return {name: m.entries() for name, m in self._maps.items() if m.map_type in hashes}
 
     def open_ring_buffer(self, name: str, callback: Callable[[bytes], None]) -> None:
         """Deliver each record of ring buffer ``name`` to ``callback`` as bytes during

@@ -23,6 +23,16 @@ def tracefs_dir() -> str | None:
     return None
 
 
+def no_tracefs_error() -> BPFError:
+    """Why :func:`tracefs_dir` found none: not mounted, or (most often) mounted but readable by
+    root only, which is a matter of privileges, not of mounting."""
+    for d in TRACEFS_DIRS:
+        if os.path.isdir(d) and not os.access(d, os.R_OK | os.X_OK):
+            return BPFError(f"permission denied: {d} (tracefs) is readable by root only; tracing needs "
+                            "root, or CAP_BPF and CAP_PERFMON with access to tracefs")
+    return BPFError("tracefs is not mounted (mount -t tracefs tracefs /sys/kernel/tracing)")
+
+
 def tracepoint_id(tp: str) -> int:
     """The perf id of tracepoint ``category:event`` (tracefs ``events/<category>/<event>/id``)."""
     category, sep, event = tp.partition(":")
@@ -30,7 +40,7 @@ def tracepoint_id(tp: str) -> int:
         raise BPFError(f"bad tracepoint name {tp!r} (want category:event)")
     base = tracefs_dir()
     if base is None:
-        raise BPFError("tracefs is not mounted (no /sys/kernel/tracing)")
+        raise no_tracefs_error()
     try:
         with open(os.path.join(base, "events", category, event, "id"), encoding="ascii") as fh:
             return int(fh.read().strip())
@@ -71,7 +81,7 @@ def tracepoint_fields(category: str, event: str) -> dict[str, TracepointField]:
     """The record fields of tracepoint ``category:event`` on the running kernel."""
     base = tracefs_dir()
     if base is None:
-        raise BPFError("tracefs is not mounted (mount -t tracefs tracefs /sys/kernel/tracing)")
+        raise no_tracefs_error()
     path = os.path.join(base, "events", category, event, "format")
     try:
         with open(path, encoding="ascii") as fh:

@@ -267,6 +267,10 @@ class InstrumentedMode(ModeBase[Event, int]):
     def backlog(self) -> int:
         return self._bpf.module.ring_buffer_backlog() if self._bpf is not None else 0
 
+    def map_entries(self) -> dict[str, int]:
+        """Entries held now by each of this mode's BPF hash maps (the daemon's map metric)."""
+        return self._bpf.module.map_entries() if self._bpf is not None else {}
+
     def dropped_samples(self) -> int:
         return self._bpf.dropped_samples() if self._bpf is not None else 0
 

@@ -200,6 +200,10 @@ class UnwindMode(ModeBase[UnwoundSample, tuple[int, int]]):
     def backlog(self) -> int:
         return self.sampler.module.ring_buffer_backlog() if self.sampler is not None else 0
 
+    def map_entries(self) -> dict[str, int]:
+        """Entries held now by each of this mode's BPF hash maps (the daemon's map metric)."""
+        return self.sampler.module.map_entries() if self.sampler is not None else {}
+
     def dropped_samples(self) -> int:
         return self.sampler.stats()["ringbuf_full"] if self.sampler is not None else 0
 
