@@ -5,7 +5,9 @@ StreamSamples) is the same for the same chain in both tracer modes, so a target 
 Unwind mode reports library frames (libc's ``write`` below the program's call of it, every libc
 frame between ``qsort``'s caller and the program's comparison callback); instrumented mode reports
 no library leaf and one placeholder frame for a library in between.  The id is defined on the
-program's frames only; the library leaf is a separate field.
+program's frames only; the library leaf is a separate field.  A call whose target left the binary
+through a tail jump (tailcall.c's ``tail_plt`` jumping to ``getppid@plt``) has the tail-call frame in
+both modes: instrumented mode probes the jump, unwind mode infers it from the call graph.
 """
 
 from __future__ import annotations
@@ -71,7 +73,7 @@ def program_chain(sample: dict[str, Any]) -> list[tuple[str, str | None]]:
     return [(f["function"], f["call_site"]) for f in sample["frames"] if f["analysed"]]
 
 
-@pytest.mark.parametrize("program", ["calls", "fptr"])
+@pytest.mark.parametrize("program", ["calls", "fptr", "tailcall"])
 def test_same_chain_same_id_in_both_modes(program: str, tmp_path: pathlib.Path) -> None:
     require_bpf()
     binary = build(program, opt="O2")
@@ -83,6 +85,9 @@ def test_same_chain_same_id_in_both_modes(program: str, tmp_path: pathlib.Path) 
         [(s["syscall"], program_chain(s)) for s in instrumented]
     assert all(s["complete"] for s in unwind + instrumented)
     # The frames differ: unwind mode has libc's leaf (and libc frames inside qsort's call).
+    if program == "tailcall":  # main -> tail_plt, which tail-jumps to getppid@plt (by hand: tailcall.c)
+        chains = [[(f["function"], bool(f.get("tail_call"))) for f in s["frames"]] for s in unwind]
+        assert [("main", False), ("tail_plt", True), ("getppid", False)] in chains
     assert all(not s["frames"][-1]["analysed"] for s in unwind)
     assert all(s["frames"][-1]["analysed"] for s in instrumented)
     for u, i in zip(unwind, instrumented, strict=True):
