@@ -82,6 +82,8 @@ def test_hot_text_json_folded_pprof(served: tuple[Daemon, FakeFactory, str], tmp
         ("write", 5, context_id(WRITE_CTX), WRITE_CTX),
         ("openat", 2, context_id(OPEN_CTX), OPEN_CTX),
     ]
+    # the program's leaf; no library leaf below it in these (instrumented-mode-like) frames
+    assert [(c["leaf"], c["leaf_library"]) for c in doc["contexts"]] == [("emit", ""), ("load", "")]
     top1 = json.loads(ctl(sock, "hot", "--target", "app", "--top", "1", "--json").stdout)
     assert [c["count"] for c in top1["contexts"]] == [5]
     folded = ctl(sock, "hot", "--target", "app", "--format", "folded").stdout.decode()

@@ -102,16 +102,18 @@ def test_daemon_end_to_end(bpf: None, workdir: str, tmp_path: Path, mode: str) -
             # (the process was running at attach, so the tracer may flag them incomplete and report only
             # the suffix it knows — but never merge or split them).
             rows = [(h.count, h.leaf, h.syscall, h.context) for h in hot.contexts]
-            # unwind mode also reports the frames inward of the program's: libc's getppid is the leaf
-            leaf = "getppid" if mode == "unwind" else "leaf"
+            # `leaf` is the program's innermost function in both modes (unwind mode also reports
+            # libc's getppid below it, in the frames: not in the leaf or the context id)
             assert sorted((c, lf, sc) for c, lf, sc, _ in rows) == [
-                (N_B, leaf, "getppid"),
-                (N_A, leaf, "getppid"),
+                (N_B, "leaf", "getppid"),
+                (N_A, "leaf", "getppid"),
             ], hot
             chains = {h.count: [f.function for f in h.frames if f.analysed] for h in hot.contexts}
             if mode == "unwind":  # a whole stack unwound at each sample: complete although attached late
                 assert chains == {N_A: ["main", "work_a", "leaf"], N_B: ["main", "work_b", "leaf"]}, hot
                 assert all(h.complete and h.frames[-1].module.endswith("libc.so.6") for h in hot.contexts)
+                assert all(h.frames[-1].function == "getppid" and not h.frames[-1].analysed
+                           for h in hot.contexts)
             else:
                 assert all(chain[-1:] == ["leaf"] for chain in chains.values()), hot
             assert hot.total_samples == N_A + N_B

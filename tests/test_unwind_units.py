@@ -169,3 +169,39 @@ def test_unwind_encoding_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
         entry.write_bytes(b"torn")
     unwind_plan.cached_unwind_encoding(graph, plan, cache)
     assert len(built) == 3
+
+
+def test_tail_exit_frames_only_where_the_call_graph_has_one_chain(tmp_path: Path) -> None:
+    """A call whose target tail-jumped into a library: the tail-call frames come from the one chain of
+    tail edges from the target to an import (tailcall.c: main -> tail_plt, ``jmp getppid@plt``),
+    picked by the library function entered when there are several; none when it is not known whole."""
+    from ccprofd.encode.plan import COL
+    from ccprofd.tracing.unwind.symbolize import UnwindSymbolizer
+
+    graph = analyze_binary(str(build("tailcall", opt="O2", pie=True)), cache_dir=tmp_path)
+    plan = get_plan(graph, "valence", cache_dir=tmp_path, use_cache=False)
+    sym = UnwindSymbolizer(unwind_plan.build_unwind_encoding(graph, plan), plan, lambda _key: None)
+    name = dict(zip(plan["nodes"], plan["names"], strict=True))
+    rows = [(r[COL["site"]], name.get(r[COL["caller"]]), name.get(r[COL["callee"]]), r[COL["kind"]],
+             r[COL["callee"]]) for r in plan["sites"]]
+    (call,) = [s for s, a, b, k, _ in rows if (a, b, k) == ("main", "tail_plt", "direct")]
+    (jump,) = [s for s, a, b, k, _ in rows if (a, b, k) == ("tail_plt", "getppid", "tail")]
+    (notail,) = [s for s, a, b, k, _ in rows if (a, b, k) == ("main", "notail", "direct")]
+    (puts,) = {n for _, _, b, _, n in rows if b == "puts"}
+
+    def chain(site: int, entered: str | None) -> list[tuple[str | None, int | None, bool]]:
+        return [(f.function, f.call_site, f.tail_call) for f in sym._tail_exit(site, entered)]
+
+    assert chain(call, "getppid") == chain(call, None) == [("tail_plt", jump, True)]
+    assert chain(notail, "getppid") == []  # notail calls finish: no tail jump out of the binary
+    # A second way out of tail_plt (as `return x ? getppid() : puts(...)` would have): ambiguous
+    # unless the library function entered names it.
+    direct, tails, jumpers = sym._exit_tables()
+    tail_plt = direct[call]
+    tails[tail_plt].append((puts, jump + 2))
+    assert chain(call, None) == [] and chain(call, "write") == []
+    assert chain(call, "getppid") == [("tail_plt", jump, True)]
+    assert chain(call, "puts") == [("tail_plt", jump + 2, True)]
+    # An indirect jump in tail_plt: it may leave the binary some other way.
+    jumpers.add(tail_plt)
+    assert chain(call, "getppid") == []

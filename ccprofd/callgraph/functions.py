@@ -12,6 +12,7 @@ from bisect import bisect_right
 from dataclasses import dataclass, field
 
 from ccprofd.elf.cfi import fde_ranges
+from ccprofd.elf.errors import BinaryError, CfiError
 from ccprofd.elf.image import PLT_SECTIONS, ElfImage, Section
 
 _FUNC_TYPES = ("STT_FUNC", "STT_GNU_IFUNC")
@@ -63,7 +64,11 @@ class FunctionTable:
         fdes: dict[int, tuple[int, bool, bool]] = {}
         eh = self.image.sections.get(".eh_frame")
         if eh is not None and eh.type != "SHT_NOBITS" and eh.size:
-            for r in fde_ranges(self.image.section_bytes(eh), eh.vaddr):
+            try:
+                ranges = fde_ranges(self.image.section_bytes(eh), eh.vaddr)
+            except CfiError as exc:
+                raise BinaryError(self.image.path, str(exc)) from None
+            for r in ranges:
                 if self.section_of(r.start) is not None:
                     fdes.setdefault(r.start, (r.end, r.entry, r.signal_frame))
         extra = {self.image.entry}

@@ -280,11 +280,19 @@ def cmd_contexts(args: argparse.Namespace, channel: Any, fmt: str, w: _Writer) -
 
 
 def hot_rows(resp: Any) -> list[dict[str, Any]]:
+    """GetHotContexts rows as JSON; ``leaf`` is the program's innermost function (as the metrics'
+    label), ``leaf_library`` the library function below it when the mode reports one."""
+    from ccprofd.daemon.store import library_leaf
     from ccprofd.export.messages import frames_from_pb
 
-    return [{"target": h.target, "context": h.context, "event": h.event, "syscall": h.syscall or None,
-             "count": h.count, "complete": h.complete, "leaf": h.leaf, "frames": frames_from_pb(h.frames),
-             "first_seen_ns": h.first_seen_ns, "last_seen_ns": h.last_seen_ns} for h in resp.contexts]
+    rows = []
+    for h in resp.contexts:
+        frames = frames_from_pb(h.frames)
+        rows.append({"target": h.target, "context": h.context, "event": h.event, "syscall": h.syscall or None,
+                     "count": h.count, "complete": h.complete, "leaf": h.leaf,
+                     "leaf_library": library_leaf(frames), "frames": frames,
+                     "first_seen_ns": h.first_seen_ns, "last_seen_ns": h.last_seen_ns})
+    return rows
 
 
 def cmd_hot(args: argparse.Namespace, channel: Any, fmt: str, w: _Writer) -> int:

@@ -1,9 +1,13 @@
 """Hot-context aggregation per target, with bounded memory and bounded metric cardinality.
 
 Input: decoded samples (the tracer's JSONL dicts).  Each sample is counted under
-``(event, syscall, context)`` where ``context`` is :func:`context_id` — a short hash of the decoded
-frame list (build-id + call site per frame), so it is the same whatever the encoding scheme, the
-weights or the tracer mode that produced the frames.
+``(event, syscall, context)`` where ``context`` is :func:`context_id` — a short hash of the
+program's frames (build-id + call site per frame of the analysed binary), so it is the same
+whatever the encoding scheme, the weights or the tracer mode that produced the frames.  Library
+frames are left out of it because the modes do not report them alike: unwind mode shows the library
+functions below the program's innermost frame (libc's ``write``) and every library frame between two
+program frames; instrumented mode shows neither the leaf nor more than one placeholder frame for a
+library in between.  The library leaf is kept beside the id (:func:`library_leaf`), not in it.
 
 Bounds and how nothing is lost silently:
 
@@ -46,13 +50,21 @@ def _address(value: Any) -> int | None:
     return int(str(value), 16) if str(value).lower().startswith("0x") else int(str(value), 0)
 
 
+def is_program_frame(frame: Mapping[str, Any]) -> bool:
+    """A frame of the analysed binary (frames without the ``analysed`` field count as such)."""
+    return bool(frame.get("analysed", True))
+
+
 def context_id(frames: Sequence[Mapping[str, Any]], complete: bool = True) -> str:
-    """Short stable hash of a decoded frame list: per frame the object's build-id (module path when
+    """Short stable hash of a decoded frame list's *program* frames (library frames are skipped:
+    the tracer modes report them differently): per frame the object's build-id (module path when
     there is none) and the call site; the function name only for frames without a call site.
     Incomplete contexts hash differently from complete ones with the same frames: they are a
     different statement (a known suffix, not the whole chain)."""
     h = hashlib.blake2b(digest_size=6)
     for f in frames:
+        if not f.get("analysed", True):
+            continue
         site = _address(f.get("call_site"))
         obj = f.get("build_id") or f.get("module") or ""
         name = "" if site is not None else (f.get("function") or "")
@@ -66,15 +78,26 @@ def context_id(frames: Sequence[Mapping[str, Any]], complete: bool = True) -> st
 def _memo_key(frames: Sequence[Mapping[str, Any]], complete: bool) -> tuple[Any, ...]:
     """Everything :func:`context_id` reads, as a dict key (several times cheaper than the hash)."""
     return (complete, *[(f.get("build_id") or f.get("module"), f.get("call_site"), f.get("function"),
-                         bool(f.get("tail_call"))) for f in frames])
+                         bool(f.get("tail_call"))) for f in frames if f.get("analysed", True)])
 
 
 MEMO_MAX = 65536  # context ids remembered per store (cleared when full: a memo, not state)
 
 
 def leaf_name(frames: Sequence[Mapping[str, Any]]) -> str:
-    """The innermost function's name ("" when there are no frames, "[unknown]" when unnamed)."""
-    if not frames:
+    """The innermost *program* function's name, the same in both tracer modes ("" when there is no
+    program frame, "[unknown]" when unnamed); the metrics' ``leaf`` label."""
+    for f in reversed(frames):
+        if is_program_frame(f):
+            return str(f.get("function") or "[unknown]")
+    return ""
+
+
+def library_leaf(frames: Sequence[Mapping[str, Any]]) -> str:
+    """The innermost function when it is a library's, below the program's innermost frame (libc's
+    ``write`` under the program's call of it): "" when the leaf is the program's, or when the tracer
+    mode does not report library leaves (instrumented mode)."""
+    if not frames or is_program_frame(frames[-1]):
         return ""
     return str(frames[-1].get("function") or "[unknown]")
 
@@ -95,6 +118,10 @@ class HotContext:
     @property
     def leaf(self) -> str:
         return leaf_name(self.frames)
+
+    @property
+    def leaf_library(self) -> str:
+        return library_leaf(self.frames)
 
 
 @dataclass(frozen=True, slots=True)

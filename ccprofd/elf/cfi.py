@@ -31,7 +31,8 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import NamedTuple, TypeVar
 
-from ccprofd.elf.ehframe import Cie, FdeHeader, iter_fdes, read_encoded, sleb, uleb
+from ccprofd.elf.ehframe import MALFORMED, Cie, FdeHeader, cfi_errors, iter_fdes, read_encoded, sleb, uleb
+from ccprofd.elf.errors import BinaryError, CfiError
 from ccprofd.elf.image import ElfImage
 from ccprofd.persist.cache import AnalysisCache
 
@@ -380,14 +381,16 @@ def _rule_of(signal: bool) -> Callable[[_State], Rule]:
 
 
 def parse_frames(buf: bytes, section_vaddr: int, is_eh: bool) -> tuple[list[Fde], int]:
-    """Every FDE of one section as (pc_begin, pc_end, rows); rows are (address, rule) in order."""
+    """Every FDE of one section as (pc_begin, pc_end, rows); rows are (address, rule) in order.
+    :class:`CfiError` if any record cannot be read (a table with holes would unwind wrongly)."""
     fdes: list[Fde] = []
     count = 0
-    for cie, init, fde in _frames(buf, section_vaddr, is_eh):
-        count += 1
-        if fde.pc_range > 0:
-            rows = _rows(buf, section_vaddr, is_eh, cie, init, fde, _rule_of(cie.signal))
-            fdes.append((fde.pc_begin, fde.pc_begin + fde.pc_range, rows))
+    with cfi_errors(".eh_frame" if is_eh else ".debug_frame"):
+        for cie, init, fde in _frames(buf, section_vaddr, is_eh):
+            count += 1
+            if fde.pc_range > 0:
+                rows = _rows(buf, section_vaddr, is_eh, cie, init, fde, _rule_of(cie.signal))
+                fdes.append((fde.pc_begin, fde.pc_begin + fde.pc_range, rows))
     return fdes, count
 
 
@@ -404,20 +407,22 @@ def fde_ranges(buf: bytes, section_vaddr: int) -> list[FdeRange]:
     """Every FDE range of one ``.eh_frame`` section, each with whether it is a function *entry*: at
     its first address (before the first advance) the CFA is still ``rsp + 8``, the return address
     just pushed by a call.  gcc's split-off cold parts (``foo.cold``) instead start mid-frame with a
-    ``DW_CFA_def_cfa_offset`` at location 0: they are *fragments* of another function."""
+    ``DW_CFA_def_cfa_offset`` at location 0: they are *fragments* of another function.
+    :class:`CfiError` if the entries themselves cannot be read."""
 
     def stop(_at: int, _st: _State) -> None:
         raise _StopAtAdvance
 
     out: list[FdeRange] = []
-    for cie, init, fde in _frames(buf, section_vaddr, True):
-        if fde.pc_range <= 0:
-            continue
-        st = init.copy()
-        with contextlib.suppress(_StopAtAdvance, ValueError):  # ValueError: the state read so far
-            _execute(buf, fde.insn_pos, fde.end, st, cie, init, fde.pc_begin, stop, section_vaddr, True)
-        entry = cie.signal or (st.cfa_special is None and (st.cfa_reg, st.cfa_off) == (RSP, 8))
-        out.append(FdeRange(fde.pc_begin, fde.pc_begin + fde.pc_range, entry, cie.signal))
+    with cfi_errors(".eh_frame"):
+        for cie, init, fde in _frames(buf, section_vaddr, True):
+            if fde.pc_range <= 0:
+                continue
+            st = init.copy()
+            with contextlib.suppress(_StopAtAdvance, *MALFORMED):  # bad instructions: the state read so far
+                _execute(buf, fde.insn_pos, fde.end, st, cie, init, fde.pc_begin, stop, section_vaddr, True)
+            entry = cie.signal or (st.cfa_special is None and (st.cfa_reg, st.cfa_off) == (RSP, 8))
+            out.append(FdeRange(fde.pc_begin, fde.pc_begin + fde.pc_range, entry, cie.signal))
     return out
 
 
@@ -436,10 +441,12 @@ def _cfa(st: _State) -> CfaRule | None:
 
 def cfa_rules(eh_frame: bytes, section_vaddr: int, addresses: Iterable[int]) -> dict[int, CfaRule | None]:
     """CFA rule at each address; None where no FDE covers it or the CFA is a DWARF expression.
-    Only the FDEs that contain a queried address are interpreted."""
-    frames = sorted(((f.pc_begin, f.pc_begin + f.pc_range, cie, init, f)
-                     for cie, init, f in _frames(eh_frame, section_vaddr, True) if f.pc_range > 0),
-                    key=lambda x: x[0])
+    Only the FDEs that contain a queried address are interpreted; :class:`CfiError` if the entries
+    themselves cannot be read."""
+    with cfi_errors(".eh_frame"):
+        frames = sorted(((f.pc_begin, f.pc_begin + f.pc_range, cie, init, f)
+                         for cie, init, f in _frames(eh_frame, section_vaddr, True) if f.pc_range > 0),
+                        key=lambda x: x[0])
     starts = [f[0] for f in frames]
     out: dict[int, CfaRule | None] = {}
     tables: dict[int, tuple[list[int], list[CfaRule | None]]] = {}
@@ -453,7 +460,7 @@ def cfa_rules(eh_frame: bytes, section_vaddr: int, addresses: Iterable[int]) -> 
             _, _, cie, init, fde = frames[i]
             try:
                 rows = _rows(eh_frame, section_vaddr, True, cie, init, fde, _cfa)
-            except ValueError:
+            except MALFORMED:
                 rows = []  # undecodable CFI: no rule (the site is probed without a CFA)
             table = tables[i] = ([r[0] for r in rows], [r[1] for r in rows])
         j = bisect_right(table[0], addr) - 1
@@ -507,7 +514,15 @@ def _compact(fdes: list[Fde]) -> tuple[array, array, list[Rule]]:
 
 
 def build_table(image: ElfImage) -> UnwindTable:
-    """Parse ``.eh_frame`` (and ``.debug_frame`` for ranges it does not cover) of one object."""
+    """Parse ``.eh_frame`` (and ``.debug_frame`` for ranges it does not cover) of one object;
+    :class:`BinaryError` if either cannot be read."""
+    try:
+        return _build_table(image)
+    except CfiError as exc:
+        raise BinaryError(image.path, str(exc)) from None
+
+
+def _build_table(image: ElfImage) -> UnwindTable:
     fdes: list[Fde] = []
     sources: list[str] = []
     count = 0
@@ -544,7 +559,8 @@ def cache_key(image: ElfImage) -> str:
 
 def load_table(path: str | os.PathLike[str], cache: AnalysisCache | None = None,
                image: ElfImage | None = None) -> UnwindTable:
-    """The unwind table of the ELF at ``path``, from the cache when it has it."""
+    """The unwind table of the ELF at ``path``, from the cache when it has it (:class:`BinaryError`
+    for a file or CFI that cannot be read)."""
     img = image if image is not None else ElfImage(os.fspath(path))
     cache = cache if cache is not None else AnalysisCache()
     key = cache_key(img)

@@ -8,11 +8,29 @@ reading the raw section bytes here keeps a pass over the headers well under 0.1 
 
 from __future__ import annotations
 
+import contextlib
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from ccprofd.elf.errors import CfiError
+
 DW_EH_PE_omit = 0xFF
+
+
+#: What reading malformed CFI bytes raises below the public entry points of the CFI readers.
+MALFORMED = (ValueError, IndexError, struct.error, OverflowError)
+
+
+@contextlib.contextmanager
+def cfi_errors(section: str) -> Iterator[None]:
+    """Turn any error of reading a malformed ``section`` into one :class:`CfiError`."""
+    try:
+        yield
+    except CfiError:
+        raise
+    except MALFORMED as exc:
+        raise CfiError(f"corrupt {section} ({exc or type(exc).__name__})") from None
 
 
 def uleb(buf: bytes, pos: int) -> tuple[int, int]:
@@ -186,6 +204,8 @@ def iter_fdes(buf: bytes, section_vaddr: int, is_eh: bool,
             pos = end
             continue
         cie_off = body - cie_id if is_eh else cie_id
+        if not 0 <= cie_off <= n - 8:  # a negative offset would read from the section's end
+            raise ValueError(f"FDE at {pos:#x} names a CIE at {cie_off:#x}, outside the section")
         cie = cies.get(cie_off)
         if cie is None:
             cie = cies[cie_off] = parse_cie(buf, cie_off, is_eh)
@@ -196,6 +216,8 @@ def iter_fdes(buf: bytes, section_vaddr: int, is_eh: bool,
         else:
             pc_begin, pc_range = struct.unpack_from("<QQ", buf, p)
             p += 16
+        if pc_begin + pc_range > 1 << 64:
+            raise ValueError(f"FDE at {pos:#x} covers addresses past 2**64")
         if cie.has_z:
             alen, p = uleb(buf, p)
             p += alen

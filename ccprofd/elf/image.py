@@ -6,14 +6,17 @@ so that the rest of the analysis can assume a well-formed ELF64 x86-64 object.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import stat
 import struct
+from collections.abc import Iterator
 from dataclasses import dataclass
 from io import BytesIO
 
 from elftools.common.exceptions import ELFError
+from elftools.construct.core import ConstructError
 from elftools.elf.elffile import ELFFile
 
 from ccprofd.elf.addrspace import AddressSpace, Segment
@@ -22,6 +25,9 @@ from ccprofd.elf.errors import BinaryError
 SHF_EXECINSTR = 0x4
 SHF_ALLOC = 0x2
 PLT_SECTIONS = (".plt", ".plt.sec", ".plt.got")
+#: What pyelftools (and reading the bytes it points at) raises on a malformed object.  pyelftools
+#: parses lazily, so this can come from any later read of the ELF, not only from opening it.
+PARSE_ERRORS = (ELFError, ConstructError, struct.error, ValueError, KeyError, IndexError, OverflowError)
 _MACHINES = {3: "x86 (EM_386)", 40: "ARM (EM_ARM)", 183: "AArch64 (EM_AARCH64)", 243: "RISC-V (EM_RISCV)",
              8: "MIPS (EM_MIPS)", 20: "PowerPC (EM_PPC)", 21: "PowerPC64 (EM_PPC64)", 22: "s390 (EM_S390)"}
 
@@ -67,11 +73,25 @@ class ElfImage:
             self.addrspace = AddressSpace([
                 Segment(s["p_vaddr"], s["p_memsz"], s["p_offset"], s["p_filesz"], s["p_flags"])
                 for s in self.elf.iter_segments() if s["p_type"] == "PT_LOAD"])
-        except (ELFError, struct.error, ValueError, KeyError, IndexError) as exc:
+        except PARSE_ERRORS as exc:
             raise BinaryError(path, f"truncated or corrupt ELF ({_short(exc)})") from None
         if not any(s.executable and s.size > 0 and s.type != "SHT_NOBITS" for s in self.sections.values()):
             raise BinaryError(path, "ELF has no executable code (no allocated SHF_EXECINSTR section)")
+        for sec in self.code_sections():
+            seg = self.addrspace.segment_of(sec.vaddr)
+            if seg is None or sec.vaddr + sec.size > seg.vaddr + seg.filesz:
+                raise BinaryError(path, f"corrupt ELF (code section {sec.name} at {sec.vaddr:#x} is not "
+                                        "inside the file bytes of a PT_LOAD segment)")
         self.content_hash = hashlib.sha256(self.data).hexdigest()
+
+    @contextlib.contextmanager
+    def parsing(self, what: str) -> Iterator[None]:
+        """Turn a pyelftools error met while reading ``what`` of this object into a
+        :class:`BinaryError` (a corrupt table is found only when it is read)."""
+        try:
+            yield
+        except PARSE_ERRORS as exc:
+            raise BinaryError(self.path, f"corrupt ELF ({what}: {_short(exc)})") from None
 
     # --------------------------------------------------------------------------- validation
     def _validate_header(self, path: str) -> None:
@@ -110,8 +130,9 @@ class ElfImage:
         """True for position-independent executables (ET_DYN with PT_INTERP or DF_1_PIE)."""
         if self.elf_type != "DYN":
             return False
-        if any(seg["p_type"] == "PT_INTERP" for seg in self.elf.iter_segments()):
-            return True
+        with self.parsing("program headers"):
+            if any(seg["p_type"] == "PT_INTERP" for seg in self.elf.iter_segments()):
+                return True
         return bool(self.dynamic_tags().get("DT_FLAGS_1", 0) & 0x08000000)
 
     @property
@@ -119,6 +140,12 @@ class ElfImage:
         return int(self.elf.header["e_entry"])
 
     def build_id(self) -> str | None:
+        if not hasattr(self, "_build_id"):
+            with self.parsing("notes"):
+                self._build_id = self._read_build_id()
+        return self._build_id
+
+    def _read_build_id(self) -> str | None:
         for sec in self.elf.iter_sections():
             if sec["sh_type"] != "SHT_NOTE":
                 continue
@@ -144,24 +171,26 @@ class ElfImage:
 
     def dynamic_tags(self) -> dict[str, int]:
         tags: dict[str, int] = {}
-        dyn = self.elf.get_section_by_name(".dynamic")
-        if dyn is None:
-            return tags
-        for tag in dyn.iter_tags():  # type: ignore[attr-defined]
-            if isinstance(tag.entry.d_val, int):
-                tags.setdefault(str(tag.entry.d_tag), tag.entry.d_val)
+        with self.parsing(".dynamic"):
+            dyn = self.elf.get_section_by_name(".dynamic")
+            if dyn is None:
+                return tags
+            for tag in dyn.iter_tags():  # type: ignore[attr-defined]
+                if isinstance(tag.entry.d_val, int):
+                    tags.setdefault(str(tag.entry.d_tag), tag.entry.d_val)
         return tags
 
     def symbols(self) -> list[Symbol]:
         out: list[Symbol] = []
         for table in (".symtab", ".dynsym"):
-            sec = self.elf.get_section_by_name(table)
-            if sec is None or not hasattr(sec, "iter_symbols"):
-                continue
-            for sym in sec.iter_symbols():
-                info = sym["st_info"]
-                out.append(Symbol(sym.name, sym["st_value"], sym["st_size"], info["type"], info["bind"],
-                                  sym["st_shndx"] != "SHN_UNDEF", table))
+            with self.parsing(table):
+                sec = self.elf.get_section_by_name(table)
+                if sec is None or not hasattr(sec, "iter_symbols"):
+                    continue
+                for sym in sec.iter_symbols():
+                    info = sym["st_info"]
+                    out.append(Symbol(sym.name, sym["st_value"], sym["st_size"], info["type"], info["bind"],
+                                      sym["st_shndx"] != "SHN_UNDEF", table))
         return out
 
     @property
@@ -170,6 +199,11 @@ class ElfImage:
 
 
 def _read_checked(path: str) -> bytes:
+    """The bytes of the regular file at ``path``.  Only regular files are opened, and never in a way
+    that can block or consume anything: a kernel pseudo-file such as ``/proc/kmsg`` or tracefs'
+    ``trace_pipe`` is a "regular file" of size 0 whose read blocks until there is data and takes it
+    away from its other readers, so files are read up to their stat size (0: not read at all) and
+    opened with O_NONBLOCK."""
     try:
         st = os.stat(path)
     except FileNotFoundError:
@@ -182,13 +216,33 @@ def _read_checked(path: str) -> bytes:
         raise BinaryError(path, "is a directory, not an ELF file")
     if not stat.S_ISREG(st.st_mode):
         raise BinaryError(path, "not a regular file")
+    if st.st_size == 0:
+        raise BinaryError(path, "not an ELF file (size 0)")
     try:
-        with open(path, "rb") as fh:
-            data = fh.read()
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
     except PermissionError:
         raise BinaryError(path, "permission denied (cannot read the file)") from None
     except OSError as exc:
         raise BinaryError(path, exc.strerror or str(exc)) from None
+    try:
+        st = os.fstat(fd)  # the file opened, which may not be the one stat() saw
+        if not stat.S_ISREG(st.st_mode):
+            raise BinaryError(path, "not a regular file")
+        chunks: list[bytes] = []
+        left = st.st_size
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 24))
+            if not chunk:
+                break
+            chunks.append(chunk)
+            left -= len(chunk)
+        data = b"".join(chunks)
+    except BlockingIOError:
+        raise BinaryError(path, "not an ELF file (a read would block)") from None
+    except OSError as exc:
+        raise BinaryError(path, exc.strerror or str(exc)) from None
+    finally:
+        os.close(fd)
     if len(data) < 4 or data[:4] != b"\x7fELF":
         raise BinaryError(path, "not an ELF file" + (" (empty)" if not data else ""))
     if len(data) < 64:

@@ -27,6 +27,10 @@ class PltResolver:
         self._ranges = [(s.vaddr, s.vaddr + s.size) for s in self.sections]
 
     def _read_slots(self) -> dict[int, str]:
+        with self.image.parsing("dynamic relocations"):
+            return self._relocated_slots()
+
+    def _relocated_slots(self) -> dict[int, str]:
         out: dict[int, str] = {}
         for sec in self.image.elf.iter_sections():
             if not isinstance(sec, RelocationSection) or not sec.is_RELA():
@@ -54,7 +58,10 @@ class PltResolver:
         if stub in self._cache:
             return self._cache[stub]
         name = None
-        code = self.image.bytes_at(stub, 32)
+        try:
+            code = self.image.bytes_at(stub, 32)
+        except ValueError:  # a PLT section outside the loaded segments (a corrupt file): unresolved
+            code = b""
         for addr, size, mnem, ops in self._md.disasm_lite(code, stub):
             if mnem.endswith("jmp"):
                 m = _RIP_MEM.search(ops)

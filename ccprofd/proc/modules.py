@@ -14,7 +14,6 @@ owner's own ``close``).
 from __future__ import annotations
 
 import os
-import struct
 from dataclasses import dataclass
 from types import TracebackType
 
@@ -63,7 +62,7 @@ class ModuleCache:
             return None
         try:
             table: cfi.UnwindTable | None = cfi.load_table(path, self.cache, image)
-        except (ValueError, IndexError, struct.error):
+        except BinaryError:
             table = None  # corrupt CFI: a walk reaching it stops with no_table
         return _Module(image.addrspace, image.build_id(), table)
 

@@ -53,6 +53,7 @@ from typing import Any
 
 from ccprofd.callgraph.model import ROOT, CallGraph
 from ccprofd.elf.cfi import RBP, RSP, cfa_rules
+from ccprofd.elf.errors import BinaryError, CfiError
 from ccprofd.elf.image import ElfImage
 from ccprofd.encode.plan import COL, REASON_BITS
 from ccprofd.persist.cache import CACHE_FORMAT as ANALYSIS_FORMAT
@@ -202,6 +203,11 @@ _GOT_OPERAND = re.compile(r"^qword ptr \[rip(?: ([+-]) (0x[0-9a-f]+|\d+))?\]$")
 
 def import_slots(image: ElfImage) -> dict[int, str]:
     """GOT slot vaddr -> imported symbol name (JUMP_SLOT / GLOB_DAT relocations with a symbol)."""
+    with image.parsing("dynamic relocations"):
+        return _import_slots(image)
+
+
+def _import_slots(image: ElfImage) -> dict[int, str]:
     from elftools.elf.relocation import RelocationSection
 
     out: dict[int, str] = {}
@@ -406,7 +412,10 @@ def build_probe_plan(graph: CallGraph, plan: Mapping[str, Any], image: ElfImage,
 
     site_vas = [p[1] for p in pending if p[0] != "entry"]
     eh = image.sections.get(".eh_frame")
-    rules = cfa_rules(image.section_bytes(eh), eh.vaddr, site_vas) if eh is not None else {}
+    try:
+        rules = cfa_rules(image.section_bytes(eh), eh.vaddr, site_vas) if eh is not None else {}
+    except CfiError as exc:
+        raise BinaryError(image.path, str(exc)) from None
     for kind, va, reasons, sid, cs, node in sorted(pending, key=lambda p: (p[1], p[0])):
         if kind == "entry":
             reg, off = RSP, 8

@@ -21,7 +21,7 @@ from ccprofd.tracing.unwind.constants import (
     UE_F_SEG_OVF,
     UE_F_UNAN_OVF,
 )
-from ccprofd.tracing.unwind.plan import FN_SKIP, NO_NODE, UnwindEncoding
+from ccprofd.tracing.unwind.plan import FN_SKIP, MAX_TAIL_CHAIN, NO_NODE, UnwindEncoding
 from ccprofd.tracing.unwind.sampler import EncodedRecord, UnwoundSample
 
 
@@ -50,6 +50,8 @@ class UnwindSymbolizer:
         # that pass through them (read-only once made), so a new context mostly reuses frames.
         self._frames: dict[tuple[int, int | None, int | None, bool], Frame] = {}
         self._symbols: dict[str, ModuleSymbols] = {}
+        # (direct callee by call site, tail edges by caller, functions with other jumps): made at first use
+        self._exits: tuple[dict[int, int], dict[int, list[tuple[int, int]]], set[int]] | None = None
         self.errors = 0
 
     def _name(self, node: int) -> str:
@@ -123,18 +125,82 @@ class UnwindSymbolizer:
             inner.return_address = rec.inner
             inner.call_site = self._lookups()[0].get(rec.inner)
         if rec.unanalysed:
-            out: list[Frame] = []
             below: dict[int, list[Frame]] = {}
             for u in rec.unanalysed:
                 below.setdefault(u.after, []).append(self._unanalysed(u.module_key, u.vaddr, u.exact))
-            k = 0
+            library = below.get(rec.nframes - 1)
+            if library and not rec.flags & UE_F_INNER_EXACT and inner.call_site is not None:
+                frames = [*frames, *self._tail_exit(inner.call_site, library[0].function)]
+            # Library frames below stack frame k follow k's tail frames: a call that tail-jumped
+            # into a library entered it from the last of them.
+            out: list[Frame] = []
+            k = -1
             for f in frames:
-                out.append(f)
                 if not f.tail_call:
-                    out.extend(below.get(k, ()))
+                    if k >= 0:
+                        out.extend(below.get(k, ()))
                     k += 1
+                out.append(f)
+            out.extend(below.get(k, ()))
             frames = out
         return Decoded(frames, complete, reason)
+
+    def _exit_tables(self) -> tuple[dict[int, int], dict[int, list[tuple[int, int]]], set[int]]:
+        if self._exits is None:
+            si, ci, ki, kd = COL["site"], COL["caller"], COL["callee"], COL["kind"]
+            jumps = self.enc.jump_sites
+            direct: dict[int, int] = {}
+            tails: dict[int, list[tuple[int, int]]] = {}
+            tail_sites: set[int] = set()
+            for r in self.plan["sites"]:
+                site, caller, callee = r[si], r[ci], r[ki]
+                if not site or caller == ROOT:
+                    continue
+                if r[kd] == "tail" or site in jumps:
+                    tails.setdefault(caller, []).append((callee, site))
+                    tail_sites.add(site)
+                elif r[kd] == "direct" and callee > ROOT:
+                    direct[site] = callee
+            # A function with a jump that is no known tail edge (an indirect jump) may leave the
+            # binary by a way the call graph does not show.
+            other_jumpers = set()
+            for site in jumps:
+                if site not in tail_sites:
+                    fn = self.enc.function_at(site)
+                    if fn is not None:
+                        other_jumpers.add(self.nodes[fn[0]])
+            self._exits = (direct, tails, other_jumpers)
+        return self._exits
+
+    def _tail_exit(self, call_site: int, entered: str | None) -> list[Frame]:
+        """The tail-call frames between the innermost frame of the binary and the library function
+        below it: its direct call reached a function of the binary that left through tail jumps
+        (the last one into the PLT), so those functions are on no stack.  Instrumented mode sees
+        them at their tail jumps; here they are the one chain of tail edges from the call's
+        target to an import (to ``entered``, the library function below, when there are several).
+        None when the chain is not known whole (no direct target, an indirect jump on the way)."""
+        direct, tails, other_jumpers = self._exit_tables()
+        start = direct.get(call_site)
+        if start is None:
+            return []
+        found: list[tuple[list[tuple[int, int]], int]] = []  # ([(function, jump site)], import)
+        todo: list[tuple[int, list[tuple[int, int]]]] = [(start, [])]
+        while todo:
+            node, chain = todo.pop()
+            if node in other_jumpers:
+                return []
+            for nxt, site in tails.get(node, []):
+                step = [*chain, (node, site)]
+                if nxt < ROOT:  # an import: the jump left the binary
+                    found.append((step, nxt))
+                elif len(step) < MAX_TAIL_CHAIN and all(nxt != fn for fn, _ in step):
+                    todo.append((nxt, step))
+        if len(found) > 1:
+            found = [f for f in found if entered is not None and self._name(f[1]) == entered]
+        if len(found) != 1:
+            return []
+        return [Frame(self._name(fn), self.module, self.build_id, True, site, None, True)
+                for fn, site in found[0][0]]
 
     def _path_frames(self, path: Sequence[tuple[int, int, int]], node: int,
                      seg_ret: Mapping[tuple[int, int, int], int]) -> list[Frame]:

@@ -206,7 +206,7 @@ class ModuleTables:
         table: cfi.UnwindTable | None
         try:
             table = cfi.load_table(path, self.cache, image)
-        except (ValueError, IndexError, struct.error):
+        except BinaryError:
             table = None  # corrupt CFI: unwinding through it is flagged no_table
         mod = LoadedModule(NO_MODULE, image.path, image.build_id(), image.addrspace, table)
         mod.view_path = process_view(path, self.proc_root)
