@@ -200,8 +200,8 @@ class UnwindMode(ModeBase[UnwoundSample, tuple[int, int]]):
     def backlog(self) -> int:
         return self.sampler.module.ring_buffer_backlog() if self.sampler is not None else 0
 
-    def dropped_samples(self) -> int:
-        return self.sampler.stats()["ringbuf_full"] if self.sampler is not None else 0
+    def drops(self) -> dict[str, int]:
+        return self.sampler.drops() if self.sampler is not None else {}
 
     def close(self) -> None:
         self._close_contexts()  # thread snapshots' private vDSO copies
