@@ -104,10 +104,11 @@ def test_every_drop_reason_becomes_a_record_and_a_line_at_exit() -> None:
     assert [(r["event"], r["reason"], r.get("samples"), r.get("threads")) for r in first] == \
         [("lost", "ringbuf_full", 5, None), ("degraded", "thread_state_full", None, 2)]
     mode.counts = {"ringbuf_full": 7, "tracked_full": 1, "thread_state_full": 2, "events_ringbuf_full": 3,
-                   "scope_ringbuf_full": 4}
+                   "scope_ringbuf_full": 4, "maps_ringbuf_full": 6}
     second = {r["reason"]: r for r in tally.records()}
     assert second["ringbuf_full"]["samples"] == 2 and second["tracked_full"]["processes"] == 1
     assert second["events_ringbuf_full"]["events"] == 3 and second["scope_ringbuf_full"]["scope_entries"] == 4
+    assert second["maps_ringbuf_full"]["map_events"] == 6
     assert "thread_state_full" not in second  # no growth, no record
     lines = tally.lines()
     assert len(lines) == len(DROPS)

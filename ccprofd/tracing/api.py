@@ -27,6 +27,9 @@ DROPS: dict[str, tuple[str, str, str]] = {
                      "processes not followed (their samples are lost): the tracked-process table was full"),
     "events_ringbuf_full": ("lost", "events",
                             "process events (fork/exec/exit) dropped: their ring buffer was full"),
+    "maps_ringbuf_full": ("lost", "map_events",
+                          "new-mapping events dropped (samples in those mappings may be flagged "
+                          "incomplete): their ring buffer was full"),
     "scope_ringbuf_full": ("lost", "scope_entries",
                            "--scope entries lost (samples under them are flagged): their ring buffer was "
                            "full"),

@@ -84,14 +84,15 @@ class Limits:
     threads with per-thread state at once (a thread past them is traced without it, its samples
     flagged ``no per-thread state``; ``CCPROFD_THREADS``).  ``state_memory``: bytes all slots
     may take together: the pieces per thread are ``max_pieces`` halved until the slots fit in it
-    (one state is ~48 bytes a piece: 8192 pieces were 393 KB a thread, 64 threads at most).
+    (a state is ~48 bytes a piece: 512 threads of 8192 pieces take 194 MiB; 64 slots used to be the
+    limit, and a 65th thread failed the whole trace).
     """
 
     max_pieces: int = 8192
     max_segments: int = 64
     emit_segments: int = 64
     rec_emit_words: int = 1024
-    slots: int = 1024
+    slots: int = 512
     state_memory: int = 256 << 20
     ringbuf_pages: int = 2048  # 8 MB: a 100k-syscall burst of one context fits (64-byte hit records)
     #: --scope: stack pages copied at each scope entry for the unwind of the prefix above it

@@ -478,7 +478,9 @@ class UnwindSampler:
         the syscall sampler's own losses (processes not followed, process events lost)."""
         m = self.module.map("stats")
         sampler = {name: int(m.get(i) or 0) for i, name in enumerate(SAMPLER_STATS)}
-        return {"ringbuf_full": int(self._m["uw_stats"].get(STATS.index("ringbuf_full")) or 0),
+        uw = self._m["uw_stats"]
+        return {"ringbuf_full": int(uw.get(STATS.index("ringbuf_full")) or 0),
+                "maps_ringbuf_full": int(uw.get(STATS.index("maps_lost")) or 0),
                 "tracked_full": sampler["tracked_full"], "events_ringbuf_full": sampler["ringbuf_full"]}
 
     def table_rows(self) -> int:
