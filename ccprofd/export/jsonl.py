@@ -38,8 +38,10 @@ def write_jsonl(out: IO[str], sample: Mapping[str, Any]) -> None:
 def format_text(sample: Mapping[str, Any]) -> str:
     """``[pid P tid T] syscall`` (plus ``<incomplete>``), then the frames innermost first as strace -k
     prints them: `` > module(function) call_site=... return_address=...``."""
-    if sample.get("event") == "lost":
-        return f"--- {sample['samples']} samples lost ({sample['reason']}) ---\n"
+    if sample.get("event") in ("lost", "degraded"):  # session.lost_record
+        unit = next(k for k in sample if k not in ("time_ns", "event", "reason"))
+        gone = "lost" if sample["event"] == "lost" else "without per-thread state"
+        return f"--- {sample[unit]} {unit.replace('_', ' ')} {gone} ({sample['reason']}) ---\n"
     what = sample.get("syscall") if sample.get("event") == "syscall" else sample.get("event")
     head = f"[pid {sample['pid']} tid {sample['tid']}] {what}{args_text(sample.get('args'))}"
     if not sample.get("complete", True):

@@ -18,6 +18,26 @@ DEFAULT_MODE = "unwind"  # cheap; instrumented mode is for --scope and unwind-ta
 # of an ever-growing queue in Python, and a stop request is seen within one batch.
 RECORDS_PER_POLL = 4096
 
+#: What the kernel side of a mode could not do (``Mode.drops()`` keys), each as it is reported:
+#: the output record's ``event`` and unit (``{"event": "lost", "samples": N, "reason": ...}``),
+#: and what the line at exit on standard error says after the count.  Nothing is dropped silently.
+DROPS: dict[str, tuple[str, str, str]] = {
+    "ringbuf_full": ("lost", "samples", "samples dropped: decoding fell behind and the ring buffer was full"),
+    "tracked_full": ("lost", "processes",
+                     "processes not followed (their samples are lost): the tracked-process table was full"),
+    "events_ringbuf_full": ("lost", "events",
+                            "process events (fork/exec/exit) dropped: their ring buffer was full"),
+    "maps_ringbuf_full": ("lost", "map_events",
+                          "new-mapping events dropped (samples in those mappings may be flagged "
+                          "incomplete): their ring buffer was full"),
+    "scope_ringbuf_full": ("lost", "scope_entries",
+                           "--scope entries lost (samples under them are flagged): their ring buffer was "
+                           "full"),
+    "thread_state_full": ("degraded", "threads",
+                          "threads traced without per-thread state (their samples are flagged incomplete, "
+                          "'no per-thread state'): every state slot was in use (CCPROFD_THREADS)"),
+}
+
 
 
 class TraceError(Exception):
@@ -69,8 +89,9 @@ class Mode(Protocol):
     ``follow_exec`` for every process that execs a file later (the daemon's path targets; found ones
     come back from ``take_new_processes``); ``poll`` returns decoded samples; ``summary`` statistics
     for the end-of-run report; ``detach`` stops producing samples while what is recorded can
-    still be polled (a stop drains it: ``backlog`` says how many records wait); ``dropped_samples``
-    counts the samples the kernel side could not send (rings full: decoding fell behind);
+    still be polled (a stop drains it: ``backlog`` says how many records wait); ``drops`` counts,
+    by reason (:data:`DROPS`), what the kernel side could not do (samples it could not send because
+    decoding fell behind, processes it could not follow, threads it keeps no state for);
     ``map_entries`` the entries its BPF hash maps hold now; ``close``
     releases everything.  The daemon also uses ``set_per_sample``/``poll_counted`` (aggregate
     mode: the kernel counts repeated contexts) and ``thread_contexts`` (GetThreadContexts)."""
@@ -88,7 +109,7 @@ class Mode(Protocol):
     def summary(self) -> dict[str, Any]: ...
     def detach(self) -> None: ...
     def backlog(self) -> int: ...
-    def dropped_samples(self) -> int: ...
+    def drops(self) -> dict[str, int]: ...
     def map_entries(self) -> dict[str, int]: ...
     def close(self) -> None: ...
     def set_per_sample(self, on: bool) -> None: ...

@@ -28,7 +28,7 @@ from typing import Any, Protocol
 
 from ccprofd.kbpf.errors import BPFError
 from ccprofd.proc.tasks import list_threads
-from ccprofd.tracing.api import MODES, Mode, TraceError, TraceOptions, TraceSample
+from ccprofd.tracing.api import DROPS, MODES, Mode, TraceError, TraceOptions, TraceSample
 
 # After Ctrl-C/SIGTERM (stop()), how long the records already in the rings are still decoded and
 # written before the rest is reported as unread: the user asked to stop, so not much longer.
@@ -257,10 +257,25 @@ def attach_session(pids: int | Sequence[int], options: TraceOptions) -> Session:
         seeded = seeding.get(str(pid))
         if seeded is not None:  # one line once the threads run again: what is complete from now on
             bad = {t: r for t, r in seeded.items() if r is not None}
-            why = "".join(f"; {'thread ' + t if t != '0' else 'all'} not seeded: {r}" for t, r in bad.items())
+            why = not_seeded(bad)
             print(f"ccprofd: attached to pid {pid}: {len(seeded) - len(bad)} of {len(seeded)} threads seeded "
                   f"by one unwind{why}", file=sys.stderr, flush=True)
     return Session(mode, attached=list(targets))
+
+
+def not_seeded(bad: dict[str, str]) -> str:
+    """``; thread T not seeded: WHY`` per thread, or ``; N threads not seeded: WHY`` per reason
+    when more than 3 threads share it (hundreds of threads past the state slots: one line)."""
+    by_reason: dict[str, list[str]] = {}
+    for tid, reason in bad.items():
+        by_reason.setdefault(reason, []).append(tid)
+    out = []
+    for reason, tids in by_reason.items():
+        if len(tids) > 3:
+            out.append(f"; {len(tids)} threads not seeded: {reason}")
+        else:
+            out += [f"; {'thread ' + t if t != '0' else 'all'} not seeded: {reason}" for t in tids]
+    return "".join(out)
 
 
 def _asdict(o: TraceOptions) -> dict[str, Any]:
@@ -276,9 +291,31 @@ class Writer(Protocol):
     def flush(self) -> None: ...
 
 
-def lost_record(count: int) -> dict[str, Any]:
-    """The output record of ``count`` samples the kernel side dropped since the previous one."""
-    return {"time_ns": time.time_ns(), "event": "lost", "samples": count, "reason": "ringbuf_full"}
+def lost_record(count: int, reason: str = "ringbuf_full") -> dict[str, Any]:
+    """The output record of ``count`` drops of ``reason`` (api.DROPS) since the previous one, e.g.
+    ``{"event": "lost", "samples": N, "reason": "ringbuf_full"}``."""
+    event, unit, _ = DROPS.get(reason, ("lost", "samples", ""))
+    return {"time_ns": time.time_ns(), "event": event, unit: count, "reason": reason}
+
+
+class DropTally:
+    """The mode's drop counters as last reported: :meth:`records` turns what grew into output
+    records, :meth:`lines` says the totals at exit."""
+
+    def __init__(self, mode: Mode) -> None:
+        self.mode = mode
+        self.seen: dict[str, int] = {}
+
+    def records(self) -> list[dict[str, Any]]:
+        out = []
+        for reason, now in self.mode.drops().items():
+            if now > self.seen.get(reason, 0):
+                out.append(lost_record(now - self.seen.get(reason, 0), reason))
+                self.seen[reason] = now
+        return out
+
+    def lines(self) -> list[str]:
+        return [f"ccprofd: {n} {DROPS[r][2] if r in DROPS else r}" for r, n in self.seen.items() if n]
 
 
 def run(session: Session, writer: Writer, *, launched: bool, duration: float | None = None) -> int:
@@ -306,22 +343,20 @@ def run(session: Session, writer: Writer, *, launched: bool, duration: float | N
         previous[signal.SIGALRM] = signal.signal(signal.SIGALRM,
                                                  lambda _s, _f: on_signal(signal.SIGTERM, None))
         signal.setitimer(signal.ITIMER_REAL, max(duration, 0.001))
-    dropped = 0
+    drops = DropTally(session.mode)
     write = writer.sample
     try:
         try:
+            for r in drops.records():  # e.g. threads of -p PID left without state at attach
+                writer.record(r)
             for batch in session.batches():
                 for s in batch:
                     write(s)
-                now = session.mode.dropped_samples()
-                if now > dropped:
-                    writer.record(lost_record(now - dropped))
-                    dropped = now
+                for r in drops.records():
+                    writer.record(r)
                 writer.flush()
-            now = session.mode.dropped_samples()
-            if now > dropped:
-                writer.record(lost_record(now - dropped))
-                dropped = now
+            for r in drops.records():
+                writer.record(r)
             writer.flush()
         except (BPFError, OSError) as exc:
             print(f"ccprofd: tracing failed: {exc}", file=sys.stderr)
@@ -329,9 +364,8 @@ def run(session: Session, writer: Writer, *, launched: bool, duration: float | N
             if launched:
                 session.wait()
             return 125
-        if dropped:
-            print(f"ccprofd: {dropped} samples dropped: decoding fell behind and the ring buffer was full",
-                  file=sys.stderr)
+        for line in drops.lines():
+            print(line, file=sys.stderr)
         if session.unread:
             print(f"ccprofd: stopped with {session.unread} recorded samples not yet decoded "
                   f"(drained for {STOP_DRAIN_S:g} s)", file=sys.stderr)

@@ -42,3 +42,6 @@ AGG_NONE, AGG_NEW, AGG_HIT, AGG_UNAGGREGATED = (
 ARG_LEN = _C["CC_ARG_LEN"]
 STACK_SWITCH_GAP = _C["STACK_SWITCH_GAP"]  # farther than any one stack reaches: another stack
 
+
+#: Why a thread traced without per-thread state (loader.Limits.slots, CCPROFD_THREADS) is flagged.
+NO_STATE = "no per-thread state: every state slot was in use (CCPROFD_THREADS)"

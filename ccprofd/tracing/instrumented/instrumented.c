@@ -114,7 +114,8 @@
 #define S_AGG_NEW 13       // contexts counted in the kernel (each sent once, whole)
 #define S_COUNTS_FULL 14   // a new context found cc_agg_counts full: its samples are sent one by one
 #define S_AGG_TOO_BIG 15   // a state larger than an aggregation key: sent on its own
-#define NR_CC_STATS 16
+#define S_SCOPE_LOST 16    // a --scope entry's record did not fit in cc_scope_events
+#define NR_CC_STATS 17
 
 #ifndef ACYC_OP_ADD
 #define ACYC_OP_ADD 0
@@ -197,8 +198,11 @@ struct cc_sample {
     u64 rec[REC_EMIT_WORDS];
 };
 
-// One context sample, sent through cc_events with only the used recID words (variable size); an
-// AGG_HIT record is the header alone (up to the end of arg).
+// One context sample, built here whole and sent through cc_events compacted (cc_send): the header
+// up to arg, the arg_len bytes of the path argument, the sample up to its segments, its emitted
+// segments, its recID words -- nothing for what is absent (sent whole, a sample took 1.9 KB of the
+// ring even without recursion or segments, and a burst of 100k syscalls overflowed it).  An
+// AGG_HIT record is the header and the argument alone.
 struct cc_record {
     u64 ktime_ns;  // bpf_ktime_get_ns (CLOCK_MONOTONIC)
     u32 tgid;
@@ -209,6 +213,8 @@ struct cc_record {
     u64 sp;
     u32 agg;       // AGG_*: how the sample is counted
     u32 ctx_id;    // AGG_NEW / AGG_HIT: the context's id in cc_agg_counts
+    u32 arg_len;   // bytes of arg sent (its NUL included); 0: none or unreadable
+    u32 pad;
     char arg[CC_ARG_LEN];  // path argument of open/openat/execve..., NUL-terminated (empty: none/unreadable)
     struct cc_sample cc;
 };
@@ -279,7 +285,9 @@ BPF_HASH(cc_slot_of, u32, u32, NSLOTS);
 BPF_QUEUE(cc_free, u32, NSLOTS);
 BPF_ARRAY(cc_config, u64, NR_CFG);
 BPF_PERCPU_ARRAY(cc_stats, u64, NR_CC_STATS);
-BPF_PERCPU_ARRAY(cc_scratch, struct cc_record_blob, 2);  // [event - 1]: a CPU sample may interrupt a syscall one
+// [event - 1]: the record being built (a CPU sample may interrupt a syscall one); [2 + event - 1]:
+// its compacted copy (cc_send)
+BPF_PERCPU_ARRAY(cc_scratch, struct cc_record_blob, 4);
 BPF_RINGBUF_OUTPUT(cc_events, CC_RINGBUF_PAGES);
 struct cc_agg_key_blob {
     char b[CC_AGG_KEY_BYTES];
@@ -728,7 +736,7 @@ static __always_inline void cc_scope_prefix(struct pt_regs *ctx, struct cc_state
     top->pad = seq;
     struct cc_scope_rec *r = cc_scope_events.ringbuf_reserve(sizeof(struct cc_scope_rec));
     if (!r) {
-        cc_stat(S_RINGBUF_FULL);
+        cc_stat(S_SCOPE_LOST);
         return;
     }
     u64 pid_tgid = bpf_get_current_pid_tgid();
@@ -927,8 +935,38 @@ static __always_inline u64 cc_path_arg(struct pt_regs *regs, long nr) {
     return v;
 }
 
-static __always_inline int cc_send(struct cc_record *r, u64 size) {
-    if (cc_events.ringbuf_output(r, size, 0) != 0) {
+// Send record `r` compacted (see struct cc_record): with its sample (`whole`, `words` recID words)
+// or as a header (AGG_HIT).
+static __always_inline int cc_send(struct cc_record *r, u32 words, int whole) {
+    u32 idx = 2 + cc_ix(r->event - 1, 1);
+    char *out = (char *)cc_scratch.lookup(&idx);
+    if (!out)
+        return -1;
+    __builtin_memcpy(out, r, __builtin_offsetof(struct cc_record, arg));
+    u64 off = __builtin_offsetof(struct cc_record, arg);
+    u32 al = cc_ix(r->arg_len, 511);
+    if (al > CC_ARG_LEN)
+        al = CC_ARG_LEN;
+    if (al > 0)
+        bpf_probe_read_kernel(out + off, al, r->arg);
+    off += al;
+    if (whole) {
+        u32 ns = cc_ix(r->cc.nsegs, 2 * MAX_SEGS - 1);
+        if (ns > EMIT_SEGS)
+            ns = EMIT_SEGS;
+        u32 hs = __builtin_offsetof(struct cc_sample, segs) + ns * sizeof(struct cc_seg_out);
+        bpf_probe_read_kernel(out + off, hs, &r->cc);
+        off += hs;
+        u32 rw = cc_ix(words, 2 * REC_EMIT_WORDS - 1);
+        if (rw > REC_EMIT_WORDS)
+            rw = REC_EMIT_WORDS;
+        if (rw > 0)
+            bpf_probe_read_kernel(out + off, rw * 8, r->cc.rec);
+        off += rw * 8;
+    }
+    if (off > sizeof(struct cc_record))
+        return -1;
+    if (cc_events.ringbuf_output(out, off, 0) != 0) {
         cc_stat(S_RINGBUF_FULL);
         return -1;
     }
@@ -944,24 +982,24 @@ static __always_inline void cc_agg_hit(struct cc_record *r, struct cc_agg_val *v
     if (cc_cfg(CFG_EMIT_HITS)) {
         r->agg = AGG_HIT;
         r->ctx_id = v->id;
-        cc_send(r, __builtin_offsetof(struct cc_record, cc));
+        cc_send(r, 0, 0);
     }
 }
 
-// Aggregate mode: count the sample under its context (see AGG_*); `size` is its whole record's.
-static __always_inline void cc_aggregate(struct cc_record *r, u32 words, u64 size) {
+// Aggregate mode: count the sample under its context (see AGG_*); `words`: its recID words.
+static __always_inline void cc_aggregate(struct cc_record *r, u32 words) {
     struct cc_sample *c = &r->cc;
     u32 nsegs = c->nsegs;
     if ((c->flags & (SF_SEGS_TRUNC | SF_REC_TRUNC)) || nsegs > AGG_SEGS || words > AGG_REC_WORDS) {
         cc_stat(S_AGG_TOO_BIG);
         r->agg = AGG_UNAGGREGATED;
-        cc_send(r, size);
+        cc_send(r, words, 1);
         return;
     }
     u32 zero = 0;
     struct cc_agg_key *k = (struct cc_agg_key *)cc_agg_scratch.lookup(&zero);
     if (!k) {
-        cc_send(r, size);  // cannot happen (a per-CPU array): sent as a sample of its own
+        cc_send(r, words, 1);  // cannot happen (a per-CPU array): sent as a sample of its own
         return;
     }
     __builtin_memset(k, 0, sizeof(*k));  // every byte is key: unused segments and words are zero
@@ -1018,13 +1056,13 @@ static __always_inline void cc_aggregate(struct cc_record *r, u32 words, u64 siz
         }
         cc_stat(S_COUNTS_FULL);
         r->agg = AGG_UNAGGREGATED;
-        cc_send(r, size);
+        cc_send(r, words, 1);
         return;
     }
     cc_stat(S_AGG_NEW);
     r->agg = AGG_NEW;
     r->ctx_id = (u32)id;
-    if (cc_send(r, size) != 0)
+    if (cc_send(r, words, 1) != 0)
         cc_agg_counts.delete((struct cc_agg_key_blob *)k);  // userspace never saw it: the next sample is new again
 }
 
@@ -1048,19 +1086,21 @@ static __always_inline void cc_emit(u64 ktime, s32 nr, u32 event, u64 ip, u64 sp
     r->agg = AGG_NONE;
     r->ctx_id = 0;
     r->arg[0] = 0;
-    if (argp && bpf_probe_read_user_str(r->arg, sizeof(r->arg), (void *)argp) < 0)
-        r->arg[0] = 0;  // not resident at syscall entry: reported without the argument
+    r->arg_len = 0;
+    r->pad = 0;
+    if (argp) {
+        long got = bpf_probe_read_user_str(r->arg, sizeof(r->arg), (void *)argp);
+        if (got > 0)  // else not resident at syscall entry: reported without the argument
+            r->arg_len = (u32)got;
+    }
     u32 words = cc_fill_sample(sp, &r->cc);
     if (words > REC_EMIT_WORDS)
         words = REC_EMIT_WORDS;
-    u64 size = sizeof(struct cc_record) - (REC_EMIT_WORDS - words) * 8;
-    if (size > sizeof(struct cc_record))
-        return;
     if (event == EV_CC_SYSCALL && cc_cfg(CFG_AGGREGATE)) {  // `event` is a constant per program
-        cc_aggregate(r, words, size);
+        cc_aggregate(r, words);
         return;
     }
-    cc_send(r, size);
+    cc_send(r, words, 1);
 }
 
 // CPU-clock sample (--sample-hz) of a traced thread.  The task's pt_regs hold its user registers

@@ -68,7 +68,7 @@ from ccprofd.tracing.syscall_sampler import SyscallSampler, monotonic_to_realtim
 
 STATS = ("site_hits", "tail_hits", "entry_hits", "samples", "pushes", "cuts", "frozen", "no_slot",
          "read_failures", "fork_copies", "ret_dead", "ringbuf_full", "overflows", "agg_new", "counts_full",
-         "agg_too_big")
+         "agg_too_big", "scope_lost")
 SCHEMES = ("valence", "pcce", "hcce")
 PROGRAMS = {"site": "cc_site_probe", "tail": "cc_tail_probe", "entry": "cc_entry_probe"}
 
@@ -78,18 +78,23 @@ PROGRAMS = {"site": "cc_site_probe", "tail": "cc_tail_probe", "entry": "cc_entry
 class Limits:
     """Bounds of BPF-side memory; past them a sample says ``complete: false``.
 
-    ``max_pieces``: probe events kept per thread (about one per probed frame on the stack; a
-    recursion deeper than this is reported incomplete).  ``max_segments``: nested entries from
+    ``max_pieces``: probe events kept per thread at most (about one per probed frame on the stack;
+    a recursion deeper than this is reported incomplete).  ``max_segments``: nested entries from
     outside code.  ``emit_segments``/``rec_emit_words``: what one sample carries.  ``slots``:
-    threads traced at once.
+    threads with per-thread state at once (a thread past them is traced without it, its samples
+    flagged ``no per-thread state``; ``CCPROFD_THREADS``).  ``state_memory``: bytes all slots
+    may take together: the pieces per thread are ``max_pieces`` halved until the slots fit in it
+    (a state is ~48 bytes a piece: 512 threads of 8192 pieces take 194 MiB; 64 slots used to be the
+    limit, and a 65th thread failed the whole trace).
     """
 
     max_pieces: int = 8192
     max_segments: int = 64
     emit_segments: int = 64
     rec_emit_words: int = 1024
-    slots: int = 64
-    ringbuf_pages: int = 512
+    slots: int = 512
+    state_memory: int = 256 << 20
+    ringbuf_pages: int = 2048  # 8 MB: a 100k-syscall burst of one context fits (64-byte hit records)
     #: --scope: stack pages copied at each scope entry for the unwind of the prefix above it
     scope_pages: int = 8
     #: aggregate mode: contexts counted in the kernel (then new ones are sent one sample at a
@@ -107,6 +112,31 @@ class Limits:
             raise BPFError("emit_segments must be between 1 and max_segments")
         if self.slots < 1 or self.rec_emit_words < 1 or self.agg_contexts < 1:
             raise BPFError("slots, rec_emit_words and agg_contexts must be positive")
+
+
+#: Fewest pieces a thread's state is given when fitting ``Limits.slots`` into ``state_memory``.
+MIN_PIECES = 256
+
+
+def state_size(acyc_words: int, rec_bits: int, max_pieces: int, max_segments: int) -> tuple[int, int]:
+    """``(bytes of struct cc_state, its recID words)`` for these parameters."""
+    rec_words = _pow2_at_least(max(1, (max_pieces * rec_bits + 127) // 64))
+    piece = 40 + 8 * acyc_words  # struct cc_piece
+    header = 48 + 8 * acyc_words + 4 * max_segments
+    return (header + 7) // 8 * 8 + 8 * rec_words + piece * max_pieces, rec_words
+
+
+def fit_pieces(limits: Limits, acyc_words: int, rec_bits: int) -> int:
+    """``limits.max_pieces``, halved until ``limits.slots`` states fit in ``limits.state_memory``
+    (BPFError when not even :data:`MIN_PIECES` do: ask for fewer threads)."""
+    pieces = limits.max_pieces
+    while limits.slots * state_size(acyc_words, rec_bits, pieces, limits.max_segments)[0] > \
+            limits.state_memory:
+        if pieces <= MIN_PIECES:
+            raise BPFError(f"{limits.slots} per-thread states do not fit in {limits.state_memory >> 20} MB "
+                           f"even at {MIN_PIECES} pieces each: trace fewer threads (CCPROFD_THREADS)")
+        pieces //= 2
+    return pieces
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,7 +278,9 @@ class ProcessEvent:
 
 
 class SampleLayout:
-    """Byte layout of ``struct cc_record`` (header + ``struct cc_sample``) for given parameters."""
+    """Byte layout of ``struct cc_record`` (header + ``struct cc_sample``) for given parameters, and
+    of the compacted records cc_send makes of it: the header up to ``arg``, ``arg_len`` bytes of
+    argument, the sample up to its segments, its emitted segments, then its recID words."""
 
     def __init__(self, acyc_words: int, emit_segs: int, rec_emit_words: int,
                  scheme: SchemeParams | None = None) -> None:
@@ -256,32 +288,35 @@ class SampleLayout:
         self.scheme = scheme
         self.emit_segs = emit_segs
         self.rec_words = rec_emit_words
-        self._rec = struct.Struct(f"<QIIiIQQII{ARG_LEN}s")
+        self._rec = struct.Struct("<QIIiIQQIIII")  # up to arg
         self._head = struct.Struct("<8IQ")
         self._acyc = struct.Struct(f"<{acyc_words}Q")
         self._seg = struct.Struct(f"<{acyc_words}Q4I")
-        self.fixed = self._rec.size + self._head.size + self._acyc.size + emit_segs * self._seg.size
-        self.size = self.fixed + rec_emit_words * 8
+        self.fixed = self._rec.size + ARG_LEN + self._head.size + self._acyc.size + emit_segs * self._seg.size
+        self.size = self.fixed + rec_emit_words * 8  # sizeof(struct cc_record): the largest record
 
     def parse(self, raw: bytes) -> RawContext | RawHit:
-        ktime, tgid, tid, nr, event, ip, sp, agg, ctx_id, arg = self._rec.unpack_from(raw)
+        ktime, tgid, tid, nr, event, ip, sp, agg, ctx_id, arg_len, _ = self._rec.unpack_from(raw)
+        off = self._rec.size
+        arg = bytes(raw[off:off + arg_len])
+        off += arg_len
         arg_s = arg.split(b"\0", 1)[0].decode("utf-8", "surrogateescape") or None
         ev = "syscall" if event == 1 else "cpu"
         if agg == AGG_HIT:
             return RawHit(ev, monotonic_to_realtime_ns(ktime), tgid, tid, nr if nr >= 0 else None, ctx_id,
                           arg_s)
-        off = self._rec.size
         flags, depth, top_kind, top_probe, top_aux, rec_len, nsegs, rec_base, bias = \
             self._head.unpack_from(raw, off)
         off += self._head.size
         acyc = self._acyc.unpack_from(raw, off)
         off += self._acyc.size
         segs: list[RawSegment] = []
-        for i in range(min(nsegs, self.emit_segs)):
+        emitted = min(nsegs, self.emit_segs)
+        for i in range(emitted):
             vals = self._seg.unpack_from(raw, off + i * self._seg.size)
             segs.append(RawSegment(tuple(vals[:self.w]), vals[self.w], vals[self.w + 1], vals[self.w + 2],
                                    vals[self.w + 3]))
-        off += self.emit_segs * self._seg.size
+        off += emitted * self._seg.size
         rec = int.from_bytes(raw[off:], "little")
         pairs: tuple[tuple[tuple[int, ...], int], ...] = ()
         if not flags & SF_REC_TRUNC:
@@ -392,23 +427,27 @@ class InstrumentedBPF:
                 raise BPFError(f"CCPROFD_AGG_CONTEXTS must be a number of contexts from 1 to 1048576, "
                                f"not {contexts!r}")
             limits = replace(limits, agg_contexts=int(contexts))
+        threads = os.environ.get("CCPROFD_THREADS")  # threads with per-thread state at once (README)
+        if threads is not None:
+            if not threads.isdigit() or not 1 <= int(threads) <= 1 << 16:
+                raise BPFError(f"CCPROFD_THREADS must be a number of threads from 1 to 65536, "
+                               f"not {threads!r}")
+            limits = replace(limits, slots=int(threads))
         limits.check()
+        self.scheme = SchemeParams.of(plan)
+        limits = replace(limits, max_pieces=fit_pieces(limits, probe_plan.acyc_words, self.scheme.rec_bits))
         self.probe_plan = probe_plan
         self.limits = limits
-        self.scheme = SchemeParams.of(plan)
         self.sites = site_table(probe_plan, plan)
         w = probe_plan.acyc_words
         rec_bits = self.scheme.rec_bits
-        rec_words = _pow2_at_least(max(1, (limits.max_pieces * rec_bits + 127) // 64))
+        state_bytes, rec_words = state_size(w, rec_bits, limits.max_pieces, limits.max_segments)
         rec_emit = min(limits.rec_emit_words, rec_words)
         self.layout = SampleLayout(w, limits.emit_segments, rec_emit, self.scheme)
         agg_segs = min(limits.agg_segments, 1 << (limits.emit_segments.bit_length() - 1))
         agg_rec = min(limits.agg_rec_words, rec_emit)
         agg_key_bytes = 40 + 8 * w + agg_segs * (8 * w + 16) + 8 * agg_rec  # struct cc_agg_key
         log2 = limits.max_pieces.bit_length() - 1
-        piece = 40 + 8 * w  # struct cc_piece
-        header = 48 + 8 * w + 4 * limits.max_segments
-        state_bytes = (header + 7) // 8 * 8 + 8 * rec_words + piece * limits.max_pieces
         fork_off = tracepoint_field_offset("sched", "sched_process_fork", "child_pid")
         exec_off = tracepoint_field_offset("sched", "sched_process_exec", "old_pid")
         defines = {"ACYC_WORDS": w, "MAX_PIECES": limits.max_pieces, "LOG2_MAX_PIECES": log2,
@@ -441,6 +480,8 @@ class InstrumentedBPF:
         self.state_bytes = state_bytes
         #: -p seeding (seed.py): per process, tid -> None (seeded, complete) or why not
         self.seed_report: dict[int, dict[int, str | None]] = {}
+        #: threads userspace found no state slot for (traced without state: samples flagged)
+        self.unslotted: set[int] = set()
         self._fill_maps()
 
     # ---------------------------------------------------------------------------------- set-up
@@ -561,11 +602,14 @@ class InstrumentedBPF:
         states.set(int(slot), st)
         return True
 
-    def add_thread(self, tid: int, *, incomplete: bool) -> None:
-        """Give thread ``tid`` a state slot (userspace side of the slot allocator)."""
+    def add_thread(self, tid: int, *, incomplete: bool) -> bool:
+        """Give thread ``tid`` a state slot (userspace side of the slot allocator).  False when all
+        are in use: the thread is traced without state (its samples say ``no per-thread state``),
+        the rest of its process as usual -- one thread too many never fails the whole target."""
         slot = self.module.map("cc_free").pop()
         if slot is None:
-            raise BPFError(f"taking a state slot for thread {tid}: all {self.limits.slots} slots in use")
+            self.unslotted.add(tid)
+            return False
         states = self.module.map("cc_states")
         st = states.leaf_type()  # an opaque blob (see instrumented.c): write the header by offset
         # n, rec_len, nsegs, flags
@@ -573,6 +617,7 @@ class InstrumentedBPF:
         ctypes.memmove(ctypes.addressof(st), header, len(header))
         states.set(int(slot), st)
         self.module.map("cc_slot_of").set(tid, int(slot))
+        return True
 
     # ---------------------------------------------------------------------------- aggregation
     def set_aggregate(self, on: bool) -> None:
@@ -610,9 +655,16 @@ class InstrumentedBPF:
         out.sort(key=lambda e: e.time_ns)
         return out
 
-    def dropped_samples(self) -> int:
-        """Samples whose record did not fit in the ring (cc_events full)."""
-        return int(self.module.map("cc_stats").get(STATS.index("ringbuf_full")) or 0)
+    def drops(self) -> dict[str, int]:
+        """What the kernel side could not do, by reason (api.DROPS): samples lost to a full ring,
+        --scope entries lost, processes not followed, process events lost, and threads traced
+        without per-thread state (at fork in BPF, or at attach here)."""
+        m = self.module.map("cc_stats")
+        sampler = self.sampler.stats()
+        return {"ringbuf_full": int(m.get(STATS.index("ringbuf_full")) or 0),
+                "scope_ringbuf_full": int(m.get(STATS.index("scope_lost")) or 0),
+                "tracked_full": sampler["tracked_full"], "events_ringbuf_full": sampler["ringbuf_full"],
+                "thread_state_full": int(m.get(STATS.index("no_slot")) or 0) + len(self.unslotted)}
 
     def stats(self) -> dict[str, int]:
         m = self.module.map("cc_stats")

@@ -111,6 +111,10 @@ class InstrumentedMode(ModeBase[Event, int]):
             self._counter = CallCounter(self.path, image().addrspace, counted_sites(graph.sites),
                                         cache_dir=self.options.cache_dir)
             self._counter.attach()
+        # A record per sample, but repeated contexts decoded once: the kernel keys each context and
+        # sends a later sample of it as a small header (decoded by a lookup).  Decoding every record
+        # whole made a 100k-write burst overflow the ring (the daemon flips the same switch).
+        self.set_per_sample(True)
 
     def _load_weights(self, graph: Any) -> dict[tuple[int, int, int], int] | None:
         """--edge-weights: the counts of a profiling run of this very binary (TraceError otherwise)."""
@@ -271,8 +275,8 @@ class InstrumentedMode(ModeBase[Event, int]):
         """Entries held now by each of this mode's BPF hash maps (the daemon's map metric)."""
         return self._bpf.module.map_entries() if self._bpf is not None else {}
 
-    def dropped_samples(self) -> int:
-        return self._bpf.dropped_samples() if self._bpf is not None else 0
+    def drops(self) -> dict[str, int]:
+        return self._bpf.drops() if self._bpf is not None else {}
 
     def close(self) -> None:
         import sys

@@ -39,6 +39,7 @@ from ccprofd.tracing.instrumented.constants import (
     K_ROOT,
     K_SEG,
     K_TAILEXIT,
+    NO_STATE,
     NONE32,
     RS_IN_SCOPE,
     RS_INDEX,
@@ -460,7 +461,7 @@ def seed_process(bpf: Any, pid: int, *, cache_dir: str | None = None,
         try:
             state = seeder.seed(th.stack, read_word)
             ok = bpf.write_state(th.tid, state_blob(state, params, bpf.state_bytes))
-            out[th.tid] = None if ok else "no state slot"
+            out[th.tid] = None if ok else NO_STATE
         except SeedError as exc:
             out[th.tid] = str(exc)
         except (KeyError, IndexError, ValueError, OSError) as exc:  # a table the model did not expect

@@ -28,7 +28,7 @@ from ccprofd.callgraph.model import ROOT
 from ccprofd.decode import CachingDecoder, DecodeError, StaleAboveSegment, UnknownCaller, decoder_for
 from ccprofd.encode.segments import OUTSIDE, Edge, EncodedState, Segment
 from ccprofd.tracing.frames import Decoded, Frame, demangle
-from ccprofd.tracing.instrumented.constants import SF_BIAS, SF_FROZEN, SF_SEGS_TRUNC
+from ccprofd.tracing.instrumented.constants import NO_STATE, SF_BIAS, SF_FROZEN, SF_NOSTATE, SF_SEGS_TRUNC
 from ccprofd.tracing.instrumented.loader import (
     EXIT_KINDS,
     INCOMPLETE_FLAGS,
@@ -120,6 +120,8 @@ class Symbolizer:
     def decode(self, s: RawContext) -> Decoded:
         complete = not s.flags & INCOMPLETE_FLAGS
         reason = None if complete else f"flags={s.flags:#x}"
+        if s.flags & SF_NOSTATE:  # every state slot was in use when the thread was created or attached
+            return Decoded([], False, NO_STATE)
         if s.flags & SF_OVERFLOW:  # a PCCE/HCCE id outgrew its words: nothing below it is known
             return Decoded([], False, "id overflow")
         if self.pp.scope is not None and s.depth == 0:

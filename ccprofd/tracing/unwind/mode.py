@@ -204,8 +204,8 @@ class UnwindMode(ModeBase[UnwoundSample, tuple[int, int]]):
         """Entries held now by each of this mode's BPF hash maps (the daemon's map metric)."""
         return self.sampler.module.map_entries() if self.sampler is not None else {}
 
-    def dropped_samples(self) -> int:
-        return self.sampler.stats()["ringbuf_full"] if self.sampler is not None else 0
+    def drops(self) -> dict[str, int]:
+        return self.sampler.drops() if self.sampler is not None else {}
 
     def close(self) -> None:
         self._close_contexts()  # thread snapshots' private vDSO copies

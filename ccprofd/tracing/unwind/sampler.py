@@ -72,6 +72,7 @@ from ccprofd.tracing.syscall_sampler import (
     SamplerEvent,
     sampler_source,
 )
+from ccprofd.tracing.syscall_sampler import STATS as SAMPLER_STATS
 from ccprofd.tracing.unwind.constants import (
     ARG_LEN,
     C_SOURCE,
@@ -472,6 +473,16 @@ class UnwindSampler:
         out["refresh_failures"] = self.processes.refresh_failures
         return out
 
+    def drops(self) -> dict[str, int]:
+        """What the kernel side could not do, by reason (api.DROPS): samples the ring refused, and
+        the syscall sampler's own losses (processes not followed, process events lost)."""
+        m = self.module.map("stats")
+        sampler = {name: int(m.get(i) or 0) for i, name in enumerate(SAMPLER_STATS)}
+        uw = self._m["uw_stats"]
+        return {"ringbuf_full": int(uw.get(STATS.index("ringbuf_full")) or 0),
+                "maps_ringbuf_full": int(uw.get(STATS.index("maps_lost")) or 0),
+                "tracked_full": sampler["tracked_full"], "events_ringbuf_full": sampler["ringbuf_full"]}
+
     def table_rows(self) -> int:
         return self.tables.next_entry
 
@@ -529,7 +540,10 @@ def _program_defines(*, max_depth: int, max_maps: int, max_procs: int, max_entri
     except OSError:
         pass
     defines = {
-        "MAX_TRACKED": max_procs, "RINGBUF_PAGES": 16, "UW_MAX_DEPTH": max_depth, "UW_MAX_MAPS": max_maps,
+        # the tracked table also holds every live thread of a tracked process (a tid each): a
+        # 300-thread server filled 256 entries, and a process forked then was not followed
+        "MAX_TRACKED": max(8192, max_procs), "RINGBUF_PAGES": 16, "UW_MAX_DEPTH": max_depth,
+        "UW_MAX_MAPS": max_maps,
         "UW_MAPS_LOG2": _log2_ceil(max_maps), "UW_MAX_PROCS": max_procs, "UW_MAX_ENTRIES": max_entries,
         "UW_ENTRIES_LOG2": _log2_ceil(max_entries), "UW_MAX_MODULES": max_modules,
         "UW_MAX_RULES": max_rules, "UW_NSLOTS": 2 * ncpu, "UW_ARENA_WORDS": arena_words,

@@ -69,6 +69,7 @@
 #define UW_STAT_RINGBUF_FULL 7
 #define UW_STAT_NEW 8
 #define UW_STAT_PROC_COPIED 9
+#define UW_STAT_MAPS_LOST 10  // a new-mapping event refused by the full ring (samples may then be flagged)
 #define UW_NR_STATS 16
 
 #define UW_CFG_AGGREGATE 0
@@ -1070,7 +1071,7 @@ static __always_inline void uw_watch_maps(u32 tgid, long nr, struct pt_regs *reg
             e->tgid = tgid;
             uw_events.ringbuf_submit(e, 0);
         } else {
-            uw_stat(UW_STAT_RINGBUF_FULL, 1);
+            uw_stat(UW_STAT_MAPS_LOST, 1);
         }
     }
     if (nr == 9 || nr == 10) {  // mmap, mprotect: prot is the third argument (rdx)
