@@ -97,6 +97,6 @@ def test_trace_beside_a_daemon_following_the_binary(bpf: None, workdir: str, tmp
             # calls: the loader's two openat (no frame of the binary yet), then main's openat,
             # getppid and writes (see tests/programs/calls.c)
             assert len(samples) >= 6
-            assert all(s["complete"] for s in samples), [(s["syscall"], s["frames"]) for s in samples]
+            assert all(s["complete"] for s in samples), (i, [(s["syscall"], s["frames"]) for s in samples])
             assert sum(1 for s in samples if s["frames"]) >= 4
             assert all(s["frames"][0]["function"] == "main" for s in samples if s["frames"])
