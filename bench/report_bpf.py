@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
 import select
@@ -112,6 +113,24 @@ class Launched:
             os.waitpid(self.pid, 0)
 
 
+ADDR_NO_RANDOMIZE = 0x0040000  # personality(2) flag: what setarch -R sets
+_LIBC = ctypes.CDLL(None, use_errno=True)  # loaded before any fork
+
+
+def no_aslr() -> None:
+    """Turn address-space randomisation off for this process and what it execs (as ``setarch -R``).
+    Every workload run -- untraced, traced and under strace -- is a separate execution, and the
+    fidelity comparison matches them syscall by syscall: a program whose path depends on where its
+    memory lies makes different syscalls in each.  python3.11 is one: obmalloc's arenas come from
+    mmap at 4 KiB alignment and use only whole 16 KiB pools, so how many allocations an arena
+    serves, and which allocation makes the next arena's mmap, depends on the address mmap returned
+    (python-json's syscall #288 came from PyBytes_FromStringAndSize in some runs and from a unicode
+    allocation in others, under strace and under ccprofd alike)."""
+    cur = _LIBC.personality(0xFFFFFFFF)
+    if cur != -1:
+        _LIBC.personality(cur | ADDR_NO_RANDOMIZE)
+
+
 def launch(
     argv: Sequence[str],
     *,
@@ -120,7 +139,8 @@ def launch(
     env: dict[str, str] | None = None,
 ) -> Launched:
     """Fork a child that execs ``argv`` (stdout/stderr to /dev/null, stdin from ``stdin`` or
-    /dev/null) once released; EOF on the gate makes it exit 125 without running anything."""
+    /dev/null, no address-space randomisation: :func:`no_aslr`) once released; EOF on the gate
+    makes it exit 125 without running anything."""
     path = argv[0]
     r, w = os.pipe()
     pid = os.fork()
@@ -138,6 +158,7 @@ def launch(
             os.dup2(fd_out, 2)
             if cwd:
                 os.chdir(cwd)
+            no_aslr()
             if env is not None:
                 os.execve(path, list(argv), env)
             os.execv(path, list(argv))

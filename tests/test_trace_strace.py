@@ -228,3 +228,25 @@ def test_stack_switch_is_flagged_not_wrong(tmp_path: pathlib.Path) -> None:
     got = [(s["complete"], [f["function"] for f in s["frames"]]) for s in samples if s["frames"]]
     assert got == [(False, ["co", "co_leaf"]), (True, ["main", "driver"]), (False, ["co", "co_leaf"]),
                    (True, ["main", "driver"]), (True, ["main"])]
+
+
+@pytest.mark.bpf
+@pytest.mark.parametrize("where", ["near", "far"])
+def test_sigaltstack_above_the_thread_stack(where: str, tmp_path: pathlib.Path) -> None:
+    """A thread's handler runs on a sigaltstack at higher addresses than the thread's stack (2 MiB or
+    200 MiB above it).  The interrupted stack's pieces must not be cut by the handler's events (the
+    two stacks are disjoint ranges, not one stack that returned): the handler's syscalls are exact or
+    a flagged suffix, and every syscall after the handler returned is exact and complete.  Before,
+    near: the handler's syscalls came out wrong and complete (``on_signal`` as a root), far: every
+    later syscall of the thread was flagged (the interrupted stack's pieces were dropped)."""
+    binary = pathlib.Path(build("altstack_above", opt="O2", pie=False))
+    cmd = [str(binary), where]
+    oracle = run_strace(cmd, ["getppid", "write"])
+    samples, _ = trace(cmd, ["getppid", "write"], tmp_path)
+    check_against(oracle, samples, binary)
+    got = [(s["complete"], [f["function"] for f in s["frames"] if f["analysed"]]) for s in samples
+           if any(f["analysed"] for f in s["frames"])]
+    # The handler interrupted raise(), called from trigger: it is exact too, as on the thread's stack.
+    assert got == [(True, ["worker", "before"]), (True, ["worker", "trigger", "on_signal"]),
+                   (True, ["worker", "trigger", "on_signal", "in_handler"]), (True, ["worker", "after"]),
+                   (True, ["worker", "after", "leaf"]), (True, ["worker"]), (True, ["main"])]

@@ -24,6 +24,8 @@ BPF_MAP_UPDATE_ELEM = 2
 BPF_MAP_DELETE_ELEM = 3
 BPF_MAP_GET_NEXT_KEY = 4
 BPF_PROG_LOAD = 5
+BPF_MAP_GET_NEXT_ID = 12
+BPF_MAP_GET_FD_BY_ID = 14
 BPF_OBJ_GET_INFO_BY_FD = 15
 BPF_RAW_TRACEPOINT_OPEN = 17
 BPF_BTF_LOAD = 18
@@ -119,6 +121,12 @@ class InfoByFdAttr(ctypes.Structure):
     _fields_ = [("bpf_fd", _u32), ("info_len", _u32), ("info", _u64)]
 
 
+class GetIdAttr(ctypes.Structure):
+    """BPF_MAP_GET_NEXT_ID and BPF_MAP_GET_FD_BY_ID (``start_id`` shares its word with ``map_id``)."""
+
+    _fields_ = [("start_id", _u32), ("next_id", _u32), ("open_flags", _u32)]
+
+
 class RawTracepointAttr(ctypes.Structure):
     """BPF_RAW_TRACEPOINT_OPEN (the ``raw_tracepoint`` member)."""
 
@@ -173,6 +181,20 @@ class LinkInfoHead(ctypes.Structure):
     """The head of ``struct bpf_link_info`` (before its per-link-type union)."""
 
     _fields_ = [("type", _u32), ("id", _u32), ("prog_id", _u32)]
+
+
+class MapInfo(ctypes.Structure):
+    """``struct bpf_map_info`` up to ``name``."""
+
+    _fields_ = [
+        ("type", _u32),
+        ("id", _u32),
+        ("key_size", _u32),
+        ("value_size", _u32),
+        ("max_entries", _u32),
+        ("map_flags", _u32),
+        ("name", ctypes.c_char * 16),
+    ]
 
 
 class ProgInfo(ctypes.Structure):
@@ -267,11 +289,13 @@ KERNEL_LAYOUTS: dict[type[ctypes.Structure], tuple[str, ...]] = {
     MapBatchAttr: ("union bpf_attr",),
     ProgLoadAttr: ("union bpf_attr",),
     InfoByFdAttr: ("union bpf_attr",),
+    GetIdAttr: ("union bpf_attr",),
     RawTracepointAttr: ("union bpf_attr",),
     BtfLoadAttr: ("union bpf_attr",),
     LinkCreateAttr: ("union bpf_attr",),
     InfoHead: ("struct bpf_prog_info", "struct bpf_map_info", "struct bpf_link_info"),
     LinkInfoHead: ("struct bpf_link_info",),
+    MapInfo: ("struct bpf_map_info",),
     ProgInfo: ("struct bpf_prog_info",),
     PerfEventAttr: ("struct perf_event_attr",),
 }

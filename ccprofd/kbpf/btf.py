@@ -148,8 +148,15 @@ def btf_identity(data: bytes) -> str:
     return f"{hashlib.sha256(data).hexdigest()[:40]}-{release}-k{KBTF_CACHE_VERSION}"
 
 
-def _offsets(btf: KernelBTF) -> dict[str, int]:
-    return {n: btf.member_offset(s, m) for n, (s, m) in zip(EXE_INODE_NAMES, EXE_INODE_CHAIN, strict=True)}
+def _offsets(btf: KernelBTF, names: tuple[str, ...] = EXE_INODE_NAMES,
+             members: tuple[tuple[str, str], ...] = EXE_INODE_CHAIN) -> dict[str, int]:
+    return {n: btf.member_offset(s, m) for n, (s, m) in zip(names, members, strict=True)}
+
+
+#: The current task's alternate signal stack (what the kernel's on_sig_stack() tests): instrumented
+#: mode compares a stack pointer with recorded ones only when both are on the same stack.
+SIGALTSTACK_FIELDS = (("task_struct", "sas_ss_sp"), ("task_struct", "sas_ss_size"))
+SIGALTSTACK_NAMES = ("CCPROF_OFF_TASK_SAS_SS_SP", "CCPROF_OFF_TASK_SAS_SS_SIZE")
 
 
 def exe_inode_offsets(cache_dir: str | os.PathLike[str] | None = None) -> dict[str, int]:
@@ -159,22 +166,38 @@ def exe_inode_offsets(cache_dir: str | os.PathLike[str] | None = None) -> dict[s
     return dict(_cached_offsets(os.fspath(cache_dir) if cache_dir is not None else None))
 
 
+def sigaltstack_offsets(cache_dir: str | os.PathLike[str] | None = None) -> dict[str, int]:
+    """``#define`` values for reading the current task's sigaltstack range in BPF (cached as
+    :func:`exe_inode_offsets` is, under an identity of its own)."""
+    return dict(_cached_sas_offsets(os.fspath(cache_dir) if cache_dir is not None else None))
+
+
 @lru_cache(maxsize=4)
 def _cached_offsets(cache_dir: str | None) -> tuple[tuple[str, int], ...]:
     return tuple(offsets_via_cache(_read_vmlinux(), cache_dir).items())
 
 
-def offsets_via_cache(data: bytes, cache_dir: str | os.PathLike[str] | None) -> dict[str, int]:
-    """The offsets of BTF blob ``data``: cached under its identity, else parsed and stored."""
+@lru_cache(maxsize=4)
+def _cached_sas_offsets(cache_dir: str | None) -> tuple[tuple[str, int], ...]:
+    return tuple(offsets_via_cache(_read_vmlinux(), cache_dir, SIGALTSTACK_NAMES, SIGALTSTACK_FIELDS,
+                                   "-sas").items())
+
+
+def offsets_via_cache(data: bytes, cache_dir: str | os.PathLike[str] | None,
+                      names: tuple[str, ...] = EXE_INODE_NAMES,
+                      members: tuple[tuple[str, str], ...] = EXE_INODE_CHAIN,
+                      tag: str = "") -> dict[str, int]:
+    """The offsets of ``members`` (as ``names``) in BTF blob ``data``: cached under its identity
+    (plus ``tag``: each set of members has an entry of its own), else parsed and stored."""
     from ccprofd.persist.cache import AnalysisCache
 
     cache = AnalysisCache(Path(cache_dir) if cache_dir is not None else None)
-    ident = btf_identity(data)
+    ident = btf_identity(data) + tag
     got = cache.load(CACHE_KIND, ident)
     if isinstance(got, dict) and got.get("identity") == ident and isinstance(got.get("offsets"), dict) \
-            and set(got["offsets"]) == set(EXE_INODE_NAMES) \
+            and set(got["offsets"]) == set(names) \
             and all(isinstance(v, int) and 0 <= v < 1 << 20 for v in got["offsets"].values()):
-        return {n: int(got["offsets"][n]) for n in EXE_INODE_NAMES}
-    offsets = _offsets(KernelBTF(data))
+        return {n: int(got["offsets"][n]) for n in names}
+    offsets = _offsets(KernelBTF(data), names, members)
     cache.store(CACHE_KIND, ident, {"identity": ident, "offsets": offsets})
     return offsets

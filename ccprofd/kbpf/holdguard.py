@@ -26,6 +26,7 @@ import contextlib
 import ctypes
 import os
 import signal
+import struct
 import subprocess
 import sys
 import time
@@ -72,19 +73,62 @@ def _delete(map_fd: int, tgid: int) -> None:
         bpf(BPF_MAP_DELETE_ELEM, MapElemAttr(map_fd=map_fd, key=ctypes.addressof(key)), "releasing")
 
 
+#: The hold map's name in the kernel (unwind.c's BPF_HASH): how another instance's holds are found.
+HELD_MAP_NAME = b"uw_held"
+
+
+def held_elsewhere(tgid: int, own_map_fd: int) -> bool:
+    """Whether another ccprofd instance still holds ``tgid``: a ``uw_held`` map other than ours
+    (the daemon following a binary and ``ccprofd trace`` of it both stop its new processes at exec
+    and at each executable mapping, each until its own mappings are loaded) has its entry.  A
+    SIGCONT is not counted: the first holder to continue the process would release the other's
+    hold too, whose samples then run ahead of its mappings."""
+    from ccprofd.kbpf.rawbpf import BPFSyscallError, map_fd_by_id, map_has_key, map_ids, map_info, obj_id
+
+    try:
+        own = obj_id(own_map_fd)
+    except BPFSyscallError:
+        own = -1
+    key = struct.pack("<I", tgid)
+    for map_id in map_ids():
+        if map_id == own:
+            continue
+        try:
+            fd = map_fd_by_id(map_id)
+        except BPFSyscallError:
+            continue  # gone meanwhile
+        try:
+            info = map_info(fd)
+            if info.name == HELD_MAP_NAME and info.key_size == 4 and map_has_key(fd, key, info.value_size):
+                return True
+        except BPFSyscallError:
+            pass
+        finally:
+            os.close(fd)
+    return False
+
+
+def release(map_fd: int, tgid: int) -> bool:
+    """Drop our hold of ``tgid`` and continue it unless another instance still holds it; returns
+    whether it was continued.  The entry goes first: once continued, the process may be held again
+    at once (its next executable mapping) and that new entry must survive; and of several holders
+    releasing at once, the last to drop its entry finds no other and continues the process."""
+    _delete(map_fd, tgid)
+    if held_elsewhere(tgid, map_fd):
+        return False
+    try:
+        os.kill(tgid, signal.SIGCONT)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def sweep(map_fd: int) -> list[int]:
-    """Continue every held process; returns those continued.  Not only those already stopped: the
-    SIGSTOP of a hold may still be pending (the process finishes its syscall first), and a SIGCONT
-    sent now discards it -- an entry dropped without one would leave that process stopped."""
-    released = []
-    for tgid in held_tgids(map_fd):
-        # the entry goes first: once continued, the process may be held again at once (its next
-        # executable mapping) and that new entry must survive
-        _delete(map_fd, tgid)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(tgid, signal.SIGCONT)
-            released.append(tgid)
-    return released
+    """Continue every held process (unless another instance holds it too); returns those continued.
+    Not only those already stopped: the SIGSTOP of a hold may still be pending (the process finishes
+    its syscall first), and a SIGCONT sent now discards it -- an entry dropped without one would
+    leave that process stopped."""
+    return [tgid for tgid in held_tgids(map_fd) if release(map_fd, tgid)]
 
 
 class HoldGuard:

@@ -17,17 +17,22 @@ from collections.abc import Sequence
 from ccprofd.kbpf.abi import (
     BPF_BTF_LOAD,
     BPF_MAP_CREATE,
+    BPF_MAP_GET_FD_BY_ID,
+    BPF_MAP_GET_NEXT_ID,
+    BPF_MAP_LOOKUP_ELEM,
     BPF_MAP_UPDATE_BATCH,
     BPF_MAP_UPDATE_ELEM,
     BPF_OBJ_GET_INFO_BY_FD,
     BPF_PROG_LOAD,
     BtfLoadAttr,
+    GetIdAttr,
     InfoByFdAttr,
     InfoHead,
     LinkInfoHead,
     MapBatchAttr,
     MapCreateAttr,
     MapElemAttr,
+    MapInfo,
     ProgInfo,
     ProgLoadAttr,
 )
@@ -231,6 +236,46 @@ def obj_id(fd: int) -> int:
     head = InfoHead()
     _info_by_fd(fd, head, f"querying BPF object fd {fd}")
     return int(head.id)
+
+
+def map_ids() -> list[int]:
+    """Ids of every BPF map in the kernel now (any process's), in increasing order."""
+    out: list[int] = []
+    attr = GetIdAttr()
+    for _ in range(1 << 20):
+        try:
+            bpf(BPF_MAP_GET_NEXT_ID, attr, "listing BPF maps")
+        except BPFSyscallError:
+            break  # ENOENT: no more
+        out.append(int(attr.next_id))
+        attr.start_id = attr.next_id
+    return out
+
+
+def map_fd_by_id(map_id: int) -> int:
+    """A new fd of map ``map_id`` (the caller closes it); raises when it is gone or not ours to open."""
+    attr = GetIdAttr()
+    attr.start_id = map_id
+    return bpf(BPF_MAP_GET_FD_BY_ID, attr, f"opening BPF map id {map_id}")
+
+
+def map_info(fd: int) -> MapInfo:
+    """The head of ``struct bpf_map_info`` of map ``fd`` (type, id, sizes, name)."""
+    info = MapInfo()
+    _info_by_fd(fd, info, f"querying map fd {fd}")
+    return info
+
+
+def map_has_key(fd: int, key: bytes, value_size: int) -> bool:
+    """Whether map ``fd`` holds ``key`` now (one BPF_MAP_LOOKUP_ELEM)."""
+    k = ctypes.create_string_buffer(key, len(key))
+    v = ctypes.create_string_buffer(max(1, value_size))
+    attr = MapElemAttr(map_fd=fd, key=ctypes.addressof(k), value=ctypes.addressof(v))
+    try:
+        bpf(BPF_MAP_LOOKUP_ELEM, attr, "looking up a key")
+    except BPFSyscallError:
+        return False
+    return True
 
 
 def prog_verified_insns(fd: int) -> int:

@@ -13,7 +13,9 @@
 // a function returns, longjmps or unwinds an exception.
 //
 // Live pieces are sorted by recorded sp (each new piece belongs to a frame nested in the previous
-// ones), so "drop every piece whose frame lies below the current frame" is a binary search.  The
+// ones), so "drop every piece whose frame lies below the current frame" is a binary search -- within
+// one stack: a signal handler's pieces on the sigaltstack follow those of the stack it interrupted,
+// wherever the two stacks lie, and each event cuts only pieces on its own stack (cc_cut).  The
 // current frame is known exactly at probes (CFA from .eh_frame: sp- or rbp-based, per site) and
 // bounded at samples (sp + 8).  A few top pieces are then checked against the stack word below
 // their recorded sp: a sibling call made at the same stack depth, or a return address overwritten
@@ -375,10 +377,40 @@ static __always_inline void cc_truncate(struct cc_state *s, u32 m) {
 // CFA), then top pieces whose return address is no longer in the word below their recorded sp.
 static __always_inline void cc_cut_base(struct cc_state *s);
 
+// The calling task's alternate signal stack, (lo, lo + size] as the kernel's on_sig_stack() tests
+// it (task->sas_ss_sp/sas_ss_size, offsets from the kernel's BTF); (0, 0): none, or unknown.
+static __always_inline void cc_altstack(u64 *lo, u64 *size) {
+    *lo = 0;
+    *size = 0;
+#ifdef CCPROF_OFF_TASK_SAS_SS_SP
+    char *task = (char *)bpf_get_current_task();
+    if (bpf_probe_read_kernel(lo, sizeof(*lo), task + CCPROF_OFF_TASK_SAS_SS_SP) != 0 ||
+        bpf_probe_read_kernel(size, sizeof(*size), task + CCPROF_OFF_TASK_SAS_SS_SIZE) != 0) {
+        *lo = 0;
+        *size = 0;
+    }
+#endif
+}
+
+// 1 when stack address v lies on the alternate signal stack (lo, lo + size], without a branch.
+static __always_inline u64 cc_on_alt(u64 v, u64 lo, u64 size) {
+    return cc_ge(v, lo + 1) & cc_ge(size, v - lo);
+}
+
 static __always_inline void cc_cut(struct cc_state *s, u64 limit) {
-    // Branch-free binary search for the number of pieces recorded at or above `limit`.  The running
-    // position lives in map memory, whose contents the verifier does not track: in registers it
-    // would be split into every reachable value (2^LOG2_MAX_PIECES verifier paths).
+    // Stack pointers are compared only within one stack.  A handler running on the sigaltstack
+    // pushes its pieces after those of the stack it interrupted, and the alternate stack may lie
+    // above that stack as well as below it: an event on the alternate stack cuts only pieces on it
+    // (the interrupted stack's pieces stay, whatever their addresses), and an event off it drops
+    // every piece on it (the handler has returned or jumped out) and cuts the others as usual.
+    // Pieces off the alternate stack always come first, so "the piece stays" is still a prefix of
+    // the pieces and one binary search finds it.
+    u64 alt_lo, alt_size;
+    cc_altstack(&alt_lo, &alt_size);
+    u64 on_alt = cc_on_alt(limit, alt_lo, alt_size);
+    // Branch-free binary search for the number of pieces that stay.  The running position lives in
+    // map memory, whose contents the verifier does not track: in registers it would be split into
+    // every reachable value (2^LOG2_MAX_PIECES verifier paths).
     u64 n = s->n;
     s->search_pos = 0;
 #pragma unroll
@@ -387,15 +419,18 @@ static __always_inline void cc_cut(struct cc_state *s, u64 limit) {
         u64 pos = s->search_pos;
         u64 cand = pos + step;
         u64 v = s->p[PIX((u32)(cand - 1))].sp;
-        u64 ok = cc_ge(n, cand) & cc_ge(v, limit);
+        u64 ge = cc_ge(v, limit);
+        u64 off = cc_on_alt(v, alt_lo, alt_size) ^ 1;  // the piece is not on the alternate stack
+        u64 stays = (off & ge) | (on_alt & (off | ge));
+        u64 ok = cc_ge(n, cand) & stays;
         s->search_pos = pos + step * ok;
     }
     u64 pos = s->search_pos;
     if (pos == 0 && n > 0 && limit - s->p[0].sp > STACK_SWITCH_GAP) {
         // Everything, the thread's outermost recorded frame included, lies far below this event.
         // If that frame's return address is still in place it may well be alive and this event on
-        // another stack (sigaltstack, makecontext) above it: from now on, the context above what
-        // is recorded next is not known.
+        // another stack (makecontext; a sigaltstack whose range the task no longer names, e.g.
+        // SS_AUTODISARM) above it: from now on, the context above what is recorded next is not known.
         struct cc_piece *base = &s->p[0];
         u64 word = 0;
         if (bpf_probe_read_user(&word, sizeof(word), (void *)(base->sp - 8)) == 0 && word == base->ret)
@@ -422,8 +457,14 @@ static __always_inline void cc_cut(struct cc_state *s, u64 limit) {
         cc_stat(S_RET_DEAD);
         cc_truncate(s, n - 1);
     }
-    if ((s->flags & ST_FROZEN) && s->frozen_sp < limit)
-        s->flags &= ~(ST_FROZEN | ST_OVERFLOW);
+    if (s->flags & ST_FROZEN) {
+        // The frame that could not be recorded is gone once this event is above it on its own
+        // stack, or off the alternate stack it was on; a handler on the alternate stack leaves a
+        // frame of the interrupted stack in place.
+        u64 frozen_alt = cc_on_alt(s->frozen_sp, alt_lo, alt_size);
+        if ((frozen_alt == on_alt && s->frozen_sp < limit) || (frozen_alt && !on_alt))
+            s->flags &= ~(ST_FROZEN | ST_OVERFLOW);
+    }
 }
 
 // The thread's outermost recorded frame has returned when its return address is gone from the word
@@ -809,9 +850,14 @@ int cc_entry_probe(struct pt_regs *ctx) {
         struct cc_piece *top = &s->p[PIX(n - 1)];
         if (top->probe == id && top->sp == cfa && top->ret == ra && (top->kind == K_ROOT || top->kind == K_SEG))
             return 0;  // the entry instruction is also a loop head (or the same call again): same context
-        // Entered from the library the binary called (or tail-jumped into) there -- unless this
-        // frame is on another stack (makecontext, sigaltstack): then its callers are unknown.
-        if ((top->kind == K_EXIT || top->kind == K_TAILEXIT) && top->sp - cfa < STACK_SWITCH_GAP)
+        // Entered from the library the binary called (or tail-jumped into) there: on the same
+        // stack, or as a signal handler on the alternate stack that interrupted that call -- not on
+        // another stack (makecontext, an alternate stack the task does not name): then its callers
+        // are unknown.
+        u64 alt_lo, alt_size;
+        cc_altstack(&alt_lo, &alt_size);
+        u64 handler = cc_on_alt(cfa, alt_lo, alt_size) & (cc_on_alt(top->sp, alt_lo, alt_size) ^ 1);
+        if ((top->kind == K_EXIT || top->kind == K_TAILEXIT) && (top->sp - cfa < STACK_SWITCH_GAP || handler))
             aux = top->aux;
     }
     // Pieces recorded for this very frame slot belong to earlier occupants of it (an earlier call

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from ccprofd.encode.plan import COL
+from ccprofd.kbpf.btf import BTFError, sigaltstack_offsets
 from ccprofd.kbpf.errors import BPFError
 from ccprofd.kbpf.rawbpf import map_update_batch
 from ccprofd.kbpf.rawmodule import RawModule
@@ -450,6 +451,10 @@ class InstrumentedBPF:
         log2 = limits.max_pieces.bit_length() - 1
         fork_off = tracepoint_field_offset("sched", "sched_process_fork", "child_pid")
         exec_off = tracepoint_field_offset("sched", "sched_process_exec", "old_pid")
+        try:  # without them the program cannot tell a sigaltstack from the thread's stack
+            sas = sigaltstack_offsets(cache_dir)
+        except BTFError:
+            sas = {}
         defines = {"ACYC_WORDS": w, "MAX_PIECES": limits.max_pieces, "LOG2_MAX_PIECES": log2,
                    "MAX_SEGS": limits.max_segments, "EMIT_SEGS": limits.emit_segments, "REC_BITS": rec_bits,
                    "REC_WORDS": rec_words, "REC_EMIT_WORDS": rec_emit, "NPROBES": max(1, len(self.sites)),
@@ -461,7 +466,7 @@ class InstrumentedBPF:
                    "SCOPE_PAGES": limits.scope_pages if probe_plan.scope is not None else 0,
                    "SCOPE_RINGBUF_PAGES": _pow2_at_least(8 * (limits.scope_pages + 1)),
                    "AGG_CONTEXTS": limits.agg_contexts, "AGG_SEGS": agg_segs, "AGG_REC_WORDS": agg_rec,
-                   "CC_AGG_KEY_BYTES": agg_key_bytes,
+                   "CC_AGG_KEY_BYTES": agg_key_bytes, **sas,
                    **self.scheme.defines()}
         prelude = "".join(f"#define {k} {v}\n" for k, v in defines.items())
         prelude += Path(__file__).with_name(C_SOURCE).read_text(encoding="utf-8")

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from ccprofd.kbpf.bpfmap import RawMap
 from ccprofd.kbpf.errors import BPFError
+from ccprofd.kbpf.holdguard import release
 from ccprofd.proc.maps import ProcessMaps, module_mappings, start_stack
 from ccprofd.tracing.syscall_sampler import SamplerEvent, exec_verdict, set_exec_target
 from ccprofd.tracing.unwind.constants import UE_ANALYSED
@@ -200,10 +201,7 @@ class ProcessTracker:
         for tgid in held:
             if refresh and tgid not in done and self._m["tracked"].get(tgid) is not None:
                 self._refresh_or_count(tgid)  # a failure must not keep it stopped
-            with contextlib.suppress(BPFError):
-                self._m["uw_held"].delete(tgid)
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(tgid, signal.SIGCONT)
+            release(self._m["uw_held"].fd, tgid)  # continued unless another instance holds it too
 
     # ------------------------------------------------------------------------- symbolisation
     def symbolize(self, tgid: int, pc: int) -> ResolvedPc | None:
