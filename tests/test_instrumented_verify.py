@@ -302,6 +302,9 @@ def test_daemon_counts_verify_mismatches_of_its_modes() -> None:
         def summary(self) -> dict[str, Any]:
             return {"decode_errors": 0, **({"verify": self.verify} if self.verify else {})}
 
+        def map_entries(self) -> dict[str, int]:  # the Mode protocol's, read by counters()
+            return {}
+
     src = TracerSource.__new__(TracerSource)
     src.binaries_by_inode = {(1, i): _Binary(f"/bin/{i}", (1, i), Reporting(v))
                              for i, v in enumerate([{"checked": 9, "mismatches": 2}, None,
