@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
@@ -120,3 +121,34 @@ def test_failed_target_is_down_and_says_why(served: tuple[Daemon, FakeFactory]) 
     finally:
         d2.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def get(daemon: Daemon, path: str) -> tuple[int, str, str]:
+    """Status, Content-Type and body of one GET on the metrics port (HTTP errors included)."""
+    address = daemon.metrics_address
+    assert address is not None
+    try:
+        with urllib.request.urlopen(f"http://{address[0]}:{address[1]}{path}", timeout=10) as resp:
+            return resp.status, resp.headers.get("Content-Type", ""), resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers.get("Content-Type", ""), exc.read().decode()
+
+
+def test_only_metrics_and_healthz_are_served(served: tuple[Daemon, FakeFactory]) -> None:
+    """Issue 17: every path used to answer with the metrics, so a mistyped URL or a probe of a
+    path the daemon does not serve looked like a working endpoint."""
+    daemon, _ = served
+    status, ctype, body = get(daemon, "/metrics")
+    assert status == 200 and ctype.startswith("text/plain") and "ccprofd_target_up" in body
+    assert get(daemon, "/healthz")[::2] == (200, "ok\n")
+    for path in ("/", "/debug/pprof/profile", "/metrics/extra", "/healthzz", "/favicon.ico"):
+        status, _, body = get(daemon, path)
+        assert status == 404, path
+        assert "ccprofd_" not in body, path
+    # /healthz says the daemon is shutting down (the server is stopped just after).
+    daemon.stopping = True
+    try:
+        status, _, body = get(daemon, "/healthz")
+        assert (status, body) == (503, "stopping\n")
+    finally:
+        daemon.stopping = False
