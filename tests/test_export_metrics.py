@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
 import pytest
+from conftest import require_tool
 from daemon_fakes import (
     TARGET_APP,
     TARGET_DB,
@@ -152,3 +154,49 @@ def test_only_metrics_and_healthz_are_served(served: tuple[Daemon, FakeFactory])
         assert (status, body) == (503, "stopping\n")
     finally:
         daemon.stopping = False
+
+
+def scrape_text(daemon: Daemon) -> str:
+    status, _, body = get(daemon, "/metrics")
+    assert status == 200
+    return body
+
+
+def test_context_info_names_each_exported_context(served: tuple[Daemon, FakeFactory]) -> None:
+    """Issue 17: ``ccprofd_context_info{target, context, stack}`` says which functions a context id
+    stands for (program frames, outermost first), one series per exported context and no more."""
+    daemon, factory = served
+    libc = {"module": "/usr/lib/x86_64-linux-gnu/libc.so.6", "build_id": "cc", "analysed": False}
+    a = [frame("main", 0x10), frame("handle_request", 0x20), frame("log_error", 0x30),
+         frame("write", 0x900, **libc)]
+    b = [frame("main", 0x10), frame("handle_request", 0x24), frame("qsort", 0x910, **libc),
+         frame("parse;v2", 0x40)]
+    c = [frame("main", 0x10), frame("cold", 0x50)]
+    d = [frame("worker", 0x60), frame("flush", 0x70)]
+    src = factory.sources["app"]
+    src.push(*[sample(a) for _ in range(9)], *[sample(b, "openat") for _ in range(4)], sample(c))
+    src.push(*[sample(b, event="cpu") for _ in range(3)], *[sample(d, event="cpu", complete=False)] * 2)
+    wait_for(lambda: daemon.targets["app"].store.samples == 19)
+    text = scrape_text(daemon)
+    m = scrape(daemon)
+    info = {(dict(k)["target"], dict(k)["context"]): (dict(k)["stack"], v)
+            for k, v in m["ccprofd_context_info"].items()}
+    # top_k = 2 per family: a and b (syscalls), b and d (cpu); c is only in context="other".
+    assert info == {
+        ("app", context_id(a)): ("main;handle_request;log_error", 1),
+        ("app", context_id(b)): ("main;handle_request;parse:v2", 1),
+        ("app", context_id(d, complete=False)): ("[incomplete];worker;flush", 1),
+    }
+    # group_left join: every exported context series finds exactly one info series.
+    for family in ("ccprofd_context_samples_total", "ccprofd_cpu_samples_total"):
+        for labels in m[family]:
+            d_ = dict(labels)
+            if d_["context"] != "other":
+                assert (d_["target"], d_["context"]) in info
+    assert text.count("# TYPE ccprofd_context_info ") == 1
+    assert sum(line.startswith("ccprofd_context_info{") for line in text.splitlines()) == 3  # b once
+
+    promtool = require_tool("promtool")
+    proc = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

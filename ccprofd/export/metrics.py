@@ -22,6 +22,8 @@ from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from ccprofd.daemon.query import DaemonView, TargetView
+from ccprofd.daemon.store import OTHER
+from ccprofd.export.folded import INCOMPLETE
 from ccprofd.tracing.api import MODES
 
 TARGET_STATES = ("starting", "attached", "waiting", "failed")
@@ -67,10 +69,17 @@ class DaemonCollector(Collector):
                                      labels=["target"])
         maps = GaugeMetricFamily("ccprofd_bpf_map_entries", "Entries in the daemon's BPF maps",
                                  labels=["map"])
+        info = GaugeMetricFamily("ccprofd_context_info", "1 per exported context: the program's "
+                                 "functions the context id stands for, outermost first (join on "
+                                 "context with group_left)", labels=["target", "context", "stack"])
         map_totals: dict[str, int] = {}
         for rt in self.daemon.runtimes():
             name = rt.name
+            described: set[str] = set()
             for s in rt.store.scrape():
+                if s.context != OTHER and s.context not in described:
+                    described.add(s.context)
+                    info.add_metric([name, s.context, context_stack(s.functions, s.complete)], 1.0)
                 if s.event == "cpu":
                     cpu.add_metric([name, s.context, s.leaf], s.value)
                 else:
@@ -106,8 +115,15 @@ class DaemonCollector(Collector):
         reloads = CounterMetricFamily("ccprofd_reloads", "Configuration reloads (SIGHUP)", labels=["result"])
         for result, n in sorted(self.daemon.reloads.items()):
             reloads.add_metric([result], n)
-        yield from (ctx, cpu, hits, verify, mode, switches, dropped, incomplete, decode_err, attached, up,
-                    state, contexts, maps, reloads)
+        yield from (ctx, cpu, info, hits, verify, mode, switches, dropped, incomplete, decode_err, attached,
+                    up, state, contexts, maps, reloads)
+
+
+def context_stack(functions: Iterable[str], complete: bool = True) -> str:
+    """The ``stack`` label: function names joined by ``;`` as in folded stacks (a ``;`` inside a
+    name becomes ``:``); an incomplete context starts with ``[incomplete]``, its prefix unknown."""
+    names = [f.replace(";", ":") for f in functions]
+    return ";".join(names if complete else [INCOMPLETE, *names])
 
 
 def _anomaly_families(daemon: DaemonView) -> Iterator[Metric]:
