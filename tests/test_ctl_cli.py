@@ -205,3 +205,29 @@ def test_out_of_range_numbers_are_usage_errors(served: tuple[Daemon, FakeFactory
     assert many.returncode == 0, many.stderr
     thousand = ctl(sock, "hot", "--top", "1000", "--json")
     assert json.loads(many.stdout)["contexts"] == json.loads(thousand.stdout)["contexts"]
+
+
+def test_context_resolves_a_hash(served: tuple[Daemon, FakeFactory, str]) -> None:
+    """Issue 17: ``ccprofctl context HASH`` prints the frames behind a metrics label."""
+    _, _, sock = served
+    ctx = context_id(WRITE_CTX)
+    text = ctl(sock, "context", ctx)
+    assert text.returncode == 0, text.stderr
+    lines = text.stdout.decode().splitlines()
+    # WRITE_CTX is held by both targets (app's syscalls, cpuapp's CPU samples).
+    assert [ln for ln in lines if ln.startswith("context ")] == [
+        f"context {ctx}  target app", f"context {ctx}  target cpuapp"]
+    assert [ln.split()[1] for ln in lines if ln.lstrip().startswith("#")] == ["main", "emit"] * 2
+    one = ctl(sock, "context", ctx, "--target", "app", "--json")
+    assert one.returncode == 0, one.stderr
+    rows = json.loads(one.stdout)
+    assert [(r["target"], r["context"], r["complete"], r["leaf"]) for r in rows] == [
+        ("app", ctx, True, "emit")]
+    assert [(f["function"], f["call_site"]) for f in rows[0]["frames"]] == [
+        ("main", "0x1139"), ("emit", "0x1180")]
+    unknown = ctl(sock, "context", "0123456789ab")
+    assert unknown.returncode == 2
+    assert unknown.stderr.decode().splitlines() == [
+        "ccprofctl: context 0123456789ab is not held by any target"]
+    bad = ctl(sock, "context", "not-a-hash")
+    assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1 and b"not a context id" in bad.stderr

@@ -79,6 +79,9 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--kind", action="append", default=[], help="only this alert kind (repeatable)")
     st = sub.add_parser("stats", parents=[fmt], help="call-graph and encoding statistics of a target")
     st.add_argument("target", metavar="TARGET")
+    cx = sub.add_parser("context", parents=[fmt], help="the frames a context id (metrics label) stands for")
+    cx.add_argument("context", metavar="HASH")
+    cx.add_argument("--target", default="", help="one target (default: all)")
     return p
 
 
@@ -416,6 +419,23 @@ def cmd_stats(args: argparse.Namespace, channel: Any, fmt: str, w: _Writer) -> i
     return EXIT_OK
 
 
+def cmd_context(args: argparse.Namespace, channel: Any, fmt: str, w: _Writer) -> int:
+    from ccprofd.export.gen import ccprofd_pb2 as pb
+    from ccprofd.export.messages import frames_from_pb
+
+    req = pb.GetContextRequest(context=args.context, target=args.target)
+    resp = _stub(channel).GetContext(req, timeout=args.timeout)
+    rows = [{"target": c.target, "context": c.context, "complete": c.complete, "leaf": c.leaf,
+             "frames": frames_from_pb(c.frames)} for c in resp.contexts]
+    if fmt == "json":
+        w.json(rows)
+        return EXIT_OK
+    for r in rows:
+        w.line(f"context {r['context']}  target {r['target']}" + ("" if r["complete"] else "  [incomplete]"))
+        _frames_text(r["frames"], w)
+    return EXIT_OK
+
+
 def _ints(value: Any) -> Any:
     """Struct carries every number as a double: give integral ones back as ints."""
     if isinstance(value, dict):
@@ -438,7 +458,7 @@ def _stats_text(stats: dict[str, Any], w: _Writer, indent: str) -> None:
 
 COMMANDS: dict[str, Callable[..., int]] = {
     "targets": cmd_targets, "contexts": cmd_contexts, "hot": cmd_hot, "stream": cmd_stream,
-    "alerts": cmd_alerts, "stats": cmd_stats}
+    "alerts": cmd_alerts, "stats": cmd_stats, "context": cmd_context}
 
 
 if __name__ == "__main__":

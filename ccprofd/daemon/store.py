@@ -309,6 +309,15 @@ class TargetStore:
                        for e in self._entries.values()
                        if e.event == event and (not syscall or e.syscall == syscall))
 
+    def resolve(self, context: str) -> tuple[bool, tuple[dict[str, Any], ...]] | None:
+        """Completeness and frames of a context id the table holds (None when it does not): what
+        an id of the metrics or of a sample stands for."""
+        with self._lock:
+            for e in self._entries.values():
+                if e.context == context:
+                    return e.complete, tuple(dict(zip(FRAME_FIELDS, f, strict=True)) for f in e.frames)
+        return None
+
     def context_count(self) -> int:
         with self._lock:
             return len(self._entries)
