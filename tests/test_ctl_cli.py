@@ -87,7 +87,7 @@ def test_hot_text_json_folded_pprof(served: tuple[Daemon, FakeFactory, str], tmp
     top1 = json.loads(ctl(sock, "hot", "--target", "app", "--top", "1", "--json").stdout)
     assert [c["count"] for c in top1["contexts"]] == [5]
     folded = ctl(sock, "hot", "--target", "app", "--format", "folded").stdout.decode()
-    assert folded.splitlines() == ["main;emit;syscall:write 5", "main;load;syscall:openat 2"]
+    assert folded.splitlines() == ["app;main;emit;syscall:write 5", "app;main;load;syscall:openat 2"]
     text = ctl(sock, "hot").stdout.decode()
     assert "syscall write" in text and "emit" in text
     out = ctl(
