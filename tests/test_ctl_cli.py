@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -231,3 +232,13 @@ def test_context_resolves_a_hash(served: tuple[Daemon, FakeFactory, str]) -> Non
         "ccprofctl: context 0123456789ab is not held by any target"]
     bad = ctl(sock, "context", "not-a-hash")
     assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1 and b"not a context id" in bad.stderr
+
+
+def test_version_of_both_commands() -> None:
+    """Issue 17: ``--version`` prints the package version (pyproject.toml's, read independently)."""
+    with open(Path(__file__).resolve().parent.parent / "pyproject.toml", "rb") as fh:
+        version = tomllib.load(fh)["project"]["version"]
+    for module, name in (("ccprofd.cli.ctl", "ccprofctl"), ("ccprofd.cli", "ccprofd")):
+        out = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True,
+                             timeout=60, check=False)
+        assert (out.returncode, out.stdout, out.stderr) == (0, f"{name} {version}\n", ""), module

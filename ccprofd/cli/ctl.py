@@ -17,6 +17,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from ccprofd import __version__
+
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 DEFAULT_SOCKET = "/run/ccprofd/ccprofd.sock"
 FORMATS = ("text", "json", "pprof", "folded")
@@ -47,6 +49,7 @@ def build_parser() -> argparse.ArgumentParser:
                             "live samples, alerts, call-graph statistics.",
                 epilog="Exit status: 0 success, 2 bad usage or unknown target/pid, "
                        "1 daemon unreachable or failed.")
+    p.add_argument("--version", action="version", version=f"ccprofctl {__version__}")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--socket", help=f"daemon Unix socket (default $CCPROFD_SOCKET or {DEFAULT_SOCKET})")
     where.add_argument("--address", help="tcp://HOST:PORT of a daemon listening on TCP")
