@@ -1,6 +1,6 @@
 """``ccprofctl``: the client of a running ccprofd daemon (gRPC on its Unix socket, or TCP with TLS).
 
-Exit status: 0 success, 2 bad usage or a query the daemon rejects (unknown target or pid), 1 when
+Exit status: 0 success, 2 bad usage or a query the daemon rejects (unknown target, pid or context), 1 when
 the daemon cannot be reached or fails.  ``--format json`` (``--json``) prints frames in the
 tracer's JSON form (hex address strings); ``stream`` and ``alerts`` print one JSON object per line.
 ``hot --format pprof`` writes a gzipped pprof profile, ``--format folded`` folded stacks.
@@ -46,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
     fmt.add_argument("-o", "--output", default=argparse.SUPPRESS, help="write to FILE instead of stdout")
     p = _Parser(prog="ccprofctl", parents=[fmt],
                 description="Query a running ccprofd daemon: targets, per-thread contexts, hot contexts, "
-                            "live samples, alerts, call-graph statistics.",
-                epilog="Exit status: 0 success, 2 bad usage or unknown target/pid, "
+                            "live samples, alerts, call-graph statistics, what a context id stands for.",
+                epilog="Exit status: 0 success, 2 bad usage or unknown target/pid/context, "
                        "1 daemon unreachable or failed.")
     p.add_argument("--version", action="version", version=f"ccprofctl {__version__}")
     where = p.add_mutually_exclusive_group()
