@@ -21,8 +21,9 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 
 # ---- 1. system packages ---------------------------------------------------------------------------
+# prometheus: its promtool checks the /metrics exposition in tests/test_export_metrics.py
 APT_PACKAGES=(python3-bpfcc linux-headers-amd64 bpftool gcc g++ make binutils strace gdb file
-              python3 python3-venv systemd)
+              python3 python3-venv systemd prometheus)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
@@ -32,6 +33,10 @@ if [ ${#missing[@]} -gt 0 ]; then
   export DEBIAN_FRONTEND=noninteractive
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # Only promtool is wanted: stop the Prometheus server the package enables, if we installed it.
+  if [[ " ${missing[*]} " == *" prometheus "* ]] && command -v systemctl >/dev/null; then
+    systemctl disable --now prometheus.service >/dev/null 2>&1 || true
+  fi
 fi
 
 # ---- 2. kernel headers fallback (bcc compiles against /lib/modules/$(uname -r)/build) --------------

@@ -9,6 +9,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -87,7 +88,7 @@ def test_hot_text_json_folded_pprof(served: tuple[Daemon, FakeFactory, str], tmp
     top1 = json.loads(ctl(sock, "hot", "--target", "app", "--top", "1", "--json").stdout)
     assert [c["count"] for c in top1["contexts"]] == [5]
     folded = ctl(sock, "hot", "--target", "app", "--format", "folded").stdout.decode()
-    assert folded.splitlines() == ["main;emit;syscall:write 5", "main;load;syscall:openat 2"]
+    assert folded.splitlines() == ["app;main;emit;syscall:write 5", "app;main;load;syscall:openat 2"]
     text = ctl(sock, "hot").stdout.decode()
     assert "syscall write" in text and "emit" in text
     out = ctl(
@@ -205,3 +206,39 @@ def test_out_of_range_numbers_are_usage_errors(served: tuple[Daemon, FakeFactory
     assert many.returncode == 0, many.stderr
     thousand = ctl(sock, "hot", "--top", "1000", "--json")
     assert json.loads(many.stdout)["contexts"] == json.loads(thousand.stdout)["contexts"]
+
+
+def test_context_resolves_a_hash(served: tuple[Daemon, FakeFactory, str]) -> None:
+    """Issue 17: ``ccprofctl context HASH`` prints the frames behind a metrics label."""
+    _, _, sock = served
+    ctx = context_id(WRITE_CTX)
+    text = ctl(sock, "context", ctx)
+    assert text.returncode == 0, text.stderr
+    lines = text.stdout.decode().splitlines()
+    # WRITE_CTX is held by both targets (app's syscalls, cpuapp's CPU samples).
+    assert [ln for ln in lines if ln.startswith("context ")] == [
+        f"context {ctx}  target app", f"context {ctx}  target cpuapp"]
+    assert [ln.split()[1] for ln in lines if ln.lstrip().startswith("#")] == ["main", "emit"] * 2
+    one = ctl(sock, "context", ctx, "--target", "app", "--json")
+    assert one.returncode == 0, one.stderr
+    rows = json.loads(one.stdout)
+    assert [(r["target"], r["context"], r["complete"], r["leaf"]) for r in rows] == [
+        ("app", ctx, True, "emit")]
+    assert [(f["function"], f["call_site"]) for f in rows[0]["frames"]] == [
+        ("main", "0x1139"), ("emit", "0x1180")]
+    unknown = ctl(sock, "context", "0123456789ab")
+    assert unknown.returncode == 2
+    assert unknown.stderr.decode().splitlines() == [
+        "ccprofctl: context 0123456789ab is not held by any target"]
+    bad = ctl(sock, "context", "not-a-hash")
+    assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1 and b"not a context id" in bad.stderr
+
+
+def test_version_of_both_commands() -> None:
+    """Issue 17: ``--version`` prints the package version (pyproject.toml's, read independently)."""
+    with open(Path(__file__).resolve().parent.parent / "pyproject.toml", "rb") as fh:
+        version = tomllib.load(fh)["project"]["version"]
+    for module, name in (("ccprofd.cli.ctl", "ccprofctl"), ("ccprofd.cli", "ccprofd")):
+        out = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True,
+                             timeout=60, check=False)
+        assert (out.returncode, out.stdout, out.stderr) == (0, f"{name} {version}\n", ""), module

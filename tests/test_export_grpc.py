@@ -341,3 +341,29 @@ def test_tcp_with_mutual_tls(tmp_path: Path) -> None:
             pb_grpc.ProfilerStub(ch).ListTargets(pb.ListTargetsRequest(), timeout=5)
     finally:
         daemon.stop()
+
+
+def test_get_context_resolves_an_id_to_its_frames(served: tuple[Daemon, FakeFactory, str]) -> None:
+    """Issue 17: the id of a metric series or a sample, resolved to the frames it stands for."""
+    daemon, factory, path = served
+    feed(daemon, factory)
+    ctx = context_id(OPEN_CTX)
+    resp = stub(path).GetContext(pb.GetContextRequest(context=ctx.upper()), timeout=10)
+    assert [(c.target, c.context, c.complete, c.leaf) for c in resp.contexts] == [
+        ("app", ctx, True, "read_cfg")]
+    assert [(f.function, f.call_site, f.module) for f in resp.contexts[0].frames] == [
+        ("main", 0x1145, "/opt/app/bin"), ("load", 0x11A0, "/opt/app/bin"),
+        ("read_cfg", 0x11C4, "/opt/app/bin")]
+    one = stub(path).GetContext(pb.GetContextRequest(context=ctx, target="app"), timeout=10)
+    assert len(one.contexts) == 1
+    not_found, invalid = grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT
+    for req, code, needle in (
+        (pb.GetContextRequest(context=ctx, target="db"), not_found, "not held by target 'db'"),
+        (pb.GetContextRequest(context="0123456789ab"), not_found, "not held by any target"),
+        (pb.GetContextRequest(context=ctx, target="nope"), not_found, "no target 'nope'"),
+        (pb.GetContextRequest(context="other"), invalid, "not a context id"),
+        (pb.GetContextRequest(context=""), invalid, "not a context id"),
+    ):
+        with pytest.raises(grpc.RpcError) as exc:
+            stub(path).GetContext(req, timeout=10)
+        assert exc.value.code() == code and needle in (exc.value.details() or ""), req

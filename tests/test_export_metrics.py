@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import shutil
+import subprocess
+import urllib.error
 import urllib.request
 from collections.abc import Iterator
 
 import pytest
+from conftest import require_tool
 from daemon_fakes import (
     TARGET_APP,
     TARGET_DB,
@@ -120,3 +123,80 @@ def test_failed_target_is_down_and_says_why(served: tuple[Daemon, FakeFactory]) 
     finally:
         d2.stop()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def get(daemon: Daemon, path: str) -> tuple[int, str, str]:
+    """Status, Content-Type and body of one GET on the metrics port (HTTP errors included)."""
+    address = daemon.metrics_address
+    assert address is not None
+    try:
+        with urllib.request.urlopen(f"http://{address[0]}:{address[1]}{path}", timeout=10) as resp:
+            return resp.status, resp.headers.get("Content-Type", ""), resp.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.headers.get("Content-Type", ""), exc.read().decode()
+
+
+def test_only_metrics_and_healthz_are_served(served: tuple[Daemon, FakeFactory]) -> None:
+    """Issue 17: every path used to answer with the metrics, so a mistyped URL or a probe of a
+    path the daemon does not serve looked like a working endpoint."""
+    daemon, _ = served
+    status, ctype, body = get(daemon, "/metrics")
+    assert status == 200 and ctype.startswith("text/plain") and "ccprofd_target_up" in body
+    assert get(daemon, "/healthz")[::2] == (200, "ok\n")
+    for path in ("/", "/debug/pprof/profile", "/metrics/extra", "/healthzz", "/favicon.ico"):
+        status, _, body = get(daemon, path)
+        assert status == 404, path
+        assert "ccprofd_" not in body, path
+    # /healthz says the daemon is shutting down (the server is stopped just after).
+    daemon.stopping = True
+    try:
+        status, _, body = get(daemon, "/healthz")
+        assert (status, body) == (503, "stopping\n")
+    finally:
+        daemon.stopping = False
+
+
+def scrape_text(daemon: Daemon) -> str:
+    status, _, body = get(daemon, "/metrics")
+    assert status == 200
+    return body
+
+
+def test_context_info_names_each_exported_context(served: tuple[Daemon, FakeFactory]) -> None:
+    """Issue 17: ``ccprofd_context_info{target, context, stack}`` says which functions a context id
+    stands for (program frames, outermost first), one series per exported context and no more."""
+    daemon, factory = served
+    libc = {"module": "/usr/lib/x86_64-linux-gnu/libc.so.6", "build_id": "cc", "analysed": False}
+    a = [frame("main", 0x10), frame("handle_request", 0x20), frame("log_error", 0x30),
+         frame("write", 0x900, **libc)]
+    b = [frame("main", 0x10), frame("handle_request", 0x24), frame("qsort", 0x910, **libc),
+         frame("parse;v2", 0x40)]
+    c = [frame("main", 0x10), frame("cold", 0x50)]
+    d = [frame("worker", 0x60), frame("flush", 0x70)]
+    src = factory.sources["app"]
+    src.push(*[sample(a) for _ in range(9)], *[sample(b, "openat") for _ in range(4)], sample(c))
+    src.push(*[sample(b, event="cpu") for _ in range(3)], *[sample(d, event="cpu", complete=False)] * 2)
+    wait_for(lambda: daemon.targets["app"].store.samples == 19)
+    text = scrape_text(daemon)
+    m = scrape(daemon)
+    info = {(dict(k)["target"], dict(k)["context"]): (dict(k)["stack"], v)
+            for k, v in m["ccprofd_context_info"].items()}
+    # top_k = 2 per family: a and b (syscalls), b and d (cpu); c is only in context="other".
+    assert info == {
+        ("app", context_id(a)): ("main;handle_request;log_error", 1),
+        ("app", context_id(b)): ("main;handle_request;parse:v2", 1),
+        ("app", context_id(d, complete=False)): ("[incomplete];worker;flush", 1),
+    }
+    # group_left join: every exported context series finds exactly one info series.
+    for family in ("ccprofd_context_samples_total", "ccprofd_cpu_samples_total"):
+        for labels in m[family]:
+            d_ = dict(labels)
+            if d_["context"] != "other":
+                assert (d_["target"], d_["context"]) in info
+    assert text.count("# TYPE ccprofd_context_info ") == 1
+    assert sum(line.startswith("ccprofd_context_info{") for line in text.splitlines()) == 3  # b once
+
+    promtool = require_tool("promtool")
+    proc = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True,
+                          check=False)
+    assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -223,14 +223,24 @@ def test_folded_round_trip() -> None:
     text = write_folded(ROWS, event="syscall")
     assert text.endswith("\n")
     assert parse_folded(text) == {
-        ("main", "emit", "syscall:write"): 7,
-        ("main", "load", "qsort", "cmp:x", "syscall:openat"): 3,
-        ("[incomplete]", "emit", "syscall:write"): 2,
+        ("app", "main", "emit", "syscall:write"): 7,
+        ("app", "main", "load", "qsort", "cmp:x", "syscall:openat"): 3,
+        ("app", "[incomplete]", "emit", "syscall:write"): 2,
     }
     # Same function chain through different call sites merges into one folded line.
     twice = [ROWS[0], dict(ROWS[0], context="c9", frames=[frame("main", 0x2000), frame("emit", 0x2010)])]
-    assert parse_folded(write_folded(twice)) == {("main", "emit", "syscall:write"): 14}
+    assert parse_folded(write_folded(twice)) == {("app", "main", "emit", "syscall:write"): 14}
     assert parse_folded(write_folded([dict(r, event="cpu") for r in ROWS[:1]], event="cpu")) == {
-        ("main", "emit"): 7
+        ("app", "main", "emit"): 7
     }
     assert write_folded([]) == ""
+
+
+def test_folded_has_a_root_frame_per_target() -> None:
+    """Issue 17: the same chain in two targets stays two stacks under each target's root, instead of
+    one merged stack that no flame graph can split again."""
+    two = [ROWS[0], dict(ROWS[0], target="db;x", context="c8", count=5)]
+    assert parse_folded(write_folded(two)) == {
+        ("app", "main", "emit", "syscall:write"): 7,
+        ("db:x", "main", "emit", "syscall:write"): 5,
+    }

@@ -1,6 +1,6 @@
 """``ccprofctl``: the client of a running ccprofd daemon (gRPC on its Unix socket, or TCP with TLS).
 
-Exit status: 0 success, 2 bad usage or a query the daemon rejects (unknown target or pid), 1 when
+Exit status: 0 success, 2 bad usage or a query the daemon rejects (unknown target, pid or context), 1 when
 the daemon cannot be reached or fails.  ``--format json`` (``--json``) prints frames in the
 tracer's JSON form (hex address strings); ``stream`` and ``alerts`` print one JSON object per line.
 ``hot --format pprof`` writes a gzipped pprof profile, ``--format folded`` folded stacks.
@@ -16,6 +16,8 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from ccprofd import __version__
 
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 DEFAULT_SOCKET = "/run/ccprofd/ccprofd.sock"
@@ -44,9 +46,10 @@ def build_parser() -> argparse.ArgumentParser:
     fmt.add_argument("-o", "--output", default=argparse.SUPPRESS, help="write to FILE instead of stdout")
     p = _Parser(prog="ccprofctl", parents=[fmt],
                 description="Query a running ccprofd daemon: targets, per-thread contexts, hot contexts, "
-                            "live samples, alerts, call-graph statistics.",
-                epilog="Exit status: 0 success, 2 bad usage or unknown target/pid, "
+                            "live samples, alerts, call-graph statistics, what a context id stands for.",
+                epilog="Exit status: 0 success, 2 bad usage or unknown target/pid/context, "
                        "1 daemon unreachable or failed.")
+    p.add_argument("--version", action="version", version=f"ccprofctl {__version__}")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--socket", help=f"daemon Unix socket (default $CCPROFD_SOCKET or {DEFAULT_SOCKET})")
     where.add_argument("--address", help="tcp://HOST:PORT of a daemon listening on TCP")
@@ -79,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
             s.add_argument("--kind", action="append", default=[], help="only this alert kind (repeatable)")
     st = sub.add_parser("stats", parents=[fmt], help="call-graph and encoding statistics of a target")
     st.add_argument("target", metavar="TARGET")
+    cx = sub.add_parser("context", parents=[fmt], help="the frames a context id (metrics label) stands for")
+    cx.add_argument("context", metavar="HASH")
+    cx.add_argument("--target", default="", help="one target (default: all)")
     return p
 
 
@@ -416,6 +422,23 @@ def cmd_stats(args: argparse.Namespace, channel: Any, fmt: str, w: _Writer) -> i
     return EXIT_OK
 
 
+def cmd_context(args: argparse.Namespace, channel: Any, fmt: str, w: _Writer) -> int:
+    from ccprofd.export.gen import ccprofd_pb2 as pb
+    from ccprofd.export.messages import frames_from_pb
+
+    req = pb.GetContextRequest(context=args.context, target=args.target)
+    resp = _stub(channel).GetContext(req, timeout=args.timeout)
+    rows = [{"target": c.target, "context": c.context, "complete": c.complete, "leaf": c.leaf,
+             "frames": frames_from_pb(c.frames)} for c in resp.contexts]
+    if fmt == "json":
+        w.json(rows)
+        return EXIT_OK
+    for r in rows:
+        w.line(f"context {r['context']}  target {r['target']}" + ("" if r["complete"] else "  [incomplete]"))
+        _frames_text(r["frames"], w)
+    return EXIT_OK
+
+
 def _ints(value: Any) -> Any:
     """Struct carries every number as a double: give integral ones back as ints."""
     if isinstance(value, dict):
@@ -438,7 +461,7 @@ def _stats_text(stats: dict[str, Any], w: _Writer, indent: str) -> None:
 
 COMMANDS: dict[str, Callable[..., int]] = {
     "targets": cmd_targets, "contexts": cmd_contexts, "hot": cmd_hot, "stream": cmd_stream,
-    "alerts": cmd_alerts, "stats": cmd_stats}
+    "alerts": cmd_alerts, "stats": cmd_stats, "context": cmd_context}
 
 
 if __name__ == "__main__":

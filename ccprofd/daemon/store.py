@@ -84,6 +84,15 @@ def _memo_key(frames: Sequence[Mapping[str, Any]], complete: bool) -> tuple[Any,
 MEMO_MAX = 65536  # context ids remembered per store (cleared when full: a memo, not state)
 
 
+_FUNCTION, _ANALYSED = FRAME_FIELDS.index("function"), FRAME_FIELDS.index("analysed")
+
+
+def _program_functions(frames: Iterable[FrameKey]) -> tuple[str, ...]:
+    """Function names of the interned *program* frames (the ones :func:`context_id` hashes)."""
+    return tuple(str(f[_FUNCTION] or "[unknown]") for f in frames
+                 if f[_ANALYSED] is None or f[_ANALYSED])
+
+
 def leaf_name(frames: Sequence[Mapping[str, Any]]) -> str:
     """The innermost *program* function's name, the same in both tracer modes ("" when there is no
     program frame, "[unknown]" when unnamed); the metrics' ``leaf`` label."""
@@ -126,13 +135,17 @@ class HotContext:
 
 @dataclass(frozen=True, slots=True)
 class Series:
-    """One exported counter: ``context`` is a context id or ``"other"``; ``leaf`` is "" for other."""
+    """One exported counter: ``context`` is a context id or ``"other"``; ``leaf`` is "" for other.
+    ``functions``: the names of the program frames the id is a hash of, outermost first (empty for
+    other), for the metrics' ``ccprofd_context_info`` that says what an id stands for."""
 
     event: str
     syscall: str
     context: str
     leaf: str
     value: int
+    functions: tuple[str, ...] = ()
+    complete: bool = True
 
 
 class _Entry:
@@ -296,6 +309,15 @@ class TargetStore:
                        for e in self._entries.values()
                        if e.event == event and (not syscall or e.syscall == syscall))
 
+    def resolve(self, context: str) -> tuple[bool, tuple[dict[str, Any], ...]] | None:
+        """Completeness and frames of a context id the table holds (None when it does not): what
+        an id of the metrics or of a sample stands for."""
+        with self._lock:
+            for e in self._entries.values():
+                if e.context == context:
+                    return e.complete, tuple(dict(zip(FRAME_FIELDS, f, strict=True)) for f in e.frames)
+        return None
+
     def context_count(self) -> int:
         with self._lock:
             return len(self._entries)
@@ -309,7 +331,8 @@ class TargetStore:
             out = []
             for e in self._entries.values():
                 if e.promoted:
-                    out.append(Series(e.event, e.syscall, e.context, e.leaf, e.series))
+                    out.append(Series(e.event, e.syscall, e.context, e.leaf, e.series,
+                                      _program_functions(e.frames), e.complete))
                 e.pending = 0
             for (event, syscall), value in self._other.items():
                 out.append(Series(event, syscall, OTHER, "", value))

@@ -1,6 +1,8 @@
 """Hot contexts as Brendan Gregg's folded stacks (``flamegraph.pl``, speedscope, inferno input).
 
-One line per context: frames outermost first joined by ``;``, a space, the count.  Syscall
+One line per context: the target's name as the root frame (so contexts of several targets do not
+merge in one flame graph: ``app;main;emit`` and ``db;main;emit``), then the frames outermost first,
+all joined by ``;``, a space, the count.  Syscall
 profiles end each stack with the pseudo-frame ``syscall:NAME`` so the flame graph shows what the
 context did.  Incomplete contexts start with ``[incomplete]`` so an unknown prefix is visible
 rather than looking like a root.  ``;`` and newlines inside names are replaced (they would break
@@ -15,16 +17,22 @@ from typing import Any
 INCOMPLETE = "[incomplete]"
 
 
+def _clean(name: str) -> str:
+    return name.replace(";", ":").replace("\n", " ").replace("\r", " ")
+
+
 def _name(frame: Mapping[str, Any]) -> str:
     name = frame.get("function") or f"[unknown {frame.get('module') or ''}]".replace(" ]", "]")
-    return str(name).replace(";", ":").replace("\n", " ").replace("\r", " ")
+    return _clean(str(name))
 
 
 def folded_lines(rows: Iterable[Mapping[str, Any]], *, event: str = "syscall") -> list[str]:
     """Merge rows with identical folded stacks (different call sites of the same functions)."""
     merged: dict[str, int] = {}
     for row in rows:
-        parts = [] if row.get("complete", True) else [INCOMPLETE]
+        parts = [_clean(str(row["target"]))] if row.get("target") else []
+        if not row.get("complete", True):
+            parts.append(INCOMPLETE)
         parts.extend(_name(f) for f in row.get("frames") or [])
         if event == "syscall" and row.get("syscall"):
             parts.append(f"syscall:{row['syscall']}")

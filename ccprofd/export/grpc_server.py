@@ -13,6 +13,7 @@ from __future__ import annotations
 import grp
 import logging
 import os
+import re
 import socket
 import stat
 import time
@@ -28,6 +29,7 @@ from grpc_reflection.v1alpha import reflection
 from ccprofd.daemon.config import DaemonConfig
 from ccprofd.daemon.query import DaemonView, TargetView
 from ccprofd.daemon.source import UnknownProcess
+from ccprofd.daemon.store import leaf_name
 from ccprofd.export import messages
 from ccprofd.export.gen import ccprofd_pb2 as pb
 from ccprofd.export.gen import ccprofd_pb2_grpc as pb_grpc
@@ -135,6 +137,24 @@ class ProfilerServicer(pb_grpc.ProfilerServicer):
                              first_seen_ns=h.first_seen_ns, last_seen_ns=h.last_seen_ns)
         return out
 
+    def GetContext(self, request: Any, context: grpc.ServicerContext) -> Any:
+        wanted = request.context.strip().lower()
+        if not CONTEXT_ID.fullmatch(wanted):
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"not a context id: {request.context!r} (a hex hash such as 3f2a9c01b7e4)")
+        selected = [self._target(request.target, context)] if request.target else list(self.daemon.runtimes())
+        out = pb.GetContextResponse()
+        for rt in selected:
+            found = rt.store.resolve(wanted)
+            if found is not None:
+                complete, frames = found
+                out.contexts.add(target=rt.name, context=wanted, complete=complete,
+                                 frames=messages.frames_to_pb(frames), leaf=leaf_name(frames))
+        if not out.contexts:
+            where = f"target {request.target!r}" if request.target else "any target"
+            context.abort(grpc.StatusCode.NOT_FOUND, f"context {wanted} is not held by {where}")
+        return out
+
     def StreamSamples(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
         if request.target:
             self._target(request.target, context)
@@ -183,6 +203,9 @@ class ProfilerServicer(pb_grpc.ProfilerServicer):
                 item = sub.get(STREAM_POLL_S)
                 if item is not None:
                     yield messages.alert_to_pb(item)
+
+
+CONTEXT_ID = re.compile(r"[0-9a-f]{1,64}")
 
 
 def _jsonable(value: Any) -> Any:

@@ -8,17 +8,22 @@ monotonic counters, ``context="other"`` for samples of never-promoted contexts).
 
 from __future__ import annotations
 
+import socket
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, make_server
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.platform_collector import PlatformCollector
 from prometheus_client.process_collector import ProcessCollector
 from prometheus_client.registry import Collector
 
 from ccprofd.daemon.query import DaemonView, TargetView
+from ccprofd.daemon.store import OTHER
+from ccprofd.export.folded import INCOMPLETE
 from ccprofd.tracing.api import MODES
 
 TARGET_STATES = ("starting", "attached", "waiting", "failed")
@@ -64,10 +69,17 @@ class DaemonCollector(Collector):
                                      labels=["target"])
         maps = GaugeMetricFamily("ccprofd_bpf_map_entries", "Entries in the daemon's BPF maps",
                                  labels=["map"])
+        info = GaugeMetricFamily("ccprofd_context_info", "1 per exported context: the program's "
+                                 "functions the context id stands for, outermost first (join on "
+                                 "context with group_left)", labels=["target", "context", "stack"])
         map_totals: dict[str, int] = {}
         for rt in self.daemon.runtimes():
             name = rt.name
+            described: set[str] = set()
             for s in rt.store.scrape():
+                if s.context != OTHER and s.context not in described:
+                    described.add(s.context)
+                    info.add_metric([name, s.context, context_stack(s.functions, s.complete)], 1.0)
                 if s.event == "cpu":
                     cpu.add_metric([name, s.context, s.leaf], s.value)
                 else:
@@ -103,8 +115,15 @@ class DaemonCollector(Collector):
         reloads = CounterMetricFamily("ccprofd_reloads", "Configuration reloads (SIGHUP)", labels=["result"])
         for result, n in sorted(self.daemon.reloads.items()):
             reloads.add_metric([result], n)
-        yield from (ctx, cpu, hits, verify, mode, switches, dropped, incomplete, decode_err, attached, up,
-                    state, contexts, maps, reloads)
+        yield from (ctx, cpu, info, hits, verify, mode, switches, dropped, incomplete, decode_err, attached,
+                    up, state, contexts, maps, reloads)
+
+
+def context_stack(functions: Iterable[str], complete: bool = True) -> str:
+    """The ``stack`` label: function names joined by ``;`` as in folded stacks (a ``;`` inside a
+    name becomes ``:``); an incomplete context starts with ``[incomplete]``, its prefix unknown."""
+    names = [f.replace(";", ":") for f in functions]
+    return ";".join(names if complete else [INCOMPLETE, *names])
 
 
 def _anomaly_families(daemon: DaemonView) -> Iterator[Metric]:
@@ -140,10 +159,47 @@ def build_registry(daemon: DaemonView) -> CollectorRegistry:
     return registry
 
 
+METRICS_PATH = "/metrics"
+HEALTH_PATH = "/healthz"
+WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
+
+
+def metrics_app(daemon: DaemonView, registry: CollectorRegistry) -> WsgiApp:
+    """``/metrics`` (prometheus-client's app), ``/healthz`` and 404 for every other path:
+    prometheus-client alone answers any path with the metrics, so a probe of ``/healthz`` or a
+    mistyped URL looked like a working endpoint."""
+    metrics = make_wsgi_app(registry)
+
+    def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO") or "/"
+        if path == METRICS_PATH:
+            return metrics(environ, start_response)
+        text = [("Content-Type", "text/plain; charset=utf-8")]
+        if path == HEALTH_PATH:
+            # Served by the daemon's own thread, so an answer means the process runs and is not
+            # shutting down; per-target health is in ccprofd_target_state / ccprofd_target_up.
+            if daemon.stopping:
+                start_response("503 Service Unavailable", text)
+                return [b"stopping\n"]
+            start_response("200 OK", text)
+            return [b"ok\n"]
+        start_response("404 Not Found", text)
+        return [f"404 not found: {path} (paths: {METRICS_PATH}, {HEALTH_PATH})\n".encode()]
+
+    return app
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:
+        """No access log on stderr (the journal would get a line per scrape)."""
+
+
 class MetricsServer:
-    """``GET /metrics`` on ``host:port`` (port 0 picks a free one; see :attr:`address`)."""
+    """``GET /metrics`` and ``/healthz`` on ``host:port`` (port 0 picks a free one; see
+    :attr:`address`)."""
 
     def __init__(self, daemon: DaemonView, host: str, port: int) -> None:
+        self.daemon = daemon
         self.registry = build_registry(daemon)
         self.host, self.port = host, port
         self._server: Any = None
@@ -151,7 +207,17 @@ class MetricsServer:
         self._stopper: threading.Thread | None = None
 
     def start(self) -> None:
-        self._server, self._thread = start_http_server(self.port, addr=self.host, registry=self.registry)
+        family, _, _, _, sockaddr = socket.getaddrinfo(self.host, self.port, type=socket.SOCK_STREAM,
+                                                       flags=socket.AI_PASSIVE)[0]
+
+        class Server(ThreadingWSGIServer):
+            address_family = family  # IPv6 listen addresses need AF_INET6 (as prometheus-client does)
+
+        self._server = make_server(str(sockaddr[0]), self.port, metrics_app(self.daemon, self.registry),
+                                   Server, handler_class=_QuietHandler)
+        self._thread = threading.Thread(target=self._server.serve_forever, name="ccprofd-metrics",
+                                        daemon=True)
+        self._thread.start()
 
     @property
     def address(self) -> tuple[str, int]:
