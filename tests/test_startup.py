@@ -1,0 +1,118 @@
+"""Start-up and exit costs of ``ccprofd trace`` (issue #16): what the command imports, what it
+re-parses at every start, and what it waits for at exit.  No timings here (shared machine):
+each test checks the mechanism that removes a cost (bench/startup.py measures the time)."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import select
+import subprocess
+import sys
+
+import pytest
+
+from ccprofd.persist.cache import AnalysisCache
+from ccprofd.tracing.symbols import ModuleSymbols
+from tests.conftest import require_tool
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_trace_arguments_parse_without_the_other_commands_modules() -> None:
+    """learn/detect/model/run register through modules that import the anomaly model and the
+    daemon's configuration (~0.1 s): `ccprofd trace` must not pay for them; the full parser
+    (`ccprofd --help`) still lists them."""
+    code = ("import sys\n"
+            "from ccprofd.cli.main import build_parser\n"
+            "a = build_parser('trace').parse_args(['trace', '--', '/bin/true'])\n"
+            "assert a.func.__name__ == 'cmd_trace'\n"
+            "heavy = {'ccprofd.cli.daemon', 'ccprofd.cli.anomaly', 'ccprofd.daemon.config',\n"
+            "         'ccprofd.anomaly.detector'} & set(sys.modules)\n"
+            "print(sorted(heavy))\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+    helptext = subprocess.run([sys.executable, "-m", "ccprofd.cli", "--help"], env=env, capture_output=True,
+                              text=True, check=True).stdout
+    for command in ("trace", "learn", "detect", "model", "run", "install-service"):
+        assert command in helptext
+
+
+SYMS_C = ("int helper_fn(int x) { return x * 3; }\n"
+          "int main(int argc, char **argv) { return helper_fn(argc); }\n")
+
+
+def _nm_functions(path: pathlib.Path) -> dict[str, int]:
+    nm = require_tool("nm")
+    out = subprocess.run([nm, "--defined-only", str(path)], capture_output=True, text=True, check=True).stdout
+    return {parts[2]: int(parts[0], 16) for parts in (line.split() for line in out.splitlines())
+            if len(parts) == 3 and parts[1] in "Tt"}
+
+
+def test_module_symbols_are_cached_by_file_identity(tmp_path: pathlib.Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The symbol table of an unanalysed object (libc at the first sample in it) is parsed once
+    and then read from the checksummed cache while the file's (dev, inode, size, mtime) stay the
+    same; a rewritten file is parsed again.  Names are checked against nm."""
+    cc = require_tool("cc")
+    src = tmp_path / "s.c"
+    src.write_text(SYMS_C)
+    exe = tmp_path / "s"
+    subprocess.run([cc, "-O0", "-o", str(exe), str(src)], check=True)
+    want = _nm_functions(exe)
+    cache = AnalysisCache(tmp_path / "cache")
+
+    reads: list[str] = []
+    real_read = ModuleSymbols._read
+
+    def counting(path: str) -> list[tuple[int, int, str]]:
+        reads.append(path)
+        return real_read(path)
+
+    monkeypatch.setattr(ModuleSymbols, "_read", staticmethod(counting))
+    first = ModuleSymbols(str(exe), cache)
+    assert reads == [str(exe)]
+    second = ModuleSymbols(str(exe), cache)
+    assert reads == [str(exe)]  # from the cache: not parsed again
+    for name in ("main", "helper_fn"):
+        assert first.name_at(want[name]) == name
+        assert second.name_at(want[name]) == name
+    # Rewritten in place (same inode): the mtime/size change makes it a miss.
+    src.write_text(SYMS_C.replace("helper_fn", "other_fn"))
+    subprocess.run([cc, "-O0", "-o", str(tmp_path / "s2"), str(src)], check=True)
+    exe.write_bytes((tmp_path / "s2").read_bytes())
+    os.utime(exe, ns=(1, 1))
+    third = ModuleSymbols(str(exe), cache)
+    assert len(reads) == 2
+    assert third.name_at(_nm_functions(exe)["other_fn"]) == "other_fn"
+    # Without a cache nothing is stored or read.
+    ModuleSymbols(str(exe))
+    assert len(reads) == 3
+
+
+def _eof_within(fd: int, seconds: float) -> bool:
+    ready, _, _ = select.select([fd], [], [], seconds)
+    return bool(ready) and os.read(fd, 1) == b""
+
+
+def test_close_in_background_closes_here_and_drops_the_last_reference_soon() -> None:
+    """The fds are closed in this process at once; their last copy (the grandchild's) goes
+    soon after (EOF on a pipe's read end); the grandchild keeps no other descriptor of ours
+    (EOF on another pipe once we close its write end) and leaves no child to reap."""
+    from ccprofd.kbpf.attach import close_in_background
+
+    r, w = os.pipe()
+    r2, w2 = os.pipe()
+    try:
+        close_in_background([w])
+        with pytest.raises(OSError):
+            os.fstat(w)
+        assert _eof_within(r, 60)
+        os.close(w2)
+        assert _eof_within(r2, 60)  # before: the grandchild held our pipe open until it exited
+        with pytest.raises(ChildProcessError):
+            os.waitpid(-1, os.WNOHANG)
+    finally:
+        os.close(r)
+        os.close(r2)
