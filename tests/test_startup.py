@@ -116,3 +116,49 @@ def test_close_in_background_closes_here_and_drops_the_last_reference_soon() -> 
     finally:
         os.close(r)
         os.close(r2)
+
+
+def _ldd_path(exe: pathlib.Path, lib: str) -> str:
+    ldd = require_tool("ldd")
+    out = subprocess.run([ldd, str(exe)], capture_output=True, text=True, check=True).stdout
+    return next(os.path.realpath(line.split("=>")[1].split("(")[0].strip())
+                for line in out.splitlines() if line.strip().startswith(lib))
+
+
+def test_load_set_is_cached_and_a_new_library_earlier_in_the_search_is_seen(
+        tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The DT_NEEDED closure is kept by file identity; installing a library into a directory
+    searched before the one it was found in (RUNPATH lib1:lib2) is a miss, and the answer then
+    agrees with ldd again."""
+    from ccprofd.elf import needed
+
+    cc = require_tool("cc")
+    (tmp_path / "foo.c").write_text("int foo(void) { return 7; }\n")
+    (tmp_path / "main.c").write_text("int foo(void);\nint main(void) { return foo(); }\n")
+    for d in ("lib1", "lib2"):
+        (tmp_path / d).mkdir()
+    lib2 = tmp_path / "lib2" / "libfoo.so"
+    subprocess.run([cc, "-shared", "-fPIC", "-o", str(lib2), str(tmp_path / "foo.c")], check=True)
+    exe = tmp_path / "prog"
+    subprocess.run([cc, "-o", str(exe), str(tmp_path / "main.c"), f"-L{tmp_path / 'lib2'}", "-lfoo",
+                    "-Wl,--enable-new-dtags,-rpath,$ORIGIN/lib1:$ORIGIN/lib2"], check=True)
+    cache = AnalysisCache(tmp_path / "cache")
+    calls: list[str] = []
+    real = needed._load_set
+
+    def counting(*args: object) -> list[str]:
+        calls.append(str(args[0]))
+        return real(*args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(needed, "_load_set", counting)
+    first = needed.load_set(str(exe), cache=cache)
+    assert os.path.realpath(tmp_path / "lib2" / "libfoo.so") in first
+    assert _ldd_path(exe, "libfoo.so") in first
+    assert needed.load_set(str(exe), cache=cache) == first
+    assert len(calls) == 1  # the second answer came from the cache
+    (tmp_path / "lib1" / "libfoo.so").write_bytes((tmp_path / "lib2" / "libfoo.so").read_bytes())
+    third = needed.load_set(str(exe), cache=cache)
+    assert len(calls) == 2
+    assert os.path.realpath(tmp_path / "lib1" / "libfoo.so") in third
+    assert _ldd_path(exe, "libfoo.so") in third
+    assert os.path.realpath(tmp_path / "lib2" / "libfoo.so") not in third

@@ -3,24 +3,15 @@ binary."""
 
 from __future__ import annotations
 
-import os
 from bisect import bisect_right
 from typing import TYPE_CHECKING
+
+from ccprofd.persist.cache import file_identity
 
 if TYPE_CHECKING:
     from ccprofd.persist.cache import AnalysisCache
 
 CACHE_KIND = "symbols"
-
-
-def file_identity(path: str) -> str | None:
-    """(dev, inode, size, mtime) of ``path``: a key that changes when the file is replaced or
-    rewritten, cheap enough to check at every start-up (no read of the file)."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    return f"{st.st_dev:x}-{st.st_ino:x}-{st.st_size:x}-{st.st_mtime_ns:x}"
 
 
 def _path_digest(path: str) -> str:

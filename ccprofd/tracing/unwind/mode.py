@@ -97,7 +97,7 @@ class UnwindMode(ModeBase[UnwoundSample, tuple[int, int]]):
                                      cache=analysis_cache, load_early=True)
         self.symbolizer = UnwindSymbolizer(self.encoding, self.plan, self.sampler.module_of_key,
                                            analysis_cache)
-        for path in load_set(self.path):
+        for path in load_set(self.path, cache=analysis_cache):
             self.sampler.preload(path)
         self.sampler.attach()
         if self.options.sample_hz:
