@@ -53,6 +53,9 @@ def build_stamp(directory: Path) -> Path:
 def one_run(repo: Path, stamp: Path, env_extra: dict[str, str]) -> tuple[float, float, float]:
     """(start-up, exit, total) seconds of one ``ccprofd trace`` of ``stamp``."""
     env = {**os.environ, "PYTHONPATH": str(repo), **env_extra}
+    # As installed: modules load from bytecode (a PYTHONDONTWRITEBYTECODE=1 shell would make every
+    # run compile all of ccprofd from source, ~0.3 s, which no installed copy pays).
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
     argv = [sys.executable, "-m", "ccprofd.cli", "trace", "-o", "/dev/null", "--", str(stamp)]
     t0 = time.monotonic_ns()
     proc = subprocess.run(argv, cwd=repo, env=env, capture_output=True)

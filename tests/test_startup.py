@@ -162,3 +162,49 @@ def test_load_set_is_cached_and_a_new_library_earlier_in_the_search_is_seen(
     assert os.path.realpath(tmp_path / "lib1" / "libfoo.so") in third
     assert _ldd_path(exe, "libfoo.so") in third
     assert os.path.realpath(tmp_path / "lib2" / "libfoo.so") not in third
+
+
+def _readelf_loads(path: pathlib.Path) -> list[tuple[int, int, int, int]]:
+    readelf = require_tool("readelf")
+    out = subprocess.run([readelf, "-lW", str(path)], capture_output=True, text=True, check=True).stdout
+    rows = []
+    for line in out.splitlines():
+        parts = line.split()
+        if parts[:1] == ["LOAD"]:  # Type Offset VirtAddr PhysAddr FileSiz MemSiz Flg Align
+            rows.append((int(parts[2], 16), int(parts[5], 16), int(parts[1], 16), int(parts[4], 16)))
+    return rows
+
+
+def test_object_facts_and_table_are_cached_by_file_identity(tmp_path: pathlib.Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mapped object's PT_LOAD segments, build-id and unwind table come from the cache without
+    parsing the object while its (dev, inode, size, mtime) stay the same (libc and ld.so at every
+    start-up); a rewritten object is parsed again.  Segments checked against readelf."""
+    from ccprofd.tracing.unwind import tables
+
+    cc = require_tool("cc")
+    src = tmp_path / "f.c"
+    src.write_text(SYMS_C)
+    exe = tmp_path / "f"
+    subprocess.run([cc, "-O1", "-Wl,--build-id", "-o", str(exe), str(src)], check=True)
+    cache = AnalysisCache(tmp_path / "cache")
+    parsed: list[str] = []
+    real_image = tables.ElfImage
+
+    def counting(path: str) -> object:
+        parsed.append(path)
+        return real_image(path)
+
+    monkeypatch.setattr(tables, "ElfImage", counting)
+    facts, table = tables.object_facts(str(exe), cache)
+    assert parsed == [str(exe)] and facts is not None and table is not None
+    again, table2 = tables.object_facts(str(exe), cache)
+    assert parsed == [str(exe)]  # from the cache: not parsed
+    assert again == facts and table2 is not None and table2.starts == table.starts
+    assert [s[:4] for s in facts.segments] == _readelf_loads(exe)
+    notes = subprocess.run([require_tool("readelf"), "-n", str(exe)], capture_output=True, text=True,
+                           check=True).stdout
+    assert facts.build_id is not None and f"Build ID: {facts.build_id}" in notes
+    exe.write_bytes(exe.read_bytes() + b"\0" * 16)  # same inode, new size and mtime
+    third, _ = tables.object_facts(str(exe), cache)
+    assert len(parsed) == 2 and third is not None and third.content_hash != facts.content_hash
