@@ -208,3 +208,57 @@ def test_object_facts_and_table_are_cached_by_file_identity(tmp_path: pathlib.Pa
     exe.write_bytes(exe.read_bytes() + b"\0" * 16)  # same inode, new size and mtime
     third, _ = tables.object_facts(str(exe), cache)
     assert len(parsed) == 2 and third is not None and third.content_hash != facts.content_hash
+
+
+def _elftools_function_symbols(path: str) -> list[tuple[int, int, str]]:
+    """The same rows read with pyelftools (what ModuleSymbols used before, except that pyelftools
+    names STT_GNU_IFUNC (10) STT_LOOS, so the old reader missed libc's IFUNCs such as memchr)."""
+    from elftools.elf.elffile import ELFFile
+
+    rows: dict[int, tuple[int, int, str]] = {}
+    with open(path, "rb") as fh:
+        elf = ELFFile(fh)
+        for name in (".dynsym", ".symtab"):
+            sec = elf.get_section_by_name(name)
+            if sec is None or not hasattr(sec, "iter_symbols"):
+                continue
+            for sym in sec.iter_symbols():
+                if sym["st_info"]["type"] not in ("STT_FUNC", "STT_GNU_IFUNC", "STT_LOOS") or not sym.name:
+                    continue
+                lo, size = int(sym["st_value"]), int(sym["st_size"])
+                if size <= 0 or sym["st_shndx"] == "SHN_UNDEF":
+                    continue
+                old = rows.get(lo)
+                if old is None or (old[2].startswith("_") and not sym.name.startswith("_")):
+                    rows[lo] = (lo, lo + size, sym.name)
+    return sorted(rows.values())
+
+
+@pytest.mark.parametrize("path", ["/usr/lib/x86_64-linux-gnu/libc.so.6",
+                                  "/usr/lib/x86_64-linux-gnu/ld-linux-x86-64.so.2",
+                                  "/usr/bin/python3.11", "/bin/bash", "self"])
+def test_struct_symbol_reader_agrees_with_pyelftools(path: str, tmp_path: pathlib.Path) -> None:
+    """ModuleSymbols' struct reader (fast enough for a cold trace's first sample in libc) gives
+    the rows pyelftools gives, on system objects (.dynsym only or .symtab too) and a fresh -O0
+    build with a full .symtab; a truncated copy gives no rows and no exception."""
+    from ccprofd.tracing.symbols import ModuleSymbols
+
+    if path == "self":
+        src = tmp_path / "s.c"
+        src.write_text(SYMS_C)
+        path = str(tmp_path / "s")
+        subprocess.run([require_tool("cc"), "-O0", "-o", path, str(src)], check=True)
+    if not os.path.exists(path):
+        pytest.skip(f"{path} not on this system")
+    want = _elftools_function_symbols(path)
+    assert want, path
+    assert sorted(ModuleSymbols._read(path)) == want
+    if path.endswith("libc.so.6"):  # an IFUNC by nm (type "i") is named
+        nm = subprocess.run([require_tool("nm"), "-D", "--defined-only", path], capture_output=True,
+                            text=True, check=True).stdout
+        ifunc = {p[2].split("@")[0]: int(p[0], 16) for p in (line.split() for line in nm.splitlines())
+                 if len(p) == 3 and p[1] == "i"}
+        assert "memchr" in ifunc and (ifunc["memchr"], "memchr") in {(r[0], r[2]) for r in want}
+    cut = tmp_path / "cut"
+    cut.write_bytes(pathlib.Path(path).read_bytes()[:100])
+    assert ModuleSymbols._read(str(cut)) == []
