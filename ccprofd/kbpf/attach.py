@@ -154,19 +154,35 @@ def close_in_background(fds: Sequence[int]) -> None:
     fds = [fd for fd in fds if fd >= 0]
     if not fds:
         return
-    keep = set(fds)
     try:
-        pid = os.fork()
+        ready_r, ready_w = os.pipe()  # EOF once this process and the child have closed their copies
     except OSError:
-        pid = -1
+        ready_r = ready_w = -1
+    pid = -1
+    if ready_r >= 0:
+        try:
+            pid = os.fork()
+        except OSError:
+            pid = -1
     if pid == 0:  # pragma: no cover - runs in the child
         try:
             if os.fork() == 0:  # the grandchild: reparented to init (or a subreaper) when we exit
                 os.setsid()
+                keep = {*fds, ready_r}
                 for fd in _open_fds():
                     if fd not in keep:
                         with contextlib.suppress(OSError):
                             os.close(fd)
+                # Wait until every other copy is closed, so this one is the last (closing a copy
+                # that is not the last is quick): otherwise the child or our caller could be
+                # left holding the last one, and wait for the grace periods after all.
+                with contextlib.suppress(OSError):
+                    while os.read(ready_r, 1):
+                        pass
+                for fd in fds:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+            else:
                 for fd in fds:
                     with contextlib.suppress(OSError):
                         os.close(fd)
@@ -175,6 +191,10 @@ def close_in_background(fds: Sequence[int]) -> None:
     for fd in fds:
         with contextlib.suppress(OSError):
             os.close(fd)  # a duplicate when the fork worked: returns at once
+    for fd in (ready_r, ready_w):
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)  # the write end last: it releases the grandchild
     if pid > 0:
         with contextlib.suppress(ChildProcessError):
             os.waitpid(pid, 0)
