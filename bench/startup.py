@@ -66,23 +66,31 @@ def one_run(repo: Path, stamp: Path, env_extra: dict[str, str]) -> tuple[float, 
     return (stamped - t0) / 1e9, (t1 - stamped) / 1e9, (t1 - t0) / 1e9
 
 
-def measure(repo: Path, stamp: Path, runs: int, scratch: Path) -> dict[str, tuple[float, float, float]]:
-    """Medians of (start-up, exit, total) per case for the checkout ``repo``."""
-    warm = scratch / f"warm-{abs(hash(str(repo)))}"
-    shutil.rmtree(warm, ignore_errors=True)
-    warm_env = {"CCPROFD_CACHE_DIR": str(warm)}  # compiled objects go to <analysis cache>/bpf
-    one_run(repo, stamp, warm_env)  # fills both caches
-    cases: dict[str, list[tuple[float, float, float]]] = {"cached": [], "cold, BPF cached": [], "cold": []}
+CASES = ("cached", "cold, BPF cached", "cold")
+
+
+def measure(repos: list[tuple[str, Path]], stamp: Path, runs: int,
+            scratch: Path) -> dict[str, dict[str, tuple[float, float, float]]]:
+    """Medians of (start-up, exit, total) per checkout and case.  The checkouts take turns run by
+    run (a shared machine's load changes over minutes: it then weighs on both alike)."""
+    warm: dict[str, Path] = {}
+    for label, repo in repos:
+        warm[label] = scratch / f"warm-{len(warm)}"
+        one_run(repo, stamp, {"CCPROFD_CACHE_DIR": str(warm[label])})  # fills both caches
+    got: dict[str, dict[str, list[tuple[float, float, float]]]] = {
+        label: {case: [] for case in CASES} for label, _ in repos}
     for _ in range(runs):
-        cases["cached"].append(one_run(repo, stamp, warm_env))
-        for case in ("cold, BPF cached", "cold"):
-            fresh = Path(tempfile.mkdtemp(dir=scratch))
-            if case == "cold, BPF cached":
-                shutil.copytree(warm / "bpf", fresh / "bpf")
-            cases[case].append(one_run(repo, stamp, {"CCPROFD_CACHE_DIR": str(fresh)}))
-            shutil.rmtree(fresh, ignore_errors=True)
-    return {case: tuple(statistics.median(r[i] for r in rs) for i in range(3))  # type: ignore[misc]
-            for case, rs in cases.items()}
+        for label, repo in repos:
+            # compiled objects go to <analysis cache>/bpf
+            got[label]["cached"].append(one_run(repo, stamp, {"CCPROFD_CACHE_DIR": str(warm[label])}))
+            for case in ("cold, BPF cached", "cold"):
+                fresh = Path(tempfile.mkdtemp(dir=scratch))
+                if case == "cold, BPF cached":
+                    shutil.copytree(warm[label] / "bpf", fresh / "bpf")
+                got[label][case].append(one_run(repo, stamp, {"CCPROFD_CACHE_DIR": str(fresh)}))
+                shutil.rmtree(fresh, ignore_errors=True)
+    return {label: {case: tuple(statistics.median(r[i] for r in rs) for i in range(3))  # type: ignore[misc]
+                    for case, rs in cases.items()} for label, cases in got.items()}
 
 
 def main() -> int:
@@ -99,8 +107,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="ccprofd-startup-") as tmp:
         scratch = Path(tmp)
         stamp = build_stamp(scratch)
-        results = {label: measure(repo, stamp, args.runs, scratch) for label, repo in repos}
-    lines = [f"Measured on {machine_line()}; median of {args.runs} runs, each a fresh process.", "",
+        results = measure(repos, stamp, args.runs, scratch)
+    lines = [f"Measured on {machine_line()}; median of {args.runs} runs, each a fresh process, "
+             "the versions taking turns.", "",
              "| version | case | start-up (spawn → target's main) | exit (target's main → ccprofd gone) "
              "| total |",
              "|---|---|---|---|---|"]
