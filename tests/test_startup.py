@@ -262,3 +262,22 @@ def test_struct_symbol_reader_agrees_with_pyelftools(path: str, tmp_path: pathli
     cut = tmp_path / "cut"
     cut.write_bytes(pathlib.Path(path).read_bytes()[:100])
     assert ModuleSymbols._read(str(cut)) == []
+
+
+def test_kernel_btf_offsets_are_kept_beside_the_bpf_objects(tmp_path: pathlib.Path) -> None:
+    """The exec-target offsets from the kernel's BTF are an input of the BPF text (the object
+    cache key needs them) and depend on the kernel only: they are kept in ``<cache>/bpf`` with
+    the compiled objects, so an emptied analysis cache with the objects kept does not walk the
+    BTF again; the defines are those of the blob (bpftool-checked in test_warm_start)."""
+    from ccprofd.kbpf import btf as kbtf
+    from ccprofd.tracing.syscall_sampler import exec_target_source
+
+    if not os.path.exists(kbtf.VMLINUX_BTF):
+        pytest.skip("no kernel BTF")
+    kbtf._cached_offsets.cache_clear()
+    text = exec_target_source(tmp_path / "analysis")
+    assert list((tmp_path / "analysis" / "bpf" / kbtf.CACHE_KIND).iterdir())
+    assert not (tmp_path / "analysis" / kbtf.CACHE_KIND).exists()
+    want = kbtf.offsets_via_cache(pathlib.Path(kbtf.VMLINUX_BTF).read_bytes(), tmp_path / "other")
+    for name, value in want.items():
+        assert f"#define {name} {value}\n" in text
