@@ -113,6 +113,9 @@ def cmd_trace(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise UsageError(f"cannot write {args.output}: {exc.strerror}") from None
     writer = writer_for(args.format, out, timestamps=args.timestamps)
+    from ccprofd.kbpf.rawmodule import close_tracepoints_in_background
+
+    close_tracepoints_in_background()  # we exit right after detaching: do not wait for RCU
     try:
         try:
             session = open_session(command, options=options) if command else attach_session(pids, options)
@@ -140,7 +143,14 @@ def _trace_expression(expr: str | None, syscalls: str | None) -> str:
 
 
 # ---------------------------------------------------------------------------------------- main
-def build_parser() -> argparse.ArgumentParser:
+# Commands registered here; the others (learn, detect, model, run, install-service) import their
+# modules to register, which costs ~0.1 s of start-up that `ccprofd trace` does not need.
+_OWN_COMMANDS = ("analyze", "trace")
+
+
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; ``command`` (one of :data:`_OWN_COMMANDS`, the first argument): only what
+    parsing that command needs."""
     parser = _Parser(
         prog="ccprofd",
         description="Calling-context profiler daemon: which exact chain of calls reached each syscall "
@@ -214,6 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("command", nargs=argparse.REMAINDER, metavar="-- CMD [ARGS...]",
                     help="the command to run traced")
     tr.set_defaults(func=cmd_trace)
+    if command in _OWN_COMMANDS:
+        return parser
 
     from ccprofd.cli.anomaly import add_commands as add_anomaly_commands
 
@@ -232,8 +244,9 @@ def _path_arg(value: str) -> Any:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    args_in = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser(args_in[0] if args_in else None)
+    args = parser.parse_args(args_in)
     if not getattr(args, "func", None):
         parser.print_help(sys.stderr)
         return EXIT_USAGE

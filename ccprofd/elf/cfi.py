@@ -557,6 +557,21 @@ def cache_key(image: ElfImage) -> str:
     return f"h{image.content_hash}"
 
 
+def cached_table(content_hash: str, path: str, cache: AnalysisCache) -> UnwindTable | None:
+    """The cached unwind table of the object whose content hash is ``content_hash`` (None: not
+    cached), without reading the object: a caller that knows the hash (kept by file identity)
+    skips parsing it at all."""
+    plain = cache.load(CACHE_KIND, f"h{content_hash}")
+    if isinstance(plain, dict) and plain.get("format") == TABLE_FORMAT:
+        try:
+            table = UnwindTable.from_plain(plain)
+            table.path = path
+            return table
+        except (KeyError, TypeError, ValueError, IndexError):
+            pass  # an entry of the right format but not a table: a miss
+    return None
+
+
 def load_table(path: str | os.PathLike[str], cache: AnalysisCache | None = None,
                image: ElfImage | None = None) -> UnwindTable:
     """The unwind table of the ELF at ``path``, from the cache when it has it (:class:`BinaryError`
@@ -564,14 +579,9 @@ def load_table(path: str | os.PathLike[str], cache: AnalysisCache | None = None,
     img = image if image is not None else ElfImage(os.fspath(path))
     cache = cache if cache is not None else AnalysisCache()
     key = cache_key(img)
-    plain = cache.load(CACHE_KIND, key)
-    if isinstance(plain, dict) and plain.get("format") == TABLE_FORMAT:
-        try:
-            table = UnwindTable.from_plain(plain)
-            table.path = img.path
-            return table
-        except (KeyError, TypeError, ValueError, IndexError):
-            pass  # an entry of the right format but not a table: built again below
+    hit = cached_table(img.content_hash, img.path, cache)
+    if hit is not None:
+        return hit
     table = build_table(img)
     cache.store(CACHE_KIND, key, table.to_plain())
     return table

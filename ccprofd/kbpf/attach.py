@@ -8,9 +8,11 @@ after the owning process dies.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import fcntl
 import os
+from collections.abc import Sequence
 
 from ccprofd.kbpf import rawbpf
 from ccprofd.kbpf.abi import (
@@ -135,3 +137,71 @@ def attach_uprobe_fd(prog_fd: int, path: str, offset: int, *, pid: int = -1, ret
 __all__ = ["attach_raw_tracepoint_fd", "attach_tracepoint_fd", "attach_uprobe_fd", "online_cpus",
            "perf_event_open", "perf_event_open_cpu_clock", "perf_event_set_bpf",
            "uprobe_pmu"]
+
+
+# ------------------------------------------------------------------------- detaching at exit
+def close_in_background(fds: Sequence[int]) -> None:
+    """Close ``fds`` here at once and leave their *last* reference to a short-lived grandchild
+    that closes them and exits.
+
+    Closing a tracepoint perf event whose program is the last on it waits for RCU grace periods
+    (~30-90 ms each here, ~0.35 s for a trace's six sched tracepoints); a command that is about to
+    exit need not wait for that.  Only for attachments whose programs do nothing once the caller
+    has emptied their maps (the kernel detaches when the grandchild's copy is closed).  The
+    grandchild first closes every other descriptor, so it keeps no pipe (a reader of our stdout
+    sees EOF when we exit) and no last reference to anything else.  If fork fails the fds are
+    closed here."""
+    fds = [fd for fd in fds if fd >= 0]
+    if not fds:
+        return
+    try:
+        ready_r, ready_w = os.pipe()  # EOF once this process and the child have closed their copies
+    except OSError:
+        ready_r = ready_w = -1
+    pid = -1
+    if ready_r >= 0:
+        try:
+            pid = os.fork()
+        except OSError:
+            pid = -1
+    if pid == 0:  # pragma: no cover - runs in the child
+        try:
+            if os.fork() == 0:  # the grandchild: reparented to init (or a subreaper) when we exit
+                os.setsid()
+                keep = {*fds, ready_r}
+                for fd in _open_fds():
+                    if fd not in keep:
+                        with contextlib.suppress(OSError):
+                            os.close(fd)
+                # Wait until every other copy is closed, so this one is the last (closing a copy
+                # that is not the last is quick): otherwise the child or our caller could be
+                # left holding the last one, and wait for the grace periods after all.
+                with contextlib.suppress(OSError):
+                    while os.read(ready_r, 1):
+                        pass
+                for fd in fds:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+            else:
+                for fd in fds:
+                    with contextlib.suppress(OSError):
+                        os.close(fd)
+        finally:
+            os._exit(0)
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)  # a duplicate when the fork worked: returns at once
+    for fd in (ready_r, ready_w):
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)  # the write end last: it releases the grandchild
+    if pid > 0:
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+
+
+def _open_fds() -> list[int]:
+    try:
+        return [int(n) for n in os.listdir("/proc/self/fd")]
+    except OSError:
+        return list(range(3, os.sysconf("SC_OPEN_MAX") if os.sysconf("SC_OPEN_MAX") > 0 else 1024))

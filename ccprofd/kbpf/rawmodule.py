@@ -37,6 +37,18 @@ from ccprofd.kbpf.tracefs import tracepoint_id
 
 ProgType = Literal["kprobe", "tracepoint", "raw_tracepoint", "perf_event"]
 PROG_TYPES: dict[str, int] = {"kprobe": 2, "tracepoint": 5, "perf_event": 7, "raw_tracepoint": 17}
+# Set by a command that exits right after tracing (``ccprofd trace``): tracepoint attachments are
+# then closed by a short-lived grandchild (:func:`ccprofd.kbpf.attach.close_in_background`), so
+# the command does not wait ~0.35 s of RCU grace periods at exit.  Off for long-lived callers.
+BACKGROUND_TRACEPOINT_CLOSE = False
+
+
+def close_tracepoints_in_background(on: bool = True) -> None:
+    """See :data:`BACKGROUND_TRACEPOINT_CLOSE`."""
+    global BACKGROUND_TRACEPOINT_CLOSE
+    BACKGROUND_TRACEPOINT_CLOSE = on
+
+
 PERF_TYPE_SOFTWARE = _attach.PERF_TYPE_SOFTWARE
 PERF_COUNT_SW_CPU_CLOCK = _attach.PERF_COUNT_SW_CPU_CLOCK
 
@@ -62,6 +74,7 @@ class RawModule:
         self._maps: dict[str, RawMap] = {}
         self._progs: dict[tuple[str, int, int], int] = {}
         self._attach_fds: list[int] = []
+        self._tp_fds: list[int] = []  # tracepoint perf events (also in _attach_fds)
         self._raw_tps: dict[str, list[int]] = {}
         self._rings = RingBufferSet()
         try:
@@ -99,7 +112,9 @@ class RawModule:
         """Attach ``fn_name`` to ``category:event``."""
         tracepoint_id(tp)  # a bad name fails here, before the program is verified
         fd = self.load_func(fn_name, "tracepoint")
-        self._attach_fds.append(_attach.attach_tracepoint_fd(fd, tp))
+        tp_fd = _attach.attach_tracepoint_fd(fd, tp)
+        self._attach_fds.append(tp_fd)
+        self._tp_fds.append(tp_fd)
 
     def attach_raw_tracepoint(self, tp: str, fn_name: str) -> None:
         """Attach ``fn_name`` to raw tracepoint ``tp`` (e.g. ``sys_enter``)."""
@@ -199,23 +214,31 @@ class RawModule:
     def detach(self) -> None:
         """Detach every attachment (no program runs from here on) but keep maps and ring buffers,
         so what is already recorded can still be read; :meth:`cleanup` closes the rest."""
+        self._close_attachments()
+
+    def _close_attachments(self) -> None:
+        """Close every attachment; tracepoints in the background when so configured (the other
+        attachments first, so programs that make samples stop before this returns)."""
+        later = set(self._tp_fds) if BACKGROUND_TRACEPOINT_CLOSE else set()
         fds = [*self._attach_fds, *(fd for fds in self._raw_tps.values() for fd in fds)]
         self._attach_fds.clear()
+        self._tp_fds.clear()
         self._raw_tps.clear()
         for fd in fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
+            if fd not in later:
+                with contextlib.suppress(OSError):
+                    os.close(fd)
+        if later:
+            _attach.close_in_background(sorted(later))
 
     def cleanup(self) -> None:
         """Detach everything attached through this module and close it (idempotent)."""
         if self._closed:
             return
         self._closed = True
-        fds = [*self._attach_fds, *(fd for fds in self._raw_tps.values() for fd in fds)]
-        self._attach_fds.clear()
-        self._raw_tps.clear()
+        self._close_attachments()
         self._rings.close()
-        for fd in [*fds, *self._progs.values(), *self._map_fds.values()]:
+        for fd in [*self._progs.values(), *self._map_fds.values()]:
             with contextlib.suppress(OSError):
                 os.close(fd)
         self._progs.clear()

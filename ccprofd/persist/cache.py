@@ -29,6 +29,17 @@ _DIGEST = 32  # SHA-256 of the payload, after the magic
 log = logging.getLogger("ccprofd")
 
 
+def file_identity(path: str) -> str | None:
+    """(dev, inode, size, mtime) of ``path`` as a key part: it changes when the file is replaced
+    or rewritten, and checking it reads no byte of the file (for entries about system files that
+    every start-up would otherwise re-parse: libc's symbols, a binary's DT_NEEDED closure)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return f"{st.st_dev:x}-{st.st_ino:x}-{st.st_size:x}-{st.st_mtime_ns:x}"
+
+
 def default_cache_dir() -> Path:
     env = os.environ.get("CCPROFD_CACHE_DIR")
     if env:

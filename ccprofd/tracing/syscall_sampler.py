@@ -90,12 +90,16 @@ def monotonic_to_realtime_ns(mono_ns: int) -> int:
 
 def exec_target_source(cache_dir: str | os.PathLike[str] | None = None) -> str:
     """exec_target.c with the kernel struct offsets it needs (from the running kernel's BTF, cached
-    under ``cache_dir``); without BTF the offsets are left out and no exec matches (processes are
-    then found by rescans only)."""
+    beside the compiled BPF objects, ``<cache_dir>/bpf``: like them they depend on the kernel only,
+    and the object cache key needs this text, so a fresh analysis cache with the objects kept
+    does not walk the BTF again, ~0.8 s); without BTF the offsets are left out and no exec matches
+    (processes are then found by rescans only)."""
     from ccprofd.kbpf.btf import BTFError, exe_inode_offsets
+    from ccprofd.kbpf.objcache import default_cache_dir
 
+    bpf_dir = cache_dir_under(cache_dir) if cache_dir is not None else default_cache_dir()
     try:
-        defines = "".join(f"#define {k} {v}\n" for k, v in exe_inode_offsets(cache_dir).items())
+        defines = "".join(f"#define {k} {v}\n" for k, v in exe_inode_offsets(bpf_dir).items())
     except BTFError:
         defines = ""
     return defines + Path(__file__).with_name(EXEC_TARGET_SOURCE).read_text(encoding="utf-8")

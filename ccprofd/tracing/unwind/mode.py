@@ -92,10 +92,12 @@ class UnwindMode(ModeBase[UnwoundSample, tuple[int, int]]):
         except UnwindPlanError as exc:
             raise TraceError(str(exc)) from None
         self.build_id = graph.binary.build_id
+        analysis_cache = AnalysisCache(cache)
         self.sampler = UnwindSampler(syscalls=nrs, aggregate=True, emit_hits=True, encoding=self.encoding,
-                                     cache=AnalysisCache(cache), load_early=True)
-        self.symbolizer = UnwindSymbolizer(self.encoding, self.plan, self.sampler.module_of_key)
-        for path in load_set(self.path):
+                                     cache=analysis_cache, load_early=True)
+        self.symbolizer = UnwindSymbolizer(self.encoding, self.plan, self.sampler.module_of_key,
+                                           analysis_cache)
+        for path in load_set(self.path, cache=analysis_cache):
             self.sampler.preload(path)
         self.sampler.attach()
         if self.options.sample_hz:

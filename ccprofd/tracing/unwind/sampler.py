@@ -503,6 +503,10 @@ class UnwindSampler:
         until :meth:`close`, so what was recorded can still be read and decoded."""
         with contextlib.suppress(BPFError):
             self._m["exec_targets"].clear()
+        # No more holds at exec either: the sched tracepoints may be closed in the background
+        # (rawmodule.BACKGROUND_TRACEPOINT_CLOSE) and uw_exec runs until then.
+        with contextlib.suppress(BPFError):
+            self._m["uw_stop"].clear()
         for fd in self._perf_fds + self._links:
             with contextlib.suppress(OSError):
                 os.close(fd)

@@ -12,6 +12,7 @@ from ccprofd.decode import CachingDecoder, DecodeError, UnknownCaller, decoder_f
 from ccprofd.encode import Encoder
 from ccprofd.encode.plan import COL
 from ccprofd.encode.segments import OUTSIDE, EncodedState, Segment
+from ccprofd.persist.cache import AnalysisCache
 from ccprofd.tracing.frames import Decoded, Frame, demangle
 from ccprofd.tracing.symbols import ModuleSymbols
 from ccprofd.tracing.unwind.constants import (
@@ -30,8 +31,10 @@ class UnwindSymbolizer:
     """Decodes encoded records of one analysed binary into issue-4 frames (cached per context)."""
 
     def __init__(self, encoding: UnwindEncoding, plan: Mapping[str, Any],
-                 module_of_key: Any) -> None:
+                 module_of_key: Any, cache: AnalysisCache | None = None) -> None:
+        """``cache``: where the symbol tables of unanalysed objects are kept (by file identity)."""
         self.enc = encoding
+        self.cache = cache
         self.plan = plan
         # Each new kernel context is decoded once (hits reuse the result, tracing/kernelcounts.py), so
         # this cache only catches a state seen under another key: small, it bounds memory in a
@@ -76,7 +79,7 @@ class UnwindSymbolizer:
         path, build_id, readable = mod
         syms = self._symbols.get(readable)
         if syms is None:
-            syms = self._symbols[readable] = ModuleSymbols(readable)
+            syms = self._symbols[readable] = ModuleSymbols(readable, self.cache)
         name = syms.name_at(vaddr if exact else vaddr - 1)
         if name is not None and name.startswith("_Z"):
             name = demangle([name]).get(name, name)

@@ -8,6 +8,7 @@ against the ctypes types bcc derives from the C declarations.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 from array import array
@@ -16,13 +17,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ccprofd.elf import cfi
-from ccprofd.elf.addrspace import AddressSpace
+from ccprofd.elf.addrspace import AddressSpace, Segment
 from ccprofd.elf.errors import BinaryError
 from ccprofd.elf.image import ElfImage
 from ccprofd.kbpf import rawbpf
 from ccprofd.kbpf.errors import BPFError
 from ccprofd.kbpf.rawmodule import RawModule
-from ccprofd.persist.cache import AnalysisCache
+from ccprofd.persist.cache import AnalysisCache, file_identity
 from ccprofd.proc.maps import ModuleMapping, ProcessMaps
 from ccprofd.proc.vdso import VDSO_PATH, VdsoImages
 from ccprofd.tracing.unwind.plan import UNWIND_ENCODING_VERSION, UnwindEncoding
@@ -35,6 +36,31 @@ RULE_STRUCT = struct.Struct("<BBBxiii")  # struct uw_rule
 UE_FUNC_STRUCT = struct.Struct("<IIII")  # struct ue_func
 UE_EDGE_KEY_STRUCT = struct.Struct("<QII")  # struct ue_edge_key
 PACK_VERSION = 1  # bump when a layout above (or its packing) changes
+FACTS_KIND = "object-facts"  # ObjectFacts by file identity
+
+
+@dataclass(frozen=True)
+class ObjectFacts:
+    """What the unwinder needs of a mapped object besides its table: kept by file identity so
+    that a cached start-up parses no ELF header of libc or ld.so."""
+
+    path: str
+    build_id: str | None
+    content_hash: str
+    segments: list[tuple[int, int, int, int, int]]  # PT_LOAD (vaddr, memsz, offset, filesz, flags)
+
+    def to_plain(self) -> dict[str, Any]:
+        return {"path": self.path, "build_id": self.build_id, "hash": self.content_hash,
+                "segments": [list(s) for s in self.segments]}
+
+    @staticmethod
+    def from_plain(d: Any) -> ObjectFacts | None:
+        try:
+            segs = [(int(a), int(b), int(c), int(e), int(f)) for a, b, c, e, f in d["segments"]]
+            bid = d["build_id"]
+            return ObjectFacts(str(d["path"]), None if bid is None else str(bid), str(d["hash"]), segs)
+        except (TypeError, KeyError, ValueError):
+            return None
 assert array("I").itemsize == 4 and array("Q").itemsize == 8
 
 
@@ -139,6 +165,34 @@ class LoadedModule:
     readable: str = ""  # where to read the file from here once the process is gone
 
 
+def object_facts(path: str, cache: AnalysisCache) -> tuple[ObjectFacts | None, cfi.UnwindTable | None]:
+    """(facts, table) of the object at ``path`` (None, None: not a usable ELF; a None table:
+    its CFI cannot be read): from the cache by file identity when both its facts and its table
+    are there (no byte of the object read: libc and ld.so at every start-up), else from one
+    parse (and then cached)."""
+    ident = file_identity(path)
+    key = f"{ident}-{hashlib.sha256(os.path.abspath(path).encode()).hexdigest()[:16]}"
+    if ident is not None:
+        facts = ObjectFacts.from_plain(cache.load(FACTS_KIND, key))
+        if facts is not None and facts.path == os.path.abspath(path):
+            table = cfi.cached_table(facts.content_hash, facts.path, cache)
+            if table is not None:
+                return facts, table
+    try:
+        image = ElfImage(path)
+    except BinaryError:
+        return None, None
+    segs = [(s.vaddr, s.memsz, s.offset, s.filesz, s.flags) for s in image.addrspace.segments]
+    facts = ObjectFacts(image.path, image.build_id(), image.content_hash, segs)
+    try:
+        table = cfi.load_table(path, cache, image)
+    except BinaryError:
+        return facts, None  # corrupt CFI: unwinding through it is flagged no_table
+    if ident is not None and file_identity(path) == ident:
+        cache.store(FACTS_KIND, key, facts.to_plain())
+    return facts, table
+
+
 class ModuleTables:
     """The unwind tables of every object the tracked processes map, in the BPF maps: each file's
     CFI rows (cached by build-id, shared between files with the same build-id and rows), the rule
@@ -199,16 +253,11 @@ class ModuleTables:
         return maps
 
     def _load(self, path: str, ident: tuple[int, int, int, int]) -> LoadedModule | None:
-        try:
-            image = ElfImage(path)
-        except BinaryError:
+        facts, table = object_facts(path, self.cache)
+        if facts is None:
             return None
-        table: cfi.UnwindTable | None
-        try:
-            table = cfi.load_table(path, self.cache, image)
-        except BinaryError:
-            table = None  # corrupt CFI: unwinding through it is flagged no_table
-        mod = LoadedModule(NO_MODULE, image.path, image.build_id(), image.addrspace, table)
+        mod = LoadedModule(NO_MODULE, facts.path, facts.build_id,
+                           AddressSpace([Segment(*seg) for seg in facts.segments]), table)
         mod.view_path = process_view(path, self.proc_root)
         # read it later (symbols) from the path the process uses when that is the same file here
         mod.readable = mod.view_path if _same_file(mod.view_path, path) else path
