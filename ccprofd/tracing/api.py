@@ -73,12 +73,17 @@ class TraceSample:
     frames: list[dict[str, Any]] = field(default_factory=list)
     #: Cheap syscall arguments, e.g. {"path": ...} for open*/execve* (absent when unknown).
     args: dict[str, str] | None = None
+    #: The syscall's argument registers at entry as unsigned 64-bit words, as many as it takes when
+    #: kbpf/syscalls.SYSCALL_ARGS knows it (else all six); None for CPU samples and old records.
+    raw_args: tuple[int, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"time_ns": self.time_ns, "pid": self.pid, "tid": self.tid, "event": self.event,
                                "syscall": self.syscall, "complete": self.complete, "frames": self.frames}
         if self.args:
             out["args"] = self.args
+        if self.raw_args is not None:
+            out["raw_args"] = list(self.raw_args)
         return out
 
 

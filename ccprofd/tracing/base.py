@@ -7,12 +7,13 @@ reader.  A mode supplies how to receive, classify and decode its own records
 
 from __future__ import annotations
 
+import functools
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Mapping
 from typing import Any, Generic, Protocol, TypeVar
 
-from ccprofd.kbpf.syscalls import syscall_name
+from ccprofd.kbpf.syscalls import syscall_arg_kinds, syscall_name
 from ccprofd.tracing.api import TraceOptions, TraceSample, path_args
 from ccprofd.tracing.frames import Decoded
 from ccprofd.tracing.kernelcounts import KernelCounts
@@ -27,6 +28,13 @@ LOST_DECODED = Decoded([], False, LOST_CONTEXT)
 
 # Record kinds (ModeBase._kind).
 SIDE, PLAIN, NEW, HIT = range(4)
+
+
+@functools.cache
+def _arg_count(name: str | None) -> int:
+    """How many argument words a sample of syscall ``name`` keeps (all six when it is unknown)."""
+    kinds = syscall_arg_kinds(name)
+    return 6 if kinds is None else len(kinds)
 
 
 class ContextReader(Protocol):
@@ -93,10 +101,11 @@ class ModeBase(ABC, Generic[Record, Key]):
     # --------------------------------------------------------------------------- shared part
     @staticmethod
     def trace_sample(r_time: int, pid: int, tid: int, event: str, nr: int | None, d: Decoded,
-                     arg: str | None = None) -> TraceSample:
+                     arg: str | None = None, sargs: tuple[int, ...] | None = None) -> TraceSample:
         name = syscall_name(nr)
         return TraceSample(r_time, pid, tid, event, name, d.complete, d.json_frames(),
-                           path_args(name, arg) if arg is not None else None)
+                           path_args(name, arg) if arg is not None else None,
+                           None if sargs is None or nr is None else sargs[:_arg_count(name)])
 
     def poll(self, timeout_ms: int) -> list[TraceSample]:
         return self._poll_decoded(timeout_ms, in_kernel=False)[0]

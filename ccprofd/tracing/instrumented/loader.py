@@ -177,6 +177,8 @@ class RawContext:
     pairs: tuple[tuple[tuple[int, ...], int], ...] = field(default=())
     agg: int = AGG_NONE  # aggregate mode: AGG_NEW (counted in the kernel under ctx_id) or AGG_UNAGGREGATED
     ctx_id: int = 0
+    #: The six argument registers at syscall entry (rdi, rsi, rdx, r10, r8, r9); None for CPU samples.
+    sargs: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +193,7 @@ class RawHit:
     syscall: int | None
     ctx_id: int
     arg: str | None = None
+    sargs: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,7 +292,7 @@ class SampleLayout:
         self.scheme = scheme
         self.emit_segs = emit_segs
         self.rec_words = rec_emit_words
-        self._rec = struct.Struct("<QIIiIQQIIII")  # up to arg
+        self._rec = struct.Struct("<QIIiIQQIIII6Q")  # up to arg
         self._head = struct.Struct("<8IQ")
         self._acyc = struct.Struct(f"<{acyc_words}Q")
         self._seg = struct.Struct(f"<{acyc_words}Q4I")
@@ -297,7 +300,8 @@ class SampleLayout:
         self.size = self.fixed + rec_emit_words * 8  # sizeof(struct cc_record): the largest record
 
     def parse(self, raw: bytes) -> RawContext | RawHit:
-        ktime, tgid, tid, nr, event, ip, sp, agg, ctx_id, arg_len, _ = self._rec.unpack_from(raw)
+        ktime, tgid, tid, nr, event, ip, sp, agg, ctx_id, arg_len, _, *words = self._rec.unpack_from(raw)
+        sargs = tuple(words) if event == 1 else None
         off = self._rec.size
         arg = bytes(raw[off:off + arg_len])
         off += arg_len
@@ -305,7 +309,7 @@ class SampleLayout:
         ev = "syscall" if event == 1 else "cpu"
         if agg == AGG_HIT:
             return RawHit(ev, monotonic_to_realtime_ns(ktime), tgid, tid, nr if nr >= 0 else None, ctx_id,
-                          arg_s)
+                          arg_s, sargs)
         flags, depth, top_kind, top_probe, top_aux, rec_len, nsegs, rec_base, bias = \
             self._head.unpack_from(raw, off)
         off += self._head.size
@@ -330,7 +334,8 @@ class SampleLayout:
                 rec, rec_len = 0, 0
         return RawContext(ev, monotonic_to_realtime_ns(ktime), tgid, tid,
                           nr if nr >= 0 else None, ip, sp, flags, depth, top_kind, top_probe, top_aux, bias,
-                          tuple(acyc), rec, rec_len, rec_base, tuple(segs), arg_s, pairs, agg, ctx_id)
+                          tuple(acyc), rec, rec_len, rec_base, tuple(segs), arg_s, pairs, agg, ctx_id,
+                          sargs)
 
 
 def _words(value: int, n: int) -> list[int]:

@@ -212,7 +212,7 @@ class InstrumentedMode(ModeBase[Event, int]):
         assert isinstance(r, RawContext | RawHit)
         if not timed:
             return self.trace_sample(0, r.pid, r.tid, r.event, r.syscall, d)
-        return self.trace_sample(r.time_ns, r.pid, r.tid, r.event, r.syscall, d, r.arg)
+        return self.trace_sample(r.time_ns, r.pid, r.tid, r.event, r.syscall, d, r.arg, r.sargs)
 
     def _kernel_counts(self) -> dict[int, int]:
         assert self._bpf is not None

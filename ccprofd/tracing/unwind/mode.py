@@ -141,7 +141,7 @@ class UnwindMode(ModeBase[UnwoundSample, tuple[int, int]]):
             return self.trace_sample(0, r.tgid, r.tid, r.event, r.syscall, d)
         nr = r.syscall
         return self.trace_sample(r.time_ns + self._clock_offset, r.tgid, r.tid,
-                                 "cpu" if nr is None else "syscall", nr, d, r.arg)
+                                 "cpu" if nr is None else "syscall", nr, d, r.arg, r.sargs)
 
     def _kernel_counts(self) -> Mapping[tuple[int, int], int]:
         assert self.sampler is not None

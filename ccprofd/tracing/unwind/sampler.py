@@ -95,7 +95,7 @@ from ccprofd.tracing.unwind.tables import (
 
 DEFAULT_MAX_DEPTH = 4096
 
-_SAMPLE_HDR = struct.Struct("<QIIIiIIIIQQII")  # struct uw_sample up to arg
+_SAMPLE_HDR = struct.Struct("<QIIIiIIIIQQII6Q")  # struct uw_sample up to arg (UW_SAMPLE_HDR_BYTES)
 _KIND = struct.Struct("<I")
 
 
@@ -122,6 +122,8 @@ class UnwoundSample:
     #: The syscall's path argument (open*, creat, exec*) read at its entry; None when it has none
     #: or it was not readable then (this sample's own, also for a repeated context).
     arg: str | None = None
+    #: The six argument registers at syscall entry (rdi, rsi, rdx, r10, r8, r9); None for CPU samples.
+    sargs: tuple[int, ...] | None = None
 
     @property
     def complete(self) -> bool:
@@ -133,14 +135,16 @@ class UnwoundSample:
 
     @classmethod
     def decode(cls, raw: bytes, layout: RecordLayout | None = None) -> UnwoundSample:
-        t, kind, tgid, tid, nr, n, reason, fp, flags, h1, h2, arg_len, _ = _SAMPLE_HDR.unpack_from(raw)
+        t, kind, tgid, tid, nr, n, reason, fp, flags, h1, h2, arg_len, _, *ws = _SAMPLE_HDR.unpack_from(raw)
+        regs = None if nr < 0 else tuple(ws)
         why = None if reason == 0 else REASONS.get(reason, f"reason_{reason}")
         arg = None
         if 0 < arg_len <= ARG_LEN:
             text = raw[_SAMPLE_HDR.size:_SAMPLE_HDR.size + arg_len].split(b"\0", 1)[0]
             arg = text.decode("utf-8", "surrogateescape")
         if kind == EV_HIT:
-            return cls(t, tgid, tid, None if nr < 0 else nr, (), why, fp, flags | FLAG_HIT, (h1, h2), arg=arg)
+            return cls(t, tgid, tid, None if nr < 0 else nr, (), why, fp, flags | FLAG_HIT, (h1, h2), arg=arg,
+                       sargs=regs)
         off = _SAMPLE_HDR.size + ARG_LEN
         enc = None
         if layout is not None:
@@ -149,7 +153,7 @@ class UnwoundSample:
         tagged = struct.unpack_from(f"<{n}Q", raw, off)
         pcs = tuple(p & ~EXACT_BIT for p in tagged)
         exact = tuple(bool(p & EXACT_BIT) for p in tagged)
-        return cls(t, tgid, tid, None if nr < 0 else nr, pcs, why, fp, flags, (h1, h2), exact, enc, arg)
+        return cls(t, tgid, tid, None if nr < 0 else nr, pcs, why, fp, flags, (h1, h2), exact, enc, arg, regs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -431,10 +435,11 @@ class UnwindSampler:
             self.processes.stale.add(_KIND.unpack_from(raw, 12)[0])
             return
         if kind == EV_HIT and len(raw) == _SAMPLE_HDR.size:  # a flood's record: complete, no argument
-            t, _, tgid, tid, nr, _, reason, fp, flags, h1, h2, _, _ = _SAMPLE_HDR.unpack_from(raw)
+            t, _, tgid, tid, nr, _, reason, fp, flags, h1, h2, _, _, *sargs = _SAMPLE_HDR.unpack_from(raw)
             if reason == 0:
                 self._pending.append(UnwoundSample(t, tgid, tid, None if nr < 0 else nr, (), None, fp,
-                                                   flags | FLAG_HIT, (h1, h2)))
+                                                   flags | FLAG_HIT, (h1, h2),
+                                                   sargs=None if nr < 0 else tuple(sargs)))
                 return
         try:
             sample = UnwoundSample.decode(raw, self.layout)
