@@ -13,7 +13,9 @@ within one poll of their arrival.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import time
 from collections.abc import Mapping, Sequence
 from typing import IO, Any, Protocol
@@ -22,6 +24,9 @@ from ccprofd.kbpf.syscalls import syscall_arg_kinds
 from ccprofd.tracing.api import TraceSample
 
 FORMATS = ("text", "jsonl")
+
+# Calls whose result is an address, printed in hex as strace does.
+_RETURNS_ADDRESS = frozenset({"mmap", "mremap", "brk", "shmat"})
 
 AT_FDCWD = -100  # linux/fcntl.h: a dirfd meaning the current directory
 
@@ -60,6 +65,8 @@ def format_text(sample: Mapping[str, Any]) -> str:
     what = sample.get("syscall") if sample.get("event") == "syscall" else sample.get("event")
     raw = sample.get("raw_args")
     call = call_args_text(what, sample.get("args"), raw) if raw is not None else args_text(sample.get("args"))
+    if "ret" in sample:
+        call += ret_text(what, sample["ret"])
     head = f"[pid {sample['pid']} tid {sample['tid']}] {what}{call}"
     if not sample.get("complete", True):
         head += " <incomplete>"
@@ -121,6 +128,19 @@ def open_flags_text(v: int) -> str:
     if rest:
         names.append(f"0x{rest:x}")
     return "|".join(names)
+
+
+def ret_text(syscall: str | None, ret: int | None) -> str:
+    """`` = 22``, strace style: ``= ?`` when the call never returned, ``= -1 ENOENT (No such file or
+    directory)`` for an error, an address in hex for the calls that return one."""
+    if ret is None:
+        return " = ?"
+    if -4096 < ret < 0:
+        name = errno.errorcode.get(-ret)
+        return f" = -1 {name} ({os.strerror(-ret)})" if name else f" = -1 errno {-ret}"
+    if syscall in _RETURNS_ADDRESS:
+        return f" = 0x{ret & 0xFFFFFFFFFFFFFFFF:x}"
+    return f" = {ret}"
 
 
 def _hex(v: int) -> str:
@@ -225,6 +245,8 @@ class JsonlWriter:
             extra = f',"args":{_dumps(s.args)}'
         if s.raw_args is not None:
             extra += ',"raw_args":[' + ",".join(map(str, s.raw_args)) + "]"
+        if s.returned is not None:
+            extra += f',"ret":{s.ret if s.returned else "null"}'
         self._lines.append(f'{{"time_ns":{s.time_ns},"pid":{s.pid},"tid":{s.tid},{tail}{extra}}}\n')
 
     def record(self, r: Mapping[str, Any]) -> None:
@@ -264,6 +286,8 @@ class TextWriter:
             what = f"{what}{call_args_text(what, s.args, s.raw_args)}"
         elif s.args:
             what = f"{what}{args_text(s.args)}"
+        if s.returned is not None:
+            what = f"{what}{ret_text(s.syscall, s.ret if s.returned else None)}"
         head = f"[pid {s.pid} tid {s.tid}] {what}\n" if s.complete else \
             f"[pid {s.pid} tid {s.tid}] {what} <incomplete>\n"
         if self.timestamps:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 import os
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Hashable, Mapping
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -37,6 +38,100 @@ def _arg_count(name: str | None) -> int:
     return 6 if kinds is None else len(kinds)
 
 
+# Syscalls that never return to their caller: their samples are written at once, with strace's ``= ?``.
+NO_RETURN = frozenset({"exit", "exit_group"})
+# How much earlier than its sample a return may be stamped: instrumented mode converts each record's
+# CLOCK_MONOTONIC time to wall-clock time on its own, so two conversions may differ by a little.
+RET_SLACK_NS = 1_000_000
+
+
+class ReturnJoiner:
+    """``--retval``: each syscall sample waits here for its thread's return record (the shared
+    sampler's sys_exit program) and is written with it.  A thread's returns come in order, so a
+    return that is not the oldest waiting sample's ends that sample as never returned (``= ?``),
+    as do exit/exit_group at once, the thread's exit (gone at two polls in a row) and the end of the
+    trace (:meth:`flush`).  A return that arrives before its sample (the two come through different
+    rings in instrumented mode) waits one poll for it."""
+
+    def __init__(self) -> None:
+        self.open: dict[int, deque[TraceSample]] = {}  # tid -> samples waiting, oldest first
+        self.orphans: dict[int, list[tuple[int, int, int]]] = {}  # tid -> (time, nr, ret) before their sample
+        self._gone: set[int] = set()  # tids with waiting samples whose thread was gone at the last poll
+
+    def join(self, samples: list[TraceSample], rets: list[tuple[int, int, int, int]]) -> list[TraceSample]:
+        """The samples ready to write: those of ``samples`` that are not syscalls or never return,
+        and every waiting sample whose return came in ``rets`` (time, tid, nr, ret) or never will."""
+        ready: list[TraceSample] = []
+        early, self.orphans = self.orphans, {}
+        for s in samples:
+            if s.event != "syscall":
+                ready.append(s)
+            elif s.syscall in NO_RETURN:
+                s.returned = False
+                ready.append(s)
+            elif not self._take_orphan(s, early.get(s.tid)):
+                self.open.setdefault(s.tid, deque()).append(s)
+            else:
+                ready.append(s)
+        for t, tid, nr, ret in rets:
+            name = syscall_name(nr)
+            q = self.open.get(tid)
+            matched = False
+            while q and q[0].time_ns <= t + RET_SLACK_NS:
+                head = q.popleft()
+                if head.syscall == name:
+                    head.returned, head.ret = True, ret
+                    ready.append(head)
+                    matched = True
+                    break
+                head.returned = False  # a later syscall of its thread returned first: this one never will
+                ready.append(head)
+            if q is not None and not q:
+                del self.open[tid]
+            if not matched:
+                self.orphans.setdefault(tid, []).append((t, nr, ret))
+        ready.extend(self._ended_threads())
+        ready.sort(key=lambda s: s.time_ns)  # written in the order they were made, within a poll
+        return ready
+
+    @staticmethod
+    def _take_orphan(s: TraceSample, rets: list[tuple[int, int, int]] | None) -> bool:
+        for i, (t, nr, ret) in enumerate(rets or ()):
+            if syscall_name(nr) == s.syscall and t + RET_SLACK_NS >= s.time_ns:
+                s.returned, s.ret = True, ret
+                del rets[i]  # type: ignore[union-attr]
+                return True
+        return False
+
+    def _ended_threads(self) -> list[TraceSample]:
+        """Waiting samples of threads gone now and at the previous poll (a thread that exited
+        right after its return has its return record read in between)."""
+        out: list[TraceSample] = []
+        gone = set()
+        for tid, q in list(self.open.items()):
+            if os.path.exists(f"/proc/{q[0].pid}/task/{tid}"):
+                continue
+            if tid in self._gone:
+                out.extend(self._never_returned(self.open.pop(tid)))
+            else:
+                gone.add(tid)
+        self._gone = gone
+        return out
+
+    @staticmethod
+    def _never_returned(q: deque[TraceSample]) -> list[TraceSample]:
+        for s in q:
+            s.returned = False
+        return list(q)
+
+    def flush(self) -> list[TraceSample]:
+        """Every waiting sample, as never returned (the trace ends), oldest first."""
+        out = [s for q in self.open.values() for s in self._never_returned(q)]
+        self.open.clear()
+        self.orphans.clear()
+        return sorted(out, key=lambda s: s.time_ns)
+
+
 class ContextReader(Protocol):
     """GetThreadContexts for one mode: every thread's context of a process, now."""
 
@@ -61,6 +156,7 @@ class ModeBase(ABC, Generic[Record, Key]):
         self.incomplete = 0
         self.reasons: dict[str, int] = {}
         self._contexts: ContextReader | None = None  # GetThreadContexts: made at first use
+        self._returns = ReturnJoiner()  # options.retval
 
     # ------------------------------------------------------------------------ a mode's own part
     @abstractmethod
@@ -108,7 +204,18 @@ class ModeBase(ABC, Generic[Record, Key]):
                            None if sargs is None or nr is None else sargs[:_arg_count(name)])
 
     def poll(self, timeout_ms: int) -> list[TraceSample]:
-        return self._poll_decoded(timeout_ms, in_kernel=False)[0]
+        out = self._poll_decoded(timeout_ms, in_kernel=False)[0]
+        if not self.options.retval:
+            return out
+        return self._returns.join(out, self._take_returns())
+
+    def _take_returns(self) -> list[tuple[int, int, int, int]]:
+        """The return records received since the last call: (wall-clock time, tid, nr, ret)."""
+        return []
+
+    def unfinished(self) -> list[TraceSample]:
+        """At the end of a trace: the samples still waiting for their return (``= ?``)."""
+        return self._returns.flush()
 
     def _poll_decoded(self, timeout_ms: int, *, in_kernel: bool) -> tuple[list[TraceSample], list[bool]]:
         """Every sample record as a TraceSample, and for each whether it is one sample counted here

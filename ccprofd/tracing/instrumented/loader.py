@@ -65,7 +65,7 @@ from ccprofd.tracing.instrumented.constants import (
 )
 from ccprofd.tracing.instrumented.probeplan import CCOL, PCOL, R_CUT, R_CYCLIC, R_PLT_EXIT, R_SCOPE, ProbePlan
 from ccprofd.tracing.instrumented.sitetables import dense_nodes, ret_table
-from ccprofd.tracing.syscall_sampler import SyscallSampler, monotonic_to_realtime_ns
+from ccprofd.tracing.syscall_sampler import SamplerEvent, SyscallSampler, monotonic_to_realtime_ns
 
 STATS = ("site_hits", "tail_hits", "entry_hits", "samples", "pushes", "cuts", "frozen", "no_slot",
          "read_failures", "fork_copies", "ret_dead", "ringbuf_full", "overflows", "agg_new", "counts_full",
@@ -479,6 +479,7 @@ class InstrumentedBPF:
                                       ringbuf_pages=64, prelude=prelude, cache_dir=cache_dir)
         self.module: RawModule = self.sampler.module
         self._contexts: list[RawContext | RawHit] = []
+        self.returns: list[SamplerEvent] = []  # "ret" events (attach_returns), taken by the mode
         self.module.open_ring_buffer("cc_events", lambda raw: self._contexts.append(self.layout.parse(raw)))
         self._scope_entries: list[ScopeEntry] = []
         if probe_plan.scope is not None and limits.scope_pages > 0:
@@ -655,7 +656,9 @@ class InstrumentedBPF:
             # submitted before a sample of this batch is in the batch (entry before its samples).
             self.module.ring_buffer_consume(rings=("cc_scope_events",))
         for ev in events:
-            if ev.kind != "syscall":  # syscall contexts come through cc_events (the sampler sends none)
+            if ev.kind == "ret":
+                self.returns.append(ev)
+            elif ev.kind != "syscall":  # syscall contexts come through cc_events (the sampler sends none)
                 t = monotonic_to_realtime_ns(ev.time_ns)
                 out.append(ProcessEvent(ev.kind, t, ev.tgid, ev.tid, ev.aux))
         out.extend(self._contexts)
@@ -664,6 +667,10 @@ class InstrumentedBPF:
         self._scope_entries = []
         out.sort(key=lambda e: e.time_ns)
         return out
+
+    def attach_returns(self) -> None:
+        """Report each sampled syscall's return too (the shared sampler's sys_exit program)."""
+        self.sampler.attach_returns()
 
     def drops(self) -> dict[str, int]:
         """What the kernel side could not do, by reason (api.DROPS): samples lost to a full ring,

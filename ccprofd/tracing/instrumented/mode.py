@@ -17,7 +17,7 @@ from ccprofd.tracing.instrumented.loader import (
     RawHit,
     ScopeEntry,
 )
-from ccprofd.tracing.syscall_sampler import EXEC_TARGET_FLAG, exec_verdict
+from ccprofd.tracing.syscall_sampler import EXEC_TARGET_FLAG, exec_verdict, monotonic_to_realtime_ns
 
 if TYPE_CHECKING:
     from ccprofd.tracing.instrumented.callcount import CallCounter
@@ -98,6 +98,8 @@ class InstrumentedMode(ModeBase[Event, int]):
             self._scope = live_prefixes(pp, self._sym.names, self.options.cache_dir)
         self._bpf = InstrumentedBPF(pp, plan, syscalls=nrs, cache_dir=self.options.cache_dir)
         self._bpf.attach()
+        if self.options.retval:
+            self._bpf.attach_returns()
         if self.options.sample_hz:
             self._bpf.attach_cpu_sampling(int(self.options.sample_hz))
         if self.options.verify:
@@ -173,6 +175,12 @@ class InstrumentedMode(ModeBase[Event, int]):
     def _receive(self, timeout_ms: int) -> list[Event]:
         assert self._bpf is not None
         return list(self._bpf.poll(timeout_ms))
+
+    def _take_returns(self) -> list[tuple[int, int, int, int]]:
+        assert self._bpf is not None
+        rets, self._bpf.returns = self._bpf.returns, []
+        return [(monotonic_to_realtime_ns(e.time_ns), e.tid, -1 if e.syscall is None else e.syscall, e.ret)
+                for e in rets]
 
     def _kind(self, r: Event) -> int:
         if isinstance(r, RawHit):

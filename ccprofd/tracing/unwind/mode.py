@@ -98,6 +98,8 @@ class UnwindMode(ModeBase[UnwoundSample, tuple[int, int]]):
         for path in load_set(self.path):
             self.sampler.preload(path)
         self.sampler.attach()
+        if self.options.retval:
+            self.sampler.attach_returns()
         if self.options.sample_hz:
             self.sampler.attach_cpu_sampling(int(self.options.sample_hz))
 
@@ -128,6 +130,12 @@ class UnwindMode(ModeBase[UnwoundSample, tuple[int, int]]):
         raw = self.sampler.poll(timeout_ms)
         self.fp_frames += sum(s.fp_frames for s in raw)
         return raw
+
+    def _take_returns(self) -> list[tuple[int, int, int, int]]:
+        assert self.sampler is not None
+        rets, self.sampler.returns = self.sampler.returns, []
+        off = self._clock_offset
+        return [(e.time_ns + off, e.tid, e.syscall if e.syscall is not None else -1, e.ret) for e in rets]
 
     def _kind(self, r: UnwoundSample) -> int:
         flags = r.flags

@@ -68,6 +68,9 @@ from ccprofd.persist.cache import AnalysisCache
 from ccprofd.proc.maps import DEFAULT_PROC_ROOT
 from ccprofd.tracing.api import RECORDS_PER_POLL
 from ccprofd.tracing.syscall_sampler import (
+    KINDS as SAMPLER_KINDS,
+)
+from ccprofd.tracing.syscall_sampler import (
     NR_SYSCALL_SLOTS,
     SamplerEvent,
     sampler_source,
@@ -97,6 +100,7 @@ DEFAULT_MAX_DEPTH = 4096
 
 _SAMPLE_HDR = struct.Struct("<QIIIiIIIIQQII6Q")  # struct uw_sample up to arg (UW_SAMPLE_HDR_BYTES)
 _KIND = struct.Struct("<I")
+_EV_RET = next(k for k, v in SAMPLER_KINDS.items() if v == "ret")
 
 
 @dataclass(slots=True)
@@ -325,7 +329,8 @@ class UnwindSampler:
                                    max_modules=max_modules, max_entries=max_entries, max_rules=max_rules)
         self.processes = ProcessTracker(self._m, self.tables, proc_root=proc_root, max_maps=max_maps)
         self.module.open_ring_buffer("uw_events", self.deliver)
-        self.module.open_ring_buffer("events", self.processes.on_event)
+        self.returns: list[SamplerEvent] = []  # "ret" events (attach_returns), taken by the mode
+        self.module.open_ring_buffer("events", self._on_sampler_event)
         self._m["uw_config"].set(CFG_AGGREGATE, 1 if aggregate else 0)
         self._m["uw_config"].set(CFG_EMIT_HITS, 1 if emit_hits else 0)
         if load_early:  # the verifier runs while the maps are filled and the modules loaded
@@ -363,6 +368,16 @@ class UnwindSampler:
             self.module.attach_tracepoint(tp, fn)
         self._links.append(attach_raw_tracepoint_fd(self.programs.load("uw_sys_enter"), "sys_enter"))
         self._attached = True
+
+    def attach_returns(self) -> None:
+        """Report each sampled syscall's return too (the shared sampler's sys_exit program)."""
+        self.module.attach_raw_tracepoint("sys_exit", "ccprof_sys_exit")
+
+    def _on_sampler_event(self, raw: bytes) -> None:
+        if _KIND.unpack_from(raw, 8)[0] == _EV_RET:
+            self.returns.append(SamplerEvent.decode(raw))
+        else:
+            self.processes.on_event(raw)
 
     def verified_insns(self) -> dict[str, int]:
         """Instructions the verifier processed for the syscall and CPU-sampling unwinders (loaded,
