@@ -50,8 +50,8 @@ def _normalised(call: str) -> str:
 
 
 def _ccprofd(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ccprofd.cli", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return subprocess.run([sys.executable, "-m", "ccprofd.cli", *args], cwd=REPO, capture_output=True,
+                          text=True, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
 
 
 def _strace_lines(prog: pathlib.Path, tmp: pathlib.Path) -> list[str]:
