@@ -137,6 +137,15 @@ def test_joiner_never_returned() -> None:
     assert j.join([w], []) == [] and j.flush() == [w] and w.returned is False
 
 
+def test_joiner_never_gives_a_lost_return_the_next_calls_value() -> None:
+    """The return of a thread's first write was lost (full ring): the second write's return must not
+    be taken for it, which would shift every later value by one call."""
+    j = ReturnJoiner()
+    first, second = _s(100, "write"), _s(200, "write")
+    assert j.join([first, second], [(250, 1, NR["write"], 7)]) == [first, second]
+    assert first.returned is False and (second.returned, second.ret) == (True, 7)
+
+
 def test_joiner_ends_a_gone_thread_at_the_second_poll() -> None:
     j = ReturnJoiner()
     gone = _s(100, "write", tid=2**22 + 7, pid=2**22 + 7)  # above pid_max: no such thread

@@ -43,12 +43,16 @@ NO_RETURN = frozenset({"exit", "exit_group"})
 # How much earlier than its sample a return may be stamped: instrumented mode converts each record's
 # CLOCK_MONOTONIC time to wall-clock time on its own, so two conversions may differ by a little.
 RET_SLACK_NS = 1_000_000
+# The shared sampler's ring (process events) with --retval, which adds a 64-byte record per traced
+# syscall: 8 MB, so a 100k-syscall burst fits as the samples' own ring does (64 pages without).
+RET_RINGBUF_PAGES = 2048
 
 
 class ReturnJoiner:
     """``--retval``: each syscall sample waits here for its thread's return record (the shared
     sampler's sys_exit program) and is written with it.  A thread's returns come in order, so a
-    return that is not the oldest waiting sample's ends that sample as never returned (``= ?``),
+    return that is not the oldest waiting sample's (another syscall, or one made after the thread's
+    next call entered: the oldest's return was lost) ends that sample as never returned (``= ?``),
     as do exit/exit_group at once, the thread's exit (gone at two polls in a row) and the end of the
     trace (:meth:`flush`).  A return that arrives before its sample (the two come through different
     rings in instrumented mode) waits one poll for it."""
@@ -79,7 +83,8 @@ class ReturnJoiner:
             matched = False
             while q and q[0].time_ns <= t + RET_SLACK_NS:
                 head = q.popleft()
-                if head.syscall == name:
+                if head.syscall == name and not (q and q[0].time_ns < t):  # (the thread's next call
+                    # entered before this return: the head's own return was lost, this is a later one)
                     head.returned, head.ret = True, ret
                     ready.append(head)
                     matched = True

@@ -95,7 +95,10 @@ class Limits:
     rec_emit_words: int = 1024
     slots: int = 512
     state_memory: int = 256 << 20
-    ringbuf_pages: int = 2048  # 8 MB: a 100k-syscall burst of one context fits (64-byte hit records)
+    ringbuf_pages: int = 4096  # 16 MB: a 100k-syscall burst of one context fits (112-byte hit records)
+    #: the shared sampler's ring: process events, and with --retval a return record per syscall
+    #: (64 bytes each: 2048 pages hold a 100k-syscall burst)
+    sampler_ring: int = 64
     #: --scope: stack pages copied at each scope entry for the unwind of the prefix above it
     scope_pages: int = 8
     #: aggregate mode: contexts counted in the kernel (then new ones are sent one sample at a
@@ -105,7 +108,8 @@ class Limits:
     agg_rec_words: int = 16
 
     def check(self) -> None:
-        for name in ("max_pieces", "max_segments", "ringbuf_pages", "agg_segments", "agg_rec_words"):
+        for name in ("max_pieces", "max_segments", "ringbuf_pages", "sampler_ring", "agg_segments",
+                     "agg_rec_words"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise BPFError(f"{name} must be a power of two, not {v}")
@@ -476,7 +480,7 @@ class InstrumentedBPF:
         prelude = "".join(f"#define {k} {v}\n" for k, v in defines.items())
         prelude += Path(__file__).with_name(C_SOURCE).read_text(encoding="utf-8")
         self.sampler = SyscallSampler(syscalls=syscalls, max_tracked=max(4096, 2 * limits.slots),
-                                      ringbuf_pages=64, prelude=prelude, cache_dir=cache_dir)
+                                      ringbuf_pages=limits.sampler_ring, prelude=prelude, cache_dir=cache_dir)
         self.module: RawModule = self.sampler.module
         self._contexts: list[RawContext | RawHit] = []
         self.returns: list[SamplerEvent] = []  # "ret" events (attach_returns), taken by the mode
@@ -667,10 +671,6 @@ class InstrumentedBPF:
         self._scope_entries = []
         out.sort(key=lambda e: e.time_ns)
         return out
-
-    def attach_returns(self) -> None:
-        """Report each sampled syscall's return too (the shared sampler's sys_exit program)."""
-        self.sampler.attach_returns()
 
     def drops(self) -> dict[str, int]:
         """What the kernel side could not do, by reason (api.DROPS): samples lost to a full ring,

@@ -6,12 +6,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ccprofd.tracing.api import TraceError, TraceOptions, TraceSample
-from ccprofd.tracing.base import HIT, NEW, PLAIN, SIDE, ContextReader, ModeBase
+from ccprofd.tracing.base import HIT, NEW, PLAIN, RET_RINGBUF_PAGES, SIDE, ContextReader, ModeBase
 from ccprofd.tracing.frames import Decoded
 from ccprofd.tracing.instrumented.constants import SF_BIAS
 from ccprofd.tracing.instrumented.loader import (
     AGG_NEW,
     InstrumentedBPF,
+    Limits,
     ProcessEvent,
     RawContext,
     RawHit,
@@ -96,10 +97,11 @@ class InstrumentedMode(ModeBase[Event, int]):
             from ccprofd.tracing.instrumented.scopeprefix import live_prefixes
 
             self._scope = live_prefixes(pp, self._sym.names, self.options.cache_dir)
-        self._bpf = InstrumentedBPF(pp, plan, syscalls=nrs, cache_dir=self.options.cache_dir)
+        limits = Limits(sampler_ring=RET_RINGBUF_PAGES) if self.options.retval else Limits()
+        self._bpf = InstrumentedBPF(pp, plan, syscalls=nrs, limits=limits, cache_dir=self.options.cache_dir)
         self._bpf.attach()
         if self.options.retval:
-            self._bpf.attach_returns()
+            self._bpf.sampler.attach_returns()
         if self.options.sample_hz:
             self._bpf.attach_cpu_sampling(int(self.options.sample_hz))
         if self.options.verify:

@@ -37,7 +37,7 @@ from typing import Any
 
 from ccprofd.elf.needed import load_set
 from ccprofd.tracing.api import TraceOptions, TraceSample
-from ccprofd.tracing.base import HIT, NEW, PLAIN, ContextReader, ModeBase
+from ccprofd.tracing.base import HIT, NEW, PLAIN, RET_RINGBUF_PAGES, ContextReader, ModeBase
 from ccprofd.tracing.frames import Decoded
 from ccprofd.tracing.unwind.constants import FLAG_HIT, FLAG_NEW
 from ccprofd.tracing.unwind.plan import UnwindEncoding
@@ -93,7 +93,8 @@ class UnwindMode(ModeBase[UnwoundSample, tuple[int, int]]):
             raise TraceError(str(exc)) from None
         self.build_id = graph.binary.build_id
         self.sampler = UnwindSampler(syscalls=nrs, aggregate=True, emit_hits=True, encoding=self.encoding,
-                                     cache=AnalysisCache(cache), load_early=True)
+                                     cache=AnalysisCache(cache), load_early=True,
+                                     events_ringbuf_pages=RET_RINGBUF_PAGES if self.options.retval else 16)
         self.symbolizer = UnwindSymbolizer(self.encoding, self.plan, self.sampler.module_of_key)
         for path in load_set(self.path):
             self.sampler.preload(path)

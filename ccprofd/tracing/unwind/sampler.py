@@ -282,7 +282,8 @@ class UnwindSampler:
         max_rules: int = 4096,
         max_contexts: int = 1 << 16,
         arena_words: int = 1 << 21,
-        ringbuf_pages: int = 2048,
+        ringbuf_pages: int = 4096,  # 16 MB: a 100k-syscall burst of one context fits (120-byte hits)
+        events_ringbuf_pages: int = 16,  # the shared sampler's ring: process events (and --retval's returns)
         cache: AnalysisCache | None = None,
         proc_root: str = DEFAULT_PROC_ROOT,
         encoding: UnwindEncoding | None = None,
@@ -312,7 +313,8 @@ class UnwindSampler:
         defines, loops = _program_defines(
             max_depth=max_depth, max_maps=max_maps, max_procs=max_procs, max_entries=max_entries,
             max_modules=max_modules, max_rules=max_rules, max_contexts=max_contexts, arena_words=arena_words,
-            ringbuf_pages=ringbuf_pages, encoding=encoding, layout=self.layout)
+            ringbuf_pages=ringbuf_pages, encoding=encoding, layout=self.layout,
+            events_ringbuf_pages=events_ringbuf_pages)
         bpf_cache = cache_dir_under(self.cache.directory) if cache is not None else None
         self.module = load_module(defines + sampler_source(self.cache.directory) + "\n" + unwind_source(),
                                   cache_dir=bpf_cache)
@@ -549,8 +551,8 @@ class UnwindSampler:
 
 def _program_defines(*, max_depth: int, max_maps: int, max_procs: int, max_entries: int,
                      max_modules: int, max_rules: int, max_contexts: int, arena_words: int,
-                     ringbuf_pages: int, encoding: UnwindEncoding | None,
-                     layout: RecordLayout | None) -> tuple[str, dict[str, int]]:
+                     ringbuf_pages: int, encoding: UnwindEncoding | None, layout: RecordLayout | None,
+                     events_ringbuf_pages: int = 16) -> tuple[str, dict[str, int]]:
     """The ``#define`` prelude of unwind.c for these limits (and encoding), and the bpf_loop
     iteration counts by loop name (they pick each loop's callback when the program is linked)."""
     ncpu = os.cpu_count() or 1
@@ -562,7 +564,7 @@ def _program_defines(*, max_depth: int, max_maps: int, max_procs: int, max_entri
     defines = {
         # the tracked table also holds every live thread of a tracked process (a tid each): a
         # 300-thread server filled 256 entries, and a process forked then was not followed
-        "MAX_TRACKED": max(8192, max_procs), "RINGBUF_PAGES": 16, "UW_MAX_DEPTH": max_depth,
+        "MAX_TRACKED": max(8192, max_procs), "RINGBUF_PAGES": events_ringbuf_pages, "UW_MAX_DEPTH": max_depth,
         "UW_MAX_MAPS": max_maps,
         "UW_MAPS_LOG2": _log2_ceil(max_maps), "UW_MAX_PROCS": max_procs, "UW_MAX_ENTRIES": max_entries,
         "UW_ENTRIES_LOG2": _log2_ceil(max_entries), "UW_MAX_MODULES": max_modules,
