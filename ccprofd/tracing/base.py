@@ -15,7 +15,7 @@ from collections.abc import Hashable, Mapping
 from typing import Any, Generic, Protocol, TypeVar
 
 from ccprofd.kbpf.syscalls import syscall_arg_kinds, syscall_name
-from ccprofd.tracing.api import TraceOptions, TraceSample, path_args
+from ccprofd.tracing.api import RECORDS_PER_POLL, TraceOptions, TraceSample, path_args
 from ccprofd.tracing.frames import Decoded
 from ccprofd.tracing.kernelcounts import KernelCounts
 
@@ -53,27 +53,29 @@ class ReturnJoiner:
     sampler's sys_exit program) and is written with it.  A thread's returns come in order, so a
     return that is not the oldest waiting sample's (another syscall, or one made after the thread's
     next call entered: the oldest's return was lost) ends that sample as never returned (``= ?``),
-    as do exit/exit_group at once, the thread's exit (gone at two polls in a row) and the end of the
-    trace (:meth:`flush`).  A return that arrives before its sample (the two come through different
-    rings in instrumented mode) waits one poll for it."""
+    as do exit/exit_group at once, the thread's exit (see :meth:`_ended_threads`) and the end of the
+    trace (:meth:`flush`).  Returns and samples come through different rings, read in batches, so
+    a return may arrive polls before its sample: it waits for it, until a later sample of its
+    thread shows that its own never came."""
 
     def __init__(self) -> None:
         self.open: dict[int, deque[TraceSample]] = {}  # tid -> samples waiting, oldest first
-        self.orphans: dict[int, list[tuple[int, int, int]]] = {}  # tid -> (time, nr, ret) before their sample
+        self.orphans: dict[int, deque[tuple[int, int, int]]] = {}  # tid -> (time, nr, ret) come early
         self._gone: set[int] = set()  # tids with waiting samples whose thread was gone at the last poll
 
-    def join(self, samples: list[TraceSample], rets: list[tuple[int, int, int, int]]) -> list[TraceSample]:
+    def join(self, samples: list[TraceSample], rets: list[tuple[int, int, int, int]],
+             drained: bool = True) -> list[TraceSample]:
         """The samples ready to write: those of ``samples`` that are not syscalls or never return,
-        and every waiting sample whose return came in ``rets`` (time, tid, nr, ret) or never will."""
+        and every waiting sample whose return came in ``rets`` (time, tid, nr, ret) or never will.
+        ``drained``: this poll read every record the rings held (it did not stop at its budget)."""
         ready: list[TraceSample] = []
-        early, self.orphans = self.orphans, {}
         for s in samples:
             if s.event != "syscall":
                 ready.append(s)
             elif s.syscall in NO_RETURN:
                 s.returned = False
                 ready.append(s)
-            elif not self._take_orphan(s, early.get(s.tid)):
+            elif not self._take_orphan(s):
                 self.open.setdefault(s.tid, deque()).append(s)
             else:
                 ready.append(s)
@@ -94,30 +96,38 @@ class ReturnJoiner:
             if q is not None and not q:
                 del self.open[tid]
             if not matched:
-                self.orphans.setdefault(tid, []).append((t, nr, ret))
-        ready.extend(self._ended_threads())
+                self.orphans.setdefault(tid, deque()).append((t, nr, ret))
+        ready.extend(self._ended_threads(drained))
         ready.sort(key=lambda s: s.time_ns)  # written in the order they were made, within a poll
         return ready
 
-    @staticmethod
-    def _take_orphan(s: TraceSample, rets: list[tuple[int, int, int]] | None) -> bool:
-        for i, (t, nr, ret) in enumerate(rets or ()):
-            if syscall_name(nr) == s.syscall and t + RET_SLACK_NS >= s.time_ns:
-                s.returned, s.ret = True, ret
-                del rets[i]  # type: ignore[union-attr]
-                return True
-        return False
+    def _take_orphan(self, s: TraceSample) -> bool:
+        """Join ``s`` to a return that came before it; returns older than ``s`` are dropped (their
+        own samples would have come before ``s``: they never will)."""
+        early = self.orphans.get(s.tid)
+        if early is None:
+            return False
+        while early and early[0][0] + RET_SLACK_NS < s.time_ns:
+            early.popleft()
+        took = bool(early) and syscall_name(early[0][1]) == s.syscall
+        if took:
+            s.returned, s.ret = True, early.popleft()[2]
+        if not early:
+            del self.orphans[s.tid]
+        return took
 
-    def _ended_threads(self) -> list[TraceSample]:
-        """Waiting samples of threads gone now and at the previous poll (a thread that exited
-        right after its return has its return record read in between)."""
+    def _ended_threads(self, drained: bool) -> list[TraceSample]:
+        """Waiting samples of threads seen gone at an earlier poll, once a poll has read the rings
+        dry: every record such a thread made was in them before, so its returns are all read (the
+        return records may lag its samples by many polls)."""
         out: list[TraceSample] = []
         gone = set()
         for tid, q in list(self.open.items()):
             if os.path.exists(f"/proc/{q[0].pid}/task/{tid}"):
                 continue
-            if tid in self._gone:
+            if tid in self._gone and drained:
                 out.extend(self._never_returned(self.open.pop(tid)))
+                self.orphans.pop(tid, None)
             else:
                 gone.add(tid)
         self._gone = gone
@@ -162,6 +172,7 @@ class ModeBase(ABC, Generic[Record, Key]):
         self.reasons: dict[str, int] = {}
         self._contexts: ContextReader | None = None  # GetThreadContexts: made at first use
         self._returns = ReturnJoiner()  # options.retval
+        self._received = 0  # records the last poll read
 
     # ------------------------------------------------------------------------ a mode's own part
     @abstractmethod
@@ -212,7 +223,8 @@ class ModeBase(ABC, Generic[Record, Key]):
         out = self._poll_decoded(timeout_ms, in_kernel=False)[0]
         if not self.options.retval:
             return out
-        return self._returns.join(out, self._take_returns())
+        rets = self._take_returns()
+        return self._returns.join(out, rets, self._received + len(rets) < RECORDS_PER_POLL)
 
     def _take_returns(self) -> list[tuple[int, int, int, int]]:
         """The return records received since the last call: (wall-clock time, tid, nr, ret)."""
@@ -227,6 +239,7 @@ class ModeBase(ABC, Generic[Record, Key]):
         (False with ``in_kernel`` for new and repeated contexts: the kernel's count has them).
         Written for speed: a repeated context costs a key lookup and one TraceSample."""
         raw = self._receive(timeout_ms)
+        self._received = len(raw)
         kind = self._kind
         kinds = [kind(r) for r in raw]
         fresh: dict[int, Decoded] = {}

@@ -302,6 +302,9 @@ class SampleLayout:
         self._seg = struct.Struct(f"<{acyc_words}Q4I")
         self.fixed = self._rec.size + ARG_LEN + self._head.size + self._acyc.size + emit_segs * self._seg.size
         self.size = self.fixed + rec_emit_words * 8  # sizeof(struct cc_record): the largest record
+        # CLOCK_MONOTONIC -> wall clock, measured once: every sample (and return record, joined
+        # to its sample by time) is converted alike, as unwind mode does
+        self.clock_offset = monotonic_to_realtime_ns(0)
 
     def parse(self, raw: bytes) -> RawContext | RawHit:
         ktime, tgid, tid, nr, event, ip, sp, agg, ctx_id, arg_len, _, *words = self._rec.unpack_from(raw)
@@ -312,7 +315,7 @@ class SampleLayout:
         arg_s = arg.split(b"\0", 1)[0].decode("utf-8", "surrogateescape") or None
         ev = "syscall" if event == 1 else "cpu"
         if agg == AGG_HIT:
-            return RawHit(ev, monotonic_to_realtime_ns(ktime), tgid, tid, nr if nr >= 0 else None, ctx_id,
+            return RawHit(ev, ktime + self.clock_offset, tgid, tid, nr if nr >= 0 else None, ctx_id,
                           arg_s, sargs)
         flags, depth, top_kind, top_probe, top_aux, rec_len, nsegs, rec_base, bias = \
             self._head.unpack_from(raw, off)
@@ -336,7 +339,7 @@ class SampleLayout:
                 pairs = self.scheme.split_pairs(rec, rec_len)
                 segs = [RawSegment(g.saved, g.rec_height // rb, g.aux, g.probe, g.seq) for g in segs]
                 rec, rec_len = 0, 0
-        return RawContext(ev, monotonic_to_realtime_ns(ktime), tgid, tid,
+        return RawContext(ev, ktime + self.clock_offset, tgid, tid,
                           nr if nr >= 0 else None, ip, sp, flags, depth, top_kind, top_probe, top_aux, bias,
                           tuple(acyc), rec, rec_len, rec_base, tuple(segs), arg_s, pairs, agg, ctx_id,
                           sargs)

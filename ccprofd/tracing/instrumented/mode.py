@@ -18,7 +18,7 @@ from ccprofd.tracing.instrumented.loader import (
     RawHit,
     ScopeEntry,
 )
-from ccprofd.tracing.syscall_sampler import EXEC_TARGET_FLAG, exec_verdict, monotonic_to_realtime_ns
+from ccprofd.tracing.syscall_sampler import EXEC_TARGET_FLAG, exec_verdict
 
 if TYPE_CHECKING:
     from ccprofd.tracing.instrumented.callcount import CallCounter
@@ -181,8 +181,8 @@ class InstrumentedMode(ModeBase[Event, int]):
     def _take_returns(self) -> list[tuple[int, int, int, int]]:
         assert self._bpf is not None
         rets, self._bpf.returns = self._bpf.returns, []
-        return [(monotonic_to_realtime_ns(e.time_ns), e.tid, -1 if e.syscall is None else e.syscall, e.ret)
-                for e in rets]
+        off = self._bpf.layout.clock_offset  # as the samples' times
+        return [(e.time_ns + off, e.tid, -1 if e.syscall is None else e.syscall, e.ret) for e in rets]
 
     def _kind(self, r: Event) -> int:
         if isinstance(r, RawHit):
