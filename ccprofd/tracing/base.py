@@ -40,9 +40,9 @@ def _arg_count(name: str | None) -> int:
 
 # Syscalls that never return to their caller: their samples are written at once, with strace's ``= ?``.
 NO_RETURN = frozenset({"exit", "exit_group"})
-# How much earlier than its sample a return may be stamped: instrumented mode converts each record's
-# CLOCK_MONOTONIC time to wall-clock time on its own, so two conversions may differ by a little.
-RET_SLACK_NS = 1_000_000
+# How much earlier than its sample a return may be stamped: none, as both modes convert a sample's
+# and a return's CLOCK_MONOTONIC times with the same offset (a sample is stamped at entry).
+RET_SLACK_NS = 0
 # The shared sampler's ring (process events) with --retval, which adds a 64-byte record per traced
 # syscall: 8 MB, so a 100k-syscall burst fits as the samples' own ring does (64 pages without).
 RET_RINGBUF_PAGES = 2048
