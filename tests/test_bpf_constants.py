@@ -17,6 +17,7 @@ from ccprofd.kbpf.cdefs import parse_defines
 from ccprofd.tracing import syscall_sampler
 from ccprofd.tracing.instrumented import constants as inst
 from ccprofd.tracing.unwind import constants as uw
+from ccprofd.tracing.unwind import sampler as uw_sampler
 
 PKG = Path(__file__).resolve().parents[1] / "ccprofd"
 _PP = re.compile(r"^\s*#\s*(define|undef|if|ifdef|ifndef|elif|else|endif)\b")
@@ -59,6 +60,7 @@ CASES = {
         "UW_F_NEW": uw.FLAG_NEW, "UW_F_COLLISION": uw.FLAG_COLLISION,
         "UW_F_UNAGGREGATED": uw.FLAG_UNAGGREGATED,
         "UW_EXACT_BIT": uw.EXACT_BIT, "UE_ANALYSED": uw.UE_ANALYSED, "UW_ARG_LEN": uw.ARG_LEN,
+        "UW_SAMPLE_HDR_BYTES": uw_sampler._SAMPLE_HDR.size,
         "UW_EV_SAMPLE": uw.EV_SAMPLE, "UW_EV_MAPS": uw.EV_MAPS, "UW_EV_HIT": uw.EV_HIT,
         "UW_CFG_AGGREGATE": uw.CFG_AGGREGATE, "UW_CFG_EMIT_HITS": uw.CFG_EMIT_HITS,
         **_same_named(uw, PKG / "tracing/unwind/unwind.c"),

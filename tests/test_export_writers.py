@@ -35,12 +35,19 @@ def test_writers_equal_the_reference_serialisation(contexts: list[list[dict]], d
     for _ in range(data.draw(st.integers(1, 12))):
         frames = contexts[data.draw(st.integers(0, len(contexts) - 1))]  # shared, as the modes share it
         event = data.draw(st.sampled_from(["syscall", "cpu"]))
-        samples.append(TraceSample(
+        syscall = data.draw(st.sampled_from(["write", "openat", "getppid", "mmap", "syscall_999"]))
+        sample = TraceSample(
             data.draw(st.integers(0, 2**63)), data.draw(st.integers(1, 2**22)),
             data.draw(st.integers(1, 2**22)),
-            event, data.draw(st.sampled_from(["write", "openat", "getppid"])) if event == "syscall" else None,
+            event, syscall if event == "syscall" else None,
             data.draw(st.booleans()), frames,
-            data.draw(st.one_of(st.none(), st.fixed_dictionaries({"path": st.text(max_size=6)})))))
+            data.draw(st.one_of(st.none(), st.fixed_dictionaries({"path": st.text(max_size=6)}))))
+        if event == "syscall" and data.draw(st.booleans()):  # argument words, a return (or none)
+            sample.raw_args = tuple(data.draw(st.lists(st.integers(0, 2**64 - 1), max_size=6)))
+            sample.returned = data.draw(st.one_of(st.none(), st.booleans()))
+            if sample.returned:
+                sample.ret = data.draw(st.integers(-4200, 2**63))
+        samples.append(sample)
     out = io.StringIO()
     w = JsonlWriter(out)
     for s in samples:
@@ -79,6 +86,56 @@ def test_text_writer_prints_strace_k_like_lines() -> None:
         " > /b(main) call_site=0x10 return_address=0x15",
         "--- 3 samples lost (ringbuf_full) ---",
     ]
+
+
+def test_text_prints_arguments_and_return_values_as_strace_does() -> None:
+    """Arguments by kind and the return value.  Expected lines are strace 6's for the same calls
+    (x86-64: AT_FDCWD is -100, O_CLOEXEC 0o2000000, O_CREAT 0o100, ENOENT 2), except where ccprofd
+    prints less: buffers as pointers (strace: their strings), mmap's prot/flags in hex (strace:
+    PROT_READ|PROT_WRITE, MAP_PRIVATE|MAP_ANONYMOUS), lseek's whence as a number (SEEK_END)."""
+    out = io.StringIO()
+    w = writer_for("text", out)
+    cases = [
+        ("write", None, (1, 0x7FFD0010, 22), True, 22),
+        ("openat", {"path": "/etc/ld.so.cache"}, (2**64 - 100, 0x7F00, 0o2000000, 0), True, 3),
+        ("openat", {"path": "/nonexistent"}, (2**64 - 100, 0x7F00, 0o1101, 0o644), True, -2),
+        ("close", None, (3,), True, 0),
+        ("lseek", None, (3, 2**64 - 5, 2), True, 95),
+        ("mmap", None, (0, 8192, 3, 0x22, 2**32 - 1, 0), True, 0x7F2A1C000000),
+        ("exit_group", None, (0,), False, None),
+        ("syscall_999", None, (0, 1, 2**64 - 1, 0, 0, 0), True, -38),
+        ("read", None, (0, 0, 10), None, None),  # no return value traced
+    ]
+    for i, (name, path, words, returned, ret) in enumerate(cases):
+        w.sample(TraceSample(i, 7, 7, "syscall", name, True, [], path, words, returned, ret))
+    w.flush()
+    assert out.getvalue().splitlines() == [
+        "[pid 7 tid 7] write(1, 0x7ffd0010, 22) = 22",
+        '[pid 7 tid 7] openat(AT_FDCWD, "/etc/ld.so.cache", O_RDONLY|O_CLOEXEC) = 3',
+        '[pid 7 tid 7] openat(AT_FDCWD, "/nonexistent", O_WRONLY|O_CREAT|O_TRUNC, 0644) = -1 ENOENT (No such '
+        'file or directory)',
+        "[pid 7 tid 7] close(3) = 0",
+        "[pid 7 tid 7] lseek(3, -5, 2) = 95",
+        "[pid 7 tid 7] mmap(NULL, 8192, 0x3, 0x22, -1, 0) = 0x7f2a1c000000",
+        "[pid 7 tid 7] exit_group(0) = ?",
+        "[pid 7 tid 7] syscall_999(0, 0x1, 0xffffffffffffffff, 0, 0, 0) = -1 ENOSYS (Function not "
+        "implemented)",
+        "[pid 7 tid 7] read(0, NULL, 10)",
+    ]
+    got = [json.loads(line) for line in _jsonl([TraceSample(1, 7, 7, "syscall", "close", True, [], None, (3,),
+                                                            True, 0),
+                                                TraceSample(2, 7, 7, "syscall", "exit_group", True, [], None,
+                                                            (0,), False)])]
+    assert [(g["raw_args"], g["ret"]) for g in got] == [([3], 0), ([0], None)]
+
+
+def _jsonl(samples: list[TraceSample]) -> list[str]:
+    out = io.StringIO()
+    w = JsonlWriter(out)
+    for s in samples:
+        w.sample(s)
+    w.flush()
+    return out.getvalue().splitlines()
 
 
 def test_cache_follows_list_identity_not_address(monkeypatch) -> None:

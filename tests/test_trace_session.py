@@ -20,6 +20,9 @@ class _ModeStub:
     def backlog(self) -> int:
         return 0
 
+    def unfinished(self) -> list:
+        return []
+
     def detach(self) -> None:
         self.detached += 1
 

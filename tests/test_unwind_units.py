@@ -112,19 +112,22 @@ def test_link_loop_callbacks_refuses_what_it_cannot_link() -> None:
 def test_sample_decoding() -> None:
     path = b"/tmp/x.txt\0"
     arg = path + bytes(ARG_LEN - len(path))
-    raw = struct.pack("<QIIIiIIIIQQII", 123, 16, 10, 11, 257, 3, 0, 1, 1, 7, 8, len(path), 0) + arg \
+    raw = struct.pack("<QIIIiIIIIQQII6Q", 123, 16, 10, 11, 257, 3, 0, 1, 1, 7, 8, len(path), 0,
+                      2**64 - 100, 0x1000, 0o2000000, 0, 0, 0) + arg \
         + struct.pack("<3Q", 1, 2, 3)
     s = UnwoundSample.decode(raw)
-    got = (s.tgid, s.tid, s.syscall, s.pcs, s.complete, s.fp_frames, s.key, s.arg)
-    assert got == (10, 11, 257, (1, 2, 3), True, 1, (7, 8), "/tmp/x.txt")
-    cpu = UnwoundSample.decode(struct.pack("<QIIIiIIIIQQII", 1, 16, 1, 1, -1, 0, 1, 0, 0, 0, 0, 0, 0)
-                               + bytes(ARG_LEN))
+    got = (s.tgid, s.tid, s.syscall, s.pcs, s.complete, s.fp_frames, s.key, s.arg, s.sargs)
+    assert got == (10, 11, 257, (1, 2, 3), True, 1, (7, 8), "/tmp/x.txt",
+                   (2**64 - 100, 0x1000, 0o2000000, 0, 0, 0))
+    cpu = UnwoundSample.decode(struct.pack("<QIIIiIIIIQQII6Q", 1, 16, 1, 1, -1, 0, 1, 0, 0, 0, 0, 0, 0,
+                                           *[0] * 6) + bytes(ARG_LEN))
     assert cpu.syscall is None and cpu.event == "cpu" and cpu.reason == "max_depth" and not cpu.complete
-    assert cpu.arg is None
+    assert cpu.arg is None and cpu.sargs is None
     # a repeated context's header-only record carries the sample's own argument
-    hit = UnwoundSample.decode(struct.pack("<QIIIiIIIIQQII", 5, 18, 2, 2, 59, 4, 0, 0, 0, 7, 8, len(path), 0)
-                               + path)
+    hit = UnwoundSample.decode(struct.pack("<QIIIiIIIIQQII6Q", 5, 18, 2, 2, 59, 4, 0, 0, 0, 7, 8, len(path),
+                                           0, 0x2000, 0x3000, 0x4000, 0, 0, 0) + path)
     assert hit.flags & FLAG_HIT and hit.pcs == () and hit.arg == "/tmp/x.txt" and hit.key == (7, 8)
+    assert hit.sargs == (0x2000, 0x3000, 0x4000, 0, 0, 0)
 
 
 def test_deliver_counts_a_short_record_and_decodes_hits_inline() -> None:
@@ -134,11 +137,12 @@ def test_deliver_counts_a_short_record_and_decodes_hits_inline() -> None:
     sampler = UnwindSampler.__new__(UnwindSampler)  # deliver() needs no BPF: only its own state
     sampler._pending, sampler.malformed, sampler.layout = [], 0, None
     sampler.processes = types.SimpleNamespace(stale=set())
-    hit = struct.pack("<QIIIiIIIIQQII", 5, 18, 2, 3, 110, 4, 0, 1, 0, 7, 8, 0, 0)
+    hit = struct.pack("<QIIIiIIIIQQII6Q", 5, 18, 2, 3, 110, 4, 0, 1, 0, 7, 8, 0, 0, *range(6))
     sampler.deliver(hit)
     assert sampler._pending == [UnwoundSample.decode(hit)]
     assert sampler._pending[0].flags & FLAG_HIT and sampler._pending[0].syscall == 110
-    sample_header_only = struct.pack("<QIIIiIIIIQQII", 5, 16, 2, 3, 110, 4, 0, 0, 0, 7, 8, 0, 0)
+    assert sampler._pending[0].sargs == (0, 1, 2, 3, 4, 5)
+    sample_header_only = struct.pack("<QIIIiIIIIQQII6Q", 5, 16, 2, 3, 110, 4, 0, 0, 0, 7, 8, 0, 0, *[0] * 6)
     sampler.deliver(sample_header_only)  # a full sample's kind, but no room for its 4 pcs
     assert sampler.malformed == 1 and len(sampler._pending) == 1
 

@@ -103,7 +103,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
     options = TraceOptions(mode=mode, syscalls=syscalls, encoding=args.encoding, scope=args.scope,
                            sample_hz=args.sample_hz, verify=args.verify,
                            cache_dir=str(args.cache_dir) if args.cache_dir else None,
-                           edge_weights=args.edge_weights, save_edge_weights=args.save_edge_weights)
+                           edge_weights=args.edge_weights, save_edge_weights=args.save_edge_weights,
+                           retval=args.format == "text" if args.retval is None else args.retval)
     problem = privileges_problem()
     if problem is not None:
         print(f"ccprofd: {problem}", file=sys.stderr)
@@ -202,6 +203,10 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     tr.add_argument("--format", choices=["text", "jsonl"], default="text",
                     help="output format (default text)")
     tr.add_argument("--output", "-o", metavar="FILE", help="write samples to FILE instead of stderr")
+    tr.add_argument("--retval", action=argparse.BooleanOptionalAction, default=None,
+                    help="join each syscall sample to its return value ('= 22', '= ?' when it never "
+                         "returned), at the cost of one more BPF run and record per traced syscall "
+                         "(default: on in text format, off in jsonl)")
     tr.add_argument("--encoding", choices=["valence", "pcce", "hcce"], default="valence",
                     help="calling-context encoding of instrumented mode (unwind mode: valence only)")
     tr.add_argument("--scope", metavar="FUNCTION_REGEX",

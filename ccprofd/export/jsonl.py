@@ -13,14 +13,34 @@ within one poll of their arrival.
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import IO, Any, Protocol
 
+from ccprofd.kbpf.syscalls import syscall_arg_kinds
 from ccprofd.tracing.api import TraceSample
 
 FORMATS = ("text", "jsonl")
+
+# Calls whose result is an address, printed in hex as strace does.
+_RETURNS_ADDRESS = frozenset({"mmap", "mremap", "brk", "shmat"})
+
+AT_FDCWD = -100  # linux/fcntl.h: a dirfd meaning the current directory
+
+# open(2) flags as strace names them (x86-64 values, asm-generic/fcntl.h, in octal), the access mode
+# apart; bits not named here are printed as a hex remainder.
+_O_ACCMODE = 0o3
+_O_ACCESS = ("O_RDONLY", "O_WRONLY", "O_RDWR")
+_O_FLAGS = (("O_CREAT", 0o100), ("O_EXCL", 0o200), ("O_NOCTTY", 0o400), ("O_TRUNC", 0o1000),
+            ("O_APPEND", 0o2000), ("O_NONBLOCK", 0o4000), ("O_DSYNC", 0o10000), ("O_ASYNC", 0o20000),
+            ("O_DIRECT", 0o40000), ("O_LARGEFILE", 0o100000), ("O_DIRECTORY", 0o200000),
+            ("O_NOFOLLOW", 0o400000), ("O_NOATIME", 0o1000000), ("O_CLOEXEC", 0o2000000),
+            ("O_PATH", 0o10000000))
+_O_CREAT = 0o100
+_O_TMPFILE = 0o20000000  # with O_DIRECTORY; creates too, so the mode is printed
 
 # Serialised contexts kept per writer (each a few KB of JSON): enough for the hot contexts of a
 # trace; past it the cache starts over (a context is then serialised once more, nothing else
@@ -43,7 +63,11 @@ def format_text(sample: Mapping[str, Any]) -> str:
         gone = "lost" if sample["event"] == "lost" else "without per-thread state"
         return f"--- {sample[unit]} {unit.replace('_', ' ')} {gone} ({sample['reason']}) ---\n"
     what = sample.get("syscall") if sample.get("event") == "syscall" else sample.get("event")
-    head = f"[pid {sample['pid']} tid {sample['tid']}] {what}{args_text(sample.get('args'))}"
+    raw = sample.get("raw_args")
+    call = call_args_text(what, sample.get("args"), raw) if raw is not None else args_text(sample.get("args"))
+    if "ret" in sample:
+        call += ret_text(what, sample["ret"])
+    head = f"[pid {sample['pid']} tid {sample['tid']}] {what}{call}"
     if not sample.get("complete", True):
         head += " <incomplete>"
     return head + "\n" + format_frames_text(sample.get("frames") or [])
@@ -55,6 +79,72 @@ def args_text(args: Mapping[str, str] | None) -> str:
     if not args:
         return ""
     return "(" + ", ".join(_c_string(v) for v in args.values()) + ")"
+
+
+def call_args_text(syscall: str | None, args: Mapping[str, str] | None, raw: Sequence[int]) -> str:
+    """Every argument, strace style: ``(1, 0x7ffd2c1e0a10, 22)``.  Each argument register is printed
+    by its kind in kbpf/syscalls.SYSCALL_ARGS (ints and sizes in decimal, flags and pointers in hex,
+    AT_FDCWD, NULL, octal modes, the path string when it was captured); a syscall not in the table
+    has its words in hex."""
+    kinds = syscall_arg_kinds(syscall)
+    if kinds is None:
+        return "(" + ", ".join(_hex(v) for v in raw) + ")"
+    path = next(iter(args.values())) if args else None
+    out = []
+    for kind, v in zip(kinds, raw, strict=False):
+        if kind == "s" and path is not None:
+            out.append(_c_string(path))
+        elif kind in "dD":
+            i = (v & 0xFFFFFFFF) - ((v & 0x80000000) << 1)  # a C int: the low 32 bits, signed
+            out.append("AT_FDCWD" if kind == "D" and i == AT_FDCWD else str(i))
+        elif kind == "u":
+            out.append(str(v))
+        elif kind == "l":
+            out.append(str(v - (1 << 64) if v >> 63 else v))
+        elif kind == "f":
+            out.append(open_flags_text(v))
+        elif kind == "o":
+            if "f" not in kinds or raw[kinds.index("f")] & (_O_CREAT | _O_TMPFILE):  # as strace
+                out.append(f"0{v:o}" if v else "000")
+        elif kind in "ps":
+            out.append(f"0x{v:x}" if v else "NULL")
+        else:
+            out.append(_hex(v))
+    return "(" + ", ".join(out) + ")"
+
+
+def open_flags_text(v: int) -> str:
+    """open(2) flags as strace prints them: ``O_RDONLY|O_CLOEXEC``."""
+    v &= 0xFFFFFFFF
+    names = [_O_ACCESS[v & _O_ACCMODE] if v & _O_ACCMODE < 3 else "0x3"]
+    rest = v & ~_O_ACCMODE
+    if rest & _O_TMPFILE and rest & 0o200000:
+        names.append("O_TMPFILE")
+        rest &= ~(_O_TMPFILE | 0o200000)
+    for name, bit in _O_FLAGS:
+        if rest & bit:
+            names.append(name)
+            rest &= ~bit
+    if rest:
+        names.append(f"0x{rest:x}")
+    return "|".join(names)
+
+
+def ret_text(syscall: str | None, ret: int | None) -> str:
+    """`` = 22``, strace style: ``= ?`` when the call never returned, ``= -1 ENOENT (No such file or
+    directory)`` for an error, an address in hex for the calls that return one."""
+    if ret is None:
+        return " = ?"
+    if -4096 < ret < 0:
+        name = errno.errorcode.get(-ret)
+        return f" = -1 {name} ({os.strerror(-ret)})" if name else f" = -1 errno {-ret}"
+    if syscall in _RETURNS_ADDRESS:
+        return f" = 0x{ret & 0xFFFFFFFFFFFFFFFF:x}"
+    return f" = {ret}"
+
+
+def _hex(v: int) -> str:
+    return f"0x{v:x}" if v else "0"
 
 
 def _c_string(value: str) -> str:
@@ -150,11 +240,14 @@ class JsonlWriter:
             tail = self._tail(s)
         else:
             tail = got[4]
+        extra = ""
         if s.args:
-            self._lines.append(f'{{"time_ns":{s.time_ns},"pid":{s.pid},"tid":{s.tid},{tail},'
-                               f'"args":{_dumps(s.args)}}}\n')
-        else:
-            self._lines.append(f'{{"time_ns":{s.time_ns},"pid":{s.pid},"tid":{s.tid},{tail}}}\n')
+            extra = f',"args":{_dumps(s.args)}'
+        if s.raw_args is not None:
+            extra += ',"raw_args":[' + ",".join(map(str, s.raw_args)) + "]"
+        if s.returned is not None:
+            extra += f',"ret":{s.ret if s.returned else "null"}'
+        self._lines.append(f'{{"time_ns":{s.time_ns},"pid":{s.pid},"tid":{s.tid},{tail}{extra}}}\n')
 
     def record(self, r: Mapping[str, Any]) -> None:
         self._lines.append(_dumps(r) + "\n")
@@ -189,8 +282,12 @@ class TextWriter:
 
     def sample(self, s: TraceSample) -> None:
         what = s.syscall if s.event == "syscall" else s.event
-        if s.args:
+        if s.raw_args is not None:
+            what = f"{what}{call_args_text(what, s.args, s.raw_args)}"
+        elif s.args:
             what = f"{what}{args_text(s.args)}"
+        if s.returned is not None:
+            what = f"{what}{ret_text(s.syscall, s.ret if s.returned else None)}"
         head = f"[pid {s.pid} tid {s.tid}] {what}\n" if s.complete else \
             f"[pid {s.pid} tid {s.tid}] {what} <incomplete>\n"
         if self.timestamps:

@@ -107,3 +107,35 @@ def parse_syscalls(text: str | None) -> list[int] | None:
         else:
             raise ValueError(f"unknown syscall {n!r}")
     return sorted(set(out))
+
+
+# The arguments of common syscalls (x86-64 kernel signatures, in register order), one letter each,
+# for printing them strace-style: d int (fds, counts, commands), D a dirfd (AT_FDCWD for -100),
+# u an unsigned size, l a signed 64-bit offset, x flags (hex), f open(2) flags (O_RDONLY|O_CLOEXEC),
+# o a mode (octal; open's is left out unless the flags create, as strace does), p a pointer (NULL
+# or hex), s a path (its string when it was captured at entry, else its pointer).  A syscall not
+# here has its six argument registers printed in hex: which of them it uses is not known.
+SYSCALL_ARGS: dict[str, str] = {
+    "read": "dpu", "write": "dpu", "open": "sfo", "close": "d", "stat": "sp", "fstat": "dp",
+    "lstat": "sp", "poll": "pud", "lseek": "dld", "mmap": "puxxdx", "mprotect": "pux", "munmap": "pu",
+    "brk": "p", "rt_sigaction": "dppu", "rt_sigprocmask": "dppu", "rt_sigreturn": "", "ioctl": "dxp",
+    "pread64": "dpul", "pwrite64": "dpul", "readv": "dpd", "writev": "dpd", "access": "sx", "pipe": "p",
+    "sched_yield": "", "madvise": "pud", "dup": "d", "dup2": "dd", "nanosleep": "pp", "getpid": "",
+    "socket": "ddd", "connect": "dpd", "accept": "dpp", "sendto": "dpuxpd", "recvfrom": "dpuxpp",
+    "sendmsg": "dpx", "recvmsg": "dpx", "bind": "dpd", "listen": "dd", "clone": "xpppx", "fork": "",
+    "vfork": "", "execve": "spp", "exit": "d", "wait4": "dpxp", "kill": "dd", "uname": "p",
+    "fcntl": "ddx", "fsync": "d", "getcwd": "pu", "chdir": "s", "mkdir": "so", "unlink": "s",
+    "readlink": "spu", "getuid": "", "getgid": "", "geteuid": "", "getegid": "", "getppid": "",
+    "sigaltstack": "pp", "arch_prctl": "xp", "gettid": "", "futex": "pddppd", "getdents64": "dpu",
+    "set_tid_address": "p", "clock_gettime": "dp", "clock_nanosleep": "dxpp", "exit_group": "d",
+    "epoll_wait": "dpdd", "epoll_ctl": "dddp", "tgkill": "ddd", "openat": "Dsfo", "mkdirat": "Dso",
+    "newfstatat": "Dspx", "unlinkat": "Dsx", "readlinkat": "Dspu", "faccessat": "Dsx",
+    "set_robust_list": "pu", "epoll_pwait": "dpddpu", "accept4": "dppx", "epoll_create1": "x",
+    "dup3": "ddx", "pipe2": "px", "prlimit64": "ddpp", "getrandom": "pux", "execveat": "Dsppx",
+    "statx": "Dsxxp", "rseq": "puxx", "clone3": "pu", "openat2": "Dspu", "faccessat2": "Dsxx",
+}
+
+
+def syscall_arg_kinds(name: str | None) -> str | None:
+    """The argument letters of syscall ``name`` (:data:`SYSCALL_ARGS`); None when not in the table."""
+    return SYSCALL_ARGS.get(name) if name else None

@@ -56,6 +56,7 @@ class TraceOptions:
     cache_dir: str | None = None
     edge_weights: str | None = None  # instrumented mode: build the plan with the call counts in this file
     save_edge_weights: str | None = None  # count every direct call site's hits; write them here at exit
+    retval: bool = False  # join each syscall sample to its return value (raw_syscalls:sys_exit)
 
 
 
@@ -73,12 +74,23 @@ class TraceSample:
     frames: list[dict[str, Any]] = field(default_factory=list)
     #: Cheap syscall arguments, e.g. {"path": ...} for open*/execve* (absent when unknown).
     args: dict[str, str] | None = None
+    #: The syscall's argument registers at entry as unsigned 64-bit words, as many as it takes when
+    #: kbpf/syscalls.SYSCALL_ARGS knows it (else all six); None for CPU samples and old records.
+    raw_args: tuple[int, ...] | None = None
+    #: With TraceOptions.retval: True once the return is known (``ret``), False when it never came
+    #: (exit_group, a successful execve that ended tracking: strace's ``= ?``); None: not traced.
+    returned: bool | None = None
+    ret: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"time_ns": self.time_ns, "pid": self.pid, "tid": self.tid, "event": self.event,
                                "syscall": self.syscall, "complete": self.complete, "frames": self.frames}
         if self.args:
             out["args"] = self.args
+        if self.raw_args is not None:
+            out["raw_args"] = list(self.raw_args)
+        if self.returned is not None:
+            out["ret"] = self.ret
         return out
 
 
@@ -106,6 +118,7 @@ class Mode(Protocol):
     def follow_exec(self, inode: tuple[int, int], cgroup_id: int = 0) -> None: ...
     def take_new_processes(self) -> list[int]: ...
     def poll(self, timeout_ms: int) -> list[TraceSample]: ...
+    def unfinished(self) -> list[TraceSample]: ...
     def summary(self) -> dict[str, Any]: ...
     def detach(self) -> None: ...
     def backlog(self) -> int: ...

@@ -7,13 +7,15 @@ reader.  A mode supplies how to receive, classify and decode its own records
 
 from __future__ import annotations
 
+import functools
 import os
 from abc import ABC, abstractmethod
+from collections import deque
 from collections.abc import Hashable, Mapping
 from typing import Any, Generic, Protocol, TypeVar
 
-from ccprofd.kbpf.syscalls import syscall_name
-from ccprofd.tracing.api import TraceOptions, TraceSample, path_args
+from ccprofd.kbpf.syscalls import syscall_arg_kinds, syscall_name
+from ccprofd.tracing.api import RECORDS_PER_POLL, TraceOptions, TraceSample, path_args
 from ccprofd.tracing.frames import Decoded
 from ccprofd.tracing.kernelcounts import KernelCounts
 
@@ -27,6 +29,122 @@ LOST_DECODED = Decoded([], False, LOST_CONTEXT)
 
 # Record kinds (ModeBase._kind).
 SIDE, PLAIN, NEW, HIT = range(4)
+
+
+@functools.cache
+def _arg_count(name: str | None) -> int:
+    """How many argument words a sample of syscall ``name`` keeps (all six when it is unknown)."""
+    kinds = syscall_arg_kinds(name)
+    return 6 if kinds is None else len(kinds)
+
+
+# Syscalls that never return to their caller: their samples are written at once, with strace's ``= ?``.
+NO_RETURN = frozenset({"exit", "exit_group"})
+# How much earlier than its sample a return may be stamped: none, as both modes convert a sample's
+# and a return's CLOCK_MONOTONIC times with the same offset (a sample is stamped at entry).
+RET_SLACK_NS = 0
+# The shared sampler's ring (process events) with --retval, which adds a 64-byte record per traced
+# syscall: 8 MB, so a 100k-syscall burst fits as the samples' own ring does (64 pages without).
+RET_RINGBUF_PAGES = 2048
+
+
+class ReturnJoiner:
+    """``--retval``: each syscall sample waits here for its thread's return record (the shared
+    sampler's sys_exit program) and is written with it.  A thread's returns come in order, so a
+    return that is not the oldest waiting sample's (another syscall, or one made after the thread's
+    next call entered: the oldest's return was lost) ends that sample as never returned (``= ?``),
+    as do exit/exit_group at once, the thread's exit (see :meth:`_ended_threads`) and the end of the
+    trace (:meth:`flush`).  Returns and samples come through different rings, read in batches, so
+    a return may arrive polls before its sample: it waits for it, until a later sample of its
+    thread shows that its own never came."""
+
+    def __init__(self) -> None:
+        self.open: dict[int, deque[TraceSample]] = {}  # tid -> samples waiting, oldest first
+        self.orphans: dict[int, deque[tuple[int, int, int]]] = {}  # tid -> (time, nr, ret) come early
+        self._gone: set[int] = set()  # tids with waiting samples whose thread was gone at the last poll
+
+    def join(self, samples: list[TraceSample], rets: list[tuple[int, int, int, int]],
+             drained: bool = True) -> list[TraceSample]:
+        """The samples ready to write: those of ``samples`` that are not syscalls or never return,
+        and every waiting sample whose return came in ``rets`` (time, tid, nr, ret) or never will.
+        ``drained``: this poll read every record the rings held (it did not stop at its budget)."""
+        ready: list[TraceSample] = []
+        for s in samples:
+            if s.event != "syscall":
+                ready.append(s)
+            elif s.syscall in NO_RETURN:
+                s.returned = False
+                ready.append(s)
+            elif not self._take_orphan(s):
+                self.open.setdefault(s.tid, deque()).append(s)
+            else:
+                ready.append(s)
+        for t, tid, nr, ret in rets:
+            name = syscall_name(nr)
+            q = self.open.get(tid)
+            matched = False
+            while q and q[0].time_ns <= t + RET_SLACK_NS:
+                head = q.popleft()
+                if head.syscall == name and not (q and q[0].time_ns < t):  # (the thread's next call
+                    # entered before this return: the head's own return was lost, this is a later one)
+                    head.returned, head.ret = True, ret
+                    ready.append(head)
+                    matched = True
+                    break
+                head.returned = False  # a later syscall of its thread returned first: this one never will
+                ready.append(head)
+            if q is not None and not q:
+                del self.open[tid]
+            if not matched:
+                self.orphans.setdefault(tid, deque()).append((t, nr, ret))
+        ready.extend(self._ended_threads(drained))
+        ready.sort(key=lambda s: s.time_ns)  # written in the order they were made, within a poll
+        return ready
+
+    def _take_orphan(self, s: TraceSample) -> bool:
+        """Join ``s`` to a return that came before it; returns older than ``s`` are dropped (their
+        own samples would have come before ``s``: they never will)."""
+        early = self.orphans.get(s.tid)
+        if early is None:
+            return False
+        while early and early[0][0] + RET_SLACK_NS < s.time_ns:
+            early.popleft()
+        took = bool(early) and syscall_name(early[0][1]) == s.syscall
+        if took:
+            s.returned, s.ret = True, early.popleft()[2]
+        if not early:
+            del self.orphans[s.tid]
+        return took
+
+    def _ended_threads(self, drained: bool) -> list[TraceSample]:
+        """Waiting samples of threads seen gone at an earlier poll, once a poll has read the rings
+        dry: every record such a thread made was in them before, so its returns are all read (the
+        return records may lag its samples by many polls)."""
+        out: list[TraceSample] = []
+        gone = set()
+        for tid, q in list(self.open.items()):
+            if os.path.exists(f"/proc/{q[0].pid}/task/{tid}"):
+                continue
+            if tid in self._gone and drained:
+                out.extend(self._never_returned(self.open.pop(tid)))
+                self.orphans.pop(tid, None)
+            else:
+                gone.add(tid)
+        self._gone = gone
+        return out
+
+    @staticmethod
+    def _never_returned(q: deque[TraceSample]) -> list[TraceSample]:
+        for s in q:
+            s.returned = False
+        return list(q)
+
+    def flush(self) -> list[TraceSample]:
+        """Every waiting sample, as never returned (the trace ends), oldest first."""
+        out = [s for q in self.open.values() for s in self._never_returned(q)]
+        self.open.clear()
+        self.orphans.clear()
+        return sorted(out, key=lambda s: s.time_ns)
 
 
 class ContextReader(Protocol):
@@ -53,6 +171,8 @@ class ModeBase(ABC, Generic[Record, Key]):
         self.incomplete = 0
         self.reasons: dict[str, int] = {}
         self._contexts: ContextReader | None = None  # GetThreadContexts: made at first use
+        self._returns = ReturnJoiner()  # options.retval
+        self._received = 0  # records the last poll read
 
     # ------------------------------------------------------------------------ a mode's own part
     @abstractmethod
@@ -93,19 +213,33 @@ class ModeBase(ABC, Generic[Record, Key]):
     # --------------------------------------------------------------------------- shared part
     @staticmethod
     def trace_sample(r_time: int, pid: int, tid: int, event: str, nr: int | None, d: Decoded,
-                     arg: str | None = None) -> TraceSample:
+                     arg: str | None = None, sargs: tuple[int, ...] | None = None) -> TraceSample:
         name = syscall_name(nr)
         return TraceSample(r_time, pid, tid, event, name, d.complete, d.json_frames(),
-                           path_args(name, arg) if arg is not None else None)
+                           path_args(name, arg) if arg is not None else None,
+                           None if sargs is None or nr is None else sargs[:_arg_count(name)])
 
     def poll(self, timeout_ms: int) -> list[TraceSample]:
-        return self._poll_decoded(timeout_ms, in_kernel=False)[0]
+        out = self._poll_decoded(timeout_ms, in_kernel=False)[0]
+        if not self.options.retval:
+            return out
+        rets = self._take_returns()
+        return self._returns.join(out, rets, self._received + len(rets) < RECORDS_PER_POLL)
+
+    def _take_returns(self) -> list[tuple[int, int, int, int]]:
+        """The return records received since the last call: (wall-clock time, tid, nr, ret)."""
+        return []
+
+    def unfinished(self) -> list[TraceSample]:
+        """At the end of a trace: the samples still waiting for their return (``= ?``)."""
+        return self._returns.flush()
 
     def _poll_decoded(self, timeout_ms: int, *, in_kernel: bool) -> tuple[list[TraceSample], list[bool]]:
         """Every sample record as a TraceSample, and for each whether it is one sample counted here
         (False with ``in_kernel`` for new and repeated contexts: the kernel's count has them).
         Written for speed: a repeated context costs a key lookup and one TraceSample."""
         raw = self._receive(timeout_ms)
+        self._received = len(raw)
         kind = self._kind
         kinds = [kind(r) for r in raw]
         fresh: dict[int, Decoded] = {}

@@ -133,6 +133,9 @@ class Session:
                     yield batch
                 elif not self.mode.backlog():  # counting the backlog walks the ring: only when idle
                     break
+            rest = self.mode.unfinished()  # --retval: samples whose return never came
+            if rest:
+                yield rest
         except (BPFError, OSError) as exc:
             self.failed = exc
             raise

@@ -24,6 +24,7 @@
 #define EV_FORK 2
 #define EV_EXEC 3
 #define EV_EXIT 4
+#define EV_RET 5  // a reported syscall's return (ccprof_sys_exit): nr, aux = the return value
 
 #define TRACKED_VIA_FORK 1
 #define TRACKED_VIA_EXEC 2  // found at its exec of an exec target
@@ -142,6 +143,29 @@ int ccprof_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
 #ifndef CCPROF_HOOK_SENDS_SYSCALLS
     ccprof_submit(e);
 #endif
+    return 0;
+}
+
+// raw_syscalls:sys_exit as a raw tracepoint (attached only when return values are wanted): args[0]
+// is the user pt_regs, args[1] the return value.  Same filter as the samples (a launcher that has
+// not exec'd the target yet sends none); userspace joins it to the thread's pending sample.
+int ccprof_sys_exit(struct bpf_raw_tracepoint_args *ctx) {
+    u64 pid_tgid = bpf_get_current_pid_tgid();
+    u32 tgid = pid_tgid >> 32;
+    struct ccprof_tracked *t = tracked.lookup(&tgid);
+    if (!t || t->execs_left)
+        return 0;
+    struct pt_regs *regs = (struct pt_regs *)ctx->args[0];
+    long nr = -1;
+    bpf_probe_read_kernel(&nr, sizeof(nr), &regs->orig_ax);
+    if (!ccprof_syscall_wanted(nr))
+        return 0;
+    struct ccprof_event *e = ccprof_reserve(EV_RET, pid_tgid);
+    if (!e)
+        return 0;
+    e->nr = (s32)nr;
+    e->aux = (u64)ctx->args[1];
+    ccprof_submit(e);
     return 0;
 }
 

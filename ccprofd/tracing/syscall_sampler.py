@@ -35,7 +35,8 @@ _C = c_constants(Path(__file__).with_name(C_SOURCE))  # the constants shared wit
 EXEC_TARGET_FLAG = _C["CCPROF_EXEC_TARGET"]  # EV_EXEC aux: the new image is an exec target
 NR_SYSCALL_SLOTS = _C["NR_SYSCALL_SLOTS"]
 
-KINDS = {_C["EV_SYSCALL"]: "syscall", _C["EV_FORK"]: "fork", _C["EV_EXEC"]: "exec", _C["EV_EXIT"]: "exit"}
+KINDS = {_C["EV_SYSCALL"]: "syscall", _C["EV_FORK"]: "fork", _C["EV_EXEC"]: "exec", _C["EV_EXIT"]: "exit",
+         _C["EV_RET"]: "ret"}
 STATS = ("events", "ringbuf_full", "tracked_full", "forks", "execs_stopped", "execs_found")
 
 _EVENT = struct.Struct("<QIIIiQQQQ")  # struct ccprof_event without CCPROF_EVENT_EXTRA
@@ -47,7 +48,8 @@ class SamplerEvent:
     """One record from the ring buffer.  ``time_ns`` is CLOCK_MONOTONIC (see
     :func:`monotonic_to_realtime_ns`); ``syscall`` is None for process events; ``aux`` is the child
     pid (fork), the old pid (exec, with :data:`EXEC_TARGET_FLAG` when the new image is an exec
-    target), 1 (exit); ``extra`` holds CCPROF_EVENT_EXTRA bytes."""
+    target), 1 (exit), the return value as an unsigned word (ret: see :attr:`ret`); ``extra``
+    holds CCPROF_EVENT_EXTRA bytes."""
 
     kind: str
     time_ns: int
@@ -75,6 +77,11 @@ class SamplerEvent:
             aux,
             bytes(raw[EVENT_SIZE:]),
         )
+
+    @property
+    def ret(self) -> int:
+        """A ``ret`` event's return value, signed (the kernel returns a long: -errno on failure)."""
+        return self.aux - (1 << 64) if self.aux >> 63 else self.aux
 
     @property
     def exec_target(self) -> bool:
@@ -190,6 +197,11 @@ class SyscallSampler:
         self._config.set(0, 0)
         self._syscall_set.clear()
         self._syscall_set.update_many([(n, 1) for n in nrs])
+
+    def attach_returns(self) -> None:
+        """Also report the return of every reported syscall (``ret`` events, raw_syscalls:sys_exit):
+        one more program run and ring record per syscall, so only when asked."""
+        self.module.attach_raw_tracepoint("sys_exit", "ccprof_sys_exit")
 
     def attach(self) -> None:
         """Attach all four programs.  Process tracepoints first, so no child escapes between."""

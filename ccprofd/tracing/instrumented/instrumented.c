@@ -217,6 +217,7 @@ struct cc_record {
     u32 ctx_id;    // AGG_NEW / AGG_HIT: the context's id in cc_agg_counts
     u32 arg_len;   // bytes of arg sent (its NUL included); 0: none or unreadable
     u32 pad;
+    u64 sargs[6];  // the syscall's argument registers at entry (rdi rsi rdx r10 r8 r9); 0 for CPU samples
     char arg[CC_ARG_LEN];  // path argument of open/openat/execve..., NUL-terminated (empty: none/unreadable)
     struct cc_sample cc;
 };
@@ -264,7 +265,7 @@ struct cc_agg_val {
 // is counted in the kernel), and the sampler's event is not sent at all.
 #define CCPROF_HOOK_SENDS_SYSCALLS 1
 #define CCPROF_SYSCALL_HOOK(ctx, regs, e) \
-    cc_emit((e)->ktime_ns, (e)->nr, EV_CC_SYSCALL, (e)->ip, (e)->sp, cc_path_arg((regs), (e)->nr))
+    cc_emit((e)->ktime_ns, (e)->nr, EV_CC_SYSCALL, (e)->ip, (e)->sp, cc_path_arg((regs), (e)->nr), (regs))
 
 BPF_ARRAY(cc_sites, struct cc_site, NPROBES);
 BPF_HASH(cc_ret_sites, u64, u32, NCALLSITES);
@@ -1112,7 +1113,8 @@ static __always_inline void cc_aggregate(struct cc_record *r, u32 words) {
         cc_agg_counts.delete((struct cc_agg_key_blob *)k);  // userspace never saw it: the next sample is new again
 }
 
-static __always_inline void cc_emit(u64 ktime, s32 nr, u32 event, u64 ip, u64 sp, u64 argp) {
+static __always_inline void cc_emit(u64 ktime, s32 nr, u32 event, u64 ip, u64 sp, u64 argp,
+                                    struct pt_regs *regs) {
     u64 pid_tgid = bpf_get_current_pid_tgid();
     u32 kl = CFG_LAUNCH_TGID;
     u64 *launch = cc_config.lookup(&kl);
@@ -1134,6 +1136,16 @@ static __always_inline void cc_emit(u64 ktime, s32 nr, u32 event, u64 ip, u64 sp
     r->arg[0] = 0;
     r->arg_len = 0;
     r->pad = 0;
+    if (regs) {  // a constant per program: CPU samples pass 0
+        bpf_probe_read_kernel(&r->sargs[0], 8, &regs->di);
+        bpf_probe_read_kernel(&r->sargs[1], 8, &regs->si);
+        bpf_probe_read_kernel(&r->sargs[2], 8, &regs->dx);
+        bpf_probe_read_kernel(&r->sargs[3], 8, &regs->r10);
+        bpf_probe_read_kernel(&r->sargs[4], 8, &regs->r8);
+        bpf_probe_read_kernel(&r->sargs[5], 8, &regs->r9);
+    } else {
+        __builtin_memset(r->sargs, 0, sizeof(r->sargs));
+    }
     if (argp) {
         long got = bpf_probe_read_user_str(r->arg, sizeof(r->arg), (void *)argp);
         if (got > 0)  // else not resident at syscall entry: reported without the argument
@@ -1161,7 +1173,7 @@ int cc_cpu_sample(struct bpf_perf_event_data *ctx) {
     bpf_probe_read_kernel(&sp, sizeof(sp), &regs->sp);
     if (!sp)
         return 0;  // no user registers (a kernel thread, or an exiting task)
-    cc_emit(bpf_ktime_get_ns(), -1, EV_CC_CPU, ip, sp, 0);
+    cc_emit(bpf_ktime_get_ns(), -1, EV_CC_CPU, ip, sp, 0, 0);
     return 0;
 }
 

@@ -65,7 +65,7 @@ from ccprofd.tracing.instrumented.constants import (
 )
 from ccprofd.tracing.instrumented.probeplan import CCOL, PCOL, R_CUT, R_CYCLIC, R_PLT_EXIT, R_SCOPE, ProbePlan
 from ccprofd.tracing.instrumented.sitetables import dense_nodes, ret_table
-from ccprofd.tracing.syscall_sampler import SyscallSampler, monotonic_to_realtime_ns
+from ccprofd.tracing.syscall_sampler import SamplerEvent, SyscallSampler, monotonic_to_realtime_ns
 
 STATS = ("site_hits", "tail_hits", "entry_hits", "samples", "pushes", "cuts", "frozen", "no_slot",
          "read_failures", "fork_copies", "ret_dead", "ringbuf_full", "overflows", "agg_new", "counts_full",
@@ -95,7 +95,10 @@ class Limits:
     rec_emit_words: int = 1024
     slots: int = 512
     state_memory: int = 256 << 20
-    ringbuf_pages: int = 2048  # 8 MB: a 100k-syscall burst of one context fits (64-byte hit records)
+    ringbuf_pages: int = 4096  # 16 MB: a 100k-syscall burst of one context fits (112-byte hit records)
+    #: the shared sampler's ring: process events, and with --retval a return record per syscall
+    #: (64 bytes each: 2048 pages hold a 100k-syscall burst)
+    sampler_ring: int = 64
     #: --scope: stack pages copied at each scope entry for the unwind of the prefix above it
     scope_pages: int = 8
     #: aggregate mode: contexts counted in the kernel (then new ones are sent one sample at a
@@ -105,7 +108,8 @@ class Limits:
     agg_rec_words: int = 16
 
     def check(self) -> None:
-        for name in ("max_pieces", "max_segments", "ringbuf_pages", "agg_segments", "agg_rec_words"):
+        for name in ("max_pieces", "max_segments", "ringbuf_pages", "sampler_ring", "agg_segments",
+                     "agg_rec_words"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise BPFError(f"{name} must be a power of two, not {v}")
@@ -177,6 +181,8 @@ class RawContext:
     pairs: tuple[tuple[tuple[int, ...], int], ...] = field(default=())
     agg: int = AGG_NONE  # aggregate mode: AGG_NEW (counted in the kernel under ctx_id) or AGG_UNAGGREGATED
     ctx_id: int = 0
+    #: The six argument registers at syscall entry (rdi, rsi, rdx, r10, r8, r9); None for CPU samples.
+    sargs: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -191,6 +197,7 @@ class RawHit:
     syscall: int | None
     ctx_id: int
     arg: str | None = None
+    sargs: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -289,23 +296,27 @@ class SampleLayout:
         self.scheme = scheme
         self.emit_segs = emit_segs
         self.rec_words = rec_emit_words
-        self._rec = struct.Struct("<QIIiIQQIIII")  # up to arg
+        self._rec = struct.Struct("<QIIiIQQIIII6Q")  # up to arg
         self._head = struct.Struct("<8IQ")
         self._acyc = struct.Struct(f"<{acyc_words}Q")
         self._seg = struct.Struct(f"<{acyc_words}Q4I")
         self.fixed = self._rec.size + ARG_LEN + self._head.size + self._acyc.size + emit_segs * self._seg.size
         self.size = self.fixed + rec_emit_words * 8  # sizeof(struct cc_record): the largest record
+        # CLOCK_MONOTONIC -> wall clock, measured once: every sample (and return record, joined
+        # to its sample by time) is converted alike, as unwind mode does
+        self.clock_offset = monotonic_to_realtime_ns(0)
 
     def parse(self, raw: bytes) -> RawContext | RawHit:
-        ktime, tgid, tid, nr, event, ip, sp, agg, ctx_id, arg_len, _ = self._rec.unpack_from(raw)
+        ktime, tgid, tid, nr, event, ip, sp, agg, ctx_id, arg_len, _, *words = self._rec.unpack_from(raw)
+        sargs = tuple(words) if event == 1 else None
         off = self._rec.size
         arg = bytes(raw[off:off + arg_len])
         off += arg_len
         arg_s = arg.split(b"\0", 1)[0].decode("utf-8", "surrogateescape") or None
         ev = "syscall" if event == 1 else "cpu"
         if agg == AGG_HIT:
-            return RawHit(ev, monotonic_to_realtime_ns(ktime), tgid, tid, nr if nr >= 0 else None, ctx_id,
-                          arg_s)
+            return RawHit(ev, ktime + self.clock_offset, tgid, tid, nr if nr >= 0 else None, ctx_id,
+                          arg_s, sargs)
         flags, depth, top_kind, top_probe, top_aux, rec_len, nsegs, rec_base, bias = \
             self._head.unpack_from(raw, off)
         off += self._head.size
@@ -328,9 +339,10 @@ class SampleLayout:
                 pairs = self.scheme.split_pairs(rec, rec_len)
                 segs = [RawSegment(g.saved, g.rec_height // rb, g.aux, g.probe, g.seq) for g in segs]
                 rec, rec_len = 0, 0
-        return RawContext(ev, monotonic_to_realtime_ns(ktime), tgid, tid,
+        return RawContext(ev, ktime + self.clock_offset, tgid, tid,
                           nr if nr >= 0 else None, ip, sp, flags, depth, top_kind, top_probe, top_aux, bias,
-                          tuple(acyc), rec, rec_len, rec_base, tuple(segs), arg_s, pairs, agg, ctx_id)
+                          tuple(acyc), rec, rec_len, rec_base, tuple(segs), arg_s, pairs, agg, ctx_id,
+                          sargs)
 
 
 def _words(value: int, n: int) -> list[int]:
@@ -471,9 +483,10 @@ class InstrumentedBPF:
         prelude = "".join(f"#define {k} {v}\n" for k, v in defines.items())
         prelude += Path(__file__).with_name(C_SOURCE).read_text(encoding="utf-8")
         self.sampler = SyscallSampler(syscalls=syscalls, max_tracked=max(4096, 2 * limits.slots),
-                                      ringbuf_pages=64, prelude=prelude, cache_dir=cache_dir)
+                                      ringbuf_pages=limits.sampler_ring, prelude=prelude, cache_dir=cache_dir)
         self.module: RawModule = self.sampler.module
         self._contexts: list[RawContext | RawHit] = []
+        self.returns: list[SamplerEvent] = []  # "ret" events (attach_returns), taken by the mode
         self.module.open_ring_buffer("cc_events", lambda raw: self._contexts.append(self.layout.parse(raw)))
         self._scope_entries: list[ScopeEntry] = []
         if probe_plan.scope is not None and limits.scope_pages > 0:
@@ -650,7 +663,9 @@ class InstrumentedBPF:
             # submitted before a sample of this batch is in the batch (entry before its samples).
             self.module.ring_buffer_consume(rings=("cc_scope_events",))
         for ev in events:
-            if ev.kind != "syscall":  # syscall contexts come through cc_events (the sampler sends none)
+            if ev.kind == "ret":
+                self.returns.append(ev)
+            elif ev.kind != "syscall":  # syscall contexts come through cc_events (the sampler sends none)
                 t = monotonic_to_realtime_ns(ev.time_ns)
                 out.append(ProcessEvent(ev.kind, t, ev.tgid, ev.tid, ev.aux))
         out.extend(self._contexts)

@@ -6,12 +6,13 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from ccprofd.tracing.api import TraceError, TraceOptions, TraceSample
-from ccprofd.tracing.base import HIT, NEW, PLAIN, SIDE, ContextReader, ModeBase
+from ccprofd.tracing.base import HIT, NEW, PLAIN, RET_RINGBUF_PAGES, SIDE, ContextReader, ModeBase
 from ccprofd.tracing.frames import Decoded
 from ccprofd.tracing.instrumented.constants import SF_BIAS
 from ccprofd.tracing.instrumented.loader import (
     AGG_NEW,
     InstrumentedBPF,
+    Limits,
     ProcessEvent,
     RawContext,
     RawHit,
@@ -96,8 +97,11 @@ class InstrumentedMode(ModeBase[Event, int]):
             from ccprofd.tracing.instrumented.scopeprefix import live_prefixes
 
             self._scope = live_prefixes(pp, self._sym.names, self.options.cache_dir)
-        self._bpf = InstrumentedBPF(pp, plan, syscalls=nrs, cache_dir=self.options.cache_dir)
+        limits = Limits(sampler_ring=RET_RINGBUF_PAGES) if self.options.retval else Limits()
+        self._bpf = InstrumentedBPF(pp, plan, syscalls=nrs, limits=limits, cache_dir=self.options.cache_dir)
         self._bpf.attach()
+        if self.options.retval:
+            self._bpf.sampler.attach_returns()
         if self.options.sample_hz:
             self._bpf.attach_cpu_sampling(int(self.options.sample_hz))
         if self.options.verify:
@@ -174,6 +178,12 @@ class InstrumentedMode(ModeBase[Event, int]):
         assert self._bpf is not None
         return list(self._bpf.poll(timeout_ms))
 
+    def _take_returns(self) -> list[tuple[int, int, int, int]]:
+        assert self._bpf is not None
+        rets, self._bpf.returns = self._bpf.returns, []
+        off = self._bpf.layout.clock_offset  # as the samples' times
+        return [(e.time_ns + off, e.tid, -1 if e.syscall is None else e.syscall, e.ret) for e in rets]
+
     def _kind(self, r: Event) -> int:
         if isinstance(r, RawHit):
             return HIT
@@ -212,7 +222,7 @@ class InstrumentedMode(ModeBase[Event, int]):
         assert isinstance(r, RawContext | RawHit)
         if not timed:
             return self.trace_sample(0, r.pid, r.tid, r.event, r.syscall, d)
-        return self.trace_sample(r.time_ns, r.pid, r.tid, r.event, r.syscall, d, r.arg)
+        return self.trace_sample(r.time_ns, r.pid, r.tid, r.event, r.syscall, d, r.arg, r.sargs)
 
     def _kernel_counts(self) -> dict[int, int]:
         assert self._bpf is not None

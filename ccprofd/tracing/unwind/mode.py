@@ -37,7 +37,7 @@ from typing import Any
 
 from ccprofd.elf.needed import load_set
 from ccprofd.tracing.api import TraceOptions, TraceSample
-from ccprofd.tracing.base import HIT, NEW, PLAIN, ContextReader, ModeBase
+from ccprofd.tracing.base import HIT, NEW, PLAIN, RET_RINGBUF_PAGES, ContextReader, ModeBase
 from ccprofd.tracing.frames import Decoded
 from ccprofd.tracing.unwind.constants import FLAG_HIT, FLAG_NEW
 from ccprofd.tracing.unwind.plan import UnwindEncoding
@@ -94,12 +94,15 @@ class UnwindMode(ModeBase[UnwoundSample, tuple[int, int]]):
         self.build_id = graph.binary.build_id
         analysis_cache = AnalysisCache(cache)
         self.sampler = UnwindSampler(syscalls=nrs, aggregate=True, emit_hits=True, encoding=self.encoding,
-                                     cache=analysis_cache, load_early=True)
+                                     cache=analysis_cache, load_early=True,
+                                     events_ringbuf_pages=RET_RINGBUF_PAGES if self.options.retval else 16)
         self.symbolizer = UnwindSymbolizer(self.encoding, self.plan, self.sampler.module_of_key,
                                            analysis_cache)
         for path in load_set(self.path, cache=analysis_cache):
             self.sampler.preload(path)
         self.sampler.attach()
+        if self.options.retval:
+            self.sampler.attach_returns()
         if self.options.sample_hz:
             self.sampler.attach_cpu_sampling(int(self.options.sample_hz))
 
@@ -131,6 +134,12 @@ class UnwindMode(ModeBase[UnwoundSample, tuple[int, int]]):
         self.fp_frames += sum(s.fp_frames for s in raw)
         return raw
 
+    def _take_returns(self) -> list[tuple[int, int, int, int]]:
+        assert self.sampler is not None
+        rets, self.sampler.returns = self.sampler.returns, []
+        off = self._clock_offset
+        return [(e.time_ns + off, e.tid, e.syscall if e.syscall is not None else -1, e.ret) for e in rets]
+
     def _kind(self, r: UnwoundSample) -> int:
         flags = r.flags
         return HIT if flags & FLAG_HIT else NEW if flags & FLAG_NEW else PLAIN
@@ -143,7 +152,7 @@ class UnwindMode(ModeBase[UnwoundSample, tuple[int, int]]):
             return self.trace_sample(0, r.tgid, r.tid, r.event, r.syscall, d)
         nr = r.syscall
         return self.trace_sample(r.time_ns + self._clock_offset, r.tgid, r.tid,
-                                 "cpu" if nr is None else "syscall", nr, d, r.arg)
+                                 "cpu" if nr is None else "syscall", nr, d, r.arg, r.sargs)
 
     def _kernel_counts(self) -> Mapping[tuple[int, int], int]:
         assert self.sampler is not None

@@ -68,6 +68,9 @@ from ccprofd.persist.cache import AnalysisCache
 from ccprofd.proc.maps import DEFAULT_PROC_ROOT
 from ccprofd.tracing.api import RECORDS_PER_POLL
 from ccprofd.tracing.syscall_sampler import (
+    KINDS as SAMPLER_KINDS,
+)
+from ccprofd.tracing.syscall_sampler import (
     NR_SYSCALL_SLOTS,
     SamplerEvent,
     sampler_source,
@@ -95,8 +98,9 @@ from ccprofd.tracing.unwind.tables import (
 
 DEFAULT_MAX_DEPTH = 4096
 
-_SAMPLE_HDR = struct.Struct("<QIIIiIIIIQQII")  # struct uw_sample up to arg
+_SAMPLE_HDR = struct.Struct("<QIIIiIIIIQQII6Q")  # struct uw_sample up to arg (UW_SAMPLE_HDR_BYTES)
 _KIND = struct.Struct("<I")
+_EV_RET = next(k for k, v in SAMPLER_KINDS.items() if v == "ret")
 
 
 @dataclass(slots=True)
@@ -122,6 +126,8 @@ class UnwoundSample:
     #: The syscall's path argument (open*, creat, exec*) read at its entry; None when it has none
     #: or it was not readable then (this sample's own, also for a repeated context).
     arg: str | None = None
+    #: The six argument registers at syscall entry (rdi, rsi, rdx, r10, r8, r9); None for CPU samples.
+    sargs: tuple[int, ...] | None = None
 
     @property
     def complete(self) -> bool:
@@ -133,14 +139,16 @@ class UnwoundSample:
 
     @classmethod
     def decode(cls, raw: bytes, layout: RecordLayout | None = None) -> UnwoundSample:
-        t, kind, tgid, tid, nr, n, reason, fp, flags, h1, h2, arg_len, _ = _SAMPLE_HDR.unpack_from(raw)
+        t, kind, tgid, tid, nr, n, reason, fp, flags, h1, h2, arg_len, _, *ws = _SAMPLE_HDR.unpack_from(raw)
+        regs = None if nr < 0 else tuple(ws)
         why = None if reason == 0 else REASONS.get(reason, f"reason_{reason}")
         arg = None
         if 0 < arg_len <= ARG_LEN:
             text = raw[_SAMPLE_HDR.size:_SAMPLE_HDR.size + arg_len].split(b"\0", 1)[0]
             arg = text.decode("utf-8", "surrogateescape")
         if kind == EV_HIT:
-            return cls(t, tgid, tid, None if nr < 0 else nr, (), why, fp, flags | FLAG_HIT, (h1, h2), arg=arg)
+            return cls(t, tgid, tid, None if nr < 0 else nr, (), why, fp, flags | FLAG_HIT, (h1, h2), arg=arg,
+                       sargs=regs)
         off = _SAMPLE_HDR.size + ARG_LEN
         enc = None
         if layout is not None:
@@ -149,7 +157,7 @@ class UnwoundSample:
         tagged = struct.unpack_from(f"<{n}Q", raw, off)
         pcs = tuple(p & ~EXACT_BIT for p in tagged)
         exact = tuple(bool(p & EXACT_BIT) for p in tagged)
-        return cls(t, tgid, tid, None if nr < 0 else nr, pcs, why, fp, flags, (h1, h2), exact, enc, arg)
+        return cls(t, tgid, tid, None if nr < 0 else nr, pcs, why, fp, flags, (h1, h2), exact, enc, arg, regs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -274,7 +282,8 @@ class UnwindSampler:
         max_rules: int = 4096,
         max_contexts: int = 1 << 16,
         arena_words: int = 1 << 21,
-        ringbuf_pages: int = 2048,
+        ringbuf_pages: int = 4096,  # 16 MB: a 100k-syscall burst of one context fits (120-byte hits)
+        events_ringbuf_pages: int = 16,  # the shared sampler's ring: process events (and --retval's returns)
         cache: AnalysisCache | None = None,
         proc_root: str = DEFAULT_PROC_ROOT,
         encoding: UnwindEncoding | None = None,
@@ -304,7 +313,8 @@ class UnwindSampler:
         defines, loops = _program_defines(
             max_depth=max_depth, max_maps=max_maps, max_procs=max_procs, max_entries=max_entries,
             max_modules=max_modules, max_rules=max_rules, max_contexts=max_contexts, arena_words=arena_words,
-            ringbuf_pages=ringbuf_pages, encoding=encoding, layout=self.layout)
+            ringbuf_pages=ringbuf_pages, encoding=encoding, layout=self.layout,
+            events_ringbuf_pages=events_ringbuf_pages)
         bpf_cache = cache_dir_under(self.cache.directory) if cache is not None else None
         self.module = load_module(defines + sampler_source(self.cache.directory) + "\n" + unwind_source(),
                                   cache_dir=bpf_cache)
@@ -321,7 +331,8 @@ class UnwindSampler:
                                    max_modules=max_modules, max_entries=max_entries, max_rules=max_rules)
         self.processes = ProcessTracker(self._m, self.tables, proc_root=proc_root, max_maps=max_maps)
         self.module.open_ring_buffer("uw_events", self.deliver)
-        self.module.open_ring_buffer("events", self.processes.on_event)
+        self.returns: list[SamplerEvent] = []  # "ret" events (attach_returns), taken by the mode
+        self.module.open_ring_buffer("events", self._on_sampler_event)
         self._m["uw_config"].set(CFG_AGGREGATE, 1 if aggregate else 0)
         self._m["uw_config"].set(CFG_EMIT_HITS, 1 if emit_hits else 0)
         if load_early:  # the verifier runs while the maps are filled and the modules loaded
@@ -359,6 +370,16 @@ class UnwindSampler:
             self.module.attach_tracepoint(tp, fn)
         self._links.append(attach_raw_tracepoint_fd(self.programs.load("uw_sys_enter"), "sys_enter"))
         self._attached = True
+
+    def attach_returns(self) -> None:
+        """Report each sampled syscall's return too (the shared sampler's sys_exit program)."""
+        self.module.attach_raw_tracepoint("sys_exit", "ccprof_sys_exit")
+
+    def _on_sampler_event(self, raw: bytes) -> None:
+        if _KIND.unpack_from(raw, 8)[0] == _EV_RET:
+            self.returns.append(SamplerEvent.decode(raw))
+        else:
+            self.processes.on_event(raw)
 
     def verified_insns(self) -> dict[str, int]:
         """Instructions the verifier processed for the syscall and CPU-sampling unwinders (loaded,
@@ -431,10 +452,11 @@ class UnwindSampler:
             self.processes.stale.add(_KIND.unpack_from(raw, 12)[0])
             return
         if kind == EV_HIT and len(raw) == _SAMPLE_HDR.size:  # a flood's record: complete, no argument
-            t, _, tgid, tid, nr, _, reason, fp, flags, h1, h2, _, _ = _SAMPLE_HDR.unpack_from(raw)
+            t, _, tgid, tid, nr, _, reason, fp, flags, h1, h2, _, _, *sargs = _SAMPLE_HDR.unpack_from(raw)
             if reason == 0:
                 self._pending.append(UnwoundSample(t, tgid, tid, None if nr < 0 else nr, (), None, fp,
-                                                   flags | FLAG_HIT, (h1, h2)))
+                                                   flags | FLAG_HIT, (h1, h2),
+                                                   sargs=None if nr < 0 else tuple(sargs)))
                 return
         try:
             sample = UnwoundSample.decode(raw, self.layout)
@@ -533,8 +555,8 @@ class UnwindSampler:
 
 def _program_defines(*, max_depth: int, max_maps: int, max_procs: int, max_entries: int,
                      max_modules: int, max_rules: int, max_contexts: int, arena_words: int,
-                     ringbuf_pages: int, encoding: UnwindEncoding | None,
-                     layout: RecordLayout | None) -> tuple[str, dict[str, int]]:
+                     ringbuf_pages: int, encoding: UnwindEncoding | None, layout: RecordLayout | None,
+                     events_ringbuf_pages: int = 16) -> tuple[str, dict[str, int]]:
     """The ``#define`` prelude of unwind.c for these limits (and encoding), and the bpf_loop
     iteration counts by loop name (they pick each loop's callback when the program is linked)."""
     ncpu = os.cpu_count() or 1
@@ -546,7 +568,7 @@ def _program_defines(*, max_depth: int, max_maps: int, max_procs: int, max_entri
     defines = {
         # the tracked table also holds every live thread of a tracked process (a tid each): a
         # 300-thread server filled 256 entries, and a process forked then was not followed
-        "MAX_TRACKED": max(8192, max_procs), "RINGBUF_PAGES": 16, "UW_MAX_DEPTH": max_depth,
+        "MAX_TRACKED": max(8192, max_procs), "RINGBUF_PAGES": events_ringbuf_pages, "UW_MAX_DEPTH": max_depth,
         "UW_MAX_MAPS": max_maps,
         "UW_MAPS_LOG2": _log2_ceil(max_maps), "UW_MAX_PROCS": max_procs, "UW_MAX_ENTRIES": max_entries,
         "UW_ENTRIES_LOG2": _log2_ceil(max_entries), "UW_MAX_MODULES": max_modules,

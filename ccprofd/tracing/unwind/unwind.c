@@ -42,7 +42,7 @@
 #define UW_EV_SAMPLE 16
 #define UW_EV_MAPS 17
 #define UW_EV_HIT 18
-#define UW_SAMPLE_HDR_BYTES 64  // struct uw_sample up to arg
+#define UW_SAMPLE_HDR_BYTES 112  // struct uw_sample up to arg
 #define UW_ARG_LEN 4096         // PATH_MAX
 #define UE_ANALYSED 0x80000000u
 
@@ -204,6 +204,7 @@ struct uw_sample {
     u64 h2;
     u32 arg_len;   // bytes of arg with its NUL, 0: the syscall has no path argument or it was unreadable
     u32 arg_pad;
+    u64 sargs[6];  // the syscall's argument registers at entry (rdi rsi rdx r10 r8 r9); 0 for CPU samples
     // The sample's own path argument (open*, creat, exec*): not part of the context, so a repeated
     // context's header-only record carries it too.  PATH_MAX bytes: never truncated.
     char arg[UW_ARG_LEN];
@@ -966,7 +967,7 @@ static __always_inline void uw_aggregate(struct uw_state *st, void *arena_cb) {
 // `can_aggregate` is a constant per program: the CPU sampler sends every sample (the aggregation
 // code would double its verification cost past the verifier's limit; CPU samples are few).
 static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u64 sp, u64 bp, u64 argp,
-                                      void *loop_cb, void *arena_cb, int can_aggregate UE_CALLBACK_PARAMS) {
+                                      struct pt_regs *regs, void *loop_cb, void *arena_cb, int can_aggregate UE_CALLBACK_PARAMS) {
     struct uw_state *st = uw_state.lookup(&slot);
     if (!st)
         return;
@@ -994,6 +995,16 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
     st->s.h1 = 0x243F6A8885A308D3ULL;
     st->s.h2 = 0x13198A2E03707344ULL;
     st->s.arg_len = 0;
+    if (regs) {  // a constant per program: CPU samples pass 0
+        bpf_probe_read_kernel(&st->s.sargs[0], 8, &regs->di);
+        bpf_probe_read_kernel(&st->s.sargs[1], 8, &regs->si);
+        bpf_probe_read_kernel(&st->s.sargs[2], 8, &regs->dx);
+        bpf_probe_read_kernel(&st->s.sargs[3], 8, &regs->r10);
+        bpf_probe_read_kernel(&st->s.sargs[4], 8, &regs->r8);
+        bpf_probe_read_kernel(&st->s.sargs[5], 8, &regs->r9);
+    } else {
+        __builtin_memset(st->s.sargs, 0, sizeof(st->s.sargs));
+    }
     if (argp) {
         // read before the unwind, as the kernel will read it (a page not resident makes the
         // read fail: the sample is reported without its argument)
@@ -1112,7 +1123,8 @@ int uw_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
     bpf_probe_read_kernel(&ip, sizeof(ip), &regs->ip);
     bpf_probe_read_kernel(&sp, sizeof(sp), &regs->sp);
     bpf_probe_read_kernel(&bp, sizeof(bp), &regs->bp);
-    uw_sample(bpf_get_smp_processor_id() * 2, pid_tgid, (s32)nr, ip, sp, bp, uw_path_arg(regs, nr), uw_step_sys,
+    uw_sample(bpf_get_smp_processor_id() * 2, pid_tgid, (s32)nr, ip, sp, bp, uw_path_arg(regs, nr), regs,
+              uw_step_sys,
               uw_arena_sys, 1 UE_CALLBACKS_SYS);
     return 0;
 }
@@ -1134,7 +1146,7 @@ int uw_cpu_sample(struct bpf_perf_event_data *ctx) {
     bpf_probe_read_kernel(&ip, sizeof(ip), &regs->ip);
     bpf_probe_read_kernel(&sp, sizeof(sp), &regs->sp);
     bpf_probe_read_kernel(&bp, sizeof(bp), &regs->bp);
-    uw_sample(bpf_get_smp_processor_id() * 2 + 1, pid_tgid, -1, ip, sp, bp, 0, uw_step_cpu, uw_arena_cpu, 0
+    uw_sample(bpf_get_smp_processor_id() * 2 + 1, pid_tgid, -1, ip, sp, bp, 0, 0, uw_step_cpu, uw_arena_cpu, 0
               UE_CALLBACKS_CPU);
     return 0;
 }
