@@ -268,10 +268,12 @@ class ScopeEntry:
     HEADER = struct.Struct("<QIIIIQQQQ")
 
     @classmethod
-    def parse(cls, raw: bytes) -> ScopeEntry:
+    def parse(cls, raw: bytes, clock_offset: int) -> ScopeEntry:
+        """``clock_offset``: the samples' CLOCK_MONOTONIC -> wall clock offset (SampleLayout's): an
+        entry is joined to the samples after it by time, so both must be converted alike."""
         ktime, tgid, tid, seq, pages, ip, sp, bp, base = cls.HEADER.unpack_from(raw)
         data = bytes(raw[cls.HEADER.size:cls.HEADER.size + 4096 * pages])
-        return cls(monotonic_to_realtime_ns(ktime), tgid, tid, seq, ip, sp, bp, base, data)
+        return cls(ktime + clock_offset, tgid, tid, seq, ip, sp, bp, base, data)
 
 
 @dataclass(frozen=True, slots=True)
@@ -491,7 +493,8 @@ class InstrumentedBPF:
         self._scope_entries: list[ScopeEntry] = []
         if probe_plan.scope is not None and limits.scope_pages > 0:
             self.module.open_ring_buffer("cc_scope_events",
-                                         lambda raw: self._scope_entries.append(ScopeEntry.parse(raw)))
+                                         lambda raw: self._scope_entries.append(
+                                             ScopeEntry.parse(raw, self.layout.clock_offset)))
         self._links: list[UprobeMultiLink] = []
         self._attached = False
         self.rec_words = rec_words
@@ -666,7 +669,7 @@ class InstrumentedBPF:
             if ev.kind == "ret":
                 self.returns.append(ev)
             elif ev.kind != "syscall":  # syscall contexts come through cc_events (the sampler sends none)
-                t = monotonic_to_realtime_ns(ev.time_ns)
+                t = ev.time_ns + self.layout.clock_offset  # ordered with the samples by time
                 out.append(ProcessEvent(ev.kind, t, ev.tgid, ev.tid, ev.aux))
         out.extend(self._contexts)
         self._contexts = []
