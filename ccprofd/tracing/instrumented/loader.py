@@ -492,9 +492,8 @@ class InstrumentedBPF:
         self.module.open_ring_buffer("cc_events", lambda raw: self._contexts.append(self.layout.parse(raw)))
         self._scope_entries: list[ScopeEntry] = []
         if probe_plan.scope is not None and limits.scope_pages > 0:
-            self.module.open_ring_buffer("cc_scope_events",
-                                         lambda raw: self._scope_entries.append(
-                                             ScopeEntry.parse(raw, self.layout.clock_offset)))
+            self.module.open_ring_buffer("cc_scope_events", lambda raw: self._scope_entries.append(
+                ScopeEntry.parse(raw, self.layout.clock_offset)))
         self._links: list[UprobeMultiLink] = []
         self._attached = False
         self.rec_words = rec_words
