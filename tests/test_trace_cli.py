@@ -131,7 +131,9 @@ def test_exit_status_stdio_and_default_output(tmp_path: pathlib.Path) -> None:
     assert proc.returncode == 3  # the command's status passes through
     assert proc.stdout == "got 5\n"  # its stdout is untouched: samples go to stderr
     assert "to stderr" in proc.stderr
-    assert re.search(r"\] read\n > \S+exit3\(main\) call_site=0x[0-9a-f]+ return_address=0x", proc.stderr)
+    # strace-style: fd 0, a buffer of 16 bytes, "hello" read (the program's source and input)
+    assert re.search(r"\] read\(0, 0x[0-9a-f]+, 16\) = 5\n > \S+exit3\(main\) call_site=0x[0-9a-f]+ "
+                     r"return_address=0x", proc.stderr)
 
     out = tmp_path / "s.jsonl"
     proc = ccprofd("trace", *INSTRUMENTED, "--syscalls", "read", "--format", "jsonl", "--output", str(out),
