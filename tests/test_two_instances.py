@@ -75,6 +75,49 @@ def test_a_process_two_instances_hold_runs_when_both_released() -> None:
         child.wait()
 
 
+LOOP_C = r"""
+#include <stdio.h>
+#include <unistd.h>
+int main(void) { printf("ready\n"); fflush(stdout); for (;;) { getppid(); usleep(1000); } }
+"""
+
+
+@pytest.mark.bpf
+def test_a_held_process_continued_by_a_sigcont_not_ours_stops_again(bpf: None,
+                                                                    tmp_path: pathlib.Path) -> None:
+    """The residual race of the two-instance protocol: an instance that dropped its entry, checked
+    the other's map (slowly, under load) and then sent its SIGCONT can continue the process after it
+    ran into a new hold (its next executable mapping) of both instances: the trace's samples then
+    ran ahead of its mappings (``unknown_pc`` on every sample of a run, 2-5 runs in 30 with other
+    instances running).  A SIGCONT cannot be refused, so BPF stops a process it still holds again at
+    its next syscall; the poll that has loaded its mappings releases it as any hold."""
+    from bpf_helpers import compile_c
+
+    from ccprofd.kbpf.syscalls import syscall_numbers
+    from ccprofd.tracing.unwind.sampler import UnwindSampler
+
+    binary = compile_c(tmp_path, "loop", LOOP_C, "-O2")
+    with UnwindSampler(syscalls=[syscall_numbers()["getppid"]]) as s:
+        s.attach()
+        child = subprocess.Popen([str(binary)], stdout=subprocess.PIPE)
+        try:
+            assert child.stdout is not None and child.stdout.readline() == b"ready\n"
+            s.track(child.pid)
+            s.poll(0)
+            assert _state(child.pid) in ("S", "R")
+            s.module.map("uw_held").set(child.pid, 1)  # held by us, yet running: continued by another
+            wait_for(lambda: _state(child.pid) == "T", timeout=30)  # stopped at its next syscall
+            assert s.stats()["restopped"] >= 1
+            time.sleep(0.2)
+            assert _state(child.pid) == "T"  # and it stays stopped until we release it
+            s.poll(0)  # our release: its mappings are current, the entry goes, it is continued
+            wait_for(lambda: _state(child.pid) in ("S", "R"), timeout=30)
+            assert s.module.map("uw_held").get(child.pid) is None
+        finally:
+            child.kill()
+            child.wait()
+
+
 def _trace(binary: str, out: pathlib.Path) -> list[dict[str, Any]]:
     argv = [sys.executable, "-m", "ccprofd.cli", "trace", "--format", "jsonl", "--syscalls",
             "write,getppid,openat", "--output", str(out), "--", binary]
@@ -99,7 +142,7 @@ def test_trace_beside_a_daemon_following_the_binary(bpf: None, workdir: str, tmp
             assert len(samples) >= 6
             # never wrong: a complete sample with frames has main outermost
             assert all(s["frames"][0]["function"] == "main" for s in samples if s["frames"] and s["complete"])
-            # and none flagged (issue 15 item 9: a residual race still flags a run's first samples
-            # now and then under load; README)
+            # and none flagged (a late SIGCONT of the other instance used to release a new hold:
+            # test_a_held_process_continued_by_a_sigcont_not_ours_stops_again)
             assert all(s["complete"] for s in samples), (i, [(s["syscall"], s["frames"]) for s in samples])
             assert sum(1 for s in samples if s["frames"]) >= 4

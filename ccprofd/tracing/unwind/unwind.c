@@ -70,6 +70,7 @@
 #define UW_STAT_NEW 8
 #define UW_STAT_PROC_COPIED 9
 #define UW_STAT_MAPS_LOST 10  // a new-mapping event refused by the full ring (samples may then be flagged)
+#define UW_STAT_RESTOPPED 11  // a held process found running (a SIGCONT not ours) and stopped again
 #define UW_NR_STATS 16
 
 #define UW_CFG_AGGREGATE 0
@@ -1116,6 +1117,14 @@ int uw_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
     long nr = (long)ctx->args[1];
     struct pt_regs *regs = (struct pt_regs *)ctx->args[0];
     uw_inherit(tgid);
+    if (uw_held.lookup(&tgid)) {
+        // Running although we still hold it: a SIGCONT that was not ours -- another instance's
+        // release that came late (it checked our map before this hold, then the process ran into
+        // the hold), or a `kill -CONT`.  A SIGCONT cannot be refused, so stop it again here, at
+        // its first syscall; userspace releases it once its mappings are loaded, as for any hold.
+        bpf_send_signal(19);
+        uw_stat(UW_STAT_RESTOPPED, 1);
+    }
     uw_watch_maps(tgid, nr, regs);
     if (!ccprof_syscall_wanted(nr))
         return 0;
