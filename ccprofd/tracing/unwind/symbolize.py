@@ -31,7 +31,7 @@ class UnwindSymbolizer:
     """Decodes encoded records of one analysed binary into issue-4 frames (cached per context)."""
 
     def __init__(self, encoding: UnwindEncoding, plan: Mapping[str, Any],
-                 module_of_key: Any, cache: AnalysisCache | None = None, source_lines: bool = True) -> None:
+                 module_of_key: Any, cache: AnalysisCache | None = None, source_lines: bool = False) -> None:
         """``cache``: where the symbol tables of unanalysed objects are kept (by file identity).
         ``source_lines``: give frames their DWARF file/line/inlined calls (:class:`ModuleSource`)."""
         self.enc = encoding
