@@ -97,9 +97,10 @@ def check_lines(frame: dict[str, Any], path: str, addr: int) -> None:
         assert got["function"] == fn and same_file(got["file"], file) and got["line"] == line, (frame, want)
 
 
-def trace_jsonl(tmp_path: pathlib.Path, prog: pathlib.Path, *extra: str) -> list[dict[str, Any]]:
+def trace_jsonl(tmp_path: pathlib.Path, prog: pathlib.Path, *extra: str, mode: str = "unwind"
+                ) -> list[dict[str, Any]]:
     out = tmp_path / "out.jsonl"
-    proc = subprocess.run([sys.executable, "-m", "ccprofd.cli", "trace", "--mode", "unwind",
+    proc = subprocess.run([sys.executable, "-m", "ccprofd.cli", "trace", "--mode", mode,
                            "--format", "jsonl", "--syscalls", "getppid,getpid", "-o", str(out), *extra,
                            "--", str(prog)],
                           capture_output=True, text=True, cwd=REPO, timeout=600)
@@ -152,6 +153,25 @@ def test_unwind_inlined_call(tmp_path: pathlib.Path) -> None:
     check_lines(outer, str(prog), int(outer["call_site"], 16))
     text = format_frames_text(frames)
     assert f"(note) {outer['inlined'][0]['file']}:{outer['inlined'][0]['line']} [inlined]\n" in text
+
+
+def test_instrumented_program_lines(tmp_path: pathlib.Path) -> None:
+    """Instrumented mode (library frames are the imports the binary called): the binary's frames
+    get file:line and inlined calls as addr2line -f -i gives them at their call sites."""
+    require_bpf()
+    prog = build("libframes", opt="O2")
+    samples = trace_jsonl(tmp_path, prog, "--source-lines", mode="instrumented")
+    chains = {s["syscall"]: [f["function"] for f in s["frames"]] for s in samples}
+    assert chains == {"getppid": ["main", "sort_all", "qsort", "cmp_sys"], "getpid": ["main", "outer"]}
+    checked = 0
+    for s in samples:
+        for f in s["frames"]:
+            if f["analysed"]:
+                check_lines(f, str(prog), int(f["call_site"], 16))
+                checked += 1
+    assert checked == 5
+    outer = samples[[s["syscall"] for s in samples].index("getpid")]["frames"][1]
+    assert [c["function"] for c in outer["inlined"]] == ["note"]
 
 
 def test_source_lines_off_by_default_in_jsonl(tmp_path: pathlib.Path) -> None:
