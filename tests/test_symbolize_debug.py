@@ -221,3 +221,27 @@ def test_dwarf_lines_malformed_is_none(tmp_path: pathlib.Path) -> None:
     bad.write_bytes(b"\x7fELF" + b"\0" * 100)
     assert DwarfLines(str(bad)).lookup(0x1000) is None
     assert DwarfLines(str(tmp_path / "missing")).lookup(0x1000) is None
+
+
+def test_unit_tables_cached(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A later DwarfLines (a later trace) answers from the cache without opening the DWARF: the
+    same locations, checked against addr2line."""
+    from ccprofd.persist.cache import AnalysisCache
+
+    prog = str(build("libframes", opt="O2"))
+    nm = subprocess.run([require_tool("nm"), "--defined-only", prog], check=True, capture_output=True,
+                        text=True).stdout.split("\n")
+    wanted = ("cmp_sys", "sort_all", "outer", "main")
+    addrs = [int(line.split()[0], 16) for line in nm
+             if line and line.split()[1] in "tT" and line.split()[2] in wanted]
+    assert len(addrs) == 4
+    cache = AnalysisCache(tmp_path / "c")
+    first = [DwarfLines(prog, cache).lookup(a + 4) for a in addrs]
+    monkeypatch.setattr(DwarfLines, "_open", lambda self: pytest.fail("DWARF opened despite the cache"))
+    again = [DwarfLines(prog, cache).lookup(a + 4) for a in addrs]
+    assert again == first
+    for a, got in zip(addrs, again, strict=True):
+        assert got is not None
+        want = addr2line(prog, a + 4)
+        assert (got.file, got.line) == want[-1][1:]
+        assert [c.function for c in got.inlined] == [w[0] for w in reversed(want[:-1])]

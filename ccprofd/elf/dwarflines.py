@@ -19,10 +19,13 @@ from elftools.common.exceptions import DWARFError, ELFError
 from elftools.construct.core import ConstructError
 from elftools.elf.elffile import ELFFile
 
+from ccprofd.persist.cache import AnalysisCache, file_identity
+
 log = logging.getLogger("ccprofd")
 
 _ERRORS = (DWARFError, ELFError, ConstructError, KeyError, IndexError, ValueError, AssertionError,
            AttributeError, TypeError, OSError, UnicodeDecodeError)
+CACHE_UNITS, CACHE_UNIT = "dwarf-units", "dwarf-unit"
 _SCOPES = ("DW_TAG_subprogram", "DW_TAG_lexical_block", "DW_TAG_inlined_subroutine", "DW_TAG_try_block",
            "DW_TAG_catch_block")
 
@@ -51,61 +54,73 @@ class SourceLocation:
     inlined: tuple[InlinedCall, ...] = ()
 
 
-class _Unit:
-    """One compile unit: its line rows and file table, made at first use."""
+#: one inlined call's range in a unit table: (lo, hi, depth, function, call file, call line)
+Inlined = tuple[int, int, int, "str | None", "str | None", "int | None"]
 
-    def __init__(self, dwarf: Any, cu: Any) -> None:
-        self.cu = cu
-        self.starts: list[int] = []
-        self.rows: list[tuple[int, int, int]] = []  # (start, file index, line), sorted by start
-        self.ends: list[int] = []
-        self.files: list[str | None] = []
-        self.v5 = False
-        lp = dwarf.line_program_for_CU(cu)
-        if lp is None:
-            return
-        self.v5 = lp.header.version >= 5
-        self.files = self._file_table(lp, cu)
-        spans: list[tuple[int, int, int, int]] = []
-        prev = None
-        for entry in lp.get_entries():
-            st = entry.state
-            if st is None:
-                continue
-            if prev is not None and st.address > prev.address:
-                spans.append((prev.address, st.address, prev.file, prev.line))
-            prev = None if st.end_sequence else st
-        spans.sort()
-        self.starts = [s[0] for s in spans]
-        self.ends = [s[1] for s in spans]
-        self.rows = [(s[0], s[2], s[3]) for s in spans]
 
-    def _file_table(self, lp: Any, cu: Any) -> list[str | None]:
-        comp_dir = _text(cu.get_top_DIE().attributes.get("DW_AT_comp_dir"))
-        dirs = [_decode(d) for d in lp.header.include_directory]
-        if not self.v5:
-            dirs = [comp_dir or "", *dirs]
-        out: list[str | None] = []
-        for fe in lp.header.file_entry:
-            name = _decode(fe.name)
-            d = dirs[fe.dir_index] if 0 <= fe.dir_index < len(dirs) else ""
-            if not os.path.isabs(name) and d:
-                name = os.path.join(d, name)
-            out.append(name)
-        return out
+def _unit_table(dwarf: Any, cu: Any) -> dict[str, Any]:
+    """One compile unit as a plain (marshal-able) value: its line table as sorted, disjoint spans
+    ``starts``/``ends``/``files``/``lines`` (file names resolved) and every inlined call's ranges
+    with its nesting depth, name and call site."""
+    top = cu.get_top_DIE()
+    table: dict[str, Any] = {"starts": [], "ends": [], "files": [], "lines": [], "inlined": []}
+    lp = dwarf.line_program_for_CU(cu)
+    if lp is None:
+        return table
+    v5 = lp.header.version >= 5
+    names = _file_table(lp, top, v5)
 
-    def file(self, index: int | None) -> str | None:
+    def file_of(index: int | None) -> str | None:
         if index is None:
             return None
-        i = index if self.v5 else index - 1
-        return self.files[i] if 0 <= i < len(self.files) else None
+        i = index if v5 else index - 1
+        return names[i] if 0 <= i < len(names) else None
 
-    def line_at(self, addr: int) -> tuple[str | None, int | None] | None:
-        i = bisect_right(self.starts, addr) - 1
-        if i < 0 or addr >= self.ends[i]:
-            return None
-        _, f, line = self.rows[i]
-        return self.file(f), line or None
+    spans: list[tuple[int, int, int, int]] = []
+    prev = None
+    for entry in lp.get_entries():
+        st = entry.state
+        if st is None:
+            continue
+        if prev is not None and st.address > prev.address:
+            spans.append((prev.address, st.address, prev.file, prev.line))
+        prev = None if st.end_sequence else st
+    spans.sort()
+    table["starts"] = [sp[0] for sp in spans]
+    table["ends"] = [sp[1] for sp in spans]
+    table["files"] = [file_of(sp[2]) for sp in spans]
+    table["lines"] = [sp[3] or None for sp in spans]
+
+    base = _int(top.attributes.get("DW_AT_low_pc")) or 0
+    inlined: list[Inlined] = []
+
+    def walk(die: Any, depth: int) -> None:
+        for child in die.iter_children():
+            if child.tag == "DW_TAG_inlined_subroutine":
+                a = child.attributes
+                call = (file_of(_int(a.get("DW_AT_call_file"))), _int(a.get("DW_AT_call_line")))
+                for lo, hi in _ranges(dwarf, cu, child, base):
+                    inlined.append((lo, hi, depth, _name(child), *call))
+                walk(child, depth + 1)
+            elif child.tag in _SCOPES:
+                walk(child, depth)
+
+    walk(top, 0)
+    table["inlined"] = inlined
+    return table
+
+
+def _file_table(lp: Any, top: Any, v5: bool) -> list[str | None]:
+    comp_dir = _text(top.attributes.get("DW_AT_comp_dir"))
+    dirs = [_decode(d) for d in lp.header.include_directory]
+    if not v5:
+        dirs = [comp_dir or "", *dirs]
+    out: list[str | None] = []
+    for fe in lp.header.file_entry:
+        name = _decode(fe.name)
+        d = dirs[fe.dir_index] if 0 <= fe.dir_index < len(dirs) else ""
+        out.append(os.path.join(d, name) if d and not os.path.isabs(name) else name)
+    return out
 
 
 def _decode(v: Any) -> str:
@@ -116,16 +131,39 @@ def _text(attr: Any) -> str | None:
     return None if attr is None else _decode(attr.value)
 
 
-class DwarfLines:
-    """Source locations of addresses of one ELF file with DWARF (the module or its debug file)."""
+def locate(table: dict[str, Any], addr: int) -> SourceLocation | None:
+    """``addr``'s location in a unit table (see :func:`_unit_table`)."""
+    starts = table["starts"]
+    i = bisect_right(starts, addr) - 1
+    file: str | None = None
+    line: int | None = None
+    found = i >= 0 and addr < table["ends"][i]
+    if found:
+        file, line = table["files"][i], table["lines"][i]
+    chain = sorted((e for e in table["inlined"] if e[0] <= addr < e[1]), key=lambda e: e[2])
+    if not chain:
+        return SourceLocation(file, line) if found else None
+    calls = []
+    for k, e in enumerate(chain):
+        where = (chain[k + 1][4], chain[k + 1][5]) if k + 1 < len(chain) else (file, line)
+        calls.append(InlinedCall(e[3], *where))
+    return SourceLocation(chain[0][4], chain[0][5], tuple(calls))
 
-    def __init__(self, path: str) -> None:
+
+class DwarfLines:
+    """Source locations of addresses of one ELF file with DWARF (the module or its debug file).
+
+    With a ``cache``, the unit index and each unit's table are kept there by file identity, so
+    a later trace opens no DWARF for a unit it has seen (pyelftools takes ~70 ms per libc unit)."""
+
+    def __init__(self, path: str, cache: AnalysisCache | None = None) -> None:
         self.path = path
+        self.cache = cache
+        self._ident = file_identity(path) if cache is not None else None
         self._fh: Any = None
         self._dwarf: Any = None
         self._opened = False
-        self._units: dict[int, _Unit] = {}
-        self._aranges: Any = None
+        self._units: dict[int, dict[str, Any]] = {}
         self._index: tuple[list[int], list[tuple[int, int, int]]] | None = None
         self._memo: dict[int, SourceLocation | None] = {}
 
@@ -137,7 +175,6 @@ class DwarfLines:
                 elf = ELFFile(self._fh)
                 if elf.has_dwarf_info() and elf.get_section_by_name(".debug_info") is not None:
                     self._dwarf = elf.get_dwarf_info(relocate_dwarf_sections=False)
-                    self._aranges = self._dwarf.get_aranges()
             except _ERRORS as exc:
                 log.debug("no DWARF from %s: %s", self.path, exc)
                 self._dwarf = None
@@ -147,6 +184,17 @@ class DwarfLines:
         if self._fh is not None:
             self._fh.close()
             self._fh = None
+
+    def _cached(self, kind: str, key: str, make: Any) -> Any:
+        if self.cache is not None and self._ident is not None:
+            got = self.cache.load(kind, f"{self._ident}-{key}")
+            if got is not None:
+                return got
+        value = make()
+        if value is not None and self.cache is not None and self._ident is not None \
+                and file_identity(self.path) == self._ident:
+            self.cache.store(kind, f"{self._ident}-{key}", value)
+        return value
 
     def lookup(self, addr: int) -> SourceLocation | None:
         """The source location of link-time address ``addr`` (None when DWARF does not cover it)."""
@@ -162,81 +210,48 @@ class DwarfLines:
         self._memo[addr] = got
         return got
 
-    def _unit_for(self, dwarf: Any, addr: int) -> _Unit | None:
-        off = None
-        if self._aranges is not None:
-            off = self._aranges.cu_offset_at_addr(addr)
-        if off is None:
-            off = self._offset_from_index(dwarf, addr)
-        if off is None:
-            return None
-        unit = self._units.get(off)
-        if unit is None:
-            unit = self._units[off] = _Unit(dwarf, dwarf.get_CU_at(off))
-        return unit
-
-    def _offset_from_index(self, dwarf: Any, addr: int) -> int | None:
+    def _unit_index(self) -> tuple[list[int], list[tuple[int, int, int]]]:
+        """(starts, [(lo, hi, unit offset)]) sorted: from .debug_aranges, else the units' ranges."""
         if self._index is None:
-            spans = []
-            for cu in dwarf.iter_CUs():
-                for lo, hi in _ranges(dwarf, cu, cu.get_top_DIE(), 0):
-                    spans.append((lo, hi, cu.cu_offset))
-            spans.sort()
-            self._index = ([s[0] for s in spans], spans)
-        starts, spans = self._index
-        i = bisect_right(starts, addr) - 1
-        while i >= 0:
-            lo, hi, off = spans[i]
-            if lo <= addr < hi:
-                return off
-            i -= 1
-            if i >= 0 and spans[i][0] != lo:
-                break
-        return None
+            spans = self._cached(CACHE_UNITS, "index", self._make_index) or []
+            spans = sorted((int(a), int(b), int(c)) for a, b, c in spans)
+            self._index = ([sp[0] for sp in spans], spans)
+        return self._index
 
-    def _lookup(self, addr: int) -> SourceLocation | None:
+    def _make_index(self) -> list[tuple[int, int, int]] | None:
         dwarf = self._open()
         if dwarf is None:
-            return None
-        unit = self._unit_for(dwarf, addr)
-        if unit is None:
-            return None
-        row = unit.line_at(addr)
-        chain = self._inlined_chain(dwarf, unit, addr)
-        file, line = row if row is not None else (None, None)
-        if not chain:
-            return None if row is None else SourceLocation(file, line)
-        calls = []
-        for k, die in enumerate(chain):
-            if k + 1 < len(chain):
-                nxt = chain[k + 1].attributes
-                where = (unit.file(_int(nxt.get("DW_AT_call_file"))), _int(nxt.get("DW_AT_call_line")))
-            else:
-                where = (file, line)
-            calls.append(InlinedCall(_name(die), *where))
-        top = chain[0].attributes
-        return SourceLocation(unit.file(_int(top.get("DW_AT_call_file"))), _int(top.get("DW_AT_call_line")),
-                              tuple(calls))
+            return []
+        aranges = dwarf.get_aranges()
+        if aranges is not None:
+            return [(e.begin_addr, e.begin_addr + e.length, e.info_offset) for e in aranges.entries
+                    if e.length]
+        return [(lo, hi, cu.cu_offset) for cu in dwarf.iter_CUs()
+                for lo, hi in _ranges(dwarf, cu, cu.get_top_DIE(), 0)]
 
-    def _inlined_chain(self, dwarf: Any, unit: _Unit, addr: int) -> list[Any]:
-        """The DW_TAG_inlined_subroutine DIEs containing ``addr``, outermost first."""
-        top = unit.cu.get_top_DIE()
-        base = _int(top.attributes.get("DW_AT_low_pc")) or 0
-        chain: list[Any] = []
-        scope = top
-        while True:
-            inner = None
-            for child in scope.iter_children():
-                if child.tag not in _SCOPES:
-                    continue
-                if any(lo <= addr < hi for lo, hi in _ranges(dwarf, unit.cu, child, base)):
-                    inner = child
-                    break
-            if inner is None:
-                return chain
-            if inner.tag == "DW_TAG_inlined_subroutine":
-                chain.append(inner)
-            scope = inner
+    def _unit_offset(self, addr: int) -> int | None:
+        starts, spans = self._unit_index()
+        i = bisect_right(starts, addr) - 1
+        for lo, hi, off in reversed(spans[max(0, i - 4):i + 1]):  # a few overlapping neighbours
+            if lo <= addr < hi:
+                return off
+        return None
+
+    def _make_unit(self, off: int) -> dict[str, Any] | None:
+        dwarf = self._open()
+        return None if dwarf is None else _unit_table(dwarf, dwarf.get_CU_at(off))
+
+    def _lookup(self, addr: int) -> SourceLocation | None:
+        off = self._unit_offset(addr)
+        if off is None:
+            return None
+        table = self._units.get(off)
+        if table is None:
+            table = self._cached(CACHE_UNIT, f"{off:x}", lambda: self._make_unit(off))
+            if table is None:
+                return None
+            self._units[off] = table
+        return locate(table, addr)
 
 
 def _int(attr: Any) -> int | None:

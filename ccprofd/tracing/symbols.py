@@ -151,18 +151,20 @@ class ModuleSource:
     separate debug file, else of the module itself; nothing is opened before the first lookup
     (a trace whose samples never reach a module pays nothing for it)."""
 
-    def __init__(self, path: str, build_id: str | None = None,
-                 locator: DebugFileLocator | None = None) -> None:
+    def __init__(self, path: str, build_id: str | None = None, locator: DebugFileLocator | None = None,
+                 cache: AnalysisCache | None = None) -> None:
+        """``cache``: where each compile unit's table is kept (a later trace reads no DWARF for it)."""
         self.path = path
         self.build_id = build_id
         self.locator = locator
+        self.cache = cache
         self._lines: list[DwarfLines] | None = None
 
     def _sources(self) -> list[DwarfLines]:
         if self._lines is None:
             loc = self.locator if self.locator is not None else default_locator()
             debug = loc.find(self.path, self.build_id)
-            self._lines = [DwarfLines(p) for p in (debug, self.path) if p is not None]
+            self._lines = [DwarfLines(p, self.cache) for p in (debug, self.path) if p is not None]
         return self._lines
 
     def at(self, vaddr: int) -> SourceLocation | None:

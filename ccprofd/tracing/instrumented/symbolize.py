@@ -27,6 +27,7 @@ from typing import Any
 from ccprofd.callgraph.model import ROOT
 from ccprofd.decode import CachingDecoder, DecodeError, StaleAboveSegment, UnknownCaller, decoder_for
 from ccprofd.encode.segments import OUTSIDE, Edge, EncodedState, Segment
+from ccprofd.persist.cache import AnalysisCache
 from ccprofd.tracing.frames import Decoded, Frame, demangle
 from ccprofd.tracing.instrumented.constants import NO_STATE, SF_BIAS, SF_FROZEN, SF_NOSTATE, SF_SEGS_TRUNC
 from ccprofd.tracing.instrumented.loader import (
@@ -54,8 +55,10 @@ STALE_ABOVE_SEGMENT = "decode error above a segment"
 class Symbolizer:
     """Decodes and symbolises samples of one probe plan (compiled once, cached per context)."""
 
-    def __init__(self, probe_plan: ProbePlan, plan: Mapping[str, Any], source_lines: bool = False) -> None:
-        """``source_lines``: give the binary's frames their DWARF file/line/inlined calls."""
+    def __init__(self, probe_plan: ProbePlan, plan: Mapping[str, Any], source_lines: bool = False,
+                 cache: AnalysisCache | None = None) -> None:
+        """``source_lines``: give the binary's frames their DWARF file/line/inlined calls (kept in
+        ``cache``)."""
         self.pp = probe_plan
         self.plan = plan
         self.decoder = CachingDecoder(decoder_for(plan))
@@ -67,7 +70,7 @@ class Symbolizer:
         self._cs_index = {c[CCOL["vaddr"]]: i for i, c in enumerate(probe_plan.callsites)}
         self._rows = plan["sites"]
         self.errors = 0
-        self._source = ModuleSource(self.module, self.build_id) if source_lines else None
+        self._source = ModuleSource(self.module, self.build_id, cache=cache) if source_lines else None
 
     # ------------------------------------------------------------------------------- helpers
     def function_at(self, vaddr: int) -> int | None:

@@ -56,7 +56,7 @@ class UnwindSymbolizer:
         self._symbols: dict[str, ModuleSymbols] = {}
         self.source_lines = source_lines
         self._sources: dict[str, ModuleSource] = {}
-        self._own_source = ModuleSource(self.module, self.build_id)
+        self._own_source = ModuleSource(self.module, self.build_id, cache=cache)
         # (direct callee by call site, tail edges by caller, functions with other jumps): made at first use
         self._exits: tuple[dict[int, int], dict[int, list[tuple[int, int]]], set[int]] | None = None
         self.errors = 0
@@ -91,7 +91,7 @@ class UnwindSymbolizer:
         if self.source_lines:
             src = self._sources.get(readable)
             if src is None:
-                src = self._sources[readable] = ModuleSource(readable, build_id)
+                src = self._sources[readable] = ModuleSource(readable, build_id, cache=self.cache)
             f.set_source(src.at(vaddr if exact else vaddr - 1))
         return f
 
