@@ -13,9 +13,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from conftest import require_tool, skip_or_fail
 
 from ccprofd.elf.debugfile import DebugFileLocator, debuginfod_urls_from_env, file_crc32, read_ids
-from tests.conftest import require_tool
 
 Split = tuple[Path, Path, str]
 
@@ -177,6 +177,5 @@ def test_system_libc_debug_file() -> None:
     assert bid is not None
     got = DebugFileLocator().find(libc)
     if got is None:
-        from tests.conftest import skip_or_fail
         skip_or_fail("libc6-dbg not installed")
     assert got == f"/usr/lib/debug/.build-id/{bid[:2]}/{bid[2:]}.debug"

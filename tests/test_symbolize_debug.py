@@ -97,13 +97,13 @@ def check_lines(frame: dict[str, Any], path: str, addr: int) -> None:
         assert got["function"] == fn and same_file(got["file"], file) and got["line"] == line, (frame, want)
 
 
-def trace_jsonl(tmp_path: pathlib.Path, prog: pathlib.Path, *extra: str, mode: str = "unwind"
-                ) -> list[dict[str, Any]]:
+def trace_jsonl(tmp_path: pathlib.Path, prog: pathlib.Path, *extra: str, mode: str = "unwind",
+                env: dict[str, str] | None = None) -> list[dict[str, Any]]:
     out = tmp_path / "out.jsonl"
     proc = subprocess.run([sys.executable, "-m", "ccprofd.cli", "trace", "--mode", mode,
                            "--format", "jsonl", "--syscalls", "getppid,getpid", "-o", str(out), *extra,
                            "--", str(prog)],
-                          capture_output=True, text=True, cwd=REPO, timeout=600)
+                          capture_output=True, text=True, cwd=REPO, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr
     return [r for r in map(json.loads, out.read_text().splitlines()) if r.get("syscall")]
 
@@ -245,3 +245,39 @@ def test_unit_tables_cached(tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPa
         want = addr2line(prog, a + 4)
         assert (got.file, got.line) == want[-1][1:]
         assert [c.function for c in got.inlined] == [w[0] for w in reversed(want[:-1])]
+
+
+def test_debuginfod_end_to_end(tmp_path: pathlib.Path) -> None:
+    """A program whose DWARF was split off and is served only by a (local) debuginfod server: with
+    CCPROFD_DEBUGINFOD=1 the trace fetches it into --cache-dir and its frames get addr2line's
+    lines; without the opt-in the server is never asked (DEBUGINFOD_URLS alone is not enough)."""
+    require_bpf()
+    import shutil
+
+    from test_debugfile import _Server
+
+    objcopy = require_tool("objcopy")
+    prog = tmp_path / "libframes"
+    shutil.copy(build("libframes", opt="O2"), prog)
+    dbg = tmp_path / "libframes.debug"
+    subprocess.run([objcopy, "--only-keep-debug", str(prog), str(dbg)], check=True)
+    subprocess.run([objcopy, "--strip-debug", str(prog)], check=True)  # names stay, DWARF goes
+    bid = build_id_of(str(prog))
+    srv = _Server({f"/buildid/{bid}/debuginfo": dbg.read_bytes()})
+    cache = tmp_path / "cache"
+    try:
+        env = {**os.environ, "DEBUGINFOD_URLS": srv.url}
+        env.pop("CCPROFD_DEBUGINFOD", None)
+        samples = trace_jsonl(tmp_path, prog, "--source-lines", "--cache-dir", str(cache), env=env)
+        assert srv.hits == []
+        assert all("file" not in f for s in samples for f in s["frames"] if f["analysed"])
+        env["CCPROFD_DEBUGINFOD"] = "1"
+        samples = trace_jsonl(tmp_path, prog, "--source-lines", "--cache-dir", str(cache), env=env)
+    finally:
+        srv.close()
+    assert f"/buildid/{bid}/debuginfo" in srv.hits
+    assert (cache / "debuginfod" / bid / "debuginfo").read_bytes() == dbg.read_bytes()
+    program = [f for s in samples for f in s["frames"] if f["analysed"]]
+    assert len(program) == 5
+    for f in program:
+        check_lines(f, str(dbg), int(f["call_site"], 16))

@@ -26,6 +26,7 @@ from typing import Any
 
 from ccprofd.callgraph.model import ROOT
 from ccprofd.decode import CachingDecoder, DecodeError, StaleAboveSegment, UnknownCaller, decoder_for
+from ccprofd.elf.debugfile import DebugFileLocator, debuginfod_urls_from_env
 from ccprofd.encode.segments import OUTSIDE, Edge, EncodedState, Segment
 from ccprofd.persist.cache import AnalysisCache
 from ccprofd.tracing.frames import Decoded, Frame, demangle
@@ -70,7 +71,11 @@ class Symbolizer:
         self._cs_index = {c[CCOL["vaddr"]]: i for i, c in enumerate(probe_plan.callsites)}
         self._rows = plan["sites"]
         self.errors = 0
-        self._source = ModuleSource(self.module, self.build_id, cache=cache) if source_lines else None
+        self._source = None
+        if source_lines:
+            locator = DebugFileLocator(debuginfod_urls=debuginfod_urls_from_env(),
+                                       cache_dir=cache.directory if cache is not None else None)
+            self._source = ModuleSource(self.module, self.build_id, locator, cache)
 
     # ------------------------------------------------------------------------------- helpers
     def function_at(self, vaddr: int) -> int | None:

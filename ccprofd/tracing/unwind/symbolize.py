@@ -9,6 +9,7 @@ from typing import Any
 
 from ccprofd.callgraph.model import ROOT
 from ccprofd.decode import CachingDecoder, DecodeError, UnknownCaller, decoder_for
+from ccprofd.elf.debugfile import DebugFileLocator, debuginfod_urls_from_env
 from ccprofd.encode import Encoder
 from ccprofd.encode.plan import COL
 from ccprofd.encode.segments import OUTSIDE, EncodedState, Segment
@@ -56,7 +57,10 @@ class UnwindSymbolizer:
         self._symbols: dict[str, ModuleSymbols] = {}
         self.source_lines = source_lines
         self._sources: dict[str, ModuleSource] = {}
-        self._own_source = ModuleSource(self.module, self.build_id, cache=cache)
+        # debug files: the system's, and debuginfod's (when opted in) kept in this trace's cache dir
+        self.locator = DebugFileLocator(debuginfod_urls=debuginfod_urls_from_env(),
+                                        cache_dir=cache.directory if cache is not None else None)
+        self._own_source = ModuleSource(self.module, self.build_id, self.locator, cache)
         # (direct callee by call site, tail edges by caller, functions with other jumps): made at first use
         self._exits: tuple[dict[int, int], dict[int, list[tuple[int, int]]], set[int]] | None = None
         self.errors = 0
@@ -83,7 +87,7 @@ class UnwindSymbolizer:
         path, build_id, readable = mod
         syms = self._symbols.get(readable)
         if syms is None:
-            syms = self._symbols[readable] = ModuleSymbols(readable, self.cache, build_id=build_id)
+            syms = self._symbols[readable] = ModuleSymbols(readable, self.cache, self.locator, build_id)
         name = syms.name_at(vaddr if exact else vaddr - 1)
         if name is not None and name.startswith("_Z"):
             name = demangle([name]).get(name, name)
@@ -91,7 +95,7 @@ class UnwindSymbolizer:
         if self.source_lines:
             src = self._sources.get(readable)
             if src is None:
-                src = self._sources[readable] = ModuleSource(readable, build_id, cache=self.cache)
+                src = self._sources[readable] = ModuleSource(readable, build_id, self.locator, self.cache)
             f.set_source(src.at(vaddr if exact else vaddr - 1))
         return f
 
