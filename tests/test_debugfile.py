@@ -179,3 +179,25 @@ def test_system_libc_debug_file() -> None:
     if got is None:
         skip_or_fail("libc6-dbg not installed")
     assert got == f"/usr/lib/debug/.build-id/{bid[:2]}/{bid[2:]}.debug"
+
+
+def test_read_ids_of_malformed_objects(tmp_path: Path, split: Split) -> None:
+    """Seeded overwrites of the ELF header, section headers and notes: read_ids answers (maybe
+    None), never raises (a damaged debug file or module must not end a trace)."""
+    import random
+    import struct
+
+    _, dbg, _ = split
+    data = dbg.read_bytes()
+    shoff = struct.unpack_from("<Q", data, 0x28)[0]
+    regions = [(0, 64), (shoff, len(data) - shoff)]
+    rng = random.Random(5)
+    for i in range(300):
+        buf = bytearray(data)
+        for _ in range(rng.randint(1, 6)):
+            lo, size = rng.choice(regions)
+            buf[lo + rng.randrange(size)] = rng.randrange(256)
+        path = tmp_path / f"m{i % 4}"
+        path.write_bytes(bytes(buf[: rng.randrange(len(buf))] if i % 10 == 0 else buf))
+        read_ids(str(path))
+        DebugFileLocator(str(tmp_path / "root")).find(str(path))

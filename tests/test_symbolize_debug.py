@@ -281,3 +281,41 @@ def test_debuginfod_end_to_end(tmp_path: pathlib.Path) -> None:
     assert len(program) == 5
     for f in program:
         check_lines(f, str(dbg), int(f["call_site"], 16))
+
+
+MUTANTS = int(os.environ.get("CCPROFD_DWARF_MUTANTS", "60"))
+
+
+def test_dwarf_lines_fuzz(tmp_path: pathlib.Path) -> None:
+    """Seeded byte flips and overwrites in a program's DWARF sections: lookups answer a location or
+    None, never raise (malformed debug files must not end a trace)."""
+    import random
+
+    from ccprofd.elf.debugfile import _sections  # the section table, to aim at DWARF bytes
+
+    prog = build("libframes", opt="O2")
+    data = prog.read_bytes()
+    secs = {n: (off, size) for n, (_, off, size) in _sections(data).items() if n.startswith(".debug_")}
+    assert {".debug_info", ".debug_line"} <= set(secs)
+    nm = subprocess.run([require_tool("nm"), "--defined-only", str(prog)], check=True, capture_output=True,
+                        text=True).stdout.split("\n")
+    addrs = [int(ln.split()[0], 16) + 4 for ln in nm if ln and ln.split()[1] in "tT"]
+    rng = random.Random(17)
+    names = sorted(secs)
+    answered = 0
+    for i in range(MUTANTS):
+        buf = bytearray(data)
+        for _ in range(rng.randint(1, 8)):
+            off, size = secs[rng.choice(names)]
+            if size:
+                at = off + rng.randrange(size)
+                buf[at] = rng.randrange(256) if i % 2 else buf[at] ^ (1 << rng.randrange(8))
+        path = tmp_path / f"m{i}"
+        path.write_bytes(bytes(buf))
+        lines = DwarfLines(str(path))
+        for a in addrs:
+            got = lines.lookup(a)
+            assert got is None or isinstance(got.line, (int, type(None)))
+            answered += got is not None
+        lines.close()
+    assert answered  # most mutants still have usable DWARF: the lookups were exercised

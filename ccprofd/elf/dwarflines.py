@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import struct
 from bisect import bisect_right
 from dataclasses import dataclass
 from typing import Any
@@ -24,7 +25,8 @@ from ccprofd.persist.cache import AnalysisCache, file_identity
 log = logging.getLogger("ccprofd")
 
 _ERRORS = (DWARFError, ELFError, ConstructError, KeyError, IndexError, ValueError, AssertionError,
-           AttributeError, TypeError, OSError, UnicodeDecodeError)
+           AttributeError, TypeError, OSError, UnicodeDecodeError, RecursionError, OverflowError,
+           NotImplementedError, struct.error)
 CACHE_UNITS, CACHE_UNIT = "dwarf-units", "dwarf-unit"
 _SCOPES = ("DW_TAG_subprogram", "DW_TAG_lexical_block", "DW_TAG_inlined_subroutine", "DW_TAG_try_block",
            "DW_TAG_catch_block")
@@ -55,7 +57,7 @@ class SourceLocation:
 
 
 #: one inlined call's range in a unit table: (lo, hi, depth, function, call file, call line)
-Inlined = tuple[int, int, int, "str | None", "str | None", "int | None"]
+Inlined = tuple[int, int, int, str | None, str | None, int | None]
 
 
 def _unit_table(dwarf: Any, cu: Any) -> dict[str, Any]:
