@@ -21,9 +21,11 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 
 # ---- 1. system packages ---------------------------------------------------------------------------
+# libc6-dbg: libc's separate debug file (symbols and source lines of library frames, tests/test_debugfile.py
+# and tests/test_symbolize_debug.py)
 # prometheus: its promtool checks the /metrics exposition in tests/test_export_metrics.py
 APT_PACKAGES=(python3-bpfcc linux-headers-amd64 bpftool gcc g++ make binutils strace gdb file
-              python3 python3-venv systemd prometheus)
+              python3 python3-venv systemd prometheus libc6-dbg)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

@@ -132,8 +132,12 @@ def test_exit_status_stdio_and_default_output(tmp_path: pathlib.Path) -> None:
     assert proc.stdout == "got 5\n"  # its stdout is untouched: samples go to stderr
     assert "to stderr" in proc.stderr
     # strace-style: fd 0, a buffer of 16 bytes, "hello" read (the program's source and input)
-    assert re.search(r"\] read\(0, 0x[0-9a-f]+, 16\) = 5\n > \S+exit3\(main\) call_site=0x[0-9a-f]+ "
-                     r"return_address=0x", proc.stderr)
+    # text format: the frame's source line (-g; on by default in text) is the line calling read
+    src_lines = (tmp_path / "exit3.c").read_text().splitlines()
+    read_line = next(i for i, ln in enumerate(src_lines, 1) if "read(0" in ln)
+    assert re.search(r"\] read\(0, 0x[0-9a-f]+, 16\) = 5\n > \S+exit3\(main\) "
+                     + re.escape(f"{tmp_path / 'exit3.c'}:{read_line}") + r" call_site=0x[0-9a-f]+ "
+                     r"return_address=0x", proc.stderr), proc.stderr
 
     out = tmp_path / "s.jsonl"
     proc = ccprofd("trace", *INSTRUMENTED, "--syscalls", "read", "--format", "jsonl", "--output", str(out),

@@ -104,7 +104,9 @@ def cmd_trace(args: argparse.Namespace) -> int:
                            sample_hz=args.sample_hz, verify=args.verify,
                            cache_dir=str(args.cache_dir) if args.cache_dir else None,
                            edge_weights=args.edge_weights, save_edge_weights=args.save_edge_weights,
-                           retval=args.format == "text" if args.retval is None else args.retval)
+                           retval=args.format == "text" if args.retval is None else args.retval,
+                           source_lines=(args.format == "text" if args.source_lines is None
+                                         else args.source_lines))
     problem = privileges_problem()
     if problem is not None:
         print(f"ccprofd: {problem}", file=sys.stderr)
@@ -207,6 +209,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                     help="join each syscall sample to its return value ('= 22', '= ?' when it never "
                          "returned), at the cost of one more BPF run and record per traced syscall "
                          "(default: on in text format, off in jsonl)")
+    tr.add_argument("--source-lines", action=argparse.BooleanOptionalAction, default=None,
+                    help="give frames their source file:line and inlined calls from DWARF (the module's "
+                         "or its separate debug file's, e.g. libc6-dbg's), read as frames first appear: "
+                         "~0.2 s at libc's first frame, ~40 ms per further compile unit (default: on in "
+                         "text format, off in jsonl)")
     tr.add_argument("--encoding", choices=["valence", "pcce", "hcce"], default="valence",
                     help="calling-context encoding of instrumented mode (unwind mode: valence only)")
     tr.add_argument("--scope", metavar="FUNCTION_REGEX",

@@ -161,12 +161,24 @@ def _c_string(value: str) -> str:
     return '"' + "".join(out) + '"'
 
 
+def _source(f: Mapping[str, Any]) -> str:
+    """`` file.c:123`` for a frame (or inlined call) with a DWARF location, else nothing."""
+    file = f.get("file")
+    if not file:
+        return ""
+    line = f.get("line")
+    return f" {file}:{line}" if line else f" {file}"
+
+
 def format_frames_text(frames: list[dict[str, Any]]) -> str:
     """The frame lines of a text sample, innermost first, each ending in a newline."""
     lines = []
     for f in reversed(frames):
         name = f.get("function") or "?"
-        parts = [f" > {f.get('module') or '?'}({name})"]
+        module = f.get("module") or "?"
+        for c in reversed(f.get("inlined") or ()):  # innermost first, above their frame, as perf does
+            lines.append(f" > {module}({c.get('function') or '?'}){_source(c)} [inlined]\n")
+        parts = [f" > {module}({name}){_source(f)}"]
         if f.get("call_site"):
             parts.append(f"call_site={f['call_site']}")
         if f.get("return_address"):

@@ -57,6 +57,9 @@ class TraceOptions:
     edge_weights: str | None = None  # instrumented mode: build the plan with the call counts in this file
     save_edge_weights: str | None = None  # count every direct call site's hits; write them here at exit
     retval: bool = False  # join each syscall sample to its return value (raw_syscalls:sys_exit)
+    # frames get DWARF file/line/inlined (tracing/symbols.ModuleSource); off by default: pyelftools
+    # reads a compile unit in ~40 ms (libc's first ~0.2 s), paid in the poll loop at a frame's first use
+    source_lines: bool = False
 
 
 

@@ -8,10 +8,19 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ccprofd.elf.dwarflines import InlinedCall, SourceLocation
+
 
 @dataclass(slots=True)
 class Frame:
-    """One frame of a reported context."""
+    """One frame of a reported context.
+
+    ``file``/``line``: where in the frame's function the frame is, from DWARF (the call
+    instruction for an outer frame, the syscall's site for the innermost); ``inlined``: the
+    functions the compiler inlined there, outermost first, each with its own file/line (the
+    frame's ``file``/``line`` is then the outermost inlined call's site).  In JSON all three
+    appear only when known: ``"file": str, "line": int, "inlined": [{"function", "file",
+    "line"}, ...]``."""
 
     function: str | None
     module: str | None
@@ -20,6 +29,14 @@ class Frame:
     call_site: int | None = None
     return_address: int | None = None
     tail_call: bool = False
+    file: str | None = None
+    line: int | None = None
+    inlined: tuple[InlinedCall, ...] = ()
+
+    def set_source(self, where: SourceLocation | None) -> None:
+        """Take a DWARF location (None leaves the frame without one)."""
+        if where is not None:
+            self.file, self.line, self.inlined = where.file, where.line, where.inlined
 
     def to_json(self) -> dict[str, Any]:
         d: dict[str, Any] = {
@@ -30,6 +47,12 @@ class Frame:
         }
         if self.tail_call:
             d["tail_call"] = True
+        if self.file is not None:
+            d["file"] = self.file
+        if self.line is not None:
+            d["line"] = self.line
+        if self.inlined:
+            d["inlined"] = [c.to_json() for c in self.inlined]
         return d
 
 
@@ -42,7 +65,8 @@ FRAME_JSON_ENTRIES = 1 << 17
 
 def frame_json(f: Frame) -> dict[str, Any]:
     """``f.to_json()``, the same (read-only) dict for equal frames."""
-    key = (f.function, f.module, f.build_id, f.analysed, f.call_site, f.return_address, f.tail_call)
+    key = (f.function, f.module, f.build_id, f.analysed, f.call_site, f.return_address, f.tail_call,
+           f.file, f.line, f.inlined)
     got = _FRAME_JSON.get(key)
     if got is None:
         if len(_FRAME_JSON) >= FRAME_JSON_ENTRIES:

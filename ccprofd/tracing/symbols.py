@@ -7,6 +7,8 @@ import struct
 from bisect import bisect_right
 from typing import TYPE_CHECKING
 
+from ccprofd.elf.debugfile import DebugFileLocator, default_locator
+from ccprofd.elf.dwarflines import DwarfLines, SourceLocation
 from ccprofd.persist.cache import file_identity
 
 if TYPE_CHECKING:
@@ -68,22 +70,52 @@ def _function_symbols(data: bytes) -> list[tuple[int, int, str]]:
     return list(rows.values())
 
 
+Row = tuple[int, int, str]
+
+
+def merge_rows(own: list[Row], debug: list[Row]) -> list[Row]:
+    """The object's own rows, plus the debug file's rows that start at an address no own row covers
+    (its own names win: the exported name a user knows, where the debug file has aliases)."""
+    out = sorted(own)
+    starts = [r[0] for r in out]
+    extra = []
+    for row in debug:
+        i = bisect_right(starts, row[0]) - 1
+        if i >= 0 and out[i][0] <= row[0] < out[i][1]:
+            continue
+        extra.append(row)
+    return out + extra
+
+
 # ------------------------------------------------------------------------------ ELF symbols
 class ModuleSymbols:
-    """Function symbols of one unanalysed object (``.symtab`` where present, else ``.dynsym``).
-    With a ``cache``, the table is kept there by file identity: parsing libc's symbols with
-    pyelftools takes ~0.3 s, paid at the first sample in libc of every trace otherwise."""
+    """Function symbols of one unanalysed object (``.symtab`` where present, else ``.dynsym``), with
+    those of its separate debug file (:mod:`ccprofd.elf.debugfile`) for the addresses the object's
+    own tables leave unnamed: a stripped libc's local functions (``msort_with_tmp.part.0``, what
+    perf prints) come from libc6-dbg's ``.symtab``.
+    With a ``cache``, the table is kept there by file identity (the debug file's included): parsing
+    libc's symbols with pyelftools takes ~0.3 s, paid at the first sample in libc of every trace
+    otherwise."""
 
-    def __init__(self, path: str, cache: AnalysisCache | None = None) -> None:
+    def __init__(self, path: str, cache: AnalysisCache | None = None,
+                 locator: DebugFileLocator | None = None, build_id: str | None = None) -> None:
         self.path = path
+        self.debug_file = (locator if locator is not None else default_locator()).find(path, build_id)
         ident = file_identity(path) if cache is not None else None
-        key = f"{ident}-{_path_digest(path)}" if ident is not None else None
+        debug_ident = file_identity(self.debug_file) if self.debug_file is not None else None
+        key = None
+        if ident is not None:
+            key = f"{ident}-{_path_digest(path)}"
+            if debug_ident is not None:
+                key += f"-{_path_digest(debug_ident)}"
         if cache is not None and key is not None:
             got = cache.load(CACHE_KIND, key)
             if isinstance(got, list) and got and isinstance(got[0], str) and got[0] == path:
                 self._set_rows([(int(lo), int(hi), str(n)) for lo, hi, n in got[1:]])
                 return
         rows = self._read(path)
+        if self.debug_file is not None:
+            rows = merge_rows(rows, self._read(self.debug_file))
         self._set_rows(rows)
         if cache is not None and key is not None and file_identity(path) == ident:
             cache.store(CACHE_KIND, key, [path, *self._rows])
@@ -111,3 +143,35 @@ class ModuleSymbols:
                 return name
         return None
 
+
+
+# ------------------------------------------------------------------------------ DWARF lines
+class ModuleSource:
+    """Source file:line (and inlined calls) of one module's addresses, from the DWARF of its
+    separate debug file, else of the module itself; nothing is opened before the first lookup
+    (a trace whose samples never reach a module pays nothing for it)."""
+
+    def __init__(self, path: str, build_id: str | None = None, locator: DebugFileLocator | None = None,
+                 cache: AnalysisCache | None = None) -> None:
+        """``cache``: where each compile unit's table is kept (a later trace reads no DWARF for it)."""
+        self.path = path
+        self.build_id = build_id
+        self.locator = locator
+        self.cache = cache
+        self._lines: list[DwarfLines] | None = None
+
+    def _sources(self) -> list[DwarfLines]:
+        if self._lines is None:
+            loc = self.locator if self.locator is not None else default_locator()
+            debug = loc.find(self.path, self.build_id)
+            self._lines = [DwarfLines(p, self.cache) for p in (debug, self.path) if p is not None]
+        return self._lines
+
+    def at(self, vaddr: int) -> SourceLocation | None:
+        """The location of link-time address ``vaddr`` (an outer frame's: its call instruction, or
+        return address - 1)."""
+        for lines in self._sources():
+            got = lines.lookup(vaddr)
+            if got is not None:
+                return got
+        return None

@@ -92,7 +92,7 @@ class InstrumentedMode(ModeBase[Event, int]):
             raise TraceError(str(exc)) from None
         self.build_id = graph.binary.build_id
         self.probe_plan = pp
-        self._sym = Symbolizer(pp, plan)
+        self._sym = Symbolizer(pp, plan, source_lines=self.options.source_lines, cache=AnalysisCache(cache))
         if self.options.scope:
             from ccprofd.tracing.instrumented.scopeprefix import live_prefixes
 

@@ -26,7 +26,9 @@ from typing import Any
 
 from ccprofd.callgraph.model import ROOT
 from ccprofd.decode import CachingDecoder, DecodeError, StaleAboveSegment, UnknownCaller, decoder_for
+from ccprofd.elf.debugfile import DebugFileLocator, debuginfod_urls_from_env
 from ccprofd.encode.segments import OUTSIDE, Edge, EncodedState, Segment
+from ccprofd.persist.cache import AnalysisCache
 from ccprofd.tracing.frames import Decoded, Frame, demangle
 from ccprofd.tracing.instrumented.constants import NO_STATE, SF_BIAS, SF_FROZEN, SF_NOSTATE, SF_SEGS_TRUNC
 from ccprofd.tracing.instrumented.loader import (
@@ -38,6 +40,7 @@ from ccprofd.tracing.instrumented.loader import (
     RawContext,
 )
 from ccprofd.tracing.instrumented.probeplan import CCOL, PCOL, R_SCOPE, FunctionIndex, ProbePlan
+from ccprofd.tracing.symbols import ModuleSource
 
 #: Reason of a sample whose state is not a valid encoding above a segment (a dead call's piece kept,
 #: ccprofd/decode/common.py StaleAboveSegment): the frames inside the innermost segment are reported.
@@ -53,7 +56,10 @@ STALE_ABOVE_SEGMENT = "decode error above a segment"
 class Symbolizer:
     """Decodes and symbolises samples of one probe plan (compiled once, cached per context)."""
 
-    def __init__(self, probe_plan: ProbePlan, plan: Mapping[str, Any]) -> None:
+    def __init__(self, probe_plan: ProbePlan, plan: Mapping[str, Any], source_lines: bool = False,
+                 cache: AnalysisCache | None = None) -> None:
+        """``source_lines``: give the binary's frames their DWARF file/line/inlined calls (kept in
+        ``cache``)."""
         self.pp = probe_plan
         self.plan = plan
         self.decoder = CachingDecoder(decoder_for(plan))
@@ -65,6 +71,11 @@ class Symbolizer:
         self._cs_index = {c[CCOL["vaddr"]]: i for i, c in enumerate(probe_plan.callsites)}
         self._rows = plan["sites"]
         self.errors = 0
+        self._source = None
+        if source_lines:
+            locator = DebugFileLocator(debuginfod_urls=debuginfod_urls_from_env(),
+                                       cache_dir=cache.directory if cache is not None else None)
+            self._source = ModuleSource(self.module, self.build_id, locator, cache)
 
     # ------------------------------------------------------------------------------- helpers
     def function_at(self, vaddr: int) -> int | None:
@@ -118,6 +129,14 @@ class Symbolizer:
         return EncodedState(acyc=s.acyc, rec=s.rec, rec_len=s.rec_len, pairs=s.pairs, segments=tuple(segs))
 
     def decode(self, s: RawContext) -> Decoded:
+        got = self._decode(s)
+        if self._source is not None:
+            for f in got.frames:
+                if f.analysed and f.call_site is not None:
+                    f.set_source(self._source.at(f.call_site))
+        return got
+
+    def _decode(self, s: RawContext) -> Decoded:
         complete = not s.flags & INCOMPLETE_FLAGS
         reason = None if complete else f"flags={s.flags:#x}"
         if s.flags & SF_NOSTATE:  # every state slot was in use when the thread was created or attached

@@ -97,7 +97,7 @@ class UnwindMode(ModeBase[UnwoundSample, tuple[int, int]]):
                                      cache=analysis_cache, load_early=True,
                                      events_ringbuf_pages=RET_RINGBUF_PAGES if self.options.retval else 16)
         self.symbolizer = UnwindSymbolizer(self.encoding, self.plan, self.sampler.module_of_key,
-                                           analysis_cache)
+                                           analysis_cache, source_lines=self.options.source_lines)
         for path in load_set(self.path, cache=analysis_cache):
             self.sampler.preload(path)
         self.sampler.attach()

@@ -9,12 +9,13 @@ from typing import Any
 
 from ccprofd.callgraph.model import ROOT
 from ccprofd.decode import CachingDecoder, DecodeError, UnknownCaller, decoder_for
+from ccprofd.elf.debugfile import DebugFileLocator, debuginfod_urls_from_env
 from ccprofd.encode import Encoder
 from ccprofd.encode.plan import COL
 from ccprofd.encode.segments import OUTSIDE, EncodedState, Segment
 from ccprofd.persist.cache import AnalysisCache
 from ccprofd.tracing.frames import Decoded, Frame, demangle
-from ccprofd.tracing.symbols import ModuleSymbols
+from ccprofd.tracing.symbols import ModuleSource, ModuleSymbols
 from ccprofd.tracing.unwind.constants import (
     UE_F_ANCHOR,
     UE_F_INNER_EXACT,
@@ -31,8 +32,9 @@ class UnwindSymbolizer:
     """Decodes encoded records of one analysed binary into issue-4 frames (cached per context)."""
 
     def __init__(self, encoding: UnwindEncoding, plan: Mapping[str, Any],
-                 module_of_key: Any, cache: AnalysisCache | None = None) -> None:
-        """``cache``: where the symbol tables of unanalysed objects are kept (by file identity)."""
+                 module_of_key: Any, cache: AnalysisCache | None = None, source_lines: bool = False) -> None:
+        """``cache``: where the symbol tables of unanalysed objects are kept (by file identity).
+        ``source_lines``: give frames their DWARF file/line/inlined calls (:class:`ModuleSource`)."""
         self.enc = encoding
         self.cache = cache
         self.plan = plan
@@ -53,6 +55,12 @@ class UnwindSymbolizer:
         # that pass through them (read-only once made), so a new context mostly reuses frames.
         self._frames: dict[tuple[int, int | None, int | None, bool], Frame] = {}
         self._symbols: dict[str, ModuleSymbols] = {}
+        self.source_lines = source_lines
+        self._sources: dict[str, ModuleSource] = {}
+        # debug files: the system's, and debuginfod's (when opted in) kept in this trace's cache dir
+        self.locator = DebugFileLocator(debuginfod_urls=debuginfod_urls_from_env(),
+                                        cache_dir=cache.directory if cache is not None else None)
+        self._own_source = ModuleSource(self.module, self.build_id, self.locator, cache)
         # (direct callee by call site, tail edges by caller, functions with other jumps): made at first use
         self._exits: tuple[dict[int, int], dict[int, list[tuple[int, int]]], set[int]] | None = None
         self.errors = 0
@@ -79,11 +87,27 @@ class UnwindSymbolizer:
         path, build_id, readable = mod
         syms = self._symbols.get(readable)
         if syms is None:
-            syms = self._symbols[readable] = ModuleSymbols(readable, self.cache)
+            syms = self._symbols[readable] = ModuleSymbols(readable, self.cache, self.locator, build_id)
         name = syms.name_at(vaddr if exact else vaddr - 1)
         if name is not None and name.startswith("_Z"):
             name = demangle([name]).get(name, name)
-        return Frame(name, path, build_id, False, None, None if exact else vaddr)
+        f = Frame(name, path, build_id, False, None, None if exact else vaddr)
+        if self.source_lines:
+            src = self._sources.get(readable)
+            if src is None:
+                src = self._sources[readable] = ModuleSource(readable, build_id, self.locator, self.cache)
+            f.set_source(src.at(vaddr if exact else vaddr - 1))
+        return f
+
+    def _own_lines(self, f: Frame) -> Frame:
+        """``f`` (a frame of the analysed binary) with its source location: at its call (or jump)
+        instruction, else at its return address - 1."""
+        if self.source_lines:
+            at = f.call_site if f.call_site is not None else (
+                f.return_address - 1 if f.return_address else None)
+            if at is not None:
+                f.set_source(self._own_source.at(at))
+        return f
 
     def state_of(self, rec: EncodedRecord) -> EncodedState:
         nodes = self.nodes
@@ -127,6 +151,7 @@ class UnwindSymbolizer:
         else:
             inner.return_address = rec.inner
             inner.call_site = self._lookups()[0].get(rec.inner)
+        self._own_lines(inner)
         if rec.unanalysed:
             below: dict[int, list[Frame]] = {}
             for u in rec.unanalysed:
@@ -202,7 +227,7 @@ class UnwindSymbolizer:
             found = [f for f in found if entered is not None and self._name(f[1]) == entered]
         if len(found) != 1:
             return []
-        return [Frame(self._name(fn), self.module, self.build_id, True, site, None, True)
+        return [self._own_lines(Frame(self._name(fn), self.module, self.build_id, True, site, None, True))
                 for fn, site in found[0][0]]
 
     def _path_frames(self, path: Sequence[tuple[int, int, int]], node: int,
@@ -233,8 +258,8 @@ class UnwindSymbolizer:
             key = (cur, call_site, ret, tail)
             f = cache.get(key)
             if f is None:
-                f = cache[key] = Frame(self._name(cur), self.module, self.build_id, True, call_site, ret,
-                                       tail)
+                f = cache[key] = self._own_lines(Frame(self._name(cur), self.module, self.build_id, True,
+                                                       call_site, ret, tail))
             frames.append(f)
             cur = callee
         frames.append(self._frame(cur))  # the innermost frame: its own object, decode() completes it
