@@ -22,8 +22,9 @@ fi
 
 # ---- 1. system packages ---------------------------------------------------------------------------
 # prometheus: its promtool checks the /metrics exposition in tests/test_export_metrics.py
+# golang-go: `go tool pprof` reads the daemon's pprof endpoints in tests/test_export_pprof.py
 APT_PACKAGES=(python3-bpfcc linux-headers-amd64 bpftool gcc g++ make binutils strace gdb file
-              python3 python3-venv systemd prometheus)
+              python3 python3-venv systemd prometheus golang-go)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
