@@ -6,12 +6,12 @@ installed.  Folded stacks are parsed the way flamegraph.pl does (count after the
 from __future__ import annotations
 
 import gzip
-import shutil
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
 
-import pytest
+from conftest import require_tool
 from daemon_fakes import frame
 
 from ccprofd.export.folded import write_folded
@@ -287,16 +287,17 @@ def test_pprof_source_lines_and_inlined_frames() -> None:
                                  "main": "/src/app.c"}
 
 
-def test_go_tool_pprof_reads_it_when_installed(tmp_path: Path) -> None:
-    go = shutil.which("go")
-    if go is None:
-        pytest.skip("go toolchain not installed (the wire-level test above covers the format)")
+def test_go_tool_pprof_reads_it(tmp_path: Path) -> None:
+    """golang-go is installed by scripts/setup.sh: under CI=true a missing go fails this test."""
+    go = require_tool("go")
     path = tmp_path / "cpu.pb.gz"
-    path.write_bytes(write_pprof(ROWS))
-    out = subprocess.run(
-        [go, "tool", "pprof", "-top", str(path)], capture_output=True, text=True, check=True
-    ).stdout
-    assert "emit" in out and "main" in out
+    path.write_bytes(write_pprof(library_leaf_rows(), modules=MODULES))
+    env = dict(os.environ, PPROF_TMPDIR=str(tmp_path), HOME=str(tmp_path))
+    out = subprocess.run([go, "tool", "pprof", "-top", str(path)], capture_output=True, text=True, check=True,
+                         env=env).stdout
+    assert "leaf" in out and "main" in out
+    # the profile is named after Mapping 1: the program, not the library its syscall was made in
+    assert "\nFile: bin\n" in "\n" + out, out
 
 
 def parse_folded(text: str) -> dict[tuple[str, ...], int]:
