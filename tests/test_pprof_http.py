@@ -114,3 +114,21 @@ def test_cpu_profile_counts_cpu_samples_with_the_sampling_period(served: tuple[D
     assert prof["sample_types"] == [("samples", "count"), ("cpu", "nanoseconds")]
     assert [([loc["functions"][0] for loc in s["locations"]], s["values"]) for s in prof["samples"]] == [
         (["spin", "main"], [3, 3 * 20_000_000])]
+
+
+def test_an_open_window_ends_when_the_daemon_stops(served: tuple[Daemon, FakeFactory]) -> None:
+    """A 600 s window does not hold the daemon's shutdown: it answers with what it has."""
+    daemon, factory = served
+    out: list[tuple[int, dict[str, str], bytes]] = []
+    thread = threading.Thread(target=lambda: out.append(get(daemon, "/debug/pprof/syscalls?seconds=600")))
+    thread.start()
+    wait_for(lambda: daemon.samples.subscribers() == 1, timeout=30)
+    factory.sources["app"].push(sample([frame("main", 0x1139)]))
+    wait_for(lambda: daemon.targets["app"].store.samples == 1, timeout=30)
+    daemon.stopping = True
+    try:
+        thread.join(timeout=60)
+        assert out and out[0][0] == 200
+        assert [s["values"] for s in decode_profile(out[0][2])["samples"]] == [[1]]
+    finally:
+        daemon.stopping = False

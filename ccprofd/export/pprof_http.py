@@ -79,26 +79,31 @@ def collect(daemon: DaemonView, req: Request,
     modules: dict[int, list[ModuleRange]] = {}
     start_ns = time.time_ns()
     deadline = time.monotonic() + req.seconds
+
+    def take(item: dict[str, Any]) -> None:
+        pid = int(item.get("pid") or 0)
+        if pid and pid not in modules:
+            try:
+                modules[pid] = read_modules(pid)
+            except OSError:
+                modules[pid] = []  # gone already: its frames keep their ELF addresses
+        key = _row_key(item)
+        slot = counts.get(key)
+        if slot is None:
+            counts[key] = [item, 1]
+        else:
+            slot[1] += 1
+
     with daemon.samples.subscribe(accept) as sub:
         while not daemon.stopping:
             left = deadline - time.monotonic()
             if left <= 0:
                 break
             item = sub.get(min(POLL_S, left))
-            if item is None:
-                continue
-            pid = int(item.get("pid") or 0)
-            if pid and pid not in modules:
-                try:
-                    modules[pid] = read_modules(pid)
-                except OSError:
-                    modules[pid] = []  # gone already: its frames keep their ELF addresses
-            key = _row_key(item)
-            slot = counts.get(key)
-            if slot is None:
-                counts[key] = [item, 1]
-            else:
-                slot[1] += 1
+            if item is not None:
+                take(item)
+        while (item := sub.get(0)) is not None:  # what the window published and is still queued
+            take(item)
         lost = sub.dropped
     duration = time.time_ns() - start_ns
     rows = [dict(item, count=n) for item, n in counts.values()]
