@@ -22,9 +22,11 @@ from daemon_harness import RunningDaemon, target_toml
 from ccprofd.export.gen import ccprofd_pb2 as pb
 
 # Runs until killed: getppid() five times through main > work_a > leaf, then CPU time in
-# main > burn > spin, then a 2 ms sleep.  The markers name the lines the checks expect.
+# main > burn > spin, then getppid() in a qsort comparator (libc between two frames of the program),
+# then a 2 ms sleep.  The markers name the lines the checks expect.
 PROGRAM = r"""
 #include <stdio.h>
+#include <stdlib.h>
 #include <time.h>
 #include <unistd.h>
 volatile unsigned long sink;
@@ -35,6 +37,14 @@ __attribute__((noinline)) long work_a(int n) {
     long s = 0;
     for (int i = 0; i < n; i++) s += leaf(); /* L_WORK */
     return s;
+}
+static int cmp(const void *a, const void *b) {
+    getppid(); /* L_CMP */
+    return *(const int *)a - *(const int *)b;
+}
+__attribute__((noinline)) void sorter(void) {
+    int v[2] = {2, 1};
+    qsort(v, 2, sizeof v[0], cmp); /* L_SORT */
 }
 __attribute__((noinline)) void spin(void) {
     for (unsigned long i = 0; i < 4000000UL; i++) sink += i; /* L_SPIN */
@@ -49,6 +59,7 @@ int main(void) {
     for (;;) {
         work_a(5); /* L_MAIN_WORK */
         burn(); /* L_MAIN_BURN */
+        sorter(); /* L_MAIN_SORT */
         nanosleep(&ts, NULL);
     }
 }
@@ -149,6 +160,21 @@ def test_go_tool_pprof_fetches_real_mappings_addresses_and_names(bpf: None, work
                     f"main {src}:{line_of('L_MAIN_WORK')}"]
             assert any(s[-3:] == want for s in forced), forced
             # -list does not print the binary as source (function file names were its path).
+            # A library frame between two of the program's (qsort's, below the comparator) is at
+            # a runtime address inside libc's mapping, and the program's frames around it resolve.
+            raw = pprof(go, env, "-raw", saved[1]).stdout
+            lib_id = next(i for i, m in mappings.items() if m[3] == libc)
+            locs = {int(m[1]): (int(m[2], 16), int(m[3] or 0), m[4]) for m in
+                    re.finditer(r"^\s*(\d+): 0x([0-9a-f]+) (?:M=(\d+) )?(\S+)", raw, re.M)}
+            samples = [[int(x) for x in m[1].split()]
+                       for m in re.finditer(r"^\s*\d+: ((?:\d+ )+)$", raw, re.M)]
+            cmp_stacks = [ids for ids in samples if any(locs[i][2] == "cmp" for i in ids)]
+            assert cmp_stacks, raw
+            for ids in cmp_stacks:
+                outer = locs[ids[[locs[i][2] for i in ids].index("cmp") + 1]]
+                assert outer[1] == lib_id and lib[0] <= outer[0] < lib[1], (outer, lib, raw)
+            want = [f"cmp {src}:{line_of('L_CMP')}"]
+            assert any(want[0] in st and f"sorter {src}:{line_of('L_SORT')}" in st for st in forced), forced
             listed = pprof(go, env, "-list", "leaf", saved[1]).stdout
             assert "ELF" not in listed and "\x00" not in listed, listed[:500]
             listed = pprof(go, env, "-symbolize=force", "-list", "leaf", saved[1]).stdout
