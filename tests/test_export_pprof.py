@@ -333,3 +333,32 @@ def test_folded_has_a_root_frame_per_target() -> None:
         ("app", "main", "emit", "syscall:write"): 7,
         ("db:x", "main", "emit", "syscall:write"): 5,
     }
+
+
+def test_process_modules_read_this_process_maps() -> None:
+    """process_modules on this Python process, against /proc/self/maps and readelf -n."""
+    import re
+
+    from ccprofd.export.pprof import process_modules
+
+    mods = process_modules(os.getpid())
+    exe = os.readlink("/proc/self/exe")
+    maps = {}
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 6 and "x" in parts[1] and parts[5].startswith("/"):
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            maps.setdefault(parts[5], (lo, hi, int(parts[2], 16)))
+    libc = next(m for m in mods if re.search(r"/libc[.-]", m.path))
+    assert (libc.start, libc.limit, libc.offset) == maps[libc.path] and not libc.main
+    notes = subprocess.run([require_tool("readelf"), "-n", libc.path], capture_output=True, text=True,
+                           check=True).stdout
+    assert f"Build ID: {libc.build_id}" in notes
+    assert any(m.main and m.path == exe for m in mods)
+    # the bias maps the text segment's ELF addresses onto the mapping (readelf -l: its PT_LOAD)
+    segs = subprocess.run([require_tool("readelf"), "-lW", libc.path], capture_output=True, text=True,
+                          check=True).stdout
+    loads = [tuple(int(x, 16) for x in m.groups())
+             for m in re.finditer(r"LOAD\s+0x([0-9a-f]+) 0x([0-9a-f]+)", segs)]
+    (text_vaddr,) = [v for off, v in loads if off & ~0xFFF == libc.offset]
+    assert libc.start - libc.bias == text_vaddr & ~0xFFF

@@ -84,15 +84,18 @@ def _elf_facts(path: str) -> tuple[Any, str] | None:
     except OSError:
         return None
     ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-    if ident not in _ELF_FACTS:
-        if len(_ELF_FACTS) >= _ELF_FACTS_MAX:
-            _ELF_FACTS.clear()
-        try:
-            image = ElfImage(path)
-            _ELF_FACTS[ident] = (image.addrspace, image.build_id() or "")
-        except (OSError, BinaryError, ValueError):
-            _ELF_FACTS[ident] = None
-    return _ELF_FACTS[ident]
+    if ident in _ELF_FACTS:  # several request threads share the cache: read it once per call
+        return _ELF_FACTS.get(ident)
+    facts: tuple[Any, str] | None
+    try:
+        image = ElfImage(path)
+        facts = (image.addrspace, image.build_id() or "")
+    except (OSError, BinaryError, ValueError):
+        facts = None
+    if len(_ELF_FACTS) >= _ELF_FACTS_MAX:
+        _ELF_FACTS.clear()
+    _ELF_FACTS[ident] = facts
+    return facts
 
 
 def process_modules(pid: int, proc_root: str = "/proc") -> list[ModuleRange]:
