@@ -24,8 +24,9 @@ fi
 # libc6-dbg: libc's separate debug file (symbols and source lines of library frames, tests/test_debugfile.py
 # and tests/test_symbolize_debug.py)
 # prometheus: its promtool checks the /metrics exposition in tests/test_export_metrics.py
+# golang-go: `go tool pprof` reads the daemon's pprof endpoints in tests/test_export_pprof.py
 APT_PACKAGES=(python3-bpfcc linux-headers-amd64 bpftool gcc g++ make binutils strace gdb file
-              python3 python3-venv systemd prometheus libc6-dbg)
+              python3 python3-venv systemd prometheus libc6-dbg golang-go)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

@@ -143,7 +143,7 @@ def test_only_metrics_and_healthz_are_served(served: tuple[Daemon, FakeFactory])
     status, ctype, body = get(daemon, "/metrics")
     assert status == 200 and ctype.startswith("text/plain") and "ccprofd_target_up" in body
     assert get(daemon, "/healthz")[::2] == (200, "ok\n")
-    for path in ("/", "/debug/pprof/profile", "/metrics/extra", "/healthzz", "/favicon.ico"):
+    for path in ("/", "/debug/pprof/heap", "/metrics/extra", "/healthzz", "/favicon.ico"):
         status, _, body = get(daemon, path)
         assert status == 404, path
         assert "ccprofd_" not in body, path

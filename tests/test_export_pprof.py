@@ -6,16 +6,16 @@ installed.  Folded stacks are parsed the way flamegraph.pl does (count after the
 from __future__ import annotations
 
 import gzip
-import shutil
+import os
 import subprocess
 from pathlib import Path
 from typing import Any
 
-import pytest
+from conftest import require_tool
 from daemon_fakes import frame
 
 from ccprofd.export.folded import write_folded
-from ccprofd.export.pprof import write_pprof
+from ccprofd.export.pprof import ModuleRange, write_pprof
 
 ROWS = [
     {
@@ -102,19 +102,26 @@ def packed_or_single(values: list[Any]) -> list[int]:
 
 
 def decode_profile(data: bytes) -> dict[str, Any]:
-    """Profile fields: 1 sample_type, 2 sample, 3 mapping, 4 location, 5 function, 6 string_table."""
+    """Profile fields: 1 sample_type, 2 sample, 3 mapping, 4 location, 5 function, 6 string_table.
+    Mapping: 1 id, 2 memory_start, 3 memory_limit, 4 file_offset, 5 filename, 6 build_id.
+    Location: 1 id, 2 mapping_id, 3 address, 4 line (1 function_id, 2 line).
+    Function: 1 id, 2 name, 3 system_name, 4 filename."""
     top = fields(gzip.decompress(data))
     strings = [v.decode() for n, v in top if n == 6]
     functions = {}
+    filenames = {}
     for n, v in top:
         if n == 5:
             f = dict(fields(v))
             functions[f[1]] = strings[f.get(2, 0)]
+            filenames[strings[f.get(2, 0)]] = strings[f.get(4, 0)]
     mappings = {}
+    ranges = {}
     for n, v in top:
         if n == 3:
             m = dict(fields(v))
             mappings[m[1]] = (strings[m.get(5, 0)], strings[m.get(6, 0)])
+            ranges[m[1]] = (m.get(2, 0), m.get(3, 0), m.get(4, 0))
     locations = {}
     for n, v in top:
         if n == 4:
@@ -125,6 +132,7 @@ def decode_profile(data: bytes) -> dict[str, Any]:
                 "mapping": d.get(2, 0),
                 "address": d.get(3, 0),
                 "functions": [functions[ln[1]] for ln in lines],
+                "lines": [ln.get(2, 0) for ln in lines],
             }
     samples = []
     for n, v in top:
@@ -145,7 +153,9 @@ def decode_profile(data: bytes) -> dict[str, Any]:
     sample_types = [
         (strings[d.get(1, 0)], strings[d.get(2, 0)]) for n, v in top if n == 1 for d in [dict(fields(v))]
     ]
-    return {"strings": strings, "samples": samples, "mappings": mappings, "sample_types": sample_types}
+    mapping_order = [dict(fields(v))[1] for n, v in top if n == 3]
+    return {"strings": strings, "samples": samples, "mappings": mappings, "sample_types": sample_types,
+            "ranges": ranges, "filenames": filenames, "mapping_order": mapping_order}
 
 
 def test_pprof_round_trip_through_the_published_schema() -> None:
@@ -199,16 +209,95 @@ def test_pprof_cpu_profile_values_and_generated_classes_agree() -> None:
     ] == ["emit", "main"]
 
 
-def test_go_tool_pprof_reads_it_when_installed(tmp_path: Path) -> None:
-    go = shutil.which("go")
-    if go is None:
-        pytest.skip("go toolchain not installed (the wire-level test above covers the format)")
+LIBC = "/usr/lib/x86_64-linux-gnu/libc.so.6"
+LIBC_ID = "bb" * 20
+
+
+def library_leaf_rows() -> list[dict[str, Any]]:
+    """A syscall made inside libc (its frame the leaf, as unwind mode reports it) from pid 77, and
+    a CPU-less second process of the same binary (pid 78) loaded elsewhere."""
+    lib = frame("getppid", 0, module=LIBC, build_id=LIBC_ID, analysed=False)
+    lib["call_site"], lib["return_address"] = None, hex(0x2A0F0)
+    return [
+        {"target": "app", "context": "c1", "syscall": "getppid", "count": 4, "pid": 77,
+         "frames": [frame("main", 0x1139), frame("leaf", 0x1180), lib]},
+        {"target": "app", "context": "c2", "syscall": "getppid", "count": 1, "pid": 78,
+         "frames": [frame("main", 0x1139)]},
+    ]
+
+
+MODULES = {
+    # /proc/PID/maps r-x lines: the program's text at file offset 0x1000 (vaddr 0x1000), libc's
+    # at offset 0x26000 (vaddr 0x26000); bias = start - (vaddr & ~0xfff)
+    77: [ModuleRange(LIBC, 0x7F0000026000, 0x7F000017C000, 0x26000, 0x7F0000000000, LIBC_ID, False),
+         ModuleRange("/opt/app/bin", 0x555500001000, 0x555500002000, 0x1000, 0x555500000000,
+                     frame("x", 0)["build_id"], True)],
+    78: [ModuleRange("/opt/app/bin", 0x566600001000, 0x566600002000, 0x1000, 0x566600000000,
+                     frame("x", 0)["build_id"], True)],
+}
+
+
+def test_pprof_mappings_are_the_process_maps_with_the_main_binary_first() -> None:
+    """Issue 17: Mapping 1 was whatever module the first location was in (a syscall profile said
+    `File: libc.so.6`), every mapping started at 0 and library frames sat at address 0 of a
+    placeholder; now Mapping 1 is the executable and each mapping is a real range of the process
+    with its build-id, and locations are at runtime addresses."""
+    prof = decode_profile(write_pprof(library_leaf_rows(), modules=MODULES))
+    app_id = frame("x", 0)["build_id"]
+    order = prof["mapping_order"]
+    assert [prof["mappings"][m] for m in order] == [("/opt/app/bin", app_id), ("/opt/app/bin", app_id),
+                                                     (LIBC, LIBC_ID)]
+    assert [prof["ranges"][m] for m in order] == [(0x555500001000, 0x555500002000, 0x1000),
+                                                   (0x566600001000, 0x566600002000, 0x1000),
+                                                   (0x7F0000026000, 0x7F000017C000, 0x26000)]
+    first, second = prof["samples"]
+    # leaf first: syscall pseudo-frame (no mapping), libc at return address - 1, leaf, main
+    assert [(loc["functions"], loc["mapping"], loc["address"]) for loc in first["locations"]] == [
+        (["syscall:getppid"], 0, 0),
+        (["getppid"], order[2], 0x7F0000000000 + 0x2A0F0 - 1),
+        (["leaf"], order[0], 0x555500000000 + 0x1180),
+        (["main"], order[0], 0x555500000000 + 0x1139),
+    ]
+    assert [(loc["mapping"], loc["address"]) for loc in second["locations"][1:]] == [
+        (order[1], 0x566600000000 + 0x1139)]
+
+
+def test_pprof_without_maps_still_puts_the_program_first_and_no_binary_as_source_file() -> None:
+    """Without process maps (ccprofctl hot --format pprof) addresses stay ELF addresses, the
+    program's module is still Mapping 1, and no function's file name is the binary's path (which
+    made `go tool pprof -list` print the ELF's bytes as source)."""
+    prof = decode_profile(write_pprof(library_leaf_rows()))
+    assert [prof["mappings"][m][0] for m in prof["mapping_order"]] == ["/opt/app/bin", LIBC]
+    assert prof["mapping_order"][0] == 1
+    assert set(prof["filenames"].values()) == {""}
+
+
+def test_pprof_source_lines_and_inlined_frames() -> None:
+    """A frame's source `file`/`line` become the function's file name and the location's line; a
+    frame inlined into its caller shares the caller's location, innermost line first."""
+    outer = dict(frame("main", 0x1139), file="/src/app.c", line=40)
+    caller = dict(frame("parse", 0x1180), file="/src/app.c", line=12)
+    inlined = dict(frame("get_byte", 0x1180), file="/src/buf.h", line=7, inlined=True)
+    rows = [{"target": "app", "syscall": "read", "count": 2, "frames": [outer, caller, inlined]}]
+    prof = decode_profile(write_pprof(rows))
+    (s,) = prof["samples"]
+    assert [(loc["functions"], loc["lines"]) for loc in s["locations"]] == [
+        (["syscall:read"], [0]), (["get_byte", "parse"], [7, 12]), (["main"], [40])]
+    assert prof["filenames"] == {"syscall:read": "", "get_byte": "/src/buf.h", "parse": "/src/app.c",
+                                 "main": "/src/app.c"}
+
+
+def test_go_tool_pprof_reads_it(tmp_path: Path) -> None:
+    """golang-go is installed by scripts/setup.sh: under CI=true a missing go fails this test."""
+    go = require_tool("go")
     path = tmp_path / "cpu.pb.gz"
-    path.write_bytes(write_pprof(ROWS))
-    out = subprocess.run(
-        [go, "tool", "pprof", "-top", str(path)], capture_output=True, text=True, check=True
-    ).stdout
-    assert "emit" in out and "main" in out
+    path.write_bytes(write_pprof(library_leaf_rows(), modules=MODULES))
+    env = dict(os.environ, PPROF_TMPDIR=str(tmp_path), HOME=str(tmp_path))
+    out = subprocess.run([go, "tool", "pprof", "-top", str(path)], capture_output=True, text=True, check=True,
+                         env=env).stdout
+    assert "leaf" in out and "main" in out
+    # the profile is named after Mapping 1: the program, not the library its syscall was made in
+    assert "\nFile: bin\n" in "\n" + out, out
 
 
 def parse_folded(text: str) -> dict[tuple[str, ...], int]:
@@ -244,3 +333,32 @@ def test_folded_has_a_root_frame_per_target() -> None:
         ("app", "main", "emit", "syscall:write"): 7,
         ("db:x", "main", "emit", "syscall:write"): 5,
     }
+
+
+def test_process_modules_read_this_process_maps() -> None:
+    """process_modules on this Python process, against /proc/self/maps and readelf -n."""
+    import re
+
+    from ccprofd.export.pprof import process_modules
+
+    mods = process_modules(os.getpid())
+    exe = os.readlink("/proc/self/exe")
+    maps = {}
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        parts = line.split()
+        if len(parts) >= 6 and "x" in parts[1] and parts[5].startswith("/"):
+            lo, hi = (int(x, 16) for x in parts[0].split("-"))
+            maps.setdefault(parts[5], (lo, hi, int(parts[2], 16)))
+    libc = next(m for m in mods if re.search(r"/libc[.-]", m.path))
+    assert (libc.start, libc.limit, libc.offset) == maps[libc.path] and not libc.main
+    notes = subprocess.run([require_tool("readelf"), "-n", libc.path], capture_output=True, text=True,
+                           check=True).stdout
+    assert f"Build ID: {libc.build_id}" in notes
+    assert any(m.main and m.path == exe for m in mods)
+    # the bias maps the text segment's ELF addresses onto the mapping (readelf -l: its PT_LOAD)
+    segs = subprocess.run([require_tool("readelf"), "-lW", libc.path], capture_output=True, text=True,
+                          check=True).stdout
+    loads = [tuple(int(x, 16) for x in m.groups())
+             for m in re.finditer(r"LOAD\s+0x([0-9a-f]+) 0x([0-9a-f]+)", segs)]
+    (text_vaddr,) = [v for off, v in loads if off & ~0xFFF == libc.offset]
+    assert libc.start - libc.bias == text_vaddr & ~0xFFF

@@ -115,7 +115,11 @@ class ProfilerServicer(pb_grpc.ProfilerServicer):
         return out
 
     def GetHotContexts(self, request: Any, context: grpc.ServicerContext) -> Any:
-        event = "cpu" if request.by == pb.HOT_BY_CPU else "syscall"
+        event = HOT_BY_EVENT.get(request.by)
+        if event is None:
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"by={request.by} is not a HotBy value (known: {', '.join(pb.HotBy.keys())})")
+        assert event is not None
         top_k = request.top_k or self.daemon.config.daemon.top_k
         selected = [self._target(request.target, context)] if request.target else list(self.daemon.runtimes())
         rows: list[tuple[str, Any]] = []
@@ -206,6 +210,9 @@ class ProfilerServicer(pb_grpc.ProfilerServicer):
 
 
 CONTEXT_ID = re.compile(r"[0-9a-f]{1,64}")
+# GetHotContextsRequest.by: unset (HOT_BY_UNSPECIFIED, the wire value HOT_BY_SYSCALL had before it
+# got its own number) counts syscall samples, the documented default.
+HOT_BY_EVENT = {pb.HOT_BY_UNSPECIFIED: "syscall", pb.HOT_BY_SYSCALL: "syscall", pb.HOT_BY_CPU: "cpu"}
 
 
 def _jsonable(value: Any) -> Any:

@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 
 from ccprofd.daemon.query import DaemonView, TargetView
 from ccprofd.daemon.store import OTHER
+from ccprofd.export import pprof_http
 from ccprofd.export.folded import INCOMPLETE
 from ccprofd.tracing.api import MODES
 
@@ -165,15 +166,18 @@ WsgiApp = Callable[[dict[str, Any], Callable[..., Any]], Iterable[bytes]]
 
 
 def metrics_app(daemon: DaemonView, registry: CollectorRegistry) -> WsgiApp:
-    """``/metrics`` (prometheus-client's app), ``/healthz`` and 404 for every other path:
-    prometheus-client alone answers any path with the metrics, so a probe of ``/healthz`` or a
-    mistyped URL looked like a working endpoint."""
+    """``/metrics`` (prometheus-client's app), ``/healthz``, the pprof endpoints
+    (:mod:`ccprofd.export.pprof_http`) and 404 for every other path: prometheus-client alone answers
+    any path with the metrics, so a probe of ``/healthz`` or a mistyped URL looked like a working
+    endpoint."""
     metrics = make_wsgi_app(registry)
 
     def app(environ: dict[str, Any], start_response: Callable[..., Any]) -> Iterable[bytes]:
         path = environ.get("PATH_INFO") or "/"
         if path == METRICS_PATH:
             return metrics(environ, start_response)
+        if path in pprof_http.PATHS:
+            return pprof_http.serve(daemon, environ, start_response)
         text = [("Content-Type", "text/plain; charset=utf-8")]
         if path == HEALTH_PATH:
             # Served by the daemon's own thread, so an answer means the process runs and is not
@@ -184,7 +188,8 @@ def metrics_app(daemon: DaemonView, registry: CollectorRegistry) -> WsgiApp:
             start_response("200 OK", text)
             return [b"ok\n"]
         start_response("404 Not Found", text)
-        return [f"404 not found: {path} (paths: {METRICS_PATH}, {HEALTH_PATH})\n".encode()]
+        paths = ", ".join((METRICS_PATH, HEALTH_PATH, *pprof_http.PATHS))
+        return [f"404 not found: {path} (paths: {paths})\n".encode()]
 
     return app
 
@@ -195,7 +200,7 @@ class _QuietHandler(WSGIRequestHandler):
 
 
 class MetricsServer:
-    """``GET /metrics`` and ``/healthz`` on ``host:port`` (port 0 picks a free one; see
+    """``GET /metrics``, ``/healthz`` and the pprof endpoints on ``host:port`` (port 0 picks a free one; see
     :attr:`address`)."""
 
     def __init__(self, daemon: DaemonView, host: str, port: int) -> None:

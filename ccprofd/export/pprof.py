@@ -1,41 +1,150 @@
-"""Hot contexts as a gzipped pprof ``profile.proto`` — the format ``go tool pprof`` and its
-ecosystem load.
+"""Contexts as a gzipped pprof ``profile.proto`` — the format ``go tool pprof``, Parca and Pyroscope
+load.
 
-Input: rows in the JSON form of ``ccprofctl hot --json`` (``{"frames": [...], "count": N,
-"syscall": "write", "event": "syscall"|"cpu", "target": ...}``, frames outermost first).  One pprof
-Sample per row, leaf first; one Location per (module, call site, function) with the call-site
-address (an ELF virtual address of its module, so each module is one Mapping starting at 0);
-``has_functions`` is set because every location already carries its function name.  For syscall
-profiles the syscall is the innermost pseudo-frame ``syscall:NAME`` (flame graphs show it) and a
-``syscall`` label; every sample also has ``target`` and ``context`` labels.
+Input: rows in the JSON form of ``ccprofctl hot --json`` or of the daemon's samples
+(``{"frames": [...], "count": N, "syscall": "write", "target": ..., "pid": ...}``, frames
+outermost first).  One pprof Sample per row, leaf first.
+
+Mappings and addresses: when the rows carry a ``pid`` and ``modules`` holds that process's
+executable file mappings (:func:`process_modules`, read while it ran), each mapping is one pprof
+Mapping with its real runtime range, file offset and build-id, and each Location's address is the
+frame's runtime address (its ELF address + the module's load bias): the call instruction
+(``call_site``), else the byte before the return address (inside the call).  Mappings of the
+process's executable come first, so Mapping 1 is the main binary (``go tool pprof`` names the
+profile's ``File:`` after it).  Without process maps (``ccprofctl hot --format pprof``: counts of
+contexts that may come from processes long gone) each module is one Mapping of its ELF addresses,
+the program's (the module of the analysed frames) first.  A frame without an address (the
+innermost library frame of unwind mode: the tracer keeps no address for an exact pc) is at address
+0 of its module's Mapping.
+
+Functions: the frame's function name, its source ``file`` and ``line`` when the frame has them
+(else empty / 0 — never the binary's path, which made ``go tool pprof -list`` print the ELF's
+bytes).  Inlined frames: a frame with ``"inlined": true`` was inlined into the frame before it
+(its caller); the group is one Location whose Lines are innermost first, as profile.proto wants.
+
+For syscall profiles the syscall is the innermost pseudo-frame ``syscall:NAME`` (no mapping; flame
+graphs show it) and a ``syscall`` label; every sample has ``target`` and ``context`` labels (and
+``pid`` when known).
 """
 
 from __future__ import annotations
 
 import gzip
+import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from ccprofd.export.gen import profile_pb2
 
-_NO_MODULE = 0
+
+@dataclass(frozen=True, slots=True)
+class ModuleRange:
+    """One executable file mapping of a process: runtime ``[start, limit)`` maps the file from
+    ``offset``; runtime address = ELF virtual address + ``bias``."""
+
+    path: str
+    start: int
+    limit: int
+    offset: int
+    bias: int
+    build_id: str
+    main: bool  # the process's executable (/proc/PID/exe)
 
 
-def _address(value: Any) -> int:
-    if value in (None, ""):
-        return 0
+def _address(value: Any) -> int | None:
+    if value is None or value == "":
+        return None
     return value if isinstance(value, int) else int(str(value), 16)
 
 
+def frame_vaddr(frame: Mapping[str, Any]) -> int | None:
+    """The ELF address a frame stands at: its call instruction, else inside the call (the return
+    address - 1, as pprof wants for a caller's frame), None when the frame has no address."""
+    site = _address(frame.get("call_site"))
+    if site is not None:
+        return site
+    ret = _address(frame.get("return_address"))
+    return ret - 1 if ret else None
+
+
+# ------------------------------------------------------------------------------ process maps
+_ELF_FACTS: dict[tuple[int, int, int, int], tuple[Any, str] | None] = {}
+_ELF_FACTS_MAX = 512
+
+
+def _elf_facts(path: str) -> tuple[Any, str] | None:
+    """(AddressSpace, build-id) of an ELF file, cached per file identity; None when unreadable."""
+    from ccprofd.elf.errors import BinaryError
+    from ccprofd.elf.image import ElfImage
+
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    ident = (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+    if ident in _ELF_FACTS:  # several request threads share the cache: read it once per call
+        return _ELF_FACTS.get(ident)
+    facts: tuple[Any, str] | None
+    try:
+        image = ElfImage(path)
+        facts = (image.addrspace, image.build_id() or "")
+    except (OSError, BinaryError, ValueError):
+        facts = None
+    if len(_ELF_FACTS) >= _ELF_FACTS_MAX:
+        _ELF_FACTS.clear()
+    _ELF_FACTS[ident] = facts
+    return facts
+
+
+def process_modules(pid: int, proc_root: str = "/proc") -> list[ModuleRange]:
+    """The executable file mappings of ``pid`` now, with load bias and build-id (from the files).
+    OSError when the process is gone."""
+    from ccprofd.proc.maps import object_path, read_maps
+
+    entries = read_maps(pid, proc_root)
+    try:
+        exe = os.readlink(os.path.join(proc_root, str(pid), "exe"))
+    except OSError:
+        exe = ""
+    out = []
+    for m in entries:
+        if not m.executable or not m.file_backed:
+            continue
+        facts = _elf_facts(object_path(pid, m.path, proc_root))
+        if facts is None:
+            continue
+        space, build_id = facts
+        try:
+            bias = space.load_bias(m.start, m.offset)
+        except ValueError:
+            continue
+        out.append(ModuleRange(m.path, m.start, m.end, m.offset, bias, build_id, m.path == exe))
+    return out
+
+
+# ------------------------------------------------------------------------------------ builder
+@dataclass(frozen=True, slots=True)
+class _MapKey:
+    """A pprof Mapping before it has an id: a process's range, or a module without maps."""
+
+    path: str
+    build_id: str
+    start: int
+    limit: int
+    offset: int
+    main: bool
+
+
 class _Builder:
-    def __init__(self) -> None:
+    def __init__(self, modules: Mapping[int, Sequence[ModuleRange]]) -> None:
         self.profile = profile_pb2.Profile()
+        self.modules = modules
         self.strings: dict[str, int] = {}
         self.functions: dict[tuple[str, str], int] = {}
-        self.mappings: dict[str, int] = {}
-        self.mapping_limit: dict[int, int] = {}
-        self.locations: dict[tuple[int, int, int], int] = {}
+        self.mapping_ids: dict[_MapKey, int] = {}
+        self.locations: dict[tuple[int, int, tuple[tuple[int, int], ...]], int] = {}
         self.string("")
 
     def string(self, text: str) -> int:
@@ -45,48 +154,84 @@ class _Builder:
             self.profile.string_table.append(text)
         return index
 
-    def function(self, name: str, module: str) -> int:
-        key = (name, module)
+    def function(self, name: str, filename: str) -> int:
+        key = (name, filename)
         fid = self.functions.get(key)
         if fid is None:
             fid = self.functions[key] = len(self.profile.function) + 1
             self.profile.function.add(id=fid, name=self.string(name), system_name=self.string(name),
-                                      filename=self.string(module))
+                                      filename=self.string(filename))
         return fid
 
-    def mapping(self, module: str, build_id: str) -> int:
+    def place(self, frame: Mapping[str, Any], pid: int | None,
+              program: set[str]) -> tuple[_MapKey | None, int]:
+        """The Mapping and runtime address of one frame."""
+        module = str(frame.get("module") or "")
         if not module:
-            return _NO_MODULE
-        mid = self.mappings.get(module)
-        if mid is None:
-            mid = self.mappings[module] = len(self.profile.mapping) + 1
-            self.profile.mapping.add(id=mid, memory_start=0, memory_limit=0, file_offset=0,
-                                     filename=self.string(module), build_id=self.string(build_id or ""),
-                                     has_functions=True)
-        return mid
+            return None, 0
+        build_id = str(frame.get("build_id") or "")
+        vaddr = frame_vaddr(frame)
+        ranges = self.modules.get(pid, ()) if pid is not None else ()
+        mine = [r for r in ranges if r.path == module or (build_id and r.build_id == build_id)]
+        for r in mine:
+            if vaddr is not None and r.start <= vaddr + r.bias < r.limit:
+                return _MapKey(r.path, r.build_id, r.start, r.limit, r.offset, r.main), vaddr + r.bias
+        if mine and vaddr is None:
+            r = mine[0]
+            return _MapKey(r.path, r.build_id, r.start, r.limit, r.offset, r.main), 0
+        return _MapKey(module, build_id, 0, 0, 0, module in program), vaddr or 0
 
-    def location(self, name: str, module: str, build_id: str, address: int) -> int:
-        mid = self.mapping(module, build_id)
-        fid = self.function(name, module)
-        key = (mid, address, fid)
-        lid = self.locations.get(key)
+    def assign_mappings(self, keys: Iterable[_MapKey], elf_limits: Mapping[_MapKey, int]) -> None:
+        """Mapping ids: the main binary's mappings first (Mapping 1), then the libraries', each in
+        order of first use."""
+        ordered = sorted(dict.fromkeys(keys), key=lambda k: not k.main)  # stable
+        for key in ordered:
+            mid = self.mapping_ids[key] = len(self.profile.mapping) + 1
+            limit = key.limit or elf_limits.get(key, 0) + 1
+            self.profile.mapping.add(id=mid, memory_start=key.start, memory_limit=limit,
+                                     file_offset=key.offset, filename=self.string(key.path),
+                                     build_id=self.string(key.build_id), has_functions=True)
+
+    def location(self, key: _MapKey | None, address: int, lines: list[tuple[int, int]]) -> int:
+        mid = self.mapping_ids[key] if key is not None else 0
+        lkey = (mid, address, tuple(lines))
+        lid = self.locations.get(lkey)
         if lid is None:
-            lid = self.locations[key] = len(self.profile.location) + 1
+            lid = self.locations[lkey] = len(self.profile.location) + 1
             loc = self.profile.location.add(id=lid, mapping_id=mid, address=address)
-            loc.line.add(function_id=fid)
+            for fid, line in lines:
+                loc.line.add(function_id=fid, line=line)
             if mid:
-                self.mapping_limit[mid] = max(self.mapping_limit.get(mid, 0), address + 1)
+                m = self.profile.mapping[mid - 1]
+                fn = self.profile.function[lines[0][0] - 1]
+                m.has_filenames |= bool(self.profile.string_table[fn.filename])
+                m.has_line_numbers |= any(line > 0 for _, line in lines)
+                m.has_inline_frames |= len(lines) > 1
         return lid
 
-    def finish(self) -> None:
-        for m in self.profile.mapping:
-            m.memory_limit = self.mapping_limit.get(m.id, 1)
+
+def _groups(frames: Sequence[Mapping[str, Any]]) -> list[list[Mapping[str, Any]]]:
+    """Frames grouped per physical frame: one frame and the frames inlined into it, outermost first."""
+    out: list[list[Mapping[str, Any]]] = []
+    for f in frames:
+        if f.get("inlined") and out:
+            out[-1].append(f)
+        else:
+            out.append([f])
+    return out
+
+
+def _name(f: Mapping[str, Any]) -> str:
+    return str(f.get("function") or f"[unknown {f.get('module') or ''}]".replace(" ]", "]"))
 
 
 def build_profile(rows: Iterable[Mapping[str, Any]], *, event: str = "syscall", period_ns: int = 0,
-                  time_ns: int | None = None, duration_ns: int = 0) -> Any:
-    """The ``perftools.profiles.Profile`` message of ``rows``."""
-    b = _Builder()
+                  time_ns: int | None = None, duration_ns: int = 0,
+                  modules: Mapping[int, Sequence[ModuleRange]] | None = None,
+                  comments: Sequence[str] = ()) -> Any:
+    """The ``perftools.profiles.Profile`` message of ``rows``; ``modules`` are the executable
+    mappings of the processes (by pid) the rows' samples were taken in."""
+    b = _Builder(modules or {})
     p = b.profile
     if event == "cpu":
         p.sample_type.add(type=b.string("samples"), unit=b.string("count"))
@@ -102,29 +247,54 @@ def build_profile(rows: Iterable[Mapping[str, Any]], *, event: str = "syscall", 
         p.period = 1
     p.time_nanos = time.time_ns() if time_ns is None else time_ns
     p.duration_nanos = duration_ns
+    for c in comments:
+        p.comment.append(b.string(c))
+    rows = list(rows)
+    # Pass 1: where every physical frame is (mapping, runtime address), so the mappings get their
+    # ids (main binary first) before any location refers to them.
+    placed: list[list[tuple[_MapKey | None, int, list[Mapping[str, Any]]]]] = []
+    elf_limits: dict[_MapKey, int] = {}
     for row in rows:
-        count = int(row.get("count", 0))
         frames = list(row.get("frames") or [])
+        program = {str(f.get("module")) for f in frames if f.get("analysed") and f.get("module")}
+        pid = row.get("pid")
+        pid = int(pid) if pid else None
+        out = []
+        for group in _groups(frames):
+            physical = group[-1] if frame_vaddr(group[-1]) is not None else group[0]
+            key, address = b.place(physical, pid, program)
+            if key is not None and not key.limit:
+                elf_limits[key] = max(elf_limits.get(key, 0), address)
+            out.append((key, address, group))
+        placed.append(out)
+    b.assign_mappings((k for out in placed for k, _, _ in out if k is not None), elf_limits)
+    # Pass 2: locations and samples, leaf first.
+    for row, out in zip(rows, placed, strict=True):
+        count = int(row.get("count", 1))
         ids: list[int] = []
         if event == "syscall" and row.get("syscall"):
-            ids.append(b.location(f"syscall:{row['syscall']}", "", "", 0))
-        for f in reversed(frames):  # pprof wants the leaf first
-            name = f.get("function") or f"[unknown {f.get('module') or ''}]".replace(" ]", "]")
-            ids.append(b.location(str(name), str(f.get("module") or ""), str(f.get("build_id") or ""),
-                                  _address(f.get("call_site"))))
+            ids.append(b.location(None, 0, [(b.function(f"syscall:{row['syscall']}", ""), 0)]))
+        for key, address, group in reversed(out):
+            lines = [(b.function(_name(f), str(f.get("file") or "")), int(f.get("line") or 0))
+                     for f in reversed(group)]
+            ids.append(b.location(key, address, lines))
         sample = p.sample.add(location_id=ids, value=[count, count * period_ns] if len(p.sample_type) == 2
                               else [count])
-        for key in ("target", "syscall", "context"):
-            if row.get(key):
-                sample.label.add(key=b.string(key), str=b.string(str(row[key])))
+        for label in ("target", "syscall", "context"):
+            if row.get(label):
+                sample.label.add(key=b.string(label), str=b.string(str(row[label])))
+        if row.get("pid"):
+            sample.label.add(key=b.string("pid"), num=int(row["pid"]))
         if row.get("complete") is False:
             sample.label.add(key=b.string("complete"), str=b.string("false"))
-    b.finish()
     return p
 
 
 def write_pprof(rows: Iterable[Mapping[str, Any]], *, event: str = "syscall", period_ns: int = 0,
-                time_ns: int | None = None, duration_ns: int = 0) -> bytes:
-    """Gzipped serialized profile (the on-disk pprof format)."""
-    profile = build_profile(rows, event=event, period_ns=period_ns, time_ns=time_ns, duration_ns=duration_ns)
+                time_ns: int | None = None, duration_ns: int = 0,
+                modules: Mapping[int, Sequence[ModuleRange]] | None = None,
+                comments: Sequence[str] = ()) -> bytes:
+    """Gzipped serialized profile (the on-disk and HTTP pprof format)."""
+    profile = build_profile(rows, event=event, period_ns=period_ns, time_ns=time_ns,
+                            duration_ns=duration_ns, modules=modules, comments=comments)
     return gzip.compress(profile.SerializeToString(), mtime=0)
