@@ -179,9 +179,21 @@ def test_snapshot_frames_equal_the_tracers_samples_of_the_same_stacks(bpf: None,
             blocking = {t: s for t, s in last.items() if s["syscall"] in ("read", "clock_nanosleep")}
             return blocking if len(blocking) == 4 else {}
 
-        samples = wait_for(last_samples, timeout=120)
+        # every thread is blocked in its last syscall now, so the snapshot is final; the tracer may
+        # not have written those last samples yet (main's earlier usleep sample can still be its
+        # last line): wait until they are there, then compare in full
         snap = ContextReader(str(exe)).read(pid)
         assert snap["error"] is None
+
+        def matching() -> dict[int, dict[str, object]]:
+            last = last_samples()
+            same = all(t["tid"] in last and last[t["tid"]]["frames"] == t["frames"] for t in snap["threads"])
+            return last if same else {}
+
+        try:
+            samples = wait_for(matching, timeout=60)
+        except AssertionError:
+            samples = wait_for(last_samples, timeout=60)  # differing for good: the asserts below say how
         assert sorted(samples) == sorted(t["tid"] for t in snap["threads"])
         for t in snap["threads"]:
             s = samples[t["tid"]]
