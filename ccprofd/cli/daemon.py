@@ -40,8 +40,11 @@ def add_daemon_commands(sub: Any) -> None:
         description="Write ccprofd.service (ExecStart pointing at this ccprofd) to the unit directory, "
                     "copy the documented example configuration unless one exists, create the system "
                     f"group '{SOCKET_GROUP}' that may use the gRPC socket, and reload systemd if it runs.")
-    inst.add_argument("--unit-dir", default="/etc/systemd/system", type=Path)
-    inst.add_argument("--config-dir", default="/etc/ccprofd", type=Path)
+    inst.add_argument("--unit-dir", default="/etc/systemd/system", type=Path,
+                      help="where ccprofd.service is written (default /etc/systemd/system)")
+    inst.add_argument("--config-dir", default="/etc/ccprofd", type=Path,
+                      help="where the example ccprofd.toml is copied unless one exists "
+                           "(default /etc/ccprofd)")
     inst.add_argument("--exec", dest="executable", default=None,
                       help="ccprofd executable for ExecStart (default: this one)")
     inst.add_argument("--no-group", action="store_true", help=f"do not create the '{SOCKET_GROUP}' group")
