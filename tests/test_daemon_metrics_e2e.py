@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import subprocess
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,7 @@ N_WRITES = 23
 
 # Waits for a line on stdin (the daemon has attached), burns CPU in burn() (a loop of several
 # instructions, so CPU samples land on many addresses of it), makes N_WRITES write()s from emit()
-# through libc's wrapper, reports "done", waits for EOF.
+# through libc's wrapper, reports "done" (two more writes, from main), waits for EOF.
 PROGRAM = r"""
 #include <stdio.h>
 #include <unistd.h>
@@ -46,13 +47,20 @@ int main(void) {
 
 @pytest.mark.parametrize("mode", ["unwind", "instrumented"])
 def test_cpu_series_per_function_and_program_leaf(bpf: None, workdir: str, tmp_path: Path, mode: str) -> None:
+    check_scrape(scrape_daemon(workdir, tmp_path, mode), mode)
+
+
+def scrape_daemon(workdir: str, tmp_path: Path, mode: str, prefix: Sequence[str] = (),
+                  env: dict[str, str] | None = None) -> str:
+    """One /metrics text of a real daemon (started with ``prefix``) that followed PROGRAM."""
     binary = compile_c(tmp_path, "cpuprog", PROGRAM, "-O1", "-fno-omit-frame-pointer")
     target = target_toml("prog", f'path = "{binary}"', ["write"], mode, "perf_sample_hz = 499\n")
     prog = subprocess.Popen([str(binary)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     assert prog.stdout is not None and prog.stdin is not None
     assert prog.stdout.readline() == "ready\n"
     try:
-        with RunningDaemon(workdir, config_text(workdir, target, daemon_extra="top_k = 50")) as daemon:
+        with RunningDaemon(workdir, config_text(workdir, target, daemon_extra="top_k = 50"), prefix=prefix,
+                           env=env) as daemon:
             daemon.wait_tracked(prog.pid)
             prog.stdin.write("go\n")
             prog.stdin.flush()
@@ -60,7 +68,7 @@ def test_cpu_series_per_function_and_program_leaf(bpf: None, workdir: str, tmp_p
 
             def written() -> bool:
                 return sum(v for lb, v in daemon.metric_samples(CONTEXT_SAMPLES)
-                           if lb["target"] == "prog" and lb["syscall"] == "write") >= N_WRITES
+                           if lb["target"] == "prog" and lb["syscall"] == "write") >= N_WRITES + 2
 
             wait_for(written, timeout=60)
             with urllib.request.urlopen(daemon.metrics_url(), timeout=30) as resp:
@@ -69,10 +77,15 @@ def test_cpu_series_per_function_and_program_leaf(bpf: None, workdir: str, tmp_p
     finally:
         prog.kill()
         prog.wait()
-    samples = {s.name: [] for f in text_string_to_metric_families(text) for s in f.samples}
+    return text
+
+
+def check_scrape(text: str, mode: str) -> None:
+    """The series of PROGRAM's run, checked against what it did."""
+    samples: dict[str, list[tuple[dict[str, str], float]]] = {}
     for family in text_string_to_metric_families(text):
         for s in family.samples:
-            samples[s.name].append((s.labels, s.value))
+            samples.setdefault(s.name, []).append((s.labels, s.value))
     stack = {lb["context"]: lb["stack"] for lb, _ in samples["ccprofd_context_info"]}
     # write: the program's emit() called libc's write N_WRITES times: one series, leaf emit.
     writes = [(lb["leaf"], stack.get(lb["context"], ""), v) for lb, v in samples[CONTEXT_SAMPLES]

@@ -130,7 +130,8 @@ def cmd_install_service(args: argparse.Namespace) -> int:
     args.unit_dir.mkdir(parents=True, exist_ok=True)
     unit = args.unit_dir / "ccprofd.service"
     tmp = unit.with_suffix(".service.tmp")
-    tmp.write_text(unit_text(exe, str(config)))
+    text = unit_text(exe, str(config))
+    tmp.write_text(text)
     tmp.chmod(0o644)
     os.replace(tmp, unit)
     print(f"installed {unit} (ExecStart={exe})")
@@ -153,6 +154,10 @@ def cmd_install_service(args: argparse.Namespace) -> int:
     if client and problem:
         print(f"ccprofd: warning: members of '{SOCKET_GROUP}' cannot run {client}: {problem}; install the "
               "client where they can (see the README, \"ccprofctl for the ccprofd group\")", file=sys.stderr)
+    from ccprofd.cli.unitpaths import sandbox_warnings
+
+    for warning in sandbox_warnings(text, exe, config):
+        print(f"ccprofd: warning: {warning}", file=sys.stderr)
     if not args.no_reload and os.path.isdir("/run/systemd/system"):
         subprocess.run(["systemctl", "daemon-reload"], check=True)
         print("systemctl daemon-reload done; start with: systemctl enable --now ccprofd")
