@@ -279,3 +279,22 @@ def test_daemon_works_in_the_unit_sandbox(bpf: None, workdir: str, tmp_path: Pat
             helpers |= {struct.unpack_from("<i", insns, i + 4)[0] for i in range(0, len(insns), 8)
                         if insns[i] == 0x85 and insns[i + 1] >> 4 == 0}
     assert 4 in helpers and not helpers & {112, 113, 114, 115}, sorted(helpers)
+
+
+def test_unit_sandbox_still_sees_other_users_processes(tmp_path: Path) -> None:
+    """ProtectProc=invisible hides other users' processes from processes that may not ptrace
+    them: the daemon (root, CAP_SYS_PTRACE in its bounding set) still reads their maps."""
+    from unit_sandbox import sandbox_prefix
+
+    other = subprocess.Popen([require_tool("setpriv"), "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+                              "sleep", "600"])
+    try:
+        code = (f"grep -o 'hidepid=[a-z]*' /proc/self/mountinfo | head -1; "
+                f"stat -c %U /proc/{other.pid}; grep -c sleep /proc/{other.pid}/maps")
+        out = subprocess.run([*sandbox_prefix(tmp_path), "bash", "-c", code], capture_output=True, text=True,
+                             check=False)
+        mount, owner, maps = out.stdout.split()
+        assert (mount, owner) == ("hidepid=invisible", "nobody") and int(maps) > 0, out
+    finally:
+        other.kill()
+        other.wait()
