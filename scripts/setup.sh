@@ -7,7 +7,9 @@
 # What it does: installs the system packages (bcc, kernel headers, toolchain, strace/gdb used as
 # independent oracles by the tests), applies the kernel-headers fallback when the running kernel
 # has none, mounts tracefs/debugfs/bpffs when missing, creates .venv with the project and a
-# bcc-only bridge onto Debian's python3-bpfcc, and links ccprofd/ccprofctl into /usr/local/bin.
+# bcc-only bridge onto Debian's python3-bpfcc, links ccprofd/ccprofctl into /usr/local/bin and
+# installs their bash completion (/usr/share/bash-completion/completions) and man pages
+# (/usr/local/share/man: ccprofd(8), ccprofctl(1)).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$(pwd)
@@ -25,8 +27,10 @@ fi
 # and tests/test_symbolize_debug.py)
 # prometheus: its promtool checks the /metrics exposition in tests/test_export_metrics.py
 # golang-go: `go tool pprof` reads the daemon's pprof endpoints in tests/test_export_pprof.py
+# man-db, groff-base: `man ccprofd` (and the man-page test); bash-completion: loads the completions
 APT_PACKAGES=(python3-bpfcc linux-headers-amd64 bpftool gcc g++ make binutils strace gdb file
-              python3 python3-venv systemd prometheus libc6-dbg golang-go)
+              python3 python3-venv systemd prometheus libc6-dbg golang-go man-db groff-base
+              bash-completion)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
@@ -101,6 +105,11 @@ if [ -f scripts/gen_proto.sh ]; then bash scripts/gen_proto.sh; fi
 if [ "${CCPROFD_SKIP_LINKS:-0}" != 1 ]; then
   ln -sfn "$ROOT/.venv/bin/ccprofd" /usr/local/bin/ccprofd
   ln -sfn "$ROOT/.venv/bin/ccprofctl" /usr/local/bin/ccprofctl
+  # Bash completion and man pages, generated from the commands' own argparse parsers (they cannot
+  # drift from the installed version): bash-completion loads completions/NAME on first use.
+  # Writes /usr/share/bash-completion/completions/{ccprofd,ccprofctl},
+  # /usr/local/share/man/man8/ccprofd.8 and /usr/local/share/man/man1/ccprofctl.1.
+  .venv/bin/python -m ccprofd.cli.docgen install --root / >/dev/null
 fi
 # Members of the ccprofd group run ccprofctl as themselves: a checkout (or Python) under a 0700
 # home is out of their reach (README: "ccprofctl for the ccprofd group").

@@ -137,7 +137,10 @@ class Stopped:
 class RunningDaemon:
     """``ccprofd run --config WORKDIR/ccprofd.toml``, returned once it sent ``READY=1``."""
 
-    def __init__(self, workdir: str, config: str, *, ready_timeout: float = 600.0) -> None:
+    def __init__(self, workdir: str, config: str, *, ready_timeout: float = 600.0,
+                 prefix: Sequence[str] = (), env: dict[str, str] | None = None) -> None:
+        """``prefix``: argv run before the daemon's, exec'ing it (a sandbox: the pid stays the
+        daemon's); ``env``: extra environment variables."""
         self.workdir = workdir
         self.config_path = Path(workdir) / "ccprofd.toml"
         self.log_path = Path(workdir) / "daemon.log"
@@ -149,11 +152,11 @@ class RunningDaemon:
             os.unlink(notify_path)
         self._notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self._notify.bind(notify_path)
-        env = dict(os.environ, NOTIFY_SOCKET=notify_path)
+        environ = dict(os.environ, NOTIFY_SOCKET=notify_path, **(env or {}))
         t0 = time.perf_counter()
         with open(self.log_path, "w") as log:
-            self.proc = subprocess.Popen([sys.executable, "-m", "ccprofd.cli", "run", "--config",
-                                          str(self.config_path)], cwd=ROOT, env=env,
+            self.proc = subprocess.Popen([*prefix, sys.executable, "-m", "ccprofd.cli", "run", "--config",
+                                          str(self.config_path)], cwd=ROOT, env=environ,
                                          stdout=subprocess.DEVNULL, stderr=log, text=True)
         self.channel = grpc.insecure_channel(f"unix:{self.socket_path}")
         self.stub = pb_grpc.ProfilerStub(self.channel)

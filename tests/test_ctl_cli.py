@@ -18,7 +18,7 @@ from daemon_fakes import TARGET_APP, FakeFactory, config_text, frame, sample, sh
 
 from ccprofd.daemon.config import parse_config
 from ccprofd.daemon.service import Daemon
-from ccprofd.daemon.store import context_id
+from ccprofd.daemon.store import context_id, sample_context_id
 from ccprofd.export.servers import standard_servers
 
 WRITE_CTX = [frame("main", 0x1139), frame("emit", 0x1180)]
@@ -215,10 +215,15 @@ def test_context_resolves_a_hash(served: tuple[Daemon, FakeFactory, str]) -> Non
     text = ctl(sock, "context", ctx)
     assert text.returncode == 0, text.stderr
     lines = text.stdout.decode().splitlines()
-    # WRITE_CTX is held by both targets (app's syscalls, cpuapp's CPU samples).
-    assert [ln for ln in lines if ln.startswith("context ")] == [
-        f"context {ctx}  target app", f"context {ctx}  target cpuapp"]
-    assert [ln.split()[1] for ln in lines if ln.lstrip().startswith("#")] == ["main", "emit"] * 2
+    # app's write samples; cpuapp's CPU samples with the same frames have another id: a CPU
+    # sample's innermost frame is the function the CPU was in, keyed by name, not by address.
+    cpu = sample_context_id(sample(WRITE_CTX, event="cpu"))
+    assert cpu != ctx
+    assert [ln for ln in lines if ln.startswith("context ")] == [f"context {ctx}  target app"]
+    assert [ln.split()[1] for ln in lines if ln.lstrip().startswith("#")] == ["main", "emit"]
+    cpu_lines = ctl(sock, "context", cpu).stdout.decode().splitlines()
+    assert [ln for ln in cpu_lines if ln.startswith("context ")] == [f"context {cpu}  target cpuapp"]
+    assert [ln.split()[1] for ln in cpu_lines if ln.lstrip().startswith("#")] == ["main", "emit"]
     one = ctl(sock, "context", ctx, "--target", "app", "--json")
     assert one.returncode == 0, one.stderr
     rows = json.loads(one.stdout)

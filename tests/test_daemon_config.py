@@ -84,6 +84,11 @@ def test_defaults_are_the_documented_ones() -> None:
     assert str(d.grpc_listen) == "unix:///run/ccprofd/ccprofd.sock"
     assert d.grpc_socket_mode == 0o660 and d.metrics_listen == ("127.0.0.1", 9464)
     assert str(d.state_dir) == "/var/lib/ccprofd" and cfg.targets == ()  # type: ignore[attr-defined]
+    assert d.retire_after_seconds == 3600 and d.promotion_window_seconds == 300
+    # 0 turns retirement off; any value from the promotion window up is accepted.
+    assert parse("[daemon]\nretire_after_seconds = 0\n").daemon.retire_after_seconds == 0  # type: ignore[attr-defined]
+    assert parse("[daemon]\npromotion_window_seconds = 60\nretire_after_seconds = 60\n"
+                 ).daemon.retire_after_seconds == 60  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(
@@ -159,6 +164,11 @@ def test_defaults_are_the_documented_ones() -> None:
         ('[daemon]\nmetrics_listen = "9464"\n', "metrics_listen", "daemon.metrics_listen", "HOST:PORT"),
         ("[daemon]\ntop_k = 0\n", "top_k", "daemon.top_k", ">= 1"),
         ("[daemon]\ntop_k = 30\nmax_series = 10\n", "max_series", "daemon.max_series", ">= top_k"),
+        ("[daemon]\nretire_after_seconds = -1\n", "retire_after", "daemon.retire_after_seconds", ">= 0"),
+        ("[daemon]\nretire_after_seconds = 60\n", "retire_after", "daemon.retire_after_seconds",
+         "0 (never retire) or >= promotion_window_seconds (300)"),
+        ('[daemon]\nretire_after_seconds = "1h"\n', "retire_after", "daemon.retire_after_seconds",
+         "expected an integer"),
         ('[daemon]\ntls_cert = "/nonexistent/cert.pem"\n', "tls_cert", "daemon.tls_cert", "no such file"),
         ('[demon]\nstate_dir = "/x"\n', "[demon]", "demon", "unknown key"),
     ],

@@ -163,3 +163,77 @@ def test_frames_are_interned_across_contexts() -> None:
     for leaf in range(20):
         store.add(sample([*prefix, frame(f"leaf{leaf}", 0x3000 + leaf)]), T0)
     assert store.counters()["frames"] == 50 + 20
+
+
+def test_cpu_contexts_are_keyed_by_function_not_by_sampled_instruction() -> None:
+    """Issue 17: a CPU sample's innermost frame carries the sampled address as its call site; one
+    busy function gave a series per instruction (5 for one function in a real daemon)."""
+    store = TargetStore(top_k=10, max_series=10)
+    main = frame("main", 0x1193)
+    # The same function sampled at five instructions: one context, all samples in it.
+    for pc in (0x1150, 0x1155, 0x1158, 0x115C, 0x1160):
+        store.add(sample([main, frame("burn", pc)], event="cpu"), T0)
+    store.add(sample([main, frame("emit", 0x1170)], event="cpu"), T0)
+    hot = {h.leaf: h.count for h in store.hot("cpu", 10)}
+    assert hot == {"burn": 5, "emit": 1}
+    cpu = [s for s in store.scrape(T0 + S) if s.event == "cpu" and s.context != OTHER]
+    assert sorted((s.leaf, s.value) for s in cpu) == [("burn", 5), ("emit", 1)]
+    # The outer frames' call sites still tell chains apart: burn called from another site of main.
+    store.add(sample([frame("main", 0x11A0), frame("burn", 0x1150)], event="cpu"), T0)
+    assert sorted(h.count for h in store.hot("cpu", 10)) == [1, 1, 5]
+    # A CPU sample inside a library keeps the program's call into it (a call, not an instruction).
+    lib = {"function": "memcpy", "module": "/lib/libc.so.6", "build_id": "aa" * 20, "analysed": False,
+           "call_site": "0x9999"}
+    a = store.context_of(sample([main, frame("emit", 0x1170), lib], event="cpu"))
+    b = store.context_of(sample([main, frame("emit", 0x1178), lib], event="cpu"))
+    assert a != b
+    # Syscall samples keep the innermost call site: two calls of write are two contexts.
+    assert store.context_of(sample([main, frame("emit", 0x1170)])) != \
+        store.context_of(sample([main, frame("emit", 0x1178)]))
+
+
+def test_series_not_seen_for_retire_after_are_retired_within_the_bound() -> None:
+    """Issue 17: promoted series never retired.  A context not seen for retire_after_seconds
+    leaves the exposition and frees its max_series slot; seen again, it is promoted again and its
+    series resumes from its last value (monotonic).  The clock is injected, nothing sleeps."""
+    now = [T0]
+    store = TargetStore(top_k=2, max_series=2, promotion_window_seconds=60, retire_after_seconds=600,
+                        clock=lambda: now[0])
+    a, b, c = ctx("main", "ra"), ctx("main", "rb"), ctx("main", "rc")
+    for _ in range(3):
+        store.add(sample(a))
+    store.add(sample(b))
+    assert series_map(store, now[0]) == {("write", context_id(a)): 3, ("write", context_id(b)): 1,
+                                         ("write", OTHER): 0}
+    # b keeps being seen, a does not; c is hot but max_series = 2 is reached: c stays in "other".
+    now[0] = T0 + 300 * S
+    store.add(sample(b))
+    for _ in range(5):
+        store.add(sample(c))
+    assert series_map(store, now[0]) == {("write", context_id(a)): 3, ("write", context_id(b)): 2,
+                                         ("write", OTHER): 5}
+    # 600 s after a's last sample: a is retired and c takes its slot with its unexported samples.
+    now[0] = T0 + 600 * S + 1
+    store.add(sample(b))
+    store.add(sample(c))
+    third = series_map(store, now[0])
+    assert third == {("write", context_id(b)): 3, ("write", context_id(c)): 1, ("write", OTHER): 5}
+    assert store.counters()["retired"] == 1
+    # Exported series never exceed max_series; a seen again waits for a slot in "other".
+    now[0] = T0 + 1000 * S
+    store.add(sample(a))
+    store.add(sample(c))
+    fourth = series_map(store, now[0])
+    assert context_id(a) not in {k[1] for k in fourth} and fourth[("write", OTHER)] == 6
+    # b retires (last seen at T0 + 600 s): a is promoted again and resumes from 3 (monotonic);
+    # the sample it had in "other" stays there (already exported).
+    now[0] = T0 + 1300 * S
+    store.add(sample(a))
+    fifth = series_map(store, now[0])
+    assert fifth == {("write", context_id(a)): 4, ("write", context_id(c)): 2, ("write", OTHER): 6}
+    assert store.counters()["retired"] == 2
+    # Retirement off (0): nothing ever leaves.
+    keep = TargetStore(top_k=1, max_series=1, retire_after_seconds=0)
+    keep.add(sample(a), T0)
+    keep.scrape(T0 + S)
+    assert series_map(keep, T0 + 10**6 * S)[("write", context_id(a))] == 1

@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from conftest import require_tool
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -151,3 +152,149 @@ def test_client_unreachable_by_the_socket_group_is_reported() -> None:
         assert not runs_as_nobody(client)
     finally:
         shutil.rmtree(base, ignore_errors=True)
+
+
+# ------------------------------------------------------------------------------ issue 17: hardening
+HARDENING = {
+    "ProtectKernelTunables": "yes",
+    "PrivateMounts": "yes",
+    "ProtectProc": "invisible",
+    "IPAddressDeny": "any",
+    "IPAddressAllow": "localhost",
+    "RestrictAddressFamilies": "AF_UNIX AF_INET AF_INET6",
+}
+
+
+def unit_with_exec(tmp_path: Path) -> Path:
+    """The shipped unit with ExecStart on an executable that exists here (``verify`` checks it)."""
+    unit = tmp_path / "ccprofd.service"
+    text = UNIT.read_text().replace("ExecStart=/usr/local/bin/ccprofd", f"ExecStart={sys.executable}")
+    unit.write_text(text)
+    return unit
+
+
+def test_unit_hardening_and_its_exposure_score(tmp_path: Path) -> None:
+    """Issue 17: systemd-analyze security said 3.4 with ProtectKernelTunables, PrivateMounts,
+    ProtectProc and an IP allow list unset and AF_NETLINK allowed."""
+    s = unit_settings(UNIT.read_text())["Service"]
+    assert {k: s.get(k) for k in HARDENING} == HARDENING
+    unit = unit_with_exec(tmp_path)
+    out = verify(unit)
+    assert out.returncode == 0, out.stderr
+    tool = require_tool("systemd-analyze")
+    sec = subprocess.run([tool, "security", "--offline=yes", str(unit)], capture_output=True, text=True,
+                         timeout=120, env=dict(os.environ, SYSTEMD_COLORS="0"))
+    score = float(sec.stdout.rsplit("Overall exposure level for ccprofd.service:", 1)[1].split()[0])
+    assert score <= 2.7, sec.stdout
+    good = {line.split()[1] for line in sec.stdout.splitlines() if line.startswith("✓")}
+    assert {"ProtectKernelTunables=", "ProtectProc=", "RestrictAddressFamilies=~AF_NETLINK"} <= good, \
+        sec.stdout
+
+
+def test_install_service_warns_about_paths_the_sandbox_hides(tmp_path: Path) -> None:
+    """Issue 17: install-service said nothing when ccprofd lived under /tmp, which PrivateTmp=yes
+    replaces by an empty directory in the service (it fails with 203/EXEC)."""
+    exe_dir = tmp_path / "venv" / "bin"
+    exe_dir.mkdir(parents=True)
+    exe = exe_dir / "ccprofd"
+    exe.write_text("#!/bin/sh\n")
+    exe.chmod(0o755)
+    config_dir = tmp_path / "etc"
+    config_dir.mkdir()
+    (config_dir / "ccprofd.toml").write_text(
+        '[daemon]\nstate_dir = "/srv/ccprofd"\nmetrics_listen = "0.0.0.0:9464"\ninsecure_remote = true\n'
+        '[[target]]\npath = "/var/tmp/app/server"\n[[target]]\npath = "/usr/bin/gzip"\n')
+    out = subprocess.run(
+        [sys.executable, "-m", "ccprofd.cli", "install-service", "--unit-dir", str(tmp_path / "units"),
+         "--config-dir", str(config_dir), "--exec", str(exe), "--no-group", "--no-reload"],
+        capture_output=True, text=True, cwd=ROOT, timeout=60)
+    assert out.returncode == 0, out.stderr
+    warnings = [ln.removeprefix("ccprofd: warning: ") for ln in out.stderr.splitlines()
+                if ln.startswith("ccprofd: warning: ") and "members of" not in ln]
+    assert warnings == [
+        f"ExecStart needs {exe}, which PrivateTmp=yes hides from the service (it would fail with status "
+        "203/EXEC): install ccprofd outside /tmp",
+        f"configuration {config_dir}/ccprofd.toml is hidden by PrivateTmp=yes in the service: move it out "
+        "of /tmp",
+        "target[0] path /var/tmp/app/server is hidden by PrivateTmp=yes in the service: move it out of "
+        "/var/tmp",
+        "state_dir /srv/ccprofd is read-only under ProtectSystem=strict: use a path below /var/lib/ccprofd, "
+        "/run/ccprofd or add ReadWritePaths=/srv/ccprofd in a drop-in",
+        "listening on 0.0.0.0: the unit's IPAddressDeny=any drops every peer but loopback; allow the "
+        "clients' addresses with IPAddressAllow= in a drop-in",
+    ], out.stderr
+
+
+def test_no_sandbox_warning_for_a_usual_installation(tmp_path: Path) -> None:
+    from ccprofd.cli.daemon import unit_text
+    from ccprofd.cli.unitpaths import sandbox_warnings
+
+    text = unit_text("/usr/bin/python3", "/etc/ccprofd/ccprofd.toml")
+    assert sandbox_warnings(text, "/usr/bin/python3", Path("/etc/ccprofd/ccprofd.toml")) == []
+    # the same paths under a unit without PrivateTmp: nothing hidden
+    config = tmp_path / "ccprofd.toml"
+    config.write_text('[[target]]\npath = "/tmp/x"\n')
+    loose = text.replace("PrivateTmp=yes", "PrivateTmp=no")
+    assert sandbox_warnings(loose, "/usr/bin/python3", config) == []
+    assert len(sandbox_warnings(text, "/usr/bin/python3", config)) == 2  # config file and target path
+
+
+def test_bpf_cache_key_sees_kallsyms_hidden(bpf: None, tmp_path: Path) -> None:
+    """ProtectKernelTunables=yes hides /proc/kallsyms, and bcc then compiles other helpers (the
+    legacy bpf_probe_read): the cache key must tell the two objects apart."""
+    from unit_sandbox import sandbox_prefix
+
+    code = "from ccprofd.kbpf.objcache import environment_identity as e; print(e())"
+    outside = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                             cwd=ROOT).stdout.splitlines()
+    inside = subprocess.run([*sandbox_prefix(tmp_path), sys.executable, "-c", code], capture_output=True,
+                            text=True, check=True, cwd=ROOT).stdout.splitlines()
+    assert outside[-1] == "kallsyms:listed" and inside[-1] == "kallsyms:empty"
+    assert outside[:-1] == inside[:-1]
+
+
+@pytest.mark.parametrize("mode", ["unwind", "instrumented"])
+def test_daemon_works_in_the_unit_sandbox(bpf: None, workdir: str, tmp_path: Path, mode: str) -> None:
+    """Issue 17: each added directive must leave BPF working.  The real daemon in the sandbox of
+    tests/unit_sandbox.py (ProtectKernelTunables, PrivateMounts, ProtectProc, the capability
+    bounding set, RestrictAddressFamilies without AF_NETLINK), its BPF objects compiled there (an
+    empty state directory), follows a program in each mode: the same exact counts as outside, CPU samples
+    included, and promtool accepts the scrape."""
+    from test_daemon_metrics_e2e import check_scrape, scrape_daemon
+    from unit_sandbox import sandbox_prefix
+
+    text = scrape_daemon(workdir, tmp_path, mode, prefix=sandbox_prefix(tmp_path))
+    check_scrape(text, mode)
+    objects = list(Path(workdir, "state").rglob("bpf/*.json"))  # the daemon's cache: a new state_dir
+    assert objects, "nothing compiled in the sandbox"
+    # compiled there with kallsyms hidden: bcc used the legacy helpers (4: bpf_probe_read)
+    import base64
+    import json
+    import struct
+
+    helpers = set()
+    for obj in objects:
+        for fn in json.loads(obj.read_text())["functions"]:
+            insns = base64.b64decode(fn["insns"])
+            helpers |= {struct.unpack_from("<i", insns, i + 4)[0] for i in range(0, len(insns), 8)
+                        if insns[i] == 0x85 and insns[i + 1] >> 4 == 0}
+    assert 4 in helpers and not helpers & {112, 113, 114, 115}, sorted(helpers)
+
+
+def test_unit_sandbox_still_sees_other_users_processes(tmp_path: Path) -> None:
+    """ProtectProc=invisible hides other users' processes from processes that may not ptrace
+    them: the daemon (root, CAP_SYS_PTRACE in its bounding set) still reads their maps."""
+    from unit_sandbox import sandbox_prefix
+
+    other = subprocess.Popen([require_tool("setpriv"), "--reuid=nobody", "--regid=nogroup", "--clear-groups",
+                              "sleep", "600"])
+    try:
+        code = (f"grep -o 'hidepid=[a-z]*' /proc/self/mountinfo | head -1; "
+                f"stat -c %U /proc/{other.pid}; grep -c sleep /proc/{other.pid}/maps")
+        out = subprocess.run([*sandbox_prefix(tmp_path), "bash", "-c", code], capture_output=True, text=True,
+                             check=False)
+        mount, owner, maps = out.stdout.split()
+        assert (mount, owner) == ("hidepid=invisible", "nobody") and int(maps) > 0, out
+    finally:
+        other.kill()
+        other.wait()

@@ -24,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ccprofd.daemon.config import parse_config
 from ccprofd.daemon.service import Daemon
-from ccprofd.daemon.store import context_id
+from ccprofd.daemon.store import context_id, sample_context_id
 from ccprofd.export.servers import standard_servers
 
 Labels = tuple[tuple[str, str], ...]
@@ -86,7 +86,7 @@ def test_hot_context_series_count_every_sample(served: tuple[Daemon, FakeFactory
         ("openat", "other", ""): 0,
     }
     cpu = {dict(k)["context"]: v for k, v in m["ccprofd_cpu_samples_total"].items()}
-    assert cpu == {context_id(b): 3, "other": 0}
+    assert cpu == {sample_context_id(sample(b, event="cpu")): 3, "other": 0}
     assert m["ccprofd_probe_hits_total"][(("target", "app"),)] == 123
     assert m["ccprofd_decode_errors_total"][(("target", "app"),)] == 2
     assert m["ccprofd_contexts_incomplete_total"][(("target", "app"),)] == 1
@@ -185,7 +185,9 @@ def test_context_info_names_each_exported_context(served: tuple[Daemon, FakeFact
     assert info == {
         ("app", context_id(a)): ("main;handle_request;log_error", 1),
         ("app", context_id(b)): ("main;handle_request;parse:v2", 1),
-        ("app", context_id(d, complete=False)): ("[incomplete];worker;flush", 1),
+        # CPU contexts: the innermost program frame is keyed by its function, not the sampled address
+        ("app", sample_context_id(sample(b, event="cpu"))): ("main;handle_request;parse:v2", 1),
+        ("app", sample_context_id(sample(d, event="cpu", complete=False))): ("[incomplete];worker;flush", 1),
     }
     # group_left join: every exported context series finds exactly one info series.
     for family in ("ccprofd_context_samples_total", "ccprofd_cpu_samples_total"):
@@ -194,9 +196,52 @@ def test_context_info_names_each_exported_context(served: tuple[Daemon, FakeFact
             if d_["context"] != "other":
                 assert (d_["target"], d_["context"]) in info
     assert text.count("# TYPE ccprofd_context_info ") == 1
-    assert sum(line.startswith("ccprofd_context_info{") for line in text.splitlines()) == 3  # b once
+    assert sum(line.startswith("ccprofd_context_info{") for line in text.splitlines()) == 4
 
     promtool = require_tool("promtool")
     proc = subprocess.run([promtool, "check", "metrics"], input=text, capture_output=True, text=True,
                           check=False)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_series_of_contexts_not_seen_are_retired() -> None:
+    """Issue 17: promoted series never retired.  Over real HTTP with the store's clock injected
+    (nothing sleeps): a context not seen for retire_after_seconds leaves /metrics, its info series
+    with it, and the freed slot under max_series goes to another context; promtool accepts it."""
+    workdir = short_tmpdir()
+    factory = FakeFactory()
+    extra = "top_k = 1\nmax_series = 1\npromotion_window_seconds = 60\nretire_after_seconds = 120\n"
+    daemon = Daemon(parse_config(config_text(workdir, TARGET_APP, daemon_extra=extra)), factory,
+                    servers=standard_servers())
+    daemon.start()
+    try:
+        now = [1_700_000_000 * 10**9]
+        store = daemon.targets["app"].store
+        store.clock = lambda: now[0]
+        a, b = [frame("main", 0x10), frame("a", 0x20)], [frame("main", 0x10), frame("b", 0x30)]
+        src = factory.sources["app"]
+        src.push(*[sample(a) for _ in range(3)])
+        wait_for(lambda: store.samples == 3)
+        m = scrape(daemon)
+        assert ctx_series(m, "app") == {("write", context_id(a), "a"): 3, ("write", "other", ""): 0}
+        now[0] += 100 * 10**9
+        src.push(sample(b), sample(b))
+        wait_for(lambda: store.samples == 5)
+        # max_series = 1: b waits in "other" while a is exported (a last seen 100 s ago < 120 s).
+        assert ctx_series(scrape(daemon), "app") == {("write", context_id(a), "a"): 3,
+                                                     ("write", "other", ""): 2}
+        now[0] += 21 * 10**9
+        src.push(sample(b))
+        wait_for(lambda: store.samples == 6)
+        text = scrape_text(daemon)
+        m = scrape(daemon)
+        # a retired (121 s unseen): gone from the samples and the info; b exported from now on.
+        assert ctx_series(m, "app") == {("write", context_id(b), "b"): 1, ("write", "other", ""): 2}
+        assert {dict(k)["context"] for k in m["ccprofd_context_info"]} == {context_id(b)}
+        assert m["ccprofd_series_retired_total"][(("target", "app"),)] == 1
+        proc = subprocess.run([require_tool("promtool"), "check", "metrics"], input=text,
+                              capture_output=True, text=True, check=False)
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    finally:
+        daemon.stop()
+        shutil.rmtree(workdir, ignore_errors=True)

@@ -60,10 +60,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     sub.add_parser("targets", parents=[fmt], help="targets, binaries, build-ids, processes, threads")
     c = sub.add_parser("contexts", parents=[fmt], help="current context of every thread of a process")
-    c.add_argument("pid", type=_pid, metavar="PID")
+    c.add_argument("pid", type=_pid, metavar="PID", help="process id")
     h = sub.add_parser("hot", parents=[fmt], help="most frequent contexts")
     h.add_argument("--target", default="", help="one target (default: all)")
-    h.add_argument("--by", choices=("syscall", "cpu"), default="syscall")
+    h.add_argument("--by", choices=("syscall", "cpu"), default="syscall",
+                   help="syscall samples (default) or CPU samples")
     h.add_argument("--top", type=_positive_int, default=0, metavar="N",
                    help="how many (default: the daemon's top_k)")
     h.add_argument("--since", type=_seconds, default=0.0, metavar="SECONDS",
@@ -71,19 +72,19 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--syscall", default="", help="only this syscall")
     for name, helptext in (("stream", "live decoded samples"), ("alerts", "live anomaly alerts")):
         s = sub.add_parser(name, parents=[fmt], help=helptext)
-        s.add_argument("--target", default="")
+        s.add_argument("--target", default="", help="one target (default: all)")
         s.add_argument("--syscalls", default="", help="comma-separated syscall names")
         s.add_argument("--count", type=_positive_int, default=0, help="stop after N items")
         s.add_argument("--duration", type=_seconds, default=0.0, help="stop after SECONDS")
         if name == "stream":
-            s.add_argument("--pid", type=_pid, default=0)
-            s.add_argument("--event", choices=("syscall", "cpu"), default="")
+            s.add_argument("--pid", type=_pid, default=0, help="only this process")
+            s.add_argument("--event", choices=("syscall", "cpu"), default="", help="only this kind of sample")
         else:
             s.add_argument("--kind", action="append", default=[], help="only this alert kind (repeatable)")
     st = sub.add_parser("stats", parents=[fmt], help="call-graph and encoding statistics of a target")
-    st.add_argument("target", metavar="TARGET")
+    st.add_argument("target", metavar="TARGET", help="target name (as `ccprofctl targets` lists it)")
     cx = sub.add_parser("context", parents=[fmt], help="the frames a context id (metrics label) stands for")
-    cx.add_argument("context", metavar="HASH")
+    cx.add_argument("context", metavar="HASH", help="context id, e.g. a metrics `context` label")
     cx.add_argument("--target", default="", help="one target (default: all)")
     return p
 

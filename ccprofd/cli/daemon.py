@@ -40,8 +40,11 @@ def add_daemon_commands(sub: Any) -> None:
         description="Write ccprofd.service (ExecStart pointing at this ccprofd) to the unit directory, "
                     "copy the documented example configuration unless one exists, create the system "
                     f"group '{SOCKET_GROUP}' that may use the gRPC socket, and reload systemd if it runs.")
-    inst.add_argument("--unit-dir", default="/etc/systemd/system", type=Path)
-    inst.add_argument("--config-dir", default="/etc/ccprofd", type=Path)
+    inst.add_argument("--unit-dir", default="/etc/systemd/system", type=Path,
+                      help="where ccprofd.service is written (default /etc/systemd/system)")
+    inst.add_argument("--config-dir", default="/etc/ccprofd", type=Path,
+                      help="where the example ccprofd.toml is copied unless one exists "
+                           "(default /etc/ccprofd)")
     inst.add_argument("--exec", dest="executable", default=None,
                       help="ccprofd executable for ExecStart (default: this one)")
     inst.add_argument("--no-group", action="store_true", help=f"do not create the '{SOCKET_GROUP}' group")
@@ -127,7 +130,8 @@ def cmd_install_service(args: argparse.Namespace) -> int:
     args.unit_dir.mkdir(parents=True, exist_ok=True)
     unit = args.unit_dir / "ccprofd.service"
     tmp = unit.with_suffix(".service.tmp")
-    tmp.write_text(unit_text(exe, str(config)))
+    text = unit_text(exe, str(config))
+    tmp.write_text(text)
     tmp.chmod(0o644)
     os.replace(tmp, unit)
     print(f"installed {unit} (ExecStart={exe})")
@@ -150,6 +154,10 @@ def cmd_install_service(args: argparse.Namespace) -> int:
     if client and problem:
         print(f"ccprofd: warning: members of '{SOCKET_GROUP}' cannot run {client}: {problem}; install the "
               "client where they can (see the README, \"ccprofctl for the ccprofd group\")", file=sys.stderr)
+    from ccprofd.cli.unitpaths import sandbox_warnings
+
+    for warning in sandbox_warnings(text, exe, config):
+        print(f"ccprofd: warning: {warning}", file=sys.stderr)
     if not args.no_reload and os.path.isdir("/run/systemd/system"):
         subprocess.run(["systemctl", "daemon-reload"], check=True)
         print("systemctl daemon-reload done; start with: systemctl enable --now ccprofd")

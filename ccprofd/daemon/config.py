@@ -20,6 +20,9 @@ targets.  Schema (defaults in brackets)::
     max_contexts = 10000                              context table size per target
     history_seconds = 3600, bucket_seconds = 10       resolution of GetHotContexts(since=...)
     promotion_window_seconds = 300                    "hot" means frequent within this window
+    retire_after_seconds = 3600                       a series whose context was not seen for this
+                                                      long leaves /metrics (0 = never; else
+                                                      >= promotion_window_seconds)
     stream_queue = 10000                              per-subscriber queue of StreamSamples/Alerts
     log_level = "info"
 
@@ -139,6 +142,7 @@ class DaemonConfig:
     history_seconds: int = 3600
     bucket_seconds: int = 10
     promotion_window_seconds: int = 300
+    retire_after_seconds: int = 3600
     stream_queue: int = 10000
     log_level: str = "info"
     insecure_remote: bool = False
@@ -290,7 +294,8 @@ def _kinds(kinds: tuple[type, ...]) -> str:
 _DAEMON_KEYS: dict[str, Any] = {k: None for k in (
     "state_dir", "grpc_listen", "grpc_socket_mode", "grpc_socket_group", "tls_cert", "tls_key",
     "tls_client_ca", "metrics_listen", "top_k", "max_series", "max_contexts", "history_seconds",
-    "bucket_seconds", "promotion_window_seconds", "stream_queue", "log_level", "insecure_remote")}
+    "bucket_seconds", "promotion_window_seconds", "retire_after_seconds", "stream_queue", "log_level",
+    "insecure_remote")}
 _TARGET_KEYS: dict[str, Any] = {k: None for k in (
     "name", "path", "pid", "cgroup", "syscalls", "perf_sample_hz", "encoding", "mode", "scope",
     "max_probe_hits_per_sec", "verify", "anomaly")}
@@ -383,6 +388,12 @@ def _parse_daemon(chk: _Checker, raw: Any) -> DaemonConfig:
     max_series = chk.positive(tbl, w, "max_series", d.max_series)
     if max_series < top_k:
         raise chk.fail((*w, "max_series"), f"must be >= top_k ({top_k})")
+    window = chk.positive(tbl, w, "promotion_window_seconds", d.promotion_window_seconds)
+    retire = chk.positive(tbl, w, "retire_after_seconds", d.retire_after_seconds, minimum=0)
+    if 0 < retire < window:
+        # A context still in the window would be promoted again at the next scrape: series flapping.
+        raise chk.fail((*w, "retire_after_seconds"),
+                       f"must be 0 (never retire) or >= promotion_window_seconds ({window})")
     return DaemonConfig(
         state_dir=Path(state_dir), grpc_listen=grpc, grpc_socket_mode=socket_mode,
         grpc_socket_group=str(chk.get(tbl, w, "grpc_socket_group", str, d.grpc_socket_group)),
@@ -390,7 +401,7 @@ def _parse_daemon(chk: _Checker, raw: Any) -> DaemonConfig:
         metrics_listen=metrics, top_k=top_k, max_series=max_series,
         max_contexts=chk.positive(tbl, w, "max_contexts", d.max_contexts),
         history_seconds=history, bucket_seconds=bucket,
-        promotion_window_seconds=chk.positive(tbl, w, "promotion_window_seconds", d.promotion_window_seconds),
+        promotion_window_seconds=window, retire_after_seconds=retire,
         stream_queue=chk.positive(tbl, w, "stream_queue", d.stream_queue), log_level=level,
         insecure_remote=insecure)
 

@@ -192,7 +192,8 @@ class Daemon:
     def _new_store(self, d: DaemonConfig) -> TargetStore:
         return TargetStore(max_contexts=d.max_contexts, top_k=d.top_k, max_series=d.max_series,
                            bucket_seconds=d.bucket_seconds, history_seconds=d.history_seconds,
-                           promotion_window_seconds=d.promotion_window_seconds)
+                           promotion_window_seconds=d.promotion_window_seconds,
+                           retire_after_seconds=d.retire_after_seconds)
 
     def start_target(self, tc: TargetConfig, store: TargetStore | None = None) -> TargetRuntime:
         rt = TargetRuntime(tc, store or self._new_store(self.config.daemon))

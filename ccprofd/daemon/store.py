@@ -18,12 +18,21 @@ Bounds and how nothing is lost silently:
 * per-context time buckets (``bucket_seconds`` wide, ``history_seconds`` deep) answer
   "counts since T" at bucket resolution; counts older than the history are in the totals only.
 
+CPU samples are keyed by the chain of calls and the *function* the CPU was in, not by the sampled
+instruction: the innermost frame of a CPU sample, when it is the program's, carries the sampled
+address as its ``call_site`` and is hashed by its function instead (:meth:`TargetStore.context_of`),
+so one busy function is one series, not one per instruction.
+
 Metric series (:meth:`TargetStore.scrape`) follow a promotion rule that keeps counters monotonic:
 at each scrape the top-K contexts of the recent window that are not yet exported are *promoted*
-(up to ``max_series`` per family).  A promoted series is exported for the life of the daemon.
-``other`` counts exactly the samples taken while their context was not promoted; samples a context
-received since the previous scrape move with it into its new series (they were never exported in
-``other``), so a context that becomes hot between two scrapes is exported with its full count.
+(up to ``max_series`` per family).  ``other`` counts exactly the samples taken while their context
+was not promoted; samples a context received since the previous scrape move with it into its new
+series (they were never exported in ``other``), so a context that becomes hot between two scrapes
+is exported with its full count.  A promoted context not seen for ``retire_after_seconds`` is
+*retired* at the next scrape: its series leaves the exposition (Prometheus marks it stale) and its
+slot under ``max_series`` is free again; its later samples count under ``other`` until it is
+promoted again, when its series resumes from the value it had (monotonic) unless the table
+forgot the context meanwhile (a retired context can be evicted like any unexported one).
 """
 
 from __future__ import annotations
@@ -32,7 +41,7 @@ import hashlib
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -79,6 +88,22 @@ def _memo_key(frames: Sequence[Mapping[str, Any]], complete: bool) -> tuple[Any,
     """Everything :func:`context_id` reads, as a dict key (several times cheaper than the hash)."""
     return (complete, *[(f.get("build_id") or f.get("module"), f.get("call_site"), f.get("function"),
                          bool(f.get("tail_call"))) for f in frames if f.get("analysed", True)])
+
+
+def _keyed_frames(sample: Sample) -> Sequence[Mapping[str, Any]]:
+    """The frames a sample's context id is computed from: a CPU sample's innermost frame, when it
+    is the program's, without its ``call_site`` (there the sampled instruction, not a call), so
+    the id names the function the CPU was in."""
+    frames: Sequence[Mapping[str, Any]] = sample.get("frames") or ()
+    if sample.get("event") == "cpu" and frames and is_program_frame(frames[-1]) and \
+            frames[-1].get("call_site") is not None:
+        return [*frames[:-1], {**frames[-1], "call_site": None}]
+    return frames
+
+
+def sample_context_id(sample: Sample) -> str:
+    """A decoded sample's context id, as the store counts it (CPU samples by function)."""
+    return context_id(_keyed_frames(sample), bool(sample.get("complete", True)))
 
 
 MEMO_MAX = 65536  # context ids remembered per store (cleared when full: a memo, not state)
@@ -174,13 +199,18 @@ class TargetStore:
 
     def __init__(self, *, max_contexts: int = 10000, top_k: int = 20, max_series: int = 200,
                  bucket_seconds: int = 10, history_seconds: int = 3600,
-                 promotion_window_seconds: int = 300) -> None:
+                 promotion_window_seconds: int = 300, retire_after_seconds: int = 0,
+                 clock: Callable[[], int] = time.time_ns) -> None:
+        """``retire_after_seconds``: 0 keeps promoted series for the life of the store; ``clock``:
+        nanoseconds of the wall clock, used when a call passes no time (tests inject one)."""
         self.max_contexts = max_contexts
         self.top_k = top_k
         self.max_series = max_series
         self.bucket_ns = bucket_seconds * 1_000_000_000
         self.history_ns = history_seconds * 1_000_000_000
         self.window_ns = promotion_window_seconds * 1_000_000_000
+        self.retire_ns = retire_after_seconds * 1_000_000_000
+        self.clock = clock
         self._lock = threading.Lock()
         self._entries: dict[tuple[str, str, str], _Entry] = {}
         self._frames: dict[FrameKey, FrameKey] = {}
@@ -190,12 +220,13 @@ class TargetStore:
         self._context_ids: dict[tuple[Any, ...], str] = {}  # the daemon's hot path: 10k samples/s
         self.samples = 0
         self.incomplete = 0
+        self.retired = 0
         self.dropped: dict[str, int] = {}
 
     # ------------------------------------------------------------------------------ writing
     def context_of(self, sample: Sample) -> str:
         """The sample's context id (memoised), without counting it."""
-        frames = sample.get("frames") or ()
+        frames = _keyed_frames(sample)
         complete = bool(sample.get("complete", True))
         memo = _memo_key(frames, complete)
         ctx = self._context_ids.get(memo)
@@ -209,7 +240,7 @@ class TargetStore:
     def add(self, sample: Sample, now_ns: int | None = None, count: int = 1) -> str:
         """Count ``count`` samples of one decoded context (several: counted in the kernel since
         the last read); returns its context id."""
-        now = time.time_ns() if now_ns is None else now_ns
+        now = self.clock() if now_ns is None else now_ns
         frames = sample.get("frames") or ()
         complete = bool(sample.get("complete", True))
         event = str(sample.get("event") or "syscall")
@@ -323,9 +354,11 @@ class TargetStore:
             return len(self._entries)
 
     def scrape(self, now_ns: int | None = None) -> list[Series]:
-        """Promote, then return every exported series (promoted contexts and ``other``)."""
-        now = time.time_ns() if now_ns is None else now_ns
+        """Retire, promote, then return every exported series (promoted contexts and ``other``)."""
+        now = self.clock() if now_ns is None else now_ns
         with self._lock:
+            if self.retire_ns:
+                self._retire(now)
             for event in {e.event for e in self._entries.values()}:
                 self._promote(event, now)
             out = []
@@ -354,12 +387,24 @@ class TargetStore:
                 continue
             e.promoted = True
             self._promoted_count[event] = self._promoted_count.get(event, 0) + 1
-            # Samples since the previous scrape were never exported under "other": move them.
-            e.series = e.pending
+            # Samples since the previous scrape were never exported under "other": move them (a
+            # retired series promoted again resumes from its last value: still monotonic).
+            e.series += e.pending
             self._other[(event, e.syscall)] -= e.pending
             e.pending = 0
+
+    def _retire(self, now: int) -> None:
+        """Stop exporting promoted contexts not seen for ``retire_ns``: frees their ``max_series``
+        slots (the bound on exported series holds at every scrape)."""
+        cutoff = now - self.retire_ns
+        for e in self._entries.values():
+            if e.promoted and e.last_ns < cutoff:
+                e.promoted = False
+                self._promoted_count[e.event] -= 1
+                self.retired += 1
 
     def counters(self) -> dict[str, Any]:
         with self._lock:
             return {"samples": self.samples, "incomplete": self.incomplete, "dropped": dict(self.dropped),
+                    "retired": self.retired,
                     "contexts": len(self._entries), "frames": len(self._frames)}

@@ -2,8 +2,9 @@
 daemon's live state (no per-sample metric updates on the hot path), plus the standard process and
 platform collectors, served over HTTP by prometheus-client.
 
-Hot-context series follow the promotion rule of :mod:`ccprofd.daemon.store` (bounded cardinality,
-monotonic counters, ``context="other"`` for samples of never-promoted contexts).
+Hot-context series follow the promotion and retirement rules of :mod:`ccprofd.daemon.store`
+(bounded cardinality, monotonic counters, ``context="other"`` for samples of contexts not promoted;
+CPU series keyed by function, not instruction).
 """
 
 from __future__ import annotations
@@ -66,6 +67,9 @@ class DaemonCollector(Collector):
                                labels=["target"])
         state = GaugeMetricFamily("ccprofd_target_state", "1 for the target's state (waiting: its path "
                                   "or cgroup does not exist yet)", labels=["target", "state"])
+        retired = CounterMetricFamily("ccprofd_series_retired", "Context series no longer exported "
+                                      "because their context was not seen for retire_after_seconds",
+                                      labels=["target"])
         contexts = GaugeMetricFamily("ccprofd_contexts", "Distinct contexts held in memory",
                                      labels=["target"])
         maps = GaugeMetricFamily("ccprofd_bpf_map_entries", "Entries in the daemon's BPF maps",
@@ -104,6 +108,7 @@ class DaemonCollector(Collector):
                 dropped.add_metric([name, reason], n)
             incomplete.add_metric([name], store["incomplete"])
             contexts.add_metric([name], store["contexts"])
+            retired.add_metric([name], store["retired"])
             up.add_metric([name], 1.0 if rt.state == "attached" else 0.0)
             for st in TARGET_STATES:
                 state.add_metric([name, st], 1.0 if rt.state == st else 0.0)
@@ -117,7 +122,7 @@ class DaemonCollector(Collector):
         for result, n in sorted(self.daemon.reloads.items()):
             reloads.add_metric([result], n)
         yield from (ctx, cpu, info, hits, verify, mode, switches, dropped, incomplete, decode_err, attached,
-                    up, state, contexts, maps, reloads)
+                    up, state, contexts, retired, maps, reloads)
 
 
 def context_stack(functions: Iterable[str], complete: bool = True) -> str:

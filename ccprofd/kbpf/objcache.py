@@ -202,7 +202,18 @@ def environment_identity() -> str:
     except OSError:
         version = ""
     headers = [_stat_identity(f"/lib/modules/{rel}/{d}") for d in ("build", "source")]
-    return "\n".join([rel, version, libbcc_identity(), *headers])
+    return "\n".join([rel, version, libbcc_identity(), *headers, kallsyms_identity()])
+
+
+def kallsyms_identity() -> str:
+    """Whether ``/proc/kallsyms`` lists symbols: bcc looks the ``bpf_probe_read_{user,kernel}``
+    helpers up there and, when it cannot (systemd's ``ProtectKernelTunables=yes`` hides the file),
+    compiles the legacy ``bpf_probe_read``/``bpf_probe_read_str`` instead: another object."""
+    try:
+        with open("/proc/kallsyms", "rb") as fh:
+            return "kallsyms:listed" if fh.readline() else "kallsyms:empty"
+    except OSError:
+        return "kallsyms:unreadable"
 
 
 def cache_key(text: str, cflags: tuple[str, ...] | list[str], environment: str | None = None) -> str:
