@@ -273,18 +273,23 @@ def test_pprof_without_maps_still_puts_the_program_first_and_no_binary_as_source
 
 
 def test_pprof_source_lines_and_inlined_frames() -> None:
-    """A frame's source `file`/`line` become the function's file name and the location's line; a
-    frame inlined into its caller shares the caller's location, innermost line first."""
+    """A frame's source `file`/`line` become the function's file name and the location's line; the
+    frame's `inlined` calls (the tracer's form: outermost first, the frame's own line being the
+    outermost call's site) are extra lines of the frame's one location, innermost first as
+    profile.proto says: the innermost inlined function at the address's line, then each caller at
+    its call of it, the physical function last."""
     outer = dict(frame("main", 0x1139), file="/src/app.c", line=40)
-    caller = dict(frame("parse", 0x1180), file="/src/app.c", line=12)
-    inlined = dict(frame("get_byte", 0x1180), file="/src/buf.h", line=7, inlined=True)
-    rows = [{"target": "app", "syscall": "read", "count": 2, "frames": [outer, caller, inlined]}]
+    caller = dict(frame("parse", 0x1180), file="/src/app.c", line=12,
+                  inlined=[{"function": "get_byte", "file": "/src/buf.h", "line": 7},
+                           {"function": "peek", "file": "/src/peek.h", "line": 3}])
+    rows = [{"target": "app", "syscall": "read", "count": 2, "frames": [outer, caller]}]
     prof = decode_profile(write_pprof(rows))
     (s,) = prof["samples"]
     assert [(loc["functions"], loc["lines"]) for loc in s["locations"]] == [
-        (["syscall:read"], [0]), (["get_byte", "parse"], [7, 12]), (["main"], [40])]
-    assert prof["filenames"] == {"syscall:read": "", "get_byte": "/src/buf.h", "parse": "/src/app.c",
-                                 "main": "/src/app.c"}
+        (["syscall:read"], [0]), (["peek", "get_byte", "parse"], [3, 7, 12]), (["main"], [40])]
+    assert s["locations"][1]["address"] == 0x1180  # the physical frame's call site
+    assert prof["filenames"] == {"syscall:read": "", "peek": "/src/peek.h", "get_byte": "/src/buf.h",
+                                 "parse": "/src/app.c", "main": "/src/app.c"}
 
 
 def test_go_tool_pprof_reads_it(tmp_path: Path) -> None:
