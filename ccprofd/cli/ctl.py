@@ -234,7 +234,17 @@ def _frames_text(frames: list[dict[str, Any]], w: _Writer, indent: str = "    ")
         site = f.get("call_site") or "-"
         note = "" if f.get("analysed", True) else "  (not analysed)"
         note += "  (tail call)" if f.get("tail_call") else ""
-        w.line(f"{indent}#{depth:<3} {name:<32} {site:>12}  {f.get('module') or ''}{note}")
+        w.line(f"{indent}#{depth:<3} {name:<32} {site:>12}  {f.get('module') or ''}{_source(f)}{note}")
+        for c in f.get("inlined") or ():  # outermost first, like the frames, below their frame
+            w.line(f"{indent}     {'> ' + str(c.get('function') or '??'):<32} {'':>12}  {_source(c).strip()}"
+                   "  (inlined)")
+
+
+def _source(f: dict[str, Any]) -> str:
+    """``  FILE:LINE`` of a frame or inlined call ("" when it has no file)."""
+    if not f.get("file"):
+        return ""
+    return f"  {f['file']}:{f['line']}" if f.get("line") else f"  {f['file']}"
 
 
 def cmd_targets(args: argparse.Namespace, channel: Any, fmt: str, w: _Writer) -> int:
