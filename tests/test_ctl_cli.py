@@ -272,3 +272,11 @@ def test_source_lines_travel_through_the_store_grpc_and_ctl(served: tuple[Daemon
         ["#1", "dispatch", "0x11f0", "/opt/app/bin", "/src/app.c:33"],
         [">", "note", "/src/app.c:29", "(inlined)"],
         [">", "put", "/src/put.h:4", "(inlined)"]], text
+    folded = ctl(sock, "hot", "--target", "app", "--syscall", "read", "--format", "folded", "--folded-marks")
+    assert folded.returncode == 0, folded.stderr
+    assert folded.stdout.decode().splitlines() == ["app;main;dispatch;note_[i];put_[i];syscall:read 1"]
+    plain = ctl(sock, "hot", "--target", "app", "--syscall", "read", "--format", "folded")
+    assert plain.stdout.decode().splitlines() == ["app;main;dispatch;note;put;syscall:read 1"]
+    wrong = ctl(sock, "hot", "--json", "--folded-marks")
+    assert wrong.returncode == 2 and wrong.stderr.decode().splitlines() == [
+        "ccprofctl: --folded-marks applies to --format folded only"]
