@@ -247,3 +247,41 @@ def test_version_of_both_commands() -> None:
         out = subprocess.run([sys.executable, "-m", module, "--version"], capture_output=True, text=True,
                              timeout=60, check=False)
         assert (out.returncode, out.stdout, out.stderr) == (0, f"{name} {version}\n", ""), module
+
+
+def test_source_lines_travel_through_the_store_grpc_and_ctl(served: tuple[Daemon, FakeFactory, str]) -> None:
+    """A context whose frames have DWARF ``file``/``line`` and ``inlined`` calls (the tracer's form)
+    comes back from the daemon's store over gRPC with them, in JSON as the tracer wrote them and in
+    text as ``func ... file:line`` with the inlined calls below their frame.  Its id is the one of
+    the same frames without source positions (the id covers call sites only)."""
+    daemon, factory, sock = served
+    plain = [frame("main", 0x1139), frame("dispatch", 0x11F0)]
+    lined = [dict(plain[0], file="/src/app.c", line=40),
+             dict(plain[1], file="/src/app.c", line=33,
+                  inlined=[{"function": "note", "file": "/src/app.c", "line": 29},
+                           {"function": "put", "file": "/src/put.h", "line": 4}])]
+    before = daemon.targets["app"].store.samples
+    factory.sources["app"].push(sample(lined, "read"))
+    wait_for(lambda: daemon.targets["app"].store.samples == before + 1)
+    ctx = context_id(plain)
+    out = ctl(sock, "context", ctx, "--target", "app", "--json")
+    assert out.returncode == 0, out.stderr
+    (row,) = json.loads(out.stdout)
+    assert row["frames"] == lined
+    hot = json.loads(ctl(sock, "hot", "--target", "app", "--syscall", "read", "--json").stdout)
+    assert [c["frames"] for c in hot["contexts"]] == [lined]
+    text = ctl(sock, "context", ctx, "--target", "app").stdout.decode().splitlines()
+    frames = [ln.split() for ln in text if ln.strip().startswith(("#", ">"))]
+    assert frames == [
+        ["#0", "main", "0x1139", "/opt/app/bin", "/src/app.c:40"],
+        ["#1", "dispatch", "0x11f0", "/opt/app/bin", "/src/app.c:33"],
+        [">", "note", "/src/app.c:29", "(inlined)"],
+        [">", "put", "/src/put.h:4", "(inlined)"]], text
+    folded = ctl(sock, "hot", "--target", "app", "--syscall", "read", "--format", "folded", "--folded-marks")
+    assert folded.returncode == 0, folded.stderr
+    assert folded.stdout.decode().splitlines() == ["app;main;dispatch;note_[i];put_[i];syscall:read 1"]
+    plain = ctl(sock, "hot", "--target", "app", "--syscall", "read", "--format", "folded")
+    assert plain.stdout.decode().splitlines() == ["app;main;dispatch;note;put;syscall:read 1"]
+    wrong = ctl(sock, "hot", "--json", "--folded-marks")
+    assert wrong.returncode == 2 and wrong.stderr.decode().splitlines() == [
+        "ccprofctl: --folded-marks applies to --format folded only"]

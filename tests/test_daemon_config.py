@@ -89,6 +89,18 @@ def test_defaults_are_the_documented_ones() -> None:
     assert parse("[daemon]\nretire_after_seconds = 0\n").daemon.retire_after_seconds == 0  # type: ignore[attr-defined]
     assert parse("[daemon]\npromotion_window_seconds = 60\nretire_after_seconds = 60\n"
                  ).daemon.retire_after_seconds == 60  # type: ignore[attr-defined]
+    assert d.source_lines is True
+
+
+def test_source_lines_default_from_daemon_and_per_target_override() -> None:
+    """``source_lines``: on unless [daemon] turns it off for every target; a target's own key wins.
+    The value is resolved into the target (so a reload that changes [daemon] restarts the targets
+    it changes, since targets restart on inequality)."""
+    cfg = parse('[[target]]\npath = "/a"\n\n[[target]]\npath = "/b"\nsource_lines = false\n')
+    assert [t.source_lines for t in cfg.targets] == [True, False]  # type: ignore[attr-defined]
+    cfg = parse('[daemon]\nsource_lines = false\n\n[[target]]\npath = "/a"\n\n'
+                '[[target]]\npath = "/b"\nsource_lines = true\n')
+    assert [t.source_lines for t in cfg.targets] == [False, True]  # type: ignore[attr-defined]
 
 
 @pytest.mark.parametrize(
@@ -124,6 +136,9 @@ def test_defaults_are_the_documented_ones() -> None:
             "expected an integer, got a string",
         ),
         ('[[target]]\npath = "/a"\nverify = 1\n', "verify", "target[0].verify", "expected a boolean"),
+        ('[[target]]\npath = "/a"\nsource_lines = "yes"\n', "source_lines", "target[0].source_lines",
+         "expected a boolean, got a string"),
+        ('[daemon]\nsource_lines = 0\n', "source_lines", "daemon.source_lines", "expected a boolean"),
         ('[[target]]\npath = "/a"\nscope = "main"\n', "scope", "target[0].scope", "instrumented"),
         (
             '[[target]]\npath = "/a"\nmode = "instrumented"\nscope = "(("\n',

@@ -237,3 +237,22 @@ def test_series_not_seen_for_retire_after_are_retired_within_the_bound() -> None
     keep.add(sample(a), T0)
     keep.scrape(T0 + S)
     assert series_map(keep, T0 + 10**6 * S)[("write", context_id(a))] == 1
+
+
+def test_frames_keep_source_lines_and_inlined_calls() -> None:
+    """The store keeps a frame's DWARF ``file``/``line``/``inlined`` (lists are not hashable: they
+    are interned as tuples and given back as the tracer wrote them); a frame without them gets no
+    such keys; the context id ignores them (the same call sites are one context)."""
+    lined = [dict(frame("main", 0x1139), file="/src/a.c", line=9),
+             dict(frame("work", 0x1150), file="/src/a.c", line=3,
+                  inlined=[{"function": "note", "file": "/src/n.h", "line": 2}])]
+    plain = [frame("main", 0x1139), frame("work", 0x1150)]
+    store = TargetStore()
+    assert store.add({"syscall": "write", "frames": lined}) == context_id(plain)
+    assert store.add({"syscall": "write", "frames": plain}) == context_id(plain)
+    store.add({"syscall": "read", "frames": plain})
+    resolved = store.resolve(context_id(plain))
+    assert resolved is not None
+    assert [dict(f) for f in resolved[1]] == [dict(f, tail_call=None) for f in lined]
+    (read,) = store.hot(syscall="read")
+    assert [dict(f) for f in read.frames] == [dict(f, tail_call=None) for f in plain]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gzip
 import os
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -273,18 +274,23 @@ def test_pprof_without_maps_still_puts_the_program_first_and_no_binary_as_source
 
 
 def test_pprof_source_lines_and_inlined_frames() -> None:
-    """A frame's source `file`/`line` become the function's file name and the location's line; a
-    frame inlined into its caller shares the caller's location, innermost line first."""
+    """A frame's source `file`/`line` become the function's file name and the location's line; the
+    frame's `inlined` calls (the tracer's form: outermost first, the frame's own line being the
+    outermost call's site) are extra lines of the frame's one location, innermost first as
+    profile.proto says: the innermost inlined function at the address's line, then each caller at
+    its call of it, the physical function last."""
     outer = dict(frame("main", 0x1139), file="/src/app.c", line=40)
-    caller = dict(frame("parse", 0x1180), file="/src/app.c", line=12)
-    inlined = dict(frame("get_byte", 0x1180), file="/src/buf.h", line=7, inlined=True)
-    rows = [{"target": "app", "syscall": "read", "count": 2, "frames": [outer, caller, inlined]}]
+    caller = dict(frame("parse", 0x1180), file="/src/app.c", line=12,
+                  inlined=[{"function": "get_byte", "file": "/src/buf.h", "line": 7},
+                           {"function": "peek", "file": "/src/peek.h", "line": 3}])
+    rows = [{"target": "app", "syscall": "read", "count": 2, "frames": [outer, caller]}]
     prof = decode_profile(write_pprof(rows))
     (s,) = prof["samples"]
     assert [(loc["functions"], loc["lines"]) for loc in s["locations"]] == [
-        (["syscall:read"], [0]), (["get_byte", "parse"], [7, 12]), (["main"], [40])]
-    assert prof["filenames"] == {"syscall:read": "", "get_byte": "/src/buf.h", "parse": "/src/app.c",
-                                 "main": "/src/app.c"}
+        (["syscall:read"], [0]), (["peek", "get_byte", "parse"], [3, 7, 12]), (["main"], [40])]
+    assert s["locations"][1]["address"] == 0x1180  # the physical frame's call site
+    assert prof["filenames"] == {"syscall:read": "", "peek": "/src/peek.h", "get_byte": "/src/buf.h",
+                                 "parse": "/src/app.c", "main": "/src/app.c"}
 
 
 def test_go_tool_pprof_reads_it(tmp_path: Path) -> None:
@@ -333,6 +339,39 @@ def test_folded_has_a_root_frame_per_target() -> None:
         ("app", "main", "emit", "syscall:write"): 7,
         ("db:x", "main", "emit", "syscall:write"): 5,
     }
+
+
+def marked_rows() -> list[dict[str, Any]]:
+    """main > sort_all > qsort (libc) > msort_with_tmp.part.0 (libc, msort_with_tmp inlined into
+    it) > cmp_sys (reached by a tail call) > getppid."""
+    libc = {"module": "/usr/lib/x86_64-linux-gnu/libc.so.6", "build_id": "aa" * 20, "analysed": False}
+    return [{"target": "app", "syscall": "getppid", "count": 3, "frames": [
+        frame("main", 0x1139), frame("sort_all", 0x1150),
+        frame("qsort", 0x3f000, **libc),
+        dict(frame("msort_with_tmp.part.0", 0x3fbf0, **libc), file="./stdlib/msort.c", line=64,
+             inlined=[{"function": "msort_with_tmp", "file": "./stdlib/msort.c", "line": 44}]),
+        dict(frame("cmp_sys", 0x1200), tail_call=True, return_address=None)]}]
+
+
+def test_folded_inlined_calls_are_frames_and_marks_are_an_option() -> None:
+    """Issue 17: folded stacks take the frames' inlined calls as frames (below the frame they are in,
+    as pprof and perf show them); with marks, library frames say their module as perf script does
+    (`func [libc.so.6]`) and tail-call-reached / inlined frames get flamegraph.pl-style `_[t]` /
+    `_[i]` suffixes.  Parsed as flamegraph.pl does: count after the last space, frames split on `;`."""
+    plain = parse_folded(write_folded(marked_rows()))
+    assert plain == {("app", "main", "sort_all", "qsort", "msort_with_tmp.part.0", "msort_with_tmp",
+                      "cmp_sys", "syscall:getppid"): 3}
+    marked = parse_folded(write_folded(marked_rows(), marks=True))
+    assert marked == {("app", "main", "sort_all", "qsort [libc.so.6]", "msort_with_tmp.part.0 [libc.so.6]",
+                       "msort_with_tmp [libc.so.6]_[i]", "cmp_sys_[t]", "syscall:getppid"): 3}
+    (stack,) = marked
+    # flamegraph.pl's annotation tests (its --inline colouring matches /_\[i\]$/)
+    assert [f for f in stack if re.search(r"_\[i\]$", f)] == ["msort_with_tmp [libc.so.6]_[i]"]
+    # a module name with the separator in it cannot split a frame
+    rows = marked_rows()
+    rows[0]["frames"][2] = dict(rows[0]["frames"][2], module="/opt/lib;x.so")
+    (odd,) = parse_folded(write_folded(rows, marks=True))
+    assert len(odd) == len(stack) and odd[3] == "qsort [lib:x.so]"
 
 
 def test_process_modules_read_this_process_maps() -> None:

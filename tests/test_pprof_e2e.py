@@ -23,7 +23,8 @@ from ccprofd.export.gen import ccprofd_pb2 as pb
 
 # Runs until killed: getppid() five times through main > work_a > leaf, then CPU time in
 # main > burn > spin, then getppid() in a qsort comparator (libc between two frames of the program),
-# then a 2 ms sleep.  The markers name the lines the checks expect.
+# then getpid() in note(), always inlined into outer(), then a 2 ms sleep.  The markers name the
+# lines the checks expect.
 PROGRAM = r"""
 #include <stdio.h>
 #include <stdlib.h>
@@ -52,6 +53,13 @@ __attribute__((noinline)) void spin(void) {
 __attribute__((noinline)) void burn(void) {
     spin(); /* L_BURN */
 }
+static inline __attribute__((always_inline)) long note(int x) {
+    return getpid() + x; /* L_NOTE */
+}
+__attribute__((noinline)) long outer(int x) {
+    long r = note(x); /* L_OUTER */
+    return r + 1;
+}
 int main(void) {
     struct timespec ts = {0, 2000000};
     setvbuf(stdout, NULL, _IONBF, 0);
@@ -60,6 +68,7 @@ int main(void) {
         work_a(5); /* L_MAIN_WORK */
         burn(); /* L_MAIN_BURN */
         sorter(); /* L_MAIN_SORT */
+        outer(3); /* L_MAIN_OUTER */
         nanosleep(&ts, NULL);
     }
 }
@@ -118,6 +127,45 @@ def traces(text: str) -> list[list[str]]:
     return out
 
 
+def raw_locations(raw: str) -> dict[int, tuple[int, int, list[str]]]:
+    """`go tool pprof -raw`'s Locations section: id -> (address, mapping id, its lines innermost
+    first as "function file:line")."""
+    section = raw.split("\nLocations\n", 1)[1].split("\nMappings\n", 1)[0]
+    out: dict[int, tuple[int, int, list[str]]] = {}
+    last = 0
+    for line in section.splitlines():
+        m = re.match(r"\s*(\d+): 0x([0-9a-f]+) (?:M=(\d+) )?(.*?) s=\d+$", line)
+        if m:
+            last = int(m[1])
+            out[last] = (int(m[2], 16), int(m[3] or 0), [m[4]])
+        elif (more := re.match(r"\s+(\S.*?) s=\d+$", line)) and last:
+            out[last][2].append(more[1])
+    return out
+
+
+def elf_address(binary: str, runtime: int, mapping: tuple[int, int, int]) -> int:
+    """The ELF virtual address of a runtime address in ``mapping`` (start, end, file offset), through
+    the program headers `readelf -lW` lists: file offset -> the executable LOAD segment's vaddr."""
+    start, _, offset = mapping
+    at = runtime - start + offset
+    out = subprocess.run([require_tool("readelf"), "-lW", binary], capture_output=True, text=True,
+                         check=True).stdout
+    load = r"^\s*LOAD\s+0x([0-9a-f]+) 0x([0-9a-f]+) 0x[0-9a-f]+ 0x([0-9a-f]+) 0x[0-9a-f]+ (.*?) 0x"
+    for m in re.finditer(load, out, re.M):
+        off, vaddr, size = (int(x, 16) for x in m.groups()[:3])
+        if "E" in m[4] and off <= at < off + size:
+            return vaddr + at - off
+    raise AssertionError(f"{at:#x} in no executable LOAD segment of {binary}:\n{out}")
+
+
+def addr2line_lines(binary: str, addr: int) -> list[str]:
+    """``addr2line -f -i -e BINARY ADDR`` as pprof prints lines: "function file:line", innermost
+    first (the inlined functions, then the function they are in)."""
+    out = subprocess.run([require_tool("addr2line"), "-f", "-i", "-e", binary, f"{addr:#x}"],
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    return [f"{fn} {where.split()[0]}" for fn, where in zip(out[0::2], out[1::2], strict=True)]
+
+
 def pprof(go: str, env: dict[str, str], *args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([go, "tool", "pprof", *args], capture_output=True, text=True, env=env, timeout=600,
                           check=True)
@@ -131,7 +179,8 @@ def test_go_tool_pprof_fetches_real_mappings_addresses_and_names(bpf: None, work
     env = dict(os.environ, PPROF_TMPDIR=str(tmp_path), HOME=str(tmp_path))
     try:
         assert prog.stdout is not None and prog.stdout.readline() == "ready\n"
-        target = target_toml("prog", f'path = "{binary}"', ["getppid"], "unwind", "perf_sample_hz = 99\n")
+        target = target_toml("prog", f'path = "{binary}"', ["getppid", "getpid"], "unwind",
+                             "perf_sample_hz = 99\n")
         with RunningDaemon(workdir, config_text(workdir, target)) as daemon:
             daemon.wait_tracked(prog.pid)
             base = daemon.metrics_url().removesuffix("/metrics")
@@ -196,6 +245,53 @@ def test_go_tool_pprof_fetches_real_mappings_addresses_and_names(bpf: None, work
             # gRPC still serves while a window is open elsewhere (sanity: the daemon is healthy)
             assert daemon.stub.ListTargets(pb.ListTargetsRequest(), timeout=10).targets
             daemon.stop().assert_clean()
+    finally:
+        prog.kill()
+        prog.wait(timeout=30)
+
+
+def test_go_tool_pprof_lines_come_from_the_daemon_not_from_resymbolisation(bpf: None, workdir: str,
+                                                                           tmp_path: Path) -> None:
+    """Issue 17: the daemon's frames carry DWARF file/line and inlined calls (``source_lines``, on by
+    default), so `go tool pprof -lines` shows source lines WITHOUT re-symbolising (``-symbolize=none``:
+    pprof reads only the profile): every location of the program has the lines `addr2line -f -i`
+    gives for its address (its ELF address computed from /proc/PID/maps and `readelf -l`), and the
+    always-inlined note() is its own line above outer() at outer's one location."""
+    go = require_tool("go")
+    binary = compile_c(tmp_path, "pprofprog", PROGRAM, "-O0", "-fno-omit-frame-pointer")
+    prog = subprocess.Popen([str(binary)], stdout=subprocess.PIPE, text=True)
+    env = dict(os.environ, PPROF_TMPDIR=str(tmp_path), HOME=str(tmp_path))
+    try:
+        assert prog.stdout is not None and prog.stdout.readline() == "ready\n"
+        target = target_toml("prog", f'path = "{binary}"', ["getppid", "getpid"], "unwind")
+        with RunningDaemon(workdir, config_text(workdir, target)) as daemon:
+            daemon.wait_tracked(prog.pid)
+            base = daemon.metrics_url().removesuffix("/metrics")
+            maps = exec_maps(prog.pid)
+            fetched = pprof(go, env, "-symbolize=none", "-raw", f"{base}/debug/pprof/syscalls?seconds=3")
+            saved = re.search(r"Saved profile in (\S+)", fetched.stderr)
+            assert saved, fetched.stderr
+            daemon.stop().assert_clean()
+        mappings = raw_mappings(fetched.stdout)
+        assert mappings[1][3] == str(binary)
+        locations = raw_locations(fetched.stdout)
+        mine = {i: loc for i, loc in locations.items() if loc[1] == 1}
+        assert mine, fetched.stdout
+        for address, _, lines in mine.values():
+            want = addr2line_lines(str(binary), elf_address(str(binary), address, maps[str(binary)]))
+            assert lines == want, (hex(address), lines, want, fetched.stdout)
+        src = binary.with_suffix(".c")
+        note = next(loc for loc in mine.values() if loc[2][0].startswith("note "))
+        assert note[2] == [f"note {src}:{line_of('L_NOTE')}", f"outer {src}:{line_of('L_OUTER')}"], note
+        stacks = traces(pprof(go, env, "-symbolize=none", "-lines", "-traces", saved[1]).stdout)
+        want_stack = [f"note {src}:{line_of('L_NOTE')} (inline)", f"outer {src}:{line_of('L_OUTER')}",
+                      f"main {src}:{line_of('L_MAIN_OUTER')}"]
+        assert any(s[-3:] == want_stack for s in stacks), stacks
+        want_stack = [f"leaf {src}:{line_of('L_LEAF')}", f"work_a {src}:{line_of('L_WORK')}",
+                      f"main {src}:{line_of('L_MAIN_WORK')}"]
+        assert any(s[-3:] == want_stack for s in stacks), stacks
+        listed = pprof(go, env, "-symbolize=none", "-list", "outer", saved[1]).stdout
+        assert "long r = note(x); /* L_OUTER */" in listed, listed
     finally:
         prog.kill()
         prog.wait(timeout=30)

@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--since", type=_seconds, default=0.0, metavar="SECONDS",
                    help="only samples of the last SECONDS (default: since the daemon started)")
     h.add_argument("--syscall", default="", help="only this syscall")
+    h.add_argument("--folded-marks", action="store_true",
+                   help="--format folded: library frames as 'func [libc.so.6]', tail-call-reached frames "
+                        "'func_[t]', inlined functions 'func_[i]'")
     for name, helptext in (("stream", "live decoded samples"), ("alerts", "live anomaly alerts")):
         s = sub.add_parser(name, parents=[fmt], help=helptext)
         s.add_argument("--target", default="", help="one target (default: all)")
@@ -171,6 +174,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if fmt in ("pprof", "folded") and args.command != "hot":
         print(f"ccprofctl: --format {fmt} applies to 'hot' only", file=sys.stderr)
         return EXIT_USAGE
+    if getattr(args, "folded_marks", False) and fmt != "folded":
+        print("ccprofctl: --folded-marks applies to --format folded only", file=sys.stderr)
+        return EXIT_USAGE
     output = getattr(args, "output", None)
     if fmt == "pprof" and output is None and sys.stdout.isatty():
         print("ccprofctl: pprof output is binary: redirect it or use --output FILE", file=sys.stderr)
@@ -235,7 +241,17 @@ def _frames_text(frames: list[dict[str, Any]], w: _Writer, indent: str = "    ")
         site = f.get("call_site") or "-"
         note = "" if f.get("analysed", True) else "  (not analysed)"
         note += "  (tail call)" if f.get("tail_call") else ""
-        w.line(f"{indent}#{depth:<3} {name:<32} {site:>12}  {f.get('module') or ''}{note}")
+        w.line(f"{indent}#{depth:<3} {name:<32} {site:>12}  {f.get('module') or ''}{_source(f)}{note}")
+        for c in f.get("inlined") or ():  # outermost first, like the frames, below their frame
+            w.line(f"{indent}     {'> ' + str(c.get('function') or '??'):<32} {'':>12}  {_source(c).strip()}"
+                   "  (inlined)")
+
+
+def _source(f: dict[str, Any]) -> str:
+    """``  FILE:LINE`` of a frame or inlined call ("" when it has no file)."""
+    if not f.get("file"):
+        return ""
+    return f"  {f['file']}:{f['line']}" if f.get("line") else f"  {f['file']}"
 
 
 def cmd_targets(args: argparse.Namespace, channel: Any, fmt: str, w: _Writer) -> int:
@@ -321,7 +337,7 @@ def cmd_hot(args: argparse.Namespace, channel: Any, fmt: str, w: _Writer) -> int
     elif fmt == "folded":
         from ccprofd.export.folded import write_folded
 
-        w.raw(write_folded(rows, event=args.by).encode())
+        w.raw(write_folded(rows, event=args.by, marks=args.folded_marks).encode())
     elif fmt == "json":
         w.json({"by": args.by, "total_samples": resp.total_samples, "since_ns": resp.since_ns,
                 "until_ns": resp.until_ns, "sample_period_ns": resp.sample_period_ns, "contexts": rows})

@@ -25,6 +25,8 @@ targets.  Schema (defaults in brackets)::
                                                       >= promotion_window_seconds)
     stream_queue = 10000                              per-subscriber queue of StreamSamples/Alerts
     log_level = "info"
+    source_lines = true                               frames get DWARF file/line/inlined calls; the
+                                                      targets' default (their own key overrides it)
 
     [[target]]                                        one of path / pid / cgroup
     name = "..."                                      [basename of path, "pid-N", cgroup basename]
@@ -36,6 +38,7 @@ targets.  Schema (defaults in brackets)::
     scope = "REGEX"                                   instrumented mode only
     max_probe_hits_per_sec = 0                        instrumented-mode ceiling; 0 = none
     verify = false                                    frame-pointer cross-check (instrumented)
+    source_lines = true                               [daemon.source_lines] DWARF file/line per frame
     [target.anomaly]                                  (issue 7) action = "off"|"learn"|"detect"|"enforce"
     model = PATH                                      [STATE_DIR/anomaly/NAME.model.json]
     flush_seconds = 30, alert_interval_seconds = 60   learning flush; repeat of the same alert
@@ -114,6 +117,7 @@ class TargetConfig:
     scope: str | None = None
     max_probe_hits_per_sec: int = 0
     verify: bool = False
+    source_lines: bool = True  # frames get DWARF file/line/inlined calls (TraceOptions.source_lines)
     anomaly: AnomalyConfig = field(default_factory=AnomalyConfig)
 
     @property
@@ -146,6 +150,7 @@ class DaemonConfig:
     stream_queue: int = 10000
     log_level: str = "info"
     insecure_remote: bool = False
+    source_lines: bool = True  # the targets' default
 
 
 @dataclass(frozen=True, slots=True)
@@ -295,10 +300,10 @@ _DAEMON_KEYS: dict[str, Any] = {k: None for k in (
     "state_dir", "grpc_listen", "grpc_socket_mode", "grpc_socket_group", "tls_cert", "tls_key",
     "tls_client_ca", "metrics_listen", "top_k", "max_series", "max_contexts", "history_seconds",
     "bucket_seconds", "promotion_window_seconds", "retire_after_seconds", "stream_queue", "log_level",
-    "insecure_remote")}
+    "insecure_remote", "source_lines")}
 _TARGET_KEYS: dict[str, Any] = {k: None for k in (
     "name", "path", "pid", "cgroup", "syscalls", "perf_sample_hz", "encoding", "mode", "scope",
-    "max_probe_hits_per_sec", "verify", "anomaly")}
+    "max_probe_hits_per_sec", "verify", "anomaly", "source_lines")}
 _ANOMALY_KEYS: dict[str, Any] = {k: None for k in (
     "action", "alert_interval_seconds", "collapse_recursion", "transitions", "flush_seconds", "model")}
 _SYSCALL_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
@@ -333,7 +338,8 @@ def parse_config(text: str, source: str = "<config>", *,
     if not isinstance(raw_targets, list):
         raise chk.fail(("target",), "expected an array of tables ([[target]])")
     syscall_table = (known_syscalls or tracefs_syscalls)()
-    targets = tuple(_parse_target(chk, raw, i, syscall_table) for i, raw in enumerate(raw_targets))
+    targets = tuple(_parse_target(chk, raw, i, syscall_table, daemon.source_lines)
+                    for i, raw in enumerate(raw_targets))
     seen: dict[str, int] = {}
     for i, t in enumerate(targets):
         if t.name in seen:
@@ -403,7 +409,7 @@ def _parse_daemon(chk: _Checker, raw: Any) -> DaemonConfig:
         history_seconds=history, bucket_seconds=bucket,
         promotion_window_seconds=window, retire_after_seconds=retire,
         stream_queue=chk.positive(tbl, w, "stream_queue", d.stream_queue), log_level=level,
-        insecure_remote=insecure)
+        insecure_remote=insecure, source_lines=bool(chk.get(tbl, w, "source_lines", bool, d.source_lines)))
 
 
 def is_loopback(host: str) -> bool:
@@ -471,7 +477,8 @@ def _parse_hostport(chk: _Checker, where: tuple[Any, ...], text: str) -> tuple[s
     return host or "0.0.0.0", port
 
 
-def _parse_target(chk: _Checker, raw: Any, index: int, syscall_table: frozenset[str] | None) -> TargetConfig:
+def _parse_target(chk: _Checker, raw: Any, index: int, syscall_table: frozenset[str] | None,
+                  source_lines: bool = True) -> TargetConfig:
     w: tuple[Any, ...] = ("target", index)
     tbl = chk.table(raw, w, _TARGET_KEYS)
     chosen = [k for k in ("path", "pid", "cgroup") if k in tbl]
@@ -516,7 +523,8 @@ def _parse_target(chk: _Checker, raw: Any, index: int, syscall_table: frozenset[
         name=name, path=path, pid=pid, cgroup=cgroup, syscalls=syscalls, perf_sample_hz=sample_hz,
         encoding=chk.choice(tbl, w, "encoding", ENCODINGS, "valence"), mode=mode, scope=scope,
         max_probe_hits_per_sec=chk.positive(tbl, w, "max_probe_hits_per_sec", 0, minimum=0),
-        verify=bool(chk.get(tbl, w, "verify", bool, False)), anomaly=anomaly)
+        verify=bool(chk.get(tbl, w, "verify", bool, False)), anomaly=anomaly,
+        source_lines=bool(chk.get(tbl, w, "source_lines", bool, source_lines)))
 
 
 class Problem(str):

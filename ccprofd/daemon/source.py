@@ -10,8 +10,9 @@ call concurrently with ``poll``), and :meth:`close` exactly once when the target
 
 Samples are plain dicts in the tracer's JSONL format (the contract of ``ccprofd trace --format
 jsonl``): ``{"time_ns", "pid", "tid", "event": "syscall"|"cpu", "syscall", "complete", "frames":
-[{"function", "module", "build_id", "analysed", "call_site", "return_address"[, "tail_call"]}, ...]}``
-with frames outermost first and addresses as hex strings (``return_address`` may be None).
+[{"function", "module", "build_id", "analysed", "call_site", "return_address"[, "tail_call"][, "file",
+"line"][, "inlined"]}, ...]}`` with frames outermost first and addresses as hex strings
+(``return_address`` may be None); ``file``/``line``/``inlined`` when the target has ``source_lines``.
 """
 
 from __future__ import annotations

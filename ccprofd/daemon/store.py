@@ -47,7 +47,12 @@ from typing import Any
 
 Sample = Mapping[str, Any]
 FrameKey = tuple[Any, ...]
-FRAME_FIELDS = ("function", "module", "build_id", "analysed", "call_site", "return_address", "tail_call")
+FRAME_FIELDS = ("function", "module", "build_id", "analysed", "call_site", "return_address", "tail_call",
+                "file", "line", "inlined")
+# Fields a frame dict has only when known (the tracer's JSON contract): left out of the frames read
+# back rather than given as null.  ``inlined`` is interned as a tuple of (function, file, line).
+_OPTIONAL = frozenset(("file", "line", "inlined"))
+_INLINED = FRAME_FIELDS.index("inlined")
 OTHER = "other"
 
 
@@ -110,6 +115,22 @@ MEMO_MAX = 65536  # context ids remembered per store (cleared when full: a memo,
 
 
 _FUNCTION, _ANALYSED = FRAME_FIELDS.index("function"), FRAME_FIELDS.index("analysed")
+
+
+def _inlined_key(calls: Any) -> tuple[tuple[Any, Any, Any], ...] | None:
+    """A frame's ``inlined`` list as a hashable value (None when it has none)."""
+    if not calls:
+        return None
+    return tuple((c.get("function"), c.get("file"), c.get("line")) for c in calls if isinstance(c, Mapping))
+
+
+def frame_dict(key: FrameKey) -> dict[str, Any]:
+    """An interned frame as the tracer's JSON dict (``file``/``line``/``inlined`` only when known)."""
+    out = {name: value for name, value in zip(FRAME_FIELDS, key, strict=True)
+           if value is not None or name not in _OPTIONAL}
+    if key[_INLINED]:
+        out["inlined"] = [{"function": fn, "file": file, "line": line} for fn, file, line in key[_INLINED]]
+    return out
 
 
 def _program_functions(frames: Iterable[FrameKey]) -> tuple[str, ...]:
@@ -283,7 +304,7 @@ class TargetStore:
     def _intern(self, frames: Iterable[Mapping[str, Any]]) -> tuple[FrameKey, ...]:
         out = []
         for f in frames:
-            key = tuple(f.get(name) for name in FRAME_FIELDS)
+            key = (*(f.get(name) for name in FRAME_FIELDS[:_INLINED]), _inlined_key(f.get("inlined")))
             shared = self._frames.setdefault(key, key)
             self._frame_refs[shared] = self._frame_refs.get(shared, 0) + 1
             out.append(shared)
@@ -329,7 +350,7 @@ class TargetStore:
                     rows.append((count, e))
             rows.sort(key=lambda r: (-r[0], r[1].context, r[1].syscall))
             return [HotContext(e.context, e.event, e.syscall, count, e.complete,
-                               tuple(dict(zip(FRAME_FIELDS, f, strict=True)) for f in e.frames),
+                               tuple(frame_dict(f) for f in e.frames),
                                e.first_ns, e.last_ns) for count, e in rows[:max(0, top_k)]]
 
     def total(self, event: str = "syscall", since_ns: int = 0, syscall: str | None = None) -> int:
@@ -346,7 +367,7 @@ class TargetStore:
         with self._lock:
             for e in self._entries.values():
                 if e.context == context:
-                    return e.complete, tuple(dict(zip(FRAME_FIELDS, f, strict=True)) for f in e.frames)
+                    return e.complete, tuple(frame_dict(f) for f in e.frames)
         return None
 
     def context_count(self) -> int:

@@ -26,6 +26,13 @@ def frame_to_pb(f: Mapping[str, Any]) -> Any:
     ret = _address(f.get("return_address"))
     if ret is not None:
         msg.return_address = ret
+    if f.get("file"):
+        msg.file = str(f["file"])
+    if f.get("line"):
+        msg.line = int(f["line"])
+    for c in f.get("inlined") or ():
+        msg.inlined.add(function=str(c.get("function") or ""), file=str(c.get("file") or ""),
+                        line=int(c.get("line") or 0))
     return msg
 
 
@@ -41,6 +48,13 @@ def frame_from_pb(msg: Any) -> dict[str, Any]:
         "return_address": hex(msg.return_address) if msg.HasField("return_address") else None}
     if msg.tail_call:
         out["tail_call"] = True
+    if msg.file:
+        out["file"] = msg.file
+    if msg.line:
+        out["line"] = msg.line
+    if msg.inlined:
+        out["inlined"] = [{"function": c.function or None, "file": c.file or None, "line": c.line or None}
+                          for c in msg.inlined]
     return out
 
 

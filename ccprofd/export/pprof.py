@@ -19,8 +19,11 @@ innermost library frame of unwind mode: the tracer keeps no address for an exact
 
 Functions: the frame's function name, its source ``file`` and ``line`` when the frame has them
 (else empty / 0 — never the binary's path, which made ``go tool pprof -list`` print the ELF's
-bytes).  Inlined frames: a frame with ``"inlined": true`` was inlined into the frame before it
-(its caller); the group is one Location whose Lines are innermost first, as profile.proto wants.
+bytes).  Inlined calls: a frame's ``inlined`` list (outermost first, as the tracer writes it:
+``[{"function", "file", "line"}, ...]``, the frame's own ``file``/``line`` being the outermost
+call's site) becomes extra Lines of the frame's one Location, innermost first as profile.proto
+wants: the innermost inlined function with the line the address is at, ..., the physical
+function with the call site of the outermost inlined call last.
 
 For syscall profiles the syscall is the innermost pseudo-frame ``syscall:NAME`` (no mapping; flame
 graphs show it) and a ``syscall`` label; every sample has ``target`` and ``context`` labels (and
@@ -203,21 +206,19 @@ class _Builder:
                 loc.line.add(function_id=fid, line=line)
             if mid:
                 m = self.profile.mapping[mid - 1]
-                fn = self.profile.function[lines[0][0] - 1]
-                m.has_filenames |= bool(self.profile.string_table[fn.filename])
+                m.has_filenames |= any(self.profile.string_table[self.profile.function[fid - 1].filename]
+                                       for fid, _ in lines)
                 m.has_line_numbers |= any(line > 0 for _, line in lines)
                 m.has_inline_frames |= len(lines) > 1
         return lid
 
 
-def _groups(frames: Sequence[Mapping[str, Any]]) -> list[list[Mapping[str, Any]]]:
-    """Frames grouped per physical frame: one frame and the frames inlined into it, outermost first."""
-    out: list[list[Mapping[str, Any]]] = []
-    for f in frames:
-        if f.get("inlined") and out:
-            out[-1].append(f)
-        else:
-            out.append([f])
+def _lines(f: Mapping[str, Any]) -> list[tuple[str, str, int]]:
+    """(function, file, line) of one frame's pprof Lines, innermost first: its inlined calls
+    (innermost first), then the frame's own function."""
+    out = [(str(c.get("function") or "[unknown inlined]"), str(c.get("file") or ""), int(c.get("line") or 0))
+           for c in reversed(f.get("inlined") or ()) if isinstance(c, Mapping)]
+    out.append((_name(f), str(f.get("file") or ""), int(f.get("line") or 0)))
     return out
 
 
@@ -252,7 +253,7 @@ def build_profile(rows: Iterable[Mapping[str, Any]], *, event: str = "syscall", 
     rows = list(rows)
     # Pass 1: where every physical frame is (mapping, runtime address), so the mappings get their
     # ids (main binary first) before any location refers to them.
-    placed: list[list[tuple[_MapKey | None, int, list[Mapping[str, Any]]]]] = []
+    placed: list[list[tuple[_MapKey | None, int, Mapping[str, Any]]]] = []
     elf_limits: dict[_MapKey, int] = {}
     for row in rows:
         frames = list(row.get("frames") or [])
@@ -260,12 +261,11 @@ def build_profile(rows: Iterable[Mapping[str, Any]], *, event: str = "syscall", 
         pid = row.get("pid")
         pid = int(pid) if pid else None
         out = []
-        for group in _groups(frames):
-            physical = group[-1] if frame_vaddr(group[-1]) is not None else group[0]
-            key, address = b.place(physical, pid, program)
+        for f in frames:
+            key, address = b.place(f, pid, program)
             if key is not None and not key.limit:
                 elf_limits[key] = max(elf_limits.get(key, 0), address)
-            out.append((key, address, group))
+            out.append((key, address, f))
         placed.append(out)
     b.assign_mappings((k for out in placed for k, _, _ in out if k is not None), elf_limits)
     # Pass 2: locations and samples, leaf first.
@@ -274,9 +274,8 @@ def build_profile(rows: Iterable[Mapping[str, Any]], *, event: str = "syscall", 
         ids: list[int] = []
         if event == "syscall" and row.get("syscall"):
             ids.append(b.location(None, 0, [(b.function(f"syscall:{row['syscall']}", ""), 0)]))
-        for key, address, group in reversed(out):
-            lines = [(b.function(_name(f), str(f.get("file") or "")), int(f.get("line") or 0))
-                     for f in reversed(group)]
+        for key, address, f in reversed(out):
+            lines = [(b.function(name, file), line) for name, file, line in _lines(f)]
             ids.append(b.location(key, address, lines))
         sample = p.sample.add(location_id=ids, value=[count, count * period_ns] if len(p.sample_type) == 2
                               else [count])
