@@ -18,6 +18,7 @@ from typing import IO, Any
 
 from ccprofd.anomaly.detector import AlertWriter, Detector, DetectorOptions
 from ccprofd.anomaly.model import (
+    GRANULARITIES,
     AllowRule,
     FramePattern,
     Learner,
@@ -264,7 +265,11 @@ def cmd_detect(args: argparse.Namespace) -> int:
         models = load_models(args.model, missing_ok=False)
     except ModelFileError as exc:
         raise _Usage(str(exc)) from None
+    if args.granularity == "edges" and args.enforce:
+        raise _Usage("--granularity edges cannot be enforced (the kernel-side enforcer checks exact "
+                     "contexts): drop --enforce or use --granularity exact")
     opts = DetectorOptions(collapse_recursion=args.collapse_recursion, transitions=args.transitions,
+                           granularity=args.granularity,
                            min_count=args.min_count, alert_interval_seconds=args.alert_interval)
     with _alert_stream(args.output) as stream:
         if args.samples is not None:
@@ -487,6 +492,10 @@ def add_commands(sub: Any) -> None:
                     help="append alerts to FILE (default: standard error)")
     de.add_argument("--collapse-recursion", action="store_true",
                     help="collapse repeated recursive cycles before lookup")
+    de.add_argument("--granularity", choices=GRANULARITIES, default="exact",
+                    help="exact: alert on every context not learned as a whole; edges: accept a context "
+                         "whose every call edge (caller function at a call site -> callee) was learned "
+                         "for the syscall, and name the unseen edge otherwise [exact]")
     de.add_argument("--transitions", action="store_true",
                     help="also alert on unseen transitions (model must be learned with --transitions)")
     de.add_argument("--min-count", type=int, default=1, metavar="N",
