@@ -182,3 +182,23 @@ def test_version_1_model_file_written_before_granularities_loads_and_works_in_ed
     assert det(model, "edges").check(sample("brk", A_X)) == []
     assert len(det(model, "edges").check(sample("brk", INJECTED))) == 1
     assert len(det(model, "edges").check(sample("brk", A_Y))) == 1  # cmd_a@0x28 never learned
+
+
+def test_daemon_detector_gets_the_configured_granularity(tmp_path: Any) -> None:
+    # The daemon's [target.anomaly] granularity reaches the detector it builds for a binary.
+    from ccprofd.daemon.anomaly_runtime import AnomalyMonitor, _Target
+    from ccprofd.daemon.config import AnomalyConfig
+
+    models = ModelSet()
+    def rec(n: int) -> list[tuple[str, str]]:
+        return [("main", "0x10"), *[("walk", "0x70")] * n, ("xmalloc", "0x40")]
+
+    models.targets[BID] = model_of(rec(2))
+    monitor = AnomalyMonitor(daemon=None)  # type: ignore[arg-type]  # _new_binary does not use it
+    for granularity, alerts in (("exact", 1), ("edges", 0)):
+        cfg = AnomalyConfig(action="detect", granularity=granularity)
+        t = _Target("prog", cfg, tmp_path / "m.json", models)
+        b = monitor._new_binary(t, BID, "/bin/prog")
+        assert b.detector is not None and b.detector.options.granularity == granularity
+        assert len(b.detector.check(sample("brk", rec(5)))) == alerts  # deeper through learned edges
+        assert len(b.detector.check(sample("brk", INJECTED))) == 1
