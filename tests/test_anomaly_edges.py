@@ -202,3 +202,31 @@ def test_daemon_detector_gets_the_configured_granularity(tmp_path: Any) -> None:
         assert b.detector is not None and b.detector.options.granularity == granularity
         assert len(b.detector.check(sample("brk", rec(5)))) == alerts  # deeper through learned edges
         assert len(b.detector.check(sample("brk", INJECTED))) == 1
+
+
+def test_model_show_edges_lists_each_syscalls_edges(tmp_path: Any) -> None:
+    import subprocess
+    import sys
+
+    from ccprofd.anomaly.modelstore import save_models
+
+    models = ModelSet()
+    models.targets[BID] = model_of(A_X, A_X)
+    Learner(models.targets[BID]).observe(sample("openat", [("main", "0x10"), ("cmd_a", "0x20")]))
+    path = tmp_path / "m.json"
+    save_models(str(path), models)
+    r = subprocess.run([sys.executable, "-m", "ccprofd.cli", "model", "show", "--edges", str(path)],
+                       capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    lines = [x.strip() for x in r.stdout.splitlines()[2:]]
+    # A_X twice for brk: 5 edges, count 2 each; the openat context: 3 edges, count 1 (by hand).
+    assert lines == [
+        "call edges 8 (what --granularity edges accepts, per syscall)",
+        "brk              (entry) -> main (prog)  count 2",
+        "brk              cmd_a@0x20 (prog) -> parse_x (prog)  count 2",
+        "brk              main@0x10 (prog) -> cmd_a (prog)  count 2",
+        "brk              parse_x@0x30 (prog) -> xmalloc (prog)  count 2",
+        "brk              xmalloc@0x40 (prog) -> brk  count 2",
+        "openat           (entry) -> main (prog)  count 1",
+        "openat           cmd_a@0x20 (prog) -> openat  count 1",
+        "openat           main@0x10 (prog) -> cmd_a (prog)  count 1"]

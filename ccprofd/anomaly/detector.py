@@ -164,15 +164,11 @@ class Detector:
     def _index(self) -> None:
         self._known: dict[ContextKey, int] = {}
         self._by_syscall: dict[str, list[tuple[ContextKey, int]]] = {}
-        self._edges: dict[tuple[str, EdgeKey], int] = {}
-        edges = self.options.granularity == "edges"
+        self._edges = self.model.edges() if self.options.granularity == "edges" else {}
         for key, st in self.model.contexts.items():
             view = (key[0], self._view(key[1]))
             self._known[view] = self._known.get(view, 0) + st.count
             self._by_syscall.setdefault(key[0], []).append((key, st.count))
-            if edges:
-                for e in context_edges(key[1]):
-                    self._edges[(key[0], e)] = self._edges.get((key[0], e), 0) + st.count
         self._transitions: set[tuple[ContextKey | None, ContextKey]] = set()
         for a, b in self.model.transitions:
             va = None if a is None else (a[0], self._view(a[1]))

@@ -263,6 +263,15 @@ class TargetModel:
         for rkey, ret in other.return_addresses.items():
             self.return_addresses.setdefault(rkey, ret)
 
+    def edges(self) -> dict[tuple[str, EdgeKey], int]:
+        """(syscall, call edge) -> samples through it: the view granularity "edges" judges by,
+        derived from the stored contexts (not stored itself)."""
+        out: dict[tuple[str, EdgeKey], int] = {}
+        for (syscall, frames), st in self.contexts.items():
+            for e in context_edges(frames):
+                out[(syscall, e)] = out.get((syscall, e), 0) + st.count
+        return out
+
     # -- editing -----------------------------------------------------------------------------
     def ordered_contexts(self) -> list[ContextKey]:
         """Contexts in the stable order ``model show`` numbers them (by syscall, then frames)."""
@@ -457,6 +466,18 @@ class Learner:
     def thread_exited(self, tid: int) -> None:
         """Forget a thread (tids are reused)."""
         self._last.pop(tid, None)
+
+
+def edge_text(edge: EdgeKey, syscall: str, modules: Mapping[str, str]) -> str:
+    """``caller@site (module) -> callee (module)``; ``(entry)`` and the syscall name at the ends."""
+    def where(mid: str) -> str:
+        path = modules.get(mid, "")
+        return path.rsplit("/", 1)[-1] if path else (mid[:12] if mid else "?")
+
+    caller, callee = edge
+    left = "(entry)" if caller is None else f"{caller[1]}@{caller[2] or '?'} ({where(caller[0])})"
+    right = syscall if callee is None else f"{callee[1]} ({where(callee[0])})"
+    return f"{left} -> {right}"
 
 
 def iter_frames_text(frames: Sequence[FrameKey], modules: Mapping[str, str]) -> Iterator[str]:
