@@ -2,14 +2,15 @@
 
 Learning curve: every run is traced once with the real tracer (``ccprofd trace --format jsonl``,
 all syscalls); models are learned through ``ccprofd learn --samples`` one training run at a time
-(repeatable learning merges into the model file), and after k runs each held-out run (other
-arguments, other orders) is checked with ``ccprofd detect --samples --alert-interval 0``.  A false
-positive is an alert on a held-out run: reported per run (any alert) and per sample (alerts / complete
-samples), with and without ``--collapse-recursion``.
+(repeatable learning merges into the model file), and after k runs the held-out runs (other
+arguments, other orders) are checked with ``ccprofd detect --samples --alert-interval 0`` (all
+held-out runs in one file; alerts are told apart by pid).  A false positive is an alert on a held-out
+run: reported per run (any alert) and per sample (alerts / complete samples), for exact contexts, with
+``--collapse-recursion``, and with ``--granularity edges`` (issue 19).
 
 Injected unusual path: the workload's ``inject`` command reads a file through the ``source`` builtin,
 which no training run used (training reads files only through redirections).  It is run through the
-real ``ccprofd detect -- bash ...`` and the alerts are listed.
+real ``ccprofd detect -- bash ...``, exact and ``--granularity edges``, and the alerts are listed.
 
 Writes docs/anomaly-learning-curve.png and docs/anomaly.md (the markdown table printed at the end).
 Usage: python bench/anomaly.py [--train 16] [--held-out 8] [--mode instrumented] [--seed 7]
@@ -88,12 +89,32 @@ def trace(work: Path, script: Path, argv: list[str], mode: str, out: Path) -> in
     return sum(1 for line in out.read_text().splitlines() if json.loads(line).get("complete"))
 
 
-def detect(model: Path, samples: Path, collapse: bool) -> list[dict[str, Any]]:
-    args = ["detect", "--model", str(model), "--alert-interval", "0", "--samples", str(samples)]
-    if collapse:
-        args.insert(1, "--collapse-recursion")
-    r = ccprofd(*args)
+#: Detector variants of the learning curve: (tag, extra ``ccprofd detect`` options).
+VARIANTS = (("exact", []), ("collapsed", ["--collapse-recursion"]), ("edges", ["--granularity", "edges"]))
+
+
+def detect(model: Path, samples: Path, extra: list[str]) -> list[dict[str, Any]]:
+    r = ccprofd("detect", *extra, "--model", str(model), "--alert-interval", "0", "--samples", str(samples))
     return [json.loads(line) for line in r.stderr.splitlines() if line.startswith("{")]
+
+
+def run_pid(samples: Path) -> int:
+    """The pid of a traced run (bash runs no other program: one pid per run)."""
+    pids = {json.loads(line).get("pid") for line in samples.read_text().splitlines()}
+    if len(pids) != 1:
+        raise SystemExit(f"{samples}: expected the samples of one process, found pids {sorted(pids)}")
+    return int(pids.pop())
+
+
+def inner(a: dict[str, Any]) -> str:
+    return " > ".join(str(f.get("function")) for f in a["frames"][-4:]) or "(no frame)"
+
+
+def edge_text(a: dict[str, Any]) -> str:
+    e = a.get("unseen_edge") or {}
+    caller, callee = e.get("caller"), e.get("callee")
+    left = "(entry)" if not caller else str(caller["function"])
+    return f"{left} -> {a['syscall'] if not callee else callee['function']}"
 
 
 def main() -> int:
@@ -124,40 +145,44 @@ def main() -> int:
     held_complete = complete[opts.train:]
 
     model = work / "model.json"
+    held_all = work / "held-out.jsonl"
+    held_all.write_text("".join(h.read_text() for h in held))
+    held_pids = [run_pid(h) for h in held]
     curve: list[dict[str, Any]] = []
-    residual: dict[tuple[str, str], int] = {}
+    residual: dict[str, dict[tuple[str, str], int]] = {"exact": {}, "edges": {}}
     for k, run in enumerate(train, start=1):
         ccprofd("learn", "--model", str(model), "--samples", str(run))
         doc = json.loads(model.read_text())
         contexts = sum(len(t["contexts"]) for t in doc["targets"])
         row: dict[str, Any] = {"k": k, "contexts": contexts}
-        for collapse in (False, True):
-            found = [detect(model, h, collapse) for h in held]
-            alerts = [len(f) for f in found]
-            tag = "collapsed" if collapse else "exact"
-            row[f"runs_fp_{tag}"] = sum(1 for a in alerts if a) / len(held)
-            row[f"samples_fp_{tag}"] = sum(alerts) / max(1, sum(held_complete))
-            if k == len(train) and not collapse:
-                for a in (x for f in found for x in f):
-                    where = " > ".join(str(f.get("function")) for f in a["frames"][-4:]) or "(no frame)"
-                    residual[(a["syscall"], where)] = residual.get((a["syscall"], where), 0) + 1
+        for tag, extra in VARIANTS:
+            found = detect(model, held_all, extra)
+            per_run = [sum(1 for a in found if a["pid"] == pid) for pid in held_pids]
+            assert sum(per_run) == len(found), "an alert of no held-out run"
+            row[f"runs_fp_{tag}"] = sum(1 for n in per_run if n) / len(held)
+            row[f"samples_fp_{tag}"] = len(found) / max(1, sum(held_complete))
+            if k == len(train) and tag in residual:
+                for a in found:
+                    rkey = (a["syscall"], inner(a) if tag == "exact" else edge_text(a))
+                    residual[tag][rkey] = residual[tag].get(rkey, 0) + 1
         curve.append(row)
         print(f"k={k}: {row}", file=sys.stderr)
 
     # The injected unusual path, through the real `ccprofd detect -- CMD`.
     inject_argv = ["loops", "50", "inject", str(lib), "readfile", "/etc/hostname"]
-    alerts_file = work / "inject-alerts.jsonl"
-    r = ccprofd("detect", "--model", str(model), "--mode", opts.mode, "--output", str(alerts_file),
-                "--", "/bin/bash", str(script), *inject_argv)
-    if r.returncode != 0:
-        raise SystemExit(f"detect on the injected run failed ({r.returncode}): {r.stderr.strip()[-300:]}")
-    inj = [json.loads(line) for line in alerts_file.read_text().splitlines()] if alerts_file.exists() else []
-    lib_opens = [a for a in inj if a["syscall"] == "openat" and a.get("args", {}).get("path") == str(lib)]
-    via_source = [a for a in lib_opens if any("source" in str(f.get("function")) for f in a["frames"])]
+    injected: dict[str, list[dict[str, Any]]] = {}
+    for granularity in ("exact", "edges"):
+        alerts_file = work / f"inject-alerts-{granularity}.jsonl"
+        r = ccprofd("detect", "--model", str(model), "--granularity", granularity, "--mode", opts.mode,
+                    "--output", str(alerts_file), "--", "/bin/bash", str(script), *inject_argv)
+        if r.returncode != 0:
+            raise SystemExit(f"detect on the injected run failed ({r.returncode}): {r.stderr.strip()[-300:]}")
+        injected[granularity] = ([json.loads(line) for line in alerts_file.read_text().splitlines()]
+                                 if alerts_file.exists() else [])
 
     DOCS.mkdir(exist_ok=True)
     plot(curve, opts)
-    table = markdown(curve, opts, trace_s, len(runs), inj, lib_opens, via_source, residual)
+    table = markdown(curve, opts, trace_s, len(runs), injected, str(lib), residual)
     (DOCS / "anomaly.md").write_text(table)
     print(table)
     return 0
@@ -175,8 +200,11 @@ def plot(curve: list[dict[str, Any]], opts: argparse.Namespace) -> None:
             label="held-out runs with an alert (exact)")
     ax.plot(ks, [100 * r["runs_fp_collapsed"] for r in curve], "s--",
             label="held-out runs with an alert (recursion collapsed)")
+    ax.plot(ks, [100 * r["runs_fp_edges"] for r in curve], "D-.",
+            label="held-out runs with an alert (granularity edges)")
     ax.plot(ks, [100 * r["samples_fp_exact"] for r in curve], "^-", label="alerted samples (exact)")
     ax.plot(ks, [100 * r["samples_fp_collapsed"] for r in curve], "v--", label="alerted samples (collapsed)")
+    ax.plot(ks, [100 * r["samples_fp_edges"] for r in curve], "x-.", label="alerted samples (edges)")
     ax.set_xlabel("training runs")
     ax.set_ylabel("false positives (%)")
     ax.set_title(f"ccprofd anomaly model: bash, {opts.held_out} held-out runs ({opts.mode} mode)")
@@ -187,13 +215,17 @@ def plot(curve: list[dict[str, Any]], opts: argparse.Namespace) -> None:
     fig.savefig(DOCS / "anomaly-learning-curve.png", dpi=110)
 
 
+def injected_summary(inj: list[dict[str, Any]], lib: str) -> tuple[bool, str]:
+    """Whether the ``openat`` of the sourced file was reported, and through which function."""
+    lib_opens = [a for a in inj if a["syscall"] == "openat" and a.get("args", {}).get("path") == lib]
+    via = [f["function"] for a in lib_opens for f in a["frames"] if "source" in str(f.get("function"))]
+    return bool(lib_opens), f" (its context goes through `{via[0]}`)" if via else ""
+
+
 def markdown(curve: list[dict[str, Any]], opts: argparse.Namespace, trace_s: float, nruns: int,
-             inj: list[dict[str, Any]], lib_opens: list[dict[str, Any]],
-             via_source: list[dict[str, Any]], residual: dict[tuple[str, str], int]) -> str:
-    through = ""
-    if via_source:
-        fn = next(f["function"] for f in via_source[0]["frames"] if "source" in str(f["function"]))
-        through = f" (its context goes through `{fn}`)"
+             injected: dict[str, list[dict[str, Any]]], lib: str,
+             residual: dict[str, dict[tuple[str, str], int]]) -> str:
+    last = curve[-1]
     lines = [
         "# Anomaly detection: learning curve and an injected path",
         "",
@@ -205,44 +237,71 @@ def markdown(curve: list[dict[str, Any]], opts: argparse.Namespace, trace_s: flo
         "",
         "False positives: alerts on held-out runs of the same workload (other arguments and orders) after "
         "learning k runs. *Runs*: share of held-out runs with at least one alert. *Samples*: alerts per "
-        "complete sample (`--alert-interval 0`: every unseen sample counts).",
+        "complete sample (`--alert-interval 0`: every unseen sample counts). Three ways of judging the "
+        "same learned model: *exact* contexts (the default), exact contexts with *recursion collapsed* "
+        "(`--collapse-recursion`), and `--granularity edges`: a context is accepted when each of its call "
+        "edges (caller function at a call site -> callee, the outermost frame's entry and the innermost "
+        "call site's syscall included) was learned for that syscall.",
         "",
-        "| training runs | contexts | runs FP (exact) | runs FP (recursion collapsed) | samples FP (exact) "
-        "| samples FP (collapsed) |",
-        "|---:|---:|---:|---:|---:|---:|",
+        "| training runs | contexts | runs FP (exact) | runs FP (collapsed) | runs FP (edges) "
+        "| samples FP (exact) | samples FP (collapsed) | samples FP (edges) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in curve:
         lines.append(f"| {r['k']} | {r['contexts']} | {100 * r['runs_fp_exact']:.0f}% | "
-                     f"{100 * r['runs_fp_collapsed']:.0f}% | {100 * r['samples_fp_exact']:.2f}% | "
-                     f"{100 * r['samples_fp_collapsed']:.2f}% |")
+                     f"{100 * r['runs_fp_collapsed']:.0f}% | {100 * r['runs_fp_edges']:.0f}% | "
+                     f"{100 * r['samples_fp_exact']:.2f}% | {100 * r['samples_fp_collapsed']:.2f}% | "
+                     f"{100 * r['samples_fp_edges']:.2f}% |")
     lines += [
         "",
         "![learning curve](anomaly-learning-curve.png)",
         "",
-        "Injected unusual path: `inject FILE` runs `source FILE` — an `openat` of a file through the "
-        "`source` "
-        "builtin, a chain no training run used (training opens files only for redirections). "
-        "`ccprofd detect -- bash workload.sh loops 50 inject lib.sh readfile /etc/hostname` on the "
-        f"{opts.train}-run model: {len(inj)} alert(s); the `openat` of lib.sh "
-        f"{'was' if lib_opens else 'was NOT'} reported{through}.",
+        f"After {last['k']} training runs: held-out runs with a false alert "
+        f"{100 * last['runs_fp_exact']:.0f}% "
+        f"(exact), {100 * last['runs_fp_collapsed']:.0f}% (collapsed), {100 * last['runs_fp_edges']:.0f}% "
+        "(edges).",
         "",
-        "| alert | syscall | path | innermost frames |",
-        "|---|---|---|---|",
+        "Injected unusual path: `inject FILE` runs `source FILE` — an `openat` of a file through the "
+        "`source` builtin, a chain no training run used (training opens files only for redirections). "
+        "`ccprofd detect -- bash workload.sh loops 50 inject lib.sh readfile /etc/hostname` on the "
+        f"{opts.train}-run model, once per granularity:",
+        "",
     ]
-    for a in inj:
-        inner = " > ".join(str(f.get("function")) for f in a["frames"][-4:])
-        path = Path(a.get("args", {}).get("path", "")).name
-        lines.append(f"| {a['kind']} | {a['syscall']} | {path} | {inner} |")
+    for granularity, inj in injected.items():
+        found, through = injected_summary(inj, lib)
+        lines.append(f"* `--granularity {granularity}`: {len(inj)} alert(s); the `openat` of lib.sh "
+                     f"{'was' if found else 'was NOT'} reported{through}.")
     lines += [
         "",
-        f"What the {opts.train}-run model still flags in held-out runs (exact contexts; the innermost frames "
-        "and how many samples):",
+        "| granularity | alert | syscall | path | innermost frames | unseen edge (edges) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for granularity, inj in injected.items():
+        for a in inj:
+            path = Path(a.get("args", {}).get("path", "")).name
+            edge = edge_text(a) if a.get("unseen_edge") else ""
+            lines.append(f"| {granularity} | {a['kind']} | {a['syscall']} | {path} | {inner(a)} | {edge} |")
+    lines += [
+        "",
+        f"What the {opts.train}-run model still flags in held-out runs, exact contexts (the innermost "
+        "frames and how many samples):",
         "",
         "| syscall | innermost frames | samples |",
         "|---|---|---:|",
     ]
-    for (syscall, where), n in sorted(residual.items(), key=lambda x: -x[1]):
+    for (syscall, where), n in sorted(residual["exact"].items(), key=lambda x: -x[1]):
         lines.append(f"| {syscall} | {where} | {n} |")
+    lines += [
+        "",
+        "and with `--granularity edges` (the first unseen edge of each alert: caller -> callee):",
+        "",
+        "| syscall | unseen edge | samples |",
+        "|---|---|---:|",
+    ]
+    for (syscall, where), n in sorted(residual["edges"].items(), key=lambda x: -x[1]):
+        lines.append(f"| {syscall} | {where} | {n} |")
+    if not residual["edges"]:
+        lines.append("| (none) | | 0 |")
     lines += [
         "",
         "Enforcement (`ccprofd detect --enforce`, daemon `action = \"enforce\"`): this kernel lists `bpf` "
@@ -250,7 +309,8 @@ def markdown(curve: list[dict[str, Any]], opts: argparse.Namespace, trace_s: flo
         "(SIGKILL)` at syscall entry: the process never runs past the denied syscall, but **the syscall "
         "itself may complete** (an `openat` may create its file, an `execve` may already have replaced the "
         "image). Enforcement keys contexts by a frame-pointer walk at the binary's PLT calls: the target "
-        "must keep frame pointers.",
+        "must keep frame pointers. It checks exact contexts only: `granularity = \"edges\"` cannot be "
+        "enforced (refused).",
     ]
     return "\n".join(lines) + "\n"
 

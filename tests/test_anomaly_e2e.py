@@ -216,3 +216,74 @@ def test_usage_errors(tmp_path: Path) -> None:
     r = ccprofd("detect", "--enforce", "--model", str(model), "--samples", os.devnull)
     assert r.returncode == 2 and "--enforce" in r.stderr
     assert not model.exists()
+
+
+# Issue 19, granularity "edges", on tests/programs/anomaly_edges.c (built -O2 -fomit-frame-pointer:
+# unwind mode walks .eh_frame, not frame pointers).  Training sees front a with plain output and
+# front b with loud output; the normal held-out run swaps them and recurses deeper (new exact
+# contexts made of learned call edges); the attack reaches write through finish -> leak.
+EDGES_TRAINING = [["a", "1", "plain"], ["b", "2", "loud"]]
+EDGES_NORMAL = ["a", "5", "loud", "b", "3", "plain", "a", "0", "plain"]
+EDGES_ATTACK = ["b", "1", "plain", "a", "2", "leak"]
+
+
+def call_sites_of(prog: str, caller: str, callee: str) -> set[str]:
+    """The addresses of ``call <callee>`` inside ``caller``, by objdump (independent of ccprofd)."""
+    out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", f"--disassemble={caller}", prog],
+                         capture_output=True, text=True, check=True).stdout
+    return {hex(int(line.split(":")[0], 16)) for line in out.splitlines()
+            if line.strip().endswith(f"<{callee}>") and "call" in line}
+
+
+@pytest.mark.bpf
+@pytest.mark.parametrize("mode", MODES)
+def test_edges_granularity_accepts_new_combinations_and_catches_the_unseen_edge(
+        mode: str, tmp_path: Path) -> None:
+    require_bpf()
+    require_tool("objdump")
+    prog = str(build("anomaly_edges", opt="O2", frame_pointer=False))
+    require_mode(mode, prog)
+    model = tmp_path / "model.json"
+    for argv in EDGES_TRAINING:
+        r = ccprofd("learn", "--model", str(model), "--mode", mode, "--syscalls", "write", "--", prog, *argv)
+        assert r.returncode == 0, r.stderr
+
+    def detect(granularity: str, argv: list[str], stdout: str) -> list[dict[str, Any]]:
+        out = tmp_path / f"alerts-{granularity}.jsonl"
+        out.unlink(missing_ok=True)
+        r = ccprofd("detect", "--model", str(model), "--mode", mode, "--syscalls", "write",
+                    "--granularity", granularity, "--alert-interval", "0", "--output", str(out),
+                    "--", prog, *argv)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout == stdout
+        return alerts_of(out)
+
+    # Normal run: three writes, each a context never learned as a whole (exact alerts on each),
+    # every edge of which was learned for write (edges: nothing).
+    normal_out = "!5\n3\n0\n"
+    exact = detect("exact", EDGES_NORMAL, normal_out)
+    assert len(exact) == 3 and all(a["kind"] == "unseen_context" for a in exact)
+    assert [chain(a["syscall"], a["frames"])[1][2:] for a in exact] == [
+        ("front_a", *["walk"] * 6, "finish", "say_loud", "emit"),
+        ("front_b", *["walk"] * 4, "finish", "say_plain", "emit"),
+        ("front_a", "walk", "finish", "say_plain", "emit")]
+    assert detect("edges", EDGES_NORMAL, normal_out) == []
+
+    # The attack: caught in both granularities; edges names finish's call of leak (objdump's address).
+    attack_out = "1\nLEAKED\n"
+    # (exact also alerts on "b 1 plain", a new combination: front b never printed plain.)
+    [_, exact_alert] = detect("exact", EDGES_ATTACK, attack_out)
+    [alert] = detect("edges", EDGES_ATTACK, attack_out)
+    for a in (exact_alert, alert):
+        assert chain(a["syscall"], a["frames"]) == (
+            "write", ("main", "run_script", "front_a", "walk", "walk", "walk", "finish", "leak"))
+    edge = alert["unseen_edge"]
+    assert (edge["syscall"], edge["caller"]["function"], edge["callee"]["function"]) == (
+        "write", "finish", "leak")
+    assert {edge["caller"]["call_site"]} == call_sites_of(prog, "finish", "leak")
+    assert "unseen_edge" not in exact_alert
+
+    # Enforcement checks exact contexts: refused with edges, one line, exit 2.
+    r = ccprofd("detect", "--model", str(model), "--granularity", "edges", "--enforce", "--", prog, "a", "1",
+                "plain")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "cannot be enforced" in r.stderr

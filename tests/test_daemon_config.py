@@ -351,3 +351,14 @@ def test_perf_sample_hz_above_the_kernel_limit_is_refused() -> None:
     message = error_of(f"[[target]]\npid = 1\nperf_sample_hz = {limit + 1}\n")
     assert message == (f"/etc/ccprofd/test.toml:3: target[0].perf_sample_hz: {limit + 1} exceeds the "
                        f"kernel's limit (kernel.perf_event_max_sample_rate = {limit})")
+
+
+def test_anomaly_granularity() -> None:
+    base = '[[target]]\nname = "a"\npid = 1\n[target.anomaly]\naction = "detect"\n'
+    assert parse(base).targets[0].anomaly.granularity == "exact"  # type: ignore[attr-defined]
+    cfg = parse(base + 'granularity = "edges"\n')
+    assert cfg.targets[0].anomaly.granularity == "edges"  # type: ignore[attr-defined]
+    assert error_of(base + 'granularity = "fuzzy"\n').endswith("expected one of exact, edges; got 'fuzzy'")
+    assert "transitions" in error_of(base + 'granularity = "edges"\ntransitions = true\n')
+    enforce = base.replace('"detect"', '"enforce"')
+    assert "cannot be enforced" in error_of(enforce + 'granularity = "edges"\n')

@@ -3,7 +3,10 @@
 Alert kinds:
 
 * ``unseen_context`` — the (syscall, exact context) pair was never learned (or was seen fewer than
-  ``min_count`` times), and no allow rule covers it;
+  ``min_count`` times), and no allow rule covers it.  With ``granularity="edges"``: some call edge
+  of the context (caller function at a call site -> callee, see
+  :func:`~ccprofd.anomaly.model.context_edges`) was never learned for that syscall; the alert names
+  the first such edge (``unseen_edge``), because that edge, not the whole chain, is what is new;
 * ``unseen_transition`` — both contexts are known, but this thread never went from the previous
   one to this one (only when asked for and the model recorded transitions in every run);
 * ``incomplete_context`` — the tracer flagged the sample ``complete: false``: the model cannot
@@ -28,11 +31,14 @@ from typing import IO, Any
 
 from ccprofd.anomaly.model import (
     DEFAULT_MAX_CYCLE,
+    GRANULARITIES,
     ContextKey,
+    EdgeKey,
     FrameKey,
     TargetModel,
     collapse_cycles,
     common_prefix_len,
+    context_edges,
     context_key,
 )
 
@@ -45,6 +51,9 @@ class DetectorOptions:
     """Names match the daemon's ``[target.anomaly]`` keys where they overlap."""
 
     collapse_recursion: bool = False
+    #: "exact": the whole context must have been learned; "edges": each of its call edges must have
+    #: been learned for the syscall (generalises over prefixes and recursion depths).
+    granularity: str = "exact"
     max_cycle: int = DEFAULT_MAX_CYCLE
     transitions: bool = False
     min_count: int = 1
@@ -67,6 +76,8 @@ class Alert:
     nearest: list[dict[str, Any]] = field(default_factory=list)
     previous: dict[str, Any] | None = None
     suppressed: int = 0
+    #: granularity "edges": the first edge of the context never learned for the syscall.
+    unseen_edge: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -76,6 +87,8 @@ class Alert:
             "suppressed": self.suppressed}
         if self.kind == "unseen_transition":
             out["previous"] = self.previous  # null: the thread's first sample
+        if self.unseen_edge is not None:
+            out["unseen_edge"] = self.unseen_edge
         return out
 
     def to_json(self) -> str:
@@ -85,9 +98,18 @@ class Alert:
         """One structured line (key=value, journald-friendly); the context as ``a>b>c``."""
         chain = ">".join(str(f.get("function") or "?") for f in self.frames) or "-"
         args = "".join(f" {k}={json.dumps(v)}" for k, v in sorted(self.args.items()))
+        edge = "" if self.unseen_edge is None else f" unseen_edge={edge_text(self.unseen_edge)}"
         return (f"ccprofd alert kind={self.kind} syscall={self.syscall} pid={self.pid} tid={self.tid} "
                 f"build_id={self.build_id} complete={str(self.complete).lower()}{args} "
-                f"suppressed={self.suppressed} context={chain}")
+                f"suppressed={self.suppressed}{edge} context={chain}")
+
+
+def edge_text(edge: Mapping[str, Any]) -> str:
+    """``caller@site>callee`` (``-`` for the entry; the syscall name for the syscall itself)."""
+    caller, callee = edge.get("caller"), edge.get("callee")
+    left = "-" if not caller else f"{caller.get('function')}@{caller.get('call_site') or '?'}"
+    right = edge.get("syscall", "?") if not callee else str(callee.get("function"))
+    return f"{left}>{right}"
 
 
 class RateLimiter:
@@ -117,6 +139,13 @@ class Detector:
     def __init__(self, model: TargetModel, options: DetectorOptions | None = None) -> None:
         self.model = model
         self.options = options or DetectorOptions()
+        if self.options.granularity not in GRANULARITIES:
+            raise ValueError(f"granularity {self.options.granularity!r}: expected one of "
+                             f"{', '.join(GRANULARITIES)}")
+        if self.options.transitions and self.options.granularity != "exact":
+            # Transitions are learned between exact contexts: an edge-accepted context has none.
+            raise ValueError("transitions are checked between exact contexts: use granularity \"exact\" "
+                             "with transitions")
         if self.options.transitions and not model.transitions_usable():
             raise ValueError(
                 f"model of build-id {model.build_id} has transitions from {model.runs_with_transitions} of "
@@ -135,6 +164,7 @@ class Detector:
     def _index(self) -> None:
         self._known: dict[ContextKey, int] = {}
         self._by_syscall: dict[str, list[tuple[ContextKey, int]]] = {}
+        self._edges = self.model.edges() if self.options.granularity == "edges" else {}
         for key, st in self.model.contexts.items():
             view = (key[0], self._view(key[1]))
             self._known[view] = self._known.get(view, 0) + st.count
@@ -145,8 +175,26 @@ class Detector:
             self._transitions.add((va, (b[0], self._view(b[1]))))
 
     def known(self, key: ContextKey) -> bool:
+        if self.options.granularity == "edges":
+            return self.unseen_edge(key) is None
         view = (key[0], self._view(key[1]))
         return self._known.get(view, 0) >= max(1, self.options.min_count)
+
+    def unseen_edge(self, key: ContextKey) -> EdgeKey | None:
+        """The first (outermost) call edge of ``key`` learned fewer than ``min_count`` times for its
+        syscall; None when every edge was learned (granularity "edges")."""
+        need = max(1, self.options.min_count)
+        for e in context_edges(key[1]):
+            if self._edges.get((key[0], e), 0) < need:
+                return e
+        return None
+
+    def _edge_out(self, syscall: str, edge: EdgeKey) -> dict[str, Any]:
+        caller, callee = edge
+        return {"syscall": syscall, "caller": None if caller is None else self._frame_out(caller),
+                "callee": None if callee is None else {
+                    "function": callee[1], "module": self.model.modules.get(callee[0], ""),
+                    "build_id": callee[0]}}
 
     def nearest(self, key: ContextKey) -> list[dict[str, Any]]:
         """The known contexts of the same syscall sharing the longest prefix with ``key``."""
@@ -213,6 +261,9 @@ class Detector:
             frames=[{k: f[k] for k in _FRAME_OUT if k in f} for f in sample.get("frames", [])],
             args=dict(args) if isinstance(args, Mapping) else {},
             nearest=self.nearest(key), suppressed=held)
+        if kind == "unseen_context" and self.options.granularity == "edges":
+            edge = self.unseen_edge(key)
+            alert.unseen_edge = None if edge is None else self._edge_out(key[0], edge)
         if kind == "unseen_transition":
             alert.previous = None if previous is None else {
                 "syscall": previous[0], "frames": [self._frame_out(f) for f in previous[1]]}

@@ -9,6 +9,11 @@ model.  Models are kept per target build-id: code addresses mean nothing across 
 
 The model stores exact contexts only.  Looking up with recursion collapsed is a view computed at
 lookup time (:func:`collapse_cycles`), so the same learned model can be evaluated both ways.
+Call edges (:func:`context_edges`) are a second view computed at lookup time: a context is the chain
+of edges "caller function at this call site -> callee function" from the outermost frame to the
+syscall.  The ``edges`` granularity accepts an unseen context whose every edge was seen for that
+syscall (a new combination of known calls); the file format does not change, because the edges of
+a model are those of its stored contexts (a removed context takes its edges with it).
 Transitions between consecutive (syscall, context) pairs of a thread (Feng's "virtual path") are
 recorded only when asked for, and the model counts how many runs recorded them: a transition set
 learned from only some runs is incomplete and must not be used to alert.
@@ -19,6 +24,7 @@ read by :mod:`ccprofd.anomaly.modelstore`.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,6 +36,13 @@ FORMAT_VERSION = 1
 FrameKey = tuple[str, str, str | None]
 #: (syscall name, frames outermost first).
 ContextKey = tuple[str, tuple[FrameKey, ...]]
+#: A call edge: (caller frame, callee (module id, function)).  The caller is None for the context's
+#: outermost frame (its entry); the callee is None for the innermost frame's call site that makes
+#: the syscall itself.  Recursion adds no edge: deeper recursion through the same call sites has the
+#: same edge set (collapsed by construction).
+EdgeKey = tuple[FrameKey | None, tuple[str, str] | None]
+#: Model granularities: exact contexts, or every call edge seen for the syscall.
+GRANULARITIES = ("exact", "edges")
 #: A thread's first sample has no predecessor: its transition starts here.
 THREAD_START = None
 
@@ -85,6 +98,18 @@ def collapse_cycles(frames: Sequence[FrameKey], max_cycle: int = DEFAULT_MAX_CYC
                 else:
                     i += 1
     return tuple(out)
+
+
+def context_edges(frames: Sequence[FrameKey]) -> tuple[EdgeKey, ...]:
+    """The call edges of a context, outermost first, without repeats: the entry edge into the
+    outermost frame, each frame's call site into the next frame's function, and the innermost
+    frame's call site into the syscall.  An empty context is the single edge (None, None)."""
+    if not frames:
+        return ((None, None),)
+    edges: list[EdgeKey] = [(None, (frames[0][0], frames[0][1]))]
+    edges += [(f, (g[0], g[1])) for f, g in itertools.pairwise(frames)]
+    edges.append((frames[-1], None))
+    return tuple(dict.fromkeys(edges))
 
 
 def common_prefix_len(a: Sequence[FrameKey], b: Sequence[FrameKey]) -> int:
@@ -237,6 +262,15 @@ class TargetModel:
             self.modules.setdefault(mid, path)
         for rkey, ret in other.return_addresses.items():
             self.return_addresses.setdefault(rkey, ret)
+
+    def edges(self) -> dict[tuple[str, EdgeKey], int]:
+        """(syscall, call edge) -> samples through it: the view granularity "edges" judges by,
+        derived from the stored contexts (not stored itself)."""
+        out: dict[tuple[str, EdgeKey], int] = {}
+        for (syscall, frames), st in self.contexts.items():
+            for e in context_edges(frames):
+                out[(syscall, e)] = out.get((syscall, e), 0) + st.count
+        return out
 
     # -- editing -----------------------------------------------------------------------------
     def ordered_contexts(self) -> list[ContextKey]:
@@ -432,6 +466,18 @@ class Learner:
     def thread_exited(self, tid: int) -> None:
         """Forget a thread (tids are reused)."""
         self._last.pop(tid, None)
+
+
+def edge_text(edge: EdgeKey, syscall: str, modules: Mapping[str, str]) -> str:
+    """``caller@site (module) -> callee (module)``; ``(entry)`` and the syscall name at the ends."""
+    def where(mid: str) -> str:
+        path = modules.get(mid, "")
+        return path.rsplit("/", 1)[-1] if path else (mid[:12] if mid else "?")
+
+    caller, callee = edge
+    left = "(entry)" if caller is None else f"{caller[1]}@{caller[2] or '?'} ({where(caller[0])})"
+    right = syscall if callee is None else f"{callee[1]} ({where(callee[0])})"
+    return f"{left} -> {right}"
 
 
 def iter_frames_text(frames: Sequence[FrameKey], modules: Mapping[str, str]) -> Iterator[str]:

@@ -18,12 +18,15 @@ from typing import IO, Any
 
 from ccprofd.anomaly.detector import AlertWriter, Detector, DetectorOptions
 from ccprofd.anomaly.model import (
+    GRANULARITIES,
     AllowRule,
+    EdgeKey,
     FramePattern,
     Learner,
     ModelError,
     ModelSet,
     TargetModel,
+    edge_text,
     iter_frames_text,
 )
 from ccprofd.anomaly.modelstore import (
@@ -264,7 +267,11 @@ def cmd_detect(args: argparse.Namespace) -> int:
         models = load_models(args.model, missing_ok=False)
     except ModelFileError as exc:
         raise _Usage(str(exc)) from None
+    if args.granularity == "edges" and args.enforce:
+        raise _Usage("--granularity edges cannot be enforced (the kernel-side enforcer checks exact "
+                     "contexts): drop --enforce or use --granularity exact")
     opts = DetectorOptions(collapse_recursion=args.collapse_recursion, transitions=args.transitions,
+                           granularity=args.granularity,
                            min_count=args.min_count, alert_interval_seconds=args.alert_interval)
     with _alert_stream(args.output) as stream:
         if args.samples is not None:
@@ -359,12 +366,24 @@ def cmd_model_show(args: argparse.Namespace) -> int:
         for i, rule in enumerate(m.allow_rules):
             print(f"  allow rule {i}: {rule.syscall} from {' > '.join(map(str, rule.prefix))}"
                   + (f"  # {rule.comment}" if rule.comment else ""))
+        if args.edges:
+            edges = m.edges()
+            print(f"  call edges {len(edges)} (what --granularity edges accepts, per syscall)")
+            for (syscall, edge), n in sorted(edges.items(), key=_edge_order):
+                print(f"  {syscall:<16} {edge_text(edge, syscall, m.modules)}  count {n}")
+            continue
         for i, key in enumerate(m.ordered_contexts()):
             st = m.contexts[key]
             print(f"  [{i}] {key[0]}  count {st.count}")
             for line in iter_frames_text(key[1], m.modules):
                 print(f"        {line}")
     return 0
+
+
+def _edge_order(item: tuple[tuple[str, EdgeKey], int]) -> tuple[str, str, str, str, str]:
+    (syscall, (caller, callee)), _ = item
+    return (syscall, "" if caller is None else caller[1], "" if caller is None else caller[2] or "",
+            "" if callee is None else callee[1], "" if callee is None else callee[0])
 
 
 def _edit(path: str, edit: Any) -> None:
@@ -487,6 +506,10 @@ def add_commands(sub: Any) -> None:
                     help="append alerts to FILE (default: standard error)")
     de.add_argument("--collapse-recursion", action="store_true",
                     help="collapse repeated recursive cycles before lookup")
+    de.add_argument("--granularity", choices=GRANULARITIES, default="exact",
+                    help="exact: alert on every context not learned as a whole; edges: accept a context "
+                         "whose every call edge (caller function at a call site -> callee) was learned "
+                         "for the syscall, and name the unseen edge otherwise [exact]")
     de.add_argument("--transitions", action="store_true",
                     help="also alert on unseen transitions (model must be learned with --transitions)")
     de.add_argument("--min-count", type=int, default=1, metavar="N",
@@ -507,6 +530,8 @@ def add_commands(sub: Any) -> None:
     sh = msub.add_parser("show", help="list targets and contexts with symbolised frames")
     sh.add_argument("file", metavar="FILE", help="model file")
     sh.add_argument("--json", action="store_true", help="print the model file's JSON (the export format)")
+    sh.add_argument("--edges", action="store_true",
+                    help="list the call edges per syscall (derived from the contexts), not the contexts")
     sh.set_defaults(func=_run(cmd_model_show))
     rm = msub.add_parser("remove", help="forget contexts by their number in `model show`")
     rm.add_argument("file", metavar="FILE", help="model file (rewritten atomically)")

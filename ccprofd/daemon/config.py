@@ -43,6 +43,7 @@ targets.  Schema (defaults in brackets)::
     model = PATH                                      [STATE_DIR/anomaly/NAME.model.json]
     flush_seconds = 30, alert_interval_seconds = 60   learning flush; repeat of the same alert
     collapse_recursion = false, transitions = false
+    granularity = "exact" | "edges"                   "edges": new combinations of learned call edges pass
 """
 
 from __future__ import annotations
@@ -65,6 +66,7 @@ from ccprofd.tracing.api import MODES
 DEFAULT_CONFIG_PATH = "/etc/ccprofd/ccprofd.toml"
 ENCODINGS = ("valence", "pcce", "hcce")
 ANOMALY_ACTIONS = ("off", "learn", "detect", "enforce")
+ANOMALY_GRANULARITIES = ("exact", "edges")  # anomaly.model.GRANULARITIES
 
 
 class ConfigError(Exception):
@@ -98,6 +100,7 @@ class AnomalyConfig:
     alert_interval_seconds: float = 60.0
     collapse_recursion: bool = False
     transitions: bool = False
+    granularity: str = "exact"  # anomaly.detector.DetectorOptions.granularity
     flush_seconds: float = 30.0
     model: str | None = None  # model file; None: STATE_DIR/anomaly/TARGET.model.json
 
@@ -305,7 +308,8 @@ _TARGET_KEYS: dict[str, Any] = {k: None for k in (
     "name", "path", "pid", "cgroup", "syscalls", "perf_sample_hz", "encoding", "mode", "scope",
     "max_probe_hits_per_sec", "verify", "anomaly", "source_lines")}
 _ANOMALY_KEYS: dict[str, Any] = {k: None for k in (
-    "action", "alert_interval_seconds", "collapse_recursion", "transitions", "flush_seconds", "model")}
+    "action", "alert_interval_seconds", "collapse_recursion", "transitions", "granularity", "flush_seconds",
+    "model")}
 _SYSCALL_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 
 
@@ -609,10 +613,19 @@ def _parse_anomaly(chk: _Checker, where: tuple[Any, ...], raw: Any) -> AnomalyCo
     model = chk.get(tbl, where, "model", str, None)
     if model is not None and not os.path.isabs(model):
         raise chk.fail((*where, "model"), f"must be an absolute path, got {model!r}")
+    granularity = chk.choice(tbl, where, "granularity", ANOMALY_GRANULARITIES, d.granularity)
+    action = chk.choice(tbl, where, "action", ANOMALY_ACTIONS, d.action)
+    transitions = bool(chk.get(tbl, where, "transitions", bool, d.transitions))
+    if granularity == "edges" and transitions:
+        raise chk.fail((*where, "granularity"), "\"edges\" cannot be combined with transitions = true "
+                       "(transitions are learned between exact contexts)")
+    if granularity == "edges" and action == "enforce":
+        raise chk.fail((*where, "granularity"), "\"edges\" cannot be enforced (the kernel-side "
+                       "enforcer checks exact contexts): use action = \"detect\"")
     return AnomalyConfig(
-        model=model,
-        action=chk.choice(tbl, where, "action", ANOMALY_ACTIONS, d.action),
+        model=model, granularity=granularity,
+        action=action,
         alert_interval_seconds=seconds("alert_interval_seconds", d.alert_interval_seconds),
         collapse_recursion=bool(chk.get(tbl, where, "collapse_recursion", bool, d.collapse_recursion)),
-        transitions=bool(chk.get(tbl, where, "transitions", bool, d.transitions)),
+        transitions=transitions,
         flush_seconds=seconds("flush_seconds", d.flush_seconds))
