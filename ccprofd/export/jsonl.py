@@ -188,20 +188,23 @@ class SampleWriter(Protocol):
 
 
 class _FrameCache:
-    """Serialised frames (a frames list, or one frame's dict) by the object's identity; the object is
-    held, so its identity stays valid."""
+    """Serialised frames (a frames list, or one frame's dict) by the object's identity.  The object
+    is held while its entry is, so no other live object can have its id: an entry found by
+    ``id(obj)`` is ``obj``'s."""
 
     def __init__(self) -> None:
-        self._by_id: dict[int, tuple[Any, str]] = {}
+        self.known: dict[int, str] = {}  # id -> text
+        self._held: dict[int, Any] = {}  # id -> the object, kept alive
 
     def text(self, obj: Any, render: Any) -> str:
-        got = self._by_id.get(id(obj))
-        if got is not None and got[0] is obj:
-            return got[1]
-        if len(self._by_id) >= FRAME_CACHE_ENTRIES:
-            self._by_id.clear()
-        text = render(obj)
-        self._by_id[id(obj)] = (obj, text)
+        got = self.known.get(id(obj))
+        if got is not None:
+            return got
+        if len(self.known) >= FRAME_CACHE_ENTRIES:
+            self.known.clear()
+            self._held.clear()
+        text = self.known[id(obj)] = render(obj)
+        self._held[id(obj)] = obj
         return text
 
 
@@ -220,8 +223,12 @@ class JsonlWriter:
     def _frames_text(self, frames: list[dict[str, Any]]) -> str:
         """The JSON of a frames list, each frame dict serialised once (the modes share equal
         frames' dicts between contexts, so a new context mostly costs a join)."""
-        text = self._frame_texts.text
-        return "[" + ",".join(text(f, _dumps) for f in frames) + "]"
+        texts = self._frame_texts
+        try:  # every frame seen before (the common case for a new context): one join at C speed
+            return "[" + ",".join(map(texts.known.__getitem__, map(id, frames))) + "]"
+        except KeyError:
+            text = texts.text
+            return "[" + ",".join(text(f, _dumps) for f in frames) + "]"
 
     def _tail(self, s: TraceSample) -> str:
         frames = s.frames
@@ -240,11 +247,19 @@ class JsonlWriter:
             tail = self._tail(s)
         else:
             tail = got[4]
+        raw = s.raw_args
+        if not s.args and s.returned is None:  # the common line: one format, no pieces to join
+            if raw is None:
+                self._lines.append(f'{{"time_ns":{s.time_ns},"pid":{s.pid},"tid":{s.tid},{tail}}}\n')
+            else:
+                self._lines.append(f'{{"time_ns":{s.time_ns},"pid":{s.pid},"tid":{s.tid},{tail},"raw_args":['
+                                   f'{",".join(map(str, raw))}]}}\n')
+            return
         extra = ""
         if s.args:
             extra = f',"args":{_dumps(s.args)}'
-        if s.raw_args is not None:
-            extra += ',"raw_args":[' + ",".join(map(str, s.raw_args)) + "]"
+        if raw is not None:
+            extra += ',"raw_args":[' + ",".join(map(str, raw)) + "]"
         if s.returned is not None:
             extra += f',"ret":{s.ret if s.returned else "null"}'
         self._lines.append(f'{{"time_ns":{s.time_ns},"pid":{s.pid},"tid":{s.tid},{tail}{extra}}}\n')
