@@ -256,9 +256,13 @@ def test_tail_exit_frames_only_where_the_call_graph_has_one_chain(tmp_path: Path
     (puts,) = {n for _, _, b, _, n in rows if b == "puts"}
 
     def chain(site: int, entered: str | None) -> list[tuple[str | None, int | None, bool]]:
-        return [(f.function, f.call_site, f.tail_call) for f in sym._tail_exit(site, entered)]
+        return [(f.function, f.call_site, f.tail_call) for f in sym._tail_exit_frames(site, entered)]
 
     assert chain(call, "getppid") == chain(call, None) == [("tail_plt", jump, True)]
+    cached = sym._tail_exit(call, "getppid")  # what decode() uses: made once, with the frames' JSON
+    assert sym._tail_exit(call, "getppid") is cached
+    assert [f for f, _ in cached] == sym._tail_exit_frames(call, "getppid")
+    assert [j for _, j in cached] == [f.to_json() for f in sym._tail_exit_frames(call, "getppid")]
     assert chain(notail, "getppid") == []  # notail calls finish: no tail jump out of the binary
     # A second way out of tail_plt (as `return x ? getppid() : puts(...)` would have): ambiguous
     # unless the library function entered names it.

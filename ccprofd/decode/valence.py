@@ -51,6 +51,8 @@ class ValenceDecoder(BaseDecoder):
         root = self.root
         if acyc >> table[m][0]:
             raise DecodeError(f"acycID has bits above level {table[m][0]} of node {node}")
+        if si < 0 and not rl:  # no segment, no recID (an acyclic chain): Algorithm 2 steps only
+            return self._acyclic(m, acyc, out)
         while True:
             if si >= 0 and m == self.index.get(segs[si].callee):
                 if rl == floor:
@@ -86,6 +88,32 @@ class ValenceDecoder(BaseDecoder):
                 if si >= 0 and m == self.index.get(segs[si].callee):
                     raise DecodeError("segment start reached with recID above the segment's height")
             # Algorithm 2 step
+            _, lv_low, lv_mask, groups = table[m]
+            if not groups:
+                raise DecodeError(f"no incoming acyclic edge at node {self.nodes[m]}")
+            lv_code = (acyc >> lv_low) & lv_mask
+            if lv_code >= len(groups):
+                raise DecodeError(f"level code {lv_code} unknown at node {self.nodes[m]}")
+            pl, e_mask, edges = groups[lv_code]
+            e_code = (acyc >> pl) & e_mask
+            if e_code >= len(edges):
+                raise DecodeError(f"edge code {e_code} unknown at node {self.nodes[m]}")
+            e = edges[e_code]
+            if callee[e] != m:
+                raise DecodeError(f"acyclic code names an edge into {self.nodes[callee[e]]}, "
+                                  f"not {self.nodes[m]}")
+            out.append(edge[e])
+            m = caller[e]
+        out.reverse()
+        return out
+
+    def _acyclic(self, m: int, acyc: int, out: list[Edge]) -> list[Edge]:
+        """The main loop of :meth:`_decode` once nothing but acyclic steps remain (no segment left,
+        recID empty): the same steps and checks, without the segment and recID tests."""
+        callee, caller, edge = self.callee, self.caller, self.edge
+        table = self.node_table
+        root = self.root
+        while m != root:
             _, lv_low, lv_mask, groups = table[m]
             if not groups:
                 raise DecodeError(f"no incoming acyclic edge at node {self.nodes[m]}")

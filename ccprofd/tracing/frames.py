@@ -88,3 +88,12 @@ class Decoded:
         assert self._json is not None
         return self._json
 
+    @staticmethod
+    def with_json(frames: list[Frame], json: list[dict[str, Any]], complete: bool,
+                  reason: str | None = None) -> Decoded:
+        """A Decoded whose JSON dicts the caller already has (``json[i]`` is ``frame_json(frames[i])``,
+        e.g. kept beside frames it reuses), so :meth:`json_frames` need not look each one up."""
+        d = Decoded(frames, complete, reason)
+        object.__setattr__(d, "_json", json)
+        return d
+

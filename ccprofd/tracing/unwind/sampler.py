@@ -193,7 +193,7 @@ def hit_sample(v: HitHeader) -> UnwoundSample:
                          None if nr < 0 else v[HIT_ARGS:])
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # immutable by use; a frozen __init__ costs 3x
 class EncodedSegment:
     """One segment of an encoded context (dense node indices; ``caller`` NO_NODE: unknown)."""
 
@@ -205,7 +205,7 @@ class EncodedSegment:
     ret: int  # the caller frame's return address (vaddr), 0 when its pc was not one
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # immutable by use; a frozen __init__ costs 3x
 class UnanalysedFrame:
     """A frame outside the analysed binary (or outside its functions) inside the context."""
 
@@ -215,7 +215,7 @@ class UnanalysedFrame:
     exact: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # immutable by use; a frozen __init__ costs 3x
 class EncodedRecord:
     """The context BPF encoded for one stack (struct ue_rec), dense node indices."""
 
