@@ -184,6 +184,8 @@ def test_record_decoding_by_hand() -> None:
         unanalysed=(UnanalysedFrame(1, 7, 0x7000, True),))
     plain = UnwoundSample.decode(raw[:-24] + struct.pack("<3Q", 1, 2, 3), layout)
     assert plain.pcs == (1, 2, 3) and plain.exact == (False, False, False)
+    signal = UnwoundSample.decode(raw[:-24] + struct.pack("<3Q", 1, exact | 2, exact | 3), layout)
+    assert signal.pcs == (1, 2, 3) and signal.exact == (False, True, True)  # below a signal frame
 
 
 def test_hit_headers_make_the_same_samples_as_decoded_hits() -> None:

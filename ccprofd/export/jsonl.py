@@ -218,7 +218,8 @@ class JsonlWriter:
         self.out = out
         self._tails: dict[int, tuple[list[dict[str, Any]], str, str | None, bool, str]] = {}
         self._frame_texts = _FrameCache()
-        self._lines: list[str] = []  # this batch's output, written at flush()
+        self._lines: list[str] = []  # this batch's output (pieces of lines), written at flush()
+        self._heads: dict[tuple[str, str | None, bool], str] = {}  # the tail's text before "frames"
 
     def _frames_text(self, frames: list[dict[str, Any]]) -> str:
         """The JSON of a frames list, each frame dict serialised once (the modes share equal
@@ -234,8 +235,12 @@ class JsonlWriter:
         frames = s.frames
         if len(self._tails) >= FRAME_CACHE_ENTRIES:
             self._tails.clear()
-        tail = (f'"event":{_dumps(s.event)},"syscall":{_dumps(s.syscall)},'
-                f'"complete":{"true" if s.complete else "false"},"frames":{self._frames_text(frames)}')
+        head = self._heads.get((s.event, s.syscall, s.complete))
+        if head is None:
+            head = self._heads[(s.event, s.syscall, s.complete)] = (
+                f'"event":{_dumps(s.event)},"syscall":{_dumps(s.syscall)},'
+                f'"complete":{"true" if s.complete else "false"},"frames":')
+        tail = head + self._frames_text(frames)
         self._tails[id(frames)] = (frames, s.event, s.syscall, s.complete, tail)
         return tail
 
@@ -247,13 +252,12 @@ class JsonlWriter:
             tail = self._tail(s)
         else:
             tail = got[4]
+        # The line goes out as three pieces (flush joins them): the context's tail, kilobytes of
+        # frames, is copied once, by that join, not also into a line of its own.
         raw = s.raw_args
-        if not s.args and s.returned is None:  # the common line: one format, no pieces to join
-            if raw is None:
-                self._lines.append(f'{{"time_ns":{s.time_ns},"pid":{s.pid},"tid":{s.tid},{tail}}}\n')
-            else:
-                self._lines.append(f'{{"time_ns":{s.time_ns},"pid":{s.pid},"tid":{s.tid},{tail},"raw_args":['
-                                   f'{",".join(map(str, raw))}]}}\n')
+        if not s.args and s.returned is None:  # the common line: no path argument, no return
+            self._lines += (f'{{"time_ns":{s.time_ns},"pid":{s.pid},"tid":{s.tid},', tail,
+                            "}\n" if raw is None else f',"raw_args":[{",".join(map(str, raw))}]}}\n')
             return
         extra = ""
         if s.args:
@@ -262,7 +266,7 @@ class JsonlWriter:
             extra += ',"raw_args":[' + ",".join(map(str, raw)) + "]"
         if s.returned is not None:
             extra += f',"ret":{s.ret if s.returned else "null"}'
-        self._lines.append(f'{{"time_ns":{s.time_ns},"pid":{s.pid},"tid":{s.tid},{tail}{extra}}}\n')
+        self._lines += (f'{{"time_ns":{s.time_ns},"pid":{s.pid},"tid":{s.tid},', tail, f"{extra}}}\n")
 
     def record(self, r: Mapping[str, Any]) -> None:
         self._lines.append(_dumps(r) + "\n")

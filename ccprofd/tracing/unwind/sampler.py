@@ -171,6 +171,8 @@ class UnwoundSample:
         tagged = _words(n).unpack_from(raw, off)
         if max(tagged, default=0) < EXACT_BIT:  # no pc flagged exact: the words are the pcs
             pcs, exact = tagged, (False,) * n
+        elif max(tagged[1:], default=0) < EXACT_BIT:  # only the innermost (a syscall's own pc)
+            pcs, exact = (tagged[0] & _PC_MASK, *tagged[1:]), (True,) + (False,) * (n - 1)
         else:
             pcs = tuple(map(_PC_MASK.__and__, tagged))
             exact = tuple(map(bool, map(EXACT_BIT.__and__, tagged)))
