@@ -211,6 +211,29 @@ def test_hit_headers_make_the_same_samples_as_decoded_hits() -> None:
     assert mode._sample(header, d).event == "cpu"
 
 
+def test_small_targets_share_one_program_text() -> None:
+    """The encoded program's table sizes are rounded up to buckets, so two small targets with the
+    same encoding widths get the same BPF text (one compiled object, which set-up can prebuild);
+    a target past the smallest bucket gets bigger tables, never smaller than its own counts."""
+    from ccprofd.tracing.unwind.sampler import _program_defines
+
+    def text(nfuncs: int, nedges: int, nsites: int) -> str:
+        enc = types.SimpleNamespace(functions=[[0, 1, 0, 0]] * nfuncs, edges=dict.fromkeys(range(nedges)),
+                                    callsites=dict.fromkeys(range(nsites)), rec_code_bits=0)
+        layout = RecordLayout(acyc_words=1, max_segs=64, rec_words=2, max_unan=128)
+        return _program_defines(max_depth=4096, max_maps=256, max_procs=256, max_entries=1 << 20,
+                                max_modules=1024, max_rules=4096, max_contexts=1 << 16, arena_words=1 << 21,
+                                ringbuf_pages=4096, encoding=enc, layout=layout)[0]  # type: ignore[arg-type]
+
+    small = text(3, 5, 4)
+    assert text(40, 300, 250) == small and "#define UE_MAX_FUNCS 1024\n" in small
+    big = text(3000, 10_000, 5000)
+    assert big != small
+    for name, at_least in (("UE_MAX_FUNCS", 3000), ("UE_MAX_EDGES", 10_000), ("UE_MAX_SITES", 5000)):
+        (line,) = [ln for ln in big.splitlines() if ln.startswith(f"#define {name} ")]
+        assert int(line.split()[2]) >= at_least
+
+
 def test_unwind_encoding_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The encoding is stored once per plan and read back equal; a stripped twin (same build-id,
     other content) never gets its twin's entry; a damaged entry is rebuilt."""

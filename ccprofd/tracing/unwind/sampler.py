@@ -97,6 +97,9 @@ from ccprofd.tracing.unwind.tables import (
 )
 
 DEFAULT_MAX_DEPTH = 4096
+# Smallest table buckets of the encoded program (see _program_defines).
+MIN_FUNCS_BUCKET = 1024
+MIN_EDGES_BUCKET = 4096
 
 _SAMPLE_HDR = struct.Struct("<QIIIiIIIIQQII6Q")  # struct uw_sample up to arg (UW_SAMPLE_HDR_BYTES)
 _HDR_SIZE = _SAMPLE_HDR.size
@@ -624,14 +627,19 @@ def _program_defines(*, max_depth: int, max_maps: int, max_procs: int, max_entri
     }
     loops = {"unwind": max_depth + 1, "arena": max_depth}
     if encoding is not None and layout is not None:
-        nfuncs = max(1, len(encoding.functions))
+        # Table sizes in buckets (powers of two, at least those of a small program), not each
+        # target's own counts: every small target with the same encoding widths then has the same
+        # program text, so one compiled object serves them all (and set-up can build it ahead:
+        # kbpf/objcache.prebuilt_dir).  BPF bounds its lookups by the loaded counts (ue_config).
+        nfuncs = _pow2_at_least(max(MIN_FUNCS_BUCKET, len(encoding.functions)))
         loops = {"unwind": max_depth + 1, "enc": max_depth + 2,
                  "hash": layout.total_words + max_depth + 3, "arena": layout.total_words + max_depth + 4}
         defines.update({
             "UE_ENABLED": 1, "UE_ACYC_WORDS": layout.acyc_words, "UE_REC_BITS": encoding.rec_code_bits,
             "UE_REC_WORDS": layout.rec_words, "UE_MAX_SEGS": layout.max_segs, "UE_MAX_UNAN": layout.max_unan,
             "UE_MAX_FUNCS": nfuncs, "UE_FUNCS_LOG2": _log2_ceil(nfuncs),
-            "UE_MAX_EDGES": max(1, len(encoding.edges)), "UE_MAX_SITES": max(1, len(encoding.callsites)),
+            "UE_MAX_EDGES": _pow2_at_least(max(MIN_EDGES_BUCKET, len(encoding.edges))),
+            "UE_MAX_SITES": _pow2_at_least(max(MIN_EDGES_BUCKET, len(encoding.callsites))),
             "UE_ROW_REC": UE_ROW_REC, "UE_ENC_LOOPS": loops["enc"], "UE_HASH_LOOPS": loops["hash"]})
     defines["UW_ARENA_LOOPS"] = loops["arena"]
     text = "".join(f"#define {k} {v}\n" for k, v in defines.items())
