@@ -39,12 +39,13 @@ def _arg_count(name: str | None) -> int:
 
 
 # (name, argument words kept) by syscall number (None: a CPU sample), filled as numbers are seen.
-_NR_INFO: dict[int | None, tuple[str | None, int]] = {}
+SYSCALL_INFO: dict[int | None, tuple[str | None, int]] = {}
 
 
-def _nr_info(nr: int | None) -> tuple[str | None, int]:
+def syscall_info(nr: int | None) -> tuple[str | None, int]:
+    """(name, argument words kept) of syscall ``nr``, remembered in :data:`SYSCALL_INFO`."""
     name = syscall_name(nr)
-    got = _NR_INFO[nr] = (name, _arg_count(name))
+    got = SYSCALL_INFO[nr] = (name, _arg_count(name))
     return got
 
 
@@ -229,7 +230,7 @@ class ModeBase(ABC, Generic[Record, Key]):
     @staticmethod
     def trace_sample(r_time: int, pid: int, tid: int, event: str, nr: int | None, d: Decoded,
                      arg: str | None = None, sargs: tuple[int, ...] | None = None) -> TraceSample:
-        name, nargs = _NR_INFO.get(nr) or _nr_info(nr)  # once per sample: one lookup, not two calls
+        name, nargs = SYSCALL_INFO.get(nr) or syscall_info(nr)  # once per sample: one lookup, not two calls
         return TraceSample(r_time, pid, tid, event, name, d.complete, d.json_frames(),
                            path_args(name, arg) if arg is not None else None,
                            None if sargs is None or nr is None else sargs[:nargs], None, None)

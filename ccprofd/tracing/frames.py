@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,6 +58,8 @@ def demangle(names: Iterable[str]) -> dict[str, str]:
     tool = shutil.which("c++filt")
     if not mangled or tool is None:
         return out
+    import subprocess  # only with C++ names to demangle: not at every start-up
+
     try:
         proc = subprocess.run([tool], input="\n".join(mangled) + "\n", capture_output=True, text=True,
                               timeout=60, check=True)

@@ -38,14 +38,14 @@ from typing import Any
 from ccprofd.elf.needed import load_set
 from ccprofd.tracing.api import TraceOptions, TraceSample
 from ccprofd.tracing.base import (
-    _NR_INFO,
     HIT,
     NEW,
     PLAIN,
     RET_RINGBUF_PAGES,
+    SYSCALL_INFO,
     ContextReader,
     ModeBase,
-    _nr_info,
+    syscall_info,
 )
 from ccprofd.tracing.frames import Decoded
 from ccprofd.tracing.unwind.constants import FLAG_HIT, FLAG_NEW
@@ -183,7 +183,7 @@ class UnwindMode(ModeBase[Record, tuple[int, int]]):
             if nr < 0:
                 return TraceSample(r[HIT_TIME] + self._clock_offset, r[HIT_TGID], r[HIT_TID], "cpu", None,
                                    d.complete, d.json_frames(), None, None, None, None)
-            name, nargs = _NR_INFO.get(nr) or _nr_info(nr)
+            name, nargs = SYSCALL_INFO.get(nr) or syscall_info(nr)
             return TraceSample(r[HIT_TIME] + self._clock_offset, r[HIT_TGID], r[HIT_TID], "syscall", name,
                                d.complete, d.json_frames(), None, r[HIT_ARGS:HIT_ARGS + nargs], None, None)
         if not timed:

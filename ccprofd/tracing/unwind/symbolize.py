@@ -10,7 +10,6 @@ from typing import Any
 
 from ccprofd.callgraph.model import ROOT
 from ccprofd.decode import CachingDecoder, DecodeError, UnknownCaller, decoder_for
-from ccprofd.encode import Encoder
 from ccprofd.encode.plan import COL
 from ccprofd.encode.segments import OUTSIDE, EncodedState, Segment
 from ccprofd.persist.cache import AnalysisCache
@@ -341,6 +340,8 @@ def reference_record(enc: UnwindEncoding, plan: Mapping[str, Any], frames: Seque
     """(encoded state, innermost dense node or NO_NODE, analysed frames) of a stack, computed by
     driving :class:`Encoder` with the calls that built it -- the semantics the BPF pass must match.
     Anchors (outer frames unknown) are segments whose caller is None."""
+    from ccprofd.encode.machine import Encoder  # --verify and tests only: not at start-up
+
     rows = plan["sites"]
     nodes = enc.nodes
     e = Encoder(plan)
