@@ -145,7 +145,7 @@ def test_deliver_counts_a_short_record_and_decodes_hits_inline() -> None:
     stand for the same sample as UnwoundSample.decode makes of it; a record shorter than its kind
     needs is counted, not decoded (no exception out of the poll)."""
     sampler = UnwindSampler.__new__(UnwindSampler)  # deliver() needs no BPF: only its own state
-    sampler._pending, sampler.malformed, sampler.layout = [], 0, None
+    sampler._pending, sampler.malformed, sampler.layout, sampler.fp_frames = [], 0, None, 0
     sampler.processes = types.SimpleNamespace(stale=set())
     hit = struct.pack("<QIIIiIIIIQQII6Q", 5, 18, 2, 3, 110, 4, 0, 1, 0, 7, 8, 0, 0, *range(6))
     sampler.deliver(hit)
@@ -154,6 +154,7 @@ def test_deliver_counts_a_short_record_and_decodes_hits_inline() -> None:
     assert got == UnwoundSample.decode(hit)
     assert got.flags & FLAG_HIT and got.syscall == 110 and got.tgid == 2 and got.tid == 3
     assert got.sargs == (0, 1, 2, 3, 4, 5) and got.key == (7, 8) and got.fp_frames == 1
+    assert sampler.fp_frames == 1  # counted as the record arrived
     sample_header_only = struct.pack("<QIIIiIIIIQQII6Q", 5, 16, 2, 3, 110, 4, 0, 0, 0, 7, 8, 0, 0, *[0] * 6)
     sampler.deliver(sample_header_only)  # a full sample's kind, but no room for its 4 pcs
     assert sampler.malformed == 1 and len(sampler._pending) == 1
@@ -201,7 +202,7 @@ def test_hit_headers_make_the_same_samples_as_decoded_hits() -> None:
     for nr in (1, 39, 0, -1):  # write (3 words), getppid (none), read, a CPU sample
         raw = struct.pack("<QIIIiIIIIQQII6Q", 5, 18, 2, 3, nr, 0, 0, 1, 0, 7, 8, 0, 0, *range(10, 16))
         sampler = UnwindSampler.__new__(UnwindSampler)
-        sampler._pending, sampler.malformed, sampler.layout = [], 0, None
+        sampler._pending, sampler.malformed, sampler.layout, sampler.fp_frames = [], 0, None, 0
         sampler.deliver(raw)
         (header,) = sampler._pending
         assert isinstance(header, tuple)

@@ -52,7 +52,6 @@ from ccprofd.tracing.unwind.constants import FLAG_HIT, FLAG_NEW
 from ccprofd.tracing.unwind.plan import UnwindEncoding
 from ccprofd.tracing.unwind.sampler import (
     HIT_ARGS,
-    HIT_FP,
     HIT_KEY1,
     HIT_KEY2,
     HIT_NR,
@@ -155,7 +154,7 @@ class UnwindMode(ModeBase[Record, tuple[int, int]]):
     def _receive(self, timeout_ms: int) -> list[Record]:
         assert self.sampler is not None
         raw = self.sampler.take(timeout_ms)
-        self.fp_frames += sum(r[HIT_FP] if isinstance(r, tuple) else r.fp_frames for r in raw)
+        self.fp_frames = self.sampler.fp_frames  # counted by the sampler as records arrive
         return raw
 
     def _take_returns(self) -> list[tuple[int, int, int, int]]:
@@ -175,7 +174,7 @@ class UnwindMode(ModeBase[Record, tuple[int, int]]):
                 for r in raw]
 
     def _key(self, r: Record) -> tuple[int, int]:
-        return (r[HIT_KEY1], r[HIT_KEY2]) if isinstance(r, tuple) else r.key
+        return r[HIT_KEY1:HIT_KEY2 + 1] if isinstance(r, tuple) else r.key  # type: ignore[return-value]
 
     def _sample(self, r: Record, d: Decoded, *, timed: bool = True) -> TraceSample:
         if isinstance(r, tuple):  # a hit's header (the bulk of a flood): straight to its TraceSample

@@ -371,6 +371,7 @@ class UnwindSampler:
         self._attached = False
         self._pending: list[UnwoundSample | HitHeader] = []
         self.malformed = 0  # records too short for their kind (never expected; counted, not decoded)
+        self.fp_frames = 0  # frames the samples received so far recovered by frame pointer
         self._m: dict[str, RawMap] = {name: self.module.map(name) for name in (
             "tracked", "syscall_set", "config", "uw_procs", "uw_counts", "uw_config", "uw_stats",
             "uw_stop", "uw_held", "exec_targets")}
@@ -498,6 +499,8 @@ class UnwindSampler:
             v = _SAMPLE_HDR.unpack_from(raw)
             if v[1] == EV_HIT and v[6] == 0:  # complete, no argument: kept as its header's fields
                 self._pending.append(v)
+                if v[7]:
+                    self.fp_frames += v[7]
                 return
         kind = _KIND.unpack_from(raw, 8)[0]
         if kind == EV_MAPS:
@@ -511,6 +514,7 @@ class UnwindSampler:
         if sample.reason is not None and sample.reason in ("unknown_pc", "no_maps"):
             self.processes.stale.add(sample.tgid)
         self._pending.append(sample)
+        self.fp_frames += sample.fp_frames
 
     def poll(self, timeout_ms: int = 0) -> list[UnwoundSample]:
         """Samples that arrived since the last call (waits up to ``timeout_ms`` when there are none).
