@@ -115,16 +115,18 @@ class ValenceDecoder(BaseDecoder):
         root = self.root
         while m != root:
             _, lv_low, lv_mask, groups = table[m]
-            if not groups:
-                raise DecodeError(f"no incoming acyclic edge at node {self.nodes[m]}")
-            lv_code = (acyc >> lv_low) & lv_mask
-            if lv_code >= len(groups):
-                raise DecodeError(f"level code {lv_code} unknown at node {self.nodes[m]}")
-            pl, e_mask, edges = groups[lv_code]
+            lv_code = (acyc >> lv_low) & lv_mask  # codes are masked, never negative: an index past
+            try:  # the end is the only bad one, and IndexError says so without a len() per step
+                pl, e_mask, edges = groups[lv_code]
+            except IndexError:
+                if not groups:
+                    raise DecodeError(f"no incoming acyclic edge at node {self.nodes[m]}") from None
+                raise DecodeError(f"level code {lv_code} unknown at node {self.nodes[m]}") from None
             e_code = (acyc >> pl) & e_mask
-            if e_code >= len(edges):
-                raise DecodeError(f"edge code {e_code} unknown at node {self.nodes[m]}")
-            e = edges[e_code]
+            try:
+                e = edges[e_code]
+            except IndexError:
+                raise DecodeError(f"edge code {e_code} unknown at node {self.nodes[m]}") from None
             if callee[e] != m:
                 raise DecodeError(f"acyclic code names an edge into {self.nodes[callee[e]]}, "
                                   f"not {self.nodes[m]}")

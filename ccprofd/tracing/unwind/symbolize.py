@@ -151,8 +151,8 @@ class UnwindSymbolizer:
                     frames.append(f)
                     jsons.append(j)
             if library is not None and len(below) == 1:  # all below the innermost frame: at the end
-                frames.extend(f for f, _ in library)
-                jsons.extend(j for _, j in library)
+                frames.extend(map(_FIRST, library))
+                jsons.extend(map(_SECOND, library))
             else:
                 # Library frames below stack frame k follow k's tail frames: a call that tail-jumped
                 # into a library entered it from the last of them.
