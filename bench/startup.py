@@ -10,9 +10,12 @@ reads the same clock before spawning ``ccprofd trace -o /dev/null -- STAMP`` and
 * total = the whole command.
 
 Cases: *cached* (analysis and compiled BPF object cached, after one warm-up run), *cold, BPF
-cached* (empty analysis cache, compiled object present) and *cold* (both empty: includes the
-clang compile).  ``--repo DIR`` runs another checkout (e.g. an old commit in a temporary clone) so
-two versions are measured side by side in one run.
+cached* (empty analysis cache, compiled object present), *cold, BPF prebuilt at set-up* (empty
+caches, the objects ``scripts/prebuild_bpf.sh`` compiled for a small program in the prebuilt
+directory, as set-up leaves them) and *cold* (nothing: includes the clang compile).  ``--repo
+DIR`` runs another checkout (e.g. an old commit in a temporary clone) so two versions are measured
+side by side in one run; ``strace -f -k -o /dev/null stamp`` (the baseline issue 16 names) is
+measured in the same rounds.
 """
 
 from __future__ import annotations
@@ -50,13 +53,15 @@ def build_stamp(directory: Path) -> Path:
     return exe
 
 
-def one_run(repo: Path, stamp: Path, env_extra: dict[str, str]) -> tuple[float, float, float]:
-    """(start-up, exit, total) seconds of one ``ccprofd trace`` of ``stamp``."""
-    env = {**os.environ, "PYTHONPATH": str(repo), **env_extra}
+def one_run(repo: Path, stamp: Path, env_extra: dict[str, str],
+            argv: list[str] | None = None) -> tuple[float, float, float]:
+    """(start-up, exit, total) seconds of one ``ccprofd trace`` of ``stamp`` (or of ``argv``)."""
+    env = {**os.environ, "PYTHONPATH": str(repo), "CCPROFD_BPF_PREBUILT_DIR": "", **env_extra}
     # As installed: modules load from bytecode (a PYTHONDONTWRITEBYTECODE=1 shell would make every
     # run compile all of ccprofd from source, ~0.3 s, which no installed copy pays).
     env.pop("PYTHONDONTWRITEBYTECODE", None)
-    argv = [sys.executable, "-m", "ccprofd.cli", "trace", "-o", "/dev/null", "--", str(stamp)]
+    if argv is None:
+        argv = [sys.executable, "-m", "ccprofd.cli", "trace", "-o", "/dev/null", "--", str(stamp)]
     t0 = time.monotonic_ns()
     proc = subprocess.run(argv, cwd=repo, env=env, capture_output=True)
     t1 = time.monotonic_ns()
@@ -66,7 +71,20 @@ def one_run(repo: Path, stamp: Path, env_extra: dict[str, str]) -> tuple[float, 
     return (stamped - t0) / 1e9, (t1 - stamped) / 1e9, (t1 - t0) / 1e9
 
 
-CASES = ("cached", "cold, BPF cached", "cold")
+CASES = ("cached", "cold, BPF cached", "cold, BPF prebuilt at set-up", "cold")
+STRACE = "strace -f -k"  # the baseline issue 16 names: the tool users know, stacks included
+
+
+def prebuild(repo: Path, directory: Path) -> bool:
+    """Run the checkout's set-up step that compiles the BPF objects ahead (scripts/prebuild_bpf.sh)
+    into ``directory``; False when the checkout has none (it then compiles as in the cold case)."""
+    script = repo / "scripts" / "prebuild_bpf.sh"
+    if not script.exists():
+        return False
+    env = {**os.environ, "PYTHONPATH": str(repo), "PYTHON": sys.executable}
+    subprocess.run(["bash", str(script), str(directory)], cwd=repo, env=env, check=True,
+                   capture_output=True)
+    return True
 
 
 def measure(repos: list[tuple[str, Path]], stamp: Path, runs: int,
@@ -74,21 +92,35 @@ def measure(repos: list[tuple[str, Path]], stamp: Path, runs: int,
     """Medians of (start-up, exit, total) per checkout and case.  The checkouts take turns run by
     run (a shared machine's load changes over minutes: it then weighs on both alike)."""
     warm: dict[str, Path] = {}
+    prebuilt: dict[str, Path] = {}
     for label, repo in repos:
         warm[label] = scratch / f"warm-{len(warm)}"
         one_run(repo, stamp, {"CCPROFD_CACHE_DIR": str(warm[label])})  # fills both caches
+        prebuilt[label] = scratch / f"prebuilt-{len(prebuilt)}"
+        if not prebuild(repo, prebuilt[label]):
+            print(f"startup: {label} has no scripts/prebuild_bpf.sh: its prebuilt case compiles",
+                  file=sys.stderr)
     got: dict[str, dict[str, list[tuple[float, float, float]]]] = {
         label: {case: [] for case in CASES} for label, _ in repos}
+    got[STRACE] = {"-": []}
     for _ in range(runs):
         for label, repo in repos:
             # compiled objects go to <analysis cache>/bpf
             got[label]["cached"].append(one_run(repo, stamp, {"CCPROFD_CACHE_DIR": str(warm[label])}))
-            for case in ("cold, BPF cached", "cold"):
+            for case in CASES[1:]:
                 fresh = Path(tempfile.mkdtemp(dir=scratch))
+                extra = {"CCPROFD_CACHE_DIR": str(fresh)}
                 if case == "cold, BPF cached":
                     shutil.copytree(warm[label] / "bpf", fresh / "bpf")
-                got[label][case].append(one_run(repo, stamp, {"CCPROFD_CACHE_DIR": str(fresh)}))
+                elif case == "cold, BPF prebuilt at set-up":
+                    extra["CCPROFD_BPF_PREBUILT_DIR"] = str(prebuilt[label])
+                got[label][case].append(one_run(repo, stamp, extra))
                 shutil.rmtree(fresh, ignore_errors=True)
+        if shutil.which("strace"):
+            argv = [*STRACE.split(), "-o", "/dev/null", str(stamp)]
+            got[STRACE]["-"].append(one_run(ROOT, stamp, {}, argv))
+    if not got[STRACE]["-"]:
+        del got[STRACE]
     return {label: {case: tuple(statistics.median(r[i] for r in rs) for i in range(3))  # type: ignore[misc]
                     for case, rs in cases.items()} for label, cases in got.items()}
 
@@ -115,7 +147,8 @@ def main() -> int:
              "|---|---|---|---|---|"]
     for label, res in results.items():
         for case, (start, exit_, total) in res.items():
-            lines.append(f"| {label} | {case} | {start:.2f} s | {exit_:.2f} s | {total:.2f} s |")
+            name = f"`{label} -o /dev/null stamp`" if label == STRACE else label
+            lines.append(f"| {name} | {case} | {start:.2f} s | {exit_:.2f} s | {total:.2f} s |")
     lines += ["", "Targets (issue #16): start-up ≤ 0.4 s cached, ≤ 1.5 s cold, for a small binary "
               "(`ccprofd trace -o /dev/null -- stamp`, unwind mode, a 16 kB C program printing "
               "CLOCK_MONOTONIC at the top of `main`)."]

@@ -17,7 +17,10 @@ Measured in one run:
   time, samples written, samples dropped (``lost`` records), peak RSS; beside it, in the same run,
   the program untraced and under ``strace -f -k -e trace=getppid -o FILE`` (the tool users know).
 
-Run as root: ``.venv/bin/python bench/trace_throughput.py [--calls N] [--update-readme]``.
+``--repo LABEL=DIR`` also replays the stage with another checkout's ccprofd (e.g. the commit before
+a change, in a temporary clone), the versions taking turns, each replay a fresh process.
+
+Run as root: ``.venv/bin/python bench/trace_throughput.py [--calls N] [--repo LABEL=DIR] [--update-readme]``.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pickle
 import shutil
 import subprocess
 import sys
@@ -32,7 +36,8 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+# --replay-only runs in a subprocess with another checkout's ccprofd (--repo): that one first.
+sys.path.insert(0, os.environ.get("CCPROFD_BENCH_REPO") or str(Path(__file__).resolve().parent.parent))
 
 from bench.common import machine_line, publish, run_measured, status_mb
 from ccprofd.export.jsonl import JsonlWriter
@@ -133,6 +138,33 @@ def replay(binary: Path, records: list[bytes], out_path: Path) -> dict[str, floa
             "rate": written / seconds if seconds else 0.0}
 
 
+def replay_in(repo: Path, binary: Path, records_file: Path, out_path: Path) -> dict[str, float]:
+    """:func:`replay` run by ``repo``'s ccprofd, in a subprocess (two versions side by side)."""
+    env = {**os.environ, "CCPROFD_BENCH_REPO": str(repo), "PYTHONPATH": str(repo)}
+    proc = subprocess.run([sys.executable, __file__, "--replay-only", str(binary), str(records_file),
+                           str(out_path)], env=env, capture_output=True, text=True, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"replay with {repo} failed: {proc.stderr[-2000:]}")
+    result: dict[str, float] = json.loads(proc.stdout.splitlines()[-1])
+    return result
+
+
+def stage(label_repos: list[tuple[str, Path]], binary: Path, records: list[bytes], tmp: Path,
+          repeats: int) -> dict[str, dict[str, float]]:
+    """Median, slowest and fastest replay of ``records`` per checkout, the checkouts taking turns."""
+    records_file = tmp / f"records-{binary.name}.pickle"
+    records_file.write_bytes(pickle.dumps(records))
+    runs: dict[str, list[dict[str, float]]] = {label: [] for label, _ in label_repos}
+    for _ in range(repeats):
+        for label, repo in label_repos:
+            runs[label].append(replay_in(repo, binary, records_file, tmp / f"replay-{binary.name}.jsonl"))
+    out = {}
+    for label, rs in runs.items():
+        rs.sort(key=lambda r: r["rate"])
+        out[label] = {**rs[len(rs) // 2], "best": rs[-1]["rate"], "worst": rs[0]["rate"]}
+    return out
+
+
 # ------------------------------------------------------------------------------------ end to end
 def count_lines(path: Path) -> tuple[int, int]:
     samples = lost = 0
@@ -177,16 +209,21 @@ def end_to_end(prog: Path, calls: int, tmp: Path, strace_calls: int) -> dict[str
     return row
 
 
-def render(stage: dict[str, dict[str, float]], e2e: dict[str, dict[str, float]], calls: int) -> str:
+def render(stages: dict[str, dict[str, dict[str, float]]], e2e: dict[str, dict[str, float]],
+           calls: int) -> str:
     lines = [f"Measured by `bench/trace_throughput.py` on {machine_line()}.", "",
              "Decode + write stage (records of a real run replayed through a fresh unwind mode and the "
-             "JSONL writer, to a file; median of the replays, with the slowest and fastest):", "",
-             "| contexts | samples | complete | seconds | samples/s (median) | slowest – fastest | target |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             "JSONL writer, to a file, each replay a fresh process; median of the replays, with the "
+             "slowest and fastest; the checkouts take turns):", "",
+             "| contexts | version | samples | complete | seconds | samples/s (median) | slowest – fastest "
+             "| target |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     targets = {"repeat": 200_000, "distinct": 20_000}
-    for name, r in stage.items():
-        lines.append(f"| {name} | {int(r['written']):,} | {int(r['complete']):,} | {r['seconds']:.2f} | "
-                     f"{r['rate']:,.0f} | {r['worst']:,.0f} – {r['best']:,.0f} | {targets[name]:,} |")
+    for name, per_repo in stages.items():
+        for label, r in per_repo.items():
+            lines.append(f"| {name} | {label} | {int(r['written']):,} | {int(r['complete']):,} | "
+                         f"{r['seconds']:.2f} | {r['rate']:,.0f} | {r['worst']:,.0f} – {r['best']:,.0f} | "
+                         f"{targets[name]:,} |")
     lines += ["", f"End to end, {calls:,} getppid() calls (`ccprofd trace --format jsonl -o FILE`, "
               "beside the program untraced and `strace -f -k` on a shorter run; peak RSS is ccprofd's own, "
               "VmHWM):", "",
@@ -209,27 +246,33 @@ def main() -> int:
                     help="calls under strace -k (it manages ~1,500 a second here)")
     ap.add_argument("--update-readme", action="store_true",
                     help="rewrite the README's bench:trace_throughput section")
+    ap.add_argument("--repo", action="append", default=[], metavar="LABEL=DIR",
+                    help="also replay the stage with this checkout's ccprofd (repeatable)")
+    ap.add_argument("--replay-only", nargs=3, metavar=("BINARY", "RECORDS", "OUT"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.replay_only:  # a subprocess of stage(): one replay, its numbers as JSON on stdout
+        binary, records_file, out = (Path(p) for p in args.replay_only)
+        print(json.dumps(replay(binary, pickle.loads(records_file.read_bytes()), out)))
+        return 0
+    label_repos = [(label, Path(path).resolve()) for label, _, path in (r.partition("=") for r in args.repo)]
+    label_repos.append(("this", Path(__file__).resolve().parent.parent))
     if os.geteuid() != 0:
         print("trace_throughput: needs root (BPF)", file=sys.stderr)
         return 2
     with tempfile.TemporaryDirectory(prefix="ccprofd-tput-") as d:
         tmp = Path(d)
         progs = build(tmp)
-        stage = {}
+        stages = {}
         for name, argv in (("repeat", [str(progs["repeat"]), str(args.stage_calls)]),
                            ("distinct", [str(progs["distinct"]), str(args.stage_calls // 10), "1000"])):
             records = capture(argv)
-            out = tmp / f"replay-{name}.jsonl"
-            runs = sorted((replay(progs[name], records, out) for _ in range(args.repeats)),
-                          key=lambda r: r["rate"])
-            stage[name] = {**runs[len(runs) // 2], "best": runs[-1]["rate"], "worst": runs[0]["rate"]}
-            print(f"stage {name}: {stage[name]}", file=sys.stderr)
+            stages[name] = stage(label_repos, progs[name], records, tmp, args.repeats)
+            print(f"stage {name}: {stages[name]}", file=sys.stderr)
         e2e = {}
         for name in ("repeat", "distinct"):
             e2e[name] = end_to_end(progs[name], args.calls, tmp, min(args.calls, args.strace_calls))
             print(f"end to end {name}: {e2e[name]}", file=sys.stderr)
-    publish("trace_throughput", render(stage, e2e, args.calls), args.update_readme)
+    publish("trace_throughput", render(stages, e2e, args.calls), args.update_readme)
     return 0
 
 

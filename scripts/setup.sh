@@ -116,6 +116,11 @@ fi
 PROBLEM=$(.venv/bin/python -c 'import sys; from ccprofd.cli.daemon import access_problem as a; print(a(sys.argv[1]) or "")' \
           "$ROOT/.venv/bin/ccprofctl")
 [ -z "$PROBLEM" ] || say "warning: other users cannot run $ROOT/.venv/bin/ccprofctl: $PROBLEM (see the README, \"ccprofctl for the ccprofd group\")"
+# The BPF programs of `ccprofd trace` for small targets, compiled now rather than at the first trace
+# (clang takes 5-9 s; issue 16's cold start-up target is 1.5 s).  CCPROFD_SKIP_PREBUILD=1 skips it.
+if [ "${CCPROFD_SKIP_PREBUILD:-0}" != 1 ]; then
+  bash scripts/prebuild_bpf.sh || say "warning: prebuilding the BPF objects failed (the first trace compiles them)"
+fi
 say "ready: $ROOT/.venv/bin/ccprofd, $ROOT/.venv/bin/ccprofctl"
 
 # ---- 5. the main job on the bundled example --------------------------------------------------------

@@ -105,6 +105,36 @@ def test_compile_cached_compiles_once_and_recompiles_on_change_or_corruption(
     assert (tmp_path / "env").is_dir() and len(calls) == 6
 
 
+def test_compile_cached_takes_an_object_built_at_set_up(tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    """An object scripts/prebuild_bpf.sh left in the prebuilt directory is used (and copied into
+    the cache) instead of compiling; a corrupt one, another text, or no prebuilt directory
+    ($CCPROFD_BPF_PREBUILT_DIR empty) compiles as before."""
+    calls: list[str] = []
+
+    def fake_compile(text: str, cflags: Any) -> CompiledObject:
+        calls.append(text)
+        return _sample_object()
+
+    monkeypatch.setattr(objcache, "compile_in_subprocess", fake_compile)
+    pre = tmp_path / "prebuilt"
+    pre.mkdir()
+    objcache.store(objcache.cache_path(pre, objcache.cache_key("src", ())), _sample_object())
+    monkeypatch.setenv(objcache.ENV_PREBUILT_DIR, str(pre))
+    assert objcache.compile_cached("src", cache_dir=tmp_path / "c1") == _sample_object()
+    assert calls == []
+    assert objcache.cache_path(tmp_path / "c1", objcache.cache_key("src", ())).is_file()
+    objcache.compile_cached("other", cache_dir=tmp_path / "c1")
+    assert calls == ["other"]
+    objcache.cache_path(pre, objcache.cache_key("src", ())).write_bytes(b"\x00garbage")
+    objcache.compile_cached("src", cache_dir=tmp_path / "c2")
+    assert calls == ["other", "src"]
+    objcache.store(objcache.cache_path(pre, objcache.cache_key("src", ())), _sample_object())
+    monkeypatch.setenv(objcache.ENV_PREBUILT_DIR, "")
+    objcache.compile_cached("src", cache_dir=tmp_path / "c3")
+    assert calls == ["other", "src", "src"]
+
+
 def test_the_cache_keeps_the_most_recently_used_objects(tmp_path: Path) -> None:
     obj = _sample_object()
     paths = [tmp_path / f"{i:02d}.v{objcache.FORMAT_VERSION}.json" for i in range(5)]

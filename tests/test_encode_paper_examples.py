@@ -200,3 +200,32 @@ def test_section_3_2_path_in_hcce_and_pcce() -> None:
     st = enc.state()
     assert st.acyc == (4,) and st.pairs == (((0,), 2), ((3,), 0))
     assert decoder_for(p).decode(st, NODE["F"]) == AJD1FHEF
+
+
+def test_every_acyclic_id_decodes_to_the_path_that_encodes_it_or_is_refused() -> None:
+    """Valence decoding of an acyclic graph, for every acycID below 2^6 at every node of Figure 1:
+    either a path from the root that encodes to exactly that id, or DecodeError (codes past a
+    node's groups or edges, bits above its level) -- never another exception, never a wrong path.
+    The decodable ids at a node are as many as its paths from the root."""
+    plan = build_plan(paper_graph(FIG1_EDGES), "valence")
+    dec = decoder_for(plan)
+    succ: dict[str, list[tuple[int, int, int]]] = {}
+    for u, v, s in FIG1_EDGES:
+        succ.setdefault(u, []).append(e(u, v, s))
+
+    def paths(node: str) -> int:
+        return 1 if node == "A" else sum(paths(u) for u, v, _ in FIG1_EDGES if v == node)
+
+    for node in NODE:
+        decoded = 0
+        for value in range(1 << 6):
+            try:
+                path = dec.decode(EncodedState(acyc=(value,)), NODE[node])
+            except DecodeError:
+                continue
+            enc = Encoder(plan)
+            for x in path:
+                enc.call(x)
+            assert path[0] == ROOT_A and path[-1][1] == NODE[node] and enc.state().acyc == (value,)
+            decoded += 1
+        assert decoded == paths(node), node

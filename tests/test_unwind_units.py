@@ -23,7 +23,17 @@ from ccprofd.persist.cache import AnalysisCache
 from ccprofd.proc.maps import module_mappings, parse_maps, read_maps
 from ccprofd.tracing.unwind import plan as unwind_plan
 from ccprofd.tracing.unwind.programs import link_loop_callbacks
-from ccprofd.tracing.unwind.sampler import ARG_LEN, FLAG_HIT, UnwindSampler, UnwoundSample
+from ccprofd.tracing.unwind.sampler import (
+    ARG_LEN,
+    FLAG_HIT,
+    EncodedRecord,
+    EncodedSegment,
+    RecordLayout,
+    UnanalysedFrame,
+    UnwindSampler,
+    UnwoundSample,
+    hit_sample,
+)
 
 LIBC = "/usr/lib/x86_64-linux-gnu/libc.so.6"
 
@@ -131,20 +141,98 @@ def test_sample_decoding() -> None:
 
 
 def test_deliver_counts_a_short_record_and_decodes_hits_inline() -> None:
-    """The ring callback: a complete hit header is decoded by the inline fast path the same as by
-    UnwoundSample.decode; a record shorter than its kind needs is counted, not decoded (no
-    exception out of the poll)."""
+    """The ring callback: a complete hit header is kept as its header's fields (HitHeader), which
+    stand for the same sample as UnwoundSample.decode makes of it; a record shorter than its kind
+    needs is counted, not decoded (no exception out of the poll)."""
     sampler = UnwindSampler.__new__(UnwindSampler)  # deliver() needs no BPF: only its own state
-    sampler._pending, sampler.malformed, sampler.layout = [], 0, None
+    sampler._pending, sampler.malformed, sampler.layout, sampler.fp_frames = [], 0, None, 0
     sampler.processes = types.SimpleNamespace(stale=set())
     hit = struct.pack("<QIIIiIIIIQQII6Q", 5, 18, 2, 3, 110, 4, 0, 1, 0, 7, 8, 0, 0, *range(6))
     sampler.deliver(hit)
-    assert sampler._pending == [UnwoundSample.decode(hit)]
-    assert sampler._pending[0].flags & FLAG_HIT and sampler._pending[0].syscall == 110
-    assert sampler._pending[0].sargs == (0, 1, 2, 3, 4, 5)
+    assert len(sampler._pending) == 1 and isinstance(sampler._pending[0], tuple)
+    got = hit_sample(sampler._pending[0])
+    assert got == UnwoundSample.decode(hit)
+    assert got.flags & FLAG_HIT and got.syscall == 110 and got.tgid == 2 and got.tid == 3
+    assert got.sargs == (0, 1, 2, 3, 4, 5) and got.key == (7, 8) and got.fp_frames == 1
+    assert sampler.fp_frames == 1  # counted as the record arrived
     sample_header_only = struct.pack("<QIIIiIIIIQQII6Q", 5, 16, 2, 3, 110, 4, 0, 0, 0, 7, 8, 0, 0, *[0] * 6)
     sampler.deliver(sample_header_only)  # a full sample's kind, but no room for its 4 pcs
     assert sampler.malformed == 1 and len(sampler._pending) == 1
+
+
+def test_record_decoding_by_hand() -> None:
+    """A whole new-context record (header, path argument, struct ue_rec, tagged pcs) decoded field by
+    field as laid out by hand here: exact bits (bit 63) split off pcs and unanalysed vaddrs, a
+    two-word acycID, two segments, a recID over two words cut to its length."""
+    layout = RecordLayout(acyc_words=2, max_segs=2, rec_words=2, max_unan=2)
+    exact = 1 << 63
+    hdr = struct.pack("<QIIIiIIIIQQII6Q", 9, 16, 4, 5, 39, 3, 0, 0, 0x10, 1, 2, 0, 0, *[0] * 6)
+    rec_len = 70  # two words, the second's bits above 6 are not part of it
+    ue = struct.pack("<IIIIQII", 3, 0x20, rec_len, 2, 0x1234, 1, 2) + struct.pack("<2Q", 0xAA, 0xBB)
+    ue += struct.pack("<2Q", 1, 2) + struct.pack("<IIIIqQ", 4, 7, 8, 0, -1, 0x99)
+    ue += struct.pack("<2Q", 3, 4) + struct.pack("<IIIIqQ", 6, 9, 10, 0, 0x500, 0)
+    ue += struct.pack("<2Q", 0xF0F0, 0xFFC1)
+    ue += struct.pack("<2Q", (7 << 32) | 1, exact | 0x7000) + struct.pack("<2Q", 0, 0)
+    assert len(ue) == layout.size
+    raw = hdr + bytes(ARG_LEN) + ue + struct.pack("<3Q", exact | 0x401000, 0x401234, 0x402000)
+    s = UnwoundSample.decode(raw, layout)
+    assert (s.time_ns, s.tgid, s.tid, s.syscall, s.key, s.flags) == (9, 4, 5, 39, (1, 2), 0x10)
+    assert s.pcs == (0x401000, 0x401234, 0x402000) and s.exact == (True, False, False)
+    assert s.encoded == EncodedRecord(
+        node=3, flags=0x20, inner=0x1234, nframes=2, acyc=(0xAA, 0xBB), rec=0xF0F0 | (0x01 << 64),
+        rec_len=rec_len, segments=(EncodedSegment((1, 2), 4, 7, 8, -1, 0x99),
+                                   EncodedSegment((3, 4), 6, 9, 10, 0x500, 0)),
+        unanalysed=(UnanalysedFrame(1, 7, 0x7000, True),))
+    plain = UnwoundSample.decode(raw[:-24] + struct.pack("<3Q", 1, 2, 3), layout)
+    assert plain.pcs == (1, 2, 3) and plain.exact == (False, False, False)
+    signal = UnwoundSample.decode(raw[:-24] + struct.pack("<3Q", 1, exact | 2, exact | 3), layout)
+    assert signal.pcs == (1, 2, 3) and signal.exact == (False, True, True)  # below a signal frame
+
+
+def test_hit_headers_make_the_same_samples_as_decoded_hits() -> None:
+    """UnwindMode turns a hit kept as its header (the flood's fast path) into the TraceSample it
+    makes of the same record decoded whole: syscall (its argument words cut to the call's count)
+    and CPU samples."""
+    from ccprofd.tracing.frames import Decoded, Frame
+    from ccprofd.tracing.unwind.mode import UnwindMode
+
+    mode = UnwindMode.__new__(UnwindMode)
+    mode._clock_offset = 1000
+    d = Decoded([Frame("main", "/bin/x", None, True, 0x10, 0x15)], True)
+    for nr in (1, 39, 0, -1):  # write (3 words), getppid (none), read, a CPU sample
+        raw = struct.pack("<QIIIiIIIIQQII6Q", 5, 18, 2, 3, nr, 0, 0, 1, 0, 7, 8, 0, 0, *range(10, 16))
+        sampler = UnwindSampler.__new__(UnwindSampler)
+        sampler._pending, sampler.malformed, sampler.layout, sampler.fp_frames = [], 0, None, 0
+        sampler.deliver(raw)
+        (header,) = sampler._pending
+        assert isinstance(header, tuple)
+        assert mode._kinds([header]) == mode._kinds([hit_sample(header)]) == [mode._kind(header)]
+        assert mode._key(header) == mode._key(hit_sample(header)) == (7, 8)
+        assert mode._sample(header, d) == mode._sample(hit_sample(header), d)
+    assert mode._sample(header, d).event == "cpu"
+
+
+def test_small_targets_share_one_program_text() -> None:
+    """The encoded program's table sizes are rounded up to buckets, so two small targets with the
+    same encoding widths get the same BPF text (one compiled object, which set-up can prebuild);
+    a target past the smallest bucket gets bigger tables, never smaller than its own counts."""
+    from ccprofd.tracing.unwind.sampler import _program_defines
+
+    def text(nfuncs: int, nedges: int, nsites: int) -> str:
+        enc = types.SimpleNamespace(functions=[[0, 1, 0, 0]] * nfuncs, edges=dict.fromkeys(range(nedges)),
+                                    callsites=dict.fromkeys(range(nsites)), rec_code_bits=0)
+        layout = RecordLayout(acyc_words=1, max_segs=64, rec_words=2, max_unan=128)
+        return _program_defines(max_depth=4096, max_maps=256, max_procs=256, max_entries=1 << 20,
+                                max_modules=1024, max_rules=4096, max_contexts=1 << 16, arena_words=1 << 21,
+                                ringbuf_pages=4096, encoding=enc, layout=layout)[0]  # type: ignore[arg-type]
+
+    small = text(3, 5, 4)
+    assert text(40, 300, 250) == small and "#define UE_MAX_FUNCS 1024\n" in small
+    big = text(3000, 10_000, 5000)
+    assert big != small
+    for name, at_least in (("UE_MAX_FUNCS", 3000), ("UE_MAX_EDGES", 10_000), ("UE_MAX_SITES", 5000)):
+        (line,) = [ln for ln in big.splitlines() if ln.startswith(f"#define {name} ")]
+        assert int(line.split()[2]) >= at_least
 
 
 def test_unwind_encoding_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -194,9 +282,13 @@ def test_tail_exit_frames_only_where_the_call_graph_has_one_chain(tmp_path: Path
     (puts,) = {n for _, _, b, _, n in rows if b == "puts"}
 
     def chain(site: int, entered: str | None) -> list[tuple[str | None, int | None, bool]]:
-        return [(f.function, f.call_site, f.tail_call) for f in sym._tail_exit(site, entered)]
+        return [(f.function, f.call_site, f.tail_call) for f in sym._tail_exit_frames(site, entered)]
 
     assert chain(call, "getppid") == chain(call, None) == [("tail_plt", jump, True)]
+    cached = sym._tail_exit(call, "getppid")  # what decode() uses: made once, with the frames' JSON
+    assert sym._tail_exit(call, "getppid") is cached
+    assert [f for f, _ in cached] == sym._tail_exit_frames(call, "getppid")
+    assert [j for _, j in cached] == [f.to_json() for f in sym._tail_exit_frames(call, "getppid")]
     assert chain(notail, "getppid") == []  # notail calls finish: no tail jump out of the binary
     # A second way out of tail_plt (as `return x ? getppid() : puts(...)` would have): ambiguous
     # unless the library function entered names it.

@@ -135,6 +135,26 @@ def test_kbtf_offsets_cached_equal_parsed_and_bpftool(tmp_path: Path) -> None:
     assert kbtf.exe_inode_offsets(tmp_path) == want
 
 
+def test_kbtf_offsets_come_from_the_prebuilt_directory(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fresh cache takes the offsets scripts/prebuild_bpf.sh kept beside its objects (the BTF is
+    not walked) and keeps them; without a prebuilt directory it parses as before."""
+    from ccprofd.kbpf import btf as kbtf
+    from ccprofd.kbpf import objcache
+
+    data = Path(kbtf.VMLINUX_BTF).read_bytes()
+    pre = tmp_path / "prebuilt"
+    want = kbtf.offsets_via_cache(data, pre)  # what set-up leaves there
+    parsed: list[int] = []
+    real = kbtf._offsets
+    monkeypatch.setattr(kbtf, "_offsets", lambda *a: parsed.append(1) or real(*a))
+    monkeypatch.setenv(objcache.ENV_PREBUILT_DIR, str(pre))
+    assert kbtf.offsets_via_cache(data, tmp_path / "fresh") == want and parsed == []
+    assert len(list((tmp_path / "fresh" / kbtf.CACHE_KIND).iterdir())) == 1  # kept in the cache
+    monkeypatch.setenv(objcache.ENV_PREBUILT_DIR, "")
+    assert kbtf.offsets_via_cache(data, tmp_path / "fresh2") == want and parsed == [1]
+
+
 def test_kbtf_cache_is_keyed_by_the_blob_and_a_corrupt_entry_reparses(tmp_path: Path) -> None:
     from ccprofd.kbpf import btf as kbtf
     from ccprofd.persist.cache import AnalysisCache

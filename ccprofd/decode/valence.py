@@ -51,6 +51,8 @@ class ValenceDecoder(BaseDecoder):
         root = self.root
         if acyc >> table[m][0]:
             raise DecodeError(f"acycID has bits above level {table[m][0]} of node {node}")
+        if si < 0 and not rl:  # no segment, no recID (an acyclic chain): Algorithm 2 steps only
+            return self._acyclic(m, acyc, out)
         while True:
             if si >= 0 and m == self.index.get(segs[si].callee):
                 if rl == floor:
@@ -97,6 +99,34 @@ class ValenceDecoder(BaseDecoder):
             if e_code >= len(edges):
                 raise DecodeError(f"edge code {e_code} unknown at node {self.nodes[m]}")
             e = edges[e_code]
+            if callee[e] != m:
+                raise DecodeError(f"acyclic code names an edge into {self.nodes[callee[e]]}, "
+                                  f"not {self.nodes[m]}")
+            out.append(edge[e])
+            m = caller[e]
+        out.reverse()
+        return out
+
+    def _acyclic(self, m: int, acyc: int, out: list[Edge]) -> list[Edge]:
+        """The main loop of :meth:`_decode` once nothing but acyclic steps remain (no segment left,
+        recID empty): the same steps and checks, without the segment and recID tests."""
+        callee, caller, edge = self.callee, self.caller, self.edge
+        table = self.node_table
+        root = self.root
+        while m != root:
+            _, lv_low, lv_mask, groups = table[m]
+            lv_code = (acyc >> lv_low) & lv_mask  # codes are masked, never negative: an index past
+            try:  # the end is the only bad one, and IndexError says so without a len() per step
+                pl, e_mask, edges = groups[lv_code]
+            except IndexError:
+                if not groups:
+                    raise DecodeError(f"no incoming acyclic edge at node {self.nodes[m]}") from None
+                raise DecodeError(f"level code {lv_code} unknown at node {self.nodes[m]}") from None
+            e_code = (acyc >> pl) & e_mask
+            try:
+                e = edges[e_code]
+            except IndexError:
+                raise DecodeError(f"edge code {e_code} unknown at node {self.nodes[m]}") from None
             if callee[e] != m:
                 raise DecodeError(f"acyclic code names an edge into {self.nodes[callee[e]]}, "
                                   f"not {self.nodes[m]}")

@@ -30,7 +30,8 @@ Decoding: ``ccprofd.decode.decoder_for(plan).decode(state, node) -> [(caller, ca
 
 from __future__ import annotations
 
-from ccprofd.encode.machine import Encoder, EncodingOverflow
+from typing import TYPE_CHECKING, Any
+
 from ccprofd.encode.plan import (
     PLAN_VERSION,
     SCHEMES,
@@ -42,7 +43,6 @@ from ccprofd.encode.plan import (
     plan_key,
     save_plan,
 )
-from ccprofd.encode.report import encoding_report
 from ccprofd.encode.segments import OUTSIDE, Edge, EncodedState, Segment
 
 __all__ = [
@@ -63,3 +63,23 @@ __all__ = [
     "plan_key",
     "save_plan",
 ]
+
+if TYPE_CHECKING:
+    from ccprofd.encode.machine import Encoder, EncodingOverflow
+    from ccprofd.encode.report import encoding_report
+
+# Imported at first use (module __getattr__): the encoder and the report are not needed to load a
+# cached plan, which every trace start-up does.
+_LAZY = {"Encoder": "ccprofd.encode.machine", "EncodingOverflow": "ccprofd.encode.machine",
+         "encoding_report": "ccprofd.encode.report"}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

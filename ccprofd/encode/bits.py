@@ -33,6 +33,8 @@ def mask(width: int) -> int:
 
 def words_to_int(words: Sequence[int]) -> int:
     """The words as one non-negative integer (word 0 is the least significant)."""
+    if len(words) == 1:  # the common case (one acycID word), once per decoded context
+        return words[0] & WORD_MASK
     value = 0
     for i, w in enumerate(words):
         value |= (w & WORD_MASK) << (i * WORD_BITS)

@@ -51,10 +51,7 @@ from typing import Any
 from ccprofd.callgraph.model import BinaryInfo, CallGraph
 from ccprofd.encode.bits import words_for_bits
 from ccprofd.encode.edges import EdgeArrays, EdgeKey, edge_arrays, effective_weights, read_edges, weights_hash
-from ccprofd.encode.hcce import build_hcce
-from ccprofd.encode.pcce import build_pcce
 from ccprofd.encode.scc import Sccs, sccs
-from ccprofd.encode.stacktags import build_stacktags
 from ccprofd.encode.valence import SchemeTables, build_valence
 from ccprofd.persist.atomicfile import atomic_write_bytes
 
@@ -132,7 +129,11 @@ def _assemble(graph: CallGraph, ea: EdgeArrays, sc: Sccs | None, scheme: str, pc
     if sc is not None:
         stats.update(sccs=len(sc.members), complex_sccs=sc.n_complex, cyclic_edges=sc.n_cyclic)
     tables: dict[str, Any]
+    # The other schemes' builders are imported when used: a trace loads its plan from the cache and
+    # imports this module at every start-up.
     if scheme == "stacktags":
+        from ccprofd.encode.stacktags import build_stacktags
+
         tables = {"ids": build_stacktags(ea, names)}
         st = SchemeTables(lo=[None] * m, hi=[None] * m, code=[0] * m, rec_code=[None] * m, tables=tables,
                           stats={"acyclic_bits": 64, "rec_code_bits": 0, "words_needed": 1,
@@ -150,12 +151,16 @@ def _assemble(graph: CallGraph, ea: EdgeArrays, sc: Sccs | None, scheme: str, pc
             st.stats.update(words_needed=acyc_words, overflow=False)
             cyclic = sc.cyclic
         elif scheme == "pcce":
+            from ccprofd.encode.pcce import build_pcce
+
             st = build_pcce(ea, pcce_words)
             acyc_op = "add"
             acyc_bits = st.stats["id_bits"]
             acyc_words = pcce_words
             cyclic = bytearray(1 if r is not None else 0 for r in st.rec_code)
         else:
+            from ccprofd.encode.hcce import build_hcce
+
             st = build_hcce(ea, sc, pcce_words)
             acyc_op = "add"
             acyc_bits = st.stats["id_bits"]

@@ -33,7 +33,7 @@ class Segment:
     caller: int | None = None  # node the saved state belongs to; None: derive from ``site``
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # immutable by use; a frozen __init__ costs 3x (one per new context)
 class EncodedState:
     """Everything the probes maintain for one thread; hashable so decoders can cache on it.
 

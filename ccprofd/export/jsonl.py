@@ -200,20 +200,23 @@ class SampleWriter(Protocol):
 
 
 class _FrameCache:
-    """Serialised frames (a frames list, or one frame's dict) by the object's identity; the object is
-    held, so its identity stays valid."""
+    """Serialised frames (a frames list, or one frame's dict) by the object's identity.  The object
+    is held while its entry is, so no other live object can have its id: an entry found by
+    ``id(obj)`` is ``obj``'s."""
 
     def __init__(self) -> None:
-        self._by_id: dict[int, tuple[Any, str]] = {}
+        self.known: dict[int, str] = {}  # id -> text
+        self._held: dict[int, Any] = {}  # id -> the object, kept alive
 
     def text(self, obj: Any, render: Any) -> str:
-        got = self._by_id.get(id(obj))
-        if got is not None and got[0] is obj:
-            return got[1]
-        if len(self._by_id) >= FRAME_CACHE_ENTRIES:
-            self._by_id.clear()
-        text = render(obj)
-        self._by_id[id(obj)] = (obj, text)
+        got = self.known.get(id(obj))
+        if got is not None:
+            return got
+        if len(self.known) >= FRAME_CACHE_ENTRIES:
+            self.known.clear()
+            self._held.clear()
+        text = self.known[id(obj)] = render(obj)
+        self._held[id(obj)] = obj
         return text
 
 
@@ -227,20 +230,29 @@ class JsonlWriter:
         self.out = out
         self._tails: dict[int, tuple[list[dict[str, Any]], str, str | None, bool, str]] = {}
         self._frame_texts = _FrameCache()
-        self._lines: list[str] = []  # this batch's output, written at flush()
+        self._lines: list[str] = []  # this batch's output (pieces of lines), written at flush()
+        self._heads: dict[tuple[str, str | None, bool], str] = {}  # the tail's text before "frames"
 
     def _frames_text(self, frames: list[dict[str, Any]]) -> str:
         """The JSON of a frames list, each frame dict serialised once (the modes share equal
         frames' dicts between contexts, so a new context mostly costs a join)."""
-        text = self._frame_texts.text
-        return "[" + ",".join(text(f, _dumps) for f in frames) + "]"
+        texts = self._frame_texts
+        try:  # every frame seen before (the common case for a new context): one join at C speed
+            return "[" + ",".join(map(texts.known.__getitem__, map(id, frames))) + "]"
+        except KeyError:
+            text = texts.text
+            return "[" + ",".join(text(f, _dumps) for f in frames) + "]"
 
     def _tail(self, s: TraceSample) -> str:
         frames = s.frames
         if len(self._tails) >= FRAME_CACHE_ENTRIES:
             self._tails.clear()
-        tail = (f'"event":{_dumps(s.event)},"syscall":{_dumps(s.syscall)},'
-                f'"complete":{"true" if s.complete else "false"},"frames":{self._frames_text(frames)}')
+        head = self._heads.get((s.event, s.syscall, s.complete))
+        if head is None:
+            head = self._heads[(s.event, s.syscall, s.complete)] = (
+                f'"event":{_dumps(s.event)},"syscall":{_dumps(s.syscall)},'
+                f'"complete":{"true" if s.complete else "false"},"frames":')
+        tail = head + self._frames_text(frames)
         self._tails[id(frames)] = (frames, s.event, s.syscall, s.complete, tail)
         return tail
 
@@ -252,14 +264,21 @@ class JsonlWriter:
             tail = self._tail(s)
         else:
             tail = got[4]
+        # The line goes out as three pieces (flush joins them): the context's tail, kilobytes of
+        # frames, is copied once, by that join, not also into a line of its own.
+        raw = s.raw_args
+        if not s.args and s.returned is None:  # the common line: no path argument, no return
+            self._lines += (f'{{"time_ns":{s.time_ns},"pid":{s.pid},"tid":{s.tid},', tail,
+                            "}\n" if raw is None else f',"raw_args":[{",".join(map(str, raw))}]}}\n')
+            return
         extra = ""
         if s.args:
             extra = f',"args":{_dumps(s.args)}'
-        if s.raw_args is not None:
-            extra += ',"raw_args":[' + ",".join(map(str, s.raw_args)) + "]"
+        if raw is not None:
+            extra += ',"raw_args":[' + ",".join(map(str, raw)) + "]"
         if s.returned is not None:
             extra += f',"ret":{s.ret if s.returned else "null"}'
-        self._lines.append(f'{{"time_ns":{s.time_ns},"pid":{s.pid},"tid":{s.tid},{tail}{extra}}}\n')
+        self._lines += (f'{{"time_ns":{s.time_ns},"pid":{s.pid},"tid":{s.tid},', tail, f"{extra}}}\n")
 
     def record(self, r: Mapping[str, Any]) -> None:
         self._lines.append(_dumps(r) + "\n")

@@ -20,6 +20,7 @@ import struct
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
+from typing import Any
 
 VMLINUX_BTF = "/sys/kernel/btf/vmlinux"
 BTF_MAGIC = 0xEB9F
@@ -189,14 +190,25 @@ def offsets_via_cache(data: bytes, cache_dir: str | os.PathLike[str] | None,
                       tag: str = "") -> dict[str, int]:
     """The offsets of ``members`` (as ``names``) in BTF blob ``data``: cached under its identity
     (plus ``tag``: each set of members has an entry of its own), else parsed and stored."""
+    from ccprofd.kbpf.objcache import prebuilt_dir
     from ccprofd.persist.cache import AnalysisCache
 
     cache = AnalysisCache(Path(cache_dir) if cache_dir is not None else None)
     ident = btf_identity(data) + tag
+
+    def valid(got: Any) -> bool:
+        return isinstance(got, dict) and got.get("identity") == ident \
+            and isinstance(got.get("offsets"), dict) and set(got["offsets"]) == set(names) \
+            and all(isinstance(v, int) and 0 <= v < 1 << 20 for v in got["offsets"].values())
+
     got = cache.load(CACHE_KIND, ident)
-    if isinstance(got, dict) and got.get("identity") == ident and isinstance(got.get("offsets"), dict) \
-            and set(got["offsets"]) == set(names) \
-            and all(isinstance(v, int) and 0 <= v < 1 << 20 for v in got["offsets"].values()):
+    if not valid(got):
+        pre = prebuilt_dir()  # kept there beside the objects set-up compiled (they need this text)
+        got = AnalysisCache(pre).load(CACHE_KIND, ident) if pre is not None and pre.is_dir() else None
+        if valid(got):
+            cache.store(CACHE_KIND, ident, got)
+    if valid(got):
+        assert got is not None
         return {n: int(got["offsets"][n]) for n in names}
     offsets = _offsets(KernelBTF(data), names, members)
     cache.store(CACHE_KIND, ident, {"identity": ident, "offsets": offsets})

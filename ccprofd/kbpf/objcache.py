@@ -34,6 +34,8 @@ from ccprofd.persist.atomicfile import atomic_write_bytes
 
 FORMAT_VERSION = 1
 ENV_CACHE_DIR = "CCPROFD_BPF_CACHE_DIR"
+ENV_PREBUILT_DIR = "CCPROFD_BPF_PREBUILT_DIR"
+DEFAULT_PREBUILT_DIR = "/var/cache/ccprofd/bpf-prebuilt"
 MAX_CACHED = 256  # objects kept per cache directory (~120 kB each for the unwinder); least recent go
 LIBBCC_NAMES = ("libbcc.so.0",)
 _LIB_DIRS = ("/lib/x86_64-linux-gnu", "/usr/lib/x86_64-linux-gnu", "/usr/lib64", "/usr/lib", "/lib64",
@@ -291,18 +293,33 @@ def compile_in_subprocess(text: str, cflags: tuple[str, ...] | list[str]) -> Com
     raise BPFError(f"BPF compiler process failed (exit {proc.returncode})" + (f": {tail[0]}" if tail else ""))
 
 
+def prebuilt_dir() -> Path | None:
+    """Where set-up leaves compiled objects (``scripts/setup.sh`` traces a small program once, so a
+    first trace of another small program finds its object without clang): ``$CCPROFD_BPF_PREBUILT_DIR``
+    (empty: none), else :data:`DEFAULT_PREBUILT_DIR`.  Read only; a hit is copied into the cache."""
+    env = os.environ.get(ENV_PREBUILT_DIR)
+    if env is not None:
+        return Path(env) if env else None
+    return Path(DEFAULT_PREBUILT_DIR)
+
+
 def compile_cached(text: str, cflags: tuple[str, ...] | list[str] = (), *,
                    cache_dir: str | os.PathLike[str] | None = None) -> CompiledObject:
-    """The compiled object of (``text``, ``cflags``): from the cache, else compiled in a subprocess
-    and cached."""
+    """The compiled object of (``text``, ``cflags``): from the cache, else from the objects built at
+    set-up (:func:`prebuilt_dir`), else compiled in a subprocess; cached."""
     directory = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    path = cache_path(directory, cache_key(text, tuple(cflags)))
+    key = cache_key(text, tuple(cflags))
+    path = cache_path(directory, key)
     obj = load_cached(path)
     if obj is None:
-        obj = compile_in_subprocess(text, cflags)
+        pre = prebuilt_dir()
+        if pre is not None and pre != directory:
+            obj = load_cached(cache_path(pre, key))
+        if obj is None:
+            obj = compile_in_subprocess(text, cflags)
         store(path, obj)
     return obj
 
 
 __all__ = ["CompiledObject", "FunctionSpec", "MapSpec", "apply_relocations", "cache_key", "compile_cached",
-           "default_cache_dir", "split_relocations"]
+           "default_cache_dir", "prebuilt_dir", "split_relocations"]

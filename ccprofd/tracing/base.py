@@ -38,6 +38,17 @@ def _arg_count(name: str | None) -> int:
     return 6 if kinds is None else len(kinds)
 
 
+# (name, argument words kept) by syscall number (None: a CPU sample), filled as numbers are seen.
+SYSCALL_INFO: dict[int | None, tuple[str | None, int]] = {}
+
+
+def syscall_info(nr: int | None) -> tuple[str | None, int]:
+    """(name, argument words kept) of syscall ``nr``, remembered in :data:`SYSCALL_INFO`."""
+    name = syscall_name(nr)
+    got = SYSCALL_INFO[nr] = (name, _arg_count(name))
+    return got
+
+
 # Syscalls that never return to their caller: their samples are written at once, with strace's ``= ?``.
 NO_RETURN = frozenset({"exit", "exit_group"})
 # How much earlier than its sample a return may be stamped: none, as both modes convert a sample's
@@ -187,6 +198,11 @@ class ModeBase(ABC, Generic[Record, Key]):
         (a repeated sample sent as its context's key only).  One call per record: it is the hot
         path when a flood of repeated samples is decoded."""
 
+    def _kinds(self, raw: list[Record]) -> list[int]:
+        """:meth:`_kind` of every record (a mode may compute them in one comprehension)."""
+        kind = self._kind
+        return [kind(r) for r in raw]
+
     def _on_side_event(self, r: Record) -> None:
         """A side event, seen between the samples it arrived among."""
 
@@ -214,10 +230,10 @@ class ModeBase(ABC, Generic[Record, Key]):
     @staticmethod
     def trace_sample(r_time: int, pid: int, tid: int, event: str, nr: int | None, d: Decoded,
                      arg: str | None = None, sargs: tuple[int, ...] | None = None) -> TraceSample:
-        name = syscall_name(nr)
+        name, nargs = SYSCALL_INFO.get(nr) or syscall_info(nr)  # once per sample: one lookup, not two calls
         return TraceSample(r_time, pid, tid, event, name, d.complete, d.json_frames(),
                            path_args(name, arg) if arg is not None else None,
-                           None if sargs is None or nr is None else sargs[:_arg_count(name)])
+                           None if sargs is None or nr is None else sargs[:nargs], None, None)
 
     def poll(self, timeout_ms: int) -> list[TraceSample]:
         out = self._poll_decoded(timeout_ms, in_kernel=False)[0]
@@ -240,39 +256,41 @@ class ModeBase(ABC, Generic[Record, Key]):
         Written for speed: a repeated context costs a key lookup and one TraceSample."""
         raw = self._receive(timeout_ms)
         self._received = len(raw)
-        kind = self._kind
-        kinds = [kind(r) for r in raw]
-        fresh: dict[int, Decoded] = {}
+        kinds = self._kinds(raw)
+        fresh: dict[int, Decoded] = {}  # by id(record): the records are held in ``raw``
         key = self._key
         sample = self._sample
         if NEW in kinds:  # new contexts first: a hit (another CPU) may overtake its context's record
-            for i, r in enumerate(raw):
-                if kinds[i] == NEW:
-                    d = fresh[i] = self._decode(r)
+            for r, k in zip(raw, kinds, strict=True):
+                if k == NEW:
+                    d = fresh[id(r)] = self._decode(r)
                     self._kernel.learn(key(r), sample(r, d, timed=False), d)
         out: list[TraceSample] = []
         counted: list[bool] = []
+        append = out.append
         hit = self._kernel.hit
         seen = 0
-        for i, r in enumerate(raw):
-            k = kinds[i]
+        for r, k in zip(raw, kinds, strict=True):
             if k == HIT:
                 d = hit(key(r)) or LOST_DECODED
             elif k == NEW:
-                d = fresh[i]
+                d = fresh[id(r)]
             elif k == PLAIN:
                 d = self._decode(r)
             else:
                 self._on_side_event(r)
                 continue
-            one = k == PLAIN or not in_kernel
-            if one:
-                if d.complete:
-                    seen += 1
-                else:
-                    self._count(False, d.reason, 1)
-            out.append(sample(r, d))
-            counted.append(one)
+            append(sample(r, d))
+            if in_kernel:
+                counted.append(k == PLAIN)
+                if k != PLAIN:
+                    continue
+            if d.complete:
+                seen += 1
+            else:
+                self._count(False, d.reason, 1)
+        if not in_kernel:
+            counted = [True] * len(out)
         self.samples_seen += seen
         self.records += len(out)
         self._after_poll()

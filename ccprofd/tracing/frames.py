@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
@@ -83,6 +82,8 @@ def demangle(names: Iterable[str]) -> dict[str, str]:
     tool = shutil.which("c++filt")
     if not mangled or tool is None:
         return out
+    import subprocess  # only with C++ names to demangle: not at every start-up
+
     try:
         proc = subprocess.run([tool], input="\n".join(mangled) + "\n", capture_output=True, text=True,
                               timeout=60, check=True)
@@ -111,4 +112,13 @@ class Decoded:
             object.__setattr__(self, "_json", [frame_json(f) for f in self.frames])
         assert self._json is not None
         return self._json
+
+    @staticmethod
+    def with_json(frames: list[Frame], json: list[dict[str, Any]], complete: bool,
+                  reason: str | None = None) -> Decoded:
+        """A Decoded whose JSON dicts the caller already has (``json[i]`` is ``frame_json(frames[i])``,
+        e.g. kept beside frames it reuses), so :meth:`json_frames` need not look each one up."""
+        d = Decoded(frames, complete, reason)
+        object.__setattr__(d, "_json", json)
+        return d
 

@@ -37,16 +37,39 @@ from typing import Any
 
 from ccprofd.elf.needed import load_set
 from ccprofd.tracing.api import TraceOptions, TraceSample
-from ccprofd.tracing.base import HIT, NEW, PLAIN, RET_RINGBUF_PAGES, ContextReader, ModeBase
+from ccprofd.tracing.base import (
+    HIT,
+    NEW,
+    PLAIN,
+    RET_RINGBUF_PAGES,
+    SYSCALL_INFO,
+    ContextReader,
+    ModeBase,
+    syscall_info,
+)
 from ccprofd.tracing.frames import Decoded
 from ccprofd.tracing.unwind.constants import FLAG_HIT, FLAG_NEW
 from ccprofd.tracing.unwind.plan import UnwindEncoding
-from ccprofd.tracing.unwind.sampler import UnwindSampler, UnwoundSample
+from ccprofd.tracing.unwind.sampler import (
+    HIT_ARGS,
+    HIT_KEY1,
+    HIT_KEY2,
+    HIT_NR,
+    HIT_TGID,
+    HIT_TID,
+    HIT_TIME,
+    HitHeader,
+    UnwindSampler,
+    UnwoundSample,
+)
 from ccprofd.tracing.unwind.symbolize import UnwindSymbolizer, reference_record, stack_frames
 
-
 # ---------------------------------------------------------------------------------- the mode
-class UnwindMode(ModeBase[UnwoundSample, tuple[int, int]]):
+# What the sampler hands the mode: decoded records, and the hits of a flood as their header's fields.
+Record = UnwoundSample | HitHeader
+
+
+class UnwindMode(ModeBase[Record, tuple[int, int]]):
     """``ccprofd trace --mode unwind`` (the tracer's Mode interface)."""
 
     name = "unwind"
@@ -128,10 +151,10 @@ class UnwindMode(ModeBase[UnwoundSample, tuple[int, int]]):
 
     # -------------------------------------------------------------------------------- samples
     # ------------------------------------------------------------------ ModeBase's hooks
-    def _receive(self, timeout_ms: int) -> list[UnwoundSample]:
+    def _receive(self, timeout_ms: int) -> list[Record]:
         assert self.sampler is not None
-        raw = self.sampler.poll(timeout_ms)
-        self.fp_frames += sum(s.fp_frames for s in raw)
+        raw = self.sampler.take(timeout_ms)
+        self.fp_frames = self.sampler.fp_frames  # counted by the sampler as records arrive
         return raw
 
     def _take_returns(self) -> list[tuple[int, int, int, int]]:
@@ -140,19 +163,33 @@ class UnwindMode(ModeBase[UnwoundSample, tuple[int, int]]):
         off = self._clock_offset
         return [(e.time_ns + off, e.tid, e.syscall if e.syscall is not None else -1, e.ret) for e in rets]
 
-    def _kind(self, r: UnwoundSample) -> int:
+    def _kind(self, r: Record) -> int:
+        if isinstance(r, tuple):
+            return HIT
         flags = r.flags
         return HIT if flags & FLAG_HIT else NEW if flags & FLAG_NEW else PLAIN
 
-    def _key(self, r: UnwoundSample) -> tuple[int, int]:
-        return r.key
+    def _kinds(self, raw: list[Record]) -> list[int]:
+        return [HIT if isinstance(r, tuple) or r.flags & FLAG_HIT else NEW if r.flags & FLAG_NEW else PLAIN
+                for r in raw]
 
-    def _sample(self, r: UnwoundSample, d: Decoded, *, timed: bool = True) -> TraceSample:
+    def _key(self, r: Record) -> tuple[int, int]:
+        return r[HIT_KEY1:HIT_KEY2 + 1] if isinstance(r, tuple) else r.key  # type: ignore[return-value]
+
+    def _sample(self, r: Record, d: Decoded, *, timed: bool = True) -> TraceSample:
+        if isinstance(r, tuple):  # a hit's header (the bulk of a flood): straight to its TraceSample
+            nr = r[HIT_NR]
+            if nr < 0:
+                return TraceSample(r[HIT_TIME] + self._clock_offset, r[HIT_TGID], r[HIT_TID], "cpu", None,
+                                   d.complete, d.json_frames(), None, None, None, None)
+            name, nargs = SYSCALL_INFO.get(nr) or syscall_info(nr)
+            return TraceSample(r[HIT_TIME] + self._clock_offset, r[HIT_TGID], r[HIT_TID], "syscall", name,
+                               d.complete, d.json_frames(), None, r[HIT_ARGS:HIT_ARGS + nargs], None, None)
         if not timed:
             return self.trace_sample(0, r.tgid, r.tid, r.event, r.syscall, d)
-        nr = r.syscall
+        nrs = r.syscall
         return self.trace_sample(r.time_ns + self._clock_offset, r.tgid, r.tid,
-                                 "cpu" if nr is None else "syscall", nr, d, r.arg, r.sargs)
+                                 "cpu" if nrs is None else "syscall", nrs, d, r.arg, r.sargs)
 
     def _kernel_counts(self) -> Mapping[tuple[int, int], int]:
         assert self.sampler is not None
@@ -171,8 +208,8 @@ class UnwindMode(ModeBase[UnwoundSample, tuple[int, int]]):
             self.sampler.set_emit_hits(on)
             self._per_sample = on
 
-    def _decode(self, s: UnwoundSample) -> Decoded:
-        assert self.symbolizer is not None
+    def _decode(self, s: Record) -> Decoded:  # new and plain records only: never a HitHeader
+        assert self.symbolizer is not None and not isinstance(s, tuple)
         d = self.symbolizer.decode(s.encoded, s.reason)  # fresh Frame objects for every record
         if self.options.verify:
             self._verify(s)

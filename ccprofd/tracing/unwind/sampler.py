@@ -97,9 +97,26 @@ from ccprofd.tracing.unwind.tables import (
 )
 
 DEFAULT_MAX_DEPTH = 4096
+# Smallest table buckets of the encoded program (see _program_defines).
+MIN_FUNCS_BUCKET = 1024
+MIN_EDGES_BUCKET = 4096
 
 _SAMPLE_HDR = struct.Struct("<QIIIiIIIIQQII6Q")  # struct uw_sample up to arg (UW_SAMPLE_HDR_BYTES)
+_HDR_SIZE = _SAMPLE_HDR.size
 _KIND = struct.Struct("<I")
+if EXACT_BIT != 1 << 63:  # the decoders below test it as the top bit (v >= EXACT_BIT)
+    raise ImportError(f"UW_EXACT_BIT is {EXACT_BIT:#x}, expected bit 63")
+_PC_MASK = (1 << 64) - 1 - EXACT_BIT
+_WORDS: dict[int, struct.Struct] = {}
+
+
+def _words(n: int) -> struct.Struct:
+    """The precompiled Struct of ``n`` little-endian u64 words."""
+    got = _WORDS.get(n)
+    if got is None:
+        got = _WORDS[n] = struct.Struct(f"<{n}Q")
+    return got
+
 _EV_RET = next(k for k, v in SAMPLER_KINDS.items() if v == "ret")
 
 
@@ -154,13 +171,34 @@ class UnwoundSample:
         if layout is not None:
             enc = layout.parse(raw, off)
             off += layout.size
-        tagged = struct.unpack_from(f"<{n}Q", raw, off)
-        pcs = tuple(p & ~EXACT_BIT for p in tagged)
-        exact = tuple(bool(p & EXACT_BIT) for p in tagged)
+        tagged = _words(n).unpack_from(raw, off)
+        if max(tagged, default=0) < EXACT_BIT:  # no pc flagged exact: the words are the pcs
+            pcs, exact = tagged, (False,) * n
+        elif max(tagged[1:], default=0) < EXACT_BIT:  # only the innermost (a syscall's own pc)
+            pcs, exact = (tagged[0] & _PC_MASK, *tagged[1:]), (True,) + (False,) * (n - 1)
+        else:
+            pcs = tuple(map(_PC_MASK.__and__, tagged))
+            exact = tuple(map(bool, map(EXACT_BIT.__and__, tagged)))
         return cls(t, tgid, tid, None if nr < 0 else nr, pcs, why, fp, flags, (h1, h2), exact, enc, arg, regs)
 
 
-@dataclass(frozen=True, slots=True)
+#: A hit record (``EV_HIT``, complete, no path argument) as :meth:`UnwindSampler.take` returns it:
+#: the fields of ``_SAMPLE_HDR`` -- [0] time, [2] tgid, [3] tid, [4] syscall nr (< 0: a CPU sample),
+#: [7] fp frames, [8] flags, [9]/[10] the context key, [13:19] the argument registers.
+HitHeader = tuple[int, ...]
+HIT_TIME, HIT_TGID, HIT_TID, HIT_NR, HIT_FP, HIT_FLAGS = 0, 2, 3, 4, 7, 8
+HIT_KEY1, HIT_KEY2, HIT_ARGS = 9, 10, 13
+
+
+def hit_sample(v: HitHeader) -> UnwoundSample:
+    """The :class:`UnwoundSample` of a :data:`HitHeader`."""
+    nr = v[HIT_NR]
+    return UnwoundSample(v[HIT_TIME], v[HIT_TGID], v[HIT_TID], None if nr < 0 else nr, (), None, v[HIT_FP],
+                         v[HIT_FLAGS] | FLAG_HIT, (v[HIT_KEY1], v[HIT_KEY2]), (), None, None,
+                         None if nr < 0 else v[HIT_ARGS:])
+
+
+@dataclass(slots=True, unsafe_hash=True)  # immutable by use; a frozen __init__ costs 3x
 class EncodedSegment:
     """One segment of an encoded context (dense node indices; ``caller`` NO_NODE: unknown)."""
 
@@ -172,7 +210,7 @@ class EncodedSegment:
     ret: int  # the caller frame's return address (vaddr), 0 when its pc was not one
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # immutable by use; a frozen __init__ costs 3x
 class UnanalysedFrame:
     """A frame outside the analysed binary (or outside its functions) inside the context."""
 
@@ -182,7 +220,7 @@ class UnanalysedFrame:
     exact: bool
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, unsafe_hash=True)  # immutable by use; a frozen __init__ costs 3x
 class EncodedRecord:
     """The context BPF encoded for one stack (struct ue_rec), dense node indices."""
 
@@ -224,28 +262,37 @@ class RecordLayout:
 
     def parse(self, raw: bytes, off: int) -> EncodedRecord:
         w = self.acyc_words
-        node, flags, rec_len, nsegs, inner, nunan, nframes = struct.unpack_from("<IIIIQII", raw, off)
-        acyc = struct.unpack_from(f"<{w}Q", raw, off + 32)
+        words = _words(w)
+        node, flags, rec_len, nsegs, inner, nunan, nframes = _REC_HDR.unpack_from(raw, off)
+        acyc = words.unpack_from(raw, off + 32)
         segs = []
         base = off + 8 * self.hdr_words
+        seg_bytes = 8 * self.seg_words
         for i in range(min(nsegs, self.max_segs)):
-            p = base + 8 * self.seg_words * i
-            saved = struct.unpack_from(f"<{w}Q", raw, p)
-            rh, callee, caller, _pad, site, ret = struct.unpack_from("<IIIIqQ", raw, p + 8 * w)
+            p = base + seg_bytes * i
+            saved = words.unpack_from(raw, p)
+            rh, callee, caller, _pad, site, ret = _SEG_TAIL.unpack_from(raw, p + 8 * w)
             segs.append(EncodedSegment(saved, rh, callee, caller, site, ret))
-        rbase = base + 8 * self.seg_words * self.max_segs
+        rbase = base + seg_bytes * self.max_segs
         nwords = min((rec_len + 63) // 64, self.rec_words)
         rec = 0
-        for i, word in enumerate(struct.unpack_from(f"<{nwords}Q", raw, rbase)):
-            rec |= word << (64 * i)
-        rec &= (1 << rec_len) - 1
+        if nwords:
+            for i, word in enumerate(_words(nwords).unpack_from(raw, rbase)):
+                rec |= word << (64 * i)
+            rec &= (1 << rec_len) - 1
         ubase = rbase + 8 * self.rec_words
         unan = []
-        for i in range(min(nunan, self.max_unan)):
-            a, v = struct.unpack_from("<QQ", raw, ubase + 16 * i)
-            unan.append(UnanalysedFrame(a & 0xFFFFFFFF, (a >> 32) & 0xFFFF, v & ~EXACT_BIT,
-                                        bool(v & EXACT_BIT)))
-        return EncodedRecord(node, flags, inner, nframes, tuple(acyc), rec, rec_len, tuple(segs), tuple(unan))
+        if nunan:
+            flat = _words(2 * min(nunan, self.max_unan)).unpack_from(raw, ubase)
+            for i in range(0, len(flat), 2):
+                a, v = flat[i], flat[i + 1]
+                unan.append(UnanalysedFrame(a & 0xFFFFFFFF, (a >> 32) & 0xFFFF, v & _PC_MASK,
+                                            v >= EXACT_BIT))
+        return EncodedRecord(node, flags, inner, nframes, acyc, rec, rec_len, tuple(segs), tuple(unan))
+
+
+_REC_HDR = struct.Struct("<IIIIQII")  # struct ue_rec's header
+_SEG_TAIL = struct.Struct("<IIIIqQ")  # a segment after its saved acycID words
 
 
 def _log2_ceil(n: int) -> int:
@@ -322,8 +369,9 @@ class UnwindSampler:
         self._links: list[int] = []
         self._perf_fds: list[int] = []
         self._attached = False
-        self._pending: list[UnwoundSample] = []
+        self._pending: list[UnwoundSample | HitHeader] = []
         self.malformed = 0  # records too short for their kind (never expected; counted, not decoded)
+        self.fp_frames = 0  # frames the samples received so far recovered by frame pointer
         self._m: dict[str, RawMap] = {name: self.module.map(name) for name in (
             "tracked", "syscall_set", "config", "uw_procs", "uw_counts", "uw_config", "uw_stats",
             "uw_stop", "uw_held", "exec_targets")}
@@ -447,17 +495,17 @@ class UnwindSampler:
     def deliver(self, raw: bytes) -> None:
         """Take one ``uw_events`` record (the ring buffer's callback; bench/trace_throughput.py
         replays captured records through it to time decoding apart from the kernel side)."""
+        if len(raw) == _HDR_SIZE:  # a flood's record (a repeated context): header only
+            v = _SAMPLE_HDR.unpack_from(raw)
+            if v[1] == EV_HIT and v[6] == 0:  # complete, no argument: kept as its header's fields
+                self._pending.append(v)
+                if v[7]:
+                    self.fp_frames += v[7]
+                return
         kind = _KIND.unpack_from(raw, 8)[0]
         if kind == EV_MAPS:
             self.processes.stale.add(_KIND.unpack_from(raw, 12)[0])
             return
-        if kind == EV_HIT and len(raw) == _SAMPLE_HDR.size:  # a flood's record: complete, no argument
-            t, _, tgid, tid, nr, _, reason, fp, flags, h1, h2, _, _, *sargs = _SAMPLE_HDR.unpack_from(raw)
-            if reason == 0:
-                self._pending.append(UnwoundSample(t, tgid, tid, None if nr < 0 else nr, (), None, fp,
-                                                   flags | FLAG_HIT, (h1, h2),
-                                                   sargs=None if nr < 0 else tuple(sargs)))
-                return
         try:
             sample = UnwoundSample.decode(raw, self.layout)
         except struct.error:  # shorter than its kind says: counted (stats "malformed"), never decoded
@@ -466,10 +514,16 @@ class UnwindSampler:
         if sample.reason is not None and sample.reason in ("unknown_pc", "no_maps"):
             self.processes.stale.add(sample.tgid)
         self._pending.append(sample)
+        self.fp_frames += sample.fp_frames
 
     def poll(self, timeout_ms: int = 0) -> list[UnwoundSample]:
         """Samples that arrived since the last call (waits up to ``timeout_ms`` when there are none).
         Processes whose mappings changed are re-read here."""
+        return [hit_sample(r) if isinstance(r, tuple) else r for r in self.take(timeout_ms)]
+
+    def take(self, timeout_ms: int = 0) -> list[UnwoundSample | HitHeader]:
+        """:meth:`poll`, with each complete, argument-less hit left as its :data:`HitHeader` (the
+        unpacked header: no object is made for the bulk of a flood of repeated samples)."""
         if not self.module.ring_buffer_consume(RECORDS_PER_POLL) and timeout_ms != 0:
             self.module.ring_buffer_poll(timeout_ms, RECORDS_PER_POLL)
         self.processes.refresh_stale()
@@ -577,14 +631,19 @@ def _program_defines(*, max_depth: int, max_maps: int, max_procs: int, max_entri
     }
     loops = {"unwind": max_depth + 1, "arena": max_depth}
     if encoding is not None and layout is not None:
-        nfuncs = max(1, len(encoding.functions))
+        # Table sizes in buckets (powers of two, at least those of a small program), not each
+        # target's own counts: every small target with the same encoding widths then has the same
+        # program text, so one compiled object serves them all (and set-up can build it ahead:
+        # kbpf/objcache.prebuilt_dir).  BPF bounds its lookups by the loaded counts (ue_config).
+        nfuncs = _pow2_at_least(max(MIN_FUNCS_BUCKET, len(encoding.functions)))
         loops = {"unwind": max_depth + 1, "enc": max_depth + 2,
                  "hash": layout.total_words + max_depth + 3, "arena": layout.total_words + max_depth + 4}
         defines.update({
             "UE_ENABLED": 1, "UE_ACYC_WORDS": layout.acyc_words, "UE_REC_BITS": encoding.rec_code_bits,
             "UE_REC_WORDS": layout.rec_words, "UE_MAX_SEGS": layout.max_segs, "UE_MAX_UNAN": layout.max_unan,
             "UE_MAX_FUNCS": nfuncs, "UE_FUNCS_LOG2": _log2_ceil(nfuncs),
-            "UE_MAX_EDGES": max(1, len(encoding.edges)), "UE_MAX_SITES": max(1, len(encoding.callsites)),
+            "UE_MAX_EDGES": _pow2_at_least(max(MIN_EDGES_BUCKET, len(encoding.edges))),
+            "UE_MAX_SITES": _pow2_at_least(max(MIN_EDGES_BUCKET, len(encoding.callsites))),
             "UE_ROW_REC": UE_ROW_REC, "UE_ENC_LOOPS": loops["enc"], "UE_HASH_LOOPS": loops["hash"]})
     defines["UW_ARENA_LOOPS"] = loops["arena"]
     text = "".join(f"#define {k} {v}\n" for k, v in defines.items())

@@ -5,16 +5,16 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from operator import itemgetter
 from typing import Any
 
 from ccprofd.callgraph.model import ROOT
 from ccprofd.decode import CachingDecoder, DecodeError, UnknownCaller, decoder_for
 from ccprofd.elf.debugfile import DebugFileLocator, debuginfod_urls_from_env
-from ccprofd.encode import Encoder
 from ccprofd.encode.plan import COL
 from ccprofd.encode.segments import OUTSIDE, EncodedState, Segment
 from ccprofd.persist.cache import AnalysisCache
-from ccprofd.tracing.frames import Decoded, Frame, demangle
+from ccprofd.tracing.frames import Decoded, Frame, demangle, frame_json
 from ccprofd.tracing.symbols import ModuleSource, ModuleSymbols
 from ccprofd.tracing.unwind.constants import (
     UE_F_ANCHOR,
@@ -53,7 +53,10 @@ class UnwindSymbolizer:
         self._dicts: tuple[dict[int, int], dict[int, int]] | None = None
         # Outer frames by (node, call site, return address, tail call): shared by the contexts
         # that pass through them (read-only once made), so a new context mostly reuses frames.
-        self._frames: dict[tuple[int, int | None, int | None, bool], Frame] = {}
+        self._frames: dict[tuple[int, int | None, int | None, bool], FrameJson] = {}
+        self._edge_frames: dict[tuple[int, int, int], EdgeFrame] = {}  # by decoded edge (not OUTSIDE)
+        self._library: dict[tuple[int, int, bool], FrameJson] = {}  # library frames by (key, vaddr, exact)
+        self._tail_exits: dict[tuple[int, str | None], tuple[FrameJson, ...]] = {}
         self._symbols: dict[str, ModuleSymbols] = {}
         self.source_lines = source_lines
         self._sources: dict[str, ModuleSource] = {}
@@ -80,10 +83,16 @@ class UnwindSymbolizer:
             self._dicts = (_plain(self.enc.callsites), _plain(self.enc.call_lengths))
         return self._dicts
 
-    def _unanalysed(self, key: int, vaddr: int, exact: bool) -> Frame:
+    def _unanalysed(self, key: int, vaddr: int, exact: bool) -> FrameJson:
+        """A library frame and its JSON, made once per (module key, vaddr, exact) and shared (a
+        module key names one module for the sampler's lifetime, tables.py)."""
+        got = self._library.get((key, vaddr, exact))
+        if got is not None:
+            return got
         mod = self.module_of_key(key)
         if mod is None:
-            return Frame(None, None, None, False, None, None if exact else vaddr)
+            f = Frame(None, None, None, False, None, None if exact else vaddr)
+            return f, frame_json(f)  # not kept: the key may be loaded later
         path, build_id, readable = mod
         syms = self._symbols.get(readable)
         if syms is None:
@@ -97,7 +106,10 @@ class UnwindSymbolizer:
             if src is None:
                 src = self._sources[readable] = ModuleSource(readable, build_id, self.locator, self.cache)
             f.set_source(src.at(vaddr if exact else vaddr - 1))
-        return f
+        if len(self._library) >= FRAME_CACHE_ENTRIES:
+            self._library.clear()
+        got = self._library[(key, vaddr, exact)] = (f, frame_json(f))
+        return got
 
     def _own_lines(self, f: Frame) -> Frame:
         """``f`` (a frame of the analysed binary) with its source location: at its call (or jump)
@@ -138,12 +150,11 @@ class UnwindSymbolizer:
             return Decoded([], False, f"decode error: {exc}")
         nodes = self.nodes
         seg_ret = {(s.site, nodes[s.callee], nodes[s.caller]): s.ret
-                   for s in rec.segments if s.caller != NO_NODE}
-        frames = self._path_frames(path, node, seg_ret)
-        stack_frames = [i for i, f in enumerate(frames) if not f.tail_call]
-        if len(stack_frames) != rec.nframes:
+                   for s in rec.segments if s.caller != NO_NODE} if rec.segments else _NO_RETS
+        frames, jsons, ntail = self._path_frames(path, node, seg_ret)
+        if len(frames) - ntail != rec.nframes:
             self.errors += 1
-            return Decoded([], False, f"decode error: {len(stack_frames)} frames decoded, "
+            return Decoded([], False, f"decode error: {len(frames) - ntail} frames decoded, "
                                       f"{rec.nframes} unwound")
         inner = frames[-1]
         if rec.flags & UE_F_INNER_EXACT:
@@ -151,27 +162,39 @@ class UnwindSymbolizer:
         else:
             inner.return_address = rec.inner
             inner.call_site = self._lookups()[0].get(rec.inner)
-        self._own_lines(inner)
+        jsons[-1] = frame_json(self._own_lines(inner))
         if rec.unanalysed:
-            below: dict[int, list[Frame]] = {}
+            below: dict[int, list[FrameJson]] = {}
             for u in rec.unanalysed:
                 below.setdefault(u.after, []).append(self._unanalysed(u.module_key, u.vaddr, u.exact))
-            library = below.get(rec.nframes - 1)
+            last = rec.nframes - 1
+            library = below.get(last)
             if library and not rec.flags & UE_F_INNER_EXACT and inner.call_site is not None:
-                frames = [*frames, *self._tail_exit(inner.call_site, library[0].function)]
-            # Library frames below stack frame k follow k's tail frames: a call that tail-jumped
-            # into a library entered it from the last of them.
-            out: list[Frame] = []
-            k = -1
-            for f in frames:
-                if not f.tail_call:
-                    if k >= 0:
-                        out.extend(below.get(k, ()))
-                    k += 1
-                out.append(f)
-            out.extend(below.get(k, ()))
-            frames = out
-        return Decoded(frames, complete, reason)
+                for f, j in self._tail_exit(inner.call_site, library[0][0].function):
+                    frames.append(f)
+                    jsons.append(j)
+            if library is not None and len(below) == 1:  # all below the innermost frame: at the end
+                frames.extend(map(_FIRST, library))
+                jsons.extend(map(_SECOND, library))
+            else:
+                # Library frames below stack frame k follow k's tail frames: a call that tail-jumped
+                # into a library entered it from the last of them.
+                out: list[Frame] = []
+                out_json: list[dict[str, Any]] = []
+                k = -1
+                for f, j in zip(frames, jsons, strict=True):
+                    if not f.tail_call:
+                        for lf, lj in below.get(k, ()):
+                            out.append(lf)
+                            out_json.append(lj)
+                        k += 1
+                    out.append(f)
+                    out_json.append(j)
+                for lf, lj in below.get(k, ()):
+                    out.append(lf)
+                    out_json.append(lj)
+                frames, jsons = out, out_json
+        return Decoded.with_json(frames, jsons, complete, reason)
 
     def _exit_tables(self) -> tuple[dict[int, int], dict[int, list[tuple[int, int]]], set[int]]:
         if self._exits is None:
@@ -200,7 +223,17 @@ class UnwindSymbolizer:
             self._exits = (direct, tails, other_jumpers)
         return self._exits
 
-    def _tail_exit(self, call_site: int, entered: str | None) -> list[Frame]:
+    def _tail_exit(self, call_site: int, entered: str | None) -> tuple[FrameJson, ...]:
+        """:meth:`_tail_exit_frames`, made once per (call site, library function) and shared."""
+        got = self._tail_exits.get((call_site, entered))
+        if got is None:
+            if len(self._tail_exits) >= FRAME_CACHE_ENTRIES:
+                self._tail_exits.clear()
+            got = self._tail_exits[(call_site, entered)] = tuple(
+                (f, frame_json(f)) for f in self._tail_exit_frames(call_site, entered))
+        return got
+
+    def _tail_exit_frames(self, call_site: int, entered: str | None) -> list[Frame]:
         """The tail-call frames between the innermost frame of the binary and the library function
         below it: its direct call reached a function of the binary that left through tail jumps
         (the last one into the PLT), so those functions are on no stack.  Instrumented mode sees
@@ -231,22 +264,42 @@ class UnwindSymbolizer:
                 for fn, site in found[0][0]]
 
     def _path_frames(self, path: Sequence[tuple[int, int, int]], node: int,
-                     seg_ret: Mapping[tuple[int, int, int], int]) -> list[Frame]:
+                     seg_ret: Mapping[tuple[int, int, int], int]
+                     ) -> tuple[list[Frame], list[dict[str, Any]], int]:
+        """(frames outermost first, their JSON dicts, how many are tail-call frames); every frame but
+        the innermost is shared through the cache, the innermost is its own (decode() completes
+        it; its JSON entry is filled there).  A decoded path is a chain (each edge's caller is the
+        previous edge's callee), so an edge's frame is its caller's, at its site."""
         if not path:
-            return [self._frame(node)]
-        start = 0
-        if path[0][0] == ROOT:
-            first, start = path[0][1], 1
-        else:
-            first = path[0][0]
+            return [self._frame(node)], [_PENDING], 0
+        start = 1 if path[0][0] == ROOT else 0
+        edges = path[start:] if start else path
+        known = self._edge_frames
+        try:  # every edge seen before (a new context of known calls): lookups and copies at C speed
+            got = list(map(known.__getitem__, edges))
+        except KeyError:
+            got = self._new_edge_frames(edges, seg_ret)
+        frames = list(map(_FIRST, got))
+        jsons = list(map(_SECOND, got))
+        frames.append(self._frame(path[-1][1]))  # the innermost frame: its own, decode() completes it
+        jsons.append(_PENDING)
+        return frames, jsons, sum(map(_THIRD, got))
+
+    def _new_edge_frames(self, edges: Sequence[tuple[int, int, int]],
+                         seg_ret: Mapping[tuple[int, int, int], int]) -> list[EdgeFrame]:
+        """:meth:`_path_frames` the long way, keeping each edge's frame (the edges into a segment
+        from outside, whose return address is the record's own, are made each time)."""
         lengths = self._lookups()[1]
         jumps = self.enc.jump_sites
         cache = self._frames
+        known = self._edge_frames
         if len(cache) >= FRAME_CACHE_ENTRIES:
             cache.clear()
-        frames = []
-        cur = first
-        for caller, callee, site in path[start:]:
+        if len(known) >= FRAME_CACHE_ENTRIES:
+            known.clear()
+        out = []
+        for e in edges:
+            caller, callee, site = e
             if site == OUTSIDE:
                 call_site, ret, tail = None, seg_ret.get((site, callee, caller), 0) or None, False
             elif not site:
@@ -255,19 +308,29 @@ class UnwindSymbolizer:
                 call_site, ret, tail = site, None, True
             else:
                 call_site, ret, tail = site, site + lengths.get(site, 0), False
-            key = (cur, call_site, ret, tail)
-            f = cache.get(key)
-            if f is None:
-                f = cache[key] = self._own_lines(Frame(self._name(cur), self.module, self.build_id, True,
-                                                       call_site, ret, tail))
-            frames.append(f)
-            cur = callee
-        frames.append(self._frame(cur))  # the innermost frame: its own object, decode() completes it
-        return frames
+            key = (caller, call_site, ret, tail)
+            fj = cache.get(key)
+            if fj is None:
+                f = self._own_lines(Frame(self._name(caller), self.module, self.build_id, True, call_site,
+                                          ret, tail))
+                fj = cache[key] = (f, frame_json(f))
+            got = (fj[0], fj[1], 1 if tail else 0)
+            if site != OUTSIDE:
+                known[e] = got
+            out.append(got)
+        return out
 
 
 
 FRAME_CACHE_ENTRIES = 1 << 17
+
+# A frame and its JSON dict (frames.frame_json), kept together by the caches that share frames.
+FrameJson = tuple[Frame, dict[str, Any]]
+# An edge's frame, its JSON, and 1 when it is a tail call's.
+EdgeFrame = tuple[Frame, dict[str, Any], int]
+_FIRST, _SECOND, _THIRD = itemgetter(0), itemgetter(1), itemgetter(2)
+_NO_RETS: dict[tuple[int, int, int], int] = {}
+_PENDING: dict[str, Any] = {}  # the innermost frame's JSON slot until decode() has completed the frame
 
 
 def _plain(m: Mapping[int, int]) -> dict[int, int]:
@@ -301,6 +364,8 @@ def reference_record(enc: UnwindEncoding, plan: Mapping[str, Any], frames: Seque
     """(encoded state, innermost dense node or NO_NODE, analysed frames) of a stack, computed by
     driving :class:`Encoder` with the calls that built it -- the semantics the BPF pass must match.
     Anchors (outer frames unknown) are segments whose caller is None."""
+    from ccprofd.encode.machine import Encoder  # --verify and tests only: not at start-up
+
     rows = plan["sites"]
     nodes = enc.nodes
     e = Encoder(plan)
