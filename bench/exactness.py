@@ -62,11 +62,12 @@ def parse_perf_script(text: str) -> list[PerfEvent]:
 
 def perf_program_frames(ev: PerfEvent, module: str) -> tuple[list[int], bool]:
     """(addresses of ``module``'s frames, outermost first; whether the chain reached the stack's
-    bottom).  Repeated addresses (perf's inlined entries) count once; ``_start`` (below ``main``,
-    where ccprofd's frames begin) is left out."""
+    bottom).  perf's inlined entries (DSO ``inlined``) are not frames; a repeated address is
+    (recursion through one call site); ``_start`` (below ``main``, where ccprofd's frames begin) is
+    left out."""
     addrs: list[int] = []
     for ip, sym, dso in ev.frames:
-        if dso == module and sym not in STACK_BOTTOM and (not addrs or addrs[-1] != ip):
+        if dso == module and sym not in STACK_BOTTOM:
             addrs.append(ip)
     bottom = any(sym in STACK_BOTTOM for _ip, sym, _dso in ev.frames)
     return addrs[::-1], bottom

@@ -1,30 +1,39 @@
 """Benchmark: real services under ccprofd, driven by their own load generators (issue 14).
 
-Debian's ``redis-server`` (loaded with ``redis-benchmark``: SET, GET, LPUSH, LRANGE_100; 50 clients)
-and ``nginx`` (a master and two workers serving a 4 KB and a 64 KB file, loaded with ``ab -k``,
-50 clients) are started on loopback ports in a temporary directory.  In one run, alternating
-round by round so drifts of this shared VM hit every configuration alike:
+Debian's ``redis-server`` (loaded with ``redis-benchmark``: SET, GET, LPUSH, LRANGE_100; 50 clients),
+``nginx`` (a master and two workers serving a 4 KB and a 64 KB file, loaded with ``ab -k``,
+50 clients) and ``postgres`` (a throwaway cluster initdb'd under the temporary directory as the
+postgres user, fsync off, loaded with ``pgbench -c 4 -j 2 -T N``: select-only ``-S`` and the
+read-write tpcb-like script) are started on loopback ports in a temporary directory.  In one run,
+alternating round by round so drifts of this shared VM hit every configuration alike:
 
 * ``untraced``;
-* ``unwind-all``: the real ``ccprofd run`` daemon with redis-server as a ``path`` target, unwind mode,
-  ``syscalls = "all"``;
+* ``unwind-all``: the real ``ccprofd run`` daemon with the service's binary as a ``path`` target,
+  unwind mode, ``syscalls = "all"``;
 * ``unwind-security``: the same with the security set (execve, openat, connect, accept4, mprotect,
   mmap, clone3, unlinkat, renameat2);
 * ``perf-dwarf``: ``perf record -e raw_syscalls:sys_enter --call-graph dwarf -p PID`` (what a user
   reaches for to get the same stacks).
 
-Per configuration: requests/s and p50/p99 latency per test (medians over the rounds), and for the
-daemon its CPU (utime+stime during the load, % of one core), peak RSS (VmHWM), dropped samples and
-distinct contexts (its /metrics), and the top of ``ccprofctl hot`` (the hot contexts must name
+Per configuration: requests/s (postgres: transactions/s) and p50/p99 latency per test (medians
+over the rounds; pgbench's from its per-transaction log), and for the daemon its CPU (utime+stime
+during the load, % of one core), peak RSS (VmHWM), dropped samples and distinct contexts (its
+/metrics and ``ccprofctl hot``), and the top of ``ccprofctl hot`` (the hot contexts must name
 the service's own functions).
 
-Not yet here (issue 14 asks for them): postgres/pgbench, instrumented mode with
---scope, a frame-pointer baseline, the exactness check against perf script, anomaly learning
-curves and injected attacks.
+Then, for redis and postgres, the exactness check (:func:`check_exactness`, bench/exactness.py):
+a short load traced by the daemon and by perf at once, every perf event paired with our sample of
+the same thread and syscall and the program's frames compared; for postgres with ``pgbench -C``
+(a backend forked by the postmaster per transaction), each forked backend must be followed from
+its first syscall.
 
-Usage (root): .venv/bin/python bench/services.py [--rounds 5] [--requests 50000] [--update-readme]
-Needs redis-server, redis-tools, nginx-light, apache2-utils (bench/setup.sh installs them) and
-linux-perf for perf-dwarf.
+Not yet here (issue 14 asks for them): instrumented mode with --scope, a frame-pointer baseline,
+anomaly learning curves and injected attacks.
+
+Usage (root): .venv/bin/python bench/services.py [--services redis,nginx,postgres] [--rounds 5]
+[--requests 50000] [--seconds 10] [--no-exactness] [--update-readme]
+Needs redis-server, redis-tools, nginx-light, apache2-utils, postgresql-15 (bench/setup.sh installs
+them) and linux-perf for perf-dwarf and the exactness check.
 """
 
 from __future__ import annotations
@@ -197,11 +206,13 @@ class Nginx:
         self.proc.wait(timeout=30)
 
 
-PG_BIN = "/usr/lib/postgresql/15/bin"
+#: the newest PostgreSQL installed (Debian's postgresql-NN packages)
+PG_BIN = max(Path("/usr/lib/postgresql").glob("*/bin/postgres"), key=lambda p: int(p.parts[-3]),
+             default=Path("/usr/lib/postgresql/15/bin/postgres")).parent.as_posix()
 
 
 class Postgres:
-    """A throwaway PostgreSQL 15 cluster (initdb under the temp dir, owned by the postgres user,
+    """A throwaway PostgreSQL cluster (initdb under the temp dir, owned by the postgres user,
     loopback port, fsync off: the tracer's cost, not the disk's, is measured) under pgbench."""
 
     name = "postgres"
@@ -278,6 +289,18 @@ SERVICES = {"redis": Redis, "nginx": Nginx, "postgres": Postgres}
 
 
 # ---------------------------------------------------------------------------------- tracers
+def wait_tracked(daemon: RunningDaemon, pids: list[int] | set[int], timeout: float = 300) -> None:
+    """Until the daemon follows each of ``pids`` that is still alive (a postgres child such as an
+    autovacuum worker may exit in between)."""
+    for pid in sorted(pids):
+        try:
+            wait_for(lambda p=pid: not os.path.exists(f"/proc/{p}") or p in daemon.processes(),  # type: ignore[misc]
+                     timeout=timeout, interval=0.2)
+        except AssertionError:
+            raise AssertionError(f"pid {pid} ({Path(f'/proc/{pid}/cmdline').read_bytes()!r}) not followed: "
+                                 f"{daemon.targets()}") from None
+
+
 Service = Redis | Nginx | Postgres
 
 
@@ -287,8 +310,7 @@ def run_daemon(workdir: Path, svc: Service, syscalls: list[str] | str, requests:
     wd = tempfile.mkdtemp(dir=workdir, prefix="d-")
     target = target_toml(svc.name, f'path = "{svc.binary}"', syscalls, "unwind")
     with RunningDaemon(wd, config_text(wd, target, daemon_extra="top_k = 20")) as daemon:
-        for pid in svc.pids():
-            daemon.wait_tracked(pid, timeout=120)
+        wait_tracked(daemon, svc.pids(), timeout=120)
         cpu0 = cpu_seconds(daemon.proc.pid)
         t0 = time.perf_counter()
         result = svc.load(requests)
@@ -340,21 +362,29 @@ def check_exactness(workdir: Path, svc: Redis | Postgres) -> dict[str, Any]:
     target = target_toml(svc.name, f'path = "{svc.binary}"', "all", "unwind")
     before = set(svc.pids())
     data = workdir / "exact.data"
-    with RunningDaemon(wd, config_text(wd, target)) as daemon:
-        for pid in before:
-            daemon.wait_tracked(pid, timeout=300)
+    # the StreamSamples queue drops for a slow subscriber (counted): large enough to lose nothing here
+    with RunningDaemon(wd, config_text(wd, target, daemon_extra="stream_queue = 5000000")) as daemon:
+        wait_tracked(daemon, before)
+        before = {p for p in svc.pids() if os.path.exists(f"/proc/{p}")}  # perf -p refuses a gone pid
         stream = SampleStream(daemon.stub, svc.name)
         perf = subprocess.Popen(["perf", "record", "-q", "-k", "mono", "-e", "raw_syscalls:sys_enter",
                                  "--call-graph", "dwarf", "-p", ",".join(map(str, sorted(before))),
-                                 "-o", str(data)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                 "-o", str(data)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True)
         time.sleep(1.0)  # perf attaches
         offset = time.time_ns() - time.clock_gettime_ns(time.CLOCK_MONOTONIC)
         svc.check_load()
         perf.send_signal(signal.SIGINT)
-        perf.wait(timeout=300)
-        time.sleep(3.0)  # the daemon drains its rings
+        _, perf_err = perf.communicate(timeout=300)
+        if perf.returncode not in (0, -signal.SIGINT) or not data.exists():
+            raise RuntimeError(f"perf record failed ({perf.returncode}): {perf_err.strip()[-500:]}")
+        seen = -1
+        while seen != len(stream.samples):  # the daemon drains its rings, the stream its queue
+            seen = len(stream.samples)
+            time.sleep(3.0)
         samples = stream.samples
         stream.close()
+        dropped = sum(v for _, v in daemon.metric_samples("ccprofd_samples_dropped_total"))
         daemon.stop()
     script = subprocess.run(["perf", "script", "-i", str(data), "-F", "pid,tid,time,event,trace,ip,sym,dso",
                              "--ns"], capture_output=True, text=True, check=True).stdout
@@ -380,7 +410,7 @@ def check_exactness(workdir: Path, svc: Redis | Postgres) -> dict[str, Any]:
     our_n: dict[int, int] = {}
     for o in ours:
         our_n[o.pid] = our_n.get(o.pid, 0) + 1
-    return {**counts, "perf_events": len(events), "our_samples": len(ours),
+    return {**counts, "perf_events": len(events), "our_samples": len(ours), "dropped": dropped,
             "forked": len(perf_first), "forked_seen": sum(p in our_first for p in perf_first),
             "forked_first_same": sum(our_first.get(p) == nr for p, nr in perf_first.items()),
             "forked_count_same": sum(our_n.get(p) == perf_n[p] for p in perf_first)}
@@ -444,11 +474,12 @@ def render_exactness(name: str, r: dict[str, Any]) -> list[str]:
     lines = [f"Exactness ({name}; {EXACT_LOADS[name]}; the daemon and `perf record -e raw_syscalls:sys_enter "
              "--call-graph dwarf` at once; each perf event paired with our sample of the same thread and "
              "syscall; the program's frames compared, bench/exactness.py):", "",
-             "| perf events | our samples | frames agree | perf chain truncated | differ | ours incomplete "
-             "| unpaired |",
+             "| perf events | our samples (dropped) | frames agree | perf chain truncated | differ "
+             "| ours incomplete | unpaired |",
              "|---:|---:|---:|---:|---:|---:|---:|",
-             f"| {n:,} | {r['our_samples']:,} | {r['agree']:,} ({pct('agree')}) | {r['perf_truncated']:,} | "
-             f"{r['differ']:,} ({pct('differ')}) | {r['ours_incomplete']:,} | {r['unmatched']:,} |", ""]
+             f"| {n:,} | {r['our_samples']:,} ({r['dropped']:,.0f}) | {r['agree']:,} ({pct('agree')}) | "
+             f"{r['perf_truncated']:,} | {r['differ']:,} ({pct('differ')}) | {r['ours_incomplete']:,} | "
+             f"{r['unmatched']:,} |", ""]
     if r["forked"]:
         lines += [f"Processes forked by the service during the check (perf follows them from their first "
                   f"syscall): {r['forked']}; with samples of ours: {r['forked_seen']}; with the same first "
@@ -462,7 +493,7 @@ def main() -> int:
     ap.add_argument("--services", default="redis,nginx,postgres",
                     help="comma-separated: redis, nginx, postgres")
     ap.add_argument("--rounds", type=int, default=5,
-                    help="alternating rounds (this VM varies +-20%% run to run)")
+                    help="alternating rounds (this VM varies +-20%% run to run); 0: the exactness check only")
     ap.add_argument("--requests", type=int, default=50_000)
     ap.add_argument("--seconds", type=int, default=10, help="pgbench's -T per script")
     ap.add_argument("--no-exactness", dest="exactness", action="store_false",
@@ -485,7 +516,8 @@ def main() -> int:
             work = Path(d)
             svc = Postgres(work, args.seconds) if cls is Postgres else cls(work)
             try:
-                svc.load(args.requests)  # warm-up: allocator, page cache
+                if args.rounds:
+                    svc.load(args.requests)  # warm-up: allocator, page cache
                 for rnd in range(args.rounds):
                     for cfg in CONFIGS:
                         if cfg == "untraced":
@@ -506,7 +538,10 @@ def main() -> int:
                     and shutil.which("perf") else None
             finally:
                 svc.stop()
-        text += render_service(name, version, results, args.rounds, args.requests, args.seconds)
+        if args.rounds:
+            text += render_service(name, version, results, args.rounds, args.requests, args.seconds)
+        else:
+            text += [f"**{name} {version}**", ""]
         if exact is not None:
             text += render_exactness(name, exact)
     publish("services", "\n".join(text), args.update_readme)

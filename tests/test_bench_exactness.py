@@ -46,6 +46,18 @@ def test_program_frames_leave_out_start_kernel_and_libraries() -> None:
     assert x.perf_program_frames(evs[2], REDIS) == ([0x6ba56, 0x7c56e, 0x7c437], False)
 
 
+def test_recursion_through_one_call_site_is_kept() -> None:
+    """A function calling itself from one call site puts the same return address on the stack
+    once per level: each is a frame (not merged as perf's inlined entries are)."""
+    ev = x.PerfEvent(1, 1, 0, 0, [(0x7c424, "get_proc_stat_ll", REDIS), (0x6ba56, "f", REDIS),
+                                  (0x6ba56, "f", REDIS), (0x6ba56, "f [inlined g]", "inlined"),
+                                  (0x61215, "main", REDIS)])
+    assert x.perf_program_frames(ev, REDIS) == ([0x61215, 0x6ba56, 0x6ba56, 0x7c424], False)
+    rec = [(0x61211, 0x61216), (0x6ba52, 0x6ba57), (0x6ba52, 0x6ba57), (0x7c420, 0x7c425)]
+    assert x.compare([(ev, ours(1, 0, 0, rec))], REDIS)["agree"] == 1
+    assert x.compare([(ev, ours(1, 0, 0, [rec[0], *rec[2:]]))], REDIS)["differ"] == 1
+
+
 def test_compare_counts_each_kind() -> None:
     evs = x.parse_perf_script(FIXTURE.read_text())
     open_frames = [*CRON, (0x7c400, 0x7c405)]  # call open64@plt
