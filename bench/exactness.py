@@ -1,9 +1,9 @@
 """ccprofd's frames against ``perf record -e raw_syscalls:sys_enter --call-graph dwarf`` (issue 14).
 
 Pure helpers for bench/services.py: parse ``perf script -F pid,tid,time,event,trace,ip,sym,dso --ns``
-(perf recorded with ``-k mono``), pair its events with ccprofd's samples of the same thread (the
-first by time, after converting perf's CLOCK_MONOTONIC to ccprofd's CLOCK_REALTIME, then by the
-sequence of syscall numbers), and compare the program's frames of each pair.
+(perf recorded with ``-k mono``), pair its events with ccprofd's samples of the same thread and
+syscall by time (perf's CLOCK_MONOTONIC shifted to ccprofd's CLOCK_REALTIME), and compare the
+program's frames of each pair.
 
 Only the program's own frames are compared (perf's entries whose DSO is the service's binary;
 ccprofd's frames of the analysed binary that are on the stack, i.e. not tail calls): perf prints a
@@ -16,7 +16,9 @@ and its chain does not reach ``_start``/``__libc_start_call_main``; such a sampl
 
 from __future__ import annotations
 
+import bisect
 import re
+import statistics
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -86,37 +88,52 @@ class OurSample:
 
 
 def pair(perf: Sequence[PerfEvent], ours: Sequence[OurSample], offset_ns: int,
-         first_tolerance_ns: int = 50_000_000, window: int = 64
-         ) -> list[tuple[PerfEvent, OurSample | None]]:
-    """Each perf event with a ccprofd sample of the same thread and syscall, in order per thread (a
-    sample is used once, pairs never cross).  A thread's first event is placed by time (perf's
-    CLOCK_MONOTONIC + ``offset_ns``, within ``first_tolerance_ns``); after that by sequence: the
-    next of our samples with the same syscall among the following ``window``.  Timestamps cannot
-    pair a whole run: under load our sample times fall behind perf's by up to hundreds of ms.
-    perf loses events under load (ours has the extra ones, skipped); an event with no partner in
-    the window is unmatched."""
-    by_tid: dict[int, list[OurSample]] = defaultdict(list)
+         tolerance_ns: int = 50_000, search_ns: int = 5_000_000) -> list[tuple[PerfEvent, OurSample | None]]:
+    """Each perf event with a ccprofd sample of the same thread and syscall at the same time, in the
+    thread's order (each sample used once, pairs never cross: the two stamps differ by microseconds
+    of jitter, more than between two quick ``rt_sigaction`` calls, so the earliest free sample
+    within ``tolerance_ns`` is taken, not the nearest).  Both stamp the syscall entry in the kernel
+    with CLOCK_MONOTONIC; ours are shifted to CLOCK_REALTIME by the daemon's offset, ``offset_ns``
+    is this process's estimate of it, refined by the median difference of the nearest candidates
+    (within ``search_ns``).  A perf event with no partner is unpaired; perf loses events under
+    load, so ours has extra ones."""
+    cands: dict[tuple[int, int], list[OurSample]] = defaultdict(list)
     for s in sorted(ours, key=lambda s: s.time_ns):
-        by_tid[s.tid].append(s)
-    pos: dict[int, int] = {}
+        cands[(s.tid, s.nr)].append(s)
+    times = {k: [s.time_ns for s in v] for k, v in cands.items()}
+
+    def nearest(ev: PerfEvent, off: int, within: int) -> int | None:
+        ts = times.get((ev.tid, ev.nr), [])
+        t = ev.time_ns + off
+        i = bisect.bisect_left(ts, t - within)
+        best = None
+        while i < len(ts) and ts[i] <= t + within:
+            if best is None or abs(ts[i] - t) < abs(ts[best] - t):
+                best = i
+            i += 1
+        return best
+
+    diffs = []
+    for ev in perf:
+        j = nearest(ev, offset_ns, search_ns)
+        if j is not None:
+            diffs.append(times[(ev.tid, ev.nr)][j] - ev.time_ns)
+    off = int(statistics.median(diffs)) if diffs else offset_ns
+    used: dict[tuple[int, int], set[int]] = defaultdict(set)
+    last: dict[int, int] = {}  # per thread: the time of our latest paired sample
     out: list[tuple[PerfEvent, OurSample | None]] = []
     for ev in sorted(perf, key=lambda e: e.time_ns):
-        seq = by_tid.get(ev.tid, [])
-        best = None
-        if ev.tid not in pos:
-            t = ev.time_ns + offset_ns
-            for j, s in enumerate(seq):
-                if s.nr == ev.nr and abs(s.time_ns - t) <= first_tolerance_ns and (
-                        best is None or abs(s.time_ns - t) < abs(seq[best].time_ns - t)):
-                    best = j
+        key = (ev.tid, ev.nr)
+        ts, t = times.get(key, []), ev.time_ns + off
+        i = bisect.bisect_left(ts, t - tolerance_ns)
+        while i < len(ts) and (i in used[key] or ts[i] <= last.get(ev.tid, -1)):
+            i += 1
+        if i < len(ts) and ts[i] <= t + tolerance_ns:
+            used[key].add(i)
+            last[ev.tid] = ts[i]
+            out.append((ev, cands[key][i]))
         else:
-            i = pos[ev.tid]
-            best = next((j for j in range(i, min(len(seq), i + window)) if seq[j].nr == ev.nr), None)
-        if best is None:
             out.append((ev, None))
-        else:
-            pos[ev.tid] = best + 1
-            out.append((ev, seq[best]))
     return out
 
 
