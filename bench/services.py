@@ -413,7 +413,10 @@ def check_exactness(workdir: Path, svc: Redis | Postgres) -> dict[str, Any]:
     return {**counts, "perf_events": len(events), "our_samples": len(ours), "dropped": dropped,
             "forked": len(perf_first), "forked_seen": sum(p in our_first for p in perf_first),
             "forked_first_same": sum(our_first.get(p) == nr for p, nr in perf_first.items()),
-            "forked_count_same": sum(our_n.get(p) == perf_n[p] for p in perf_first)}
+            "forked_count_same": sum(our_n.get(p) == perf_n[p] for p in perf_first),
+            "forked_fewer": sum(our_n.get(p, 0) < perf_n[p] for p in perf_first),
+            # glibc's fork child starts with set_robust_list (before any code of the program runs)
+            "forked_first_robust": sum(our_first.get(p) == numbers["set_robust_list"] for p in perf_first)}
 
 
 # ------------------------------------------------------------------------------------ report
@@ -481,10 +484,14 @@ def render_exactness(name: str, r: dict[str, Any]) -> list[str]:
              f"{r['perf_truncated']:,} | {r['differ']:,} ({pct('differ')}) | {r['ours_incomplete']:,} | "
              f"{r['unmatched']:,} |", ""]
     if r["forked"]:
-        lines += [f"Processes forked by the service during the check (perf follows them from their first "
-                  f"syscall): {r['forked']}; with samples of ours: {r['forked_seen']}; with the same first "
-                  f"syscall: {r['forked_first_same']}; with the same number of syscalls: "
-                  f"{r['forked_count_same']}.", ""]
+        lines += [f"Processes forked by the service during the check (perf inherits its event into them): "
+                  f"{r['forked']}; with samples of ours: {r['forked_seen']}; whose first sample of ours is "
+                  f"`set_robust_list` (glibc's fork child's first syscall, before any program code): "
+                  f"{r['forked_first_robust']}; with the same first syscall as perf: "
+                  f"{r['forked_first_same']}; "
+                  f"with as many syscalls as perf: {r['forked_count_same']}, fewer than perf: "
+                  f"{r['forked_fewer']} (perf loses events under load: where it saw fewer, it lost "
+                  "them).", ""]
     return lines
 
 
