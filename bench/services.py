@@ -378,10 +378,17 @@ def check_exactness(workdir: Path, svc: Redis | Postgres) -> dict[str, Any]:
         _, perf_err = perf.communicate(timeout=300)
         if perf.returncode not in (0, -signal.SIGINT) or not data.exists():
             raise RuntimeError(f"perf record failed ({perf.returncode}): {perf_err.strip()[-500:]}")
-        seen = -1
-        while seen != len(stream.samples):  # the daemon drains its rings, the stream its queue
-            seen = len(stream.samples)
+        stopped_ns = time.time_ns()
+
+        def drained() -> bool:
+            """The daemon drained its rings and the stream its queue: a sample stamped 2 s after
+            perf stopped arrived, or nothing came for 3 s (an idle service)."""
+            n = len(stream.samples)
             time.sleep(3.0)
+            got = stream.samples
+            return len(got) == n or max(s.time_ns for s in got[n:]) > stopped_ns + 2_000_000_000
+
+        wait_for(drained, timeout=600, interval=0)
         samples = stream.samples
         stream.close()
         dropped = sum(v for _, v in daemon.metric_samples("ccprofd_samples_dropped_total"))
