@@ -25,7 +25,8 @@ Then, for redis and postgres, the exactness check (:func:`check_exactness`, benc
 a short load traced by the daemon and by perf at once, every perf event paired with our sample of
 the same thread and syscall and the program's frames compared; for postgres with ``pgbench -C``
 (a backend forked by the postmaster per transaction), each forked backend must be followed from
-its first syscall.
+its first syscall.  ``CCPROFD_BENCH_KEEP=FILE`` keeps the check's ``perf script`` text in FILE
+and our samples in FILE.ours.json, to look at disagreements.
 
 Not yet here (issue 14 asks for them): instrumented mode with --scope, a frame-pointer baseline,
 anomaly learning curves and injected attacks.
