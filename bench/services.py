@@ -1,30 +1,40 @@
 """Benchmark: real services under ccprofd, driven by their own load generators (issue 14).
 
-Debian's ``redis-server`` (loaded with ``redis-benchmark``: SET, GET, LPUSH, LRANGE_100; 50 clients)
-and ``nginx`` (a master and two workers serving a 4 KB and a 64 KB file, loaded with ``ab -k``,
-50 clients) are started on loopback ports in a temporary directory.  In one run, alternating
-round by round so drifts of this shared VM hit every configuration alike:
+Debian's ``redis-server`` (loaded with ``redis-benchmark``: SET, GET, LPUSH, LRANGE_100; 50 clients),
+``nginx`` (a master and two workers serving a 4 KB and a 64 KB file, loaded with ``ab -k``,
+50 clients) and ``postgres`` (a throwaway cluster initdb'd under the temporary directory as the
+postgres user, fsync off, loaded with ``pgbench -c 4 -j 2 -T N``: select-only ``-S`` and the
+read-write tpcb-like script) are started on loopback ports in a temporary directory.  In one run,
+alternating round by round so drifts of this shared VM hit every configuration alike:
 
 * ``untraced``;
-* ``unwind-all``: the real ``ccprofd run`` daemon with redis-server as a ``path`` target, unwind mode,
-  ``syscalls = "all"``;
+* ``unwind-all``: the real ``ccprofd run`` daemon with the service's binary as a ``path`` target,
+  unwind mode, ``syscalls = "all"``;
 * ``unwind-security``: the same with the security set (execve, openat, connect, accept4, mprotect,
   mmap, clone3, unlinkat, renameat2);
 * ``perf-dwarf``: ``perf record -e raw_syscalls:sys_enter --call-graph dwarf -p PID`` (what a user
   reaches for to get the same stacks).
 
-Per configuration: requests/s and p50/p99 latency per test (medians over the rounds), and for the
-daemon its CPU (utime+stime during the load, % of one core), peak RSS (VmHWM), dropped samples and
-distinct contexts (its /metrics), and the top of ``ccprofctl hot`` (the hot contexts must name
+Per configuration: requests/s (postgres: transactions/s) and p50/p99 latency per test (medians
+over the rounds; pgbench's from its per-transaction log), and for the daemon its CPU (utime+stime
+during the load, % of one core), peak RSS (VmHWM), dropped samples and distinct contexts (its
+/metrics and ``ccprofctl hot``), and the top of ``ccprofctl hot`` (the hot contexts must name
 the service's own functions).
 
-Not yet here (issue 14 asks for them): postgres/pgbench, instrumented mode with
---scope, a frame-pointer baseline, the exactness check against perf script, anomaly learning
-curves and injected attacks.
+Then, for redis and postgres, the exactness check (:func:`check_exactness`, bench/exactness.py):
+a short load traced by the daemon and by perf at once, every perf event paired with our sample of
+the same thread and syscall and the program's frames compared; for postgres with ``pgbench -C``
+(a backend forked by the postmaster per transaction), each forked backend must be followed from
+its first syscall.  ``CCPROFD_BENCH_KEEP=FILE`` keeps the check's ``perf script`` text in FILE
+and our samples in FILE.ours.json, to look at disagreements.
 
-Usage (root): .venv/bin/python bench/services.py [--rounds 5] [--requests 50000] [--update-readme]
-Needs redis-server, redis-tools, nginx-light, apache2-utils (bench/setup.sh installs them) and
-linux-perf for perf-dwarf.
+Not yet here (issue 14 asks for them): instrumented mode with --scope, a frame-pointer baseline,
+anomaly learning curves and injected attacks.
+
+Usage (root): .venv/bin/python bench/services.py [--services redis,nginx,postgres] [--rounds 5]
+[--requests 50000] [--seconds 10] [--no-exactness] [--update-readme]
+Needs redis-server, redis-tools, nginx-light, apache2-utils, postgresql-15 (bench/setup.sh installs
+them) and linux-perf for perf-dwarf and the exactness check.
 """
 
 from __future__ import annotations
@@ -46,11 +56,14 @@ import time
 from pathlib import Path
 from typing import Any, ClassVar
 
+import exactness
 from common import ROOT, cpu_seconds, machine_line, publish, status_mb
 
 sys.path.insert(0, str(ROOT / "tests"))  # the daemon harness the end-to-end tests use
 from daemon_fakes import config_text, wait_for
-from daemon_harness import RunningDaemon, target_toml
+from daemon_harness import RunningDaemon, SampleStream, target_toml
+
+from ccprofd.kbpf.syscalls import syscall_numbers
 
 SECURITY = ["execve", "openat", "connect", "accept4", "mprotect", "mmap", "clone3", "unlinkat", "renameat2"]
 TESTS = "get,set,lrange_100"
@@ -104,6 +117,11 @@ class Redis:
         rows = list(csv.DictReader(io.StringIO(out)))
         return {r["test"]: {"rps": float(r["rps"]), "p50": float(r["p50_latency_ms"]),
                             "p99": float(r["p99_latency_ms"])} for r in rows}
+
+    def check_load(self) -> None:
+        """A short load for the exactness check."""
+        subprocess.run(["redis-benchmark", "-p", str(self.port), "-t", "get,set", "-n", "2000", "-c", "4",
+                        "-q"], capture_output=True, check=True)
 
     def stop(self) -> None:
         self.proc.terminate()
@@ -189,11 +207,102 @@ class Nginx:
         self.proc.wait(timeout=30)
 
 
-SERVICES = {"redis": Redis, "nginx": Nginx}
+#: the newest PostgreSQL installed (Debian's postgresql-NN packages)
+PG_BIN = max(Path("/usr/lib/postgresql").glob("*/bin/postgres"), key=lambda p: int(p.parts[-3]),
+             default=Path("/usr/lib/postgresql/15/bin/postgres")).parent.as_posix()
+
+
+class Postgres:
+    """A throwaway PostgreSQL cluster (initdb under the temp dir, owned by the postgres user,
+    loopback port, fsync off: the tracer's cost, not the disk's, is measured) under pgbench."""
+
+    name = "postgres"
+    binary = f"{PG_BIN}/postgres"
+    tools = ("pgbench", "pg_isready", f"{PG_BIN}/initdb")
+    CLIENTS = 4
+    #: pgbench's built-in scripts measured (test name -> flags)
+    SCRIPTS: ClassVar[dict[str, list[str]]] = {"select-only (-S)": ["-S"], "tpcb-like (read-write)": []}
+
+    def __init__(self, workdir: Path, seconds: int = 10) -> None:
+        import pwd
+
+        self.seconds = seconds
+        self.port = free_port()
+        self.dir = workdir / "pg"
+        self.dir.mkdir()
+        workdir.chmod(0o755)
+        pw = pwd.getpwnam("postgres")
+        os.chown(self.dir, pw.pw_uid, pw.pw_gid)
+        self.user = {"user": pw.pw_uid, "group": pw.pw_gid, "extra_groups": []}
+        subprocess.run([f"{PG_BIN}/initdb", "-D", str(self.dir / "data"), "-A", "trust", "-U", "postgres",
+                        "--no-sync"], check=True, capture_output=True, cwd=self.dir, **self.user)  # type: ignore[arg-type]
+        self.log = open(self.dir / "postgres.log", "w")  # noqa: SIM115 - open while the server runs
+        self.proc = subprocess.Popen(
+            [self.binary, "-D", str(self.dir / "data"), "-p", str(self.port), "-k", str(self.dir),
+             "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off", "-c", "synchronous_commit=off",
+             "-c", "full_page_writes=off", "-c", "max_connections=50"],
+            stdout=self.log, stderr=subprocess.STDOUT, cwd=self.dir, **self.user)  # type: ignore[arg-type]
+        wait_for(self._answers, timeout=60, interval=0.2)
+        self.pgbench(["-i", "-s", "2", "-q"])
+
+    def _answers(self) -> bool:
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"postgres exited: {(self.dir / 'postgres.log').read_text()[-2000:]}")
+        return subprocess.run(["pg_isready", "-q", "-h", "127.0.0.1", "-p", str(self.port)]).returncode == 0
+
+    def pgbench(self, args: list[str]) -> str:
+        return subprocess.run(["pgbench", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", *args,
+                               "postgres"], capture_output=True, text=True, check=True, cwd=self.dir).stdout
+
+    def version(self) -> str:
+        # "postgres (PostgreSQL) 15.18 (Debian 15.18-0+deb12u1)"
+        return subprocess.run([self.binary, "--version"], capture_output=True, text=True).stdout.split()[2]
+
+    def pids(self) -> list[int]:
+        return [self.proc.pid, *children(self.proc.pid)]
+
+    def load(self, requests: int) -> dict[str, dict[str, float]]:
+        """pgbench -c 4 -j 2 -T seconds per script: transactions/s and p50/p99 latency (ms) from its
+        per-transaction log (``requests`` is not used: pgbench runs for a time)."""
+        out: dict[str, dict[str, float]] = {}
+        for test, flags in self.SCRIPTS.items():
+            logs = Path(tempfile.mkdtemp(dir=self.dir, prefix="log-"))
+            text = self.pgbench(["-c", str(self.CLIENTS), "-j", "2", "-T", str(self.seconds), *flags,
+                                 "-l", f"--log-prefix={logs}/tx"])
+            tps = float(re.search(r"^tps = ([\d.]+)", text, re.M).group(1))  # type: ignore[union-attr]
+            lat = sorted(int(line.split()[2]) / 1000 for f in logs.iterdir() for line in f.open())
+            shutil.rmtree(logs)
+            out[test] = {"rps": tps, "p50": lat[len(lat) // 2],
+                         "p99": lat[min(len(lat) - 1, len(lat) * 99 // 100)]}
+        return out
+
+    def check_load(self) -> None:
+        """pgbench -C: a new connection, so a backend forked by the postmaster, per transaction."""
+        self.pgbench(["-C", "-S", "-c", "2", "-j", "2", "-T", "4"])
+
+    def stop(self) -> None:
+        self.proc.send_signal(signal.SIGINT)  # fast shutdown: backends end, the postmaster exits
+        self.proc.wait(timeout=60)
+        self.log.close()
+
+
+SERVICES = {"redis": Redis, "nginx": Nginx, "postgres": Postgres}
 
 
 # ---------------------------------------------------------------------------------- tracers
-Service = Redis | Nginx
+def wait_tracked(daemon: RunningDaemon, pids: list[int] | set[int], timeout: float = 300) -> None:
+    """Until the daemon follows each of ``pids`` that is still alive (a postgres child such as an
+    autovacuum worker may exit in between)."""
+    for pid in sorted(pids):
+        try:
+            wait_for(lambda p=pid: not os.path.exists(f"/proc/{p}") or p in daemon.processes(),  # type: ignore[misc]
+                     timeout=timeout, interval=0.2)
+        except AssertionError:
+            raise AssertionError(f"pid {pid} ({Path(f'/proc/{pid}/cmdline').read_bytes()!r}) not followed: "
+                                 f"{daemon.targets()}") from None
+
+
+Service = Redis | Nginx | Postgres
 
 
 def run_daemon(workdir: Path, svc: Service, syscalls: list[str] | str, requests: int) -> dict[str, Any]:
@@ -202,8 +311,7 @@ def run_daemon(workdir: Path, svc: Service, syscalls: list[str] | str, requests:
     wd = tempfile.mkdtemp(dir=workdir, prefix="d-")
     target = target_toml(svc.name, f'path = "{svc.binary}"', syscalls, "unwind")
     with RunningDaemon(wd, config_text(wd, target, daemon_extra="top_k = 20")) as daemon:
-        for pid in svc.pids():
-            daemon.wait_tracked(pid, timeout=120)
+        wait_tracked(daemon, svc.pids(), timeout=120)
         cpu0 = cpu_seconds(daemon.proc.pid)
         t0 = time.perf_counter()
         result = svc.load(requests)
@@ -212,7 +320,8 @@ def run_daemon(workdir: Path, svc: Service, syscalls: list[str] | str, requests:
         cpu = cpu_seconds(daemon.proc.pid) - cpu0
         dropped = sum(v for _, v in daemon.metric_samples("ccprofd_samples_dropped_total"))
         ctl = [sys.executable, "-m", "ccprofd.cli.ctl", "--socket", daemon.socket_path]
-        every = json.loads(subprocess.run([*ctl, "--format", "json", "hot"], capture_output=True, text=True,
+        every = json.loads(subprocess.run([*ctl, "--format", "json", "hot", "--top", "1000000"],
+                                          capture_output=True, text=True,
                                           cwd=ROOT, timeout=120, check=True).stdout)
         contexts, samples = len(every["contexts"]), every["total_samples"]
         hot = subprocess.run([*ctl, "hot", "--top", "3"], capture_output=True, text=True, cwd=ROOT,
@@ -241,6 +350,83 @@ def run_perf(workdir: Path, svc: Service, requests: int) -> dict[str, Any]:
     return {"tests": result, "perf_cpu_pct": 100 * cpu / wall, "perf_data_mb": size / 2**20}
 
 
+def check_exactness(workdir: Path, svc: Redis | Postgres) -> dict[str, Any]:
+    """A short load traced by the daemon (unwind, every syscall, its samples streamed) and by
+    ``perf record --call-graph dwarf -k mono`` at once; each perf event paired with our sample of
+    the same thread and syscall (bench/exactness.py) and the program's frames compared.  perf
+    inherits its events into children forked after it attached, so the processes the service
+    forks (postgres: a backend per connection) are checked too: each must have samples, the
+    same first syscall (followed from its first instruction) and the same number of syscalls."""
+    wd = tempfile.mkdtemp(dir=workdir, prefix="x-")
+    module = os.path.realpath(svc.binary)
+    numbers = syscall_numbers()
+    target = target_toml(svc.name, f'path = "{svc.binary}"', "all", "unwind")
+    before = set(svc.pids())
+    data = workdir / "exact.data"
+    # the StreamSamples queue drops for a slow subscriber (counted): large enough to lose nothing here
+    with RunningDaemon(wd, config_text(wd, target, daemon_extra="stream_queue = 5000000")) as daemon:
+        wait_tracked(daemon, before)
+        before = {p for p in svc.pids() if os.path.exists(f"/proc/{p}")}  # perf -p refuses a gone pid
+        stream = SampleStream(daemon.stub, svc.name)
+        perf = subprocess.Popen(["perf", "record", "-q", "-k", "mono", "-e", "raw_syscalls:sys_enter",
+                                 "--call-graph", "dwarf", "-p", ",".join(map(str, sorted(before))),
+                                 "-o", str(data)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                                text=True)
+        time.sleep(1.0)  # perf attaches
+        offset = time.time_ns() - time.clock_gettime_ns(time.CLOCK_MONOTONIC)
+        svc.check_load()
+        perf.send_signal(signal.SIGINT)
+        _, perf_err = perf.communicate(timeout=300)
+        if perf.returncode not in (0, -signal.SIGINT) or not data.exists():
+            raise RuntimeError(f"perf record failed ({perf.returncode}): {perf_err.strip()[-500:]}")
+        stopped_ns = time.time_ns()
+
+        def drained() -> bool:
+            """The daemon drained its rings and the stream its queue: a sample stamped 2 s after
+            perf stopped arrived, or nothing came for 3 s (an idle service)."""
+            n = len(stream.samples)
+            time.sleep(3.0)
+            got = stream.samples
+            return len(got) == n or max(s.time_ns for s in got[n:]) > stopped_ns + 2_000_000_000
+
+        wait_for(drained, timeout=600, interval=0)
+        samples = stream.samples
+        stream.close()
+        dropped = sum(v for _, v in daemon.metric_samples("ccprofd_samples_dropped_total"))
+        daemon.stop()
+    script = subprocess.run(["perf", "script", "-i", str(data), "-F", "pid,tid,time,event,trace,ip,sym,dso",
+                             "--ns"], capture_output=True, text=True, check=True).stdout
+    data.unlink(missing_ok=True)
+    events = exactness.parse_perf_script(script)
+    if os.environ.get("CCPROFD_BENCH_KEEP"):  # the raw material, for looking at disagreements
+        Path(os.environ["CCPROFD_BENCH_KEEP"]).write_text(script)
+    ours = [exactness.OurSample(
+        s.pid, s.tid, s.time_ns, numbers.get(s.syscall, -1), s.complete,
+        [(f.call_site, f.return_address if f.HasField("return_address") else f.call_site)
+         for f in s.frames if f.analysed and not f.tail_call and f.HasField("call_site")])
+        for s in samples if s.event == "syscall"]
+    if os.environ.get("CCPROFD_BENCH_KEEP"):
+        Path(os.environ["CCPROFD_BENCH_KEEP"] + ".ours.json").write_text(json.dumps([o.__dict__
+                                                                                     for o in ours]))
+    counts = exactness.compare(exactness.pair(events, ours, offset), module)
+    # processes forked during the load: perf saw them from their first syscall
+    perf_first = exactness.first_syscalls((e.pid, e.time_ns, e.nr) for e in events if e.pid not in before)
+    our_first = exactness.first_syscalls((s.pid, s.time_ns, s.nr) for s in ours if s.pid in perf_first)
+    perf_n: dict[int, int] = {}
+    for e in events:
+        perf_n[e.pid] = perf_n.get(e.pid, 0) + 1
+    our_n: dict[int, int] = {}
+    for o in ours:
+        our_n[o.pid] = our_n.get(o.pid, 0) + 1
+    return {**counts, "perf_events": len(events), "our_samples": len(ours), "dropped": dropped,
+            "forked": len(perf_first), "forked_seen": sum(p in our_first for p in perf_first),
+            "forked_first_same": sum(our_first.get(p) == nr for p, nr in perf_first.items()),
+            "forked_count_same": sum(our_n.get(p) == perf_n[p] for p in perf_first),
+            "forked_fewer": sum(our_n.get(p, 0) < perf_n[p] for p in perf_first),
+            # glibc's fork child starts with set_robust_list (before any code of the program runs)
+            "forked_first_robust": sum(our_first.get(p) == numbers["set_robust_list"] for p in perf_first)}
+
+
 # ------------------------------------------------------------------------------------ report
 def median_tests(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
     tests = runs[0]["tests"].keys()
@@ -248,15 +434,17 @@ def median_tests(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
             for t in tests}
 
 
-LOADS = {"redis": "redis-benchmark -c 50 -n {n}", "nginx": "ab -k -c 50 -n {n}"}
+LOADS = {"redis": "redis-benchmark -c 50 -n {n}", "nginx": "ab -k -c 50 -n {n}",
+         "postgres": "pgbench -s 2, -c 4 -j 2 -T {s} per script, fsync off"}
 
 
 def render_service(name: str, version: str, results: dict[str, list[dict[str, Any]]], rounds: int,
-                   requests: int) -> list[str]:
+                   requests: int, seconds: int = 0) -> list[str]:
     base = median_tests(results["untraced"])
-    lines = [f"**{name} {version}**, {LOADS[name].format(n=f'{requests:,}')}, {rounds} rounds alternating, "
-             "medians:", "",
-             "| configuration | test | requests/s | vs untraced | p50 ms | p99 ms |",
+    rate = "transactions/s" if name == "postgres" else "requests/s"
+    load = LOADS[name].format(n=f"{requests:,}", s=f"{seconds:g}")
+    lines = [f"**{name} {version}**, {load}, {rounds} rounds alternating, medians:", "",
+             f"| configuration | test | {rate} | vs untraced | p50 ms | p99 ms |",
              "|---|---|---:|---:|---:|---:|"]
     for cfg in CONFIGS:
         if not results.get(cfg):
@@ -287,12 +475,44 @@ def render_service(name: str, version: str, results: dict[str, list[dict[str, An
     return [*lines, ""]
 
 
+EXACT_LOADS = {"redis": "redis-benchmark -t get,set -n 2000 -c 4",
+               "postgres": "pgbench -C -S -c 2 -T 4: a new connection, so a forked backend, per transaction"}
+
+
+def render_exactness(name: str, r: dict[str, Any]) -> list[str]:
+    n = r["perf_events"]
+    pct = (lambda k: f"{100 * r[k] / n:.1f}%") if n else (lambda k: "–")
+    lines = [f"Exactness ({name}; {EXACT_LOADS[name]}; the daemon and `perf record -e raw_syscalls:sys_enter "
+             "--call-graph dwarf` at once; each perf event paired with our sample of the same thread and "
+             "syscall; the program's frames compared, bench/exactness.py):", "",
+             "| perf events | our samples (dropped) | frames agree | perf chain truncated | differ "
+             "| ours incomplete | unpaired |",
+             "|---:|---:|---:|---:|---:|---:|---:|",
+             f"| {n:,} | {r['our_samples']:,} ({r['dropped']:,.0f}) | {r['agree']:,} ({pct('agree')}) | "
+             f"{r['perf_truncated']:,} | {r['differ']:,} ({pct('differ')}) | {r['ours_incomplete']:,} | "
+             f"{r['unmatched']:,} |", ""]
+    if r["forked"]:
+        lines += [f"Processes forked by the service during the check (perf inherits its event into them): "
+                  f"{r['forked']}; with samples of ours: {r['forked_seen']}; whose first sample of ours is "
+                  f"`set_robust_list` (glibc's fork child's first syscall, before any program code): "
+                  f"{r['forked_first_robust']}; with the same first syscall as perf: "
+                  f"{r['forked_first_same']}; "
+                  f"with as many syscalls as perf: {r['forked_count_same']}, fewer than perf: "
+                  f"{r['forked_fewer']} (perf loses events under load: where it saw fewer, it lost "
+                  "them).", ""]
+    return lines
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--services", default="redis,nginx", help="comma-separated: redis, nginx")
+    ap.add_argument("--services", default="redis,nginx,postgres",
+                    help="comma-separated: redis, nginx, postgres")
     ap.add_argument("--rounds", type=int, default=5,
-                    help="alternating rounds (this VM varies +-20%% run to run)")
+                    help="alternating rounds (this VM varies +-20%% run to run); 0: the exactness check only")
     ap.add_argument("--requests", type=int, default=50_000)
+    ap.add_argument("--seconds", type=int, default=10, help="pgbench's -T per script")
+    ap.add_argument("--no-exactness", dest="exactness", action="store_false",
+                    help="skip the frame-by-frame check against perf script")
     ap.add_argument("--update-readme", action="store_true")
     args = ap.parse_args()
     if os.geteuid() != 0:
@@ -309,9 +529,10 @@ def main() -> int:
         results: dict[str, list[dict[str, Any]]] = {c: [] for c in CONFIGS}
         with tempfile.TemporaryDirectory(prefix=f"ccprofd-{name}-") as d:
             work = Path(d)
-            svc = cls(work)
+            svc = Postgres(work, args.seconds) if cls is Postgres else cls(work)
             try:
-                svc.load(args.requests)  # warm-up: allocator, page cache
+                if args.rounds:
+                    svc.load(args.requests)  # warm-up: allocator, page cache
                 for rnd in range(args.rounds):
                     for cfg in CONFIGS:
                         if cfg == "untraced":
@@ -328,9 +549,16 @@ def main() -> int:
                         print(f"{name} round {rnd + 1} {cfg}: " + ", ".join(
                             f"{t} {m['rps']:,.0f}/s" for t, m in r["tests"].items()), file=sys.stderr)
                 version = svc.version()
+                exact = check_exactness(work, svc) if args.exactness and isinstance(svc, Redis | Postgres) \
+                    and shutil.which("perf") else None
             finally:
                 svc.stop()
-        text += render_service(name, version, results, args.rounds, args.requests)
+        if args.rounds:
+            text += render_service(name, version, results, args.rounds, args.requests, args.seconds)
+        else:
+            text += [f"**{name} {version}**", ""]
+        if exact is not None:
+            text += render_exactness(name, exact)
     publish("services", "\n".join(text), args.update_readme)
     return 0
 

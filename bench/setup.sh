@@ -7,9 +7,11 @@ cd "$(dirname "$0")/.."
 say() { printf 'bench/setup: %s\n' "$*" >&2; }
 
 # bpfcc-tools: syscount, bench/daemon.py's baseline; redis-server/redis-tools and linux-perf:
-# nginx-light/apache2-utils: bench/services.py (the services under load and perf record
-# --call-graph dwarf beside ccprofd)
-PACKAGES=(sqlite3 lua5.4 strace bpftool bpfcc-tools redis-server redis-tools nginx-light apache2-utils linux-perf)
+# nginx-light/apache2-utils, postgresql-15 (postgres, initdb, pgbench; bench/services.py starts its own
+# throwaway cluster, the package's default one is not used): bench/services.py (the services under load
+# and perf record --call-graph dwarf beside ccprofd)
+PACKAGES=(sqlite3 lua5.4 strace bpftool bpfcc-tools redis-server redis-tools nginx-light apache2-utils linux-perf
+          postgresql-15)
 missing=()
 for p in "${PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
