@@ -135,6 +135,53 @@ def test_man_pages_render_without_warnings(installed: Path, prog: str, section: 
         assert "retire_after_seconds = 3600" in text and "SEE ALSO" in text and "ccprofctl(1)" in text
     else:
         assert "ccprofd(8)" in text
+    # the README's text (issue 17: "a man page generated from the README"): its sections, headed as
+    # the page's, with sentences of the README's own (wrapped by man, so compared word by word)
+    words = " ".join(text.split())
+    readme = (ROOT / "README.md").read_text()
+    if prog == "ccprofd":
+        headings = ["DESCRIPTION", "EXIT STATUS", "COMMANDS IN DETAIL", "PERFORMANCE", "KNOWN LIMITS"]
+        sentences = ["It statically analyses the target ELF into a call graph",
+                     "Commands that run a child pass its exit status through"]
+        subsections = ["ccprofd analyze", "ccprofd trace", "ccprofd learn, detect, model"]
+    else:
+        headings = ["DETAILS"]
+        sentences = ["an unknown key is an error, and a rejected reload keeps the running configuration"]
+        subsections = ["ccprofctl for the ccprofd group"]
+    for h in headings:
+        assert re.search(rf"^{h}$", text, re.M), h
+    for sentence in sentences:
+        assert sentence in " ".join(readme.split()) and sentence in words, sentence
+    for sub in subsections:
+        assert f"### {sub}" in readme or f"#### {sub}" in readme
+        assert re.search(rf"^ {{3}}{re.escape(sub)}$", text, re.M), sub
+    # no Markdown left (a lone `**` is text: "2**64")
+    assert "<!--" not in text and "```" not in text and not re.search(r"\*\*[A-Za-z][^*\n]{0,60}\*\*", text)
+
+
+def test_markdown_to_roff_keeps_spans_code_and_tables_whole() -> None:
+    """The README's Markdown as roff (``ccprofd.cli.mdroff``), rendered by groff: bold and code
+    spans that wrap in the Markdown, a fenced block kept verbatim, a table as preformatted rows,
+    HTML comments dropped, non-ASCII characters through ``\\[u....]`` escapes."""
+    from ccprofd.cli.mdroff import section, to_roff
+
+    md = ("## A\n\nSome **bold\ntext** and `a\ncode` \u2014 done.\n<!-- bench:x -->\n\n"
+          "* one\n  continued\n* two\n\n```\n.leading dot -x\n```\n\n| a | b |\n|---|---|\n| 1 | 2 |\n"
+          "\n### Sub\n\ntext\n\n## B\n\nlast\n")
+    body = section(md, "A")
+    assert body is not None and "last" not in body and "### Sub" in body
+    roff = ".TH T 1\n" + to_roff(body, top_level=1)
+    groff = subprocess.run([require_tool("groff"), "-man", "-Tutf8", "-ww"], input=roff, capture_output=True,
+                           text=True, check=False, env=dict(os.environ, LC_ALL="C.UTF-8"))
+    assert (groff.returncode, groff.stderr) == (0, ""), groff.stderr
+    out = re.sub(r".\x08", "", groff.stdout)
+    flat = " ".join(out.split())
+    assert "Some bold text and a code \u2014 done." in flat
+    assert "bench" not in flat
+    assert "\u2022 one continued" in flat and "\u2022 two" in flat
+    assert re.search(r"^ +\.leading dot -x$", out, re.M)  # verbatim, not a roff request
+    assert re.search(r"^ +\| a \| b \|$", out, re.M) and re.search(r"^ +\| 1 \| 2 \|$", out, re.M)
+    assert re.search(r"^ +Sub$", out, re.M)
 
 
 def test_setup_installs_them_and_bad_usage_is_one_line() -> None:

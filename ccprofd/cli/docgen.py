@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ccprofd import __version__
+from ccprofd.cli.mdroff import readme_section
 
 # Values completed with file names / process ids: decided by the argument's metavar or dest.
 _FILE_WORDS = ("FILE", "DIR", "OUTPUT", "INPUT", "BINARY", "PATH", "CACHE_DIR", "UNIT_DIR", "CONFIG_DIR",
@@ -206,6 +207,8 @@ class ManExtra:
     title: str
     sections: tuple[tuple[str, str], ...]
     see_also: str
+    description: str | None = None  # the README's DESCRIPTION (roff), after the parser's
+    exit_status: str | None = None  # the README's EXIT STATUS (roff), instead of the parser's epilog
 
 
 def man_page(prog: str, section: int, root: Level, extra: ManExtra) -> str:
@@ -219,6 +222,8 @@ def man_page(prog: str, section: int, root: Level, extra: ManExtra) -> str:
         if lv is root or not lv.commands:
             out += [".PP", _roff(lv.usage)]
     out += [".SH DESCRIPTION", _roff(root.description)]
+    if extra.description:
+        out += [".PP", extra.description]
     out += _options(root.options, "OPTIONS", ".SH")
     if root.commands:
         out.append(".SH COMMANDS")
@@ -233,7 +238,9 @@ def man_page(prog: str, section: int, root: Level, extra: ManExtra) -> str:
             out += _options(lv.options, "", "")
             if lv.epilog:
                 out += [".PP", _roff(lv.epilog)]
-    if root.epilog:
+    if extra.exit_status:
+        out += [".SH EXIT STATUS", extra.exit_status]
+    elif root.epilog:
         out += [".SH EXIT STATUS", _roff(root.epilog)]
     for heading, body in extra.sections:
         out += [f".SH {heading}", body]
@@ -268,9 +275,21 @@ def _config_schema() -> str:
             "unknown key is an error. Keys and defaults:\n.PP\n.nf\n.in +2n\n" + body + "\n.in\n.fi")
 
 
+def _readme_sections(*pairs: tuple[str, str]) -> tuple[tuple[str, str], ...]:
+    """(man section, README heading) pairs as (heading, roff body), those the README has."""
+    out = []
+    for man_heading, readme_heading in pairs:
+        body = readme_section(readme_heading, top_level=1)
+        if body:
+            out.append((man_heading, body))
+    return tuple(out)
+
+
 def _extras(prog: str) -> ManExtra:
     if prog == "ccprofd":
+        files = readme_section("FILES", top_level=1)
         return ManExtra("System Administration", (
+            *_readme_sections(("COMMANDS IN DETAIL", "COMMANDS")),
             ("CONFIGURATION", _config_schema()),
             ("ENVIRONMENT", ".TP\n.B CCPROFD_CACHE_DIR\nAnalysis cache of \\fBanalyze\\fR and "
                             "\\fBtrace\\fR (default \\fI~/.cache/ccprofd\\fR)."),
@@ -278,13 +297,17 @@ def _extras(prog: str) -> ManExtra:
                       ".TP\n.I /var/lib/ccprofd\nState: analysis and plan cache, anomaly models.\n"
                       ".TP\n.I /run/ccprofd/ccprofd.sock\nThe gRPC socket \\fBccprofctl\\fR(1) "
                       "connects to.\n.TP\n.I /etc/systemd/system/ccprofd.service\nThe unit "
-                      "\\fBinstall\\-service\\fR writes."),
+                      "\\fBinstall\\-service\\fR writes." + (f"\n.PP\n{files}" if files else "")),
+            *_readme_sections(("PERFORMANCE", "PERFORMANCE"), ("KNOWN LIMITS", "STATUS AND KNOWN LIMITS")),
         ), "\\fBccprofctl\\fR(1), \\fBstrace\\fR(1), \\fBsystemd.exec\\fR(5); the project's "
-           "README for every command's details and limits.")
+           "README, from which the DESCRIPTION and the sections after COMMANDS are generated.",
+            description=readme_section("DESCRIPTION", top_level=1),
+            exit_status=readme_section("EXIT STATUS", top_level=1))
     return ManExtra("User Commands", (
+        *_readme_sections(("DETAILS", "ccprofd run (the daemon) and ccprofctl")),
         ("ENVIRONMENT", ".TP\n.B CCPROFD_SOCKET\nThe daemon's Unix socket (default "
                         "\\fI/run/ccprofd/ccprofd.sock\\fR)."),
-    ), "\\fBccprofd\\fR(8); the project's README.")
+    ), "\\fBccprofd\\fR(8); the project's README (DETAILS is generated from it).")
 
 
 def parser_of(prog: str) -> argparse.ArgumentParser:
