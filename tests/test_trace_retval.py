@@ -169,6 +169,17 @@ def test_joiner_never_returned() -> None:
     assert j.join([w], []) == [] and j.flush() == [w] and w.returned is False
 
 
+def test_joiner_writes_an_exit_after_the_calls_still_waiting() -> None:
+    """exit_group never returns, so it was written at once -- before the thread's last write, whose
+    return came a poll later through the other ring (a CI run under load printed `exit_group(0) = ?`
+    in the middle of the strace-style lines).  It waits behind the thread's waiting calls now."""
+    j = ReturnJoiner()
+    w, ex, other = _s(100, "write"), _s(300, "exit_group"), _s(200, "write", tid=2)
+    assert j.join([w, ex, other], [(250, 2, NR["write"], 1)]) == [other]
+    assert j.join([], [(150, 1, NR["write"], 11)]) == [w, ex]
+    assert (w.returned, w.ret, ex.returned) == (True, 11, False)
+
+
 def test_joiner_never_gives_a_lost_return_the_next_calls_value() -> None:
     """The return of a thread's first write was lost (full ring): the second write's return must not
     be taken for it, which would shift every later value by one call."""

@@ -64,10 +64,10 @@ class ReturnJoiner:
     sampler's sys_exit program) and is written with it.  A thread's returns come in order, so a
     return that is not the oldest waiting sample's (another syscall, or one made after the thread's
     next call entered: the oldest's return was lost) ends that sample as never returned (``= ?``),
-    as do exit/exit_group at once, the thread's exit (see :meth:`_ended_threads`) and the end of the
-    trace (:meth:`flush`).  Returns and samples come through different rings, read in batches, so
-    a return may arrive polls before its sample: it waits for it, until a later sample of its
-    thread shows that its own never came."""
+    as do exit/exit_group (at once, or after the thread's calls still waiting), the thread's exit
+    (see :meth:`_ended_threads`) and the end of the trace (:meth:`flush`).  Returns and samples
+    come through different rings, read in batches, so a return may arrive polls before its sample:
+    it waits for it, until a later sample of its thread shows that its own never came."""
 
     def __init__(self) -> None:
         self.open: dict[int, deque[TraceSample]] = {}  # tid -> samples waiting, oldest first
@@ -85,7 +85,11 @@ class ReturnJoiner:
                 ready.append(s)
             elif s.syscall in NO_RETURN:
                 s.returned = False
-                ready.append(s)
+                q = self.open.get(s.tid)
+                if q:  # behind the thread's earlier calls still waiting for their returns
+                    q.append(s)
+                else:
+                    ready.append(s)
             elif not self._take_orphan(s):
                 self.open.setdefault(s.tid, deque()).append(s)
             else:
@@ -104,6 +108,8 @@ class ReturnJoiner:
                     break
                 head.returned = False  # a later syscall of its thread returned first: this one never will
                 ready.append(head)
+            while q and q[0].syscall in NO_RETURN:  # an exit that waited behind the call just ended
+                ready.append(q.popleft())
             if q is not None and not q:
                 del self.open[tid]
             if not matched:
