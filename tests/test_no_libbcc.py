@@ -6,6 +6,7 @@ attached (both modes), and the probes are checked to work."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -38,8 +39,12 @@ int main(int argc, char **argv) {
 
 
 def compiler_mappings(pid: int) -> list[str]:
+    """Mapped files whose *name* is a compiler library's (a test directory named after this file,
+    e.g. .../test_daemon_maps_no_libbcc_ins0/e2eprog -- mapped by the daemon since it reads the
+    target's DWARF lines -- is not libbcc)."""
     with open(f"/proc/{pid}/maps") as fh:
-        return sorted({line.split()[-1] for line in fh if any(lib in line for lib in COMPILER_LIBS)})
+        paths = {line.split()[-1] for line in fh if len(line.split()) >= 6}
+    return sorted(p for p in paths if os.path.basename(p).startswith(COMPILER_LIBS))
 
 
 @pytest.mark.parametrize("mode", ["unwind", "instrumented"])
