@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import require_tool
+from conftest import require_tool, skip_or_fail
 
 from ccprofd.cli import docgen
 
@@ -98,7 +98,7 @@ def test_bash_completion_package_loads_it_on_first_use(installed: Path) -> None:
     points it at the test's root instead of /usr/share)."""
     loader = Path("/usr/share/bash-completion/bash_completion")
     if not loader.exists():
-        pytest.skip("bash-completion is not installed (scripts/setup.sh installs it)")
+        skip_or_fail("bash-completion is not installed (scripts/setup.sh installs it)")
     code = ("source /usr/share/bash-completion/bash_completion; _completion_loader ccprofctl; "
             "complete -p ccprofctl; COMP_WORDS=(ccprofctl stream --event ''); COMP_CWORD=3; _ccprofctl; "
             "echo \"${COMPREPLY[@]}\"")

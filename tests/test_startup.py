@@ -14,7 +14,7 @@ import pytest
 
 from ccprofd.persist.cache import AnalysisCache
 from ccprofd.tracing.symbols import ModuleSymbols
-from tests.conftest import require_tool
+from tests.conftest import require_tool, skip_or_fail
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -249,7 +249,7 @@ def test_struct_symbol_reader_agrees_with_pyelftools(path: str, tmp_path: pathli
         path = str(tmp_path / "s")
         subprocess.run([require_tool("cc"), "-O0", "-o", path, str(src)], check=True)
     if not os.path.exists(path):
-        pytest.skip(f"{path} not on this system")
+        skip_or_fail(f"{path} not on this system (Debian 12 has it)")
     want = _elftools_function_symbols(path)
     assert want, path
     assert sorted(ModuleSymbols._read(path)) == want
@@ -273,7 +273,7 @@ def test_kernel_btf_offsets_are_kept_beside_the_bpf_objects(tmp_path: pathlib.Pa
     from ccprofd.tracing.syscall_sampler import exec_target_source
 
     if not os.path.exists(kbtf.VMLINUX_BTF):
-        pytest.skip("no kernel BTF")
+        skip_or_fail("no kernel BTF (/sys/kernel/btf/vmlinux)")
     kbtf._cached_offsets.cache_clear()
     text = exec_target_source(tmp_path / "analysis")
     assert list((tmp_path / "analysis" / "bpf" / kbtf.CACHE_KIND).iterdir())
