@@ -291,11 +291,11 @@ def test_dwarf_lines_fuzz(tmp_path: pathlib.Path) -> None:
     None, never raise (malformed debug files must not end a trace)."""
     import random
 
-    from ccprofd.elf.debugfile import _sections  # the section table, to aim at DWARF bytes
+    from ccprofd.elf.rawsections import OFFSET, SIZE, section_headers  # to aim at DWARF bytes
 
     prog = build("libframes", opt="O2")
     data = prog.read_bytes()
-    secs = {n: (off, size) for n, (_, off, size) in _sections(data).items() if n.startswith(".debug_")}
+    secs = {n: (h[OFFSET], h[SIZE]) for n, h in section_headers(data)[1].items() if n.startswith(".debug_")}
     assert {".debug_info", ".debug_line"} <= set(secs)
     nm = subprocess.run([require_tool("nm"), "--defined-only", str(prog)], check=True, capture_output=True,
                         text=True).stdout.split("\n")

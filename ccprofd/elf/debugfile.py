@@ -23,6 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ccprofd.elf.rawsections import OFFSET, SIZE, SectionHeader, section_headers
 from ccprofd.persist.atomicfile import atomic_write_bytes
 from ccprofd.persist.cache import default_cache_dir
 
@@ -33,8 +34,6 @@ DEFAULT_DEBUG_ROOT = "/usr/lib/debug"
 #: login shell, which must not make a tracer fetch from the network unasked.
 DEBUGINFOD_ENV = "CCPROFD_DEBUGINFOD"
 
-_EHDR = struct.Struct("<16sHHIQQQIHHHHHH")
-_SHDR = struct.Struct("<IIQQQQIIQQ")
 _SHT_NOTE = 7
 _NT_GNU_BUILD_ID = 3
 
@@ -55,32 +54,11 @@ class ElfIds:
     debuglink: DebugLink | None
 
 
-def _sections(data: bytes | mmap.mmap) -> dict[str, tuple[int, int, int]]:
-    """name -> (type, offset, size) of an ELF64 little-endian object's sections ({} otherwise)."""
-    if len(data) < _EHDR.size:
-        return {}
-    ident, _, _, _, _, _, shoff, _, _, _, _, shentsize, shnum, shstrndx = _EHDR.unpack_from(data, 0)
-    if ident[:4] != b"\x7fELF" or ident[4] != 2 or ident[5] != 1 or shentsize < _SHDR.size:
-        return {}
-    if shoff + shnum * shentsize > len(data) or shstrndx >= shnum:
-        return {}
-    shdrs = [_SHDR.unpack_from(data, shoff + i * shentsize) for i in range(shnum)]
-    strtab = shdrs[shstrndx][4]
-    out: dict[str, tuple[int, int, int]] = {}
-    for h in shdrs:
-        base = strtab + h[0]
-        end = data.find(b"\0", base)
-        if end < 0:
+def _build_id(data: bytes | mmap.mmap, sections: dict[str, SectionHeader]) -> str | None:
+    for name, h in sections.items():
+        if h[1] != _SHT_NOTE or not name.startswith(".note"):
             continue
-        out.setdefault(bytes(data[base:end]).decode("utf-8", "replace"), (h[1], h[4], h[5]))
-    return out
-
-
-def _build_id(data: bytes | mmap.mmap, sections: dict[str, tuple[int, int, int]]) -> str | None:
-    for name, (kind, off, size) in sections.items():
-        if kind != _SHT_NOTE or not name.startswith(".note"):
-            continue
-        pos, end = off, min(off + size, len(data))
+        pos, end = h[OFFSET], min(h[OFFSET] + h[SIZE], len(data))
         while pos + 12 <= end:
             namesz, descsz, ntype = struct.unpack_from("<III", data, pos)
             name_at = pos + 12
@@ -95,12 +73,12 @@ def read_ids(path: str) -> ElfIds:
     """The build-id and ``.gnu_debuglink`` of ELF ``path`` (None for what it lacks or cannot be read)."""
     try:
         with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as data:
-            secs = _sections(data)
+            secs = section_headers(data)[1]
             bid = _build_id(data, secs)
             link = None
             got = secs.get(".gnu_debuglink")
-            if got is not None and got[2] >= 8:
-                raw = bytes(data[got[1]:got[1] + got[2]])
+            if got is not None and got[SIZE] >= 8:
+                raw = bytes(data[got[OFFSET]:got[OFFSET] + got[SIZE]])
                 nul = raw.find(b"\0")
                 if nul > 0:
                     crc_at = (nul + 4) & ~3
@@ -191,7 +169,7 @@ class DebugFileLocator:
             except (OSError, ValueError, urllib.error.URLError) as exc:
                 self._warn(url, f"debuginfod {url}: no debug file for {bid}: {exc}")
                 continue
-            if _build_id(data, _sections(data)) != bid:
+            if _build_id(data, section_headers(data)[1]) != bid:
                 self._warn(url, f"debuginfod {url}: the file served for {bid} has another build-id")
                 continue
             try:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 
 from ccprofd.elf.debugfile import DebugFileLocator, default_locator
 from ccprofd.elf.dwarflines import DwarfLines, SourceLocation
+from ccprofd.elf.rawsections import ENTSIZE, OFFSET, section_headers
 from ccprofd.persist.cache import file_identity
 
 if TYPE_CHECKING:
@@ -25,8 +26,6 @@ def _path_digest(path: str) -> str:
     return hashlib.sha256(path.encode()).hexdigest()[:16]
 
 
-_EHDR = struct.Struct("<16sHHIQQQIHHHHHH")
-_SHDR = struct.Struct("<IIQQQQIIQQ")
 _SYM = struct.Struct("<IBBHQQ")
 _SHT_SYMTAB, _SHT_DYNSYM = 2, 11
 _STT_FUNC, _STT_GNU_IFUNC = 2, 10
@@ -36,21 +35,18 @@ def _function_symbols(data: bytes) -> list[tuple[int, int, str]]:
     """(start, end, name) of the defined, sized function symbols of an ELF64 little-endian
     object's ``.dynsym`` then ``.symtab``, one row per address: among aliases the first public
     name (no leading underscore), else the first name."""
-    ident, _, _, _, _, _, shoff, _, _, _, _, shentsize, shnum, shstrndx = _EHDR.unpack_from(data, 0)
-    if ident[:4] != b"\x7fELF" or ident[4] != 2 or ident[5] != 1 or shentsize < _SHDR.size:
-        return []
-    shdrs = [_SHDR.unpack_from(data, shoff + i * shentsize) for i in range(shnum)]
+    shdrs, by_name = section_headers(data)
+    shnum = len(shdrs)
 
     def cstr(table: int, off: int) -> str:
-        base = shdrs[table][4] + off
+        base = shdrs[table][OFFSET] + off
         end = data.index(b"\0", base)
         return data[base:end].decode("utf-8", "replace")
 
-    by_name = {cstr(shstrndx, h[0]): h for h in shdrs} if shstrndx < shnum else {}
     rows: dict[int, tuple[int, int, str]] = {}
     for sec_name in (".dynsym", ".symtab"):
         h = by_name.get(sec_name)
-        if h is None or h[1] not in (_SHT_SYMTAB, _SHT_DYNSYM) or h[9] < _SYM.size:
+        if h is None or h[1] not in (_SHT_SYMTAB, _SHT_DYNSYM) or h[ENTSIZE] < _SYM.size:
             continue
         _, _, _, _, offset, size, link, _, _, entsize = h
         if offset + size > len(data) or link >= shnum:
