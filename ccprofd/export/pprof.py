@@ -104,26 +104,22 @@ def _elf_facts(path: str) -> tuple[Any, str] | None:
 def process_modules(pid: int, proc_root: str = "/proc") -> list[ModuleRange]:
     """The executable file mappings of ``pid`` now, with load bias and build-id (from the files).
     OSError when the process is gone."""
-    from ccprofd.proc.maps import object_path, read_maps
+    from ccprofd.proc.maps import module_mappings
 
-    entries = read_maps(pid, proc_root)
+    def addrspace_of(path: str) -> Any:
+        facts = _elf_facts(path)
+        return facts[0] if facts is not None else None
+
+    maps = module_mappings(pid, addrspace_of, proc_root)
     try:
         exe = os.readlink(os.path.join(proc_root, str(pid), "exe"))
     except OSError:
         exe = ""
     out = []
-    for m in entries:
-        if not m.executable or not m.file_backed:
-            continue
-        facts = _elf_facts(object_path(pid, m.path, proc_root))
-        if facts is None:
-            continue
-        space, build_id = facts
-        try:
-            bias = space.load_bias(m.start, m.offset)
-        except ValueError:
-            continue
-        out.append(ModuleRange(m.path, m.start, m.end, m.offset, bias, build_id, m.path == exe))
+    for m in maps.mappings:
+        facts = _elf_facts(m.open_path)  # cached: read by module_mappings just now
+        if facts is not None:
+            out.append(ModuleRange(m.path, m.start, m.end, m.offset, m.bias, facts[1], m.path == exe))
     return out
 
 

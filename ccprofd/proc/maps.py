@@ -91,6 +91,7 @@ class ModuleMapping:
     bias: int
     dev: str
     inode: int
+    offset: int = 0  # the mapping's file offset, as /proc/PID/maps has it
 
     def vaddr(self, address: int) -> int:
         return address - self.bias
@@ -137,5 +138,5 @@ def module_mappings(pid: int, addrspace_of: AddrSpaceOf, proc_root: str = DEFAUL
         except ValueError:
             other.append(m)
             continue
-        mods.append(ModuleMapping(m.start, m.end, m.path, opened, bias, m.dev, m.inode))
+        mods.append(ModuleMapping(m.start, m.end, m.path, opened, bias, m.dev, m.inode, m.offset))
     return ProcessMaps(pid, mods, other)
