@@ -126,6 +126,12 @@ class DebugFileLocator:
     def debuginfod_dir(self) -> Path:
         return (self._cache_dir if self._cache_dir is not None else default_cache_dir()) / "debuginfod"
 
+    @classmethod
+    def from_env(cls, cache_dir: str | os.PathLike[str] | None = None) -> DebugFileLocator:
+        """The system debug root, and debuginfod only when opted in (:func:`debuginfod_urls_from_env`),
+        its files kept under ``cache_dir``."""
+        return cls(debuginfod_urls=debuginfod_urls_from_env(), cache_dir=cache_dir)
+
     def find(self, path: str, build_id: str | None = None) -> str | None:
         """The debug file of ELF ``path`` (``build_id``: its build-id when the caller knows it),
         or None.  ``path`` itself is never returned."""
@@ -201,5 +207,5 @@ def default_locator() -> DebugFileLocator:
     :func:`debuginfod_urls_from_env`)."""
     global _DEFAULT
     if _DEFAULT is None:
-        _DEFAULT = DebugFileLocator(debuginfod_urls=debuginfod_urls_from_env())
+        _DEFAULT = DebugFileLocator.from_env()
     return _DEFAULT

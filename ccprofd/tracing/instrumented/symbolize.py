@@ -26,7 +26,7 @@ from typing import Any
 
 from ccprofd.callgraph.model import ROOT
 from ccprofd.decode import CachingDecoder, DecodeError, StaleAboveSegment, UnknownCaller, decoder_for
-from ccprofd.elf.debugfile import DebugFileLocator, debuginfod_urls_from_env
+from ccprofd.elf.debugfile import DebugFileLocator
 from ccprofd.encode.segments import OUTSIDE, Edge, EncodedState, Segment
 from ccprofd.persist.cache import AnalysisCache
 from ccprofd.tracing.frames import Decoded, Frame, demangle
@@ -73,8 +73,7 @@ class Symbolizer:
         self.errors = 0
         self._source = None
         if source_lines:
-            locator = DebugFileLocator(debuginfod_urls=debuginfod_urls_from_env(),
-                                       cache_dir=cache.directory if cache is not None else None)
+            locator = DebugFileLocator.from_env(cache.directory if cache is not None else None)
             self._source = ModuleSource(self.module, self.build_id, locator, cache)
 
     # ------------------------------------------------------------------------------- helpers

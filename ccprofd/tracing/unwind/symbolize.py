@@ -10,7 +10,7 @@ from typing import Any
 
 from ccprofd.callgraph.model import ROOT
 from ccprofd.decode import CachingDecoder, DecodeError, UnknownCaller, decoder_for
-from ccprofd.elf.debugfile import DebugFileLocator, debuginfod_urls_from_env
+from ccprofd.elf.debugfile import DebugFileLocator
 from ccprofd.encode.plan import COL
 from ccprofd.encode.segments import OUTSIDE, EncodedState, Segment
 from ccprofd.persist.cache import AnalysisCache
@@ -61,8 +61,7 @@ class UnwindSymbolizer:
         self.source_lines = source_lines
         self._sources: dict[str, ModuleSource] = {}
         # debug files: the system's, and debuginfod's (when opted in) kept in this trace's cache dir
-        self.locator = DebugFileLocator(debuginfod_urls=debuginfod_urls_from_env(),
-                                        cache_dir=cache.directory if cache is not None else None)
+        self.locator = DebugFileLocator.from_env(cache.directory if cache is not None else None)
         self._own_source = ModuleSource(self.module, self.build_id, self.locator, cache)
         # (direct callee by call site, tail edges by caller, functions with other jumps): made at first use
         self._exits: tuple[dict[int, int], dict[int, list[tuple[int, int]]], set[int]] | None = None
