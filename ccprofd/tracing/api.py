@@ -46,6 +46,19 @@ class TraceError(Exception):
 
 
 @dataclass(frozen=True, slots=True)
+class UnwindEnforcement:
+    """Enforcement from the unwinder (unwind mode only): the allowed (syscall number, context key)
+    pairs, keys as ccprofd/anomaly/unwind_enforce.py computes them from a model; ``syscalls`` the
+    numbers judged (None: every sampled syscall).  ``kill=False`` records denials only (audit);
+    ``deny_incomplete``: a context the unwinder could not complete is denied (no model holds one)."""
+
+    allowed: frozenset[tuple[int, int]]
+    syscalls: tuple[int, ...] | None = None
+    kill: bool = True
+    deny_incomplete: bool = True
+
+
+@dataclass(frozen=True, slots=True)
 class TraceOptions:
     mode: str = DEFAULT_MODE
     syscalls: str | None = None  # "write,openat" or "all"/None
@@ -60,6 +73,7 @@ class TraceOptions:
     # frames get DWARF file/line/inlined (tracing/symbols.ModuleSource); off by default: pyelftools
     # reads a compile unit in ~40 ms (libc's first ~0.2 s), paid in the poll loop at a frame's first use
     source_lines: bool = False
+    enforce: UnwindEnforcement | None = None  # unwind mode: kill (syscall, context) pairs outside a model
 
 
 

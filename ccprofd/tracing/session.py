@@ -39,6 +39,9 @@ def make_mode(binary: str, options: TraceOptions) -> Mode:
     if options.mode == "instrumented":
         from ccprofd.tracing.instrumented.mode import InstrumentedMode
 
+        if options.enforce is not None:
+            raise TraceError("enforcement from the unwinder needs --mode unwind")
+
         return InstrumentedMode(binary, options)
     if options.mode == "unwind":
         from ccprofd.tracing.unwind.mode import UnwindMode

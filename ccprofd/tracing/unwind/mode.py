@@ -58,6 +58,7 @@ from ccprofd.tracing.unwind.sampler import (
     HIT_TGID,
     HIT_TID,
     HIT_TIME,
+    EnforcementDenial,
     HitHeader,
     UnwindSampler,
     UnwoundSample,
@@ -84,6 +85,7 @@ class UnwindMode(ModeBase[Record, tuple[int, int]]):
         self.verify_checked = 0
         self.verify_mismatches = 0
         self.fp_frames = 0
+        self._enforcement_final: tuple[dict[str, int], list[EnforcementDenial]] = ({}, [])
 
     # -------------------------------------------------------------------------------- set-up
     def prepare(self) -> None:
@@ -116,9 +118,14 @@ class UnwindMode(ModeBase[Record, tuple[int, int]]):
             raise TraceError(str(exc)) from None
         self.build_id = graph.binary.build_id
         analysis_cache = AnalysisCache(cache)
+        enf = self.options.enforce
         self.sampler = UnwindSampler(syscalls=nrs, aggregate=True, emit_hits=True, encoding=self.encoding,
                                      cache=analysis_cache, load_early=True,
-                                     events_ringbuf_pages=RET_RINGBUF_PAGES if self.options.retval else 16)
+                                     events_ringbuf_pages=RET_RINGBUF_PAGES if self.options.retval else 16,
+                                     enforce_keys=0 if enf is None else max(1, len(enf.allowed)))
+        if enf is not None:
+            self.sampler.set_enforcement(enf.allowed, enf.syscalls, kill=enf.kill,
+                                         deny_incomplete=enf.deny_incomplete)
         self.symbolizer = UnwindSymbolizer(self.encoding, self.plan, self.sampler.module_of_key,
                                            analysis_cache, source_lines=self.options.source_lines)
         for path in load_set(self.path, cache=analysis_cache):
@@ -128,6 +135,12 @@ class UnwindMode(ModeBase[Record, tuple[int, int]]):
             self.sampler.attach_returns()
         if self.options.sample_hz:
             self.sampler.attach_cpu_sampling(int(self.options.sample_hz))
+
+    def enforcement(self) -> tuple[dict[str, int], list[EnforcementDenial]]:
+        """Enforcement counters and each thread's last denial (empty without ``options.enforce``)."""
+        if self.sampler is None:
+            return self._enforcement_final  # what close() read last
+        return self.sampler.enforcement_stats(), self.sampler.enforcement_denials()
 
     def track_launch(self, pid: int) -> None:
         assert self.sampler is not None
@@ -235,6 +248,8 @@ class UnwindMode(ModeBase[Record, tuple[int, int]]):
         if self.sampler is not None:
             out["bpf"] = self.sampler.stats()
             out["map_bytes"] = sum(self.sampler.map_memory_bytes().values())
+        if self.options.enforce is not None:
+            out["enforcement"] = self.enforcement()[0]
         if self.symbolizer is not None:
             out["decode_errors"] = self.symbolizer.errors
         if self.options.verify:
@@ -258,6 +273,8 @@ class UnwindMode(ModeBase[Record, tuple[int, int]]):
     def close(self) -> None:
         self._close_contexts()  # thread snapshots' private vDSO copies
         if self.sampler is not None:
+            if self.options.enforce is not None:
+                self._enforcement_final = self.enforcement()
             self.sampler.close()
             self.sampler = None
             if self.options.verify:

@@ -75,8 +75,10 @@ class ProgramLoader:
         """bpf_loop callbacks of the sys/cpu program, by loop count (the CPU sampler does not
         aggregate: no arena loop)."""
         names = {"unwind": f"uw_step_{kind}", "arena": f"uw_arena_{kind}", "enc": f"ue_enc_{kind}",
-                 "hash": f"ue_hash_{kind}"}
-        return {count: names[loop] for loop, count in self.loops.items() if kind == "sys" or loop != "arena"}
+                 "hash": f"ue_hash_{kind}", "enf": f"uw_enf_{kind}"}
+        sys_only = ("arena", "enf")  # the CPU sampler neither aggregates nor enforces
+        return {count: names[loop] for loop, count in self.loops.items()
+                if kind == "sys" or loop not in sys_only}
 
     def start(self, prog: str) -> None:
         """Hand ``prog`` to the kernel verifier in a thread (~1-2 s for the unwinder)."""

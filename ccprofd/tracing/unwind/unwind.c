@@ -1108,6 +1108,149 @@ static __always_inline u64 uw_path_arg(struct pt_regs *regs, long nr) {
     return v;
 }
 
+#ifdef UW_ENFORCE
+// Enforcement from the unwinder (issue 19): at sys_enter, after the sample is taken, the
+// (syscall, context) pair is looked up in the model's allowed set and a pair outside it kills the
+// process (bpf_send_signal(SIGKILL)).  The key hashes the unwound pcs that lie in an analysed
+// function of the target binary (as ELF vaddrs, innermost first; an exact pc -- the instruction
+// after a syscall in the binary -- with bit 63 set): exactly the frames the decoder reports as
+// analysed, so userspace computes the same key from a learned model's frames
+// (anomaly/unwind_enforce.py).  Library frames and the entry function (_start) are skipped on both
+// sides.  Everything here is separate from the unwinding loop: its own bpf_loop over the pcs.
+#ifndef UE_ENABLED
+#error "UW_ENFORCE needs the encoding (UE_ENABLED): it tells the binary's analysed frames apart"
+#endif
+#define UW_ENF_SEED 0xcbf29ce484222325ULL
+#define UW_ENF_PRIME 0x100000001b3ULL
+#define UW_ENF_EXACT (1ULL << 63)
+#define UW_ENF_STAT_CHECKED 0
+#define UW_ENF_STAT_ALLOWED 1
+#define UW_ENF_STAT_DENIED 2
+#define UW_ENF_STAT_INCOMPLETE 3
+#define UW_ENF_STAT_KILLED 4
+#define UW_ENF_NR_STATS 8
+#define UW_ENF_CFG_KILL 0        // 1: SIGKILL on a denied pair; 0: audit (counted and recorded only)
+#define UW_ENF_CFG_INCOMPLETE 1  // 1: an incomplete context (no key the model can hold) is denied
+#define UW_ENF_VERDICT_DENIED 2
+#define UW_ENF_VERDICT_KILLED 3
+
+struct uw_enf_key {
+    u32 nr;
+    u32 pad;
+    u64 hash;
+};
+
+struct uw_enf_denial {
+    u64 ktime_ns;
+    u64 hash;
+    u32 tgid;
+    s32 nr;
+    u32 verdict;     // UW_ENF_VERDICT_*
+    u32 incomplete;  // 1: denied because the context was incomplete
+};
+
+BPF_HASH(uw_enf_allowed, struct uw_enf_key, u8, UW_ENF_MAX_KEYS);
+BPF_ARRAY(uw_enf_nrs, u8, 1024);              // syscall numbers the model judges
+BPF_ARRAY(uw_enf_config, u64, 4);
+BPF_ARRAY(uw_enf_acc, u64, UW_NSLOTS);        // the key being hashed, per program slot
+BPF_PERCPU_ARRAY(uw_enf_stats, u64, UW_ENF_NR_STATS);
+BPF_HASH(uw_enf_denials, u32, struct uw_enf_denial, 4096);  // tid -> its last denial
+
+static __always_inline void uw_enf_stat(u32 idx) {
+    u64 *v = uw_enf_stats.lookup(&idx);
+    if (v)
+        *v += 1;
+}
+
+// One pc of the sample (innermost first): mixed into the key when it is in an analysed function.
+static __always_inline long uw_enf_step(u32 slot, u32 i) {
+    struct uw_state *st = uw_state.lookup(&slot);
+    u64 *h = uw_enf_acc.lookup(&slot);
+    if (!st || !h)
+        return 1;
+    u32 n = st->s.n;
+    if (i >= n)  // (no i < UW_MAX_DEPTH test: the compiler would drop the mask below)
+        return 1;
+    u64 raw = st->s.pcs[i & (UW_MAX_DEPTH - 1)];
+    u64 pc = raw & ~UW_EXACT_BIT;
+    u32 exact = raw >> 63;
+    if (!(pc >= st->c_start && pc < st->c_end)) {
+        if (uw_find_mapping(st, pc) < 0) {
+            st->c_start = 0;
+            st->c_end = 0;
+            st->c_info = 0;
+            return 0;
+        }
+    }
+    if (!(st->c_info & UE_ANALYSED))
+        return 0;
+    u64 v = pc - st->c_bias;
+    u32 node = UE_NONE, fflags = 0;
+    if (ue_function(st, exact ? v : v - 1, &node, &fflags) < 0 || (fflags & 1))
+        return 0;
+    *h = (*h ^ (v | (exact ? UW_ENF_EXACT : 0))) * UW_ENF_PRIME;
+    return 0;
+}
+
+long uw_enf_sys(u64 i) { return uw_enf_step(bpf_get_smp_processor_id() * 2, (u32)i); }
+
+// Called at the end of the sys_enter sample path, the sample in this CPU's syscall slot.
+static __always_inline void uw_enforce(u32 slot, u32 tgid, u32 tid, long nr) {
+    u32 inr = (u32)nr;
+    u8 *judged = uw_enf_nrs.lookup(&inr);
+    if (!judged || !*judged)
+        return;
+    struct uw_state *st = uw_state.lookup(&slot);
+    u64 *h = uw_enf_acc.lookup(&slot);
+    if (!st || !h)
+        return;
+    uw_enf_stat(UW_ENF_STAT_CHECKED);
+    u32 k_kill = UW_ENF_CFG_KILL, k_inc = UW_ENF_CFG_INCOMPLETE;
+    u64 *kill = uw_enf_config.lookup(&k_kill);
+    u64 *deny_incomplete = uw_enf_config.lookup(&k_inc);
+    u32 incomplete = st->s.reason != 0 ||
+                     (st->s.e.flags & (UE_F_ANCHOR | UE_F_SEG_OVF | UE_F_REC_OVF | UE_F_UNAN_OVF)) != 0;
+    int denied = 0;
+    if (incomplete) {
+        uw_enf_stat(UW_ENF_STAT_INCOMPLETE);
+        denied = deny_incomplete && *deny_incomplete;
+    } else {
+        *h = UW_ENF_SEED;
+        st->c_start = 0;  // the mapping cache may hold another process's mapping: look up afresh
+        st->c_end = 0;
+        st->w.f_lo = 0;
+        st->w.f_hi = 0;
+        bpf_loop(UW_ENF_LOOPS, uw_enf_sys, 0, 0);
+        struct uw_enf_key key = {};
+        key.nr = inr;
+        key.hash = *h;
+        denied = uw_enf_allowed.lookup(&key) == 0;
+    }
+    if (!denied) {
+        uw_enf_stat(UW_ENF_STAT_ALLOWED);
+        return;
+    }
+    uw_enf_stat(UW_ENF_STAT_DENIED);
+    struct uw_enf_denial d = {};
+    d.ktime_ns = bpf_ktime_get_ns();
+    d.hash = incomplete ? 0 : *h;
+    d.tgid = tgid;
+    d.nr = (s32)nr;
+    d.incomplete = incomplete;
+    d.verdict = UW_ENF_VERDICT_DENIED;
+    if (kill && *kill) {
+        // Queued now, acted on when the task returns to user space -- after the syscall ran.
+        bpf_send_signal(9);  // SIGKILL, to the whole process
+        uw_enf_stat(UW_ENF_STAT_KILLED);
+        d.verdict = UW_ENF_VERDICT_KILLED;
+    }
+    uw_enf_denials.update(&tid, &d);
+}
+#define UW_ENFORCE_SYS(tgid, tid, nr) uw_enforce(bpf_get_smp_processor_id() * 2, tgid, tid, nr)
+#else
+#define UW_ENFORCE_SYS(tgid, tid, nr)
+#endif
+
 int uw_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
     u64 pid_tgid = bpf_get_current_pid_tgid();
     u32 tgid = pid_tgid >> 32;
@@ -1135,6 +1278,7 @@ int uw_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
     uw_sample(bpf_get_smp_processor_id() * 2, pid_tgid, (s32)nr, ip, sp, bp, uw_path_arg(regs, nr), regs,
               uw_step_sys,
               uw_arena_sys, 1 UE_CALLBACKS_SYS);
+    UW_ENFORCE_SYS(tgid, (u32)pid_tgid, nr);
     return 0;
 }
 
