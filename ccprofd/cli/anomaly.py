@@ -99,14 +99,14 @@ def _parse_syscalls(text: str | None) -> list[str] | None:
 
 
 def _open_traced(args: argparse.Namespace, syscalls: list[str] | None,
-                 on_launch: Callable[[int], None] | None = None) -> Any:
+                 on_launch: Callable[[int], None] | None = None, enforce: Any = None) -> Any:
     """The tracer's session for ``-- CMD``: probes attached before the command execs."""
     from ccprofd.kbpf.errors import BPFError
     from ccprofd.tracing import session as tracer
 
     try:
         opts = tracer.TraceOptions(mode=args.mode, syscalls=",".join(syscalls) if syscalls else None,
-                                   cache_dir=args.cache_dir)
+                                   cache_dir=args.cache_dir, enforce=enforce)
         return tracer.open_session(list(args.command), options=opts, on_launch=on_launch)
     except tracer.TraceError as exc:
         raise _Usage(str(exc)) from None
@@ -259,6 +259,56 @@ class _Enforcement:
         self.enforcer.close()
 
 
+class _UnwindEnforcement:
+    """``detect --enforce --mode unwind``: the model's allowed set in the tracer's own unwinder
+    (unwind.c ``UW_ENFORCE``), which kills a (syscall, context) pair outside it at sys_enter;
+    works without frame pointers.  Denials are read back from the tracer's mode to annotate the
+    detector's alerts (same pid, tid and syscall)."""
+
+    def __init__(self, model: TargetModel) -> None:
+        from ccprofd.anomaly.unwind_enforce import unwind_allowed
+        from ccprofd.tracing.api import UnwindEnforcement
+
+        self.allowed = unwind_allowed(model)
+        syscalls = None if self.allowed.syscalls is None else tuple(self.allowed.syscalls)
+        self.options = UnwindEnforcement(frozenset(self.allowed.keys), syscalls)
+        self.session: Any = None
+        self.reported: set[tuple[int, int, int]] = set()
+        print("ccprofd: enforcing from the unwinder: SIGKILL at syscall entry (BPF LSM programs are not "
+              "used); the killed syscall itself still runs to completion", file=sys.stderr)
+        if self.allowed.unkeyed:
+            print(f"ccprofd: {self.allowed.unkeyed} model context(s) cannot be keyed (a frame without a "
+                  "learned call site or return address): they will be denied", file=sys.stderr)
+        if self.allowed.ignored_rules:
+            print(f"ccprofd: {self.allowed.ignored_rules} allow rule(s) are not enforced (prefixes are "
+                  "not finite keys): contexts they allow are killed", file=sys.stderr)
+
+    def _denials(self) -> list[Any]:
+        return [] if self.session is None else list(self.session.mode.enforcement()[1])
+
+    def annotate(self, alert: dict[str, Any]) -> dict[str, Any]:
+        from ccprofd.kbpf.syscalls import syscall_name
+
+        alert["action"] = "enforce"
+        alert["denied"] = False
+        for d in self._denials():
+            name = syscall_name(d.syscall_nr) or str(d.syscall_nr)
+            if (d.tgid, d.tid, name) == (alert["pid"], alert["tid"], alert["syscall"]):
+                alert["denied"] = True
+                alert["verdict"] = d.verdict
+                self.reported.add((d.tgid, d.tid, d.ktime_ns))
+        return alert
+
+    def close(self) -> None:
+        from ccprofd.kbpf.syscalls import syscall_name
+
+        for d in self._denials():
+            if (d.tgid, d.tid, d.ktime_ns) not in self.reported:
+                what = "an incomplete context" if d.incomplete else "a context outside the model"
+                print(f"ccprofd: enforcement {d.verdict} {syscall_name(d.syscall_nr) or d.syscall_nr} of pid "
+                      f"{d.tgid} tid {d.tid} ({what}; the detector did not report it)", file=sys.stderr)
+
+
 def cmd_detect(args: argparse.Namespace) -> int:
     syscalls = _parse_syscalls(args.syscalls)
     if args.enforce and args.samples is not None:
@@ -287,6 +337,8 @@ def cmd_detect(args: argparse.Namespace) -> int:
             return 0
         path, bid = _target_binary(args.command)
         det = _detector_for(models, bid, path, opts)
+        if args.enforce and args.mode == "unwind":
+            return _detect_unwind_enforced(args, syscalls, det, stream)
         enforcement = _Enforcement(path, det.model) if args.enforce else None
 
         def write(sample: dict[str, Any]) -> None:
@@ -304,6 +356,25 @@ def cmd_detect(args: argparse.Namespace) -> int:
         finally:
             if enforcement is not None:
                 enforcement.close()
+
+
+def _detect_unwind_enforced(args: argparse.Namespace, syscalls: list[str] | None, det: Detector,
+                            stream: IO[str]) -> int:
+    """``detect --enforce`` in unwind mode: the tracer's unwinder enforces (no second program)."""
+    enforcement = _UnwindEnforcement(det.model)
+
+    def write(sample: dict[str, Any]) -> None:
+        for alert in det.check(sample):
+            d = enforcement.annotate(alert.to_dict())
+            stream.write(json.dumps(d, separators=(",", ":")) + "\n")
+            stream.flush()
+
+    session = _open_traced(args, syscalls, enforce=enforcement.options)
+    enforcement.session = session
+    try:
+        return _run_session(session, write)
+    finally:
+        enforcement.close()
 
 
 def _detector_for(models: ModelSet, build_id: str, path: str, opts: DetectorOptions) -> Detector:
@@ -517,9 +588,11 @@ def add_commands(sub: Any) -> None:
     de.add_argument("--alert-interval", type=float, default=60.0, metavar="SECONDS",
                     help="repeat the same alert at most once per interval (default 60; 0: always)")
     de.add_argument("--enforce", action="store_true",
-                    help="also deny hooked operations (open, exec, connect) from contexts outside the model: "
-                         "BPF LSM -EPERM where loadable, else SIGKILL at syscall entry (the syscall may "
-                         "complete); the target needs frame pointers")
+                    help="also kill the target at a syscall made from a context outside the model. "
+                         "--mode unwind (the default): the unwinder checks every traced syscall at "
+                         "syscall entry and sends SIGKILL (the killed syscall itself still completes); "
+                         "no frame pointers needed. --mode instrumented: open, exec and connect only, "
+                         "keyed by a frame-pointer walk (BPF LSM -EPERM where loadable, else SIGKILL)")
     _source_args(de)
     de.set_defaults(func=_run(cmd_detect))
 
