@@ -137,7 +137,7 @@ class UnwindMode(ModeBase[Record, tuple[int, int]]):
             self.sampler.attach_cpu_sampling(int(self.options.sample_hz))
 
     def enforcement(self) -> tuple[dict[str, int], list[EnforcementDenial]]:
-        """Enforcement counters and each thread's last denial (empty without ``options.enforce``)."""
+        """Enforcement counters and each thread's first denial (empty without ``options.enforce``)."""
         if self.sampler is None:
             return self._enforcement_final  # what close() read last
         return self.sampler.enforcement_stats(), self.sampler.enforcement_denials()

@@ -579,7 +579,8 @@ class UnwindSampler:
         return {name: int(m.get(i) or 0) for i, name in enumerate(ENF_STATS)}
 
     def enforcement_denials(self) -> list[EnforcementDenial]:
-        """The last denial of each thread that had one (a killed process makes no second)."""
+        """The first denial of each thread that had one (a killed process makes no second; in
+        audit mode the counters have the rest)."""
         if not self.enforcing:
             return []
         out = []

@@ -1154,7 +1154,7 @@ BPF_ARRAY(uw_enf_nrs, u8, 1024);              // syscall numbers the model judge
 BPF_ARRAY(uw_enf_config, u64, 4);
 BPF_ARRAY(uw_enf_acc, u64, UW_NSLOTS);        // the key being hashed, per program slot
 BPF_PERCPU_ARRAY(uw_enf_stats, u64, UW_ENF_NR_STATS);
-BPF_HASH(uw_enf_denials, u32, struct uw_enf_denial, 4096);  // tid -> its last denial
+BPF_HASH(uw_enf_denials, u32, struct uw_enf_denial, 4096);  // tid -> its first denial
 
 static __always_inline void uw_enf_stat(u32 idx) {
     u64 *v = uw_enf_stats.lookup(&idx);
@@ -1244,7 +1244,7 @@ static __always_inline void uw_enforce(u32 slot, u32 tgid, u32 tid, long nr) {
         uw_enf_stat(UW_ENF_STAT_KILLED);
         d.verdict = UW_ENF_VERDICT_KILLED;
     }
-    uw_enf_denials.update(&tid, &d);
+    uw_enf_denials.insert(&tid, &d);  // the thread's first denial stays (audit mode makes more)
 }
 #define UW_ENFORCE_SYS(tgid, tid, nr) uw_enforce(bpf_get_smp_processor_id() * 2, tgid, tid, nr)
 #else
