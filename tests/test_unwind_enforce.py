@@ -33,7 +33,8 @@ OWN_FUNCTIONS = ("main", "run_script", "dispatch", "cmd_cat", "cmd_rm", "cmd_wip
 
 
 def ccprofd(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "ccprofd.cli", *args], capture_output=True, text=True, cwd=cwd)
+    return subprocess.run([sys.executable, "-m", "ccprofd.cli", *args], capture_output=True, text=True,
+                          cwd=cwd)
 
 
 def prog() -> str:
@@ -127,9 +128,9 @@ def test_model_key_matches_objdump_computation() -> None:
 def test_enforcement_is_compiled_only_when_asked() -> None:
     """Programs without enforcement are the same text as before (no UW_ENFORCE, same loops)."""
     class Enc:
-        functions: list[int] = []
-        edges: dict[int, int] = {}
-        callsites: dict[int, int] = {}
+        functions: tuple[int, ...] = ()
+        edges: tuple[int, ...] = ()
+        callsites: tuple[int, ...] = ()
         rec_code_bits = 4
 
     class Layout:
@@ -155,7 +156,8 @@ def learned(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, Path, Path]:
     d = tmp_path_factory.mktemp("unwind_enforce")
     (d / "a.txt").write_text("alpha\n")
     model = d / "model.json"
-    for cmds in (["cat", "a.txt", "rm", "b1"], ["rm", "b2", "cat", "a.txt", "cat", "a.txt"], ["cat", "a.txt"]):
+    training = (["cat", "a.txt", "rm", "b1"], ["rm", "b2", "cat", "a.txt", "cat", "a.txt"], ["cat", "a.txt"])
+    for cmds in training:
         for c in cmds:
             if c.startswith("b"):
                 (d / c).write_text("x")
@@ -215,8 +217,8 @@ def test_attack_path_is_killed_before_it_returns(learned: tuple[str, Path, Path]
     assert r.stdout == "alpha\n"  # the command before ran; nothing after the unlink did
     assert "ATTACK-DONE" not in r.stdout
     [alert] = alerts
-    assert (alert["syscall"], alert["action"], alert["denied"], alert["verdict"]) == ("unlink", "enforce", True,
-                                                                                      "killed")
+    verdict = (alert["syscall"], alert["action"], alert["denied"], alert["verdict"])
+    assert verdict == ("unlink", "enforce", True, "killed")
     assert [f["function"] for f in alert["frames"] if f["analysed"]][-2:] == ["cmd_wipe", "wipe_file"]
     assert not victim.exists(), "the killed unlink did not complete: update the README's limit"
 
