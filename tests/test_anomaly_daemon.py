@@ -83,9 +83,10 @@ class Daemon(RunningDaemon):
         return stopped.log
 
 
-def anomaly_config(workdir: str, binary: Path, model: Path | None, action: str) -> str:
+def anomaly_config(workdir: str, binary: Path, model: Path | None, action: str,
+                   mode: str = "instrumented") -> str:
     model_line = f'model = "{model}"' if model is not None else ""
-    target = target_toml("srv", f'path = "{binary}"', ["openat"], "instrumented", f"""[target.anomaly]
+    target = target_toml("srv", f'path = "{binary}"', ["openat"], mode, f"""[target.anomaly]
 action = "{action}"
 {model_line}
 flush_seconds = 1
@@ -250,6 +251,44 @@ def test_daemon_enforce_kills_at_the_hidden_open(bpf: None, workdir: str, tmp_pa
         assert server.proc.wait(timeout=30) == -signal.SIGKILL
         wait_for(lambda: d is not None and d.logged("verdict=killed syscall=openat"), timeout=60)
         err = d.stop_clean()
+        assert "ccprofd alert kind=unseen_context syscall=openat" in err and "action=enforce" in err
+        assert "Traceback" not in err
+    finally:
+        if d is not None:
+            d.kill()
+        if server.proc.poll() is None:
+            server.close()
+
+
+@pytest.mark.bpf
+def test_daemon_unwind_enforce_without_frame_pointers(bpf: None, workdir: str, tmp_path: Path) -> None:
+    """Issue 19: action = "enforce" on an unwind-mode target built with -fomit-frame-pointer: the
+    daemon's own unwinder enforces the model learned in unwind mode (no frame-pointer enforcer is
+    loaded); normal commands run on, the hidden openat kills the process ("done 7" never appears)."""
+    binary = compile_server(Path(workdir) / "srv", 0, "-fomit-frame-pointer")
+    data = tmp_path / "data.txt"
+    data.write_text("data\n")
+    model = Path(workdir) / "state" / "anomaly" / "srv.model.json"
+    server = Server(binary)
+    d: Daemon | None = None
+    try:
+        d = Daemon(workdir, anomaly_config(workdir, binary, None, "learn", "unwind"))
+        wait_for(lambda: d is not None and d.follows(server.proc.pid), timeout=300)
+        assert server.run("cat", str(data)) == "done 5\n"
+        assert server.run("count", str(data)) == "done 1005\n"
+        wait_for(lambda: model.exists() and len(openat_chains(model)) == 2, timeout=60)
+        d.write_config(anomaly_config(workdir, binary, None, "enforce", "unwind"))
+        d.proc.send_signal(signal.SIGHUP)
+        wait_for(lambda: d is not None and d.logged("reloaded"), timeout=300)
+        wait_for(lambda: d is not None and d.logged("from the unwinder"), timeout=120)
+        wait_for(lambda: d is not None and d.follows(server.proc.pid), timeout=300)
+        assert server.run("count", str(data)) == "done 1005\n"
+        assert server.run("cat", str(data)) == "done 5\n"
+        assert server.run("debug", str(data)) == ""  # killed: EOF on its stdout
+        assert server.proc.wait(timeout=30) == -signal.SIGKILL
+        wait_for(lambda: d is not None and d.logged("verdict=killed syscall=openat"), timeout=60)
+        err = d.stop_clean()
+        assert "enforcing the model of" in err and "frame-pointer" not in err
         assert "ccprofd alert kind=unseen_context syscall=openat" in err and "action=enforce" in err
         assert "Traceback" not in err
     finally:

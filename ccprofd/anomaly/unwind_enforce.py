@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 from ccprofd.anomaly.model import TAIL_CALL, FrameKey, TargetModel
 from ccprofd.kbpf.syscalls import syscall_numbers
+from ccprofd.tracing.api import UnwindEnforcement
 
 KEY_SEED = 0xCBF29CE484222325
 KEY_PRIME = 0x100000001B3
@@ -98,3 +99,11 @@ def unwind_allowed(model: TargetModel) -> UnwindAllowed:
         keys.add((nr, key_of_pcs(pcs)))
     judged = None if model.syscalls is None else sorted(numbers[s] for s in model.syscalls if s in numbers)
     return UnwindAllowed(keys, judged, unkeyed, unknown, len(model.allow_rules))
+
+
+def enforcement_options(model: TargetModel) -> tuple[UnwindEnforcement, UnwindAllowed]:
+    """The tracer option that makes unwind mode enforce ``model`` (kill outside it), and what went
+    into it (for the caller's report of unkeyed contexts and allow rules that are not enforced)."""
+    allowed = unwind_allowed(model)
+    syscalls = None if allowed.syscalls is None else tuple(allowed.syscalls)
+    return UnwindEnforcement(frozenset(allowed.keys), syscalls), allowed

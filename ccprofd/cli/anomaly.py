@@ -266,12 +266,9 @@ class _UnwindEnforcement:
     detector's alerts (same pid, tid and syscall)."""
 
     def __init__(self, model: TargetModel) -> None:
-        from ccprofd.anomaly.unwind_enforce import unwind_allowed
-        from ccprofd.tracing.api import UnwindEnforcement
+        from ccprofd.anomaly.unwind_enforce import enforcement_options
 
-        self.allowed = unwind_allowed(model)
-        syscalls = None if self.allowed.syscalls is None else tuple(self.allowed.syscalls)
-        self.options = UnwindEnforcement(frozenset(self.allowed.keys), syscalls)
+        self.options, self.allowed = enforcement_options(model)
         self.session: Any = None
         self.reported: set[tuple[int, int, int]] = set()
         print("ccprofd: enforcing from the unwinder: SIGKILL at syscall entry (BPF LSM programs are not "

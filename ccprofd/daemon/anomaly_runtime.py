@@ -62,6 +62,9 @@ class _Target:
     alerts: dict[tuple[str, str], int] = field(default_factory=dict)  # (syscall, kind) -> n
     denials: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
+    #: unwind mode: the tracer's unwinder enforces (TracerSource._options_for), not an Enforcer
+    unwind: bool = False
+    seen_denials: set[tuple[int, int, int]] = field(default_factory=set)
 
 
 def model_path(state_dir: Path, target: str, config: AnomalyConfig) -> Path:
@@ -126,6 +129,8 @@ class AnomalyMonitor:
                     if b.enforcer is not None:
                         self._enforce_processes(t, b, rt)
                         self._collect_denials(t, b)
+                if t.unwind and t.config.action == "enforce":
+                    self._collect_unwind_denials(t, rt)
 
     def _prepare(self, rt: TargetView) -> None:
         """Set up every binary the target's processes run before their next sample arrives: an
@@ -194,7 +199,7 @@ class AnomalyMonitor:
         path = model_path(self.daemon.config.daemon.state_dir, rt.name, rt.config.anomaly)
         path.parent.mkdir(parents=True, exist_ok=True)
         models = load_or_quarantine(path, lambda msg: log.error("target %s: anomaly %s", rt.name, msg))
-        t = _Target(rt.name, rt.config.anomaly, path, models)
+        t = _Target(rt.name, rt.config.anomaly, path, models, unwind=rt.config.mode == "unwind")
         with self._lock:
             other = self.targets.get(rt.name)
             if other is not None and other.config == t.config:
@@ -248,9 +253,26 @@ class AnomalyMonitor:
         except ValueError as exc:
             log.error("target %s: %s", t.name, exc)
             return b
-        if cfg.action == "enforce":
+        if cfg.action == "enforce" and not t.unwind:
             b.enforcer = self._enforcer(t, path, model)
         return b
+
+    def _collect_unwind_denials(self, t: _Target, rt: TargetView) -> None:
+        """Log each new denial of the target's unwinders (unwind.c ``UW_ENFORCE``) once."""
+        from ccprofd.kbpf.syscalls import syscall_name
+
+        get = getattr(rt.source, "enforcement_denials", None)
+        if get is None:
+            return
+        for d in get():
+            ident = (d.tgid, d.tid, d.ktime_ns)
+            if ident in t.seen_denials:
+                continue
+            t.seen_denials.add(ident)
+            t.denials += 1
+            log.warning("ccprofd enforcement target=%s verdict=%s syscall=%s pid=%d tid=%d hook=unwind "
+                        "key=%#x incomplete=%s", t.name, d.verdict, syscall_name(d.syscall_nr), d.tgid, d.tid,
+                        d.key, str(d.incomplete).lower())
 
     def _enforcer(self, t: _Target, path: str, model: TargetModel) -> Any:
         from ccprofd.anomaly.enforce import Enforcer

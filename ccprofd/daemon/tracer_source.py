@@ -111,6 +111,7 @@ class TracerSource:
 
     def __init__(self, target: TargetConfig, daemon: DaemonConfig) -> None:
         self.target = target
+        self.state_dir = daemon.state_dir
         self.options = TraceOptions(
             mode=target.mode, syscalls=",".join(target.syscalls) if target.syscalls else None,
             encoding=target.encoding, scope=target.scope, sample_hz=target.perf_sample_hz,
@@ -175,11 +176,49 @@ class TracerSource:
                     self._gate.watch(path, gate_execs=self.options.mode == "instrumented")
                 except OSError as exc:
                     log.warning("target %s: %s: rewrites found by polling only", self.target.name, exc)
-            mode = make_mode(path, self.options)
+            mode = make_mode(path, self._options_for(path))
             mode.prepare()
             b = _Binary(path, inode, mode, mode.build_id or "", ident=ident)
             self.binaries_by_inode[inode] = b
         return b
+
+    def _options_for(self, path: str) -> TraceOptions:
+        """The tracer options of one binary: with ``[target.anomaly] action = "enforce"`` in unwind
+        mode, the unwinder enforces the model of this binary's build-id (none: detection only, the
+        anomaly monitor says why).  The model is read when the binary is set up: a reload (which
+        re-attaches the target) picks up a re-learned model."""
+        an = self.target.anomaly
+        if an.action != "enforce" or self.options.mode != "unwind":
+            return self.options
+        from dataclasses import replace
+
+        from ccprofd.anomaly.modelstore import ModelFileError, load_models
+        from ccprofd.anomaly.unwind_enforce import enforcement_options
+        from ccprofd.daemon.anomaly_runtime import model_path
+        from ccprofd.elf.image import ElfImage
+
+        try:
+            bid = ElfImage(path).build_id()
+            model = load_models(str(model_path(self.state_dir, self.target.name, an))).targets.get(bid or "")
+        except (ModelFileError, OSError, ValueError) as exc:
+            log.error("target %s: cannot enforce on %s (detecting only): %s", self.target.name, path, exc)
+            return self.options
+        if model is None:
+            return self.options
+        enf, allowed = enforcement_options(model)
+        log.warning("target %s: enforcing the model of %s from the unwinder: SIGKILL at syscall entry "
+                    "(the killed syscall itself completes); %d allowed contexts, %d not keyable",
+                    self.target.name, path, len(enf.allowed), allowed.unkeyed)
+        return replace(self.options, enforce=enf)
+
+    def enforcement_denials(self) -> list[Any]:
+        """Each thread's first denial by the unwinders of this target's binaries (enforce action)."""
+        out: list[Any] = []
+        for b in list(self.binaries_by_inode.values()):
+            get = getattr(b.mode, "enforcement", None)
+            if get is not None:
+                out += get()[1]
+        return out
 
     # ------------------------------------------------------------------ rewritten binaries
     def _gate_check(self, ident: FileIdentity, pid: int) -> None:
