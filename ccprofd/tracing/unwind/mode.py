@@ -49,6 +49,7 @@ from ccprofd.tracing.base import (
 )
 from ccprofd.tracing.frames import Decoded
 from ccprofd.tracing.unwind.constants import FLAG_HIT, FLAG_NEW
+from ccprofd.tracing.unwind.enforcement import EnforcementDenial, UnwindEnforcementMaps
 from ccprofd.tracing.unwind.plan import UnwindEncoding
 from ccprofd.tracing.unwind.sampler import (
     HIT_ARGS,
@@ -58,7 +59,6 @@ from ccprofd.tracing.unwind.sampler import (
     HIT_TGID,
     HIT_TID,
     HIT_TIME,
-    EnforcementDenial,
     HitHeader,
     UnwindSampler,
     UnwoundSample,
@@ -86,6 +86,7 @@ class UnwindMode(ModeBase[Record, tuple[int, int]]):
         self.verify_mismatches = 0
         self.fp_frames = 0
         self._enforcement_final: tuple[dict[str, int], list[EnforcementDenial]] = ({}, [])
+        self.enforcement_maps: UnwindEnforcementMaps | None = None
 
     # -------------------------------------------------------------------------------- set-up
     def prepare(self) -> None:
@@ -124,8 +125,9 @@ class UnwindMode(ModeBase[Record, tuple[int, int]]):
                                      events_ringbuf_pages=RET_RINGBUF_PAGES if self.options.retval else 16,
                                      enforce_keys=0 if enf is None else max(1, len(enf.allowed)))
         if enf is not None:
-            self.sampler.set_enforcement(enf.allowed, enf.syscalls, kill=enf.kill,
-                                         deny_incomplete=enf.deny_incomplete)
+            self.enforcement_maps = UnwindEnforcementMaps(self.sampler.module)
+            self.enforcement_maps.configure(enf.allowed, enf.syscalls, kill=enf.kill,
+                                            deny_incomplete=enf.deny_incomplete)
         self.symbolizer = UnwindSymbolizer(self.encoding, self.plan, self.sampler.module_of_key,
                                            analysis_cache, source_lines=self.options.source_lines)
         for path in load_set(self.path, cache=analysis_cache):
@@ -140,7 +142,8 @@ class UnwindMode(ModeBase[Record, tuple[int, int]]):
         """Enforcement counters and each thread's first denial (empty without ``options.enforce``)."""
         if self.sampler is None:
             return self._enforcement_final  # what close() read last
-        return self.sampler.enforcement_stats(), self.sampler.enforcement_denials()
+        maps = self.enforcement_maps
+        return ({}, []) if maps is None else (maps.stats(), maps.denials())
 
     def track_launch(self, pid: int) -> None:
         assert self.sampler is not None

@@ -50,7 +50,6 @@ import contextlib
 import ctypes
 import os
 import struct
-from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -338,8 +337,7 @@ class UnwindSampler:
         max_segments: int = 64,
         max_unanalysed: int = 128,
         emit_hits: bool = False,
-        load_early: bool = False,
-        enforce_keys: int = 0,
+        load_early: bool = False, enforce_keys: int = 0,  # enforce_keys: UW_ENFORCE, see enforcement.py
     ) -> None:
         if max_depth < 1 or max_depth & (max_depth - 1):
             raise BPFError(f"max_depth must be a power of two, not {max_depth}")
@@ -364,9 +362,6 @@ class UnwindSampler:
             max_modules=max_modules, max_rules=max_rules, max_contexts=max_contexts, arena_words=arena_words,
             ringbuf_pages=ringbuf_pages, encoding=encoding, layout=self.layout,
             events_ringbuf_pages=events_ringbuf_pages, enforce_keys=enforce_keys)
-        if enforce_keys and encoding is None:
-            raise BPFError("enforcement from the unwinder needs the encoding (the binary's analysed frames)")
-        self.enforcing = enforce_keys > 0
         bpf_cache = cache_dir_under(self.cache.directory) if cache is not None else None
         self.module = load_module(defines + sampler_source(self.cache.directory) + "\n" + unwind_source(),
                                   cache_dir=bpf_cache)
@@ -546,50 +541,6 @@ class UnwindSampler:
         kernel count is incremented whether or not the record is sent."""
         self._m["uw_config"].set(CFG_EMIT_HITS, 1 if on else 0)
 
-    # ----------------------------------------------------------------------------- enforcement
-    def set_enforcement(self, allowed: Iterable[tuple[int, int]], syscalls: Iterable[int] | None, *,
-                        kill: bool = True, deny_incomplete: bool = True) -> None:
-        """Load the allowed (syscall number, context key) pairs (unwind.c ``UW_ENFORCE``; keys as
-        anomaly/unwind_enforce.py computes them) and judge ``syscalls`` (None: every sampled one).
-        Set before the target runs; ``kill=False`` only records the denials (audit)."""
-        if not self.enforcing:
-            raise BPFError("this unwinder was built without enforcement (enforce_keys=0)")
-        allowed_map = self.module.map("uw_enf_allowed")
-        pairs = sorted(set(allowed))
-        if len(pairs) > allowed_map.max_entries:
-            raise BPFError(f"{len(pairs)} allowed contexts do not fit the map ({allowed_map.max_entries})")
-        items = []
-        for nr, key in pairs:
-            k = allowed_map.key_type()
-            k.nr, k.hash = nr, key
-            items.append((k, 1))
-        allowed_map.update_many(items)
-        nrs_map = self.module.map("uw_enf_nrs")
-        nrs = range(nrs_map.max_entries) if syscalls is None else sorted(set(syscalls))
-        nrs_map.update_many([(nr, 1) for nr in nrs if 0 <= nr < nrs_map.max_entries])
-        cfg = self.module.map("uw_enf_config")
-        cfg.set(ENF_CFG_KILL, 1 if kill else 0)
-        cfg.set(ENF_CFG_INCOMPLETE, 1 if deny_incomplete else 0)
-
-    def enforcement_stats(self) -> dict[str, int]:
-        """Syscalls checked, allowed, denied, denied as incomplete, killed (unwind.c UW_ENF_STAT_*)."""
-        if not self.enforcing:
-            return {}
-        m = self.module.map("uw_enf_stats")
-        return {name: int(m.get(i) or 0) for i, name in enumerate(ENF_STATS)}
-
-    def enforcement_denials(self) -> list[EnforcementDenial]:
-        """The first denial of each thread that had one (a killed process makes no second; in
-        audit mode the counters have the rest)."""
-        if not self.enforcing:
-            return []
-        out = []
-        for k, v in self.module.map("uw_enf_denials").items():
-            verdict = "killed" if v.verdict == ENF_KILLED else "denied"
-            out.append(EnforcementDenial(int(v.tgid), int(getattr(k, "value", k)), int(v.nr), int(v.hash),
-                                         verdict, bool(v.incomplete), int(v.ktime_ns)))
-        return sorted(out, key=lambda d: d.ktime_ns)
-
     # ------------------------------------------------------------------------------- reporting
     def stats(self) -> dict[str, int]:
         out = {name: int(self._m["uw_stats"].get(i) or 0) for i, name in enumerate(STATS)}
@@ -656,25 +607,6 @@ class UnwindSampler:
         self.close()
 
 
-#: unwind.c's enforcement counters (UW_ENF_STAT_*), configuration slots and verdict values.
-ENF_STATS = ("checked", "allowed", "denied", "incomplete", "killed")
-ENF_CFG_KILL, ENF_CFG_INCOMPLETE = 0, 1
-ENF_KILLED = 3
-
-
-@dataclass(frozen=True, slots=True)
-class EnforcementDenial:
-    """A (syscall, context) pair the unwinder found outside the allowed set."""
-
-    tgid: int
-    tid: int
-    syscall_nr: int
-    key: int          # 0 when the context was incomplete (no key)
-    verdict: str      # "killed" (SIGKILL sent) | "denied" (audit only)
-    incomplete: bool
-    ktime_ns: int
-
-
 def _program_defines(*, max_depth: int, max_maps: int, max_procs: int, max_entries: int,
                      max_modules: int, max_rules: int, max_contexts: int, arena_words: int,
                      ringbuf_pages: int, encoding: UnwindEncoding | None, layout: RecordLayout | None,
@@ -714,7 +646,9 @@ def _program_defines(*, max_depth: int, max_maps: int, max_procs: int, max_entri
             "UE_MAX_SITES": _pow2_at_least(max(MIN_EDGES_BUCKET, len(encoding.callsites))),
             "UE_ROW_REC": UE_ROW_REC, "UE_ENC_LOOPS": loops["enc"], "UE_HASH_LOOPS": loops["hash"]})
     defines["UW_ARENA_LOOPS"] = loops["arena"]
-    if enforce_keys and encoding is not None:
+    if enforce_keys and encoding is None:
+        raise BPFError("enforcement from the unwinder needs the encoding (the binary's analysed frames)")
+    if enforce_keys:
         # enforcement (unwind.c, UW_ENFORCE): its own loop over the pcs; a count no other loop has
         loops["enf"] = max_depth + 3
         defines.update({"UW_ENFORCE": 1, "UW_ENF_LOOPS": loops["enf"],
