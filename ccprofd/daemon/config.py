@@ -44,6 +44,7 @@ targets.  Schema (defaults in brackets)::
     flush_seconds = 30, alert_interval_seconds = 60   learning flush; repeat of the same alert
     collapse_recursion = false, transitions = false
     granularity = "exact" | "edges"                   "edges": new combinations of learned call edges pass
+    alert_history = 16                                the thread's syscalls before an alert it carries
 """
 
 from __future__ import annotations
@@ -103,6 +104,7 @@ class AnomalyConfig:
     granularity: str = "exact"  # anomaly.detector.DetectorOptions.granularity
     flush_seconds: float = 30.0
     model: str | None = None  # model file; None: STATE_DIR/anomaly/TARGET.model.json
+    alert_history: int = 16  # flight-recorder events before the alert's syscall each alert carries
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,7 +311,7 @@ _TARGET_KEYS: dict[str, Any] = {k: None for k in (
     "max_probe_hits_per_sec", "verify", "anomaly", "source_lines")}
 _ANOMALY_KEYS: dict[str, Any] = {k: None for k in (
     "action", "alert_interval_seconds", "collapse_recursion", "transitions", "granularity", "flush_seconds",
-    "model")}
+    "model", "alert_history")}
 _SYSCALL_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 
 
@@ -622,8 +624,11 @@ def _parse_anomaly(chk: _Checker, where: tuple[Any, ...], raw: Any) -> AnomalyCo
     if granularity == "edges" and action == "enforce":
         raise chk.fail((*where, "granularity"), "\"edges\" cannot be enforced (the kernel-side "
                        "enforcer checks exact contexts): use action = \"detect\"")
+    alert_history = chk.get(tbl, where, "alert_history", int, d.alert_history)
+    if isinstance(alert_history, bool) or not 0 <= alert_history <= 4096:
+        raise chk.fail((*where, "alert_history"), f"must be an integer from 0 to 4096, got {alert_history!r}")
     return AnomalyConfig(
-        model=model, granularity=granularity,
+        model=model, granularity=granularity, alert_history=alert_history,
         action=action,
         alert_interval_seconds=seconds("alert_interval_seconds", d.alert_interval_seconds),
         collapse_recursion=bool(chk.get(tbl, where, "collapse_recursion", bool, d.collapse_recursion)),

@@ -347,6 +347,22 @@ class Daemon:
             raise UnknownProcess(f"no target follows pid {pid}")
         return rt, rt.source.thread_contexts(pid)
 
+    def history(self, pid: int, last: int) -> tuple[TargetRuntime, dict[str, Any]]:
+        """GetHistory: the target whose source recorded ``pid`` (a process or one thread), and the
+        history; the process's own target first, then every other (a thread, an exited process)."""
+        first = self.runtime_of_pid(pid)
+        order = ([first] if first is not None else []) + [rt for rt in self.runtimes() if rt is not first]
+        why = f"no target recorded pid {pid}"
+        for rt in order:
+            if rt.source is None:
+                continue
+            try:
+                return rt, rt.source.history(pid, last)
+            except UnknownProcess as exc:
+                if "off" in str(exc):
+                    why = str(exc).strip("'\"")
+        raise UnknownProcess(why)
+
     def runtimes(self) -> Iterator[TargetRuntime]:
         with self._lock:
             items = list(self.targets.values())

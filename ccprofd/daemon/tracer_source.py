@@ -53,7 +53,7 @@ from ccprofd.daemon.source import (
     ThreadContext,
     UnknownProcess,
 )
-from ccprofd.proc.tasks import threads_of
+from ccprofd.proc.tasks import tgid_of, threads_of
 from ccprofd.tracing.api import Mode, TraceOptions
 
 RESCAN_S = 1.0
@@ -393,6 +393,33 @@ class TracerSource:
             raise RuntimeError(got["error"])
         return [ThreadContext(t["tid"], t["complete"], tuple(t["frames"]), t["comm"], t["reason"])
                 for t in got["threads"]]
+
+    def _modes_for(self, pid: int) -> list[Any]:
+        """The modes that may hold ``pid``'s history: its binary's first (a process, or a live
+        thread's process), then every other (a thread or process that has exited)."""
+        inode = self.tracked.get(pid)
+        if inode is None:
+            inode = self.tracked.get(tgid_of(pid) or -1)
+        first = self.binaries_by_inode.get(inode) if inode is not None else None
+        rest = [b for b in list(self.binaries_by_inode.values()) if b is not first]
+        return [b.mode for b in ([first] if first is not None else []) + rest]
+
+    def history(self, pid: int, last: int) -> dict[str, Any]:
+        errors = []
+        for mode in self._modes_for(pid):
+            got = mode.history(pid, last)
+            if got["threads"]:
+                return got
+            errors.append(got["error"])
+        raise UnknownProcess(next((e for e in errors if e and "off" in e), None)
+                             or f"no recorded syscalls of pid {pid} in this target")
+
+    def history_before(self, pid: int, tid: int, time_ns: int, last: int) -> list[dict[str, Any]]:
+        for mode in self._modes_for(pid):
+            got = mode.history_before(tid, time_ns, last)
+            if got:
+                return got
+        return []
 
     def callgraph_stats(self) -> dict[str, Any]:
         from pathlib import Path

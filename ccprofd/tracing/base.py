@@ -394,13 +394,13 @@ class ModeBase(ABC, Generic[Record, Key]):
         return out
 
     def history_before(self, tid: int, time_ns: int, last: int) -> list[dict[str, Any]]:
-        """Thread ``tid``'s recorded samples up to and including wall-clock ``time_ns`` (an alert's
+        """Thread ``tid``'s recorded samples before wall-clock ``time_ns`` (an alert's
         sample), the ``last`` latest, oldest first: what an alert carries as ``history``."""
         hmap = self._history_map()
         if hmap is None or last <= 0:
             return []
         off = self._history_clock_offset()
-        evs = [ev for ev in read_thread(hmap, tid) if ev.time_ns + off <= time_ns]
+        evs = [ev for ev in read_thread(hmap, tid) if ev.time_ns + off < time_ns]
         return [self.history_sample(ev).to_json() for ev in evs[-last:]]
 
     def history_sample(self, ev: HistoryEvent) -> TraceSample:
