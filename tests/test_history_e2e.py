@@ -7,10 +7,17 @@ compiled out (``CCPROFD_HISTORY=0``)."""
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import pytest
+from daemon_fakes import config_text, wait_for
+from daemon_harness import ROOT, RunningDaemon, target_toml
 from programs.build import build
 
 from ccprofd.tracing.api import TraceOptions
@@ -22,7 +29,7 @@ SYSCALLS = "write,getppid,lseek"
 MINUS = {-1: 0xFFFFFFFF, -2: 0xFFFFFFFE}
 
 
-def main_sequence(worker_line: bytes) -> list[tuple[str, tuple[int, ...], str]]:
+def main_sequence(worker_line: bytes, waits: bool = False) -> list[tuple[str, tuple[int, ...], str]]:
     """history.c's main thread: (syscall, argument words checked, innermost analysed function)."""
     out: list[tuple[str, tuple[int, ...], str]] = []
     for i in range(1, 301):
@@ -31,6 +38,8 @@ def main_sequence(worker_line: bytes) -> list[tuple[str, tuple[int, ...], str]]:
             out.append(("getppid", (), "other"))
             out.append(("lseek", (MINUS[-1], i, 0), "other"))
     out.append(("write", (1, -1, len(worker_line)), "main"))  # printf: buffer address unknown (-1)
+    if waits:  # run with an argument: then "done\n"
+        out.append(("write", (1, -1, 5), "main"))
     return out
 
 
@@ -43,7 +52,8 @@ def analysed(frames: list[dict[str, Any]]) -> list[str]:
 
 
 def check(events: list[dict[str, Any]], want: list[tuple[str, tuple[int, ...], str]], outer: str) -> None:
-    assert [e["syscall"] for e in events] == [w[0] for w in want]
+    assert [e["syscall"] for e in events] == [w[0] for w in want], \
+        ([(e["syscall"], e["raw_args"]) for e in events[-4:]], want[-3:])
     for e, (_, args, fn) in zip(events, want, strict=True):
         got = e["raw_args"]
         assert len(got) == len(args), (e, args)
@@ -109,3 +119,64 @@ def test_recorder_compiled_out(bpf: None, monkeypatch: pytest.MonkeyPatch) -> No
         assert got["threads"] == [] and "off" in got["error"]
     finally:
         session.close()
+
+
+def ctl(sock: str, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ccprofd.cli.ctl", "--socket", sock, *args],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+@pytest.mark.bpf
+@pytest.mark.parametrize("mode", ["unwind", "instrumented"])
+def test_ccprofctl_history_from_the_daemon(bpf: None, workdir: str, mode: str) -> None:
+    binary = Path(workdir) / "hist"
+    shutil.copy(build("history", opt="O0"), binary)
+    target = target_toml("hist", f'path = "{binary}"', SYSCALLS.split(","), mode)
+    with RunningDaemon(workdir, config_text(workdir, target)) as d:
+        d.wait_attached()
+        proc = subprocess.Popen([str(binary), "wait"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True)
+        try:
+            assert proc.stdin is not None and proc.stdout is not None
+            d.wait_tracked(proc.pid)
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            worker_line = proc.stdout.readline()
+            worker_tid = int(worker_line.split()[1])
+            assert proc.stdout.readline() == "done\n"
+            pid = proc.pid
+
+            def decoded() -> dict[str, Any] | None:
+                out = ctl(d.socket_path, "history", str(pid), "--format", "json")
+                assert out.returncode == 0, out.stderr
+                got = json.loads(out.stdout)
+                events = [e for t in got["threads"] for e in t["events"]]
+                return got if events and all(e["complete"] for e in events) else None
+
+            got = wait_for(decoded, timeout=60)
+            assert got["target"] == "hist" and got["mode"] == mode
+            by_tid = {t["tid"]: t["events"] for t in got["threads"]}
+            assert set(by_tid) == {pid, worker_tid}
+            for events in by_tid.values():
+                for e in events:
+                    e["raw_args"] = e.pop("args")  # the JSON of ccprofctl names them args
+            check(by_tid[pid], main_sequence(worker_line.encode(), True)[-DEFAULT_HISTORY_LEN:], "main")
+            check(by_tid[worker_tid], worker_sequence(), "worker")
+            # one thread, the last 3, as text
+            out = ctl(d.socket_path, "history", str(worker_tid), "--last", "3")
+            assert out.returncode == 0, out.stderr
+            lines = [ln.strip() for ln in out.stdout.splitlines()]
+            assert lines[1] == f"tid {worker_tid}: 3 syscalls, oldest first"
+            for line, k in zip(lines[2:], (18, 19, 20), strict=True):
+                assert f" write(0xfffffffe, 0x0, {k:#x}): " in line and ": worker > twrite" in line, line
+        finally:
+            if proc.stdin is not None:
+                proc.stdin.close()
+            proc.wait(timeout=60)
+        # the process is gone: its history is still kept
+        out = ctl(d.socket_path, "history", str(pid), "--last", "1", "--format", "json")
+        assert out.returncode == 0, out.stderr
+        assert {t["tid"] for t in json.loads(out.stdout)["threads"]} == {pid, worker_tid}
+        out = ctl(d.socket_path, "history", "4000000")
+        assert out.returncode == 2 and out.stdout == "" and len(out.stderr.strip().splitlines()) == 1
+        assert "no target recorded pid 4000000" in out.stderr
