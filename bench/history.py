@@ -162,7 +162,7 @@ def main() -> int:
     for m, r in modes.items():
         off, on = r[0], r[DEFAULT_HISTORY_LEN]
         lines.append(f"| {m} mode, `{MODE_PROGS[m]}` | {off:.0f} ns | {on:.0f} ns | {on - off:+.0f} ns "
-                     "(within noise) |")
+                     "(sequential runs: noisy) |")
     table = "\n".join(lines)
     print(table)
     if args.update_readme and not update_readme_section("history", table):
