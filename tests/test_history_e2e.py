@@ -20,6 +20,7 @@ from daemon_fakes import config_text, wait_for
 from daemon_harness import ROOT, RunningDaemon, target_toml
 from programs.build import build
 
+from ccprofd.daemon.historypersist import read_history
 from ccprofd.tracing.api import TraceOptions
 from ccprofd.tracing.history import DEFAULT_HISTORY_LEN
 from ccprofd.tracing.session import open_session
@@ -131,7 +132,8 @@ def ctl(sock: str, *args: str) -> subprocess.CompletedProcess[str]:
 def test_ccprofctl_history_from_the_daemon(bpf: None, workdir: str, mode: str) -> None:
     binary = Path(workdir) / "hist"
     shutil.copy(build("history", opt="O0"), binary)
-    target = target_toml("hist", f'path = "{binary}"', SYSCALLS.split(","), mode)
+    target = target_toml("hist", f'path = "{binary}"', SYSCALLS.split(","), mode,
+                         "persist_history_seconds = 1\n")
     with RunningDaemon(workdir, config_text(workdir, target)) as d:
         d.wait_attached()
         proc = subprocess.Popen([str(binary), "wait"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -180,3 +182,14 @@ def test_ccprofctl_history_from_the_daemon(bpf: None, workdir: str, mode: str) -
         out = ctl(d.socket_path, "history", "4000000")
         assert out.returncode == 2 and out.stdout == "" and len(out.stderr.strip().splitlines()) == 1
         assert "no target recorded pid 4000000" in out.stderr
+        d.stop().assert_clean()  # the target's last save: at its close
+    # the saved history (state_dir/history/hist.wet): the same events, decoded without the daemon,
+    # at least the ring's last 256 of the main thread (more when a save fell inside the run)
+    saved = {t["tid"]: t for t in read_history(Path(workdir) / "state" / "history" / "hist.wet")["threads"]}
+    assert set(saved) == {pid, worker_tid} and saved[worker_tid]["pid"] == pid
+    main_saved = saved[pid]["events"]
+    assert len(main_saved) >= DEFAULT_HISTORY_LEN
+    check(main_saved, main_sequence(worker_line.encode(), True)[-len(main_saved):], "main")
+    check(saved[worker_tid]["events"], worker_sequence(), "worker")
+    assert [(e["time_ns"], e["frames"]) for e in main_saved[-DEFAULT_HISTORY_LEN:]] == \
+        [(e["time_ns"], e["frames"]) for e in by_tid[pid]]

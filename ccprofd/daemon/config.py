@@ -39,6 +39,7 @@ targets.  Schema (defaults in brackets)::
     max_probe_hits_per_sec = 0                        instrumented-mode ceiling; 0 = none
     verify = false                                    frame-pointer cross-check (instrumented)
     source_lines = true                               [daemon.source_lines] DWARF file/line per frame
+    persist_history_seconds = 0                       save the flight recorder to STATE_DIR/history; 0 = off
     [target.anomaly]                                  (issue 7) action = "off"|"learn"|"detect"|"enforce"
     model = PATH                                      [STATE_DIR/anomaly/NAME.model.json]
     flush_seconds = 30, alert_interval_seconds = 60   learning flush; repeat of the same alert
@@ -123,6 +124,7 @@ class TargetConfig:
     max_probe_hits_per_sec: int = 0
     verify: bool = False
     source_lines: bool = True  # frames get DWARF file/line/inlined calls (TraceOptions.source_lines)
+    persist_history_seconds: int = 0  # save the flight recorder's rings to state_dir this often; 0: never
     anomaly: AnomalyConfig = field(default_factory=AnomalyConfig)
 
     @property
@@ -308,7 +310,7 @@ _DAEMON_KEYS: dict[str, Any] = {k: None for k in (
     "insecure_remote", "source_lines")}
 _TARGET_KEYS: dict[str, Any] = {k: None for k in (
     "name", "path", "pid", "cgroup", "syscalls", "perf_sample_hz", "encoding", "mode", "scope",
-    "max_probe_hits_per_sec", "verify", "anomaly", "source_lines")}
+    "max_probe_hits_per_sec", "verify", "anomaly", "source_lines", "persist_history_seconds")}
 _ANOMALY_KEYS: dict[str, Any] = {k: None for k in (
     "action", "alert_interval_seconds", "collapse_recursion", "transitions", "granularity", "flush_seconds",
     "model", "alert_history")}
@@ -530,7 +532,8 @@ def _parse_target(chk: _Checker, raw: Any, index: int, syscall_table: frozenset[
         encoding=chk.choice(tbl, w, "encoding", ENCODINGS, "valence"), mode=mode, scope=scope,
         max_probe_hits_per_sec=chk.positive(tbl, w, "max_probe_hits_per_sec", 0, minimum=0),
         verify=bool(chk.get(tbl, w, "verify", bool, False)), anomaly=anomaly,
-        source_lines=bool(chk.get(tbl, w, "source_lines", bool, source_lines)))
+        source_lines=bool(chk.get(tbl, w, "source_lines", bool, source_lines)),
+        persist_history_seconds=chk.positive(tbl, w, "persist_history_seconds", 0, minimum=0))
 
 
 class Problem(str):

@@ -45,6 +45,7 @@ from typing import Any
 
 from ccprofd.daemon.config import DaemonConfig, TargetConfig, binary_problem, cgroup_problem
 from ccprofd.daemon.filewatch import ExecGate, FileIdentity, file_identity
+from ccprofd.daemon.historypersist import HistoryPersister, history_path
 from ccprofd.daemon.source import (
     BinaryInfo,
     ProcessInfo,
@@ -122,6 +123,9 @@ class TracerSource:
         self.decode_errors = 0
         self.execs_found = 0  # processes registered through an exec hook (not a rescan)
         self.per_sample = True  # until the daemon says no consumer needs every sample
+        every = target.persist_history_seconds  # the flight recorder saved to state_dir (0: never)
+        where = history_path(daemon.state_dir, target.name)
+        self._history = HistoryPersister(where, every) if every else None
         self._last_scan = 0.0
         self.replans = 0  # binaries re-planned because their file was rewritten
         self._gate: ExecGate | None = None
@@ -331,6 +335,8 @@ class TracerSource:
                 self._register_new(b)  # found at exec: registered now, before any rescan
         if time.monotonic() - self._last_scan >= RESCAN_S:
             self._scan()
+        if self._history is not None:
+            self._history.maybe_save([b.mode for b in binaries])
         return out
 
     def set_per_sample(self, on: bool) -> None:
@@ -361,6 +367,8 @@ class TracerSource:
                 self._register_new(b)  # found at exec: registered now, before any rescan
         if time.monotonic() - self._last_scan >= RESCAN_S:
             self._scan()
+        if self._history is not None:
+            self._history.maybe_save([b.mode for b in binaries])
         return records, counts
 
     def mode(self) -> str:
@@ -463,6 +471,8 @@ class TracerSource:
             for event in self._stale.values():
                 event.set()
             self._stale.clear()
+        if self._history is not None and self.binaries_by_inode:  # what the rings hold, before they go
+            self._history.save([b.mode for b in self.binaries_by_inode.values()], final=True)
         for b in self.binaries_by_inode.values():
             with contextlib.suppress(Exception):  # one failing close must not keep the others attached
                 b.mode.close()

@@ -393,6 +393,15 @@ class ModeBase(ABC, Generic[Record, Key]):
             out["error"] = f"no recorded syscalls of pid {pid}"
         return out
 
+    def history_threads(self) -> dict[int, list[dict[str, Any]]]:
+        """Every recorded thread's events, decoded, oldest first: ``{tid: [sample JSON...]}`` (what
+        the daemon persists); empty when the recorder is off."""
+        hmap = self._history_map()
+        if hmap is None:
+            return {}
+        return {tid: [self.history_sample(ev).to_json() for ev in read_thread(hmap, tid)]
+                for tid in history_threads(hmap)}
+
     def history_before(self, tid: int, time_ns: int, last: int) -> list[dict[str, Any]]:
         """Thread ``tid``'s recorded samples before wall-clock ``time_ns`` (an alert's
         sample), the ``last`` latest, oldest first: what an alert carries as ``history``."""
