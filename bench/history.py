@@ -11,12 +11,15 @@ this process holds), on a program that calls getppid() N times:
   (``CCPROFD_HISTORY=0``) and in (256 events), rounds interleaved; the difference is within the
   noise of a program that costs microseconds, so it is a sanity check, not the measurement.
 
+And the saved history's compression and costs (:func:`persistence`).
+
 Run as root: ``.venv/bin/python bench/history.py [--calls N] [--repeat R] [--update-readme]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
@@ -140,6 +143,49 @@ def in_mode(binary: Path, mode: str, calls: int, repeat: int) -> dict[int, float
     return {k: statistics.median(v) for k, v in got.items()}
 
 
+PERSIST_CMD = ["/usr/bin/tar", "cf", "/dev/null", "/usr/include"]
+
+
+def persistence(tmp: Path) -> dict[str, float]:
+    """The on-disk history (daemon/historyfile.py) of a real syscall stream: every syscall sample of
+    ``tar cf /dev/null /usr/include`` (unwind mode), appended as the daemon appends recorded events.
+    Sizes against the raw BPF records (56 bytes an event) and the decoded JSON; costs per event."""
+    import time
+
+    from ccprofd.daemon.historyfile import HistoryStore
+    from ccprofd.daemon.historypersist import HistoryPersister
+
+    session = open_session(PERSIST_CMD, options=TraceOptions(mode="unwind", syscalls="all"))
+    try:
+        events = [s.to_json() for batch in session.batches() for s in batch if s.event == "syscall"]
+    finally:
+        session.close()
+    json_bytes = sum(len(json.dumps(e, separators=(",", ":"))) for e in events)
+    path = tmp / "bench.wet"
+    p = HistoryPersister(path, 3600.0, max_bytes=1 << 40)
+    t0 = time.perf_counter()
+    for e in events:
+        p._append(int(e["tid"]), e)
+    t1 = time.perf_counter()
+    size = p.store.save(path, 1 << 40)
+    t2 = time.perf_counter()
+    store = HistoryStore.load(path)
+    t3 = time.perf_counter()
+    steps = 0
+    for th in store.threads.values():
+        c = th.cursor(at_end=True)
+        while c.prev():
+            steps += 1
+        while c.next():
+            steps += 1
+    t4 = time.perf_counter()
+    n = len(events)
+    codes = sum(th.code_bytes() for th in store.threads.values())
+    return {"events": n, "contexts": len(store.contexts), "raw": 56 * n, "json": json_bytes, "codes": codes,
+            "file": size, "append_us": (t1 - t0) / n * 1e6, "save_us": (t2 - t1) / n * 1e6,
+            "load_us": (t3 - t2) / n * 1e6, "step_ns": (t4 - t3) / max(1, steps) * 1e9}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--calls", type=int, default=200_000)
@@ -163,6 +209,20 @@ def main() -> int:
         off, on = r[0], r[DEFAULT_HISTORY_LEN]
         lines.append(f"| {m} mode, `{MODE_PROGS[m]}` | {off:.0f} ns | {on:.0f} ns | {on - off:+.0f} ns "
                      "(sequential runs: noisy) |")
+    per = persistence(tmp)
+    lines += ["", "The daemon's saved history (`persist_history_seconds`; daemon/historyfile.py) of every "
+              f"syscall sample of `{' '.join(PERSIST_CMD)}` (unwind mode): {per['events']:,.0f} events, "
+              f"{per['contexts']:,.0f} distinct contexts.", "",
+              "| form | bytes | bytes/event | ratio to the raw records |", "|---|---|---|---|"]
+    for label, key in (("raw BPF records (56 bytes each, contexts not decoded)", "raw"),
+                       ("decoded events as JSON lines (frames inline)", "json"),
+                       ("bidirectional codes in memory (per-field streams, no context table)", "codes"),
+                       ("the file: codes + context table, zlib", "file")):
+        lines.append(f"| {label} | {per[key]:,.0f} | {per[key] / per['events']:.1f} | "
+                     f"{per['raw'] / per[key]:.1f}x |")
+    lines += ["", f"Cost per event (Python, this machine): append {per['append_us']:.2f} µs, save (encode + "
+              f"zlib + atomic write) {per['save_us']:.2f} µs, load {per['load_us']:.2f} µs; a cursor step "
+              f"(forward or backward, in place) {per['step_ns']:.0f} ns."]
     table = "\n".join(lines)
     print(table)
     if args.update_readme and not update_readme_section("history", table):
