@@ -165,7 +165,7 @@ def persistence(tmp: Path) -> dict[str, float]:
     p = HistoryPersister(path, 3600.0, max_bytes=1 << 40)
     t0 = time.perf_counter()
     for e in events:
-        p._append(int(e["tid"]), e)
+        p.append(int(e["tid"]), e)
     t1 = time.perf_counter()
     size = p.store.save(path, 1 << 40)
     t2 = time.perf_counter()

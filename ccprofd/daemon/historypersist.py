@@ -62,12 +62,13 @@ class HistoryPersister:
                     for e in events:
                         if not e["frames"] and not e["complete"] and e["time_ns"] > young:
                             break  # its context's record is not decoded yet: from here on next time
-                        self._append(tid, e)
+                        self.append(tid, e)
             self.store.save(self.path, self.max_bytes)
         except (OSError, ValueError) as exc:
             log.error("history file %s not written: %s", self.path, exc)
 
-    def _append(self, tid: int, e: dict[str, Any]) -> None:
+    def append(self, tid: int, e: dict[str, Any]) -> None:
+        """One decoded event (ModeBase.history_sample JSON) of thread ``tid``, if newer than the file's."""
         frames = e["frames"]
         got = self._frames.get(id(frames))
         if got is None or got[0] is not frames:  # frames lists are shared per context: one key each
