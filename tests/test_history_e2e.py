@@ -7,20 +7,25 @@ compiled out (``CCPROFD_HISTORY=0``)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from daemon_fakes import config_text, wait_for
 from daemon_harness import ROOT, RunningDaemon, target_toml
 from programs.build import build
 
 from ccprofd.daemon.historypersist import read_history
+from ccprofd.export import messages
+from ccprofd.export.gen import ccprofd_pb2 as pb
 from ccprofd.tracing.api import TraceOptions
 from ccprofd.tracing.history import DEFAULT_HISTORY_LEN
 from ccprofd.tracing.session import open_session
@@ -193,3 +198,56 @@ def test_ccprofctl_history_from_the_daemon(bpf: None, workdir: str, mode: str) -
     check(saved[worker_tid]["events"], worker_sequence(), "worker")
     assert [(e["time_ns"], e["frames"]) for e in main_saved[-DEFAULT_HISTORY_LEN:]] == \
         [(e["time_ns"], e["frames"]) for e in by_tid[pid]]
+
+
+@pytest.mark.bpf
+@pytest.mark.parametrize("mode", ["unwind", "instrumented"])
+def test_a_daemon_alert_carries_the_threads_history(bpf: None, workdir: str, mode: str) -> None:
+    """Learned (``ccprofd learn``) on a run without the argument, the daemon detects the run with
+    it: its one unseen context is main's direct write of "done\\n"; the alert carries the main
+    thread's 16 syscalls before it, the known sequence's."""
+    binary = Path(workdir) / "hist"
+    shutil.copy(build("history", opt="O0"), binary)
+    model = Path(workdir) / "hist.model.json"
+    r = subprocess.run([sys.executable, "-m", "ccprofd.cli", "learn", "--model", str(model), "--mode", mode,
+                        "--syscalls", SYSCALLS, "--", str(binary)], capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    target = target_toml("hist", f'path = "{binary}"', SYSCALLS.split(","), mode,
+                         f'[target.anomaly]\naction = "detect"\nmodel = "{model}"\n')
+    with RunningDaemon(workdir, config_text(workdir, target)) as d:
+        d.wait_attached()
+        alerts: list[dict[str, Any]] = []
+        subscribed = threading.Event()
+
+        def collect() -> None:
+            stream = d.stub.StreamAlerts(pb.AlertFilter(target="hist"), timeout=300)
+            assert dict(stream.initial_metadata()).get("ccprofd-subscribed") == "1"
+            subscribed.set()
+            with contextlib.suppress(grpc.RpcError):
+                for msg in stream:
+                    alerts.append(messages.alert_from_pb(msg))
+
+        reader = threading.Thread(target=collect, daemon=True)
+        reader.start()
+        assert subscribed.wait(60)
+        proc = subprocess.Popen([str(binary), "wait"], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                text=True)
+        try:
+            assert proc.stdin is not None and proc.stdout is not None
+            d.wait_tracked(proc.pid)
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            worker_line = proc.stdout.readline()
+            assert proc.stdout.readline() == "done\n"
+            wait_for(lambda: alerts, timeout=60)
+        finally:
+            if proc.stdin is not None:
+                proc.stdin.close()
+            proc.wait(timeout=60)
+    [alert] = alerts
+    assert (alert["kind"], alert["syscall"]) == ("unseen_context", "write")
+    assert alert["pid"] == alert["tid"] == proc.pid
+    history = alert["history"]
+    for e in history:
+        e["raw_args"] = e.pop("args")
+    check(history, main_sequence(worker_line.encode())[-16:], "main")
