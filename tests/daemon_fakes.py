@@ -141,6 +141,12 @@ class FakeSource:
             raise UnknownProcess(f"pid {pid} is not followed")
         return list(self.pids[pid])
 
+    def history(self, pid: int, last: int) -> dict[str, Any]:
+        raise UnknownProcess(f"pid {pid} is not followed")
+
+    def history_before(self, pid: int, tid: int, time_ns: int, last: int) -> list[dict[str, Any]]:
+        return []
+
     def callgraph_stats(self) -> dict[str, Any]:
         return {
             self.target.path or "/opt/app/bin": {

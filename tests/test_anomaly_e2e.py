@@ -123,6 +123,16 @@ def test_learn_then_detect_exactly_the_hidden_paths(mode: str, data: dict[str, s
     assert opened["args"] == {"path": data["a"]}
     # The nearest known openat contexts share main > run_script > dispatch.
     assert opened["nearest"] and all(n["common_prefix"] == 3 for n in opened["nearest"])
+    # Each alert carries its thread's syscalls before it (the flight recorder): for the openat, the
+    # same syscalls in the same contexts as strace -f -k lists right before it in a run of its own.
+    traced, _ = strace_samples([prog, *hidden], syscalls=SYSCALLS)
+    order = [chain(s["syscall"], s["frames"]) for s in traced]
+    at = order.index(("openat", ("main", "run_script", "dispatch", "cmd_debug", "audit_dump", "raw_open")))
+    before = order[1:at]  # strace's first is the execve of the program, made before it was traced
+    assert order[0][0] == "execve" and before
+    history = [chain(e["syscall"], e["frames"]) for e in opened["history"]]
+    assert history == before[-16:]
+    assert all(e["time_ns"] < opened["time_ns"] and e["tid"] == opened["tid"] for e in opened["history"])
 
 
 @pytest.mark.bpf

@@ -62,14 +62,14 @@ def test_completion_lists_the_real_subcommands_and_options(installed: Path) -> N
     # by hand (the README's command lists)
     assert complete(comp / "ccprofd", "ccprofd ") == ["analyze", "trace", "learn", "detect", "model", "run",
                                                         "install-service"]
-    assert complete(comp / "ccprofctl", "ccprofctl ") == ["targets", "contexts", "hot", "stream", "alerts",
-                                                            "stats", "context"]
+    assert complete(comp / "ccprofctl", "ccprofctl ") == ["targets", "contexts", "history", "hot", "stream",
+                                                            "alerts", "stats", "context"]
     assert complete(comp / "ccprofd", "ccprofd tr") == ["trace"]
     assert complete(comp / "ccprofd", "ccprofd model ") == ["show", "remove", "allow", "merge"]
     assert complete(comp / "ccprofd", "ccprofd trace --mode ") == ["unwind", "instrumented"]
     assert complete(comp / "ccprofd", "ccprofd trace --format j") == ["jsonl"]
     assert complete(comp / "ccprofd", "ccprofd trace --no-r") == ["--no-retval"]
-    assert complete(comp / "ccprofctl", "ccprofctl --socket /run/x.sock h") == ["hot"]  # value skipped
+    assert complete(comp / "ccprofctl", "ccprofctl --socket /run/x.sock ho") == ["hot"]  # value skipped
     assert complete(comp / "ccprofctl", "ccprofctl hot --by ") == ["syscall", "cpu"]
     assert complete(comp / "ccprofctl", "ccprofctl hot --format ") == ["text", "json", "pprof", "folded"]
     assert complete(comp / "ccprofd", "ccprofd analyze /usr/bin/gzi") == ["/usr/bin/gzip"]  # BINARY: files

@@ -38,6 +38,10 @@ from ccprofd.anomaly.modelstore import (
     save_models,
 )
 from ccprofd.cli.errors import UsageError
+from ccprofd.daemon.config import AnomalyConfig
+
+# the recorded syscalls before it a live `detect` alert carries, as many as the daemon's by default
+ALERT_HISTORY = AnomalyConfig().alert_history
 
 
 class _Usage(Exception):
@@ -341,6 +345,8 @@ def cmd_detect(args: argparse.Namespace) -> int:
         def write(sample: dict[str, Any]) -> None:
             for alert in det.check(sample):
                 d = alert.to_dict()
+                # the thread's recorded syscalls before this one (the flight recorder), as the daemon's
+                d["history"] = session.mode.history_before(alert.tid, alert.time_ns, ALERT_HISTORY)
                 if enforcement is not None:
                     d = enforcement.annotate(d)
                 stream.write(json.dumps(d, separators=(",", ":")) + "\n")

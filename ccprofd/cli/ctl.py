@@ -61,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("targets", parents=[fmt], help="targets, binaries, build-ids, processes, threads")
     c = sub.add_parser("contexts", parents=[fmt], help="current context of every thread of a process")
     c.add_argument("pid", type=_pid, metavar="PID", help="process id")
+    hi = sub.add_parser("history", parents=[fmt],
+                        help="recorded syscalls (flight recorder) of a process's threads or of one thread")
+    hi.add_argument("pid", type=_pid, metavar="PID|TID", help="process id (every thread) or thread id")
+    hi.add_argument("--last", type=_positive_int, default=0, metavar="N",
+                    help="only the N latest syscalls of each thread (default: all kept, 256)")
     h = sub.add_parser("hot", parents=[fmt], help="most frequent contexts")
     h.add_argument("--target", default="", help="one target (default: all)")
     h.add_argument("--by", choices=("syscall", "cpu"), default="syscall",
@@ -302,6 +307,25 @@ def cmd_contexts(args: argparse.Namespace, channel: Any, fmt: str, w: _Writer) -
     return EXIT_OK
 
 
+def cmd_history(args: argparse.Namespace, channel: Any, fmt: str, w: _Writer) -> int:
+    from ccprofd.export.gen import ccprofd_pb2 as pb
+    from ccprofd.export.messages import history_event_from_pb
+
+    resp = _stub(channel).GetHistory(pb.GetHistoryRequest(pid=args.pid, last=args.last), timeout=args.timeout)
+    threads = [{"tid": t.tid, "events": [history_event_from_pb(e) for e in t.events]} for t in resp.threads]
+    if fmt == "json":
+        w.json({"pid": resp.pid, "target": resp.target, "mode": resp.mode, "threads": threads})
+        return EXIT_OK
+    w.line(f"pid {resp.pid} (target {resp.target}, {resp.mode} mode): {len(threads)} threads")
+    for t in threads:
+        w.line(f"  tid {t['tid']}: {len(t['events'])} syscalls, oldest first")
+        for e in t["events"]:
+            args_text = ", ".join(f"{a:#x}" for a in e["args"])
+            flag = "" if e["complete"] else "  [incomplete]"
+            w.line(f"    {e['time_ns']} {e['syscall']}({args_text}){flag}: {_chain(e['frames'])}")
+    return EXIT_OK
+
+
 def hot_rows(resp: Any) -> list[dict[str, Any]]:
     """GetHotContexts rows as JSON; ``leaf`` is the program's innermost function (as the metrics'
     label), ``leaf_library`` the library function below it when the mode reports one."""
@@ -477,8 +501,8 @@ def _stats_text(stats: dict[str, Any], w: _Writer, indent: str) -> None:
 
 
 COMMANDS: dict[str, Callable[..., int]] = {
-    "targets": cmd_targets, "contexts": cmd_contexts, "hot": cmd_hot, "stream": cmd_stream,
-    "alerts": cmd_alerts, "stats": cmd_stats, "context": cmd_context}
+    "targets": cmd_targets, "contexts": cmd_contexts, "history": cmd_history, "hot": cmd_hot,
+    "stream": cmd_stream, "alerts": cmd_alerts, "stats": cmd_stats, "context": cmd_context}
 
 
 if __name__ == "__main__":

@@ -317,10 +317,24 @@ class AnomalyMonitor:
     def _publish(self, t: _Target, b: _Binary, alert: dict[str, Any], line: str) -> None:
         alert["target"] = t.name
         alert["action"] = t.config.action
+        alert["history"] = self._history(t, alert)
         key = (str(alert["syscall"]), str(alert["kind"]))
         t.alerts[key] = t.alerts.get(key, 0) + 1
         self.daemon.alerts.publish(alert)
         log.warning("%s target=%s action=%s", line, t.name, t.config.action)
+
+    def _history(self, t: _Target, alert: dict[str, Any]) -> list[dict[str, Any]]:
+        """The flight recorder's events of the alert's thread before its syscall, decoded
+        (``alert_history`` of them; [] when the recorder is off or holds none)."""
+        rt = self.daemon.targets.get(t.name)
+        if rt is None or rt.source is None or t.config.alert_history <= 0:
+            return []
+        try:
+            return rt.source.history_before(int(alert["pid"]), int(alert["tid"]), int(alert["time_ns"]),
+                                            t.config.alert_history)
+        except OSError as exc:  # a BPF map read failed: the alert goes out without its history
+            log.error("target %s: alert history not read: %s", t.name, _one_line(exc))
+            return []
 
     # -------------------------------------------------------------------------------- reports
     def alert_counts(self) -> Iterator[tuple[str, str, str, int]]:

@@ -39,11 +39,13 @@ targets.  Schema (defaults in brackets)::
     max_probe_hits_per_sec = 0                        instrumented-mode ceiling; 0 = none
     verify = false                                    frame-pointer cross-check (instrumented)
     source_lines = true                               [daemon.source_lines] DWARF file/line per frame
+    persist_history_seconds = 0                       save the flight recorder to STATE_DIR/history; 0 = off
     [target.anomaly]                                  (issue 7) action = "off"|"learn"|"detect"|"enforce"
     model = PATH                                      [STATE_DIR/anomaly/NAME.model.json]
     flush_seconds = 30, alert_interval_seconds = 60   learning flush; repeat of the same alert
     collapse_recursion = false, transitions = false
     granularity = "exact" | "edges"                   "edges": new combinations of learned call edges pass
+    alert_history = 16                                the thread's syscalls before an alert it carries
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ class AnomalyConfig:
     granularity: str = "exact"  # anomaly.detector.DetectorOptions.granularity
     flush_seconds: float = 30.0
     model: str | None = None  # model file; None: STATE_DIR/anomaly/TARGET.model.json
+    alert_history: int = 16  # flight-recorder events before the alert's syscall each alert carries
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +124,7 @@ class TargetConfig:
     max_probe_hits_per_sec: int = 0
     verify: bool = False
     source_lines: bool = True  # frames get DWARF file/line/inlined calls (TraceOptions.source_lines)
+    persist_history_seconds: int = 0  # save the flight recorder's rings to state_dir this often; 0: never
     anomaly: AnomalyConfig = field(default_factory=AnomalyConfig)
 
     @property
@@ -306,10 +310,10 @@ _DAEMON_KEYS: dict[str, Any] = {k: None for k in (
     "insecure_remote", "source_lines")}
 _TARGET_KEYS: dict[str, Any] = {k: None for k in (
     "name", "path", "pid", "cgroup", "syscalls", "perf_sample_hz", "encoding", "mode", "scope",
-    "max_probe_hits_per_sec", "verify", "anomaly", "source_lines")}
+    "max_probe_hits_per_sec", "verify", "anomaly", "source_lines", "persist_history_seconds")}
 _ANOMALY_KEYS: dict[str, Any] = {k: None for k in (
     "action", "alert_interval_seconds", "collapse_recursion", "transitions", "granularity", "flush_seconds",
-    "model")}
+    "model", "alert_history")}
 _SYSCALL_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 
 
@@ -528,7 +532,8 @@ def _parse_target(chk: _Checker, raw: Any, index: int, syscall_table: frozenset[
         encoding=chk.choice(tbl, w, "encoding", ENCODINGS, "valence"), mode=mode, scope=scope,
         max_probe_hits_per_sec=chk.positive(tbl, w, "max_probe_hits_per_sec", 0, minimum=0),
         verify=bool(chk.get(tbl, w, "verify", bool, False)), anomaly=anomaly,
-        source_lines=bool(chk.get(tbl, w, "source_lines", bool, source_lines)))
+        source_lines=bool(chk.get(tbl, w, "source_lines", bool, source_lines)),
+        persist_history_seconds=chk.positive(tbl, w, "persist_history_seconds", 0, minimum=0))
 
 
 class Problem(str):
@@ -622,8 +627,11 @@ def _parse_anomaly(chk: _Checker, where: tuple[Any, ...], raw: Any) -> AnomalyCo
     if granularity == "edges" and action == "enforce":
         raise chk.fail((*where, "granularity"), "\"edges\" cannot be enforced (the kernel-side "
                        "enforcer checks exact contexts): use action = \"detect\"")
+    alert_history = chk.get(tbl, where, "alert_history", int, d.alert_history)
+    if isinstance(alert_history, bool) or not 0 <= alert_history <= 4096:
+        raise chk.fail((*where, "alert_history"), f"must be an integer from 0 to 4096, got {alert_history!r}")
     return AnomalyConfig(
-        model=model, granularity=granularity,
+        model=model, granularity=granularity, alert_history=alert_history,
         action=action,
         alert_interval_seconds=seconds("alert_interval_seconds", d.alert_interval_seconds),
         collapse_recursion=bool(chk.get(tbl, where, "collapse_recursion", bool, d.collapse_recursion)),

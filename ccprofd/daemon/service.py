@@ -161,6 +161,24 @@ class TargetRuntime:
                               dropped=dropped, map_entries=dict(live.map_entries))
 
 
+def daemon_history(daemon: Daemon, pid: int, last: int) -> tuple[TargetRuntime, dict[str, Any]]:
+    """``Daemon.history``, GetHistory: the target whose source recorded ``pid`` (a process or one
+    thread), and the history; the process's own target first, then every other (a thread, an
+    exited process).  UnknownProcess when none has it (saying so when the recorder is off)."""
+    first = daemon.runtime_of_pid(pid)
+    order = ([first] if first is not None else []) + [rt for rt in daemon.runtimes() if rt is not first]
+    why = f"no target recorded pid {pid}"
+    for rt in order:
+        if rt.source is None:
+            continue
+        try:
+            return rt, rt.source.history(pid, last)
+        except UnknownProcess as exc:
+            if "off" in str(exc):
+                why = str(exc).strip("'\"")
+    raise UnknownProcess(why)
+
+
 class Daemon:
     """Everything the daemon runs; its servers (built by the caller, see :class:`ServerFactories`)
     read from it through :class:`~ccprofd.daemon.query.DaemonView`."""
@@ -347,6 +365,7 @@ class Daemon:
             raise UnknownProcess(f"no target follows pid {pid}")
         return rt, rt.source.thread_contexts(pid)
 
+    history = daemon_history  # GetHistory (the flight recorder)
     def runtimes(self) -> Iterator[TargetRuntime]:
         with self._lock:
             items = list(self.targets.values())
@@ -570,3 +589,4 @@ def run_daemon(config_path: str, factory: SourceFactory | None = None,
         log.info("signal %s: shutting down", signals.stop)
         daemon.stop()
     return 0
+

@@ -105,6 +105,15 @@ class SampleSource(Protocol):
     def thread_contexts(self, pid: int) -> list[ThreadContext]:
         """Current context of every thread of ``pid``; raise :class:`UnknownProcess` if not followed."""
 
+    def history(self, pid: int, last: int) -> dict[str, Any]:
+        """The flight recorder: the last recorded syscall samples of each thread of process ``pid``
+        (or of thread ``pid``), decoded, oldest first: ``{"pid", "threads": [{"tid", "events"}]}``;
+        raise :class:`UnknownProcess` when no binary of the source has recorded it."""
+
+    def history_before(self, pid: int, tid: int, time_ns: int, last: int) -> list[dict[str, Any]]:
+        """Thread ``tid``'s (of process ``pid``) ``last`` recorded samples before ``time_ns``: an
+        alert's ``history`` ([] when nothing is recorded)."""
+
     def callgraph_stats(self) -> dict[str, Any]:
         """The analyze/encoding report per binary: ``{binary path: {...graph_stats, "encodings": ...}}``."""
 

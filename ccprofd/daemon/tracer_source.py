@@ -45,6 +45,7 @@ from typing import Any
 
 from ccprofd.daemon.config import DaemonConfig, TargetConfig, binary_problem, cgroup_problem
 from ccprofd.daemon.filewatch import ExecGate, FileIdentity, file_identity
+from ccprofd.daemon.historypersist import HistoryPersister, history_path
 from ccprofd.daemon.source import (
     BinaryInfo,
     ProcessInfo,
@@ -53,7 +54,7 @@ from ccprofd.daemon.source import (
     ThreadContext,
     UnknownProcess,
 )
-from ccprofd.proc.tasks import threads_of
+from ccprofd.proc.tasks import tgid_of, threads_of
 from ccprofd.tracing.api import Mode, TraceOptions
 
 RESCAN_S = 1.0
@@ -123,6 +124,9 @@ class TracerSource:
         self.decode_errors = 0
         self.execs_found = 0  # processes registered through an exec hook (not a rescan)
         self.per_sample = True  # until the daemon says no consumer needs every sample
+        every = target.persist_history_seconds  # the flight recorder saved to state_dir (0: never)
+        where = history_path(daemon.state_dir, target.name)
+        self._history = HistoryPersister(where, every) if every else None
         self._last_scan = 0.0
         self.replans = 0  # binaries re-planned because their file was rewritten
         self._gate: ExecGate | None = None
@@ -370,6 +374,8 @@ class TracerSource:
                 self._register_new(b)  # found at exec: registered now, before any rescan
         if time.monotonic() - self._last_scan >= RESCAN_S:
             self._scan()
+        if self._history is not None:
+            self._history.maybe_save([b.mode for b in binaries])
         return out
 
     def set_per_sample(self, on: bool) -> None:
@@ -400,6 +406,8 @@ class TracerSource:
                 self._register_new(b)  # found at exec: registered now, before any rescan
         if time.monotonic() - self._last_scan >= RESCAN_S:
             self._scan()
+        if self._history is not None:
+            self._history.maybe_save([b.mode for b in binaries])
         return records, counts
 
     def mode(self) -> str:
@@ -432,6 +440,33 @@ class TracerSource:
             raise RuntimeError(got["error"])
         return [ThreadContext(t["tid"], t["complete"], tuple(t["frames"]), t["comm"], t["reason"])
                 for t in got["threads"]]
+
+    def _modes_for(self, pid: int) -> list[Any]:
+        """The modes that may hold ``pid``'s history: its binary's first (a process, or a live
+        thread's process), then every other (a thread or process that has exited)."""
+        inode = self.tracked.get(pid)
+        if inode is None:
+            inode = self.tracked.get(tgid_of(pid) or -1)
+        first = self.binaries_by_inode.get(inode) if inode is not None else None
+        rest = [b for b in list(self.binaries_by_inode.values()) if b is not first]
+        return [b.mode for b in ([first] if first is not None else []) + rest]
+
+    def history(self, pid: int, last: int) -> dict[str, Any]:
+        errors = []
+        for mode in self._modes_for(pid):
+            got = mode.history(pid, last)
+            if got["threads"]:
+                return got
+            errors.append(got["error"])
+        raise UnknownProcess(next((e for e in errors if e and "off" in e), None)
+                             or f"no recorded syscalls of pid {pid} in this target")
+
+    def history_before(self, pid: int, tid: int, time_ns: int, last: int) -> list[dict[str, Any]]:
+        for mode in self._modes_for(pid):
+            got = mode.history_before(tid, time_ns, last)
+            if got:
+                return got
+        return []
 
     def callgraph_stats(self) -> dict[str, Any]:
         from pathlib import Path
@@ -475,6 +510,8 @@ class TracerSource:
             for event in self._stale.values():
                 event.set()
             self._stale.clear()
+        if self._history is not None and self.binaries_by_inode:  # what the rings hold, before they go
+            self._history.save([b.mode for b in self.binaries_by_inode.values()], final=True)
         for b in self.binaries_by_inode.values():
             with contextlib.suppress(Exception):  # one failing close must not keep the others attached
                 b.mode.close()

@@ -114,6 +114,20 @@ class ProfilerServicer(pb_grpc.ProfilerServicer):
                             frames=messages.frames_to_pb(th.frames), reason=th.reason or "")
         return out
 
+    def GetHistory(self, request: Any, context: grpc.ServicerContext) -> Any:
+        try:
+            rt, got = self.daemon.history(request.pid, request.last)
+        except UnknownProcess as exc:
+            context.abort(grpc.StatusCode.NOT_FOUND, str(exc).strip("'\""))
+            raise  # unreachable: abort raises
+        except OSError as exc:  # a BPF map read failed
+            context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot read the history of pid {request.pid}: {exc}")
+            raise
+        out = pb.GetHistoryResponse(pid=request.pid, target=rt.name, mode=rt.mode())
+        for th in got["threads"]:
+            out.threads.add(tid=th["tid"], events=[messages.history_event_to_pb(ev) for ev in th["events"]])
+        return out
+
     def GetHotContexts(self, request: Any, context: grpc.ServicerContext) -> Any:
         event = HOT_BY_EVENT.get(request.by)
         if event is None:

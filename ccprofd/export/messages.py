@@ -75,6 +75,20 @@ def sample_from_pb(msg: Any) -> dict[str, Any]:
             "target": msg.target, "context": msg.context}
 
 
+def history_event_to_pb(ev: Mapping[str, Any]) -> Any:
+    """A flight-recorder event (ModeBase.history's JSON) as a HistoryEvent."""
+    return pb.HistoryEvent(time_ns=int(ev.get("time_ns") or 0), pid=int(ev.get("pid") or 0),
+                           tid=int(ev.get("tid") or 0), syscall=str(ev.get("syscall") or ""),
+                           complete=bool(ev.get("complete", False)),
+                           frames=frames_to_pb(ev.get("frames") or ()),
+                           args=[int(a) for a in ev.get("raw_args") or ()])
+
+
+def history_event_from_pb(msg: Any) -> dict[str, Any]:
+    return {"time_ns": msg.time_ns, "pid": msg.pid, "tid": msg.tid, "syscall": msg.syscall or None,
+            "complete": msg.complete, "frames": frames_from_pb(msg.frames), "args": list(msg.args)}
+
+
 def alert_to_pb(alert: Mapping[str, Any]) -> Any:
     msg = pb.Alert(time_ns=int(alert.get("time_ns") or 0), target=str(alert.get("target") or ""),
                    pid=int(alert.get("pid") or 0), tid=int(alert.get("tid") or 0),
@@ -87,6 +101,7 @@ def alert_to_pb(alert: Mapping[str, Any]) -> Any:
     for near in alert.get("nearest") or ():
         msg.nearest.add(frames=frames_to_pb(near.get("frames") or ()), count=int(near.get("count") or 0),
                         common_prefix=int(near.get("common_prefix") or 0))
+    msg.history.extend(history_event_to_pb(ev) for ev in alert.get("history") or ())
     return msg
 
 
@@ -96,4 +111,5 @@ def alert_from_pb(msg: Any) -> dict[str, Any]:
             "frames": frames_from_pb(msg.frames), "action": msg.action, "denied": msg.denied,
             "build_id": msg.build_id, "context": msg.context,
             "nearest": [{"frames": frames_from_pb(n.frames), "count": n.count,
-                         "common_prefix": n.common_prefix} for n in msg.nearest]}
+                         "common_prefix": n.common_prefix} for n in msg.nearest],
+            "history": [history_event_from_pb(ev) for ev in msg.history]}

@@ -19,3 +19,15 @@ def threads_of(pid: int, proc_root: str = DEFAULT_PROC_ROOT) -> list[int]:
         return list_threads(pid, proc_root)
     except OSError:
         return []
+
+
+def tgid_of(tid: int, proc_root: str = DEFAULT_PROC_ROOT) -> int | None:
+    """The process (``Tgid:`` of ``/proc/TID/status``) of thread ``tid``; None when it is gone."""
+    try:
+        with open(os.path.join(proc_root, str(tid), "status"), encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if line.startswith("Tgid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return None

@@ -123,7 +123,8 @@ class Mode(Protocol):
     decoding fell behind, processes it could not follow, threads it keeps no state for);
     ``map_entries`` the entries its BPF hash maps hold now; ``close``
     releases everything.  The daemon also uses ``set_per_sample``/``poll_counted`` (aggregate
-    mode: the kernel counts repeated contexts) and ``thread_contexts`` (GetThreadContexts)."""
+    mode: the kernel counts repeated contexts), ``thread_contexts`` (GetThreadContexts) and the
+    flight recorder's ``history`` / ``history_before`` (GetHistory, an alert's ``history``)."""
 
     name: str
     path: str
@@ -146,6 +147,9 @@ class Mode(Protocol):
     def poll_counted(self, timeout_ms: int) -> tuple[list[tuple[TraceSample, bool]],
                                                      list[tuple[TraceSample, int]]]: ...
     def thread_contexts(self, pid: int) -> dict[str, Any]: ...
+    def history(self, pid: int, last: int = 0) -> dict[str, Any]: ...
+    def history_before(self, tid: int, time_ns: int, last: int) -> list[dict[str, Any]]: ...
+    def history_threads(self) -> dict[int, list[dict[str, Any]]]: ...
 
 
 def path_args(syscall: str | None, arg: str | None) -> dict[str, str] | None:

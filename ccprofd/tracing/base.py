@@ -14,9 +14,12 @@ from collections import deque
 from collections.abc import Hashable, Mapping
 from typing import Any, Generic, Protocol, TypeVar
 
+from ccprofd.kbpf.bpfmap import RawMap
 from ccprofd.kbpf.syscalls import syscall_arg_kinds, syscall_name
 from ccprofd.tracing.api import RECORDS_PER_POLL, TraceOptions, TraceSample, path_args
 from ccprofd.tracing.frames import Decoded
+from ccprofd.tracing.history import HistoryEvent, read_thread
+from ccprofd.tracing.history import threads as history_threads
 from ccprofd.tracing.kernelcounts import KernelCounts
 
 Record = TypeVar("Record")
@@ -26,6 +29,10 @@ LOST_CONTEXT = "context record lost"
 
 # A hit whose context's record never came (counted in KernelCounts.lost).
 LOST_DECODED = Decoded([], False, LOST_CONTEXT)
+
+# A recorded event whose context the tracer never decoded (or no longer holds).
+HISTORY_UNKNOWN = Decoded([], False, "context not known: its sample record was lost or is too old")
+RECENT_PLAIN = 65536  # samples sent on their own remembered for the flight recorder
 
 # Record kinds (ModeBase._kind).
 SIDE, PLAIN, NEW, HIT = range(4)
@@ -190,6 +197,9 @@ class ModeBase(ABC, Generic[Record, Key]):
         self._contexts: ContextReader | None = None  # GetThreadContexts: made at first use
         self._returns = ReturnJoiner()  # options.retval
         self._received = 0  # records the last poll read
+        # (tid, time_ns) -> Decoded of the latest samples sent on their own (no kernel key), for
+        # the flight recorder's events (history)
+        self._recent_plain: dict[tuple[int, int], Decoded] = {}
 
     # ------------------------------------------------------------------------ a mode's own part
     @abstractmethod
@@ -228,6 +238,19 @@ class ModeBase(ABC, Generic[Record, Key]):
 
     @abstractmethod
     def _new_context_reader(self) -> ContextReader: ...
+
+    def _history_map(self) -> RawMap | None:
+        """The flight recorder's map (tracing/history.c), None when it is compiled out."""
+        return None
+
+    def _history_key(self, ev: HistoryEvent) -> Key | None:
+        """The kernel key a recorded event's context was counted under (None: the sample was sent
+        on its own, found by its thread and time instead)."""
+        return None
+
+    def _history_clock_offset(self) -> int:
+        """What turns a recorded CLOCK_MONOTONIC time into the samples' wall-clock time."""
+        return 0
 
     def _after_poll(self) -> None:
         """Work after each poll's records (e.g. --verify joins its stack walks)."""
@@ -287,6 +310,11 @@ class ModeBase(ABC, Generic[Record, Key]):
                 self._on_side_event(r)
                 continue
             append(sample(r, d))
+            if k == PLAIN:  # the flight recorder finds a sample sent on its own by thread and time
+                recent = self._recent_plain
+                recent[(out[-1].tid, out[-1].time_ns)] = d
+                if len(recent) > RECENT_PLAIN:
+                    del recent[next(iter(recent))]
             if in_kernel:
                 counted.append(k == PLAIN)
                 if k != PLAIN:
@@ -341,6 +369,64 @@ class ModeBase(ABC, Generic[Record, Key]):
         if self._contexts is None:
             self._contexts = self._new_context_reader()
         return self._contexts.read(pid)
+
+    def history(self, pid: int, last: int = 0) -> dict[str, Any]:
+        """The flight recorder (tracing/history.c): the last recorded syscall samples of each
+        thread of process ``pid`` -- or of thread ``pid`` alone when it is a tid with a ring of
+        its own -- decoded, oldest first (``last``: at most that many per thread; 0: all kept).
+        ``{"pid", "error", "threads": [{"tid", "events": [sample JSON...]}]}``; a context the
+        tracer has not decoded (its record lost) is ``complete: false`` with a reason."""
+        hmap = self._history_map()
+        out: dict[str, Any] = {"pid": pid, "error": None, "threads": []}
+        if hmap is None:
+            out["error"] = "the flight recorder is off (CCPROFD_HISTORY=0)"
+            return out
+        rings = {tid: read_thread(hmap, tid) for tid in history_threads(hmap)}
+        if pid in rings and (not rings[pid] or rings[pid][0].tgid != pid):
+            chosen = [pid]  # a thread's tid
+        else:
+            chosen = sorted(t for t, evs in rings.items() if evs and evs[0].tgid == pid)
+        for tid in chosen:
+            evs = rings[tid][-last:] if last > 0 else rings[tid]
+            out["threads"].append({"tid": tid, "events": [self.history_sample(ev).to_json() for ev in evs]})
+        if not chosen:
+            out["error"] = f"no recorded syscalls of pid {pid}"
+        return out
+
+    def history_threads(self) -> dict[int, list[dict[str, Any]]]:
+        """Every recorded thread's events, decoded, oldest first: ``{tid: [sample JSON...]}`` (what
+        the daemon persists); empty when the recorder is off."""
+        hmap = self._history_map()
+        if hmap is None:
+            return {}
+        return {tid: [self.history_sample(ev).to_json() for ev in read_thread(hmap, tid)]
+                for tid in history_threads(hmap)}
+
+    def history_before(self, tid: int, time_ns: int, last: int) -> list[dict[str, Any]]:
+        """Thread ``tid``'s recorded samples before wall-clock ``time_ns`` (an alert's
+        sample), the ``last`` latest, oldest first: what an alert carries as ``history``."""
+        hmap = self._history_map()
+        if hmap is None or last <= 0:
+            return []
+        off = self._history_clock_offset()
+        evs = [ev for ev in read_thread(hmap, tid) if ev.time_ns + off < time_ns]
+        return [self.history_sample(ev).to_json() for ev in evs[-last:]]
+
+    def history_sample(self, ev: HistoryEvent) -> TraceSample:
+        """A recorded event as a TraceSample, its context decoded from the tracer's caches."""
+        t = ev.time_ns + self._history_clock_offset()
+        key = self._history_key(ev)
+        d: Decoded | None = None
+        if key is not None:
+            got = self._kernel.known(key)
+            d = got[1] if got is not None else None
+        if d is None:
+            d = self._recent_plain.get((ev.tid, t))
+        if d is None:
+            d = HISTORY_UNKNOWN
+        name, nargs = SYSCALL_INFO.get(ev.syscall) or syscall_info(ev.syscall)
+        return TraceSample(t, ev.tgid, ev.tid, "syscall", name, d.complete, d.json_frames(), None,
+                           ev.args[:nargs], None, None)
 
     def _close_contexts(self) -> None:
         """Thread snapshots' private vDSO copies go with the reader (ccprofd/proc/modules.py)."""

@@ -1026,11 +1026,10 @@ static __always_inline int cc_send(struct cc_record *r, u32 words, int whole) {
 // A known context's sample: counted; sent as a header when every sample is wanted.
 static __always_inline void cc_agg_hit(struct cc_record *r, struct cc_agg_val *v) {
     __sync_fetch_and_add(&v->count, 1);
-    if (cc_cfg(CFG_EMIT_HITS)) {
-        r->agg = AGG_HIT;
-        r->ctx_id = v->id;
+    r->agg = AGG_HIT;  // also what the flight recorder keeps (cc_emit)
+    r->ctx_id = v->id;
+    if (cc_cfg(CFG_EMIT_HITS))
         cc_send(r, 0, 0);
-    }
 }
 
 // Aggregate mode: count the sample under its context (see AGG_*); `words`: its recID words.
@@ -1154,11 +1153,12 @@ static __always_inline void cc_emit(u64 ktime, s32 nr, u32 event, u64 ip, u64 sp
     u32 words = cc_fill_sample(sp, &r->cc);
     if (words > REC_EMIT_WORDS)
         words = REC_EMIT_WORDS;
-    if (event == EV_CC_SYSCALL && cc_cfg(CFG_AGGREGATE)) {  // `event` is a constant per program
+    if (event == EV_CC_SYSCALL && cc_cfg(CFG_AGGREGATE))  // `event` is a constant per program
         cc_aggregate(r, words);
-        return;
-    }
-    cc_send(r, words, 1);
+    else
+        cc_send(r, words, 1);
+    if (event == EV_CC_SYSCALL)  // flight recorder (history.c): the context is its aggregation id
+        ccprof_history_put(pid_tgid, ktime, nr, r->agg, r->ctx_id, 0, r->sargs);
 }
 
 // CPU-clock sample (--sample-hz) of a traced thread.  The task's pt_regs hold its user registers

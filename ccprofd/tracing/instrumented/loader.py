@@ -32,6 +32,7 @@ from ccprofd.kbpf.rawmodule import RawModule
 from ccprofd.kbpf.tracefs import tracepoint_field_offset
 from ccprofd.kbpf.uprobe_multi import UprobeMultiLink, attach_uprobe_multi
 from ccprofd.proc.tasks import threads_of
+from ccprofd.tracing.history import configured_length, history_source
 from ccprofd.tracing.instrumented.constants import (
     AGG_HIT,
     AGG_NEW,
@@ -73,6 +74,12 @@ STATS = ("site_hits", "tail_hits", "entry_hits", "samples", "pushes", "cuts", "f
 SCHEMES = ("valence", "pcce", "hcce")
 PROGRAMS = {"site": "cc_site_probe", "tail": "cc_tail_probe", "entry": "cc_entry_probe"}
 
+
+
+def _program_text() -> str:
+    """The flight recorder (tracing/history.c: cc_emit calls its ccprof_history_put), then instrumented.c."""
+    own = Path(__file__).with_name(C_SOURCE).read_text(encoding="utf-8")
+    return history_source(configured_length()) + own
 
 
 @dataclass(frozen=True, slots=True)
@@ -483,7 +490,7 @@ class InstrumentedBPF:
                    "CC_AGG_KEY_BYTES": agg_key_bytes, **sas,
                    **self.scheme.defines()}
         prelude = "".join(f"#define {k} {v}\n" for k, v in defines.items())
-        prelude += Path(__file__).with_name(C_SOURCE).read_text(encoding="utf-8")
+        prelude += _program_text()
         self.sampler = SyscallSampler(syscalls=syscalls, max_tracked=max(4096, 2 * limits.slots),
                                       ringbuf_pages=limits.sampler_ring, prelude=prelude, cache_dir=cache_dir)
         self.module: RawModule = self.sampler.module

@@ -5,11 +5,16 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from ccprofd.kbpf.bpfmap import RawMap
+from ccprofd.kbpf.errors import BPFError
 from ccprofd.tracing.api import TraceError, TraceOptions, TraceSample
 from ccprofd.tracing.base import HIT, NEW, PLAIN, RET_RINGBUF_PAGES, SIDE, ContextReader, ModeBase
 from ccprofd.tracing.frames import Decoded
+from ccprofd.tracing.history import MAP_NAME as HISTORY_MAP
+from ccprofd.tracing.history import HistoryEvent
 from ccprofd.tracing.instrumented.constants import SF_BIAS
 from ccprofd.tracing.instrumented.loader import (
+    AGG_HIT,
     AGG_NEW,
     InstrumentedBPF,
     Limits,
@@ -223,6 +228,21 @@ class InstrumentedMode(ModeBase[Event, int]):
         if not timed:
             return self.trace_sample(0, r.pid, r.tid, r.event, r.syscall, d)
         return self.trace_sample(r.time_ns, r.pid, r.tid, r.event, r.syscall, d, r.arg, r.sargs)
+
+    def _history_map(self) -> RawMap | None:
+        if self._bpf is None:
+            return None
+        try:
+            return self._bpf.module.map(HISTORY_MAP)
+        except BPFError:  # compiled out (CCPROFD_HISTORY=0)
+            return None
+
+    def _history_key(self, ev: HistoryEvent) -> int | None:
+        return ev.ctx if ev.ctx_kind in (AGG_NEW, AGG_HIT) else None
+
+    def _history_clock_offset(self) -> int:
+        assert self._bpf is not None
+        return int(self._bpf.layout.clock_offset)
 
     def _kernel_counts(self) -> dict[int, int]:
         assert self._bpf is not None

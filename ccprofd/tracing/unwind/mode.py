@@ -36,6 +36,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from ccprofd.elf.needed import load_set
+from ccprofd.kbpf.bpfmap import RawMap
+from ccprofd.kbpf.errors import BPFError
 from ccprofd.tracing.api import TraceOptions, TraceSample
 from ccprofd.tracing.base import (
     HIT,
@@ -48,7 +50,9 @@ from ccprofd.tracing.base import (
     syscall_info,
 )
 from ccprofd.tracing.frames import Decoded
-from ccprofd.tracing.unwind.constants import FLAG_HIT, FLAG_NEW
+from ccprofd.tracing.history import MAP_NAME as HISTORY_MAP
+from ccprofd.tracing.history import HistoryEvent
+from ccprofd.tracing.unwind.constants import FLAG_COLLISION, FLAG_HIT, FLAG_NEW, FLAG_UNAGGREGATED
 from ccprofd.tracing.unwind.enforcement import EnforcementDenial, UnwindEnforcementMaps
 from ccprofd.tracing.unwind.plan import UnwindEncoding
 from ccprofd.tracing.unwind.sampler import (
@@ -206,6 +210,21 @@ class UnwindMode(ModeBase[Record, tuple[int, int]]):
         nrs = r.syscall
         return self.trace_sample(r.time_ns + self._clock_offset, r.tgid, r.tid,
                                  "cpu" if nrs is None else "syscall", nrs, d, r.arg, r.sargs)
+
+    def _history_map(self) -> RawMap | None:
+        if self.sampler is None:
+            return None
+        try:
+            return self.sampler.module.map(HISTORY_MAP)
+        except BPFError:  # compiled out (CCPROFD_HISTORY=0)
+            return None
+
+    def _history_key(self, ev: HistoryEvent) -> tuple[int, int] | None:
+        # a hash shared with another context, or a context not stored: sent on its own
+        return None if ev.ctx_kind & (FLAG_COLLISION | FLAG_UNAGGREGATED) else (ev.ctx, ev.ctx2)
+
+    def _history_clock_offset(self) -> int:
+        return self._clock_offset
 
     def _kernel_counts(self) -> Mapping[tuple[int, int], int]:
         assert self.sampler is not None

@@ -67,6 +67,7 @@ from ccprofd.kbpf.tracefs import tracepoint_field_offset, tracepoint_has_field
 from ccprofd.persist.cache import AnalysisCache
 from ccprofd.proc.maps import DEFAULT_PROC_ROOT
 from ccprofd.tracing.api import RECORDS_PER_POLL
+from ccprofd.tracing.history import configured_length, history_source
 from ccprofd.tracing.syscall_sampler import (
     KINDS as SAMPLER_KINDS,
 )
@@ -655,7 +656,8 @@ def _program_defines(*, max_depth: int, max_maps: int, max_procs: int, max_entri
                         "UW_ENF_MAX_KEYS": _pow2_at_least(max(1024, enforce_keys))})
     if len(set(loops.values())) != len(loops):
         raise BPFError(f"bpf_loop counts must differ (they pick the callbacks): {loops}")
-    text = "".join(f"#define {k} {v}\n" for k, v in defines.items())
+    # the flight recorder (tracing/history.c): uw_sample calls its ccprof_history_put
+    text = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + history_source(configured_length())
     if tracepoint_has_field("sched", "sched_process_exit", "group_dead"):
         text += "#define HAVE_GROUP_DEAD 1\n"
         off = tracepoint_field_offset("sched", "sched_process_exit", "group_dead")

@@ -1052,6 +1052,8 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
         uw_aggregate(st, arena_cb);
     else
         uw_emit(st);
+    if (regs)  // a syscall sample: flight recorder (history.c), the context is its 128-bit hash
+        ccprof_history_put(pid_tgid, st->s.ktime_ns, nr, st->s.flags, st->s.h1, st->s.h2, st->s.sargs);
 }
 
 // A forked child has its parent's mappings until it execs: copy them on its first sample.
