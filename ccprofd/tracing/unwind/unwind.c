@@ -71,6 +71,11 @@
 #define UW_STAT_PROC_COPIED 9
 #define UW_STAT_MAPS_LOST 10  // a new-mapping event refused by the full ring (samples may then be flagged)
 #define UW_STAT_RESTOPPED 11  // a held process found running (a SIGCONT not ours) and stopped again
+// where the frame loop's time goes (bench/, issue #18): rule-table search steps, user stack copies
+// and mapping searches, summed over the samples
+#define UW_STAT_LOOKUP_STEPS 12
+#define UW_STAT_STACK_COPIES 13
+#define UW_STAT_MAP_SEARCHES 14
 #define UW_NR_STATS 16
 
 #define UW_CFG_AGGREGATE 0
@@ -237,6 +242,10 @@ struct uw_state {
     u32 r_module;
     u32 bs_lo;     // binary searches' bounds, kept in map memory (see uw_opaque)
     u32 bs_hi;
+    u32 n_steps;   // this sample's rule-search steps, stack copies, mapping searches (uw_stats)
+    u32 n_copies;
+    u32 n_maps;
+    u32 n_pad;
 #ifdef UE_ENABLED
     struct ue_work w;
     u32 c_info;    // cached mapping's info
@@ -325,6 +334,7 @@ static __always_inline int uw_find_mapping(struct uw_state *st, u64 pc) {
     struct uw_proc *p = uw_procs.lookup(&tgid);
     if (!p)
         return -UW_WHY_NO_MAPS;
+    st->n_maps++;
     st->start_stack = p->start_stack;
     u32 lo = 0, hi = p->n;
     if (hi > UW_MAX_MAPS)
@@ -388,6 +398,7 @@ static __always_inline struct uw_rule *uw_find_rule(struct uw_state *st, u64 v) 
         struct uw_entry *e = uw_entries.lookup(&idx);
         if (!e)
             return 0;
+        st->n_steps++;
         if (e->vaddr <= (u32)v)
             lo = mid + 1;
         else
@@ -422,6 +433,7 @@ static __always_inline int uw_read(struct uw_state *st, u64 addr, u64 *out) {
         if (addr & 7)
             return bpf_probe_read_user(out, 8, (void *)addr);
         u64 page = addr & ~(u64)(UW_WIN_BYTES - 1);
+        st->n_copies++;
         if (bpf_probe_read_user(st->win, UW_WIN_BYTES, (void *)page) != 0) {
             st->win_base = 1;  // nothing cached (an odd base never matches an aligned addr)
             return bpf_probe_read_user(out, 8, (void *)addr);
@@ -984,6 +996,9 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
     st->c_end = 0;
     st->r_module = UW_NO_MODULE;
     st->win_base = 1;
+    st->n_steps = 0;
+    st->n_copies = 0;
+    st->n_maps = 0;
     st->s.ktime_ns = bpf_ktime_get_ns();
     st->s.kind = UW_EV_SAMPLE;
     st->s.tgid = tgid;
@@ -1044,6 +1059,9 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
     uw_stat(UW_STAT_FRAMES, st->s.n);
     if (st->s.fp_frames)
         uw_stat(UW_STAT_FP_FRAMES, st->s.fp_frames);
+    uw_stat(UW_STAT_LOOKUP_STEPS, st->n_steps);
+    uw_stat(UW_STAT_STACK_COPIES, st->n_copies);
+    uw_stat(UW_STAT_MAP_SEARCHES, st->n_maps);
     if (st->s.reason)
         uw_stat(UW_STAT_INCOMPLETE, 1);
     u32 k = UW_CFG_AGGREGATE;
