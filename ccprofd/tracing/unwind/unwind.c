@@ -100,6 +100,10 @@ struct uw_entry {
 struct uw_module {
     u32 first;  // first row in uw_entries
     u32 count;  // rows
+    u32 base;   // page index (tables.py page_index): bucket b covers vaddrs base + [b, b + 1) << shift
+    u32 shift;
+    u32 pfirst; // bucket 0's bound in uw_pages
+    u32 pcount; // buckets (pcount + 1 bounds); 0: no index, search every row
 };
 
 struct uw_mapping {
@@ -235,6 +239,10 @@ struct uw_state {
     u32 c_first;
     u32 c_count;
     u32 mismatch;
+    u32 c_base;    // cached module's page index (struct uw_module)
+    u32 c_shift;
+    u32 c_pfirst;
+    u32 c_pcount;
     u64 arena_off; // COPY / COMPARE
     u64 r_lo;      // cached row: ELF vaddrs [r_lo, r_hi) of module c_module use rule r_id
     u64 r_hi;
@@ -280,6 +288,7 @@ struct uw_maps_event {
 BPF_ARRAY(uw_rules, struct uw_rule, UW_MAX_RULES);
 BPF_ARRAY(uw_entries, struct uw_entry, UW_MAX_ENTRIES);
 BPF_ARRAY(uw_modules, struct uw_module, UW_MAX_MODULES);
+BPF_ARRAY(uw_pages, u32, UW_MAX_PAGES);  // per bucket: rows starting at or before its first vaddr
 BPF_HASH(uw_procs, u32, struct uw_proc, UW_MAX_PROCS);
 BPF_HASH(uw_parent, u32, u32, UW_MAX_PROCS);          // child pid -> parent tgid (fork)
 BPF_HASH(uw_pending, u32, u32, UW_MAX_PROCS);         // tgid -> exec mmap/mprotect seen
@@ -368,19 +377,26 @@ static __always_inline int uw_find_mapping(struct uw_state *st, u64 pc) {
 #endif
     st->c_first = 0;
     st->c_count = 0;
+    st->c_pcount = 0;
     if (st->c_module != UW_NO_MODULE) {
         u32 mid = st->c_module;
         struct uw_module *mod = uw_modules.lookup(&mid);
         if (mod) {
             st->c_first = mod->first;
             st->c_count = mod->count;
+            st->c_base = mod->base;
+            st->c_shift = mod->shift;
+            st->c_pfirst = mod->pfirst;
+            st->c_pcount = mod->pcount;
         }
     }
     return 0;
 }
 
 // The rule for ELF vaddr v: the last row with vaddr <= v in the module's slice (the row found
-// last time is checked first: recursion repeats return addresses).
+// last time is checked first: recursion repeats return addresses).  The page index bounds the
+// search to the rows that can cover v's bucket: lo = rows at or before the bucket's start (all
+// <= v), hi = rows at or before the next bucket's start (every later row starts beyond v).
 static __always_inline struct uw_rule *uw_find_rule(struct uw_state *st, u64 v) {
     u32 lo = 0, hi = st->c_count;
     if (v >= 0x100000000ULL)
@@ -388,6 +404,27 @@ static __always_inline struct uw_rule *uw_find_rule(struct uw_state *st, u64 v) 
     if (st->r_module == st->c_module && v >= st->r_lo && v < st->r_hi) {
         u32 rid = st->r_id;
         return uw_rules.lookup(&rid);
+    }
+    if (st->c_pcount) {
+        if (v < st->c_base) {
+            hi = 0;
+        } else {
+            u64 b = (v - st->c_base) >> (st->c_shift & 31);
+            if (b >= st->c_pcount) {
+                lo = hi;  // past the last bucket: the last row
+            } else {
+                u32 pi = st->c_pfirst + (u32)b;
+                u32 *plo = uw_pages.lookup(&pi);
+                pi++;
+                u32 *phi = uw_pages.lookup(&pi);
+                if (!plo || !phi)
+                    return 0;
+                lo = *plo;
+                hi = *phi;
+                if (hi > st->c_count)
+                    hi = st->c_count;
+            }
+        }
     }
 #pragma unroll
     for (int i = 0; i < UW_ENTRIES_LOG2 + 1; i++) {
