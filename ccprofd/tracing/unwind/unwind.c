@@ -1049,12 +1049,18 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
     st->s.h2 = 0x13198A2E03707344ULL;
     st->s.arg_len = 0;
     if (regs) {  // a constant per program: CPU samples pass 0
-        bpf_probe_read_kernel(&st->s.sargs[0], 8, &regs->di);
-        bpf_probe_read_kernel(&st->s.sargs[1], 8, &regs->si);
-        bpf_probe_read_kernel(&st->s.sargs[2], 8, &regs->dx);
-        bpf_probe_read_kernel(&st->s.sargs[3], 8, &regs->r10);
-        bpf_probe_read_kernel(&st->s.sargs[4], 8, &regs->r8);
-        bpf_probe_read_kernel(&st->s.sargs[5], 8, &regs->r9);
+        // one read of pt_regs from r10 to di (they are adjacent) instead of six (issue #18)
+#define UW_REG(r) ((offsetof(struct pt_regs, r) - offsetof(struct pt_regs, r10)) / 8)
+        u64 rw[UW_REG(di) + 1];
+        if (bpf_probe_read_kernel(rw, sizeof(rw), &regs->r10) != 0)
+            __builtin_memset(rw, 0, sizeof(rw));
+        st->s.sargs[0] = rw[UW_REG(di)];
+        st->s.sargs[1] = rw[UW_REG(si)];
+        st->s.sargs[2] = rw[UW_REG(dx)];
+        st->s.sargs[3] = rw[UW_REG(r10)];
+        st->s.sargs[4] = rw[UW_REG(r8)];
+        st->s.sargs[5] = rw[UW_REG(r9)];
+#undef UW_REG
     } else {
         __builtin_memset(st->s.sargs, 0, sizeof(st->s.sargs));
     }
