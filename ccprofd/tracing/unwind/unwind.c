@@ -224,6 +224,23 @@ struct uw_sample {
     u64 pcs[UW_MAX_DEPTH];  // bit 63 (UW_EXACT_BIT): the pc is exact, not a return address
 };
 
+// a mapping as uw_state caches it (c_* fields): the second most recent one is kept in uw_state.alt,
+// since stacks alternate between two modules (an interpreter and libc) and each switch would
+// otherwise search the process's mappings again (issue #18)
+struct uw_cmap {
+    u64 start;
+    u64 end;
+    u64 bias;
+    u32 module;
+    u32 first;
+    u32 count;
+    u32 base;
+    u32 shift;
+    u32 pfirst;
+    u32 pcount;
+    u32 info;
+};
+
 struct uw_state {
     u64 pc;
     u64 sp;
@@ -250,6 +267,7 @@ struct uw_state {
     u32 r_module;
     u32 bs_lo;     // binary searches' bounds, kept in map memory (see uw_opaque)
     u32 bs_hi;
+    struct uw_cmap alt;  // the mapping cached before c_* (alt.end == 0: none)
     u32 n_steps;   // this sample's rule-search steps, stack copies, mapping searches (uw_stats)
     u32 n_copies;
     u32 n_maps;
@@ -393,6 +411,54 @@ static __always_inline int uw_find_mapping(struct uw_state *st, u64 pc) {
     return 0;
 }
 
+static __always_inline void uw_cmap_get(struct uw_state *st, struct uw_cmap *m) {
+    m->start = st->c_start;
+    m->end = st->c_end;
+    m->bias = st->c_bias;
+    m->module = st->c_module;
+    m->first = st->c_first;
+    m->count = st->c_count;
+    m->base = st->c_base;
+    m->shift = st->c_shift;
+    m->pfirst = st->c_pfirst;
+    m->pcount = st->c_pcount;
+#ifdef UE_ENABLED
+    m->info = st->c_info;
+#endif
+}
+
+static __always_inline void uw_cmap_put(struct uw_state *st, struct uw_cmap *m) {
+    st->c_start = m->start;
+    st->c_end = m->end;
+    st->c_bias = m->bias;
+    st->c_module = m->module;
+    st->c_first = m->first;
+    st->c_count = m->count;
+    st->c_base = m->base;
+    st->c_shift = m->shift;
+    st->c_pfirst = m->pfirst;
+    st->c_pcount = m->pcount;
+#ifdef UE_ENABLED
+    st->c_info = m->info;
+#endif
+}
+
+// Make the mapping holding pc the cached one: the previous one if it holds pc (the two swap),
+// else a search (the one it replaces becomes the previous one).
+static __always_inline int uw_switch_mapping(struct uw_state *st, u64 pc) {
+    struct uw_cmap cur = {};
+    uw_cmap_get(st, &cur);
+    if (pc >= st->alt.start && pc < st->alt.end) {
+        uw_cmap_put(st, &st->alt);
+        st->alt = cur;
+        return 0;
+    }
+    int err = uw_find_mapping(st, pc);
+    if (err == 0 && cur.end)
+        st->alt = cur;
+    return err;
+}
+
 // The rule for ELF vaddr v: the last row with vaddr <= v in the module's slice (the row found
 // last time is checked first: recursion repeats return addresses).  The page index bounds the
 // search to the rows that can cover v's bucket: lo = rows at or before the bucket's start (all
@@ -499,7 +565,7 @@ static __always_inline long uw_unwind_step(struct uw_state *st) {
     uw_mix(st, pc);
 
     if (!(pc >= st->c_start && pc < st->c_end)) {
-        int err = uw_find_mapping(st, pc);
+        int err = uw_switch_mapping(st, pc);
         if (err < 0)
             return uw_finish(st, -err);
     }
@@ -1031,6 +1097,8 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
     st->op = UW_OP_UNWIND;
     st->c_start = 0;
     st->c_end = 0;
+    st->alt.start = 0;
+    st->alt.end = 0;
     st->r_module = UW_NO_MODULE;
     st->win_base = 1;
     st->n_steps = 0;
