@@ -627,7 +627,7 @@ def _program_defines(*, max_depth: int, max_maps: int, max_procs: int, max_entri
         "MAX_TRACKED": max(8192, max_procs), "RINGBUF_PAGES": events_ringbuf_pages, "UW_MAX_DEPTH": max_depth,
         "UW_MAX_MAPS": max_maps,
         "UW_MAPS_LOG2": _log2_ceil(max_maps), "UW_MAX_PROCS": max_procs, "UW_MAX_ENTRIES": max_entries,
-        "UW_MAX_PAGES": max_entries + 2 * max_modules, "UW_ENTRIES_LOG2": _log2_ceil(max_entries),
+        "UW_MAX_PAGES": max_entries + max_modules, "UW_ENTRIES_LOG2": _log2_ceil(max_entries),
         "UW_MAX_MODULES": max_modules,
         "UW_MAX_RULES": max_rules, "UW_NSLOTS": 2 * ncpu, "UW_ARENA_WORDS": arena_words,
         "UW_MAX_CONTEXTS": max_contexts, "UW_RINGBUF_PAGES": ringbuf_pages,

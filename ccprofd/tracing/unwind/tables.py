@@ -246,7 +246,7 @@ class ModuleTables:
         self.vdso = VdsoImages(cache.directory / "vdso")
         self._rules, self._entries, self._modules, self._pages = (
             module.map(n) for n in ("uw_rules", "uw_entries", "uw_modules", "uw_pages"))
-        self.max_pages = max_entries + 2 * max_modules  # page_index: at most rows + 2 bounds per module
+        self.max_pages = max_entries + max_modules  # page_index: at most rows + 1 buckets per module
         self.next_page = 0
 
     @staticmethod
@@ -342,7 +342,7 @@ class ModuleTables:
         if self.next_module >= self.max_modules or self.next_entry + n > self.max_entries:
             return
         base, shift, bounds = page_index(table.starts)
-        if self.next_page + len(bounds) > self.max_pages:
+        if self.next_page + len(bounds) - 1 > self.max_pages:
             return
         local_to_global: list[int] = []
         # Ids are handed out only once the whole table fits: a table that does not fit must not
@@ -365,17 +365,20 @@ class ModuleTables:
         rawbpf.map_update_batch(self._entries.fd, array("I", range(first, first + n)).tobytes(),
                                 pack_entries(table.starts, [local_to_global[r] for r in table.rule_ids]), n,
                                 "uw_entries")
-        pfirst = self.next_page
-        rawbpf.map_update_batch(self._pages.fd, array("I", range(pfirst, pfirst + len(bounds))).tobytes(),
-                                bounds.tobytes(), len(bounds), "uw_pages")
+        pfirst, nb = self.next_page, len(bounds) - 1
+        pages = array("I", bytes(8 * nb))  # struct uw_page (lo, hi): bucket b's bounds b and b + 1
+        pages[0::2] = bounds[:-1]
+        pages[1::2] = bounds[1:]
+        rawbpf.map_update_batch(self._pages.fd, array("I", range(pfirst, pfirst + nb)).tobytes(),
+                                pages.tobytes(), nb, "uw_pages")
         mv = self._modules.leaf_type()
         mv.first, mv.count = first, n
-        mv.base, mv.shift, mv.pfirst, mv.pcount = base, shift, pfirst, len(bounds) - 1
+        mv.base, mv.shift, mv.pfirst, mv.pcount = base, shift, pfirst, nb
         self._modules.set(self.next_module, mv)
         mod.module_id, mod.rows = self.next_module, n
         self.next_module += 1
         self.next_entry += n
-        self.next_page += len(bounds)
+        self.next_page += nb
 
     def close(self) -> None:
         self.vdso.close()

@@ -102,8 +102,8 @@ struct uw_module {
     u32 count;  // rows
     u32 base;   // page index (tables.py page_index): bucket b covers vaddrs base + [b, b + 1) << shift
     u32 shift;
-    u32 pfirst; // bucket 0's bound in uw_pages
-    u32 pcount; // buckets (pcount + 1 bounds); 0: no index, search every row
+    u32 pfirst; // bucket 0 in uw_pages
+    u32 pcount; // buckets; 0: no index, search every row
 };
 
 struct uw_mapping {
@@ -306,7 +306,13 @@ struct uw_maps_event {
 BPF_ARRAY(uw_rules, struct uw_rule, UW_MAX_RULES);
 BPF_ARRAY(uw_entries, struct uw_entry, UW_MAX_ENTRIES);
 BPF_ARRAY(uw_modules, struct uw_module, UW_MAX_MODULES);
-BPF_ARRAY(uw_pages, u32, UW_MAX_PAGES);  // per bucket: rows starting at or before its first vaddr
+// per bucket: rows starting at or before its first vaddr, and at or before the next bucket's (one
+// lookup gives both bounds; an array's values take 8 bytes anyway)
+struct uw_page {
+    u32 lo;
+    u32 hi;
+};
+BPF_ARRAY(uw_pages, struct uw_page, UW_MAX_PAGES);
 BPF_HASH(uw_procs, u32, struct uw_proc, UW_MAX_PROCS);
 BPF_HASH(uw_parent, u32, u32, UW_MAX_PROCS);          // child pid -> parent tgid (fork)
 BPF_HASH(uw_pending, u32, u32, UW_MAX_PROCS);         // tgid -> exec mmap/mprotect seen
@@ -480,13 +486,11 @@ static __always_inline struct uw_rule *uw_find_rule(struct uw_state *st, u64 v) 
                 lo = hi;  // past the last bucket: the last row
             } else {
                 u32 pi = st->c_pfirst + (u32)b;
-                u32 *plo = uw_pages.lookup(&pi);
-                pi++;
-                u32 *phi = uw_pages.lookup(&pi);
-                if (!plo || !phi)
+                struct uw_page *pg = uw_pages.lookup(&pi);
+                if (!pg)
                     return 0;
-                lo = *plo;
-                hi = *phi;
+                lo = pg->lo;
+                hi = pg->hi;
                 if (hi > st->c_count)
                     hi = st->c_count;
             }
