@@ -63,7 +63,15 @@ sys.path.insert(0, sys.argv[1])
 from ccprofd.tracing.unwind.sampler import UnwindSampler
 from bench.report_bpf import owned_prog_stats
 calls, repeat, python, workload = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
-uw = UnwindSampler(syscalls=[1], aggregate=True, max_depth=4096)
+enc = None
+if sys.argv[6] == "encoded":  # as `ccprofd trace`/the daemon run it: python3.11 analysed, encoded in BPF
+    from ccprofd.callgraph import analyze_binary
+    from ccprofd.encode import get_plan
+    from ccprofd.persist.cache import AnalysisCache
+    from ccprofd.tracing.unwind.plan import cached_unwind_encoding
+    graph = analyze_binary(python)
+    enc = cached_unwind_encoding(graph, get_plan(graph, "valence"), AnalysisCache())
+uw = UnwindSampler(syscalls=[1], aggregate=True, max_depth=4096, encoding=enc)
 uw.attach()
 walls, ns, frames = [], [], []
 extra = {}
@@ -133,9 +141,10 @@ def run_workload(calls: int, prefix: list[str] | None = None) -> float:
     return float(out.split()[-1])
 
 
-def traced(repo: Path, calls: int, repeat: int) -> dict[str, float]:
+def traced(repo: Path, calls: int, repeat: int, mode: str = "plain") -> dict[str, float]:
     env = dict(os.environ, PYTHONPATH=str(repo))
-    out = subprocess.run([sys.executable, "-c", CHILD, str(repo), str(calls), str(repeat), PYTHON, WORKLOAD],
+    argv = [sys.executable, "-c", CHILD, str(repo), str(calls), str(repeat), PYTHON, WORKLOAD, mode]
+    out = subprocess.run(argv,
                          check=True, capture_output=True, text=True, env=env, cwd=str(repo)).stdout
     r = json.loads(out.strip().splitlines()[-1])
     return {"wall": median(r["wall"]), "ns": median(r["ns"]), "frames": median(r["frames"]),
@@ -189,7 +198,8 @@ def measure(args: argparse.Namespace) -> int:
         configs.append((args.base_label, args.base_repo.resolve()))
     untraced = median([run_workload(args.calls) for _ in range(args.repeat)])
     with run_time_stats():
-        results = [(label, traced(repo, args.calls, args.repeat)) for label, repo in configs]
+        results = [(f"{label}, {mode}", traced(repo, args.calls, args.repeat, mode))
+                   for mode in ("plain", "encoded") for label, repo in configs]
     perf = perf_dwarf(args.calls, args.repeat)
     print(f"\n{PYTHON}: {args.calls} os.write() calls from two Python functions, median of {args.repeat} "
           "(wall = the loop's own time; added = (wall - untraced) / calls; BPF ns from bpf_stats run_time_ns "

@@ -644,7 +644,7 @@ def _program_defines(*, max_depth: int, max_maps: int, max_procs: int, max_entri
         defines.update({
             "UE_ENABLED": 1, "UE_ACYC_WORDS": layout.acyc_words, "UE_REC_BITS": encoding.rec_code_bits,
             "UE_REC_WORDS": layout.rec_words, "UE_MAX_SEGS": layout.max_segs, "UE_MAX_UNAN": layout.max_unan,
-            "UE_MAX_FUNCS": nfuncs, "UE_FUNCS_LOG2": _log2_ceil(nfuncs),
+            "UE_MAX_FUNCS": nfuncs, "UE_FUNCS_LOG2": _log2_ceil(nfuncs), "UE_MAX_FPAGES": nfuncs + 1,
             "UE_MAX_EDGES": _pow2_at_least(max(MIN_EDGES_BUCKET, len(encoding.edges))),
             "UE_MAX_SITES": _pow2_at_least(max(MIN_EDGES_BUCKET, len(encoding.callsites))),
             "UE_ROW_REC": UE_ROW_REC, "UE_ENC_LOOPS": loops["enc"], "UE_HASH_LOOPS": loops["hash"]})

@@ -334,6 +334,17 @@ class ModuleTables:
         cfg = self.module.map("ue_config")
         cfg.set(0, len(enc.functions))
         cfg.set(1, enc.root_index)
+        # the functions' page index: ue_function's search over a bucket's few functions (issue #18)
+        base, shift, bounds = page_index([f[0] for f in enc.functions])
+        nb = len(bounds) - 1
+        if nb > 0:
+            pages = array("I", bytes(8 * nb))
+            pages[0::2] = bounds[:-1]
+            pages[1::2] = bounds[1:]
+            rawbpf.map_update_batch(self.module.map("ue_fpages").fd, array("I", range(nb)).tobytes(),
+                                    pages.tobytes(), nb, "ue_fpages")
+            cfg.set(2, base)
+            cfg.set(3, nb << 8 | shift)
 
     def upload_table(self, mod: LoadedModule, table: cfi.UnwindTable) -> None:
         n = len(table)

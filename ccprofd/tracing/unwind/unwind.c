@@ -71,8 +71,8 @@
 #define UW_STAT_PROC_COPIED 9
 #define UW_STAT_MAPS_LOST 10  // a new-mapping event refused by the full ring (samples may then be flagged)
 #define UW_STAT_RESTOPPED 11  // a held process found running (a SIGCONT not ours) and stopped again
-// where the frame loop's time goes (bench/, issue #18): rule-table search steps, user stack copies
-// and mapping searches, summed over the samples
+// where the frame loop's time goes (bench/, issue #18): search steps (rule table, and the encoding
+// pass's function table), user stack copies and mapping searches, summed over the samples
 #define UW_STAT_LOOKUP_STEPS 12
 #define UW_STAT_STACK_COPIES 13
 #define UW_STAT_MAP_SEARCHES 14
@@ -668,7 +668,10 @@ static __always_inline long uw_unwind_step(struct uw_state *st) {
 BPF_ARRAY(ue_funcs, struct ue_func, UE_MAX_FUNCS);
 BPF_HASH(ue_edges, struct ue_edge_key, struct ue_row, UE_MAX_EDGES);
 BPF_HASH(ue_sites, u64, u64, UE_MAX_SITES);  // return-address vaddr -> call-instruction vaddr
-BPF_ARRAY(ue_config, u64, 4);                // [0] functions, [1] dense index of the virtual root
+// [0] functions, [1] dense index of the virtual root, [2] and [3] the functions' page index (as
+// uw_module's, tables.py page_index): base, and buckets << 8 | shift (0: none)
+BPF_ARRAY(ue_config, u64, 4);
+BPF_ARRAY(ue_fpages, struct uw_page, UE_MAX_FPAGES);
 
 // Word k of the context: the header, the used segments, the used recID words, the unanalysed frames.
 static __always_inline int ue_word(struct uw_state *st, u32 k, u64 *out) {
@@ -778,6 +781,27 @@ static __always_inline int ue_function(struct uw_state *st, u64 v, u32 *node, u3
     u32 lo = 0, hi = (u32)*nf;
     if (hi > UE_MAX_FUNCS)
         hi = UE_MAX_FUNCS;
+    u32 k2 = 2, k3 = 3;
+    u64 *pbase = ue_config.lookup(&k2);
+    u64 *pgeo = ue_config.lookup(&k3);
+    if (pbase && pgeo && (*pgeo >> 8)) {
+        if (v < *pbase) {
+            return -1;
+        } else {
+            u64 b = (v - *pbase) >> (*pgeo & 31);
+            if (b >= (*pgeo >> 8)) {
+                lo = hi;  // past the last bucket: the last function
+            } else {
+                u32 pi = (u32)b;
+                struct uw_page *pg = ue_fpages.lookup(&pi);
+                if (!pg)
+                    return -1;
+                lo = pg->lo;
+                if (pg->hi < hi)
+                    hi = pg->hi;
+            }
+        }
+    }
 #pragma unroll
     for (int i = 0; i < UE_FUNCS_LOG2 + 1; i++) {
         if (lo >= hi)
@@ -786,6 +810,7 @@ static __always_inline int ue_function(struct uw_state *st, u64 v, u32 *node, u3
         struct ue_func *f = ue_funcs.lookup(&mid);
         if (!f)
             return -1;
+        st->n_steps++;
         if (f->start <= (u32)v)
             lo = mid + 1;
         else
@@ -818,7 +843,7 @@ static __always_inline long ue_step(struct uw_state *st, u32 i) {
     u32 exact = raw >> 63;
     struct ue_rec *e = &st->s.e;
     if (!(pc >= st->c_start && pc < st->c_end)) {
-        if (uw_find_mapping(st, pc) < 0) {
+        if (uw_switch_mapping(st, pc) < 0) {
             st->c_start = 0;
             st->c_end = 0;
             st->c_bias = 0;
