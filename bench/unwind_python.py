@@ -205,7 +205,7 @@ def measure(args: argparse.Namespace) -> int:
           "(wall = the loop's own time; added = (wall - untraced) / calls; BPF ns from bpf_stats run_time_ns "
           "over the samples taken):\n")
     print("| configuration | wall s | added µs/sample | BPF ns/sample | frames/sample | "
-          "rule-search steps, stack copies, mapping searches /sample | incomplete |")
+          "search steps, stack copies, mapping searches /sample | incomplete |")
     print("|---|---|---|---|---|---|---|")
     print(f"| untraced | {untraced:.3f} | | | | | |")
     for label, r in results:

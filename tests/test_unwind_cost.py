@@ -13,6 +13,7 @@ from __future__ import annotations
 import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -20,6 +21,10 @@ from ccprofd.tracing.unwind.sampler import UnwindSampler, UnwoundSample
 
 NR_WRITE, NR_SENDTO = 1, 44
 PYTHON = "/usr/bin/python3.11"
+# 200 writes from two Python functions (issue #18's loop, shorter)
+WRITE_LOOP = ("import os\nfd = os.open('/dev/null', os.O_WRONLY)\n"
+              "def inner():\n    for _ in range(200):\n        os.write(fd, b'x')\n"
+              "def outer():\n    inner()\n")
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +72,7 @@ def test_syscall_argument_registers_are_the_values_passed(sampler: UnwindSampler
 
 def test_rule_search_steps_and_mapping_searches_per_sample(sampler: UnwindSampler) -> None:
     before = sampler.stats()
-    setup = ("import os\nfd = os.open('/dev/null', os.O_WRONLY)\n"
-             "def inner():\n    for _ in range(200):\n        os.write(fd, b'x')\n"
-             "def outer():\n    inner()\n")
-    samples = [x for x in run_tracked(sampler, setup, "outer()\n") if x.syscall == NR_WRITE]
+    samples = [x for x in run_tracked(sampler, WRITE_LOOP, "outer()\n") if x.syscall == NR_WRITE]
     after = sampler.stats()
     d = {k: after[k] - before[k] for k in ("samples", "frames", "lookup_steps", "map_searches", "incomplete")}
     assert d["samples"] == 200 and d["incomplete"] == 0, d
@@ -79,4 +81,31 @@ def test_rule_search_steps_and_mapping_searches_per_sample(sampler: UnwindSample
     # python3.11's _start: two module switches back to a module seen before
     assert d["frames"] / d["samples"] >= 8, d
     assert d["lookup_steps"] <= 2 * d["frames"], d
+    assert d["map_searches"] == 2 * d["samples"], d
+
+
+def test_encoding_pass_searches_a_bucket_of_functions(tmp_path: Path) -> None:
+    """The encoding pass (python3.11 analysed, as `trace` runs it) finds each analysed frame's
+    function in its page-index bucket and reuses the two cached mappings: at most a couple of
+    function-search steps per frame on top of the rule-search steps (a search over python3.11's
+    ~3,200 functions takes ~12), and two mapping searches per sample, as without the encoding."""
+    from conftest import require_bpf
+
+    from ccprofd.callgraph import analyze_binary
+    from ccprofd.encode import get_plan
+    from ccprofd.persist.cache import AnalysisCache
+    from ccprofd.tracing.unwind.plan import cached_unwind_encoding
+
+    require_bpf()
+    graph = analyze_binary(PYTHON, cache_dir=tmp_path)
+    plan = get_plan(graph, "valence", cache_dir=tmp_path)
+    enc = cached_unwind_encoding(graph, plan, AnalysisCache(tmp_path))
+    with UnwindSampler(syscalls=[NR_WRITE], aggregate=True, encoding=enc, cache=AnalysisCache(tmp_path)) as s:
+        s.attach()
+        before = s.stats()
+        run_tracked(s, WRITE_LOOP, "outer()\n")
+        after = s.stats()
+    d = {k: after[k] - before[k] for k in ("samples", "frames", "lookup_steps", "map_searches", "incomplete")}
+    assert d["samples"] == 200 and d["incomplete"] == 0, d
+    assert d["lookup_steps"] <= 4 * d["frames"], d
     assert d["map_searches"] == 2 * d["samples"], d

@@ -29,8 +29,9 @@ on every hit, so a hash collision is counted and reported, never merged; only ne
 userspace.  :meth:`UnwindSampler.symbolize` maps runtime pcs to (module, build-id, ELF vaddr).
 
 With an ``encoding`` (:class:`ccprofd.tracing.unwind.plan.UnwindEncoding`, built from the analysed
-binary's call graph and Valence plan) a second pass encodes each unwound stack in BPF, outermost
-analysed frame first, into the plan's ``acycID``/``recID``/segments (the state instrumented mode
+binary's call graph and Valence plan) a second pass encodes each unwound stack in BPF (its
+function lookups narrowed by the same kind of page index, ``ue_fpages``), outermost analysed frame
+first, into the plan's ``acycID``/``recID``/segments (the state instrumented mode
 would hold), plus the unanalysed frames (module key, vaddr) inside the context; aggregation then
 keys on a 128-bit hash of that encoded context and the syscall number, the context itself is the
 arena entry compared on every hit, and each new context reaches userspace as an
