@@ -29,7 +29,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.common import machine_line, update_readme_section
-from bench.report_bpf import owned_prog_stats  # this process's programs only: the machine is shared
+from bench.report_bpf import owned_prog_stats
+from bench.unwind_python import run_time_stats  # this process's programs only: the machine is shared
 from ccprofd.elf import cfi
 from ccprofd.elf.image import ElfImage
 from ccprofd.kbpf.rawmodule import load_module
@@ -181,7 +182,8 @@ def measure(args: argparse.Namespace) -> int:
     gs_target = gs.map("gs_target")
     gs_frames = gs.map("gs_frames")
     results: dict[int, dict[str, float]] = {}
-    subprocess.run(["sysctl", "-q", "kernel.bpf_stats_enabled=1"], check=True)
+    stats_on = run_time_stats()
+    stats_on.__enter__()
     try:
         gs_attached = False
         for frames in DEPTHS:
@@ -207,8 +209,8 @@ def measure(args: argparse.Namespace) -> int:
                 dn = after[name][1] - before.get(name, (0, 0))[1]
                 r[key] = dt / max(1, dn) if name == "gs_sys_enter" else dt / max(1, args.calls)
             r["get_stack_frames"] = float(gs_frames.get(0) or 0)
-            uw.poll(0)
-            deepest = [len(s.pcs) for s in uw.contexts.values() if s.tgid in pids and s.syscall == NR_GETPPID]
+            got = uw.poll(0)  # the new contexts (aggregation sends each one once)
+            deepest = [len(s.pcs) for s in got if s.tgid in pids and s.syscall == NR_GETPPID]
             r["unwind_frames"] = float(max(deepest) if deepest else 0)
             r["unwind_incomplete"] = float(uw.stats()["incomplete"])
 
@@ -224,7 +226,7 @@ def measure(args: argparse.Namespace) -> int:
             uw.poll(0)
             results[frames] = r
     finally:
-        subprocess.run(["sysctl", "-q", "kernel.bpf_stats_enabled=0"], check=False)
+        stats_on.__exit__(None, None, None)
         stats = uw.stats()
         mem = uw.map_memory_bytes()
         uw.close()

@@ -301,3 +301,39 @@ def test_tail_exit_frames_only_where_the_call_graph_has_one_chain(tmp_path: Path
     # An indirect jump in tail_plt: it may leave the binary some other way.
     jumpers.add(tail_plt)
     assert chain(call, "getppid") == []
+
+
+def test_page_index_bounds_the_row_of_every_vaddr() -> None:
+    """Every vaddr's row (the last start <= v, found here by bisect over the whole table) lies in its
+    bucket's [bounds[b], bounds[b + 1]] range, as unwind.c's narrowed binary search assumes; vaddrs
+    before the first row find none and those past the last bucket the last row."""
+    import random
+    from bisect import bisect_right
+
+    from ccprofd.tracing.unwind.tables import MIN_PAGE_SHIFT, page_index
+
+    rng = random.Random(18)
+    for trial in range(40):
+        n = rng.choice([1, 2, 5, 50, 400])
+        gaps = [rng.choice([1, 3, 16, 17, 40, 64, 300, 4096]) for _ in range(n)]
+        first = rng.randrange(0, 1 << 20)
+        starts = []
+        pos = first
+        for g in gaps:
+            starts.append(pos)
+            pos += g
+        base, shift, bounds = page_index(starts)
+        assert shift >= MIN_PAGE_SHIFT and base <= starts[0] and base % (1 << shift) == 0
+        assert len(bounds) <= n + 2  # never much bigger than the rows
+        nb = len(bounds) - 1
+        for v in [*range(max(0, first - 40), pos + 300), *(s + d for s in starts for d in (-1, 0, 1))]:
+            want = bisect_right(starts, v)  # rows starting at or before v; the row is want - 1
+            if v < base:
+                lo = hi = 0
+            elif (v - base) >> shift >= nb:
+                lo = hi = n
+            else:
+                b = (v - base) >> shift
+                lo, hi = bounds[b], bounds[b + 1]
+            assert lo <= want <= hi, (trial, v)
+            assert want == lo + bisect_right(starts[lo:hi], v)

@@ -6,8 +6,10 @@ Layout of the BPF maps (filled from :mod:`ccprofd.elf.cfi` tables):
 * ``uw_rules``: array of distinct unwind rules (kind, rbp rule, offsets), shared by all modules;
 * ``uw_entries``: one array holding every loaded module's rows, each ``(u32 vaddr, u32 rule)``,
   sorted per module; ``uw_modules[id] = (first row, row count)`` is the module's slice, searched by
-  binary search with a bounded loop.  A module's rows are loaded once (keyed by build-id) and shared
-  by every process that maps it;
+  binary search with a bounded loop, narrowed first by ``uw_pages``, the module's two-level index
+  (:func:`~ccprofd.tracing.unwind.tables.page_index`: per small bucket of vaddrs, the rows that
+  can cover it), so a frame costs a step or two instead of ~17.  A module's rows are loaded once
+  (keyed by build-id) and shared by every process that maps it;
 * ``uw_procs[tgid]``: the process's executable mappings ``(start, end, bias, module id)``, sorted,
   from /proc/PID/maps; re-read when a pc falls outside them, after exec-permission mmap/mprotect
   calls (reported by BPF at the process's next syscall), and at exec.  A forked child inherits
@@ -27,8 +29,9 @@ on every hit, so a hash collision is counted and reported, never merged; only ne
 userspace.  :meth:`UnwindSampler.symbolize` maps runtime pcs to (module, build-id, ELF vaddr).
 
 With an ``encoding`` (:class:`ccprofd.tracing.unwind.plan.UnwindEncoding`, built from the analysed
-binary's call graph and Valence plan) a second pass encodes each unwound stack in BPF, outermost
-analysed frame first, into the plan's ``acycID``/``recID``/segments (the state instrumented mode
+binary's call graph and Valence plan) a second pass encodes each unwound stack in BPF (its
+function lookups narrowed by the same kind of page index, ``ue_fpages``), outermost analysed frame
+first, into the plan's ``acycID``/``recID``/segments (the state instrumented mode
 would hold), plus the unanalysed frames (module key, vaddr) inside the context; aggregation then
 keys on a 128-bit hash of that encoded context and the syscall number, the context itself is the
 arena entry compared on every hit, and each new context reaches userspace as an
@@ -566,7 +569,7 @@ class UnwindSampler:
     def map_memory_bytes(self) -> dict[str, int]:
         """Allocated size of the big maps (preallocated arrays/hashes), for the memory report."""
         out: dict[str, int] = {}
-        for name in ("uw_entries", "uw_procs", "uw_counts", "uw_rules", "uw_modules"):
+        for name in ("uw_entries", "uw_pages", "uw_procs", "uw_counts", "uw_rules", "uw_modules"):
             m = self.module.map(name)
             out[name] = m.max_entries * (ctypes.sizeof(m.leaf_type) + ctypes.sizeof(m.key_type))
         state = self.module.map("uw_state")
@@ -626,7 +629,8 @@ def _program_defines(*, max_depth: int, max_maps: int, max_procs: int, max_entri
         "MAX_TRACKED": max(8192, max_procs), "RINGBUF_PAGES": events_ringbuf_pages, "UW_MAX_DEPTH": max_depth,
         "UW_MAX_MAPS": max_maps,
         "UW_MAPS_LOG2": _log2_ceil(max_maps), "UW_MAX_PROCS": max_procs, "UW_MAX_ENTRIES": max_entries,
-        "UW_ENTRIES_LOG2": _log2_ceil(max_entries), "UW_MAX_MODULES": max_modules,
+        "UW_MAX_PAGES": max_entries + max_modules, "UW_ENTRIES_LOG2": _log2_ceil(max_entries),
+        "UW_MAX_MODULES": max_modules,
         "UW_MAX_RULES": max_rules, "UW_NSLOTS": 2 * ncpu, "UW_ARENA_WORDS": arena_words,
         "UW_MAX_CONTEXTS": max_contexts, "UW_RINGBUF_PAGES": ringbuf_pages,
     }
@@ -642,7 +646,7 @@ def _program_defines(*, max_depth: int, max_maps: int, max_procs: int, max_entri
         defines.update({
             "UE_ENABLED": 1, "UE_ACYC_WORDS": layout.acyc_words, "UE_REC_BITS": encoding.rec_code_bits,
             "UE_REC_WORDS": layout.rec_words, "UE_MAX_SEGS": layout.max_segs, "UE_MAX_UNAN": layout.max_unan,
-            "UE_MAX_FUNCS": nfuncs, "UE_FUNCS_LOG2": _log2_ceil(nfuncs),
+            "UE_MAX_FUNCS": nfuncs, "UE_FUNCS_LOG2": _log2_ceil(nfuncs), "UE_MAX_FPAGES": nfuncs + 1,
             "UE_MAX_EDGES": _pow2_at_least(max(MIN_EDGES_BUCKET, len(encoding.edges))),
             "UE_MAX_SITES": _pow2_at_least(max(MIN_EDGES_BUCKET, len(encoding.callsites))),
             "UE_ROW_REC": UE_ROW_REC, "UE_ENC_LOOPS": loops["enc"], "UE_HASH_LOOPS": loops["hash"]})

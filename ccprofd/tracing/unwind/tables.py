@@ -77,6 +77,37 @@ def pack_entries(starts: Sequence[int], rules: Sequence[int]) -> bytes:
     return rows.tobytes()
 
 
+#: smallest bucket of the page index (16 bytes: about one instruction group)
+MIN_PAGE_SHIFT = 4
+
+
+def page_index(starts: Sequence[int]) -> tuple[int, int, array]:
+    """The two-level index of one module's sorted row starts: ``(base, shift, bounds)`` where
+    bucket ``b`` covers ELF vaddrs ``[base + (b << shift), base + ((b + 1) << shift))`` and
+    ``bounds[b]`` is the number of rows starting at or before the bucket's first vaddr.  The row
+    of a vaddr ``v`` in bucket ``b`` is then the last row of ``bounds[b] <= count <= bounds[b + 1]``
+    (so BPF's binary search runs over a few rows, not the whole table: issue #18).  ``shift`` is
+    the smallest power of two of at least the module's mean row length, so the buckets (plus one
+    closing bound) never outnumber the rows by more than two."""
+    n = len(starts)
+    if n == 0:
+        return 0, MIN_PAGE_SHIFT, array("I")
+    span = starts[-1] - starts[0]
+    shift = MIN_PAGE_SHIFT
+    while (span >> shift) >= n:
+        shift += 1
+    base = starts[0] & ~((1 << shift) - 1)
+    nbuckets = ((starts[-1] - base) >> shift) + 1
+    bounds = array("I", bytes(4 * (nbuckets + 1)))
+    i = 0
+    for b in range(nbuckets + 1):
+        edge = base + (b << shift)
+        while i < n and starts[i] <= edge:
+            i += 1
+        bounds[b] = i
+    return base, shift, bounds
+
+
 def ue_row_struct(acyc_words: int) -> struct.Struct:
     """``struct ue_row``: mask[W], val[W] (u64), nrec, rec[UE_ROW_REC] (u32), padded to 8 bytes."""
     return struct.Struct(f"<{acyc_words}Q{acyc_words}QI{UE_ROW_REC}I4x")
@@ -213,8 +244,10 @@ class ModuleTables:
         self.next_module = 0
         self.module_keys: dict[int, LoadedModule] = {}
         self.vdso = VdsoImages(cache.directory / "vdso")
-        self._rules, self._entries, self._modules = (module.map(n) for n in ("uw_rules", "uw_entries",
-                                                                             "uw_modules"))
+        self._rules, self._entries, self._modules, self._pages = (
+            module.map(n) for n in ("uw_rules", "uw_entries", "uw_modules", "uw_pages"))
+        self.max_pages = max_entries + max_modules  # page_index: at most rows + 1 buckets per module
+        self.next_page = 0
 
     @staticmethod
     def identity(path: str) -> tuple[int, int, int, int] | None:
@@ -301,12 +334,26 @@ class ModuleTables:
         cfg = self.module.map("ue_config")
         cfg.set(0, len(enc.functions))
         cfg.set(1, enc.root_index)
+        # the functions' page index: ue_function's search over a bucket's few functions (issue #18)
+        base, shift, bounds = page_index([f[0] for f in enc.functions])
+        nb = len(bounds) - 1
+        if nb > 0:
+            pages = array("I", bytes(8 * nb))
+            pages[0::2] = bounds[:-1]
+            pages[1::2] = bounds[1:]
+            rawbpf.map_update_batch(self.module.map("ue_fpages").fd, array("I", range(nb)).tobytes(),
+                                    pages.tobytes(), nb, "ue_fpages")
+            cfg.set(2, base)
+            cfg.set(3, nb << 8 | shift)
 
     def upload_table(self, mod: LoadedModule, table: cfi.UnwindTable) -> None:
         n = len(table)
         if n == 0 or table.starts[-1] >= 1 << 32:
             return  # nothing to search, or vaddrs beyond 4 GiB: flagged no_table when hit
         if self.next_module >= self.max_modules or self.next_entry + n > self.max_entries:
+            return
+        base, shift, bounds = page_index(table.starts)
+        if self.next_page + len(bounds) - 1 > self.max_pages:
             return
         local_to_global: list[int] = []
         # Ids are handed out only once the whole table fits: a table that does not fit must not
@@ -329,12 +376,20 @@ class ModuleTables:
         rawbpf.map_update_batch(self._entries.fd, array("I", range(first, first + n)).tobytes(),
                                 pack_entries(table.starts, [local_to_global[r] for r in table.rule_ids]), n,
                                 "uw_entries")
+        pfirst, nb = self.next_page, len(bounds) - 1
+        pages = array("I", bytes(8 * nb))  # struct uw_page (lo, hi): bucket b's bounds b and b + 1
+        pages[0::2] = bounds[:-1]
+        pages[1::2] = bounds[1:]
+        rawbpf.map_update_batch(self._pages.fd, array("I", range(pfirst, pfirst + nb)).tobytes(),
+                                pages.tobytes(), nb, "uw_pages")
         mv = self._modules.leaf_type()
         mv.first, mv.count = first, n
+        mv.base, mv.shift, mv.pfirst, mv.pcount = base, shift, pfirst, nb
         self._modules.set(self.next_module, mv)
         mod.module_id, mod.rows = self.next_module, n
         self.next_module += 1
         self.next_entry += n
+        self.next_page += nb
 
     def close(self) -> None:
         self.vdso.close()

@@ -71,6 +71,11 @@
 #define UW_STAT_PROC_COPIED 9
 #define UW_STAT_MAPS_LOST 10  // a new-mapping event refused by the full ring (samples may then be flagged)
 #define UW_STAT_RESTOPPED 11  // a held process found running (a SIGCONT not ours) and stopped again
+// where the frame loop's time goes (bench/, issue #18): search steps (rule table, and the encoding
+// pass's function table), user stack copies and mapping searches, summed over the samples
+#define UW_STAT_LOOKUP_STEPS 12
+#define UW_STAT_STACK_COPIES 13
+#define UW_STAT_MAP_SEARCHES 14
 #define UW_NR_STATS 16
 
 #define UW_CFG_AGGREGATE 0
@@ -95,6 +100,10 @@ struct uw_entry {
 struct uw_module {
     u32 first;  // first row in uw_entries
     u32 count;  // rows
+    u32 base;   // page index (tables.py page_index): bucket b covers vaddrs base + [b, b + 1) << shift
+    u32 shift;
+    u32 pfirst; // bucket 0 in uw_pages
+    u32 pcount; // buckets; 0: no index, search every row
 };
 
 struct uw_mapping {
@@ -215,6 +224,23 @@ struct uw_sample {
     u64 pcs[UW_MAX_DEPTH];  // bit 63 (UW_EXACT_BIT): the pc is exact, not a return address
 };
 
+// a mapping as uw_state caches it (c_* fields): the second most recent one is kept in uw_state.alt,
+// since stacks alternate between two modules (an interpreter and libc) and each switch would
+// otherwise search the process's mappings again (issue #18)
+struct uw_cmap {
+    u64 start;
+    u64 end;
+    u64 bias;
+    u32 module;
+    u32 first;
+    u32 count;
+    u32 base;
+    u32 shift;
+    u32 pfirst;
+    u32 pcount;
+    u32 info;
+};
+
 struct uw_state {
     u64 pc;
     u64 sp;
@@ -230,6 +256,10 @@ struct uw_state {
     u32 c_first;
     u32 c_count;
     u32 mismatch;
+    u32 c_base;    // cached module's page index (struct uw_module)
+    u32 c_shift;
+    u32 c_pfirst;
+    u32 c_pcount;
     u64 arena_off; // COPY / COMPARE
     u64 r_lo;      // cached row: ELF vaddrs [r_lo, r_hi) of module c_module use rule r_id
     u64 r_hi;
@@ -237,6 +267,11 @@ struct uw_state {
     u32 r_module;
     u32 bs_lo;     // binary searches' bounds, kept in map memory (see uw_opaque)
     u32 bs_hi;
+    struct uw_cmap alt;  // the mapping cached before c_* (alt.end == 0: none)
+    u32 n_steps;   // this sample's rule-search steps, stack copies, mapping searches (uw_stats)
+    u32 n_copies;
+    u32 n_maps;
+    u32 n_pad;
 #ifdef UE_ENABLED
     struct ue_work w;
     u32 c_info;    // cached mapping's info
@@ -271,6 +306,13 @@ struct uw_maps_event {
 BPF_ARRAY(uw_rules, struct uw_rule, UW_MAX_RULES);
 BPF_ARRAY(uw_entries, struct uw_entry, UW_MAX_ENTRIES);
 BPF_ARRAY(uw_modules, struct uw_module, UW_MAX_MODULES);
+// per bucket: rows starting at or before its first vaddr, and at or before the next bucket's (one
+// lookup gives both bounds; an array's values take 8 bytes anyway)
+struct uw_page {
+    u32 lo;
+    u32 hi;
+};
+BPF_ARRAY(uw_pages, struct uw_page, UW_MAX_PAGES);
 BPF_HASH(uw_procs, u32, struct uw_proc, UW_MAX_PROCS);
 BPF_HASH(uw_parent, u32, u32, UW_MAX_PROCS);          // child pid -> parent tgid (fork)
 BPF_HASH(uw_pending, u32, u32, UW_MAX_PROCS);         // tgid -> exec mmap/mprotect seen
@@ -325,6 +367,7 @@ static __always_inline int uw_find_mapping(struct uw_state *st, u64 pc) {
     struct uw_proc *p = uw_procs.lookup(&tgid);
     if (!p)
         return -UW_WHY_NO_MAPS;
+    st->n_maps++;
     st->start_stack = p->start_stack;
     u32 lo = 0, hi = p->n;
     if (hi > UW_MAX_MAPS)
@@ -358,19 +401,74 @@ static __always_inline int uw_find_mapping(struct uw_state *st, u64 pc) {
 #endif
     st->c_first = 0;
     st->c_count = 0;
+    st->c_pcount = 0;
     if (st->c_module != UW_NO_MODULE) {
         u32 mid = st->c_module;
         struct uw_module *mod = uw_modules.lookup(&mid);
         if (mod) {
             st->c_first = mod->first;
             st->c_count = mod->count;
+            st->c_base = mod->base;
+            st->c_shift = mod->shift;
+            st->c_pfirst = mod->pfirst;
+            st->c_pcount = mod->pcount;
         }
     }
     return 0;
 }
 
+static __always_inline void uw_cmap_get(struct uw_state *st, struct uw_cmap *m) {
+    m->start = st->c_start;
+    m->end = st->c_end;
+    m->bias = st->c_bias;
+    m->module = st->c_module;
+    m->first = st->c_first;
+    m->count = st->c_count;
+    m->base = st->c_base;
+    m->shift = st->c_shift;
+    m->pfirst = st->c_pfirst;
+    m->pcount = st->c_pcount;
+#ifdef UE_ENABLED
+    m->info = st->c_info;
+#endif
+}
+
+static __always_inline void uw_cmap_put(struct uw_state *st, struct uw_cmap *m) {
+    st->c_start = m->start;
+    st->c_end = m->end;
+    st->c_bias = m->bias;
+    st->c_module = m->module;
+    st->c_first = m->first;
+    st->c_count = m->count;
+    st->c_base = m->base;
+    st->c_shift = m->shift;
+    st->c_pfirst = m->pfirst;
+    st->c_pcount = m->pcount;
+#ifdef UE_ENABLED
+    st->c_info = m->info;
+#endif
+}
+
+// Make the mapping holding pc the cached one: the previous one if it holds pc (the two swap),
+// else a search (the one it replaces becomes the previous one).
+static __always_inline int uw_switch_mapping(struct uw_state *st, u64 pc) {
+    struct uw_cmap cur = {};
+    uw_cmap_get(st, &cur);
+    if (pc >= st->alt.start && pc < st->alt.end) {
+        uw_cmap_put(st, &st->alt);
+        st->alt = cur;
+        return 0;
+    }
+    int err = uw_find_mapping(st, pc);
+    if (err == 0 && cur.end)
+        st->alt = cur;
+    return err;
+}
+
 // The rule for ELF vaddr v: the last row with vaddr <= v in the module's slice (the row found
-// last time is checked first: recursion repeats return addresses).
+// last time is checked first: recursion repeats return addresses).  The page index bounds the
+// search to the rows that can cover v's bucket: lo = rows at or before the bucket's start (all
+// <= v), hi = rows at or before the next bucket's start (every later row starts beyond v).
 static __always_inline struct uw_rule *uw_find_rule(struct uw_state *st, u64 v) {
     u32 lo = 0, hi = st->c_count;
     if (v >= 0x100000000ULL)
@@ -378,6 +476,25 @@ static __always_inline struct uw_rule *uw_find_rule(struct uw_state *st, u64 v) 
     if (st->r_module == st->c_module && v >= st->r_lo && v < st->r_hi) {
         u32 rid = st->r_id;
         return uw_rules.lookup(&rid);
+    }
+    if (st->c_pcount) {
+        if (v < st->c_base) {
+            hi = 0;
+        } else {
+            u64 b = (v - st->c_base) >> (st->c_shift & 31);
+            if (b >= st->c_pcount) {
+                lo = hi;  // past the last bucket: the last row
+            } else {
+                u32 pi = st->c_pfirst + (u32)b;
+                struct uw_page *pg = uw_pages.lookup(&pi);
+                if (!pg)
+                    return 0;
+                lo = pg->lo;
+                hi = pg->hi;
+                if (hi > st->c_count)
+                    hi = st->c_count;
+            }
+        }
     }
 #pragma unroll
     for (int i = 0; i < UW_ENTRIES_LOG2 + 1; i++) {
@@ -388,6 +505,7 @@ static __always_inline struct uw_rule *uw_find_rule(struct uw_state *st, u64 v) 
         struct uw_entry *e = uw_entries.lookup(&idx);
         if (!e)
             return 0;
+        st->n_steps++;
         if (e->vaddr <= (u32)v)
             lo = mid + 1;
         else
@@ -422,6 +540,7 @@ static __always_inline int uw_read(struct uw_state *st, u64 addr, u64 *out) {
         if (addr & 7)
             return bpf_probe_read_user(out, 8, (void *)addr);
         u64 page = addr & ~(u64)(UW_WIN_BYTES - 1);
+        st->n_copies++;
         if (bpf_probe_read_user(st->win, UW_WIN_BYTES, (void *)page) != 0) {
             st->win_base = 1;  // nothing cached (an odd base never matches an aligned addr)
             return bpf_probe_read_user(out, 8, (void *)addr);
@@ -450,7 +569,7 @@ static __always_inline long uw_unwind_step(struct uw_state *st) {
     uw_mix(st, pc);
 
     if (!(pc >= st->c_start && pc < st->c_end)) {
-        int err = uw_find_mapping(st, pc);
+        int err = uw_switch_mapping(st, pc);
         if (err < 0)
             return uw_finish(st, -err);
     }
@@ -549,7 +668,10 @@ static __always_inline long uw_unwind_step(struct uw_state *st) {
 BPF_ARRAY(ue_funcs, struct ue_func, UE_MAX_FUNCS);
 BPF_HASH(ue_edges, struct ue_edge_key, struct ue_row, UE_MAX_EDGES);
 BPF_HASH(ue_sites, u64, u64, UE_MAX_SITES);  // return-address vaddr -> call-instruction vaddr
-BPF_ARRAY(ue_config, u64, 4);                // [0] functions, [1] dense index of the virtual root
+// [0] functions, [1] dense index of the virtual root, [2] and [3] the functions' page index (as
+// uw_module's, tables.py page_index): base, and buckets << 8 | shift (0: none)
+BPF_ARRAY(ue_config, u64, 4);
+BPF_ARRAY(ue_fpages, struct uw_page, UE_MAX_FPAGES);
 
 // Word k of the context: the header, the used segments, the used recID words, the unanalysed frames.
 static __always_inline int ue_word(struct uw_state *st, u32 k, u64 *out) {
@@ -659,6 +781,27 @@ static __always_inline int ue_function(struct uw_state *st, u64 v, u32 *node, u3
     u32 lo = 0, hi = (u32)*nf;
     if (hi > UE_MAX_FUNCS)
         hi = UE_MAX_FUNCS;
+    u32 k2 = 2, k3 = 3;
+    u64 *pbase = ue_config.lookup(&k2);
+    u64 *pgeo = ue_config.lookup(&k3);
+    if (pbase && pgeo && (*pgeo >> 8)) {
+        if (v < *pbase) {
+            return -1;
+        } else {
+            u64 b = (v - *pbase) >> (*pgeo & 31);
+            if (b >= (*pgeo >> 8)) {
+                lo = hi;  // past the last bucket: the last function
+            } else {
+                u32 pi = (u32)b;
+                struct uw_page *pg = ue_fpages.lookup(&pi);
+                if (!pg)
+                    return -1;
+                lo = pg->lo;
+                if (pg->hi < hi)
+                    hi = pg->hi;
+            }
+        }
+    }
 #pragma unroll
     for (int i = 0; i < UE_FUNCS_LOG2 + 1; i++) {
         if (lo >= hi)
@@ -667,6 +810,7 @@ static __always_inline int ue_function(struct uw_state *st, u64 v, u32 *node, u3
         struct ue_func *f = ue_funcs.lookup(&mid);
         if (!f)
             return -1;
+        st->n_steps++;
         if (f->start <= (u32)v)
             lo = mid + 1;
         else
@@ -699,7 +843,7 @@ static __always_inline long ue_step(struct uw_state *st, u32 i) {
     u32 exact = raw >> 63;
     struct ue_rec *e = &st->s.e;
     if (!(pc >= st->c_start && pc < st->c_end)) {
-        if (uw_find_mapping(st, pc) < 0) {
+        if (uw_switch_mapping(st, pc) < 0) {
             st->c_start = 0;
             st->c_end = 0;
             st->c_bias = 0;
@@ -982,8 +1126,13 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
     st->op = UW_OP_UNWIND;
     st->c_start = 0;
     st->c_end = 0;
+    st->alt.start = 0;
+    st->alt.end = 0;
     st->r_module = UW_NO_MODULE;
     st->win_base = 1;
+    st->n_steps = 0;
+    st->n_copies = 0;
+    st->n_maps = 0;
     st->s.ktime_ns = bpf_ktime_get_ns();
     st->s.kind = UW_EV_SAMPLE;
     st->s.tgid = tgid;
@@ -997,12 +1146,18 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
     st->s.h2 = 0x13198A2E03707344ULL;
     st->s.arg_len = 0;
     if (regs) {  // a constant per program: CPU samples pass 0
-        bpf_probe_read_kernel(&st->s.sargs[0], 8, &regs->di);
-        bpf_probe_read_kernel(&st->s.sargs[1], 8, &regs->si);
-        bpf_probe_read_kernel(&st->s.sargs[2], 8, &regs->dx);
-        bpf_probe_read_kernel(&st->s.sargs[3], 8, &regs->r10);
-        bpf_probe_read_kernel(&st->s.sargs[4], 8, &regs->r8);
-        bpf_probe_read_kernel(&st->s.sargs[5], 8, &regs->r9);
+        // one read of pt_regs from r10 to di (they are adjacent) instead of six (issue #18)
+#define UW_REG(r) ((offsetof(struct pt_regs, r) - offsetof(struct pt_regs, r10)) / 8)
+        u64 rw[UW_REG(di) + 1];
+        if (bpf_probe_read_kernel(rw, sizeof(rw), &regs->r10) != 0)
+            __builtin_memset(rw, 0, sizeof(rw));
+        st->s.sargs[0] = rw[UW_REG(di)];
+        st->s.sargs[1] = rw[UW_REG(si)];
+        st->s.sargs[2] = rw[UW_REG(dx)];
+        st->s.sargs[3] = rw[UW_REG(r10)];
+        st->s.sargs[4] = rw[UW_REG(r8)];
+        st->s.sargs[5] = rw[UW_REG(r9)];
+#undef UW_REG
     } else {
         __builtin_memset(st->s.sargs, 0, sizeof(st->s.sargs));
     }
@@ -1044,6 +1199,9 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
     uw_stat(UW_STAT_FRAMES, st->s.n);
     if (st->s.fp_frames)
         uw_stat(UW_STAT_FP_FRAMES, st->s.fp_frames);
+    uw_stat(UW_STAT_LOOKUP_STEPS, st->n_steps);
+    uw_stat(UW_STAT_STACK_COPIES, st->n_copies);
+    uw_stat(UW_STAT_MAP_SEARCHES, st->n_maps);
     if (st->s.reason)
         uw_stat(UW_STAT_INCOMPLETE, 1);
     u32 k = UW_CFG_AGGREGATE;
