@@ -122,13 +122,18 @@ def replay(binary: Path, records: list[bytes], out_path: Path) -> dict[str, floa
     try:
         with open(out_path, "w", encoding="utf-8") as out:
             writer = JsonlWriter(out)
+            batched = hasattr(writer, "samples")
             t0 = time.perf_counter()
             for i in range(0, len(records), RECORDS_PER_POLL):
                 for raw in records[i:i + RECORDS_PER_POLL]:
                     sampler.deliver(raw)
-                for s in mode.poll(0):
-                    writer.sample(s)
-                    written += 1
+                batch = mode.poll(0)
+                if batched:
+                    writer.samples(batch)
+                else:  # a version before JsonlWriter.samples()
+                    for s in batch:
+                        writer.sample(s)
+                written += len(batch)
                 writer.flush()
             seconds = time.perf_counter() - t0
     finally:

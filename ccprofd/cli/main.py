@@ -116,6 +116,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise UsageError(f"cannot write {args.output}: {exc.strerror}") from None
     writer = writer_for(args.format, out, timestamps=args.timestamps)
+    if args.format == "jsonl":
+        from ccprofd.export.jsonl import COMPILED, COMPILED_MISSING_NOTE
+
+        if not COMPILED:
+            print(COMPILED_MISSING_NOTE, file=sys.stderr)
     from ccprofd.kbpf.rawmodule import close_tracepoints_in_background
 
     close_tracepoints_in_background()  # we exit right after detaching: do not wait for RCU
