@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 from bpf_helpers import pt_loads
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from programs.build import build
 
 from ccprofd.callgraph import analyze_binary
@@ -301,3 +303,86 @@ def test_tail_exit_frames_only_where_the_call_graph_has_one_chain(tmp_path: Path
     # An indirect jump in tail_plt: it may leave the binary some other way.
     jumpers.add(tail_plt)
     assert chain(call, "getppid") == []
+
+
+# ------------------------------------------------------------ the compiled hit loop (chits.c)
+def _hits_mode(raw: list[Any], offset: int) -> Any:
+    """An UnwindMode (not prepared) whose next poll receives ``raw``."""
+    from ccprofd.tracing.api import TraceOptions
+    from ccprofd.tracing.unwind.mode import UnwindMode
+
+    mode = UnwindMode("/bin/true", TraceOptions())
+    mode._clock_offset = offset
+    mode._receive = lambda _timeout: list(raw)  # type: ignore[method-assign]
+    return mode
+
+
+def test_the_compiled_hit_loop_is_built() -> None:
+    from conftest import skip_or_fail
+
+    from ccprofd.tracing.unwind import mode
+
+    if mode.chits is None:
+        skip_or_fail("ccprofd/tracing/unwind/chits.c is not built (bash scripts/build_ext.sh)")
+
+
+HIT_WORDS = st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1),
+                      st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.sampled_from([-1, 0, 1, 39, 59, 231, 999, 2**31 - 1]),
+                          st.integers(0, 2**64 - 1), st.integers(1, 2**32 - 2), HIT_WORDS), max_size=40),
+       st.integers(-2**62, 2**62), st.booleans())
+def test_compiled_hit_loop_makes_the_python_loops_samples(hits: list[Any], offset: int,
+                                                          fresh_info: bool) -> None:
+    """A poll of hit headers through chits.c and through ModeBase's Python loop (the reference)
+    gives equal TraceSamples and the same tallies: contexts complete, incomplete and unknown (lost),
+    CPU samples, syscalls with 0..6 argument words and unknown ones, numbers not yet in
+    SYSCALL_INFO, a negative clock offset."""
+    from ccprofd.tracing import base
+    from ccprofd.tracing.frames import Decoded, Frame
+    from ccprofd.tracing.unwind import mode as mode_module
+
+    if mode_module.chits is None:
+        pytest.skip("chits.c not built (test_the_compiled_hit_loop_is_built says so)")
+    contexts = {(1, 1): Decoded([Frame("main", "/bin/x", None, True, 0x10, 0x15)], True),
+                (2, 2): Decoded([Frame("f", "/bin/x", None, True, 0x20, None)], False, "depth: too deep"),
+                (3, 3): Decoded([], False, "decode error: x")}  # key (0, 0): never learnt (lost)
+    fmt = "<QIIIiIIIIQQII6Q"
+    raw = [struct.unpack(fmt, struct.pack(fmt, t, 18, tgid, tgid + 1, nr, 0, 0, 0, 0, k, k, 0, 0, *words))
+           for k, nr, t, tgid, words in hits]
+    results = []
+    for compiled in (True, False):
+        if fresh_info:
+            base.SYSCALL_INFO.clear()
+        mode = _hits_mode(raw, offset)
+        for key, d in contexts.items():
+            mode._kernel.learn(key, None, d)
+        with pytest.MonkeyPatch.context() as mp:
+            if not compiled:
+                mp.setattr(mode_module, "chits", None)
+            else:
+                assert mode._hits_only(list(raw)) is not None
+            out = mode.poll(0)
+        results.append((out, mode.samples_seen, mode.incomplete, mode.reasons, mode.records,
+                        mode._kernel.lost))
+    assert results[0] == results[1]
+    assert all(s.frames is contexts[(1, 1)].json_frames() for s in results[0][0] if s.complete)  # shared
+
+
+def test_compiled_hit_loop_leaves_a_mixed_batch_to_python() -> None:
+    """A batch with any record that is not a hit header (a new context, a plain sample) is not the
+    compiled loop's: it returns None and the Python loop decodes new contexts first, as always."""
+    from ccprofd.tracing.unwind import mode as mode_module
+
+    if mode_module.chits is None:
+        pytest.skip("chits.c not built (test_the_compiled_hit_loop_is_built says so)")
+    hdr = struct.unpack("<QIIIiIIIIQQII6Q", struct.pack("<QIIIiIIIIQQII6Q", 5, 18, 2, 3, 39, 0, 0, 0, 0, 7, 8,
+                                                        0, 0, *range(6)))
+    whole = UnwoundSample.decode(struct.pack("<QIIIiIIIIQQII6Q", 5, 18, 2, 3, 39, 0, 0, 0, 0, 7, 8, 0, 0,
+                                             *range(6)))
+    mode = _hits_mode([], 0)
+    assert mode._hits_only([hdr, whole]) is None
+    assert mode._hits_only([hdr, hdr[:5]]) is None
+    assert mode._hits_only([]) == ([], 0, 0, [])
