@@ -386,3 +386,81 @@ def test_compiled_hit_loop_leaves_a_mixed_batch_to_python() -> None:
     assert mode._hits_only([hdr, whole]) is None
     assert mode._hits_only([hdr, hdr[:5]]) is None
     assert mode._hits_only([]) == ([], 0, 0, [])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_compiled_record_decoder_makes_the_python_decoders_objects(data: st.DataObject) -> None:
+    """chits.decode_record against UnwoundSample.decode (the reference) on random whole records of
+    random layouts: the same objects field for field (and type: bools stay bools), or None where the
+    Python decoder is to do it (hits, unknown reasons, multi-word recIDs, short records)."""
+    from ccprofd.tracing.unwind import sampler as sampler_module
+    from ccprofd.tracing.unwind.constants import EV_HIT, EV_SAMPLE, REASONS
+
+    chits = sampler_module.chits
+    if chits is None:
+        pytest.skip("chits.c not built (test_the_compiled_hit_loop_is_built says so)")
+    u32, u64 = st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1)
+    small = st.integers(0, 3)
+    layout = RecordLayout(data.draw(st.integers(1, 3)), data.draw(small), data.draw(small), data.draw(small))
+    n = data.draw(st.integers(0, 6))
+    reason = data.draw(st.sampled_from([*REASONS, 999]))
+    arg = data.draw(st.binary(max_size=12))
+    hdr = struct.pack("<QIIIiIIIIQQII6Q", data.draw(u64), data.draw(st.sampled_from([EV_SAMPLE, EV_HIT])),
+                      data.draw(u32), data.draw(u32), data.draw(st.integers(-2**31, 2**31 - 1)), n, reason,
+                      data.draw(u32), data.draw(u32), data.draw(u64), data.draw(u64),
+                      data.draw(st.sampled_from([0, len(arg), ARG_LEN, ARG_LEN + 1])), 0,
+                      *[data.draw(u64) for _ in range(6)])
+    w = layout.acyc_words
+    rec = struct.pack("<IIIIQII", data.draw(u32), data.draw(u32), data.draw(st.integers(0, 64 * 3)),
+                      data.draw(st.integers(0, 5)), data.draw(u64), data.draw(st.integers(0, 5)),
+                      data.draw(u32))
+    rec += struct.pack(f"<{w}Q", *[data.draw(u64) for _ in range(w)])
+    for _ in range(layout.max_segs):
+        rec += struct.pack(f"<{w}Q", *[data.draw(u64) for _ in range(w)])
+        rec += struct.pack("<IIIIqQ", data.draw(u32), data.draw(u32), data.draw(u32), 0,
+                           data.draw(st.integers(-2**63, 2**63 - 1)), data.draw(u64))
+    rec += struct.pack(f"<{layout.rec_words}Q", *[data.draw(u64) for _ in range(layout.rec_words)])
+    rec += struct.pack(f"<{2 * layout.max_unan}Q", *[data.draw(u64) for _ in range(2 * layout.max_unan)])
+    assert len(rec) == layout.size
+    pcs = struct.pack(f"<{n}Q", *[data.draw(u64) for _ in range(n)])
+    raw = hdr + (arg + bytes(ARG_LEN))[:ARG_LEN] + rec + pcs
+    raw = raw[:data.draw(st.sampled_from([len(raw), len(raw), len(raw) - 1, 200]))]
+    got = chits.decode_record(raw, EV_HIT, ARG_LEN, (layout.acyc_words, layout.max_segs, layout.rec_words,
+                                                     layout.max_unan), REASONS)
+    try:
+        want = UnwoundSample.decode(raw, layout)
+    except struct.error:
+        assert got is None
+        return
+    if got is not None:
+        assert got == want and repr(got) == repr(want)
+    else:  # declined: only for what the Python decoder is to do
+        assert (want.flags & FLAG_HIT or want.reason not in REASONS.values() or want.encoded is None
+                or ((want.encoded.rec_len + 63) // 64 > 1 and layout.rec_words > 1))
+
+
+def test_compiled_record_decoder_decodes_the_hand_laid_record() -> None:
+    """test_record_decoding_by_hand's record with a one-word recID: the compiled decoder takes it
+    (not None) and gives the Python decoder's objects, with the exact bits split off as there."""
+    from ccprofd.tracing.unwind import sampler as sampler_module
+    from ccprofd.tracing.unwind.constants import EV_HIT, REASONS
+
+    if sampler_module.chits is None:
+        pytest.skip("chits.c not built (test_the_compiled_hit_loop_is_built says so)")
+    layout = RecordLayout(acyc_words=2, max_segs=2, rec_words=2, max_unan=2)
+    exact = 1 << 63
+    hdr = struct.pack("<QIIIiIIIIQQII6Q", 9, 16, 4, 5, 39, 3, 0, 0, 0x10, 1, 2, 5, 0, *range(6))
+    ue = struct.pack("<IIIIQII", 3, 0x20, 40, 2, 0x1234, 1, 2) + struct.pack("<2Q", 0xAA, 0xBB)
+    ue += struct.pack("<2Q", 1, 2) + struct.pack("<IIIIqQ", 4, 7, 8, 0, -1, 0x99)
+    ue += struct.pack("<2Q", 3, 4) + struct.pack("<IIIIqQ", 6, 9, 10, 0, 0x500, 0)
+    ue += struct.pack("<2Q", 0xFFFF_F0F0_F0F0, 0xFFC1)
+    ue += struct.pack("<2Q", (7 << 32) | 1, exact | 0x7000) + struct.pack("<2Q", 0, 0)
+    path = b"/a\xff\0zz"
+    pcs = struct.pack("<3Q", exact | 0x401000, 0x401234, 0x402000)
+    raw = hdr + (path + bytes(ARG_LEN))[:ARG_LEN] + ue + pcs
+    got = sampler_module.chits.decode_record(raw, EV_HIT, ARG_LEN, (2, 2, 2, 2), REASONS)
+    want = UnwoundSample.decode(raw, layout)
+    assert got is not None and got == want and repr(got) == repr(want)
+    assert got.encoded.rec == 0xF0F0_F0F0 & ((1 << 40) - 1) | 0xFF_0000_0000  # cut to its 40 bits
+    assert got.arg == "/a\udcff" and got.exact == (True, False, False) and got.sargs == tuple(range(6))

@@ -18,6 +18,8 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
+#include <stdint.h>
+#include <string.h>
 
 enum { F_TIME, F_PID, F_TID, F_EVENT, F_SYSCALL, F_COMPLETE, F_FRAMES, F_ARGS, F_RAW, F_RETURNED, F_RET, NFIELDS };
 /* HitHeader indices (sampler.py: HIT_*) */
@@ -196,8 +198,225 @@ error:
     return NULL;
 }
 
+
+/* ------------------------------------------------------------------ new-context records
+ * decode_record(raw, ev_hit, arg_len_max, (acyc_words, max_segs, rec_words, max_unan), reasons)
+ *   -> UnwoundSample | None: UnwoundSample.decode(raw, layout) for a whole record (not a hit), the
+ *   same objects field for field; None for anything else (a hit, a record shorter than its layout,
+ *   a reason not in ``reasons``, a recID over more than one word): the Python decode does those
+ *   (and raises struct.error for a short record, which the sampler counts as malformed).
+ * prepare_records(UnwoundSample, EncodedRecord, EncodedSegment, UnanalysedFrame, names of each). */
+enum { R_SAMPLE, R_RECORD, R_SEGMENT, R_UNAN, NCLASSES };
+static const int nfields_of[NCLASSES] = {13, 9, 6, 4};
+static PyTypeObject *rec_types[NCLASSES];
+static Py_ssize_t rec_offsets[NCLASSES][13];
+#define EXACT (1ULL << 63)
+#define HDR 112 /* struct uw_sample up to its path argument (sampler.py: _SAMPLE_HDR) */
+
+static PyObject *prepare_records(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 2 * NCLASSES) {
+        PyErr_SetString(PyExc_TypeError, "prepare_records(4 classes, then 4 tuples of field names)");
+        return NULL;
+    }
+    for (int c = 0; c < NCLASSES; c++) {
+        PyObject *names = args[NCLASSES + c];
+        if (!PyType_Check(args[c]) || !PyTuple_Check(names) || PyTuple_GET_SIZE(names) != nfields_of[c]) {
+            PyErr_SetString(PyExc_TypeError, "prepare_records: a class or its field names do not fit");
+            return NULL;
+        }
+        for (int i = 0; i < nfields_of[c]; i++) {
+            PyObject *d = PyObject_GetAttr(args[c], PyTuple_GET_ITEM(names, i));
+            if (!d)
+                return NULL;
+            int ok = Py_IS_TYPE(d, &PyMemberDescr_Type) && ((PyMemberDescrObject *)d)->d_member->type == T_OBJECT_EX;
+            if (ok)
+                rec_offsets[c][i] = ((PyMemberDescrObject *)d)->d_member->offset;
+            Py_DECREF(d);
+            if (!ok) {
+                PyErr_SetString(PyExc_TypeError, "prepare_records: a field is not an object slot");
+                return NULL;
+            }
+        }
+    }
+    for (int c = 0; c < NCLASSES; c++)
+        Py_XSETREF(rec_types[c], (PyTypeObject *)Py_NewRef(args[c]));
+    Py_RETURN_NONE;
+}
+
+/* An instance of class c with its fields set from vals (references stolen; all must be non-NULL). */
+static PyObject *make(int c, PyObject **vals)
+{
+    PyObject *o = NULL;
+    for (int i = 0; i < nfields_of[c]; i++)
+        if (!vals[i])
+            goto fail;
+    o = rec_types[c]->tp_alloc(rec_types[c], 0);
+    if (!o)
+        goto fail;
+    for (int i = 0; i < nfields_of[c]; i++)
+        *(PyObject **)((char *)o + rec_offsets[c][i]) = vals[i];
+    return o;
+fail:
+    for (int i = 0; i < nfields_of[c]; i++)
+        Py_XDECREF(vals[i]);
+    return NULL;
+}
+
+static inline uint32_t u32at(const unsigned char *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static inline uint64_t u64at(const unsigned char *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+
+static PyObject *words_tuple(const unsigned char *p, Py_ssize_t n)
+{
+    PyObject *t = PyTuple_New(n);
+    if (!t)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *v = PyLong_FromUnsignedLongLong(u64at(p + 8 * i));
+        if (!v) {
+            Py_DECREF(t);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(t, i, v);
+    }
+    return t;
+}
+
+static PyObject *decode_record(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    (void)self;
+    if (nargs != 5 || !PyBytes_Check(args[0]) || !PyTuple_Check(args[3]) || PyTuple_GET_SIZE(args[3]) != 4 ||
+        !PyDict_Check(args[4])) {
+        PyErr_SetString(PyExc_TypeError, "decode_record(raw, ev_hit, arg_len, layout, reasons)");
+        return NULL;
+    }
+    if (!rec_types[0]) {
+        PyErr_SetString(PyExc_RuntimeError, "decode_record: prepare_records() first");
+        return NULL;
+    }
+    const unsigned char *b = (const unsigned char *)PyBytes_AS_STRING(args[0]);
+    Py_ssize_t len = PyBytes_GET_SIZE(args[0]);
+    long ev_hit = PyLong_AsLong(args[1]);
+    Py_ssize_t arg_max = PyLong_AsSsize_t(args[2]);
+    Py_ssize_t w = PyLong_AsSsize_t(PyTuple_GET_ITEM(args[3], 0)), max_segs = PyLong_AsSsize_t(PyTuple_GET_ITEM(args[3], 1)),
+               rec_words = PyLong_AsSsize_t(PyTuple_GET_ITEM(args[3], 2)),
+               max_unan = PyLong_AsSsize_t(PyTuple_GET_ITEM(args[3], 3));
+    if (PyErr_Occurred())
+        return NULL;
+    if (len < HDR || w < 1 || max_segs < 0 || rec_words < 0 || max_unan < 0 || arg_max < 0)
+        Py_RETURN_NONE;
+    uint32_t kind = u32at(b + 8), n = u32at(b + 24), reason = u32at(b + 28), arg_len = u32at(b + 56);
+    int32_t nr;
+    memcpy(&nr, b + 20, 4);
+    if ((long)kind == ev_hit)
+        Py_RETURN_NONE;
+    Py_ssize_t hdr_words = 4 + w, seg_words = w + 4;
+    Py_ssize_t layout_size = 8 * (hdr_words + max_segs * seg_words + rec_words + 2 * max_unan);
+    Py_ssize_t off = HDR + arg_max, pcs_off = off + layout_size;
+    if (pcs_off + 8 * (Py_ssize_t)n > len)
+        Py_RETURN_NONE; /* short: Python raises struct.error */
+    const unsigned char *r = b + off;
+    uint32_t rnode = u32at(r), rflags = u32at(r + 4), rec_len = u32at(r + 8), nsegs = u32at(r + 12);
+    uint64_t inner = u64at(r + 16);
+    uint32_t nunan = u32at(r + 24), nframes = u32at(r + 28);
+    Py_ssize_t rec_n = ((Py_ssize_t)rec_len + 63) / 64;
+    if (rec_n > rec_words)
+        rec_n = rec_words;
+    if (rec_n > 1)
+        Py_RETURN_NONE; /* a recID over several words: Python's big-int assembly */
+
+    PyObject *why;
+    if (reason == 0) {
+        why = Py_NewRef(Py_None);
+    } else {
+        PyObject *k = PyLong_FromUnsignedLong(reason);
+        if (!k)
+            return NULL;
+        why = PyDict_GetItemWithError(args[4], k);
+        Py_DECREF(k);
+        if (!why) {
+            if (PyErr_Occurred())
+                return NULL;
+            Py_RETURN_NONE; /* Python names it reason_N */
+        }
+        Py_INCREF(why);
+    }
+    PyObject *arg;
+    if (arg_len > 0 && arg_len <= (uint64_t)arg_max) {
+        Py_ssize_t avail = len - HDR < (Py_ssize_t)arg_len ? len - HDR : (Py_ssize_t)arg_len;
+        const unsigned char *z = memchr(b + HDR, 0, (size_t)avail);
+        arg = PyUnicode_DecodeUTF8((const char *)b + HDR, z ? z - (b + HDR) : avail, "surrogateescape");
+    } else {
+        arg = Py_NewRef(Py_None);
+    }
+    /* the encoded context (RecordLayout.parse) */
+    PyObject *segs = PyTuple_New(nsegs < (uint64_t)max_segs ? nsegs : max_segs);
+    Py_ssize_t base = off + 8 * hdr_words, seg_bytes = 8 * seg_words;
+    for (Py_ssize_t i = 0; segs && i < PyTuple_GET_SIZE(segs); i++) {
+        const unsigned char *p = b + base + seg_bytes * i, *q = p + 8 * w;
+        int64_t site;
+        memcpy(&site, q + 16, 8);
+        PyObject *v[6] = {words_tuple(p, w), PyLong_FromUnsignedLong(u32at(q)), PyLong_FromUnsignedLong(u32at(q + 4)),
+                          PyLong_FromUnsignedLong(u32at(q + 8)), PyLong_FromLongLong(site),
+                          PyLong_FromUnsignedLongLong(u64at(q + 24))};
+        PyObject *s = make(R_SEGMENT, v);
+        if (!s) {
+            Py_CLEAR(segs);
+            break;
+        }
+        PyTuple_SET_ITEM(segs, i, s);
+    }
+    Py_ssize_t rbase = base + seg_bytes * max_segs, ubase = rbase + 8 * rec_words;
+    uint64_t rec = 0;
+    if (rec_n == 1) {
+        rec = u64at(b + rbase);
+        if (rec_len < 64)
+            rec &= (1ULL << rec_len) - 1;
+    }
+    Py_ssize_t nu = nunan ? (nunan < (uint64_t)max_unan ? nunan : max_unan) : 0;
+    PyObject *unan = PyTuple_New(nu);
+    for (Py_ssize_t i = 0; unan && i < nu; i++) {
+        uint64_t a = u64at(b + ubase + 16 * i), v = u64at(b + ubase + 16 * i + 8);
+        PyObject *vals[4] = {PyLong_FromUnsignedLongLong(a & 0xFFFFFFFFULL), PyLong_FromUnsignedLongLong((a >> 32) & 0xFFFF),
+                             PyLong_FromUnsignedLongLong(v & ~EXACT), PyBool_FromLong((v & EXACT) != 0)};
+        PyObject *u = make(R_UNAN, vals);
+        if (!u) {
+            Py_CLEAR(unan);
+            break;
+        }
+        PyTuple_SET_ITEM(unan, i, u);
+    }
+    PyObject *rv[9] = {PyLong_FromUnsignedLong(rnode), PyLong_FromUnsignedLong(rflags), PyLong_FromUnsignedLongLong(inner),
+                       PyLong_FromUnsignedLong(nframes), words_tuple(r + 32, w), PyLong_FromUnsignedLongLong(rec),
+                       PyLong_FromUnsignedLong(rec_len), segs, unan};
+    PyObject *enc = make(R_RECORD, rv);
+    /* the pcs, innermost first, their exact bit apart */
+    PyObject *pcs = PyTuple_New(n), *exact = PyTuple_New(n);
+    for (Py_ssize_t i = 0; pcs && exact && i < (Py_ssize_t)n; i++) {
+        uint64_t v = u64at(b + pcs_off + 8 * i);
+        PyObject *pc = PyLong_FromUnsignedLongLong(v & ~EXACT);
+        if (!pc) {
+            Py_CLEAR(pcs);
+            break;
+        }
+        PyTuple_SET_ITEM(pcs, i, pc);
+        PyTuple_SET_ITEM(exact, i, PyBool_FromLong((v & EXACT) != 0));
+    }
+    PyObject *regs = nr < 0 ? Py_NewRef(Py_None) : words_tuple(b + 64, 6);
+    PyObject *key = Py_BuildValue("(KK)", (unsigned long long)u64at(b + 40), (unsigned long long)u64at(b + 48));
+    PyObject *sv[13] = {PyLong_FromUnsignedLongLong(u64at(b)), PyLong_FromUnsignedLong(u32at(b + 12)),
+                        PyLong_FromUnsignedLong(u32at(b + 16)), nr < 0 ? Py_NewRef(Py_None) : PyLong_FromLong(nr),
+                        pcs, why, PyLong_FromUnsignedLong(u32at(b + 32)), PyLong_FromUnsignedLong(u32at(b + 36)),
+                        key, exact, enc, arg, regs};
+    return make(R_SAMPLE, sv);
+}
+
 static PyMethodDef methods[] = {
     {"prepare", (PyCFunction)(void (*)(void))prepare, METH_FASTCALL, "prepare(TraceSample, field names)"},
+    {"prepare_records", (PyCFunction)(void (*)(void))prepare_records, METH_FASTCALL, "prepare_records(classes, names)"},
+    {"decode_record", (PyCFunction)(void (*)(void))decode_record, METH_FASTCALL,
+     "decode_record(raw, ev_hit, arg_len, layout, reasons): UnwoundSample.decode of a whole record, or None"},
     {"hit_samples", (PyCFunction)(void (*)(void))hit_samples, METH_FASTCALL,
      "hit_samples(raw, contexts, info, info_fn, offset, lost_decoded): a batch of hit headers as TraceSamples"},
     {NULL, NULL, 0, NULL},
