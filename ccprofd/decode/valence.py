@@ -18,7 +18,7 @@ from ccprofd.encode.segments import Edge, EncodedState
 try:
     if os.environ.get("CCPROFD_PURE_PYTHON"):
         raise ImportError("CCPROFD_PURE_PYTHON is set")
-    from ccprofd.decode import cvalence  # type: ignore[attr-defined, unused-ignore]
+    import ccprofd.decode.cvalence as cvalence  # type: ignore[import-not-found, unused-ignore]
 except ImportError:
     cvalence = None
 

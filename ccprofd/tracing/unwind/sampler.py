@@ -315,6 +315,16 @@ except ImportError:
     chits = None
 
 
+def decode_record(raw: bytes, layout: RecordLayout | None) -> UnwoundSample:
+    """:meth:`UnwoundSample.decode`, compiled when chits.c is built and takes the record."""
+    if chits is not None and layout is not None:
+        words = (layout.acyc_words, layout.max_segs, layout.rec_words, layout.max_unan)
+        got: UnwoundSample | None = chits.decode_record(raw, EV_HIT, ARG_LEN, words, REASONS)
+        if got is not None:
+            return got
+    return UnwoundSample.decode(raw, layout)
+
+
 def _log2_ceil(n: int) -> int:
     return max(1, (n - 1).bit_length())
 
@@ -527,13 +537,7 @@ class UnwindSampler:
             self.processes.stale.add(_KIND.unpack_from(raw, 12)[0])
             return
         try:
-            sample = None
-            lay = self.layout
-            if chits is not None and lay is not None:  # compiled, None when it declines
-                words = (lay.acyc_words, lay.max_segs, lay.rec_words, lay.max_unan)
-                sample = chits.decode_record(raw, EV_HIT, ARG_LEN, words, REASONS)
-            if sample is None:
-                sample = UnwoundSample.decode(raw, self.layout)
+            sample = decode_record(raw, self.layout)
         except struct.error:  # shorter than its kind says: counted (stats "malformed"), never decoded
             self.malformed += 1
             return
