@@ -249,3 +249,31 @@ def test_compiled_formatter_takes_the_common_line_itself(monkeypatch) -> None:
     w.flush()
     assert calls == batch[:1]
     assert w.out.getvalue() == reference_jsonl(batch)  # type: ignore[attr-defined]
+
+
+def test_trace_says_when_the_compiled_helpers_are_missing(tmp_path) -> None:
+    """Without the compiled helpers (CCPROFD_PURE_PYTHON=1 stands for a checkout where set-up did
+    not build them) `ccprofd trace --format jsonl` still writes the same samples and notes on stderr
+    which helpers are missing; with them built, no note."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import require_bpf
+
+    require_bpf()
+    require_compiled()
+    lines = []
+    for pure in (True, False):
+        env = {k: v for k, v in os.environ.items() if k != "CCPROFD_PURE_PYTHON"}
+        if pure:
+            env["CCPROFD_PURE_PYTHON"] = "1"
+        out = tmp_path / f"{pure}.jsonl"
+        proc = subprocess.run([sys.executable, "-m", "ccprofd.cli", "trace", "--syscalls", "exit_group",
+                               "--format", "jsonl", "-o", str(out), "--", "/bin/true"],
+                              env=env, capture_output=True, text=True, check=False)
+        assert proc.returncode == 0, proc.stderr
+        noted = "compiled helpers not built (export/cjsonl.c, decode/cvalence.c, tracing/unwind/chits.c)"
+        assert (noted in proc.stderr) == pure, proc.stderr
+        lines.append([json.loads(line)["syscall"] for line in out.read_text().splitlines()])
+    assert lines[0] == lines[1] == ["exit_group"]

@@ -34,9 +34,9 @@ except ImportError:
     cjsonl = None
 #: Whether JsonlWriter.samples() runs compiled (``ccprofd trace`` notes it on stderr when not).
 COMPILED = cjsonl is not None
-COMPILED_MISSING_NOTE = ("ccprofd: note: the compiled JSONL formatter (ccprofd/export/cjsonl.c) is not "
-                         "built; using the pure-Python one (same output, about half the samples a second): "
-                         "run scripts/build_ext.sh (scripts/setup.sh does)")
+COMPILED_MISSING_NOTE = ("ccprofd: note: compiled helpers not built ({}); using their pure-Python code "
+                         "(same output, fewer samples a second): run scripts/build_ext.sh "
+                         "(scripts/setup.sh does)")
 
 FORMATS = ("text", "jsonl")
 
