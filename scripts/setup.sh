@@ -28,8 +28,9 @@ fi
 # prometheus: its promtool checks the /metrics exposition in tests/test_export_metrics.py
 # golang-go: `go tool pprof` reads the daemon's pprof endpoints in tests/test_export_pprof.py
 # man-db, groff-base: `man ccprofd` (and the man-page test); bash-completion: loads the completions
+# python3-dev: Python.h, for ccprofd's compiled helpers (scripts/build_ext.sh)
 APT_PACKAGES=(python3-bpfcc linux-headers-amd64 bpftool gcc g++ make binutils strace gdb file
-              python3 python3-venv systemd prometheus libc6-dbg golang-go man-db groff-base
+              python3 python3-venv python3-dev systemd prometheus libc6-dbg golang-go man-db groff-base
               bash-completion)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
@@ -100,6 +101,9 @@ if [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$HASH" ]; then
 fi
 .venv/bin/python -c 'import bcc' || { say "import bcc failed inside .venv"; exit 1; }
 if [ -f scripts/gen_proto.sh ]; then bash scripts/gen_proto.sh; fi
+# The compiled helpers (the JSONL formatter of `ccprofd trace`): without them ccprofd runs its
+# pure-Python code, slower, and says so; CI (CI=true) fails its tests instead.
+bash scripts/build_ext.sh .venv/bin/python || say "warning: building the compiled helpers failed (ccprofd falls back to pure Python)"
 
 # CCPROFD_SKIP_LINKS=1 leaves /usr/local/bin alone (a second checkout beside an installed one).
 if [ "${CCPROFD_SKIP_LINKS:-0}" != 1 ]; then

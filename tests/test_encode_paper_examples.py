@@ -11,6 +11,7 @@ high end of [p.level, n.level)), not taken from program output.
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import pytest
@@ -229,3 +230,37 @@ def test_every_acyclic_id_decodes_to_the_path_that_encodes_it_or_is_refused() ->
             assert path[0] == ROOT_A and path[-1][1] == NODE[node] and enc.state().acyc == (value,)
             decoded += 1
         assert decoded == paths(node), node
+
+
+def test_compiled_acyclic_decode_agrees_with_the_python_loop(monkeypatch) -> None:
+    """decode/cvalence.c against valence.py's loop (the reference) on every acycID below 2^8 (and
+    ids past 64 bits, which the C loop leaves to Python) at every node of Figures 1 and 3: the same
+    path, or the same DecodeError message."""
+    from conftest import skip_or_fail
+
+    from ccprofd.decode import valence
+
+    if valence.cvalence is None:
+        skip_or_fail("ccprofd/decode/cvalence.c is not built (bash scripts/build_ext.sh)")
+    compiled = valence.cvalence
+    calls = []
+
+    def counted(*args: object) -> object:
+        got = compiled.acyclic(*args)
+        calls.append(got is not None)
+        return got
+
+    for edges in (FIG1_EDGES, FIG3_EDGES):
+        plan = build_plan(paper_graph(edges), "valence")
+        nodes = {u for u, _, _ in edges} | {v for _, v, _ in edges}
+        for name in sorted(nodes):
+            for value in [*range(1 << 8), 1 << 64, (1 << 70) | 5, 2**64 - 1]:
+                got = []
+                for c in (types.SimpleNamespace(acyclic=counted), None):
+                    monkeypatch.setattr(valence, "cvalence", c)
+                    try:
+                        got.append(decoder_for(plan).decode(EncodedState(acyc=(value,)), NODE[name]))
+                    except DecodeError as exc:
+                        got.append(f"DecodeError: {exc}")
+                assert got[0] == got[1], (name, value)
+    assert any(calls) and not all(calls)  # the compiled loop decoded some, left others to Python

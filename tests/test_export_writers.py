@@ -8,6 +8,8 @@ from __future__ import annotations
 import io
 import json
 
+import pytest
+from conftest import skip_or_fail
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -156,3 +158,122 @@ def test_cache_follows_list_identity_not_address(monkeypatch) -> None:
     assert [json.loads(line) for line in out.getvalue().splitlines()] == samples
     assert len(w._tails) <= 4
 
+
+
+# ------------------------------------------------------------------ the compiled formatter (cjsonl.c)
+def require_compiled() -> None:
+    """The compiled path must be tested wherever set-up ran: skipped on a bare checkout, a failure
+    under CI=true (scripts/setup.sh builds it with scripts/build_ext.sh)."""
+    if jsonl.cjsonl is None:
+        skip_or_fail("ccprofd/export/cjsonl.c is not built (bash scripts/build_ext.sh)")
+
+
+def test_the_compiled_formatter_is_built() -> None:
+    require_compiled()
+    assert jsonl.COMPILED
+
+
+INT = st.one_of(st.integers(0, 2**64 - 1), st.integers(-2**70, 2**70), st.booleans())
+
+
+def _adversarial(data: st.DataObject, contexts: list[list[dict]]) -> TraceSample:
+    """Samples that take every branch of the compiled helper: ints past 64 bits or negative, bools
+    where ints go, a list of argument words, path arguments (ASCII or not), returns, 'cpu' events."""
+    frames = contexts[data.draw(st.integers(0, len(contexts) - 1))]
+    event = data.draw(st.sampled_from(["syscall", "cpu"]))
+    s = TraceSample(data.draw(INT), data.draw(INT), data.draw(INT), event,
+                    data.draw(st.sampled_from(["write", "getppid"])) if event == "syscall" else None,
+                    data.draw(st.booleans()), frames,
+                    data.draw(st.one_of(st.none(), st.just({}),
+                                        st.fixed_dictionaries({"path": st.text(max_size=4)}))))
+    if data.draw(st.booleans()):
+        words = data.draw(st.lists(INT, max_size=6))
+        s.raw_args = tuple(words) if data.draw(st.booleans()) else words  # type: ignore[assignment]
+    if data.draw(st.integers(0, 3)) == 0:
+        s.returned = data.draw(st.booleans())
+        s.ret = data.draw(st.integers(-4200, 2**63)) if s.returned else None
+    return s
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(FRAME, max_size=3), min_size=1, max_size=3), st.data())
+def test_compiled_and_python_batches_write_the_same_bytes(contexts: list[list[dict]],
+                                                          data: st.DataObject) -> None:
+    """JsonlWriter.samples() compiled, the same without the helper, and one sample() at a time all
+    write the same bytes (the reference serialisation's, for ints), with records in between and
+    the tail cache overflowing."""
+    require_compiled()
+    batches = [[_adversarial(data, contexts) for _ in range(data.draw(st.integers(0, 8)))]
+               for _ in range(data.draw(st.integers(1, 4)))]
+    want = []
+    for b in batches:
+        want += [json.dumps(s.to_json(), separators=(",", ":")) + "\n" for s in b]
+        want.append('{"event":"lost","samples":1}\n')
+    compiled = jsonl.cjsonl
+    outputs = []
+    for how in ("compiled", "python", "one by one"):
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(jsonl, "FRAME_CACHE_ENTRIES", data.draw(st.sampled_from([1, 2, 4096])))
+            mp.setattr(jsonl, "cjsonl", compiled if how == "compiled" else None)
+            out = io.StringIO()
+            w = JsonlWriter(out)
+            for b in batches:
+                if how == "one by one":
+                    for s in b:
+                        w.sample(s)
+                else:
+                    w.samples(b)
+                w.record({"event": "lost", "samples": 1})
+                w.flush()
+            outputs.append(out.getvalue())
+    assert outputs[0] == outputs[1] == outputs[2]
+    bools = any(isinstance(v, bool) for b in batches for s in b
+                for v in (s.time_ns, s.pid, s.tid, *(s.raw_args or ())))
+    if not bools:  # a bool where an int goes prints as Python does, not as JSON: the same both ways
+        assert outputs[0] == "".join(want)
+
+
+def test_compiled_formatter_takes_the_common_line_itself(monkeypatch) -> None:
+    """The helper formats a cached context's plain line without calling back into Python (else it
+    would be no faster): only each context's first sample goes the long way."""
+    require_compiled()
+    frames = [{"function": "main", "module": "/b", "build_id": None, "analysed": True,
+               "call_site": "0x10", "return_address": "0x15"}]
+    w = JsonlWriter(io.StringIO())
+    calls = []
+    slow = w._line
+    monkeypatch.setattr(w, "_line", lambda s: calls.append(s) or slow(s))
+    batch = [TraceSample(i, 5, 6, "syscall", "getppid", True, frames, None, (i, 2**64 - 1))
+             for i in range(100)]
+    w.samples(batch)
+    w.flush()
+    assert calls == batch[:1]
+    assert w.out.getvalue() == reference_jsonl(batch)  # type: ignore[attr-defined]
+
+
+def test_trace_says_when_the_compiled_helpers_are_missing(tmp_path) -> None:
+    """Without the compiled helpers (CCPROFD_PURE_PYTHON=1 stands for a checkout where set-up did
+    not build them) `ccprofd trace --format jsonl` still writes the same samples and notes on stderr
+    which helpers are missing; with them built, no note."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import require_bpf
+
+    require_bpf()
+    require_compiled()
+    lines = []
+    for pure in (True, False):
+        env = {k: v for k, v in os.environ.items() if k != "CCPROFD_PURE_PYTHON"}
+        if pure:
+            env["CCPROFD_PURE_PYTHON"] = "1"
+        out = tmp_path / f"{pure}.jsonl"
+        proc = subprocess.run([sys.executable, "-m", "ccprofd.cli", "trace", "--syscalls", "exit_group",
+                               "--format", "jsonl", "-o", str(out), "--", "/bin/true"],
+                              env=env, capture_output=True, text=True, check=False)
+        assert proc.returncode == 0, proc.stderr
+        noted = "compiled helpers not built (export/cjsonl.c, decode/cvalence.c, tracing/unwind/chits.c)"
+        assert (noted in proc.stderr) == pure, proc.stderr
+        lines.append([json.loads(line)["syscall"] for line in out.read_text().splitlines()])
+    assert lines[0] == lines[1] == ["exit_group"]

@@ -12,6 +12,8 @@ from typing import Any
 
 import pytest
 from bpf_helpers import pt_loads
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from programs.build import build
 
 from ccprofd.callgraph import analyze_binary
@@ -337,3 +339,163 @@ def test_page_index_bounds_the_row_of_every_vaddr() -> None:
                 lo, hi = bounds[b], bounds[b + 1]
             assert lo <= want <= hi, (trial, v)
             assert want == lo + bisect_right(starts[lo:hi], v)
+
+# ------------------------------------------------------------ the compiled hit loop (chits.c)
+def _hits_mode(raw: list[Any], offset: int) -> Any:
+    """An UnwindMode (not prepared) whose next poll receives ``raw``."""
+    from ccprofd.tracing.api import TraceOptions
+    from ccprofd.tracing.unwind.mode import UnwindMode
+
+    mode = UnwindMode("/bin/true", TraceOptions())
+    mode._clock_offset = offset
+    mode._receive = lambda _timeout: list(raw)  # type: ignore[method-assign]
+    return mode
+
+
+def test_the_compiled_hit_loop_is_built() -> None:
+    from conftest import skip_or_fail
+
+    from ccprofd.tracing.unwind import mode
+
+    if mode.chits is None:
+        skip_or_fail("ccprofd/tracing/unwind/chits.c is not built (bash scripts/build_ext.sh)")
+
+
+HIT_WORDS = st.tuples(st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1),
+                      st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1), st.integers(0, 2**64 - 1))
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 3), st.sampled_from([-1, 0, 1, 39, 59, 231, 999, 2**31 - 1]),
+                          st.integers(0, 2**64 - 1), st.integers(1, 2**32 - 2), HIT_WORDS), max_size=40),
+       st.integers(-2**62, 2**62), st.booleans())
+def test_compiled_hit_loop_makes_the_python_loops_samples(hits: list[Any], offset: int,
+                                                          fresh_info: bool) -> None:
+    """A poll of hit headers through chits.c and through ModeBase's Python loop (the reference)
+    gives equal TraceSamples and the same tallies: contexts complete, incomplete and unknown (lost),
+    CPU samples, syscalls with 0..6 argument words and unknown ones, numbers not yet in
+    SYSCALL_INFO, a negative clock offset."""
+    from ccprofd.tracing import base
+    from ccprofd.tracing.frames import Decoded, Frame
+    from ccprofd.tracing.unwind import mode as mode_module
+
+    if mode_module.chits is None:
+        pytest.skip("chits.c not built (test_the_compiled_hit_loop_is_built says so)")
+    contexts = {(1, 1): Decoded([Frame("main", "/bin/x", None, True, 0x10, 0x15)], True),
+                (2, 2): Decoded([Frame("f", "/bin/x", None, True, 0x20, None)], False, "depth: too deep"),
+                (3, 3): Decoded([], False, "decode error: x")}  # key (0, 0): never learnt (lost)
+    fmt = "<QIIIiIIIIQQII6Q"
+    raw = [struct.unpack(fmt, struct.pack(fmt, t, 18, tgid, tgid + 1, nr, 0, 0, 0, 0, k, k, 0, 0, *words))
+           for k, nr, t, tgid, words in hits]
+    results = []
+    for compiled in (True, False):
+        if fresh_info:
+            base.SYSCALL_INFO.clear()
+        mode = _hits_mode(raw, offset)
+        for key, d in contexts.items():
+            mode._kernel.learn(key, None, d)
+        with pytest.MonkeyPatch.context() as mp:
+            if not compiled:
+                mp.setattr(mode_module, "chits", None)
+            else:
+                assert mode._hits_only(list(raw)) is not None
+            out = mode.poll(0)
+        results.append((out, mode.samples_seen, mode.incomplete, mode.reasons, mode.records,
+                        mode._kernel.lost))
+    assert results[0] == results[1]
+    assert all(s.frames is contexts[(1, 1)].json_frames() for s in results[0][0] if s.complete)  # shared
+
+
+def test_compiled_hit_loop_leaves_a_mixed_batch_to_python() -> None:
+    """A batch with any record that is not a hit header (a new context, a plain sample) is not the
+    compiled loop's: it returns None and the Python loop decodes new contexts first, as always."""
+    from ccprofd.tracing.unwind import mode as mode_module
+
+    if mode_module.chits is None:
+        pytest.skip("chits.c not built (test_the_compiled_hit_loop_is_built says so)")
+    hdr = struct.unpack("<QIIIiIIIIQQII6Q", struct.pack("<QIIIiIIIIQQII6Q", 5, 18, 2, 3, 39, 0, 0, 0, 0, 7, 8,
+                                                        0, 0, *range(6)))
+    whole = UnwoundSample.decode(struct.pack("<QIIIiIIIIQQII6Q", 5, 18, 2, 3, 39, 0, 0, 0, 0, 7, 8, 0, 0,
+                                             *range(6)))
+    mode = _hits_mode([], 0)
+    assert mode._hits_only([hdr, whole]) is None
+    assert mode._hits_only([hdr, hdr[:5]]) is None
+    assert mode._hits_only([]) == ([], 0, 0, [])
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_compiled_record_decoder_makes_the_python_decoders_objects(data: st.DataObject) -> None:
+    """chits.decode_record against UnwoundSample.decode (the reference) on random whole records of
+    random layouts: the same objects field for field (and type: bools stay bools), or None where the
+    Python decoder is to do it (hits, unknown reasons, multi-word recIDs, short records)."""
+    from ccprofd.tracing.unwind import sampler as sampler_module
+    from ccprofd.tracing.unwind.constants import EV_HIT, EV_SAMPLE, REASONS
+
+    chits = sampler_module.chits
+    if chits is None:
+        pytest.skip("chits.c not built (test_the_compiled_hit_loop_is_built says so)")
+    u32, u64 = st.integers(0, 2**32 - 1), st.integers(0, 2**64 - 1)
+    small = st.integers(0, 3)
+    layout = RecordLayout(data.draw(st.integers(1, 3)), data.draw(small), data.draw(small), data.draw(small))
+    n = data.draw(st.integers(0, 6))
+    reason = data.draw(st.sampled_from([*REASONS, 999]))
+    arg = data.draw(st.binary(max_size=12))
+    hdr = struct.pack("<QIIIiIIIIQQII6Q", data.draw(u64), data.draw(st.sampled_from([EV_SAMPLE, EV_HIT])),
+                      data.draw(u32), data.draw(u32), data.draw(st.integers(-2**31, 2**31 - 1)), n, reason,
+                      data.draw(u32), data.draw(u32), data.draw(u64), data.draw(u64),
+                      data.draw(st.sampled_from([0, len(arg), ARG_LEN, ARG_LEN + 1])), 0,
+                      *[data.draw(u64) for _ in range(6)])
+    w = layout.acyc_words
+    rec = struct.pack("<IIIIQII", data.draw(u32), data.draw(u32), data.draw(st.integers(0, 64 * 3)),
+                      data.draw(st.integers(0, 5)), data.draw(u64), data.draw(st.integers(0, 5)),
+                      data.draw(u32))
+    rec += struct.pack(f"<{w}Q", *[data.draw(u64) for _ in range(w)])
+    for _ in range(layout.max_segs):
+        rec += struct.pack(f"<{w}Q", *[data.draw(u64) for _ in range(w)])
+        rec += struct.pack("<IIIIqQ", data.draw(u32), data.draw(u32), data.draw(u32), 0,
+                           data.draw(st.integers(-2**63, 2**63 - 1)), data.draw(u64))
+    rec += struct.pack(f"<{layout.rec_words}Q", *[data.draw(u64) for _ in range(layout.rec_words)])
+    rec += struct.pack(f"<{2 * layout.max_unan}Q", *[data.draw(u64) for _ in range(2 * layout.max_unan)])
+    assert len(rec) == layout.size
+    pcs = struct.pack(f"<{n}Q", *[data.draw(u64) for _ in range(n)])
+    raw = hdr + (arg + bytes(ARG_LEN))[:ARG_LEN] + rec + pcs
+    raw = raw[:data.draw(st.sampled_from([len(raw), len(raw), len(raw) - 1, 200]))]
+    got = chits.decode_record(raw, EV_HIT, ARG_LEN, (layout.acyc_words, layout.max_segs, layout.rec_words,
+                                                     layout.max_unan), REASONS)
+    try:
+        want = UnwoundSample.decode(raw, layout)
+    except struct.error:
+        assert got is None
+        return
+    if got is not None:
+        assert got == want and repr(got) == repr(want)
+    else:  # declined: only for what the Python decoder is to do
+        assert (want.flags & FLAG_HIT or want.reason not in REASONS.values() or want.encoded is None
+                or ((want.encoded.rec_len + 63) // 64 > 1 and layout.rec_words > 1))
+
+
+def test_compiled_record_decoder_decodes_the_hand_laid_record() -> None:
+    """test_record_decoding_by_hand's record with a one-word recID: the compiled decoder takes it
+    (not None) and gives the Python decoder's objects, with the exact bits split off as there."""
+    from ccprofd.tracing.unwind import sampler as sampler_module
+    from ccprofd.tracing.unwind.constants import EV_HIT, REASONS
+
+    if sampler_module.chits is None:
+        pytest.skip("chits.c not built (test_the_compiled_hit_loop_is_built says so)")
+    layout = RecordLayout(acyc_words=2, max_segs=2, rec_words=2, max_unan=2)
+    exact = 1 << 63
+    hdr = struct.pack("<QIIIiIIIIQQII6Q", 9, 16, 4, 5, 39, 3, 0, 0, 0x10, 1, 2, 5, 0, *range(6))
+    ue = struct.pack("<IIIIQII", 3, 0x20, 40, 2, 0x1234, 1, 2) + struct.pack("<2Q", 0xAA, 0xBB)
+    ue += struct.pack("<2Q", 1, 2) + struct.pack("<IIIIqQ", 4, 7, 8, 0, -1, 0x99)
+    ue += struct.pack("<2Q", 3, 4) + struct.pack("<IIIIqQ", 6, 9, 10, 0, 0x500, 0)
+    ue += struct.pack("<2Q", 0xFFFF_F0F0_F0F0, 0xFFC1)
+    ue += struct.pack("<2Q", (7 << 32) | 1, exact | 0x7000) + struct.pack("<2Q", 0, 0)
+    path = b"/a\xff\0zz"
+    pcs = struct.pack("<3Q", exact | 0x401000, 0x401234, 0x402000)
+    raw = hdr + (path + bytes(ARG_LEN))[:ARG_LEN] + ue + pcs
+    got = sampler_module.chits.decode_record(raw, EV_HIT, ARG_LEN, (2, 2, 2, 2), REASONS)
+    want = UnwoundSample.decode(raw, layout)
+    assert got is not None and got == want and repr(got) == repr(want)
+    assert got.encoded.rec == 0xF0F0_F0F0 & ((1 << 40) - 1) | 0xFF_0000_0000  # cut to its 40 bits
+    assert got.arg == "/a\udcff" and got.exact == (True, False, False) and got.sargs == tuple(range(6))

@@ -146,6 +146,10 @@ def _run_session(session: Any, write: Callable[[dict[str, Any]], None]) -> int:
         def sample(self, s: Any) -> None:
             write(s.to_json())
 
+        def samples(self, batch: list[Any]) -> None:
+            for s in batch:
+                write(s.to_json())
+
         def record(self, r: dict[str, Any]) -> None:
             pass
 

@@ -116,6 +116,18 @@ def cmd_trace(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise UsageError(f"cannot write {args.output}: {exc.strerror}") from None
     writer = writer_for(args.format, out, timestamps=args.timestamps)
+    if args.format == "jsonl":  # the hot path the compiled helpers are for (scripts/build_ext.sh)
+        from ccprofd.decode import valence
+        from ccprofd.export import jsonl
+
+        helpers = [("export/cjsonl.c", jsonl.cjsonl), ("decode/cvalence.c", valence.cvalence)]
+        if mode == "unwind":  # its sampler's module is loaded for the trace anyway
+            from ccprofd.tracing.unwind import sampler
+
+            helpers.append(("tracing/unwind/chits.c", sampler.chits))
+        missing = [name for name, mod in helpers if mod is None]
+        if missing:
+            print(jsonl.COMPILED_MISSING_NOTE.format(", ".join(missing)), file=sys.stderr)
     from ccprofd.kbpf.rawmodule import close_tracepoints_in_background
 
     close_tracepoints_in_background()  # we exit right after detaching: do not wait for RCU

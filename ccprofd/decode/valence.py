@@ -3,6 +3,7 @@ Algorithm 2 for the acyclic steps, each step O(1) through the per-component ``cc
 
 from __future__ import annotations
 
+import os
 from collections.abc import Mapping
 from functools import cached_property
 from typing import Any
@@ -10,6 +11,16 @@ from typing import Any
 from ccprofd.decode.common import BaseDecoder, DecodeError, check_heights
 from ccprofd.encode.bits import mask, words_to_int
 from ccprofd.encode.segments import Edge, EncodedState
+
+# The compiled acyclic loop (cvalence.c, built by scripts/build_ext.sh at set-up): the same steps in
+# 64-bit words; whatever it cannot decode exactly it leaves to _acyclic's Python loop (the
+# reference, which raises the errors).  CCPROFD_PURE_PYTHON=1 leaves it out.
+try:
+    if os.environ.get("CCPROFD_PURE_PYTHON"):
+        raise ImportError("CCPROFD_PURE_PYTHON is set")
+    import ccprofd.decode.cvalence as cvalence  # type: ignore[import-not-found, unused-ignore]
+except ImportError:
+    cvalence = None
 
 # per component: (level, lvLow, lvMask, groups) with groups[lvCode] = (parent level, edge-code mask,
 # edge ids by edge code)
@@ -110,6 +121,11 @@ class ValenceDecoder(BaseDecoder):
     def _acyclic(self, m: int, acyc: int, out: list[Edge]) -> list[Edge]:
         """The main loop of :meth:`_decode` once nothing but acyclic steps remain (no segment left,
         recID empty): the same steps and checks, without the segment and recID tests."""
+        if cvalence is not None:
+            got: list[Edge] | None = cvalence.acyclic(m, acyc, out, self.node_table, self.callee, self.caller,
+                                                      self.edge, self.root)
+            if got is not None:
+                return got
         callee, caller, edge = self.callee, self.caller, self.edge
         table = self.node_table
         root = self.root

@@ -285,6 +285,16 @@ class ModeBase(ABC, Generic[Record, Key]):
         Written for speed: a repeated context costs a key lookup and one TraceSample."""
         raw = self._receive(timeout_ms)
         self._received = len(raw)
+        fast = None if in_kernel else self._hits_only(raw)
+        if fast is not None:  # a batch of hits only (a flood of repeated contexts), compiled
+            made, seen, lost, incomplete = fast
+            self._kernel.lost += lost
+            for d in incomplete:
+                self._count(False, d.reason, 1)
+            self.samples_seen += seen
+            self.records += len(made)
+            self._after_poll()
+            return made, [True] * len(made)
         kinds = self._kinds(raw)
         fresh: dict[int, Decoded] = {}  # by id(record): the records are held in ``raw``
         key = self._key
@@ -329,6 +339,12 @@ class ModeBase(ABC, Generic[Record, Key]):
         self.records += len(out)
         self._after_poll()
         return out, counted
+
+    def _hits_only(self, raw: list[Record]) -> tuple[list[TraceSample], int, int, list[Decoded]] | None:
+        """What :meth:`_poll_decoded` makes of ``raw`` when every record is a hit and the mode has a
+        compiled loop for that: (samples, complete ones, hits of unknown contexts, the Decoded of
+        each incomplete sample); None: the Python loop (the reference) does it."""
+        return None
 
     def poll_counted(self, timeout_ms: int) -> tuple[list[tuple[TraceSample, bool]],
                                                      list[tuple[TraceSample, int]]]:

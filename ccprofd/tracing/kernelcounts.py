@@ -32,6 +32,12 @@ class KernelCounts(Generic[Key]):
         the mode's decode result, for hits and statistics).  The first one sent stands."""
         self._contexts.setdefault(key, (context, decoded))
 
+    @property
+    def by_key(self) -> Mapping[Key, tuple[Any, Any]]:
+        """Every known ``key: (context, decoded)`` (read it, never change it): what the compiled
+        hit loop (tracing/unwind/chits.c) looks keys up in; it counts unknown keys into ``lost``."""
+        return self._contexts
+
     def known(self, key: Key) -> tuple[Any, Any] | None:
         return self._contexts.get(key)
 

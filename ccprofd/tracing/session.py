@@ -293,6 +293,7 @@ class Writer(Protocol):
     """Where :func:`run` puts its output (ccprofd/export/jsonl.py's writers are ones)."""
 
     def sample(self, s: TraceSample) -> None: ...
+    def samples(self, batch: list[TraceSample]) -> None: ...
     def record(self, r: dict[str, Any]) -> None: ...
     def flush(self) -> None: ...
 
@@ -350,14 +351,12 @@ def run(session: Session, writer: Writer, *, launched: bool, duration: float | N
                                                  lambda _s, _f: on_signal(signal.SIGTERM, None))
         signal.setitimer(signal.ITIMER_REAL, max(duration, 0.001))
     drops = DropTally(session.mode)
-    write = writer.sample
     try:
         try:
             for r in drops.records():  # e.g. threads of -p PID left without state at attach
                 writer.record(r)
             for batch in session.batches():
-                for s in batch:
-                    write(s)
+                writer.samples(batch)
                 for r in drops.records():
                     writer.record(r)
                 writer.flush()

@@ -298,6 +298,36 @@ class RecordLayout:
 _REC_HDR = struct.Struct("<IIIIQII")  # struct ue_rec's header
 _SEG_TAIL = struct.Struct("<IIIIqQ")  # a segment after its saved acycID words
 
+# The compiled record decoder (chits.c, built by scripts/build_ext.sh at set-up): UnwoundSample.decode
+# of a whole record into the same objects, or None for what it leaves to Python (hits, short records,
+# unknown reasons, multi-word recIDs).  CCPROFD_PURE_PYTHON=1 leaves it out.
+try:
+    if os.environ.get("CCPROFD_PURE_PYTHON"):
+        raise ImportError("CCPROFD_PURE_PYTHON is set")
+    from ccprofd.tracing.unwind import chits  # type: ignore[attr-defined, unused-ignore]
+
+    if _SAMPLE_HDR.size != 112:
+        raise ImportError("chits.c reads another sample header than sampler.py's")  # rebuild it
+    chits.prepare_records(
+        UnwoundSample, EncodedRecord, EncodedSegment, UnanalysedFrame,
+        ("time_ns", "tgid", "tid", "syscall", "pcs", "reason", "fp_frames", "flags", "key", "exact",
+         "encoded", "arg", "sargs"),
+        ("node", "flags", "inner", "nframes", "acyc", "rec", "rec_len", "segments", "unanalysed"),
+        ("saved", "rec_height", "callee", "caller", "site", "ret"),
+        ("after", "module_key", "vaddr", "exact"))
+except ImportError:
+    chits = None
+
+
+def decode_record(raw: bytes, layout: RecordLayout | None) -> UnwoundSample:
+    """:meth:`UnwoundSample.decode`, compiled when chits.c is built and takes the record."""
+    if chits is not None and layout is not None:
+        words = (layout.acyc_words, layout.max_segs, layout.rec_words, layout.max_unan)
+        got: UnwoundSample | None = chits.decode_record(raw, EV_HIT, ARG_LEN, words, REASONS)
+        if got is not None:
+            return got
+    return UnwoundSample.decode(raw, layout)
+
 
 def _log2_ceil(n: int) -> int:
     return max(1, (n - 1).bit_length())
@@ -511,7 +541,7 @@ class UnwindSampler:
             self.processes.stale.add(_KIND.unpack_from(raw, 12)[0])
             return
         try:
-            sample = UnwoundSample.decode(raw, self.layout)
+            sample = decode_record(raw, self.layout)
         except struct.error:  # shorter than its kind says: counted (stats "malformed"), never decoded
             self.malformed += 1
             return
