@@ -102,7 +102,7 @@ def _sweep_all(image: ElfImage, table: FunctionTable, md: Cs, plt: PltResolver,
         for i, start in enumerate(todo):
             end = table.by_start[start].end
             part = SweepResult([], [], 0)
-            sweep(md, image.bytes_at(start, end - start), start, part)
+            sweep(md, image.bytes_at(start, end - start), start, part, local_jumps=False)
             done[start] = (end, part)
             if progress is not None and i % 2000 == 0:
                 progress("disassembling", i, len(todo))
