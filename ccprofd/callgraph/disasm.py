@@ -51,8 +51,8 @@ def make_disassembler() -> Cs:
 
 # capstone's cs_insn array is read straight from its memory: decoding every instruction's mnemonic and
 # operand text into Python strings (what ``disasm_lite`` does) was most of the analysis time, and only
-# calls, jumps, ``lea``, ``mov`` and ``push`` are looked at.  Their instruction ids, read for every
-# record with one strided slice, pick the few records whose text is decoded.
+# calls, jumps, ``lea``, ``mov`` and ``push`` are looked at.  Their instruction ids and first bytes,
+# read for all records at once with strided slices, pick the few records whose text is decoded.
 _INSN = ctypes.sizeof(_cs_insn)
 _MNEM = _cs_insn.mnemonic.offset
 _OPS = _cs_insn.op_str.offset
@@ -82,8 +82,42 @@ def _looked_at_ids() -> tuple[frozenset[int], frozenset[int], frozenset[int], fr
 
 #: First bytes of a ``mov`` between a register and a register or memory (88-8B, after at most one REX
 #: prefix): its operand text never ends in an immediate, so it is not decoded.
-_MOV_RM = bytes(range(0x88, 0x8C))
-_REX = bytes(range(0x40, 0x50))
+_MOV_RM = bytes(0xFF if 0x88 <= b <= 0x8B else 0 for b in range(256))
+_REX = bytes(0xFF if 0x40 <= b <= 0x4F else 0 for b in range(256))
+_BRANCH, _MOVE, _OTHER = 1, 2, 4  # record classes
+_LOOKED_AT = re.compile(rb"[^\x00]")
+assert X86_INS_ENDING < 1 << 16  # an id's two low bytes are the whole id
+
+
+@cache
+def _class_tables() -> list[tuple[bytes, bytes]]:
+    """Per value of an id's high byte: (low byte -> class, high byte -> 0xFF if it is that value)."""
+    branch, _jcc, moves, other = _looked_at_ids()
+    out = []
+    for hi in sorted({i >> 8 for i in branch | moves | other}):
+        classes = bytearray(256)
+        for lo in range(256):
+            i = hi << 8 | lo
+            classes[lo] = _BRANCH if i in branch else _MOVE if i in moves else _OTHER if i in other else 0
+        out.append((bytes(classes), bytes(0xFF if b == hi else 0 for b in range(256))))
+    return out
+
+
+def _classes(buf: bytes, n: int) -> bytes:
+    """Each record's class (0: not looked at), computed for all records at once: one byte per record
+    from strided slices, combined as big integers (bitwise AND/OR run in C over the whole function)."""
+    lo = buf[0::_INSN]
+    hi = buf[1::_INSN]
+    mask = 0
+    for classes, is_hi in _class_tables():
+        mask |= (int.from_bytes(lo.translate(classes), "little")
+                 & int.from_bytes(hi.translate(is_hi), "little"))
+    b0 = buf[_BYTES::_INSN]
+    b1 = buf[_BYTES + 1::_INSN]
+    reg_mov = int.from_bytes(b0.translate(_MOV_RM), "little") | (
+        int.from_bytes(b0.translate(_REX), "little") & int.from_bytes(b1.translate(_MOV_RM), "little"))
+    mask &= ~(reg_mov & int.from_bytes(bytes((_MOVE,)) * n, "little"))
+    return mask.to_bytes(n, "little")
 
 
 def _raw_insns(md: Cs, code: bytes, base: int) -> tuple[bytes, int]:
@@ -108,100 +142,94 @@ def sweep(md: Cs, code: bytes, base: int, result: SweepResult, *, local_jumps: b
     one function, those say nothing about the call graph (most of a function's branches are such).
     """
     branches = result.branches
-    refs: list[tuple[int, int]] = []  # (instruction index, address), put in instruction order below
+    refs = result.code_refs
     buf, n = _raw_insns(md, code, base)
     if not n:
         return
     result.instructions += n
-    branch_ids, jcc_ids, move_ids, other_ids = _looked_at_ids()
-    ids = memoryview(buf).cast("I")[::_INSN // 4].tolist()
+    jcc_ids = _looked_at_ids()[1]
+    cls = _classes(buf, n)
     unpack = _ADDR_SIZE.unpack_from
     find = buf.index
     end = base + len(code)
     first = buf[_MNEM::_INSN]  # each mnemonic's first letter
     b0 = buf[_BYTES::_INSN]  # each instruction's first two bytes
     b1 = buf[_BYTES + 1::_INSN]
-    for i in [i for i, x in enumerate(ids) if x in branch_ids]:
-        x = ids[i]
+    for hit in _LOOKED_AT.finditer(cls):
+        i = hit.start()
         rec = i * _INSN
-        if x in (X86_INS_CALL, X86_INS_JMP):
-            if first[i] not in b"jcbn":  # a prefix capstone spells out other than bnd/notrack
-                continue
-            is_call = x == X86_INS_CALL
-            is_jmp = not is_call
-        elif x in jcc_ids:
-            if first[i] != 0x6A:  # "j"
-                continue
-            is_call = is_jmp = False
-        else:  # lcall, ljmp, syscall, vmcall...: what the mnemonic says, as in sweep_lite
-            m0 = rec + _MNEM
-            mnem = buf[m0:find(b"\0", m0)].decode("ascii")
-            c0 = mnem[0]
-            is_call = mnem.endswith("call")
-            is_jmp = mnem.endswith("jmp")
-            if c0 not in "jcbn" or not (is_call or is_jmp or c0 == "j"):
-                continue
-        addr, size = unpack(buf, rec + 8)
-        if not local_jumps and not is_call:
-            # rel8/rel32 jumps without prefixes: the target from the bytes, the text not decoded
-            op = b0[i]
-            if size == 2 and (0x70 <= op <= 0x7F or op == 0xEB):
-                if base <= addr + 2 + ((b1[i] ^ 0x80) - 0x80) < end:
+        c = cls[i]
+        if c == _BRANCH:
+            x = buf[rec] | buf[rec + 1] << 8
+            if x in (X86_INS_CALL, X86_INS_JMP):
+                if first[i] not in b"jcbn":  # a prefix capstone spells out other than bnd/notrack
                     continue
-            elif (size == 5 and op == 0xE9) or (size == 6 and op == 0x0F and 0x80 <= b1[i] <= 0x8F):
-                rel = int.from_bytes(buf[rec + _BYTES + size - 4:rec + _BYTES + size], "little", signed=True)
-                if base <= addr + size + rel < end:
+                is_call = x == X86_INS_CALL
+                is_jmp = not is_call
+            elif x in jcc_ids:
+                if first[i] != 0x6A:  # "j"
                     continue
-        o0 = rec + _OPS
-        ops = buf[o0:find(b"\0", o0)].decode("ascii")
-        off = addr - base
-        if _IMM.match(ops):
-            target = int(ops, 0)
-            if not local_jumps and not is_call and base <= target < end:
-                continue
-            branches.append(Branch(addr, size, code[off:off + size], is_call, not (is_call or is_jmp),
-                                   target, ops))
-        else:
-            branches.append(Branch(addr, size, code[off:off + size], is_call, False, None, ops))
-    for i in [i for i, x in enumerate(ids) if x in move_ids]:
-        if b0[i] in _MOV_RM or (b0[i] in _REX and b1[i] in _MOV_RM):
+                is_call = is_jmp = False
+            else:  # lcall, ljmp, syscall, vmcall...: what the mnemonic says, as in sweep_lite
+                m0 = rec + _MNEM
+                mnem = buf[m0:find(b"\0", m0)].decode("ascii")
+                c0 = mnem[0]
+                is_call = mnem.endswith("call")
+                is_jmp = mnem.endswith("jmp")
+                if c0 not in "jcbn" or not (is_call or is_jmp or c0 == "j"):
+                    continue
+            addr, size = unpack(buf, rec + 8)
+            if not local_jumps and not is_call:
+                # rel8/rel32 jumps without prefixes: the target from the bytes, the text not decoded
+                op = b0[i]
+                if size == 2 and (0x70 <= op <= 0x7F or op == 0xEB):
+                    if base <= addr + 2 + ((b1[i] ^ 0x80) - 0x80) < end:
+                        continue
+                elif (size == 5 and op == 0xE9) or (size == 6 and op == 0x0F and 0x80 <= b1[i] <= 0x8F):
+                    rel = int.from_bytes(buf[rec + _BYTES + size - 4:rec + _BYTES + size], "little",
+                                         signed=True)
+                    if base <= addr + size + rel < end:
+                        continue
+            o0 = rec + _OPS
+            ops = buf[o0:find(b"\0", o0)].decode("ascii")
+            off = addr - base
+            if _IMM.match(ops):
+                target = int(ops, 0)
+                if not local_jumps and not is_call and base <= target < end:
+                    continue
+                branches.append(Branch(addr, size, code[off:off + size], is_call, not (is_call or is_jmp),
+                                       target, ops))
+            else:
+                branches.append(Branch(addr, size, code[off:off + size], is_call, False, None, ops))
             continue
-        rec = i * _INSN
-        m0 = rec + _MNEM
-        name = buf[m0:find(b"\0", m0)]
-        if name != b"mov" and name != b"movabs":
-            continue
-        o0 = rec + _OPS
-        e = find(b"\0", o0)
-        if buf.find(b", 0x", o0, e) < 0:
-            continue
-        m = _TRAILING_IMM.search(buf[o0:e].decode("ascii"))
-        if m:
-            val = int(m.group(1), 0)
-            if val > 0x1000:
-                refs.append((i, val))
-    for i in [i for i, x in enumerate(ids) if x in other_ids]:
-        rec = i * _INSN
         m0 = rec + _MNEM
         name = buf[m0:find(b"\0", m0)]
         o0 = rec + _OPS
         e = find(b"\0", o0)
-        if name == b"lea":
+        if c == _MOVE:
+            if (name != b"mov" and name != b"movabs") or buf.find(b", 0x", o0, e) < 0:
+                continue
+            m = _TRAILING_IMM.search(buf[o0:e].decode("ascii"))
+            if m:
+                val = int(m.group(1), 0)
+                if val > 0x1000:
+                    refs.append(val)
+        elif name == b"lea":
             if buf.find(b"rip", o0, e) < 0:
                 continue
             m = _RIP.search(buf[o0:e].decode("ascii"))
             if m:
                 addr, size = unpack(buf, rec + 8)
                 disp = int(m.group(2), 0) if m.group(2) else 0
-                refs.append((i, addr + size + (disp if m.group(1) != "-" else -disp)))
+                refs.append(addr + size + (disp if m.group(1) != "-" else -disp))
         elif name == b"push":
             ops = buf[o0:e].decode("ascii")
             if _IMM.match(ops):
                 val = int(ops, 0)
                 if val > 0x1000:
-                    refs.append((i, val))
-    refs.sort()
-    result.code_refs.extend(r for _, r in refs)
+                    refs.append(val)
+
+
 def sweep_lite(md: Cs, code: bytes, base: int, result: SweepResult) -> None:
     """:func:`sweep` written over capstone's ``disasm_lite`` (the reference it must agree with)."""
     branches = result.branches
