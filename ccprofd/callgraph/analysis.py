@@ -46,11 +46,7 @@ def _analyze(image: ElfImage, progress: Progress | None) -> CallGraph:
     md = make_disassembler()
 
     parts = _sweep_all(image, table, md, plt, progress)
-    result = SweepResult([], [], 0)
-    for start in table.starts:
-        result.branches.extend(parts[start].branches)
-        result.code_refs.extend(parts[start].code_refs)
-        result.instructions += parts[start].instructions
+    code_refs = [r for start in table.starts for r in parts[start].code_refs]
     owner = _fold_fragments(image, table, parts)
     binary = BinaryInfo(
         path=image.path, build_id=image.build_id(), content_hash=image.content_hash, pie=image.pie,
@@ -77,16 +73,20 @@ def _analyze(image: ElfImage, progress: Progress | None) -> CallGraph:
             graph.add_function(node, name, kind="external")
         return externals[name]
 
-    for b in result.branches:
-        containing = table.containing(b.address)
-        if containing is None:
-            continue  # cannot happen: every swept byte belongs to a function range
-        caller = owner.get(containing.start, containing.start)
-        site = _classify(b, caller, table, plt, owner, external)
-        if site is not None:
-            graph.add_call(site)
+    for start in table.starts:
+        part = parts[start]
+        for b in part.branches:
+            containing = table.containing(b.address)
+            if containing is None:
+                continue  # cannot happen: every swept byte belongs to a function range
+            caller = owner.get(containing.start, containing.start)
+            site = _classify(b, caller, table, plt, owner, external)
+            if site is not None:
+                graph.add_call(site)
+        part.branches = []  # freed as the rows grow: node's branches and rows are ~100 MB each
+    del parts
 
-    _mark_roots(graph, image, table, result.code_refs, owner)
+    _mark_roots(graph, image, table, code_refs, owner)
     return CallGraph.from_rows(binary, graph, time.perf_counter() - t0)
 
 
@@ -333,11 +333,11 @@ def _data_refs(image: ElfImage, starts: set[int]) -> set[int]:
                 or dsec.name.startswith(_DATA_SKIP_PREFIXES)):
             continue
         skip = (-dsec.vaddr) % 8
-        body = image.section_bytes(dsec)[skip:]
-        body = body[:len(body) - len(body) % 8]
-        words = array("Q")
-        words.frombytes(body)
-        found |= starts.intersection(words)
+        lo = dsec.offset + min(skip, dsec.size)
+        hi = lo + (dsec.offset + dsec.size - lo) // 8 * 8
+        if hi > lo:  # the words read in place: no copy of node's tens of MB of data sections
+            with memoryview(image.data) as data, data[lo:hi] as body, body.cast("Q") as words:
+                found |= starts.intersection(words)
     return found
 
 

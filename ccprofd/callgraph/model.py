@@ -285,7 +285,8 @@ class GraphRows:
 
     def __init__(self) -> None:
         self.nodes: dict[int, list[Any]] = {}
-        self._adj: dict[int, dict[int, dict[int, list[Any]]]] = {}
+        self._out: dict[int, list[list[Any]]] = {}  # source -> its edge rows, as added
+        self._root_targets: set[int] = set()
         self.sites: list[list[Any]] = []
         self.add_function(ROOT, "<root>", kind="root")
 
@@ -302,16 +303,26 @@ class GraphRows:
         self.sites.append(site)
         function, address, ret, length, _hex, kind, target = site[:7]
         if target is not None:
-            self._adj.setdefault(function, {}).setdefault(target, {})[address] = [
-                function, target, address, kind, address, ret, length, None]
+            self._out.setdefault(function, []).append([function, target, address, kind, address, ret, length,
+                                                       None])
 
     def add_root(self, node: int) -> None:
         self.nodes[node][7] = True
-        self._adj.setdefault(ROOT, {}).setdefault(node, {}).setdefault(
-            ROOT_EDGE_KEY, [ROOT, node, ROOT_EDGE_KEY, "root", None, None, 0, None])
+        if node not in self._root_targets:
+            self._root_targets.add(node)
+            self._out.setdefault(ROOT, []).append([ROOT, node, ROOT_EDGE_KEY, "root", None, None, 0, None])
 
     def serial(self) -> dict[str, Any]:
-        adj = self._adj
-        edges = [row for n in self.nodes if n in adj for by_key in adj[n].values() for row in by_key.values()]
+        edges: list[list[Any]] = []
+        for n in self.nodes:
+            rows = self._out.get(n)
+            if not rows:
+                continue
+            # networkx's order: by target (first edge to it first), then by key (a key added again
+            # replaces its edge in place); kept as nested dicts only for one source at a time.
+            by_target: dict[int, dict[int, list[Any]]] = {}
+            for row in rows:
+                by_target.setdefault(row[1], {})[row[2]] = row
+            edges += [row for by_key in by_target.values() for row in by_key.values()]
         return {"format": FORMAT_VERSION, "nodes": list(self.nodes.values()), "edges": edges,
                 "sites": self.sites}
