@@ -13,6 +13,7 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
+from sys import intern
 
 from capstone import CS_ARCH_X86, CS_ERR_OK, CS_MODE_64, Cs, CsError, _cs, _cs_insn
 from capstone.x86_const import X86_INS_CALL, X86_INS_ENDING, X86_INS_JMP
@@ -197,8 +198,9 @@ def sweep(md: Cs, code: bytes, base: int, result: SweepResult, *, local_jumps: b
                 target = int(ops, 0)
                 if not local_jumps and not is_call and base <= target < end:
                     continue
+                # interned: the many calls to one function share their operand text
                 branches.append(Branch(addr, size, code[off:off + size], is_call, not (is_call or is_jmp),
-                                       target, ops))
+                                       target, intern(ops)))
             else:
                 branches.append(Branch(addr, size, code[off:off + size], is_call, False, None, ops))
             continue
