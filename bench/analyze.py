@@ -73,6 +73,26 @@ def measure(binary: Path, repos: list[tuple[str, Path]], repeat: int) -> dict[st
     return {label: {k: median(v) for k, v in r.items()} for label, r in runs.items()}
 
 
+#: The serialized call graph without what may differ between identical results (timing, the path).
+DIGEST = """
+import hashlib, json, sys
+from ccprofd.callgraph import analyze_binary
+d = analyze_binary(sys.argv[1], use_cache=False).to_dict()
+d.pop("analysis_seconds")
+d["binary"].pop("path")
+print(hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest())
+"""
+
+
+def graph_digest(repo: Path, binary: Path) -> str:
+    """SHA-256 of ``repo``'s serialized call graph of ``binary`` (a fresh, uncached analysis)."""
+    proc = subprocess.run([python(), "-c", DIGEST, str(binary)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(repo)}, cwd=repo, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"digest with {repo} failed: {proc.stderr[-2000:]}")
+    return proc.stdout.strip()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("binaries", nargs="*", type=Path)
@@ -80,22 +100,29 @@ def main() -> None:
     ap.add_argument("--repo", action="append", default=[], metavar="LABEL=DIR",
                     help="also measure another checkout's ccprofd (its gRPC code must be generated)")
     ap.add_argument("--objdump", action="store_true", help="also time `objdump -d` for scale")
+    ap.add_argument("--large-repeat", type=int, default=None, metavar="N",
+                    help="runs for binaries with more than 10 MB of code (default: --repeat)")
+    ap.add_argument("--digest", action="store_true",
+                    help="also check that every checkout's serialized call graph is the same (SHA-256)")
     ap.add_argument("--update-readme", action="store_true")
     args = ap.parse_args()
     defaults = (Path("/usr/bin/python3.11"), Path("/usr/bin/node"))
     binaries = args.binaries or [p for p in defaults if p.exists()]
     repos = [(label, Path(path).resolve()) for label, _, path in (r.partition("=") for r in args.repo)]
     repos.append(("this", ROOT))
-    lines = [f"Measured on {machine_line()}; median of {args.repeat} runs, each a fresh process, the "
-             "checkouts' runs interleaved. Wall time (CPU time user+system, workers included).", "",
+    lines = [f"Measured on {machine_line()}; median of {args.repeat} runs (binaries over 10 MB of code: "
+             f"{args.large_repeat or args.repeat}), each a fresh process, the checkouts' runs interleaved. "
+             "Wall time (CPU time user+system, workers included).", "",
              "| binary | .text | ccprofd | cold analyze | cached analyze | peak RSS cold |",
              "|---|---|---|---|---|---|"]
     sys.path.insert(0, str(ROOT))
     from ccprofd.elf.image import ElfImage
 
+    digest_lines: list[str] = []
     for b in binaries:
         text_mb = sum(s.size for s in ElfImage(str(b)).code_sections()) / 1e6
-        m = measure(b, repos, args.repeat)
+        repeat = args.large_repeat if args.large_repeat and text_mb > 10 else args.repeat
+        m = measure(b, repos, repeat)
         for label, _ in repos:
             r = m[label]
             for k in ("cold", "cached"):
@@ -108,6 +135,14 @@ def main() -> None:
             od = median([run(["objdump", "-d", str(b)], ROOT) for _ in range(args.repeat)])
             lines.append(f"| `{b}` | {text_mb:.1f} MB | `objdump -d` | {od.seconds:.2f} s "
                          f"({od.cpu_seconds:.2f} s) | | {od.max_rss_mb:.0f} MB |")
+        if args.digest:
+            digests = {label: graph_digest(repo, b) for label, repo in repos}
+            same = len(set(digests.values())) == 1
+            digest_lines.append(f"`{b}`: " + (f"identical, sha256 `{digests['this'][:16]}…`" if same else
+                                              "DIFFERENT: " + ", ".join(f"{k} {v[:16]}" for k, v in
+                                                                        digests.items())))
+    if digest_lines:
+        lines += ["", "Serialized call graph of each checkout (`--digest`): " + "; ".join(digest_lines) + "."]
     lines += ["", "Targets (issue #18): whole `ccprofd analyze --json` command, interpreter start-up "
               "included: python3.11 cold ≤ 1.5 s, node cold ≤ 12 s with peak RSS ≤ 500 MB, cached ≤ 0.15 s."]
     table = "\n".join(lines)
