@@ -1,98 +1,150 @@
-"""Benchmark of `ccprofd analyze`: cold and cached analysis time and peak RSS, against `objdump -d`.
+"""Benchmark of `ccprofd analyze`: cold and cached analysis time and peak RSS, optionally side by side
+with other checkouts of ccprofd (``--repo LABEL=DIR``, e.g. the commit before a change).
 
-Each measurement runs in a fresh process (so peak RSS is that run's own), median of --repeat runs.
-Usage: .venv/bin/python bench/analyze.py [--repeat N] [--update-readme] [BINARY ...]
-Default binaries: /usr/bin/python3.11 and the largest ELF executable found in the usual places.
+Each measurement is one fresh `ccprofd analyze --json` process (so peak RSS is that run's own), with
+the checkouts' runs interleaved so that a noisy machine weighs on all of them alike; the table gives
+the median wall time of --repeat runs and, beside it, the median CPU time (user + system of the
+process and its children), which a loaded machine disturbs less.  Usage:
+.venv/bin/python bench/analyze.py [--repeat N] [--repo LABEL=DIR ...] [--objdump] [--update-readme]
+[BINARY ...].  Default binaries: /usr/bin/python3.11 and /usr/bin/node.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import statistics
+import subprocess
+import sys
 import tempfile
+import time
+from dataclasses import dataclass
 from pathlib import Path
 
-from common import Run, machine_line, python, run_measured, update_readme_section
+from common import ROOT, machine_line, python, update_readme_section
 
-TARGETS = {"python3.11": (3.0, 0.3, None), "large": (30.0, None, 1536.0)}  # cold s, cached s, RSS MB
-
-
-SEARCH_DIRS = ("/usr/bin", "/usr/sbin", "/usr/lib/x86_64-linux-gnu")
-
-
-def largest_elf(dirs: tuple[str, ...] = SEARCH_DIRS) -> Path | None:
-    best: tuple[int, Path] | None = None
-    for d in dirs:
-        for entry in os.scandir(d):
-            try:
-                if not entry.is_file(follow_symlinks=False):
-                    continue
-                size = entry.stat().st_size
-                if best is not None and size <= best[0]:
-                    continue
-                with open(entry.path, "rb") as fh:
-                    head = fh.read(20)
-                if head[:4] == b"\x7fELF" and head[4] == 2 and head[18] == 62:
-                    best = (size, Path(entry.path))
-            except OSError:
-                continue
-    return best[1] if best else None
+#: Issue #18: whole `analyze` command, cold: python3.11 ≤ 1.5 s; node ≤ 12 s with peak RSS ≤ 500 MB;
+#: cached ≤ 0.15 s.
+TARGETS = {"python3.11": (1.5, 0.15, None), "node": (12.0, 0.15, 500.0)}
 
 
-def median_run(runs: list[Run]) -> Run:
-    runs = sorted(runs, key=lambda r: r.seconds)
-    mid = runs[len(runs) // 2]
-    return Run(statistics.median(r.seconds for r in runs), max(r.max_rss_mb for r in runs), mid.returncode)
+@dataclass(frozen=True)
+class Measured:
+    seconds: float
+    cpu_seconds: float
+    max_rss_mb: float
+    returncode: int
 
 
-def measure(binary: Path, repeat: int) -> dict[str, Run]:
-    cache = tempfile.mkdtemp(prefix="ccprofd-bench-cache-")
-    analyze = [python(), "-m", "ccprofd.cli", "analyze", "--json", "--cache-dir", cache, str(binary)]
-    cold = []
-    cached = []
-    for _ in range(repeat):
-        for p in Path(cache).rglob("*"):
-            if p.is_file():
-                p.unlink()
-        cold.append(run_measured(analyze))
-        cached.append(run_measured(analyze))
-    objdump = [run_measured(["objdump", "-d", str(binary)]) for _ in range(repeat)]
-    noop = [run_measured([python(), "-c", "import ccprofd.cli"]) for _ in range(repeat)]
-    return {"cold": median_run(cold), "cached": median_run(cached), "objdump": median_run(objdump),
-            "startup": median_run(noop)}
+def run(argv: list[str], repo: Path) -> Measured:
+    """One child run: wall time, CPU time (its own and its children's) and peak RSS from wait4."""
+    env = {**os.environ, "PYTHONPATH": str(repo)}
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env, cwd=repo)
+    _, status, usage = os.wait4(proc.pid, 0)
+    elapsed = time.perf_counter() - t0
+    # wait4 reports the child with its reaped descendants (Linux: RUSAGE_BOTH), so forked workers'
+    # CPU is included; ru_maxrss is then the largest single process's peak, not a sum.
+    return Measured(elapsed, usage.ru_utime + usage.ru_stime, usage.ru_maxrss / 1024,
+                    os.waitstatus_to_exitcode(status))
+
+
+def median(runs: list[Measured]) -> Measured:
+    return Measured(statistics.median(r.seconds for r in runs),
+                    statistics.median(r.cpu_seconds for r in runs),
+                    max(r.max_rss_mb for r in runs), max((r.returncode for r in runs), key=abs))
+
+
+def measure(binary: Path, repos: list[tuple[str, Path]], repeat: int) -> dict[str, dict[str, Measured]]:
+    caches = {label: Path(tempfile.mkdtemp(prefix=f"ccprofd-bench-{label}-")) for label, _ in repos}
+    runs: dict[str, dict[str, list[Measured]]] = {label: {"cold": [], "cached": []} for label, _ in repos}
+    try:
+        for _ in range(repeat):
+            for label, repo in repos:
+                analyze = [python(), "-m", "ccprofd.cli", "analyze", "--json", "--cache-dir",
+                           str(caches[label]), str(binary)]
+                shutil.rmtree(caches[label], ignore_errors=True)
+                runs[label]["cold"].append(run(analyze, repo))
+                runs[label]["cached"].append(run(analyze, repo))
+    finally:
+        for c in caches.values():
+            shutil.rmtree(c, ignore_errors=True)
+    return {label: {k: median(v) for k, v in r.items()} for label, r in runs.items()}
+
+
+#: The serialized call graph without what may differ between identical results (timing, the path).
+DIGEST = """
+import hashlib, json, sys
+from ccprofd.callgraph import analyze_binary
+d = analyze_binary(sys.argv[1], use_cache=False).to_dict()
+d.pop("analysis_seconds")
+d["binary"].pop("path")
+print(hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest())
+"""
+
+
+def graph_digest(repo: Path, binary: Path) -> str:
+    """SHA-256 of ``repo``'s serialized call graph of ``binary`` (a fresh, uncached analysis)."""
+    proc = subprocess.run([python(), "-c", DIGEST, str(binary)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(repo)}, cwd=repo, check=False)
+    if proc.returncode != 0:
+        raise SystemExit(f"digest with {repo} failed: {proc.stderr[-2000:]}")
+    return proc.stdout.strip()
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__)
     ap.add_argument("binaries", nargs="*", type=Path)
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repo", action="append", default=[], metavar="LABEL=DIR",
+                    help="also measure another checkout's ccprofd (its gRPC code must be generated)")
+    ap.add_argument("--objdump", action="store_true", help="also time `objdump -d` for scale")
+    ap.add_argument("--large-repeat", type=int, default=None, metavar="N",
+                    help="runs for binaries with more than 10 MB of code (default: --repeat)")
+    ap.add_argument("--digest", action="store_true",
+                    help="also check that every checkout's serialized call graph is the same (SHA-256)")
     ap.add_argument("--update-readme", action="store_true")
     args = ap.parse_args()
-    binaries = args.binaries or [Path("/usr/bin/python3.11")]
-    if not args.binaries:
-        # node (~28 MB of text) is the issue's large target; the largest ELF shows where it ends.
-        for extra in (Path("/usr/bin/node"), largest_elf()):
-            if extra is not None and extra.exists() and extra not in binaries:
-                binaries.append(extra)
-    lines = [f"Measured on {machine_line()}; median of {args.repeat} runs, each a fresh process.", "",
-             "| binary | .text | cold analyze | cached analyze | (of which interpreter start-up) "
-             "| peak RSS cold | `objdump -d` | objdump RSS |",
-             "|---|---|---|---|---|---|---|---|"]
-    for b in binaries:
-        from ccprofd.elf.image import ElfImage
+    defaults = (Path("/usr/bin/python3.11"), Path("/usr/bin/node"))
+    binaries = args.binaries or [p for p in defaults if p.exists()]
+    repos = [(label, Path(path).resolve()) for label, _, path in (r.partition("=") for r in args.repo)]
+    repos.append(("this", ROOT))
+    lines = [f"Measured on {machine_line()}; median of {args.repeat} runs (binaries over 10 MB of code: "
+             f"{args.large_repeat or args.repeat}), each a fresh process, the checkouts' runs interleaved. "
+             "Wall time (CPU time user+system, workers included).", "",
+             "| binary | .text | ccprofd | cold analyze | cached analyze | peak RSS cold |",
+             "|---|---|---|---|---|---|"]
+    sys.path.insert(0, str(ROOT))
+    from ccprofd.elf.image import ElfImage
 
+    digest_lines: list[str] = []
+    for b in binaries:
         text_mb = sum(s.size for s in ElfImage(str(b)).code_sections()) / 1e6
-        m = measure(b, args.repeat)
-        for k in ("cold", "cached"):
-            if m[k].returncode != 0:
-                raise SystemExit(f"analyze {k} run failed on {b}")
-        lines.append(f"| `{b}` | {text_mb:.1f} MB | {m['cold'].seconds:.2f} s | {m['cached'].seconds:.2f} s "
-                     f"| {m['startup'].seconds:.2f} s | {m['cold'].max_rss_mb:.0f} MB "
-                     f"| {m['objdump'].seconds:.2f} s | {m['objdump'].max_rss_mb:.0f} MB |")
-    lines += ["", "Targets (issue #2): python3.11 cold ≤ 3 s and cached ≤ 0.3 s; ~28 MB of text cold ≤ 30 s "
-              "with peak RSS ≤ 1.5 GB. Times are whole `ccprofd analyze --json` commands, "
-              "interpreter start-up included."]
+        repeat = args.large_repeat if args.large_repeat and text_mb > 10 else args.repeat
+        m = measure(b, repos, repeat)
+        for label, _ in repos:
+            r = m[label]
+            for k in ("cold", "cached"):
+                if r[k].returncode != 0:
+                    raise SystemExit(f"{label}: analyze {k} run failed on {b}")
+            lines.append(f"| `{b}` | {text_mb:.1f} MB | {label} | {r['cold'].seconds:.2f} s "
+                         f"({r['cold'].cpu_seconds:.2f} s) | {r['cached'].seconds:.2f} s "
+                         f"({r['cached'].cpu_seconds:.2f} s) | {r['cold'].max_rss_mb:.0f} MB |")
+        if args.objdump:
+            od = median([run(["objdump", "-d", str(b)], ROOT) for _ in range(args.repeat)])
+            lines.append(f"| `{b}` | {text_mb:.1f} MB | `objdump -d` | {od.seconds:.2f} s "
+                         f"({od.cpu_seconds:.2f} s) | | {od.max_rss_mb:.0f} MB |")
+        if args.digest:
+            digests = {label: graph_digest(repo, b) for label, repo in repos}
+            same = len(set(digests.values())) == 1
+            digest_lines.append(f"`{b}`: " + (f"identical, sha256 `{digests['this'][:16]}…`" if same else
+                                              "DIFFERENT: " + ", ".join(f"{k} {v[:16]}" for k, v in
+                                                                        digests.items())))
+    if digest_lines:
+        lines += ["", "Serialized call graph of each checkout (`--digest`): " + "; ".join(digest_lines) + "."]
+    lines += ["", "Targets (issue #18): whole `ccprofd analyze --json` command, interpreter start-up "
+              "included: python3.11 cold ≤ 1.5 s, node cold ≤ 12 s with peak RSS ≤ 500 MB, cached ≤ 0.15 s."]
     table = "\n".join(lines)
     print(table)
     if args.update_readme and not update_readme_section("analyze", table):

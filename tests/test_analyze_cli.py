@@ -168,3 +168,33 @@ def test_stripped_copy_gets_its_own_cache_entry(tmp_path: Path, true_copy: Path)
     assert a.binary.build_id == b.binary.build_id
     assert "main" in {a.name(n) for n in a.functions()}
     assert "main" not in {b.name(n) for n in b.functions()}
+
+
+def test_cache_hit_imports_no_elf_disassembler_or_graph_library(tmp_path: Path) -> None:
+    """A cache hit reads the file and the summary only: pyelftools, capstone and networkx, whose
+    imports cost more than the whole hit, stay unloaded (checked in a fresh interpreter)."""
+    assert run("analyze", "--json", "--cache-dir", str(tmp_path), "/bin/true").returncode == 0
+    probe = ("import sys, runpy\n"
+             "sys.argv = ['ccprofd', 'analyze', '--json', '--cache-dir', sys.argv[1], '/bin/true']\n"
+             "try:\n    runpy.run_module('ccprofd.cli', run_name='__main__')\n"
+             "except SystemExit:\n    pass\n"
+             "heavy = {'elftools', 'capstone', 'networkx'}\n"
+             "print(sorted({m.split('.')[0] for m in sys.modules} & heavy), file=sys.stderr)")
+    proc = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    assert json.loads(proc.stdout)["functions"] > 0
+    assert proc.stderr.strip().splitlines()[-1] == "[]", proc.stderr
+
+
+def test_build_id_without_pyelftools_matches_readelf(tmp_path: Path, true_copy: Path) -> None:
+    """The build-id read with struct (what a cache hit keys on) is what `readelf -n` prints."""
+    from ccprofd.elf.identity import build_id_of
+
+    for path in ("/bin/true", "/usr/bin/python3.11", "/usr/lib/x86_64-linux-gnu/libc.so.6"):
+        out = subprocess.run(["readelf", "-n", path], capture_output=True, text=True, check=True).stdout
+        ids = [line.split(":", 1)[1].strip() for line in out.splitlines() if "Build ID:" in line]
+        assert build_id_of(Path(path).read_bytes()) == ids[0]
+    no_notes = tmp_path / "no-notes"
+    subprocess.run(["objcopy", "--remove-section=.note.gnu.build-id", str(true_copy), str(no_notes)],
+                   check=True)
+    assert build_id_of(no_notes.read_bytes()) is None

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import struct
 
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
-from ccprofd.callgraph.disasm import SweepResult, make_disassembler, sweep
+from ccprofd.callgraph.disasm import Branch, SweepResult, make_disassembler, sweep, sweep_lite
 
 BASE = 0x401000
 
@@ -80,3 +80,53 @@ def test_sites_on_boundaries(program: list[tuple[str, bytes]]) -> None:
     for a in leas:
         enc = boundaries[a][1]
         assert a + 7 + struct.unpack("<i", enc[3:])[0] in result.code_refs
+
+
+def _local(b: Branch, base: int, end: int) -> bool:
+    return not b.is_call and b.target is not None and base <= b.target < end
+
+
+#: Prefixes capstone prints as part of the mnemonic ("bnd jmp", "notrack call", "rep ...") and
+#: encodings the record reader treats apart (rel8/rel32 jumps, 66-prefixed and far branches, mov forms).
+_BRANCHY = [b"\xf2", b"\x3e", b"\xf3", b"\x66", b"\x48", b"\xe8", b"\xe9", b"\xeb", b"\x74", b"\x0f\x84",
+            b"\xe3", b"\xff\x15", b"\xff\x25", b"\xff\xe0", b"\xff\x1d", b"\x48\xb8", b"\xc7\x05",
+            b"\x48\x8d\x05", b"\x68", b"\x89\xc0", b"\x48\x8b\x05", b"\xc3", b"\x90", b"\x0f\x05"]
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.one_of(st.sampled_from(_BRANCHY), st.binary(min_size=1, max_size=6)), max_size=80))
+@example([b"\x90" * 4, b"\xeb\xf0", b"\x90" * 300])  # a short jump back out of the code: not local
+@example([b"\x90" * 4, b"\x0f\x84" + struct.pack("<i", -20), b"\x90" * 300])
+def test_record_reader_matches_disasm_lite(pieces: list[bytes]) -> None:
+    """The sweep reads capstone's instruction records directly and decodes the text of a few of them;
+    on any bytes it must report exactly what the plain ``disasm_lite`` loop (sweep_lite) reports, and
+    with ``local_jumps=False`` the same minus the direct jumps that land inside the swept bytes."""
+    code = b"".join(pieces)
+    md = make_disassembler()
+    ref = SweepResult([], [], 0)
+    sweep_lite(md, code, BASE, ref)
+    fast = SweepResult([], [], 0)
+    sweep(md, code, BASE, fast)
+    assert fast == ref
+    nolocal = SweepResult([], [], 0)
+    sweep(md, code, BASE, nolocal, local_jumps=False)
+    end = BASE + len(code)
+    assert nolocal.branches == [b for b in ref.branches if not _local(b, BASE, end)]
+    assert (nolocal.code_refs, nolocal.instructions) == (ref.code_refs, ref.instructions)
+
+
+def test_record_reader_on_a_system_binary() -> None:
+    """The same agreement over every byte of the code sections of /usr/bin/bash (a real mix of
+    compiler output, padding and jump tables), swept in 64 KiB pieces."""
+    from ccprofd.elf.image import ElfImage
+
+    image = ElfImage("/usr/bin/bash")
+    md = make_disassembler()
+    for sec in image.code_sections():
+        body = image.section_bytes(sec)
+        for off in range(0, len(body), 1 << 16):
+            ref = SweepResult([], [], 0)
+            sweep_lite(md, body[off:off + (1 << 16)], sec.vaddr + off, ref)
+            fast = SweepResult([], [], 0)
+            sweep(md, body[off:off + (1 << 16)], sec.vaddr + off, fast)
+            assert fast == ref, hex(sec.vaddr + off)

@@ -18,35 +18,38 @@ from typing import TYPE_CHECKING, Any
 from ccprofd.callgraph.model import ROOT, BinaryInfo, CallGraph, CallSite
 from ccprofd.callgraph.stats import graph_stats
 from ccprofd.elf.errors import BinaryError
-from ccprofd.elf.image import ElfImage
+from ccprofd.elf.identity import cache_key_of, read_elf_file
 from ccprofd.persist.cache import AnalysisCache
 
 if TYPE_CHECKING:
     from ccprofd.callgraph.analysis import Progress
+    from ccprofd.elf.image import ElfImage
 
 __all__ = ["ROOT", "AnalysisCache", "BinaryError", "BinaryInfo", "CallGraph", "CallSite", "analyze_binary",
            "cache_key", "graph_stats"]
 
 
 def cache_key(image: ElfImage) -> str:
-    """The file's content hash (an edited binary may keep its build-id and size; a stripped copy
-    keeps the build-id), after the build-id for whoever lists the cache."""
-    return f"{image.build_id() or 'nobuildid'}-{image.content_hash}"
+    """The analysis cache key of ``image`` (see :func:`ccprofd.elf.identity.cache_key_of`)."""
+    return cache_key_of(image.data)
 
 
 def analyze_binary(path: str | os.PathLike[str], *, cache_dir: Path | None = None, use_cache: bool = True,
                    progress: Progress | None = None) -> CallGraph:
-    """Analyse one x86-64 ELF object; reuse the cached result for the same build."""
-    image = ElfImage(os.fspath(path))
+    """Analyse one x86-64 ELF object; reuse the cached result for the same build.
+
+    A cache hit reads the file and its summary entry only: neither pyelftools nor capstone nor
+    networkx is imported (the file's bytes equal those of a file analysed, so checked, before)."""
+    data = read_elf_file(os.fspath(path))
+    abspath = os.path.abspath(path)
     cache = AnalysisCache(cache_dir) if use_cache else None
-    key = cache_key(image)
+    key = cache_key_of(data) if cache is not None else ""
     if cache is not None:
         summary = cache.load(SUMMARY_KIND, key)
         if isinstance(summary, dict) and summary.get("stamp") == _stamp(cache, key):
             try:
-                path = image.path  # not the image: its bytes would stay alive with the closure
-                graph = CallGraph.deferred(summary["graph"], lambda: _rows_of(cache, key, path, summary))
-                graph.binary.path = image.path
+                graph = CallGraph.deferred(summary["graph"], lambda: _rows_of(cache, key, abspath, summary))
+                graph.binary.path = abspath
                 graph.cached_stats = summary["stats"]
                 graph.from_cache = True
                 return graph
@@ -55,14 +58,16 @@ def analyze_binary(path: str | os.PathLike[str], *, cache_dir: Path | None = Non
         cached = cache.load("callgraph", key)
         if isinstance(cached, dict):
             graph = CallGraph.from_dict(cached["graph"])
-            graph.binary.path = image.path
+            graph.binary.path = abspath
             graph.cached_stats = cached["stats"]
             graph.from_cache = True
             _store_summary(cache, key, graph, cached["stats"])
             return graph
     from ccprofd.callgraph.analysis import analyze_image
+    from ccprofd.elf.image import ElfImage
 
-    graph = analyze_image(image, progress)
+    graph = analyze_image(ElfImage(os.fspath(path), data), progress)
+    del data
     if cache is not None:
         stats = graph_stats(graph)
         cache.store("callgraph", key, {"graph": graph.to_dict(), "stats": stats})
@@ -100,6 +105,7 @@ def _rows_of(cache: AnalysisCache, key: str, path: str, summary: dict[str, Any])
     rows = cached.get("graph") if isinstance(cached, dict) else None
     if not isinstance(rows, dict) or rows.get("format") != summary["graph"]["format"]:
         from ccprofd.callgraph.analysis import analyze_image
+        from ccprofd.elf.image import ElfImage
 
         rows = analyze_image(ElfImage(path)).to_dict()
     if (len(rows["nodes"]), len(rows["edges"])) != (summary["graph"]["nodes"], summary["graph"]["edges"]):

@@ -8,13 +8,15 @@ import struct
 import time
 from array import array
 from collections.abc import Callable
+from typing import Any
 
 from capstone import Cs
 from elftools.elf.relocation import RelocationSection
 
-from ccprofd.callgraph.disasm import Branch, SweepResult, first_non_padding, make_disassembler, sweep
+from ccprofd.callgraph.disasm import Branch, SweepResult, first_non_padding, make_disassembler
 from ccprofd.callgraph.functions import FunctionTable
-from ccprofd.callgraph.model import BinaryInfo, CallGraph, CallSite
+from ccprofd.callgraph.model import BinaryInfo, CallGraph, GraphRows
+from ccprofd.callgraph.parallel import sweep_functions
 from ccprofd.elf.image import ElfImage
 from ccprofd.elf.plt import PltResolver
 
@@ -44,16 +46,13 @@ def _analyze(image: ElfImage, progress: Progress | None) -> CallGraph:
     md = make_disassembler()
 
     parts = _sweep_all(image, table, md, plt, progress)
-    result = SweepResult([], [], 0)
-    for start in table.starts:
-        result.branches.extend(parts[start].branches)
-        result.code_refs.extend(parts[start].code_refs)
-        result.instructions += parts[start].instructions
+    code_refs = [r for start in table.starts for r in parts[start].code_refs]
     owner = _fold_fragments(image, table, parts)
-    graph = CallGraph.empty(BinaryInfo(
+    binary = BinaryInfo(
         path=image.path, build_id=image.build_id(), content_hash=image.content_hash, pie=image.pie,
         elf_type=image.elf_type, entry=image.entry,
-        text_bytes=sum(s.size for s in image.code_sections())))
+        text_bytes=sum(s.size for s in image.code_sections()))
+    graph = GraphRows()
 
     fragments: dict[int, list[tuple[int, int]]] = {}
     for frag, own in owner.items():
@@ -74,18 +73,21 @@ def _analyze(image: ElfImage, progress: Progress | None) -> CallGraph:
             graph.add_function(node, name, kind="external")
         return externals[name]
 
-    for b in result.branches:
-        containing = table.containing(b.address)
-        if containing is None:
-            continue  # cannot happen: every swept byte belongs to a function range
-        caller = owner.get(containing.start, containing.start)
-        site = _classify(b, caller, table, plt, owner, external)
-        if site is not None:
-            graph.add_call(site)
+    for start in table.starts:
+        part = parts[start]
+        for b in part.branches:
+            containing = table.containing(b.address)
+            if containing is None:
+                continue  # cannot happen: every swept byte belongs to a function range
+            caller = owner.get(containing.start, containing.start)
+            site = _classify(b, caller, table, plt, owner, external)
+            if site is not None:
+                graph.add_call(site)
+        part.branches = []  # freed as the rows grow: node's branches and rows are ~100 MB each
+    del parts
 
-    _mark_roots(graph, image, table, result.code_refs, owner)
-    graph.analysis_seconds = time.perf_counter() - t0
-    return graph
+    _mark_roots(graph, image, table, code_refs, owner)
+    return CallGraph.from_rows(binary, graph, time.perf_counter() - t0)
 
 
 def _sweep_all(image: ElfImage, table: FunctionTable, md: Cs, plt: PltResolver,
@@ -98,14 +100,10 @@ def _sweep_all(image: ElfImage, table: FunctionTable, md: Cs, plt: PltResolver,
     done: dict[int, tuple[int, SweepResult]] = {}
     pointers = _code_pointers_in_data(image)
     for _round in range(50):
-        todo = [s for s in table.starts if done.get(s, (-1,))[0] != table.by_start[s].end]
-        for i, start in enumerate(todo):
-            end = table.by_start[start].end
-            part = SweepResult([], [], 0)
-            sweep(md, image.bytes_at(start, end - start), start, part)
+        todo = [(s, table.by_start[s].end) for s in table.starts
+                if done.get(s, (-1,))[0] != table.by_start[s].end]
+        for (start, end), part in zip(todo, sweep_functions(image.bytes_at, md, todo, progress), strict=True):
             done[start] = (end, part)
-            if progress is not None and i % 2000 == 0:
-                progress("disassembling", i, len(todo))
         for stale in set(done) - set(table.by_start):
             del done[stale]
         grown = False
@@ -200,6 +198,7 @@ def _jump_table_entries(image: ElfImage, parts: dict[int, SweepResult], wanted: 
     """
     found: dict[int, int] = {}
     space = image.addrspace
+    executable: dict[int, bool] = {}  # is_executable per address, for the tables read again and again
     for start, part in parts.items():
         jumps = [b for b in part.branches if not b.is_call and b.target is None]
         if not jumps:
@@ -207,14 +206,7 @@ def _jump_table_entries(image: ElfImage, parts: dict[int, SweepResult], wanted: 
         for b in jumps:
             m = _ABS_TABLE.search(b.operand)
             if m:
-                base = int(m.group(1), 16)
-                for i in range(_MAX_TABLE_ENTRIES):
-                    try:
-                        (word,) = struct.unpack("<Q", image.bytes_at(base + 8 * i, 8))
-                    except (ValueError, struct.error):
-                        break
-                    if not space.is_executable(word):
-                        break
+                for word in _table_words(image, int(m.group(1), 16), 8, executable):
                     if word in wanted:
                         found.setdefault(word, start)
         if image.elf_type != "DYN" or not any("ptr" not in b.operand for b in jumps):
@@ -222,26 +214,60 @@ def _jump_table_entries(image: ElfImage, parts: dict[int, SweepResult], wanted: 
         for base in part.code_refs:
             if space.is_executable(base) or space.segment_of(base) is None:
                 continue
-            for i in range(_MAX_TABLE_ENTRIES):
-                try:
-                    (rel,) = struct.unpack("<i", image.bytes_at(base + 4 * i, 4))
-                except (ValueError, struct.error):
-                    break
-                target = base + rel
-                if not space.is_executable(target):
-                    break
+            for target in _table_words(image, base, 4, executable):
                 if target in wanted:
                     found.setdefault(target, start)
     return found
 
 
+_WORDS = {8: struct.Struct("<Q"), 4: struct.Struct("<i")}
+
+
+def _table_words(image: ElfImage, base: int, width: int, executable: dict[int, bool]) -> list[int]:
+    """The code addresses of the jump table at ``base``: 8-byte absolute addresses (``width`` 8) or
+    4-byte offsets from ``base`` (``width`` 4), up to the first entry that is not backed by file
+    bytes or does not land in executable code, at most _MAX_TABLE_ENTRIES.
+
+    The entries are unpacked from one slice of the file, for as long as they lie in ``base``'s
+    segment: reading each through ``bytes_at`` (a segment lookup per entry) made the tables of
+    python3.11 cost more than its disassembly."""
+    space = image.addrspace
+    out: list[int] = []
+    seg = space.segment_of(base)
+    if seg is None or base - seg.vaddr >= seg.filesz:
+        return out
+    off = seg.offset + (base - seg.vaddr)
+    # entries starting in this segment's file bytes and wholly inside the file
+    room = min(seg.vaddr + seg.filesz - base + width - 1, len(image.data) - off) // width
+    n = min(_MAX_TABLE_ENTRIES, max(room, 0))
+    relative = width == 4
+    for (value,) in _WORDS[width].iter_unpack(image.data[off:off + n * width]):
+        word = base + value if relative else value
+        ok = executable.get(word)
+        if ok is None:
+            ok = executable[word] = space.is_executable(word)
+        if not ok:
+            return out
+        out.append(word)
+    # past the segment (or the file): entry by entry, as bytes_at reads them
+    for i in range(n, _MAX_TABLE_ENTRIES):
+        try:
+            (value,) = _WORDS[width].unpack(image.bytes_at(base + width * i, width))
+        except (ValueError, struct.error):
+            break
+        word = base + value if relative else value
+        if not space.is_executable(word):
+            break
+        out.append(word)
+    return out
+
+
 def _classify(b: Branch, caller: int, table: FunctionTable, plt: PltResolver, owner: dict[int, int],
-              external: Callable[[str], int]) -> CallSite | None:
+              external: Callable[[str], int]) -> list[Any] | None:
+    """The site row (as in ``CallGraph.to_dict()["sites"]``) of one branch, None if it is no call site."""
     def site(kind: str, target: int | None = None, operand: str | None = None,
-             jump: bool = False) -> CallSite:
-        return CallSite(function=caller, address=b.address, return_address=b.address + b.length,
-                        length=b.length, bytes_hex=b.raw.hex(), kind=kind, target=target, operand=operand,
-                        is_jump=jump)
+             jump: bool = False) -> list[Any]:
+        return [caller, b.address, b.address + b.length, b.length, b.raw.hex(), kind, target, operand, jump]
 
     if b.target is None:
         return site("indirect", operand=b.operand, jump=not b.is_call)
@@ -260,7 +286,7 @@ def _classify(b: Branch, caller: int, table: FunctionTable, plt: PltResolver, ow
     return site("tail", tgt, jump=True)
 
 
-def _mark_roots(graph: CallGraph, image: ElfImage, table: FunctionTable, code_refs: list[int],
+def _mark_roots(graph: GraphRows, image: ElfImage, table: FunctionTable, code_refs: list[int],
                 owner: dict[int, int]) -> None:
     # Fragments run in their owner's frame: a pointer to one (a jump-table entry) is no entry point.
     starts = {s for s, fn in table.by_start.items() if s not in owner and not fn.fragment}
@@ -272,7 +298,7 @@ def _mark_roots(graph: CallGraph, image: ElfImage, table: FunctionTable, code_re
             taken.add(tags[t])
     taken |= {s for s in starts if table.by_start[s].exported}
     for node in taken:
-        graph.graph.nodes[node]["address_taken"] = True
+        graph.set_address_taken(node)
     roots = set(taken)
     entry_fn = table.containing(image.entry)
     if entry_fn is not None:
@@ -307,11 +333,11 @@ def _data_refs(image: ElfImage, starts: set[int]) -> set[int]:
                 or dsec.name.startswith(_DATA_SKIP_PREFIXES)):
             continue
         skip = (-dsec.vaddr) % 8
-        body = image.section_bytes(dsec)[skip:]
-        body = body[:len(body) - len(body) % 8]
-        words = array("Q")
-        words.frombytes(body)
-        found |= starts.intersection(words)
+        lo = dsec.offset + min(skip, dsec.size)
+        hi = lo + (dsec.offset + dsec.size - lo) // 8 * 8
+        if hi > lo:  # the words read in place: no copy of node's tens of MB of data sections
+            with memoryview(image.data) as data, data[lo:hi] as body, body.cast("Q") as words:
+                found |= starts.intersection(words)
     return found
 
 

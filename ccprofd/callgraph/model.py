@@ -120,6 +120,11 @@ class CallGraph:
             self._loader = None
         return self._rows
 
+    def unbuilt_rows(self) -> dict[str, Any] | None:
+        """The serialised rows while the networkx graph is not built (read now if deferred), else None:
+        what can be answered from them needs no graph."""
+        return self._serial() if self._lazy() else None
+
     def _lazy(self) -> bool:
         """True while the networkx graph is not built and the serialised rows stand for it."""
         return self._graph is None and (self._rows is not None or self._loader is not None)
@@ -206,6 +211,12 @@ class CallGraph:
 
     # ------------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
+        if self._lazy():  # the rows already are the serialised form: no networkx graph is built
+            rows = self._serial()
+            assert rows is not None
+            return {"format": FORMAT_VERSION, "binary": asdict(self.binary),
+                    "analysis_seconds": self.analysis_seconds, "nodes": rows["nodes"], "edges": rows["edges"],
+                    "sites": rows["sites"]}
         nodes = [[n, d["name"], d["kind"], d["addr"], d["size"], d["aliases"], d["address_taken"],
                   d["is_root"], d.get("fragments", [])] for n, d in self.graph.nodes(data=True)]
         edges = [[u, v, k, d["kind"], d["site"], d["ret"], d["length"], d["weight"]]
@@ -250,9 +261,68 @@ class CallGraph:
         cg._loader = load
         return cg
 
+    @staticmethod
+    def from_rows(binary: BinaryInfo, rows: GraphRows, analysis_seconds: float = 0.0) -> CallGraph:
+        """The graph :class:`GraphRows` built, kept in its serialised form (networkx only on first use)."""
+        cg = CallGraph(binary=binary, analysis_seconds=analysis_seconds)
+        cg._rows = rows.serial()
+        return cg
+
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), separators=(",", ":"))
 
     @staticmethod
     def from_json(text: str) -> CallGraph:
         return CallGraph.from_dict(json.loads(text))
+
+
+class GraphRows:
+    """Builds a call graph straight into :meth:`CallGraph.to_dict`'s rows, in the order a networkx
+    ``MultiDiGraph`` built by the same calls would list them (nodes in insertion order; edges by
+    source node, then by first edge to each target, then by key), without building one: for node
+    (~520k edges) the networkx graph was most of the analysis's memory and a good part of its time.
+    """
+
+    def __init__(self) -> None:
+        self.nodes: dict[int, list[Any]] = {}
+        self._out: dict[int, list[list[Any]]] = {}  # source -> its edge rows, as added
+        self._root_targets: set[int] = set()
+        self.sites: list[list[Any]] = []
+        self.add_function(ROOT, "<root>", kind="root")
+
+    def add_function(self, node: int, name: str, *, kind: str = "function", addr: int = 0, size: int = 0,
+                     aliases: Iterable[str] = (), fragments: Iterable[tuple[int, int]] = ()) -> None:
+        self.nodes[node] = [node, name, kind, addr, size, list(aliases), False, False,
+                            [list(r) for r in fragments]]
+
+    def set_address_taken(self, node: int) -> None:
+        self.nodes[node][6] = True
+
+    def add_call(self, site: list[Any]) -> None:
+        """``site``: a row of ``CallGraph.to_dict()["sites"]``."""
+        self.sites.append(site)
+        function, address, ret, length, _hex, kind, target = site[:7]
+        if target is not None:
+            self._out.setdefault(function, []).append([function, target, address, kind, address, ret, length,
+                                                       None])
+
+    def add_root(self, node: int) -> None:
+        self.nodes[node][7] = True
+        if node not in self._root_targets:
+            self._root_targets.add(node)
+            self._out.setdefault(ROOT, []).append([ROOT, node, ROOT_EDGE_KEY, "root", None, None, 0, None])
+
+    def serial(self) -> dict[str, Any]:
+        edges: list[list[Any]] = []
+        for n in self.nodes:
+            rows = self._out.get(n)
+            if not rows:
+                continue
+            # networkx's order: by target (first edge to it first), then by key (a key added again
+            # replaces its edge in place); kept as nested dicts only for one source at a time.
+            by_target: dict[int, dict[int, list[Any]]] = {}
+            for row in rows:
+                by_target.setdefault(row[1], {})[row[2]] = row
+            edges += [row for by_key in by_target.values() for row in by_key.values()]
+        return {"format": FORMAT_VERSION, "nodes": list(self.nodes.values()), "edges": edges,
+                "sites": self.sites}

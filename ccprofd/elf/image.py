@@ -9,7 +9,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import stat
 import struct
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from elftools.elf.elffile import ELFFile
 
 from ccprofd.elf.addrspace import AddressSpace, Segment
 from ccprofd.elf.errors import BinaryError
+from ccprofd.elf.identity import read_elf_file
 
 SHF_EXECINSTR = 0x4
 SHF_ALLOC = 0x2
@@ -63,9 +63,10 @@ class Symbol:
 class ElfImage:
     """A validated ELF64 x86-64 object held in memory."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, data: bytes | None = None) -> None:
+        """``data``: the file's bytes as :func:`read_elf_file` returned them, if already read."""
         self.path = os.path.abspath(path)
-        self.data = _read_checked(path)
+        self.data = read_elf_file(path) if data is None else data
         try:
             self.elf = ELFFile(BytesIO(self.data))
             self._validate_header(path)
@@ -196,62 +197,6 @@ class ElfImage:
     @property
     def has_symtab(self) -> bool:
         return ".symtab" in self.sections
-
-
-def _read_checked(path: str) -> bytes:
-    """The bytes of the regular file at ``path``.  Only regular files are opened, and never in a way
-    that can block or consume anything: a kernel pseudo-file such as ``/proc/kmsg`` or tracefs'
-    ``trace_pipe`` is a "regular file" of size 0 whose read blocks until there is data and takes it
-    away from its other readers, so files are read up to their stat size (0: not read at all) and
-    opened with O_NONBLOCK."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        raise BinaryError(path, "no such file") from None
-    except PermissionError:
-        raise BinaryError(path, "permission denied") from None
-    except OSError as exc:
-        raise BinaryError(path, exc.strerror or str(exc)) from None
-    if stat.S_ISDIR(st.st_mode):
-        raise BinaryError(path, "is a directory, not an ELF file")
-    if not stat.S_ISREG(st.st_mode):
-        raise BinaryError(path, "not a regular file")
-    if st.st_size == 0:
-        raise BinaryError(path, "not an ELF file (size 0)")
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | os.O_CLOEXEC)
-    except PermissionError:
-        raise BinaryError(path, "permission denied (cannot read the file)") from None
-    except OSError as exc:
-        raise BinaryError(path, exc.strerror or str(exc)) from None
-    try:
-        st = os.fstat(fd)  # the file opened, which may not be the one stat() saw
-        if not stat.S_ISREG(st.st_mode):
-            raise BinaryError(path, "not a regular file")
-        chunks: list[bytes] = []
-        left = st.st_size
-        while left > 0:
-            chunk = os.read(fd, min(left, 1 << 24))
-            if not chunk:
-                break
-            chunks.append(chunk)
-            left -= len(chunk)
-        data = b"".join(chunks)
-    except BlockingIOError:
-        raise BinaryError(path, "not an ELF file (a read would block)") from None
-    except OSError as exc:
-        raise BinaryError(path, exc.strerror or str(exc)) from None
-    finally:
-        os.close(fd)
-    if len(data) < 4 or data[:4] != b"\x7fELF":
-        raise BinaryError(path, "not an ELF file" + (" (empty)" if not data else ""))
-    if len(data) < 64:
-        raise BinaryError(path, "truncated ELF (shorter than an ELF header)")
-    if data[4] == 1:
-        raise BinaryError(path, "32-bit ELF (ELFCLASS32); only x86-64 ELF64 objects are supported")
-    if data[4] != 2:
-        raise BinaryError(path, f"corrupt ELF (EI_CLASS={data[4]})")
-    return data
 
 
 def _short(exc: BaseException) -> str:

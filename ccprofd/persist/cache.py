@@ -21,7 +21,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from ccprofd.persist.atomicfile import atomic_write_bytes
+from ccprofd.persist.atomicfile import atomic_write_chunks
 
 CACHE_FORMAT = 4  # bump whenever the analysis output changes meaning
 MAGIC = b"ccprofd-cache\n"
@@ -82,6 +82,5 @@ class AnalysisCache:
 
     def store(self, kind: str, key: str, value: Any) -> None:
         payload = marshal.dumps({"cache_format": CACHE_FORMAT, "value": value})
-        data = b"".join((MAGIC, hashlib.sha256(payload).digest(), payload))
         with contextlib.suppress(OSError):  # a read-only or full cache dir must not fail the analysis
-            atomic_write_bytes(self.path_for(kind, key), data)
+            atomic_write_chunks(self.path_for(kind, key), (MAGIC, hashlib.sha256(payload).digest(), payload))
