@@ -92,11 +92,11 @@ class Redis:
     binary = "/usr/bin/redis-server"
     tools = ("redis-server", "redis-benchmark", "redis-cli")
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, extra: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(workdir), "--daemonize", "no", "--logfile", str(workdir / "redis.log")],
+             "--dir", str(workdir), "--daemonize", "no", "--logfile", str(workdir / "redis.log"), *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for(self._answers, timeout=30, interval=0.1)
 
