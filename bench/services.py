@@ -28,8 +28,12 @@ the same thread and syscall and the program's frames compared; for postgres with
 its first syscall.  ``CCPROFD_BENCH_KEEP=FILE`` keeps the check's ``perf script`` text in FILE
 and our samples in FILE.ours.json, to look at disagreements.
 
-Not yet here (issue 14 asks for them): instrumented mode with --scope, a frame-pointer baseline,
-anomaly learning curves and injected attacks.
+* ``bpf-fp``: the frame-pointer stacks baseline, bench/fpstacks.py (bcc: ``bpf_get_stackid`` with
+  ``BPF_F_USER_STACK`` on raw_syscalls:sys_enter, filtered by process), with the depth its walks
+  reach (Debian's builds omit frame pointers: most chains stop after a frame or two).
+
+Anomaly learning curves and injected attacks: bench/services_anomaly.py.  Not yet here (issue 14
+asks for it): instrumented mode with --scope.
 
 Usage (root): .venv/bin/python bench/services.py [--services redis,nginx,postgres] [--rounds 5]
 [--requests 50000] [--seconds 10] [--no-exactness] [--update-readme]
@@ -67,7 +71,7 @@ from ccprofd.kbpf.syscalls import syscall_numbers
 
 SECURITY = ["execve", "openat", "connect", "accept4", "mprotect", "mmap", "clone3", "unlinkat", "renameat2"]
 TESTS = "get,set,lrange_100"
-CONFIGS = ("untraced", "unwind-all", "unwind-security", "perf-dwarf")
+CONFIGS = ("untraced", "unwind-all", "unwind-security", "perf-dwarf", "bpf-fp")
 
 
 def free_port() -> int:
@@ -324,12 +328,17 @@ def run_daemon(workdir: Path, svc: Service, syscalls: list[str] | str, requests:
                                           capture_output=True, text=True,
                                           cwd=ROOT, timeout=120, check=True).stdout)
         contexts, samples = len(every["contexts"]), every["total_samples"]
+        counted = max(1, sum(r["count"] for r in every["contexts"]))
+        depth = sum(r["count"] * len(r["frames"]) for r in every["contexts"]) / counted
+        program = sum(r["count"] * sum(1 for f in r["frames"] if os.path.realpath(str(f.get("module"))) ==
+                                       os.path.realpath(svc.binary)) for r in every["contexts"]) / counted
         hot = subprocess.run([*ctl, "hot", "--top", "3"], capture_output=True, text=True, cwd=ROOT,
                              timeout=60).stdout
         rss = status_mb(daemon.proc.pid, "VmHWM")
         daemon.stop()
     return {"tests": result, "daemon_cpu_pct": 100 * cpu / (wall + 1.5), "daemon_rss_mb": rss,
-            "dropped": dropped, "contexts": contexts, "samples": samples, "hot": hot}
+            "dropped": dropped, "contexts": contexts, "samples": samples, "hot": hot,
+            "mean_depth": depth, "mean_program_frames": program}
 
 
 def run_perf(workdir: Path, svc: Service, requests: int) -> dict[str, Any]:
@@ -348,6 +357,31 @@ def run_perf(workdir: Path, svc: Service, requests: int) -> dict[str, Any]:
     size = data.stat().st_size if data.exists() else 0
     data.unlink(missing_ok=True)
     return {"tests": result, "perf_cpu_pct": 100 * cpu / wall, "perf_data_mb": size / 2**20}
+
+
+def run_fpstacks(workdir: Path, svc: Service, requests: int) -> dict[str, Any]:
+    """The frame-pointer baseline (bench/fpstacks.py: bcc, ``bpf_get_stackid(BPF_F_USER_STACK)`` on
+    raw_syscalls:sys_enter for the service's processes and their children)."""
+    out = workdir / "fp.json"
+    argv = [sys.executable, str(ROOT / "bench" / "fpstacks.py"), "--binary", svc.binary, "--output", str(out)]
+    for pid in svc.pids():
+        argv += ["-p", str(pid)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    if proc.stdout.readline().strip() != "attached":
+        raise RuntimeError(f"fpstacks did not attach: {proc.communicate(timeout=60)[1][-800:]}")
+    cpu0 = cpu_seconds(proc.pid)
+    t0 = time.perf_counter()
+    result = svc.load(requests)
+    wall = time.perf_counter() - t0
+    cpu = cpu_seconds(proc.pid) - cpu0
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"fpstacks failed ({proc.returncode}): {err[-800:]}")
+    stats = json.loads(out.read_text())
+    out.unlink()
+    return {"tests": result, "fp_cpu_pct": 100 * cpu / wall, **stats}
 
 
 def check_exactness(workdir: Path, svc: Redis | Postgres) -> dict[str, Any]:
@@ -469,6 +503,27 @@ def render_service(name: str, version: str, results: dict[str, list[dict[str, An
         r = results["perf-dwarf"]
         lines.append(f"| perf-dwarf | {statistics.median(x['perf_cpu_pct'] for x in r):.0f} | – | – | – | "
                      f"({statistics.median(x['perf_data_mb'] for x in r):.0f} MB perf.data) |")
+    if results.get("bpf-fp"):
+        r = results["bpf-fp"]
+        cpu = statistics.median(x['fp_cpu_pct'] for x in r)
+        lines.append(f"| bpf-fp | {cpu:.0f} (user space only) | – | "
+                     f"{statistics.median(x['samples'] for x in r):,.0f} | – | "
+                     f"({statistics.median(x['distinct_stacks'] for x in r):,.0f} stacks) |")
+    depth_rows = [(cfg, r) for cfg in ("unwind-all", "bpf-fp") for r in results.get(cfg, [])[-1:]
+                  if "mean_depth" in r]
+    if depth_rows:
+        lines += ["", "Stack depth per syscall sample (last round; frames of the service's own binary "
+                  "apart):",
+                  "", "| configuration | mean frames | mean frames in the service's binary | failed walks |",
+                  "|---|---:|---:|---:|"]
+        for cfg, r in depth_rows:
+            lines.append(f"| {cfg} | {r['mean_depth']:.1f} | {r['mean_program_frames']:.1f} | "
+                         f"{r.get('failed', '–')} |")
+        fp = [r for cfg, r in depth_rows if cfg == "bpf-fp"]
+        if fp:
+            hist = ", ".join(f"{k}: {100 * v / max(1, fp[0]['samples']):.0f}%"
+                             for k, v in fp[0]["program_frames_hist"].items())
+            lines.append(f"\nbpf-fp: samples by number of frames in the service's binary: {hist}.")
     if results.get("unwind-all"):
         lines += ["", f"Top of `ccprofctl hot` ({name}, unwind-all, last round):", "", "```",
                   results["unwind-all"][-1]["hot"].rstrip()[:3000], "```"]
@@ -513,8 +568,16 @@ def main() -> int:
     ap.add_argument("--seconds", type=int, default=10, help="pgbench's -T per script")
     ap.add_argument("--no-exactness", dest="exactness", action="store_false",
                     help="skip the frame-by-frame check against perf script")
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help=f"comma-separated configurations to measure, of {', '.join(CONFIGS)} "
+                    "(untraced always)")
+    ap.add_argument("--section", default="services", help="README section --update-readme writes")
     ap.add_argument("--update-readme", action="store_true")
     args = ap.parse_args()
+    configs = ["untraced", *(c for c in args.configs.split(",") if c != "untraced")]
+    if set(configs) - set(CONFIGS):
+        print(f"services: unknown configuration(s) {', '.join(set(configs) - set(CONFIGS))}", file=sys.stderr)
+        return 2
     if os.geteuid() != 0:
         print("services: needs root (BPF)", file=sys.stderr)
         return 2
@@ -534,13 +597,15 @@ def main() -> int:
                 if args.rounds:
                     svc.load(args.requests)  # warm-up: allocator, page cache
                 for rnd in range(args.rounds):
-                    for cfg in CONFIGS:
+                    for cfg in configs:
                         if cfg == "untraced":
                             r: dict[str, Any] = {"tests": svc.load(args.requests)}
                         elif cfg == "unwind-all":
                             r = run_daemon(work, svc, "all", args.requests)
                         elif cfg == "unwind-security":
                             r = run_daemon(work, svc, SECURITY, args.requests)
+                        elif cfg == "bpf-fp":
+                            r = run_fpstacks(work, svc, args.requests)
                         elif shutil.which("perf"):
                             r = run_perf(work, svc, args.requests)
                         else:
@@ -559,7 +624,7 @@ def main() -> int:
             text += [f"**{name} {version}**", ""]
         if exact is not None:
             text += render_exactness(name, exact)
-    publish("services", "\n".join(text), args.update_readme)
+    publish(args.section, "\n".join(text), args.update_readme)
     return 0
 
 
