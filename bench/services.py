@@ -32,8 +32,10 @@ and our samples in FILE.ours.json, to look at disagreements.
   ``BPF_F_USER_STACK`` on raw_syscalls:sys_enter, filtered by process), with the depth its walks
   reach (Debian's builds omit frame pointers: most chains stop after a frame or two).
 
-Anomaly learning curves and injected attacks: bench/services_anomaly.py.  Not yet here (issue 14
-asks for it): instrumented mode with --scope.
+* ``instrumented-scope``: the daemon in instrumented mode, every syscall, with a ``scope``
+  (:data:`SCOPES`) on a subsystem the load never calls; the scope is called once after the load.
+
+Anomaly learning curves and injected attacks: bench/services_anomaly.py.
 
 Usage (root): .venv/bin/python bench/services.py [--services redis,nginx,postgres] [--rounds 5]
 [--requests 50000] [--seconds 10] [--no-exactness] [--update-readme]
@@ -71,7 +73,7 @@ from ccprofd.kbpf.syscalls import syscall_numbers
 
 SECURITY = ["execve", "openat", "connect", "accept4", "mprotect", "mmap", "clone3", "unlinkat", "renameat2"]
 TESTS = "get,set,lrange_100"
-CONFIGS = ("untraced", "unwind-all", "unwind-security", "perf-dwarf", "bpf-fp")
+CONFIGS = ("untraced", "unwind-all", "unwind-security", "perf-dwarf", "bpf-fp", "instrumented-scope")
 
 
 def free_port() -> int:
@@ -309,11 +311,33 @@ def wait_tracked(daemon: RunningDaemon, pids: list[int] | set[int], timeout: flo
 Service = Redis | Nginx | Postgres
 
 
-def run_daemon(workdir: Path, svc: Service, syscalls: list[str] | str, requests: int) -> dict[str, Any]:
+#: ``instrumented-scope``: a subsystem the load never calls, per service (instrumented mode probes
+#: only the call graph below it), and how the bench calls it once after the load
+SCOPES = {"redis": "^(saveCommand|bgsaveCommand|configSetCommand)$",
+          "nginx": "^ngx_reopen_files$",  # the master, on SIGUSR1 (log rotation)
+          "postgres": "^(DoCopy|be_lo_export)$"}
+
+
+def call_scope(svc: Service) -> None:
+    """Run the scoped subsystem once (its samples show the scope works under the same daemon)."""
+    if isinstance(svc, Redis):
+        subprocess.run(["redis-cli", "-p", str(svc.port), "save"], capture_output=True, check=True)
+    elif isinstance(svc, Nginx):
+        svc.proc.send_signal(signal.SIGUSR1)
+    else:
+        subprocess.run(["psql", "-h", "127.0.0.1", "-p", str(svc.port), "-U", "postgres", "-Atc",
+                        "COPY (SELECT 1) TO STDOUT", "postgres"], capture_output=True, check=True,
+                       cwd=svc.dir)
+
+
+def run_daemon(workdir: Path, svc: Service, syscalls: list[str] | str, requests: int,
+               mode: str = "unwind") -> dict[str, Any]:
     """The service's load under ``ccprofd run`` with the service's binary as a ``path`` target
-    (its running processes are found by the daemon's /proc rescan)."""
+    (its running processes are found by the daemon's /proc rescan).  ``instrumented`` mode scopes
+    to :data:`SCOPES` and calls the scope once after the load."""
     wd = tempfile.mkdtemp(dir=workdir, prefix="d-")
-    target = target_toml(svc.name, f'path = "{svc.binary}"', syscalls, "unwind")
+    scope = f"scope = '{SCOPES[svc.name]}'\n" if mode == "instrumented" else ""
+    target = target_toml(svc.name, f'path = "{svc.binary}"', syscalls, mode, scope)
     with RunningDaemon(wd, config_text(wd, target, daemon_extra="top_k = 20")) as daemon:
         wait_tracked(daemon, svc.pids(), timeout=120)
         cpu0 = cpu_seconds(daemon.proc.pid)
@@ -322,6 +346,9 @@ def run_daemon(workdir: Path, svc: Service, syscalls: list[str] | str, requests:
         wall = time.perf_counter() - t0
         time.sleep(1.5)  # the daemon drains what the load left in the rings
         cpu = cpu_seconds(daemon.proc.pid) - cpu0
+        if mode == "instrumented":
+            call_scope(svc)
+            time.sleep(1.5)
         dropped = sum(v for _, v in daemon.metric_samples("ccprofd_samples_dropped_total"))
         ctl = [sys.executable, "-m", "ccprofd.cli.ctl", "--socket", daemon.socket_path]
         every = json.loads(subprocess.run([*ctl, "--format", "json", "hot", "--top", "1000000"],
@@ -491,7 +518,7 @@ def render_service(name: str, version: str, results: dict[str, list[dict[str, An
     lines += ["", "| configuration | tracer CPU % of a core | tracer peak RSS MB | samples | dropped "
               "| contexts |",
               "|---|---:|---:|---:|---:|---:|"]
-    for cfg in ("unwind-all", "unwind-security"):
+    for cfg in ("unwind-all", "unwind-security", "instrumented-scope"):
         if results.get(cfg):
             r = results[cfg]
             lines.append(f"| {cfg} | {statistics.median(x['daemon_cpu_pct'] for x in r):.0f} | "
@@ -524,6 +551,10 @@ def render_service(name: str, version: str, results: dict[str, list[dict[str, An
             hist = ", ".join(f"{k}: {100 * v / max(1, fp[0]['samples']):.0f}%"
                              for k, v in fp[0]["program_frames_hist"].items())
             lines.append(f"\nbpf-fp: samples by number of frames in the service's binary: {hist}.")
+    if results.get("instrumented-scope"):
+        lines += ["", f"instrumented-scope: `scope = '{SCOPES[name]}'`, called once after the load; the top "
+                  "of `ccprofctl hot` then (last round):", "", "```",
+                  results["instrumented-scope"][-1]["hot"].rstrip()[:2000], "```"]
     if results.get("unwind-all"):
         lines += ["", f"Top of `ccprofctl hot` ({name}, unwind-all, last round):", "", "```",
                   results["unwind-all"][-1]["hot"].rstrip()[:3000], "```"]
@@ -604,6 +635,8 @@ def main() -> int:
                             r = run_daemon(work, svc, "all", args.requests)
                         elif cfg == "unwind-security":
                             r = run_daemon(work, svc, SECURITY, args.requests)
+                        elif cfg == "instrumented-scope":
+                            r = run_daemon(work, svc, "all", args.requests, "instrumented")
                         elif cfg == "bpf-fp":
                             r = run_fpstacks(work, svc, args.requests)
                         elif shutil.which("perf"):
