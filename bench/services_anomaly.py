@@ -290,7 +290,13 @@ def run_service(name: str, opts: argparse.Namespace, work: Path) -> dict[str, An
                 "postgres": lambda: psql(svc, "SELECT 1")}[name]
         samples = work / name / "samples.jsonl"
         t0 = time.monotonic()
-        tracer = Attached(svc.pids(), samples, poke)
+        for attempt in range(5):  # a postgres child (autovacuum worker, ...) may exit before the attach
+            try:
+                tracer = Attached([p for p in svc.pids() if os.path.exists(f"/proc/{p}")], samples, poke)
+                break
+            except RuntimeError as exc:
+                if "no process" not in str(exc) or attempt == 4:
+                    raise
         attach_s = time.monotonic() - t0
         windows: list[Window] = []
         for i in range(opts.train + opts.held_out):
@@ -337,7 +343,8 @@ def run_service(name: str, opts: argparse.Namespace, work: Path) -> dict[str, An
             hits = [a for a in found if names_any(a, names)]
             attacked.append({"attack": w.name, "what": w.what, "granularity": g, "alerts": len(found),
                              "samples": len(w.lines), "hits": hits, "names": names})
-    return {"name": name, "version": version, "curve": curve, "attacks": attacked, "residual": residual,
+    return {"name": name, "version": version, "curve": curve, "attacks": attacked,
+            "residual": {g: [[*k, n] for k, n in r.items()] for g, r in residual.items()},
             "mixes": [(w.name, w.what, len(w.lines), w.lost) for w in windows], "attach_s": attach_s,
             "trace_err": trace_err.strip()[-400:], "train": opts.train, "held": opts.held_out}
 
@@ -399,7 +406,7 @@ def markdown(results: list[dict[str, Any]], opts: argparse.Namespace, load: str)
             if r["residual"][g]:
                 lines += [f"False alerts left after {last['k']} mixes ({g}; innermost frames):", "",
                           "| kind | syscall | innermost frames | alerts |", "|---|---|---|---:|"]
-                for (kind, sc, ch), n in sorted(r["residual"][g].items(), key=lambda x: -x[1])[:12]:
+                for kind, sc, ch, n in sorted(r["residual"][g], key=lambda x: -x[3])[:12]:
                     lines.append(f"| {kind} | {sc} | {ch} | {n} |")
                 lines.append("")
         lines += ["Injected attacks (the attack's window checked with the model of all training mixes):", "",
@@ -437,6 +444,9 @@ def main() -> int:
     ap.add_argument("--held-out", type=int, default=4)
     ap.add_argument("--seed", type=int, default=3)
     ap.add_argument("--output", default=str(DOCS / "services-anomaly.md"))
+    ap.add_argument("--keep", default="/tmp/ccprofd-services-anomaly",
+                    help="each service's results are kept in DIR/NAME.json and reused by the next run "
+                    "(delete them to measure again)")
     opts = ap.parse_args()
     if os.geteuid() != 0:
         print("services_anomaly: needs root (BPF)", file=sys.stderr)
@@ -445,9 +455,16 @@ def main() -> int:
     results = []
     with tempfile.TemporaryDirectory(prefix="ccprofd-svc-anomaly-") as d:
         Path(d).chmod(0o755)  # nginx's workers and postgres run as other users
+        keep = Path(opts.keep)
+        keep.mkdir(parents=True, exist_ok=True)
         for name in opts.services.split(","):
+            kept = keep / f"{name}.json"
+            if kept.exists():
+                results.append(json.loads(kept.read_text()))
+                continue
             (Path(d) / name).mkdir()
             results.append(run_service(name, opts, Path(d)))
+            kept.write_text(json.dumps(results[-1]))
     out = Path(opts.output)
     plot(results, out.with_name("services-anomaly-learning-curve.png"))
     text = markdown(results, opts, load)
