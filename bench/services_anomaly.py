@@ -229,8 +229,11 @@ def postgres_mix(svc: Postgres, rng: random.Random) -> tuple[str, Callable[[], N
 
 
 def psql(svc: Postgres, query: str) -> str:
-    return subprocess.run(["psql", "-h", "127.0.0.1", "-p", str(svc.port), "-U", "postgres", "-Atc", query,
-                           "postgres"], capture_output=True, text=True, check=True, cwd=svc.dir).stdout
+    r = subprocess.run(["psql", "-h", "127.0.0.1", "-p", str(svc.port), "-U", "postgres", "-Atc", query,
+                        "postgres"], capture_output=True, text=True, cwd=svc.dir)
+    if r.returncode != 0:
+        raise RuntimeError(f"psql {query!r}: {r.stderr.strip()[-300:]}")
+    return r.stdout
 
 
 def postgres_attacks(svc: Postgres, work: Path) -> list[tuple[str, str, Callable[[], None], tuple[str, ...]]]:
@@ -305,7 +308,16 @@ def run_service(name: str, opts: argparse.Namespace, work: Path) -> dict[str, An
             print(f"{name} mix {i + 1}: {what}", file=sys.stderr)
         attack_windows = []
         for tag, what, run, names in attacks(svc, work / name):
-            attack_windows.append((timed(tag, what, run), names))
+            failed: list[str] = []
+
+            def attempt(run: Callable[[], None] = run, failed: list[str] = failed) -> None:
+                try:
+                    run()
+                except RuntimeError as exc:  # judged all the same: the attempt made its syscalls
+                    failed.append(str(exc))
+            attack_windows.append((timed(tag, what, attempt), names))
+            if failed:
+                attack_windows[-1][0].what += f" (the service refused it: {failed[0]})"
             print(f"{name} attack {tag}", file=sys.stderr)
         trace_err = tracer.stop()
         version = svc.version()
