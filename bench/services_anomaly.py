@@ -239,11 +239,15 @@ def psql(svc: Postgres, query: str) -> str:
 def postgres_attacks(svc: Postgres, work: Path) -> list[tuple[str, str, Callable[[], None], tuple[str, ...]]]:
     out = svc.dir / "copied.txt"
     lo = svc.dir / "lo.txt"
+
+    def lo_export() -> None:
+        # two statements: an object created in the statement that exports it is not visible to lo_export
+        oid = psql(svc, "SELECT lo_from_bytea(0, 'ssh-rsa AAAA attacker')").strip()
+        psql(svc, f"SELECT lo_export({oid}, '{lo}')")
     return [("copy-to-file", "`COPY (SELECT ...) TO 'file'`",
              lambda: psql(svc, f"COPY (SELECT 'ssh-rsa AAAA attacker') TO '{out}'") and None,
              ("BeginCopyTo", "DoCopy", "AllocateFile")),
-            ("lo-export", "`SELECT lo_export(lo_from_bytea(0, ...), 'file')`",
-             lambda: psql(svc, f"SELECT lo_export(lo_from_bytea(0, 'x'), '{lo}')") and None,
+            ("lo-export", "`SELECT lo_from_bytea(0, ...)`, then `SELECT lo_export(OID, 'file')`", lo_export,
              ("be_lo_export", "lo_export"))]
 
 
