@@ -205,7 +205,7 @@ def nginx_attacks(svc: Nginx, work: Path) -> list[tuple[str, str, Callable[[], N
         subprocess.run(["curl", "-s", "-o", "/dev/null", "-X", "POST", "--data-binary", f"@{body}",
                         f"{base}/small.html"], check=True)
     return [("directory-probe", "`GET /private/` (a directory without an index file)", probe,
-             ("ngx_http_index_handler",)),
+             ("ngx_http_index_handler", "path:/private/")),
             ("post-body", "`POST /small.html` with a 64 KB body", post, ("ngx_http_discard_request_body",
                                                                         "ngx_http_read_discarded_request_body"))]
 
@@ -276,7 +276,11 @@ def chain(a: dict[str, Any], n: int = 6) -> str:
 
 
 def names_any(a: dict[str, Any], names: tuple[str, ...]) -> bool:
-    return any(f.get("function") in names for f in a.get("frames", []))
+    """Whether the alert's chain names one of the attack's functions, or (``path:TEXT``) its path
+    argument contains TEXT (a static function of a stripped binary has no name to look for)."""
+    path = str(a.get("args", {}).get("path", ""))
+    return any(f.get("function") in names for f in a.get("frames", [])) or \
+        any(n.startswith("path:") and n[5:] in path for n in names)
 
 
 def run_service(name: str, opts: argparse.Namespace, work: Path) -> dict[str, Any]:
@@ -358,7 +362,8 @@ def run_service(name: str, opts: argparse.Namespace, work: Path) -> dict[str, An
             found = detect(model, path, g)
             hits = [a for a in found if names_any(a, names)]
             attacked.append({"attack": w.name, "what": w.what, "granularity": g, "alerts": len(found),
-                             "samples": len(w.lines), "hits": hits, "names": names})
+                             "samples": len(w.lines), "hits": hits, "names": names,
+                             "others": [a for a in found if not names_any(a, names)]})
     return {"name": name, "version": version, "curve": curve, "attacks": attacked,
             "residual": {g: [[*k, n] for k, n in r.items()] for g, r in residual.items()},
             "mixes": [(w.name, w.what, len(w.lines), w.lost) for w in windows], "attach_s": attach_s,
@@ -438,15 +443,15 @@ def markdown(results: list[dict[str, Any]], opts: argparse.Namespace, load: str)
         lines.append("")
         for a in r["attacks"]:
             seen: dict[tuple[str, str, str], int] = {}
-            for h in a["hits"]:
+            for h in a["hits"] + a.get("others", []):
                 key = (h["syscall"], str(h.get("args", {}).get("path", "")), chain(h, 8))
                 seen[key] = seen.get(key, 0) + 1
             if seen:
                 lines += [f"Distinct alerted chains of {a['what']} ({a['granularity']}; innermost 8 "
-                          "frames):", "",
+                          "frames; all alerts of the attack's window):", "",
                           "| syscall | path | call chain | alerts |", "|---|---|---|---:|"]
                 lines += [f"| {sc} | {p} | {ch} | {n} |" for (sc, p, ch), n in
-                          sorted(seen.items(), key=lambda x: (x[0][0] != "openat", -x[1]))[:8]]
+                          sorted(seen.items(), key=lambda x: (x[0][0] != "openat", -x[1]))[:12]]
                 lines.append("")
         if r["trace_err"]:
             lines += ["`ccprofd trace` said at exit:", "", "```", r["trace_err"], "```", ""]
