@@ -4,7 +4,7 @@
 PYTHON ?= .venv/bin/python
 BENCH_OUT ?= docs
 
-.PHONY: bench bench-setup bench-ci bench-daemon bench-unwind bench-trace bench-services
+.PHONY: bench bench-setup bench-ci bench-daemon bench-unwind bench-trace bench-services bench-services-anomaly
 
 bench-setup:
 	bash bench/setup.sh
@@ -36,6 +36,11 @@ bench-trace: bench-setup
 # bench:services section (~30 minutes with the default 5 rounds).
 bench-services: bench-setup
 	$(PYTHON) bench/services.py --update-readme
+
+# Anomaly learning curves and injected attacks on the same services (issue 14): writes
+# docs/services-anomaly.md and docs/services-anomaly-learning-curve.png.
+bench-services-anomaly: bench-setup
+	$(PYTHON) bench/services_anomaly.py --keep "$$(mktemp -d)"
 
 bench-ci:
 	out=$$(mktemp -d /tmp/ccprofd-bench-ci-XXXXXX) && $(PYTHON) bench/report.py --reduced --out "$$out" && \

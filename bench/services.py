@@ -28,8 +28,14 @@ the same thread and syscall and the program's frames compared; for postgres with
 its first syscall.  ``CCPROFD_BENCH_KEEP=FILE`` keeps the check's ``perf script`` text in FILE
 and our samples in FILE.ours.json, to look at disagreements.
 
-Not yet here (issue 14 asks for them): instrumented mode with --scope, a frame-pointer baseline,
-anomaly learning curves and injected attacks.
+* ``bpf-fp``: the frame-pointer stacks baseline, bench/fpstacks.py (bcc: ``bpf_get_stackid`` with
+  ``BPF_F_USER_STACK`` on raw_syscalls:sys_enter, filtered by process), with the depth its walks
+  reach (Debian's builds omit frame pointers: most chains stop after a frame or two).
+
+* ``instrumented-scope``: the daemon in instrumented mode, every syscall, with a ``scope``
+  (:data:`SCOPES`) on a subsystem the load never calls; the scope is called once after the load.
+
+Anomaly learning curves and injected attacks: bench/services_anomaly.py.
 
 Usage (root): .venv/bin/python bench/services.py [--services redis,nginx,postgres] [--rounds 5]
 [--requests 50000] [--seconds 10] [--no-exactness] [--update-readme]
@@ -67,7 +73,7 @@ from ccprofd.kbpf.syscalls import syscall_numbers
 
 SECURITY = ["execve", "openat", "connect", "accept4", "mprotect", "mmap", "clone3", "unlinkat", "renameat2"]
 TESTS = "get,set,lrange_100"
-CONFIGS = ("untraced", "unwind-all", "unwind-security", "perf-dwarf")
+CONFIGS = ("untraced", "unwind-all", "unwind-security", "perf-dwarf", "bpf-fp", "instrumented-scope")
 
 
 def free_port() -> int:
@@ -92,11 +98,11 @@ class Redis:
     binary = "/usr/bin/redis-server"
     tools = ("redis-server", "redis-benchmark", "redis-cli")
 
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, extra: tuple[str, ...] = ()) -> None:
         self.port = free_port()
         self.proc = subprocess.Popen(
             [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-             "--dir", str(workdir), "--daemonize", "no", "--logfile", str(workdir / "redis.log")],
+             "--dir", str(workdir), "--daemonize", "no", "--logfile", str(workdir / "redis.log"), *extra],
             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for(self._answers, timeout=30, interval=0.1)
 
@@ -305,11 +311,33 @@ def wait_tracked(daemon: RunningDaemon, pids: list[int] | set[int], timeout: flo
 Service = Redis | Nginx | Postgres
 
 
-def run_daemon(workdir: Path, svc: Service, syscalls: list[str] | str, requests: int) -> dict[str, Any]:
+#: ``instrumented-scope``: a subsystem the load never calls, per service (instrumented mode probes
+#: only the call graph below it), and how the bench calls it once after the load
+SCOPES = {"redis": "^(saveCommand|bgsaveCommand|configSetCommand)$",
+          "nginx": "^ngx_reopen_files$",  # the master, on SIGUSR1 (log rotation)
+          "postgres": "^(DoCopy|be_lo_export)$"}
+
+
+def call_scope(svc: Service) -> None:
+    """Run the scoped subsystem once (its samples show the scope works under the same daemon)."""
+    if isinstance(svc, Redis):
+        subprocess.run(["redis-cli", "-p", str(svc.port), "save"], capture_output=True, check=True)
+    elif isinstance(svc, Nginx):
+        svc.proc.send_signal(signal.SIGUSR1)
+    else:
+        subprocess.run(["psql", "-h", "127.0.0.1", "-p", str(svc.port), "-U", "postgres", "-Atc",
+                        "COPY (SELECT 1) TO STDOUT", "postgres"], capture_output=True, check=True,
+                       cwd=svc.dir)
+
+
+def run_daemon(workdir: Path, svc: Service, syscalls: list[str] | str, requests: int,
+               mode: str = "unwind") -> dict[str, Any]:
     """The service's load under ``ccprofd run`` with the service's binary as a ``path`` target
-    (its running processes are found by the daemon's /proc rescan)."""
+    (its running processes are found by the daemon's /proc rescan).  ``instrumented`` mode scopes
+    to :data:`SCOPES` and calls the scope once after the load."""
     wd = tempfile.mkdtemp(dir=workdir, prefix="d-")
-    target = target_toml(svc.name, f'path = "{svc.binary}"', syscalls, "unwind")
+    scope = f"scope = '{SCOPES[svc.name]}'\n" if mode == "instrumented" else ""
+    target = target_toml(svc.name, f'path = "{svc.binary}"', syscalls, mode, scope)
     with RunningDaemon(wd, config_text(wd, target, daemon_extra="top_k = 20")) as daemon:
         wait_tracked(daemon, svc.pids(), timeout=120)
         cpu0 = cpu_seconds(daemon.proc.pid)
@@ -318,18 +346,26 @@ def run_daemon(workdir: Path, svc: Service, syscalls: list[str] | str, requests:
         wall = time.perf_counter() - t0
         time.sleep(1.5)  # the daemon drains what the load left in the rings
         cpu = cpu_seconds(daemon.proc.pid) - cpu0
+        if mode == "instrumented":
+            call_scope(svc)
+            time.sleep(1.5)
         dropped = sum(v for _, v in daemon.metric_samples("ccprofd_samples_dropped_total"))
         ctl = [sys.executable, "-m", "ccprofd.cli.ctl", "--socket", daemon.socket_path]
         every = json.loads(subprocess.run([*ctl, "--format", "json", "hot", "--top", "1000000"],
                                           capture_output=True, text=True,
                                           cwd=ROOT, timeout=120, check=True).stdout)
         contexts, samples = len(every["contexts"]), every["total_samples"]
+        counted = max(1, sum(r["count"] for r in every["contexts"]))
+        depth = sum(r["count"] * len(r["frames"]) for r in every["contexts"]) / counted
+        program = sum(r["count"] * sum(1 for f in r["frames"] if os.path.realpath(str(f.get("module"))) ==
+                                       os.path.realpath(svc.binary)) for r in every["contexts"]) / counted
         hot = subprocess.run([*ctl, "hot", "--top", "3"], capture_output=True, text=True, cwd=ROOT,
                              timeout=60).stdout
         rss = status_mb(daemon.proc.pid, "VmHWM")
         daemon.stop()
     return {"tests": result, "daemon_cpu_pct": 100 * cpu / (wall + 1.5), "daemon_rss_mb": rss,
-            "dropped": dropped, "contexts": contexts, "samples": samples, "hot": hot}
+            "dropped": dropped, "contexts": contexts, "samples": samples, "hot": hot,
+            "mean_depth": depth, "mean_program_frames": program}
 
 
 def run_perf(workdir: Path, svc: Service, requests: int) -> dict[str, Any]:
@@ -348,6 +384,31 @@ def run_perf(workdir: Path, svc: Service, requests: int) -> dict[str, Any]:
     size = data.stat().st_size if data.exists() else 0
     data.unlink(missing_ok=True)
     return {"tests": result, "perf_cpu_pct": 100 * cpu / wall, "perf_data_mb": size / 2**20}
+
+
+def run_fpstacks(workdir: Path, svc: Service, requests: int) -> dict[str, Any]:
+    """The frame-pointer baseline (bench/fpstacks.py: bcc, ``bpf_get_stackid(BPF_F_USER_STACK)`` on
+    raw_syscalls:sys_enter for the service's processes and their children)."""
+    out = workdir / "fp.json"
+    argv = [sys.executable, str(ROOT / "bench" / "fpstacks.py"), "--binary", svc.binary, "--output", str(out)]
+    for pid in svc.pids():
+        argv += ["-p", str(pid)]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    if proc.stdout.readline().strip() != "attached":
+        raise RuntimeError(f"fpstacks did not attach: {proc.communicate(timeout=60)[1][-800:]}")
+    cpu0 = cpu_seconds(proc.pid)
+    t0 = time.perf_counter()
+    result = svc.load(requests)
+    wall = time.perf_counter() - t0
+    cpu = cpu_seconds(proc.pid) - cpu0
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=300)
+    if proc.returncode != 0 or not out.exists():
+        raise RuntimeError(f"fpstacks failed ({proc.returncode}): {err[-800:]}")
+    stats = json.loads(out.read_text())
+    out.unlink()
+    return {"tests": result, "fp_cpu_pct": 100 * cpu / wall, **stats}
 
 
 def check_exactness(workdir: Path, svc: Redis | Postgres) -> dict[str, Any]:
@@ -457,7 +518,7 @@ def render_service(name: str, version: str, results: dict[str, list[dict[str, An
     lines += ["", "| configuration | tracer CPU % of a core | tracer peak RSS MB | samples | dropped "
               "| contexts |",
               "|---|---:|---:|---:|---:|---:|"]
-    for cfg in ("unwind-all", "unwind-security"):
+    for cfg in ("unwind-all", "unwind-security", "instrumented-scope"):
         if results.get(cfg):
             r = results[cfg]
             lines.append(f"| {cfg} | {statistics.median(x['daemon_cpu_pct'] for x in r):.0f} | "
@@ -469,6 +530,31 @@ def render_service(name: str, version: str, results: dict[str, list[dict[str, An
         r = results["perf-dwarf"]
         lines.append(f"| perf-dwarf | {statistics.median(x['perf_cpu_pct'] for x in r):.0f} | – | – | – | "
                      f"({statistics.median(x['perf_data_mb'] for x in r):.0f} MB perf.data) |")
+    if results.get("bpf-fp"):
+        r = results["bpf-fp"]
+        cpu = statistics.median(x['fp_cpu_pct'] for x in r)
+        lines.append(f"| bpf-fp | {cpu:.0f} (user space only) | – | "
+                     f"{statistics.median(x['samples'] for x in r):,.0f} | – | "
+                     f"({statistics.median(x['distinct_stacks'] for x in r):,.0f} stacks) |")
+    depth_rows = [(cfg, r) for cfg in ("unwind-all", "bpf-fp") for r in results.get(cfg, [])[-1:]
+                  if "mean_depth" in r]
+    if depth_rows:
+        lines += ["", "Stack depth per syscall sample (last round; frames of the service's own binary "
+                  "apart):",
+                  "", "| configuration | mean frames | mean frames in the service's binary | failed walks |",
+                  "|---|---:|---:|---:|"]
+        for cfg, r in depth_rows:
+            lines.append(f"| {cfg} | {r['mean_depth']:.1f} | {r['mean_program_frames']:.1f} | "
+                         f"{r.get('failed', '–')} |")
+        fp = [r for cfg, r in depth_rows if cfg == "bpf-fp"]
+        if fp:
+            hist = ", ".join(f"{k}: {100 * v / max(1, fp[0]['samples']):.0f}%"
+                             for k, v in fp[0]["program_frames_hist"].items())
+            lines.append(f"\nbpf-fp: samples by number of frames in the service's binary: {hist}.")
+    if results.get("instrumented-scope"):
+        lines += ["", f"instrumented-scope: `scope = '{SCOPES[name]}'`, called once after the load; the top "
+                  "of `ccprofctl hot` then (last round):", "", "```",
+                  results["instrumented-scope"][-1]["hot"].rstrip()[:2000], "```"]
     if results.get("unwind-all"):
         lines += ["", f"Top of `ccprofctl hot` ({name}, unwind-all, last round):", "", "```",
                   results["unwind-all"][-1]["hot"].rstrip()[:3000], "```"]
@@ -513,8 +599,16 @@ def main() -> int:
     ap.add_argument("--seconds", type=int, default=10, help="pgbench's -T per script")
     ap.add_argument("--no-exactness", dest="exactness", action="store_false",
                     help="skip the frame-by-frame check against perf script")
+    ap.add_argument("--configs", default=",".join(CONFIGS),
+                    help=f"comma-separated configurations to measure, of {', '.join(CONFIGS)} "
+                    "(untraced always)")
+    ap.add_argument("--section", default="services", help="README section --update-readme writes")
     ap.add_argument("--update-readme", action="store_true")
     args = ap.parse_args()
+    configs = ["untraced", *(c for c in args.configs.split(",") if c != "untraced")]
+    if set(configs) - set(CONFIGS):
+        print(f"services: unknown configuration(s) {', '.join(set(configs) - set(CONFIGS))}", file=sys.stderr)
+        return 2
     if os.geteuid() != 0:
         print("services: needs root (BPF)", file=sys.stderr)
         return 2
@@ -534,13 +628,17 @@ def main() -> int:
                 if args.rounds:
                     svc.load(args.requests)  # warm-up: allocator, page cache
                 for rnd in range(args.rounds):
-                    for cfg in CONFIGS:
+                    for cfg in configs:
                         if cfg == "untraced":
                             r: dict[str, Any] = {"tests": svc.load(args.requests)}
                         elif cfg == "unwind-all":
                             r = run_daemon(work, svc, "all", args.requests)
                         elif cfg == "unwind-security":
                             r = run_daemon(work, svc, SECURITY, args.requests)
+                        elif cfg == "instrumented-scope":
+                            r = run_daemon(work, svc, "all", args.requests, "instrumented")
+                        elif cfg == "bpf-fp":
+                            r = run_fpstacks(work, svc, args.requests)
                         elif shutil.which("perf"):
                             r = run_perf(work, svc, args.requests)
                         else:
@@ -559,7 +657,7 @@ def main() -> int:
             text += [f"**{name} {version}**", ""]
         if exact is not None:
             text += render_exactness(name, exact)
-    publish("services", "\n".join(text), args.update_readme)
+    publish(args.section, "\n".join(text), args.update_readme)
     return 0
 
 

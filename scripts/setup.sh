@@ -29,9 +29,10 @@ fi
 # golang-go: `go tool pprof` reads the daemon's pprof endpoints in tests/test_export_pprof.py
 # man-db, groff-base: `man ccprofd` (and the man-page test); bash-completion: loads the completions
 # python3-dev: Python.h, for ccprofd's compiled helpers (scripts/build_ext.sh)
+# redis-server, redis-tools: a real service in tests/test_services_redis_anomaly.py (issue 14)
 APT_PACKAGES=(python3-bpfcc linux-headers-amd64 bpftool gcc g++ make binutils strace gdb file
               python3 python3-venv python3-dev systemd prometheus libc6-dbg golang-go man-db groff-base
-              bash-completion)
+              bash-completion redis-server redis-tools)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
@@ -44,6 +45,10 @@ if [ ${#missing[@]} -gt 0 ]; then
   # Only promtool is wanted: stop the Prometheus server the package enables, if we installed it.
   if [[ " ${missing[*]} " == *" prometheus "* ]] && command -v systemctl >/dev/null; then
     systemctl disable --now prometheus.service >/dev/null 2>&1 || true
+  fi
+  # The test starts its own redis-server on a free loopback port: stop the one the package enables.
+  if [[ " ${missing[*]} " == *" redis-server "* ]] && command -v systemctl >/dev/null; then
+    systemctl disable --now redis-server.service >/dev/null 2>&1 || true
   fi
 fi
 

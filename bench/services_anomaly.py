@@ -1,0 +1,517 @@
+"""Anomaly detection on real services: learning curves and injected attacks (issue 14).
+
+Per service (redis, nginx, postgres; started as bench/services.py starts them, on loopback in a
+temporary directory), one ``ccprofd trace --mode unwind --format jsonl -p PID...`` is attached to
+the running service (every syscall; processes it forks later, such as postgres backends, are
+followed) and stays attached while the bench drives, one after another, N random *workload mixes*
+(different commands, sizes, concurrency and clients: see ``*_mix`` below) and then the injected
+attacks.  The samples are split by time into one file per mix (a mix's window runs from its first
+request to 0.3 s after its last answer; samples in the gaps between mixes are dropped), so every
+mix is judged by the real ``ccprofd learn --samples`` / ``ccprofd detect --samples``
+(``--alert-interval 0``), as bench/anomaly.py does for bash:
+
+* learning curve: the model learns training mixes one at a time; after k mixes, the held-out
+  mixes (other random mixes of the same service) are checked, in both granularities (``exact``,
+  ``--granularity edges``).  A false alert is any alert on a held-out mix (``incomplete_context``
+  alerts included, counted apart).
+* attacks: each attack's window is checked with the model of all training mixes; the alerts whose
+  frames name the attack's code (e.g. ``rdbSave``) are reported with their call chains.
+
+Attacks: redis ``CONFIG SET dir`` + ``CONFIG SET dbfilename`` + ``SAVE`` (writes an RDB file where
+the attacker chose); nginx a directory probe (``GET /private/``: the index module opens
+``private/index.html``, a file outside the served set) and a ``POST`` with a 64 KB body to a static
+file (nginx reads and discards a body no normal client sends); postgres ``COPY (SELECT ...) TO
+'/file'`` and ``SELECT lo_export(...)`` (server-side file writes by a superuser session).
+
+Writes docs/services-anomaly.md and docs/services-anomaly-learning-curve.png.
+Usage (root): python bench/services_anomaly.py [--services redis,nginx,postgres] [--train 8]
+[--held-out 4] [--seed 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from common import ROOT, machine_line
+from services import Nginx, Postgres, Redis
+
+DOCS = ROOT / "docs"
+CCPROFD = [sys.executable, "-c", "from ccprofd.cli.main import main; raise SystemExit(main())"]
+GRANULARITIES = ("exact", "edges")
+
+
+def loadavg() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def ccprofd(*args: str) -> subprocess.CompletedProcess[str]:
+    r = subprocess.run([*CCPROFD, *args], capture_output=True, text=True, cwd=ROOT)
+    if r.returncode != 0:
+        raise RuntimeError(f"ccprofd {' '.join(args[:4])} failed ({r.returncode}): {r.stderr.strip()[-800:]}")
+    return r
+
+
+# ------------------------------------------------------------------------------------ tracing
+class Attached:
+    """``ccprofd trace -p`` on a running service's processes, writing jsonl samples to ``out``."""
+
+    def __init__(self, pids: list[int], out: Path, poke: Callable[[], None], mode: str = "unwind") -> None:
+        self.out = out
+        self.err = open(out.with_suffix(".err"), "w")  # noqa: SIM115 - open while tracing
+        argv = [*CCPROFD, "trace", "--mode", mode, "--format", "jsonl", "--output", str(out)]
+        for pid in pids:
+            argv += ["-p", str(pid)]
+        self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=self.err)
+        deadline = time.monotonic() + 600
+        while not (out.exists() and out.stat().st_size):  # attached: the service's syscalls arrive
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ccprofd trace -p {pids} did not start: "
+                                   f"{out.with_suffix('.err').read_text()[-800:]}")
+            poke()
+            time.sleep(0.5)
+
+    def stop(self) -> str:
+        time.sleep(2.0)  # the tracer drains its rings
+        self.proc.send_signal(signal.SIGTERM)  # detaches, leaves the service running
+        self.proc.wait(timeout=300)
+        self.err.close()
+        return self.out.with_suffix(".err").read_text()
+
+
+@dataclass
+class Window:
+    name: str
+    start_ns: int
+    end_ns: int = 0
+    what: str = ""
+    lines: list[str] = field(default_factory=list)
+    lost: int = 0  # samples the tracer reported lost in this window (its ring was full)
+
+
+def timed(name: str, what: str, run: Callable[[], None]) -> Window:
+    w = Window(name, time.time_ns(), what=what)
+    run()
+    w.end_ns = time.time_ns() + 300_000_000
+    time.sleep(0.6)  # a gap: the next window starts after this one's trailing samples
+    return w
+
+
+def split(samples: Path, windows: list[Window]) -> None:
+    """Each sample line into the window its time falls in (others dropped); the tracer's
+    ``{"event": "lost", "samples": N}`` records are counted, not kept (learn/detect read samples)."""
+    for line in samples.read_text().splitlines():
+        doc = json.loads(line)
+        t = doc.get("time_ns", 0)
+        for w in windows:
+            if w.start_ns <= t <= w.end_ns:
+                if "syscall" in doc and "frames" in doc:
+                    w.lines.append(line)
+                elif doc.get("event") == "lost":
+                    w.lost += int(doc.get("samples", 0))
+                break
+
+
+# ------------------------------------------------------------------------------------ mixes
+REDIS_TESTS = ("ping_inline", "ping_mbulk", "set", "get", "incr", "lpush", "rpush", "lpop", "rpop", "sadd",
+               "hset", "spop", "zadd", "zpopmin", "lrange_100", "lrange_300", "mset", "xadd")
+REDIS_CLI = (["info"], ["dbsize"], ["config", "get", "maxmemory"], ["type", "key:__rand_int__"],
+             ["exists", "counter:__rand_int__"], ["expire", "mylist", "600"], ["ttl", "mylist"],
+             ["llen", "mylist"], ["scard", "myset"], ["hgetall", "myhash"], ["client", "list"])
+
+
+def redis_mix(svc: Redis, rng: random.Random) -> tuple[str, Callable[[], None]]:
+    tests = rng.sample(REDIS_TESTS, rng.randint(4, 8))
+    n, c, d = rng.choice((300, 600, 1000)), rng.choice((1, 4, 10, 20)), rng.choice((3, 64, 512, 4096))
+    pipe = rng.choice((1, 1, 4, 16))
+    cli = rng.sample(REDIS_CLI, rng.randint(2, 5))
+    what = f"redis-benchmark -t {','.join(tests)} -n {n} -c {c} -d {d} -P {pipe}; redis-cli " + \
+        "; ".join(" ".join(x) for x in cli)
+
+    def run() -> None:
+        subprocess.run(["redis-benchmark", "-p", str(svc.port), "-t", ",".join(tests), "-n", str(n), "-c",
+                        str(c), "-d", str(d), "-P", str(pipe), "-q"], capture_output=True, check=True)
+        for cmd in cli:
+            subprocess.run(["redis-cli", "-p", str(svc.port), *cmd], capture_output=True, check=True)
+    return what, run
+
+
+def redis_attacks(svc: Redis, work: Path) -> list[tuple[str, str, Callable[[], None], tuple[str, ...]]]:
+    evil = work / "evil"
+    evil.mkdir()
+
+    def run() -> None:
+        for cmd in (["config", "set", "dir", str(evil)], ["config", "set", "dbfilename", "authorized_keys"],
+                    ["save"]):
+            out = subprocess.run(["redis-cli", "-p", str(svc.port), *cmd], capture_output=True, text=True,
+                                 check=True).stdout
+            if out.strip() != "OK":
+                raise RuntimeError(f"redis {cmd}: {out}")
+        if not (evil / "authorized_keys").exists():
+            raise RuntimeError("redis SAVE wrote no file")
+    return [("config-set-dir-save",
+             f"`CONFIG SET dir {evil.name}/`, `CONFIG SET dbfilename authorized_keys`, `SAVE`", run,
+             ("rdbSave", "configSetCommand", "saveCommand"))]
+
+
+NGINX_FILES = {"index.html": 1200, "small.html": 4096, "style.css": 9000, "large.bin": 65536,
+               "huge.bin": 1 << 20, "img/logo.png": 20000}
+
+
+def nginx_setup(svc: Nginx) -> None:
+    www = Path(str(svc.proc.args[2])).parent / "www"  # the -c conf's directory
+    for name, size in NGINX_FILES.items():
+        p = www / name
+        p.parent.mkdir(exist_ok=True)
+        p.parent.chmod(0o755)
+        p.write_bytes(os.urandom(size // 2 + 1).hex().encode()[:size])
+        p.chmod(0o644)
+    (www / "private").mkdir()  # a directory without an index file: only the attack asks for it
+    (www / "private").chmod(0o755)
+
+
+def nginx_mix(svc: Nginx, rng: random.Random) -> tuple[str, Callable[[], None]]:
+    files = rng.sample(sorted(NGINX_FILES), rng.randint(2, 4))
+    if rng.random() < 0.5:
+        files.append("missing.html")  # 404s happen on every site
+    n, c, keep, head = rng.choice((100, 200, 400)), rng.choice((1, 5, 20)), rng.random() < 0.6, \
+        rng.random() < 0.3
+    what = f"ab -n {n} -c {c}{' -k' if keep else ''}{' -i' if head else ''} on /" + ", /".join(files)
+
+    def run() -> None:
+        for f in files:
+            subprocess.run(["ab", "-q", "-n", str(n), "-c", str(c), *(["-k"] if keep else []),
+                            *(["-i"] if head else []), f"http://127.0.0.1:{svc.port}/{f}"],
+                           capture_output=True, check=True)
+    return what, run
+
+
+def nginx_attacks(svc: Nginx, work: Path) -> list[tuple[str, str, Callable[[], None], tuple[str, ...]]]:
+    base = f"http://127.0.0.1:{svc.port}"
+
+    def probe() -> None:
+        subprocess.run(["curl", "-s", "-o", "/dev/null", f"{base}/private/"], check=True)
+
+    def post() -> None:
+        body = work / "body.bin"
+        body.write_bytes(b"x" * 65536)
+        subprocess.run(["curl", "-s", "-o", "/dev/null", "-X", "POST", "--data-binary", f"@{body}",
+                        f"{base}/small.html"], check=True)
+    return [("directory-probe", "`GET /private/` (a directory without an index file)", probe,
+             ("ngx_http_index_handler", "path:/private/")),
+            ("post-body", "`POST /small.html` with a 64 KB body", post,
+             ("ngx_http_discard_request_body", "ngx_http_read_discarded_request_body",
+              "ngx_http_discarded_request_body_handler"))]
+
+
+PG_QUERIES = ("SELECT count(*) FROM pgbench_accounts", "SELECT * FROM pgbench_branches",
+              "SELECT sum(abalance) FROM pgbench_accounts WHERE aid < 1000", "SELECT version()",
+              "SELECT now()", "SELECT relname FROM pg_class LIMIT 5", "BEGIN; SELECT 1; COMMIT")
+
+
+def postgres_mix(svc: Postgres, rng: random.Random) -> tuple[str, Callable[[], None]]:
+    script = rng.choice((["-S"], [], ["-N"]))
+    c = rng.choice((1, 2, 4))
+    queries = rng.sample(PG_QUERIES, rng.randint(1, 3))
+    what = f"pgbench {' '.join(script) or '(tpcb-like)'} -c {c} -T 2; psql: " + "; ".join(queries)
+
+    def run() -> None:
+        svc.pgbench(["-c", str(c), "-j", str(min(c, 2)), "-T", "2", *script])
+        for q in queries:
+            psql(svc, q)
+    return what, run
+
+
+def psql(svc: Postgres, query: str) -> str:
+    r = subprocess.run(["psql", "-h", "127.0.0.1", "-p", str(svc.port), "-U", "postgres", "-Atc", query,
+                        "postgres"], capture_output=True, text=True, cwd=svc.dir)
+    if r.returncode != 0:
+        raise RuntimeError(f"psql {query!r}: {r.stderr.strip()[-300:]}")
+    return r.stdout
+
+
+def postgres_attacks(svc: Postgres, work: Path) -> list[tuple[str, str, Callable[[], None], tuple[str, ...]]]:
+    out = svc.dir / "copied.txt"
+    lo = svc.dir / "lo.txt"
+
+    def lo_export() -> None:
+        # two statements: an object created in the statement that exports it is not visible to lo_export
+        oid = psql(svc, "SELECT lo_from_bytea(0, 'ssh-rsa AAAA attacker')").strip()
+        psql(svc, f"SELECT lo_export({oid}, '{lo}')")
+    return [("copy-to-file", "`COPY (SELECT ...) TO 'file'`",
+             lambda: psql(svc, f"COPY (SELECT 'ssh-rsa AAAA attacker') TO '{out}'") and None,
+             ("BeginCopyTo", "DoCopy", "AllocateFile")),
+            ("lo-export", "`SELECT lo_from_bytea(0, ...)`, then `SELECT lo_export(OID, 'file')`", lo_export,
+             ("be_lo_export", "lo_export"))]
+
+
+SERVICES: dict[str, tuple[type, Callable[..., Any], Callable[..., Any]]] = {
+    "redis": (Redis, redis_mix, redis_attacks),
+    "nginx": (Nginx, nginx_mix, nginx_attacks),
+    "postgres": (Postgres, postgres_mix, postgres_attacks),
+}
+
+
+# ------------------------------------------------------------------------------------ judging
+def write(w: Window, path: Path) -> Path:
+    path.write_text("".join(line + "\n" for line in w.lines))
+    return path
+
+
+def detect(model: Path, samples: Path, granularity: str) -> list[dict[str, Any]]:
+    r = ccprofd("detect", "--model", str(model), "--granularity", granularity, "--alert-interval", "0",
+                "--samples", str(samples))
+    return [json.loads(line) for line in r.stderr.splitlines() if line.startswith("{")]
+
+
+def chain(a: dict[str, Any], n: int = 6) -> str:
+    """The innermost ``n`` frames of the alert's context, outermost first."""
+    return " > ".join(str(f.get("function")) for f in a.get("frames", [])[-n:]) or "(no frame)"
+
+
+def names_any(a: dict[str, Any], names: tuple[str, ...]) -> bool:
+    """Whether the alert's chain names one of the attack's functions, or (``path:TEXT``) its path
+    argument contains TEXT (a static function of a stripped binary has no name to look for)."""
+    path = str(a.get("args", {}).get("path", ""))
+    return any(f.get("function") in names for f in a.get("frames", [])) or \
+        any(n.startswith("path:") and n[5:] in path for n in names)
+
+
+def run_service(name: str, opts: argparse.Namespace, work: Path) -> dict[str, Any]:
+    cls, mix, attacks = SERVICES[name]
+    rng = random.Random(f"{opts.seed}-{name}")
+    if cls is Redis:  # CONFIG SET dir/dbfilename are protected since redis 7: the attack needs them open,
+        # as on the many servers configured before 7 or with this switch
+        svc = Redis(work / name, ("--enable-protected-configs", "yes"))
+    else:
+        svc = cls(work / name) if cls is not Postgres else cls(work / name, 2)
+    try:
+        if cls is Nginx:
+            nginx_setup(svc)
+        poke = {"redis": lambda: subprocess.run(["redis-cli", "-p", str(svc.port), "ping"],
+                                                capture_output=True),
+                "nginx": lambda: subprocess.run(["curl", "-s", "-o", "/dev/null",
+                                                 f"http://127.0.0.1:{svc.port}/index.html"]),
+                "postgres": lambda: psql(svc, "SELECT 1")}[name]
+        samples = work / name / "samples.jsonl"
+        t0 = time.monotonic()
+        for attempt in range(5):  # a postgres child (autovacuum worker, ...) may exit before the attach
+            try:
+                tracer = Attached([p for p in svc.pids() if os.path.exists(f"/proc/{p}")], samples, poke)
+                break
+            except RuntimeError as exc:
+                if "no process" not in str(exc) or attempt == 4:
+                    raise
+        attach_s = time.monotonic() - t0
+        windows: list[Window] = []
+        for i in range(opts.train + opts.held_out):
+            what, run = mix(svc, rng)
+            windows.append(timed(f"mix{i:02d}", what, run))
+            print(f"{name} mix {i + 1}: {what}", file=sys.stderr)
+        attack_windows = []
+        for tag, what, run, names in attacks(svc, work / name):
+            failed: list[str] = []
+
+            def attempt(run: Callable[[], None] = run, failed: list[str] = failed) -> None:
+                try:
+                    run()
+                except RuntimeError as exc:  # judged all the same: the attempt made its syscalls
+                    failed.append(str(exc))
+            attack_windows.append((timed(tag, what, attempt), names))
+            if failed:
+                attack_windows[-1][0].what += f" (the service refused it: {failed[0]})"
+            print(f"{name} attack {tag}", file=sys.stderr)
+        trace_err = tracer.stop()
+        version = svc.version()
+    finally:
+        svc.stop()
+    split(samples, windows + [w for w, _ in attack_windows])
+    train, held = windows[: opts.train], windows[opts.train:]
+    held_all = work / name / "held-out.jsonl"  # one detect per step; alerts told apart by time
+    held_all.write_text("".join(line + "\n" for w in held for line in w.lines))
+    model = work / name / "model.json"
+    curve: list[dict[str, Any]] = []
+    residual: dict[str, dict[tuple[str, str, str], int]] = {g: {} for g in GRANULARITIES}
+    for k, w in enumerate(train, start=1):
+        ccprofd("learn", "--model", str(model), "--samples", str(write(w, work / name / f"{w.name}.jsonl")))
+        doc = json.loads(model.read_text())
+        row: dict[str, Any] = {"k": k, "contexts": sum(len(t["contexts"]) for t in doc["targets"])}
+        for g in GRANULARITIES:
+            every = detect(model, held_all, g)
+            found = [[a for a in every if w.start_ns <= a["time_ns"] <= w.end_ns] for w in held]
+            assert sum(map(len, found)) == len(every), "an alert outside every held-out window"
+            row[f"mixes_{g}"] = sum(1 for f in found if f) / len(held)
+            row[f"alerts_{g}"] = sum(len(f) for f in found)
+            row[f"incomplete_{g}"] = sum(1 for f in found for a in f if a["kind"] == "incomplete_context")
+            if k == len(train):
+                for a in (a for f in found for a in f):
+                    key = (a["kind"], a["syscall"], chain(a, 4))
+                    residual[g][key] = residual[g].get(key, 0) + 1
+        curve.append(row)
+        print(f"{name} k={k}: {row}", file=sys.stderr)
+    attacked: list[dict[str, Any]] = []
+    for w, names in attack_windows:
+        path = write(w, work / name / f"{w.name}.jsonl")
+        for g in GRANULARITIES:
+            found = detect(model, path, g)
+            hits = [a for a in found if names_any(a, names)]
+            attacked.append({"attack": w.name, "what": w.what, "granularity": g, "alerts": len(found),
+                             "samples": len(w.lines), "hits": hits, "names": names,
+                             "others": [a for a in found if not names_any(a, names)]})
+    return {"name": name, "version": version, "curve": curve, "attacks": attacked,
+            "measured": f"{machine_line()}, load average {loadavg()}",
+            "residual": {g: [[*k, n] for k, n in r.items()] for g, r in residual.items()},
+            "mixes": [(w.name, w.what, len(w.lines), w.lost) for w in windows], "attach_s": attach_s,
+            "trace_err": trace_err.strip()[-400:], "train": opts.train, "held": opts.held_out}
+
+
+# ------------------------------------------------------------------------------------ report
+def plot(results: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.8), squeeze=False)
+    for ax, r in zip(axes[0], results, strict=True):
+        ks = [row["k"] for row in r["curve"]]
+        for g, style in (("exact", "o-"), ("edges", "D--")):
+            ax.plot(ks, [100 * row[f"mixes_{g}"] for row in r["curve"]], style,
+                    label=f"held-out mixes with an alert ({g})")
+        ax.set_title(f"{r['name']} {r['version']}: {r['held']} held-out mixes")
+        ax.set_xlabel("training mixes")
+        ax.set_ylabel("false alerts (% of held-out mixes)")
+        ax.set_ylim(-3, 103)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+#: What the alerts of an attack mean where the binary does not say it (checked by hand)
+NOTES = {"nginx": (
+    "`GET /private/`: nginx 1.22's `ngx_http_index_handler` is static, so the stripped binary names "
+    "it `sub_b24c0` (Debian 1.22.1-9 build; identified with `objdump -d`: the function loads the "
+    "index module's strings `open index \"%V\"` and `\"%s\" is not found`). Its alerts are the "
+    "attack: `newfstatat` of `private/index.html` through `ngx_http_core_content_phase > sub_b24c0 > "
+    "ngx_open_cached_file` (the file does not exist, so nginx never opens it) and the error log "
+    "`write` of the 403 (`ngx_log_error_core` from `ngx_http_core_content_phase`).")}
+
+
+def markdown(results: list[dict[str, Any]], opts: argparse.Namespace, load: str) -> str:
+    lines = ["# Anomaly detection on real services: learning curves and injected attacks", "",
+             f"Generated by `python bench/services_anomaly.py --services {opts.services} --train "
+             f"{opts.train} --held-out {opts.held_out} --seed {opts.seed}` (rendered on {machine_line()}, "
+             f"load average {load}; the machine is shared, see each service's line). Unwind mode, every "
+             "syscall, one "
+             "`ccprofd trace -p` attached to the running service for all its mixes, the samples split by "
+             "time into one file per mix, judged by `ccprofd learn --samples` and `ccprofd detect "
+             "--samples --alert-interval 0` in both granularities. A false alert is any alert on a "
+             "held-out mix (another random mix of the same service); `incomplete_context` alerts "
+             "(the unwinder could not finish a chain) count too and are shown apart.", "",
+             "![services learning curves](services-anomaly-learning-curve.png)", ""]
+    for r in results:
+        last = r["curve"][-1]
+        lines += [f"## {r['name']} {r['version']}", "", f"Measured on {r.get('measured', '?')}.", "",
+                  f"Mixes (samples in the mix's window; training first, then held-out; attached in "
+                  f"{r['attach_s']:.0f} s):", ""]
+        lines += [f"* {n}{' (held-out)' if i >= r['train'] else ''}: {what} — {count:,} samples"
+                  + (f", {lost:,} lost by the tracer (ring full)" if lost else "")
+                  for i, (n, what, count, lost) in enumerate(r["mixes"])]
+        lines += ["", "| training mixes | contexts | held-out mixes alerted (exact) | alerts (exact) "
+                  "| of them incomplete"
+                  " | held-out mixes alerted (edges) | alerts (edges) | of them incomplete |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for row in r["curve"]:
+            lines.append(f"| {row['k']} | {row['contexts']:,} | {100 * row['mixes_exact']:.0f}% | "
+                         f"{row['alerts_exact']:,} | {row['incomplete_exact']:,} | "
+                         f"{100 * row['mixes_edges']:.0f}% | {row['alerts_edges']:,} | "
+                         f"{row['incomplete_edges']:,} |")
+        lines += ["", f"After {last['k']} training mixes: {100 * last['mixes_exact']:.0f}% of held-out mixes "
+                  f"with a false alert (exact), {100 * last['mixes_edges']:.0f}% (edges); target 0%.", ""]
+        for g in GRANULARITIES:
+            if r["residual"][g]:
+                lines += [f"False alerts left after {last['k']} mixes ({g}; innermost frames):", "",
+                          "| kind | syscall | innermost frames | alerts |", "|---|---|---|---:|"]
+                for kind, sc, ch, n in sorted(r["residual"][g], key=lambda x: -x[3])[:12]:
+                    lines.append(f"| {kind} | {sc} | {ch} | {n} |")
+                lines.append("")
+        lines += ["Injected attacks (the attack's window checked with the model of all training mixes):", "",
+                  "| attack | granularity | samples | alerts | alerts naming the attack's code | "
+                  "example: syscall, path, call chain (innermost 6 frames) |",
+                  "|---|---|---:|---:|---:|---|"]
+        for a in r["attacks"]:
+            ex = next((h for h in a["hits"] if h["syscall"] == "openat"), a["hits"][0] if a["hits"] else None)
+            example = (f"{ex['syscall']} {ex.get('args', {}).get('path', '')}: {chain(ex)}".replace("|", "/")
+                       if ex else f"none names {', '.join(a['names'])}")
+            lines.append(f"| {a['what']} | {a['granularity']} | {a['samples']:,} | {a['alerts']} | "
+                         f"{len(a['hits'])} | {example} |")
+        lines.append("")
+        for a in r["attacks"]:
+            seen: dict[tuple[str, str, str], int] = {}
+            for h in a["hits"] + a.get("others", []):
+                key = (h["syscall"], str(h.get("args", {}).get("path", "")), chain(h, 8))
+                seen[key] = seen.get(key, 0) + 1
+            if seen:
+                lines += [f"Distinct alerted chains of {a['what']} ({a['granularity']}; innermost 8 "
+                          "frames; all alerts of the attack's window):", "",
+                          "| syscall | path | call chain | alerts |", "|---|---|---|---:|"]
+                lines += [f"| {sc} | {p} | {ch} | {n} |" for (sc, p, ch), n in
+                          sorted(seen.items(), key=lambda x: (x[0][0] != "openat", -x[1]))[:12]]
+                lines.append("")
+        if r["name"] in NOTES:
+            lines += [NOTES[r["name"]], ""]
+        if r["trace_err"]:
+            lines += ["`ccprofd trace` said at exit:", "", "```", r["trace_err"], "```", ""]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--services", default="redis,nginx,postgres")
+    ap.add_argument("--train", type=int, default=8)
+    ap.add_argument("--held-out", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=3)
+    ap.add_argument("--output", default=str(DOCS / "services-anomaly.md"))
+    ap.add_argument("--keep", default="/tmp/ccprofd-services-anomaly",
+                    help="each service's results are kept in DIR/NAME.json and reused by the next run "
+                    "(delete them to measure again)")
+    opts = ap.parse_args()
+    if os.geteuid() != 0:
+        print("services_anomaly: needs root (BPF)", file=sys.stderr)
+        return 2
+    load = loadavg()
+    results = []
+    with tempfile.TemporaryDirectory(prefix="ccprofd-svc-anomaly-") as d:
+        Path(d).chmod(0o755)  # nginx's workers and postgres run as other users
+        keep = Path(opts.keep)
+        keep.mkdir(parents=True, exist_ok=True)
+        for name in opts.services.split(","):
+            kept = keep / f"{name}.json"
+            if kept.exists():
+                results.append(json.loads(kept.read_text()))
+                continue
+            (Path(d) / name).mkdir()
+            results.append(run_service(name, opts, Path(d)))
+            kept.write_text(json.dumps(results[-1]))
+    out = Path(opts.output)
+    plot(results, out.with_name("services-anomaly-learning-curve.png"))
+    text = markdown(results, opts, load)
+    out.write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
