@@ -101,7 +101,9 @@ class Redis:
         """BGSAVE and wait until the child is done; it must have succeeded."""
         before = int(self.info("rdb_changes_since_last_save") or 0)
         assert self.cli("bgsave") == "Background saving started", before
-        wait_for(lambda: self.info("rdb_bgsave_in_progress") == "0", timeout=60, interval=0.1)
+        wait_for(lambda: self.proc.poll() is not None or self.info("rdb_bgsave_in_progress") == "0",
+                 timeout=60, interval=0.1)
+        assert self.proc.poll() is None, f"redis-server died during BGSAVE: {self.proc.returncode}"
         assert self.info("rdb_last_bgsave_status") == "ok"
 
     def stop(self) -> None:
@@ -207,3 +209,41 @@ def test_redis_config_set_dir_save_is_killed_normal_load_is_not(bpf: None, workd
         if d is not None:
             d.kill()
         redis.stop()
+
+
+def test_learn_keeps_samples_of_an_unlisted_forked_child(tmp_path: Path) -> None:
+    """No BPF: the daemon's learner gets a sample of pid 11, which the source does not list (a
+    forked child that exited before any rescan); its analysed frames were decoded against the
+    target's binary (build-id "bid"), so it is learned for that binary.  A sample with no analysed
+    frame, or with a build-id the source has not analysed, is still dropped."""
+    from types import SimpleNamespace
+
+    from ccprofd.daemon.anomaly_runtime import AnomalyMonitor
+    from ccprofd.daemon.config import AnomalyConfig
+    from ccprofd.daemon.source import BinaryInfo, ProcessInfo
+
+    class Source:
+        def processes(self) -> list[ProcessInfo]:
+            return [ProcessInfo(10, "/srv/redis", "bid", 1)]
+
+        def binaries(self) -> list[BinaryInfo]:
+            return [BinaryInfo("/srv/redis", "bid")]
+
+    def sample(pid: int, build_id: str | None, analysed: bool = True) -> dict[str, object]:
+        return {"time_ns": 1, "pid": pid, "tid": pid, "event": "syscall", "syscall": "rename",
+                "complete": True,
+                "frames": [{"function": "rdbSave", "module": "/srv/redis", "build_id": build_id,
+                            "analysed": analysed, "call_site": "0x10", "return_address": "0x15"}]}
+
+    cfg = SimpleNamespace(anomaly=AnomalyConfig(action="learn"), mode="unwind")
+    rt = SimpleNamespace(name="redis", config=cfg, source=Source())
+    daemon = SimpleNamespace(targets={"redis": rt}, config=SimpleNamespace(daemon=SimpleNamespace(
+        state_dir=str(tmp_path))), alerts=None)
+    monitor = AnomalyMonitor(daemon=daemon)  # type: ignore[arg-type]
+    monitor.observe("redis", sample(11, "bid"))
+    monitor.observe("redis", sample(12, "other"))
+    monitor.observe("redis", sample(13, "bid", analysed=False))
+    t = monitor.targets["redis"]
+    assert set(t.binaries) == {"bid"}
+    learner = t.binaries["bid"].learner
+    assert learner is not None and len(learner.model.contexts) == 1
