@@ -28,9 +28,10 @@ fi
 # prometheus: its promtool checks the /metrics exposition in tests/test_export_metrics.py
 # golang-go: `go tool pprof` reads the daemon's pprof endpoints in tests/test_export_pprof.py
 # man-db, groff-base: `man ccprofd` (and the man-page test); bash-completion: loads the completions
+# redis-server, redis-tools: the real service enforced in tests/test_services_redis_enforce.py
 APT_PACKAGES=(python3-bpfcc linux-headers-amd64 bpftool gcc g++ make binutils strace gdb file
               python3 python3-venv systemd prometheus libc6-dbg golang-go man-db groff-base
-              bash-completion)
+              bash-completion redis-server redis-tools)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
