@@ -170,8 +170,10 @@ def test_redis_config_set_dir_save_is_killed_normal_load_is_not(bpf: None, workd
             redis.bench(mix)
             redis.cli("info")
             redis.bgsave()
-        # BGSAVE's fork and the parent's "done" log line reached the model
+        # BGSAVE's fork, its child's rename (a process the daemon never listed) and the parent's
+        # "done" log line reached the model
         wait_for(lambda: model.exists() and any("rdbSaveBackground" in c for c in chains(model, "clone"))
+                 and any("rdbSaveBackground" in c and "rdbSave" in c for c in chains(model, "rename"))
                  and any("backgroundSaveDoneHandler" in c for c in chains(model, "openat")), timeout=120)
         learned = chains(model, "openat")
         assert not any("saveCommand" in c for c in learned)  # SAVE was never part of normal operation
