@@ -19,7 +19,9 @@ and ``nm -D`` lists ``rdbSave`` and ``saveCommand`` as functions of the binary (
 The model is learned by the daemon itself (``action = "learn"``, unwind mode) over redis-benchmark
 mixes plus what a normal redis does on these syscalls: serverCron's ``/proc/self/stat`` reads (every
 tick), the log file opened for each log line (``serverLogRaw``), and BGSAVE (fork = ``clone``, the
-child's ``rdbSave`` temp file, ``rename`` and directory fsync, the parent's log lines). The
+child's ``rdbSave`` temp file, ``rename`` and directory fsync -- the child exits before the
+daemon's rescan lists it, so this needs the learner's fix for unlisted forked children -- and the
+parent's log lines). The
 checked syscalls are a security set (files opened/renamed/unlinked, exec, connect, clone), not
 ``chdir``: with ``chdir`` in the set the kill would come one command earlier, at ``CONFIG SET dir``.
 
@@ -30,9 +32,10 @@ syscall, the ``openat`` of the temp file under ``saveCommand > rdbSave``. That `
 attacker's directory, ``evil`` never appears.
 
 Not covered by the model (so it would be killed too): anything redis does on these syscalls that
-the learning did not exercise -- SAVE/BGREWRITEAOF/AOF, replication (connect to a master, disk-less
-sync), MODULE LOAD, DEBUG commands, shutdown's own log lines and RDB save on SIGTERM, log lines of
-rare events (e.g. out-of-memory warnings). A model learned where SAVE is normal would allow the
+the learning did not exercise -- SAVE/BGREWRITEAOF/AOF, replication (connect to a master, diskless
+sync), MODULE LOAD, DEBUG commands, shutdown's own log lines, log lines of
+rare events (e.g. out-of-memory warnings), a redis-server started while enforcing (its loader's
+first `openat` is unseen). A model learned where SAVE is normal would allow the
 attack: the key is the calling context, not the syscall's arguments (the directory).
 """
 
