@@ -29,7 +29,7 @@ fi
 # golang-go: `go tool pprof` reads the daemon's pprof endpoints in tests/test_export_pprof.py
 # man-db, groff-base: `man ccprofd` (and the man-page test); bash-completion: loads the completions
 # python3-dev: Python.h, for ccprofd's compiled helpers (scripts/build_ext.sh)
-# redis-server, redis-tools: a real service in tests/test_services_redis_anomaly.py (issue 14)
+# redis-server, redis-tools: a real service in tests/test_services_redis_anomaly.py and test_services_redis_enforce.py (issue 14)
 APT_PACKAGES=(python3-bpfcc linux-headers-amd64 bpftool gcc g++ make binutils strace gdb file
               python3 python3-venv python3-dev systemd prometheus libc6-dbg golang-go man-db groff-base
               bash-completion redis-server redis-tools)

@@ -176,7 +176,7 @@ class AnomalyMonitor:
             return
         t = self._target(rt)
         with t.lock:
-            binary = self._binary_of(t, rt, int(sample.get("pid", 0)))
+            binary = self._binary_of(t, rt, int(sample.get("pid", 0)), sample)
             if binary is None:
                 return
             if binary.learner is not None:
@@ -209,7 +209,8 @@ class AnomalyMonitor:
                  len(models.targets))
         return t
 
-    def _binary_of(self, t: _Target, rt: TargetView, pid: int) -> _Binary | None:
+    def _binary_of(self, t: _Target, rt: TargetView, pid: int,
+                   sample: dict[str, Any] | None = None) -> _Binary | None:
         known = t.pid_build.get(pid)
         if known is None and rt.source is not None:
             try:
@@ -218,6 +219,8 @@ class AnomalyMonitor:
             except Exception as exc:
                 log.debug("target %s: processes() failed: %s", t.name, exc)
             known = t.pid_build.get(pid)
+        if known is None and sample is not None and rt.source is not None:
+            known = _sample_binary(rt, sample)
         if known is None or not known[0]:
             return None
         bid, path = known
@@ -362,6 +365,28 @@ class AnomalyMonitor:
             for b in list(t.binaries.values()):
                 if b.learner is not None:
                     yield t.name, b.build_id, b.learner.model.samples
+
+
+def _sample_binary(rt: TargetView, sample: dict[str, Any]) -> tuple[str, str] | None:
+    """(build-id, path) of the target's binary a sample of a process the source does not list was
+    decoded against (its analysed frames'), or None.  A short-lived forked child (redis's BGSAVE
+    child) is sampled, and checked by the unwinder's enforcement, under its parent's mappings,
+    but exits before any rescan lists it: without this its contexts were never learned, and the
+    enforced model then killed it (issue 14)."""
+    bids = {str(f.get("build_id")) for f in sample.get("frames") or ()
+            if f.get("analysed") and f.get("build_id")}
+    if len(bids) != 1:
+        return None
+    try:
+        binaries = rt.source.binaries() if rt.source is not None else []
+    except Exception as exc:
+        log.debug("target %s: binaries() failed: %s", rt.name, exc)
+        return None
+    bid = bids.pop()
+    for b in binaries:
+        if b.build_id == bid:
+            return (b.build_id, b.path)
+    return None
 
 
 def _one_line(exc: BaseException) -> str:
