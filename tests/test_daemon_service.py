@@ -194,7 +194,8 @@ def test_bad_config_exits_2_with_one_line(workdir: str) -> None:
     assert out.returncode == 2
     assert out.stderr.strip().splitlines() == [
         f"ccprofd: {config}:6: target[0].colour: unknown key (known keys: anomaly, cgroup, encoding, "
-        "max_probe_hits_per_sec, mode, name, path, perf_sample_hz, pid, scope, source_lines, syscalls, "
+        "max_probe_hits_per_sec, mode, name, path, perf_sample_hz, persist_history_seconds, pid, scope, "
+        "source_lines, syscalls, "
         "verify)"
     ]
     ok = subprocess.run(
