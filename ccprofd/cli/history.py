@@ -95,7 +95,7 @@ def cmd_history(args: argparse.Namespace) -> int:
                          indent=2))
         return 0
     lines: list[str] = []
-    for pid in dict.fromkeys(r["pid"] for r in rows):
+    for pid in dict.fromkeys(th.pid for th in threads):
         mine = [r for r in rows if r["pid"] == pid]
         lines += history_lines(pid, f"target {target}, persisted", mine, reverse=args.reverse)
     sys.stdout.write("".join(line + "\n" for line in lines))

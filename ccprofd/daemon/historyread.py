@@ -42,18 +42,18 @@ def walk(th: ThreadHistory, sel: Selection) -> Iterator[tuple[int, ...]]:
     since = -1 if sel.since is None else sel.since
     until = sel.until
     if sel.reverse:
-        c = th.cursor(at_end=True)
+        back = th.cursor(at_end=True)
         n = 0
         while True:
-            t = c.value()[0]
+            t = back.value()[0]
             if t < since:
                 return
             if until is None or t <= until:
-                yield c.value()
+                yield back.value()
                 n += 1
                 if sel.last and n >= sel.last:
                     return
-            if not c.prev():
+            if not back.prev():
                 return
     c = _first(th, sel, since)
     if c is None:
