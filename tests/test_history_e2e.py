@@ -198,6 +198,34 @@ def test_ccprofctl_history_from_the_daemon(bpf: None, workdir: str, mode: str) -
     check(saved[worker_tid]["events"], worker_sequence(), "worker")
     assert [(e["time_ns"], e["frames"]) for e in main_saved[-DEFAULT_HISTORY_LEN:]] == \
         [(e["time_ns"], e["frames"]) for e in by_tid[pid]]
+    # read back by `ccprofd history FILE` (no daemon): forward, and backward with the cursor
+    wet = str(Path(workdir) / "state" / "history" / "hist.wet")
+    for reverse in ((), ("--reverse",)):
+        for tid, want in ((pid, main_sequence(worker_line.encode(), True)[-len(main_saved):]),
+                          (worker_tid, worker_sequence())):
+            out = ccprofd_history(wet, "--tid", str(tid), "--format", "json", *reverse)
+            assert out.returncode == 0, out.stderr
+            got = json.loads(out.stdout)
+            assert got["source"] == "persisted" and got["target"] == "hist"
+            [thread] = got["threads"]
+            events = thread["events"][::-1] if reverse else thread["events"]
+            for e in events:
+                e["raw_args"] = e.pop("args")
+            check(events, want, "main" if tid == pid else "worker")
+    out = ccprofd_history(wet, "--tid", str(worker_tid), "--last", "3", "--reverse")
+    assert out.returncode == 0, out.stderr
+    lines = [ln.strip() for ln in out.stdout.splitlines()]
+    assert lines[0] == f"pid {pid} (target hist, persisted): 1 threads"
+    assert lines[1] == f"tid {worker_tid}: 3 syscalls, newest first"
+    for line, k in zip(lines[2:], (20, 19, 18), strict=True):
+        assert f" write(0xfffffffe, 0x0, {k:#x}): " in line and ": worker > twrite" in line, line
+    out = ccprofd_history(wet, "--tid", "4000000")
+    assert out.returncode == 2 and out.stdout == "" and "no thread 4000000" in out.stderr
+
+
+def ccprofd_history(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ccprofd.cli", "history", *args],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
 @pytest.mark.bpf
