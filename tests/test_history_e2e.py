@@ -173,6 +173,7 @@ def test_ccprofctl_history_from_the_daemon(bpf: None, workdir: str, mode: str) -
             out = ctl(d.socket_path, "history", str(worker_tid), "--last", "3")
             assert out.returncode == 0, out.stderr
             lines = [ln.strip() for ln in out.stdout.splitlines()]
+            assert lines[0] == f"pid {worker_tid} (target hist, {mode} mode, live): 1 threads"
             assert lines[1] == f"tid {worker_tid}: 3 syscalls, oldest first"
             for line, k in zip(lines[2:], (18, 19, 20), strict=True):
                 assert f" write(0xfffffffe, 0x0, {k:#x}): " in line and ": worker > twrite" in line, line
@@ -221,6 +222,30 @@ def test_ccprofctl_history_from_the_daemon(bpf: None, workdir: str, mode: str) -
         assert f" write(0xfffffffe, 0x0, {k:#x}): " in line and ": worker > twrite" in line, line
     out = ccprofd_history(wet, "--tid", "4000000")
     assert out.returncode == 2 and out.stdout == "" and "no thread 4000000" in out.stderr
+    # a restarted daemon's rings no longer hold the exited process: GetHistory / ccprofctl history
+    # fall back to the saved file and say so
+    with RunningDaemon(workdir, config_text(workdir, target)) as d:
+        d.wait_attached()
+        out = ctl(d.socket_path, "history", str(pid), "--format", "json")
+        assert out.returncode == 0, out.stderr
+        got = json.loads(out.stdout)
+        assert (got["source"], got["target"], got["mode"]) == ("persisted", "hist", mode)
+        fell = {t["tid"]: t["events"] for t in got["threads"]}
+        assert set(fell) == {pid, worker_tid}
+        for events in fell.values():
+            for e in events:
+                e["raw_args"] = e.pop("args")
+        check(fell[pid], main_sequence(worker_line.encode(), True)[-len(main_saved):], "main")
+        check(fell[worker_tid], worker_sequence(), "worker")
+        out = ctl(d.socket_path, "history", str(worker_tid), "--last", "2")
+        assert out.returncode == 0, out.stderr
+        lines = [ln.strip() for ln in out.stdout.splitlines()]
+        assert lines[0] == f"pid {worker_tid} (target hist, {mode} mode, persisted): 1 threads"
+        assert lines[1] == f"tid {worker_tid}: 2 syscalls, oldest first"
+        assert " write(0xfffffffe, 0x0, 0x14): " in lines[3] and ": worker > twrite" in lines[3]
+        out = ctl(d.socket_path, "history", "4000000")
+        assert out.returncode == 2 and "no target recorded pid 4000000" in out.stderr
+        d.stop().assert_clean()
 
 
 def ccprofd_history(*args: str) -> subprocess.CompletedProcess[str]:

@@ -313,10 +313,12 @@ def cmd_history(args: argparse.Namespace, channel: Any, fmt: str, w: _Writer) ->
 
     resp = _stub(channel).GetHistory(pb.GetHistoryRequest(pid=args.pid, last=args.last), timeout=args.timeout)
     threads = [{"tid": t.tid, "events": [history_event_from_pb(e) for e in t.events]} for t in resp.threads]
+    source = resp.source or "live"
     if fmt == "json":
-        w.json({"pid": resp.pid, "target": resp.target, "mode": resp.mode, "threads": threads})
+        w.json({"pid": resp.pid, "target": resp.target, "mode": resp.mode, "source": source,
+                "threads": threads})
         return EXIT_OK
-    for line in history_lines(resp.pid, f"target {resp.target}, {resp.mode} mode", threads):
+    for line in history_lines(resp.pid, f"target {resp.target}, {resp.mode} mode, {source}", threads):
         w.line(line)
     return EXIT_OK
 
