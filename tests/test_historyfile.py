@@ -193,3 +193,22 @@ def test_a_decompressed_body_with_wrong_counts_is_refused(tmp_path: Path) -> Non
         path.write_bytes(MAGIC + zlib.compress(bytes(change(body))))
         with pytest.raises(HistoryFileError, match="corrupt"):
             HistoryStore.load(path)
+
+
+def test_get_history_fallback_reads_the_file(tmp_path: Path) -> None:
+    """The daemon's fallback (service.persisted_history): a pid is its threads, a tid its thread,
+    ``last`` the latest; a pid the file lacks, an absent or a corrupt file: None (not an error)."""
+    from ccprofd.daemon.service import persisted_history
+
+    path, want = saved(tmp_path)
+    got = persisted_history(path, 42, 0)
+    assert got is not None and got["source"] == "persisted"
+    assert {t["tid"]: [e["time_ns"] for e in t["events"]] for t in got["threads"]} == \
+        {tid: [e[0] for e in evs] for tid, evs in want.items()}
+    one = persisted_history(path, 8, 3)
+    assert one is not None and [t["tid"] for t in one["threads"]] == [8]
+    assert [e["time_ns"] for e in one["threads"][0]["events"]] == [e[0] for e in want[8][-3:]]
+    assert persisted_history(path, 43, 0) is None
+    assert persisted_history(tmp_path / "absent.wet", 42, 0) is None
+    path.write_bytes(path.read_bytes()[:100])
+    assert persisted_history(path, 42, 0) is None
