@@ -8,8 +8,10 @@ compiled out (``CCPROFD_HISTORY=0``)."""
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -23,6 +25,7 @@ from daemon_fakes import config_text, wait_for
 from daemon_harness import ROOT, RunningDaemon, target_toml
 from programs.build import build
 
+from ccprofd.cli.main import main as ccprofd_main
 from ccprofd.daemon.historypersist import read_history
 from ccprofd.export import messages
 from ccprofd.export.gen import ccprofd_pb2 as pb
@@ -222,6 +225,15 @@ def test_ccprofctl_history_from_the_daemon(bpf: None, workdir: str, mode: str) -
         assert f" write(0xfffffffe, 0x0, {k:#x}): " in line and ": worker > twrite" in line, line
     out = ccprofd_history(wet, "--tid", "4000000")
     assert out.returncode == 2 and out.stdout == "" and "no thread 4000000" in out.stderr
+    # the real file cut at random offsets: refused in one line (exit 2), never a traceback
+    data = Path(wet).read_bytes()
+    cut = Path(workdir) / "cut.wet"
+    for n in sorted(random.Random(pid).sample(range(len(data)), min(40, len(data)))):
+        cut.write_bytes(data[:n])
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            status = ccprofd_main(["history", str(cut), "--reverse"])
+        assert status == 2 and len(err.getvalue().splitlines()) == 1, (n, err.getvalue())
     # a restarted daemon's rings no longer hold the exited process: GetHistory / ccprofctl history
     # fall back to the saved file and say so
     with RunningDaemon(workdir, config_text(workdir, target)) as d:
