@@ -212,3 +212,19 @@ def test_get_history_fallback_reads_the_file(tmp_path: Path) -> None:
     assert persisted_history(tmp_path / "absent.wet", 42, 0) is None
     path.write_bytes(path.read_bytes()[:100])
     assert persisted_history(path, 42, 0) is None
+
+
+def test_time_arguments() -> None:
+    """--since/--until TIME: epoch seconds (2025-11-25T23:12:25Z is 1764112345 by `date -u -d`),
+    nanoseconds as printed, ISO 8601 (UTC unless it says); anything else is a usage error."""
+    import argparse
+
+    from ccprofd.cli.history import _time
+
+    ns = 1764112345 * 10**9
+    assert _time("1764112345") == _time(str(ns)) == _time("2025-11-25T23:12:25") == ns
+    assert _time("1764112345.000000123") == ns + 123
+    assert _time("2025-11-26T00:12:25+01:00") == ns
+    for bad in ("yesterday", "-1", "nan", "inf"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            _time(bad)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import decimal
 import json
 import sys
 from typing import Any
@@ -55,13 +56,13 @@ def _count(text: str) -> int:
 def _time(text: str) -> int:
     """TIME as ns since the epoch (the unit of the events' times)."""
     try:
-        number = float(text)
-    except ValueError:
+        number = decimal.Decimal(text)  # exact: a float would round nanoseconds
+    except decimal.InvalidOperation:
         number = None
     if number is not None:
-        if not (number >= 0 and number < 2**63):
+        if not (number.is_finite() and 0 <= number < 2**63):
             raise argparse.ArgumentTypeError(f"expected a time, got {text!r}")
-        return int(text) if text.isdigit() and number > 1e15 else int(number * 1e9)
+        return int(number) if number > 10**15 else int(number * 10**9)
     try:
         when = datetime.datetime.fromisoformat(text)
     except ValueError:
