@@ -60,8 +60,10 @@ def visible_flags(parser: argparse.ArgumentParser) -> set[str]:
 def test_completion_lists_the_real_subcommands_and_options(installed: Path) -> None:
     comp = installed / docgen.COMPLETION_DIR
     # by hand (the README's command lists)
-    assert complete(comp / "ccprofd", "ccprofd ") == ["analyze", "trace", "learn", "detect", "model", "run",
-                                                        "install-service"]
+    assert complete(comp / "ccprofd", "ccprofd ") == ["analyze", "trace", "history", "learn", "detect",
+                                                      "model", "run", "install-service"]
+    assert complete(comp / "ccprofd", "ccprofd history --") == ["--help", "--tid", "--pid", "--last",
+                                                                "--since", "--until", "--reverse", "--format"]
     assert complete(comp / "ccprofctl", "ccprofctl ") == ["targets", "contexts", "history", "hot", "stream",
                                                             "alerts", "stats", "context"]
     assert complete(comp / "ccprofd", "ccprofd tr") == ["trace"]

@@ -8,8 +8,10 @@ compiled out (``CCPROFD_HISTORY=0``)."""
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -23,6 +25,7 @@ from daemon_fakes import config_text, wait_for
 from daemon_harness import ROOT, RunningDaemon, target_toml
 from programs.build import build
 
+from ccprofd.cli.main import main as ccprofd_main
 from ccprofd.daemon.historypersist import read_history
 from ccprofd.export import messages
 from ccprofd.export.gen import ccprofd_pb2 as pb
@@ -173,6 +176,7 @@ def test_ccprofctl_history_from_the_daemon(bpf: None, workdir: str, mode: str) -
             out = ctl(d.socket_path, "history", str(worker_tid), "--last", "3")
             assert out.returncode == 0, out.stderr
             lines = [ln.strip() for ln in out.stdout.splitlines()]
+            assert lines[0] == f"pid {worker_tid} (target hist, {mode} mode, live): 1 threads"
             assert lines[1] == f"tid {worker_tid}: 3 syscalls, oldest first"
             for line, k in zip(lines[2:], (18, 19, 20), strict=True):
                 assert f" write(0xfffffffe, 0x0, {k:#x}): " in line and ": worker > twrite" in line, line
@@ -198,6 +202,67 @@ def test_ccprofctl_history_from_the_daemon(bpf: None, workdir: str, mode: str) -
     check(saved[worker_tid]["events"], worker_sequence(), "worker")
     assert [(e["time_ns"], e["frames"]) for e in main_saved[-DEFAULT_HISTORY_LEN:]] == \
         [(e["time_ns"], e["frames"]) for e in by_tid[pid]]
+    # read back by `ccprofd history FILE` (no daemon): forward, and backward with the cursor
+    wet = str(Path(workdir) / "state" / "history" / "hist.wet")
+    for reverse in ((), ("--reverse",)):
+        for tid, want in ((pid, main_sequence(worker_line.encode(), True)[-len(main_saved):]),
+                          (worker_tid, worker_sequence())):
+            out = ccprofd_history(wet, "--tid", str(tid), "--format", "json", *reverse)
+            assert out.returncode == 0, out.stderr
+            got = json.loads(out.stdout)
+            assert got["source"] == "persisted" and got["target"] == "hist"
+            [thread] = got["threads"]
+            events = thread["events"][::-1] if reverse else thread["events"]
+            for e in events:
+                e["raw_args"] = e.pop("args")
+            check(events, want, "main" if tid == pid else "worker")
+    out = ccprofd_history(wet, "--tid", str(worker_tid), "--last", "3", "--reverse")
+    assert out.returncode == 0, out.stderr
+    lines = [ln.strip() for ln in out.stdout.splitlines()]
+    assert lines[0] == f"pid {pid} (target hist, persisted): 1 threads"
+    assert lines[1] == f"tid {worker_tid}: 3 syscalls, newest first"
+    for line, k in zip(lines[2:], (20, 19, 18), strict=True):
+        assert f" write(0xfffffffe, 0x0, {k:#x}): " in line and ": worker > twrite" in line, line
+    out = ccprofd_history(wet, "--tid", "4000000")
+    assert out.returncode == 2 and out.stdout == "" and "no thread 4000000" in out.stderr
+    # the real file cut at random offsets: refused in one line (exit 2), never a traceback
+    data = Path(wet).read_bytes()
+    cut = Path(workdir) / "cut.wet"
+    for n in sorted(random.Random(pid).sample(range(len(data)), min(40, len(data)))):
+        cut.write_bytes(data[:n])
+        err = io.StringIO()
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            status = ccprofd_main(["history", str(cut), "--reverse"])
+        assert status == 2 and len(err.getvalue().splitlines()) == 1, (n, err.getvalue())
+    # a restarted daemon's rings no longer hold the exited process: GetHistory / ccprofctl history
+    # fall back to the saved file and say so
+    with RunningDaemon(workdir, config_text(workdir, target)) as d:
+        d.wait_attached()
+        out = ctl(d.socket_path, "history", str(pid), "--format", "json")
+        assert out.returncode == 0, out.stderr
+        got = json.loads(out.stdout)
+        assert (got["source"], got["target"], got["mode"]) == ("persisted", "hist", mode)
+        fell = {t["tid"]: t["events"] for t in got["threads"]}
+        assert set(fell) == {pid, worker_tid}
+        for events in fell.values():
+            for e in events:
+                e["raw_args"] = e.pop("args")
+        check(fell[pid], main_sequence(worker_line.encode(), True)[-len(main_saved):], "main")
+        check(fell[worker_tid], worker_sequence(), "worker")
+        out = ctl(d.socket_path, "history", str(worker_tid), "--last", "2")
+        assert out.returncode == 0, out.stderr
+        lines = [ln.strip() for ln in out.stdout.splitlines()]
+        assert lines[0] == f"pid {worker_tid} (target hist, {mode} mode, persisted): 1 threads"
+        assert lines[1] == f"tid {worker_tid}: 2 syscalls, oldest first"
+        assert " write(0xfffffffe, 0x0, 0x14): " in lines[3] and ": worker > twrite" in lines[3]
+        out = ctl(d.socket_path, "history", "4000000")
+        assert out.returncode == 2 and "no target recorded pid 4000000" in out.stderr
+        d.stop().assert_clean()
+
+
+def ccprofd_history(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ccprofd.cli", "history", *args],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
 
 
 @pytest.mark.bpf

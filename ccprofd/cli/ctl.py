@@ -313,17 +313,28 @@ def cmd_history(args: argparse.Namespace, channel: Any, fmt: str, w: _Writer) ->
 
     resp = _stub(channel).GetHistory(pb.GetHistoryRequest(pid=args.pid, last=args.last), timeout=args.timeout)
     threads = [{"tid": t.tid, "events": [history_event_from_pb(e) for e in t.events]} for t in resp.threads]
+    source = resp.source or "live"
     if fmt == "json":
-        w.json({"pid": resp.pid, "target": resp.target, "mode": resp.mode, "threads": threads})
+        w.json({"pid": resp.pid, "target": resp.target, "mode": resp.mode, "source": source,
+                "threads": threads})
         return EXIT_OK
-    w.line(f"pid {resp.pid} (target {resp.target}, {resp.mode} mode): {len(threads)} threads")
+    for line in history_lines(resp.pid, f"target {resp.target}, {resp.mode} mode, {source}", threads):
+        w.line(line)
+    return EXIT_OK
+
+
+def history_lines(pid: int, what: str, threads: list[dict[str, Any]], reverse: bool = False) -> list[str]:
+    """The text form of one process's history (``ccprofctl history``, ``ccprofd history FILE``):
+    threads of ``{"tid", "events"}``, events in ``history_event_from_pb``'s JSON form."""
+    lines = [f"pid {pid} ({what}): {len(threads)} threads"]
     for t in threads:
-        w.line(f"  tid {t['tid']}: {len(t['events'])} syscalls, oldest first")
+        order = "newest" if reverse else "oldest"
+        lines.append(f"  tid {t['tid']}: {len(t['events'])} syscalls, {order} first")
         for e in t["events"]:
             args_text = ", ".join(f"{a:#x}" for a in e["args"])
             flag = "" if e["complete"] else "  [incomplete]"
-            w.line(f"    {e['time_ns']} {e['syscall']}({args_text}){flag}: {_chain(e['frames'])}")
-    return EXIT_OK
+            lines.append(f"    {e['time_ns']} {e['syscall']}({args_text}){flag}: {_chain(e['frames'])}")
+    return lines
 
 
 def hot_rows(resp: Any) -> list[dict[str, Any]]:

@@ -251,6 +251,12 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     if command in _OWN_COMMANDS:
         return parser
 
+    from ccprofd.cli.history import add_command as add_history_command
+
+    add_history_command(sub)
+    if command == "history":
+        return parser
+
     from ccprofd.cli.anomaly import add_commands as add_anomaly_commands
 
     add_anomaly_commands(sub)

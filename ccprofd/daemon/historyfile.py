@@ -69,6 +69,14 @@ def _start_before(buf: bytes | bytearray, end: int) -> int:
     return pos
 
 
+def _ends(data: bytes | bytearray) -> int:
+    """How many varints ``data`` holds: its bytes with the high bit clear (each ends one)."""
+    return len(data) - len(bytes(data).translate(None, _LOW))
+
+
+_LOW = bytes(range(0x80))
+
+
 @dataclass(slots=True)
 class Stream:
     """One field's values as bidirectional codes: time as differences (non-negative: times of
@@ -273,7 +281,11 @@ class HistoryStore:
                     s.data = bytearray(body[pos:pos + size])
                     s.first, s.last, s.count = int(first), int(last), int(t["count"])
                     pos += size
+                    if s.count < 0 or _ends(s.data) != s.count or (s.data and s.data[-1] >= 0x80):
+                        raise ValueError(f"thread {th.tid}: its streams do not hold {s.count} codes")
                 store.threads[th.tid] = th
+            if pos != len(body):
+                raise ValueError(f"{len(body) - pos} bytes beyond the streams")
         except (zlib.error, ValueError, KeyError, TypeError, IndexError) as exc:
             raise HistoryFileError(f"{path}: corrupt history file: {exc}") from None
         return store

@@ -26,11 +26,15 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from types import FrameType
 from typing import Any, ClassVar
 
 from ccprofd.daemon.bus import Bus, Subscription
 from ccprofd.daemon.config import Config, ConfigError, DaemonConfig, TargetConfig, load_config
+from ccprofd.daemon.historyfile import HistoryFileError
+from ccprofd.daemon.historypersist import history_path
+from ccprofd.daemon.historyread import load as load_history
 from ccprofd.daemon.notify import Notifier
 from ccprofd.daemon.query import Server, ServerFactories
 from ccprofd.daemon.source import SampleSource, SourceCounters, SourceFactory, TargetWaiting, UnknownProcess
@@ -172,11 +176,37 @@ def daemon_history(daemon: Daemon, pid: int, last: int) -> tuple[TargetRuntime, 
         if rt.source is None:
             continue
         try:
-            return rt, rt.source.history(pid, last)
+            return rt, {**rt.source.history(pid, last), "source": "live"}
         except UnknownProcess as exc:
             if "off" in str(exc):
                 why = str(exc).strip("'\"")
+    for rt in order:  # no longer in the live rings (evicted, a restarted daemon): the saved file
+        got = persisted_history(history_path(daemon.config.daemon.state_dir, rt.name), pid, last)
+        if got is not None:
+            return rt, got
     raise UnknownProcess(why)
+
+
+def persisted_history(path: Path, pid: int, last: int) -> dict[str, Any] | None:
+    """GetHistory's answer for ``pid`` (a process, or a thread's tid as in ModeBase.history) from a
+    saved history file, ``source: persisted``; None when the file is absent, unreadable (logged) or
+    does not hold it."""
+    from ccprofd.daemon.historyread import Selection, thread_events
+
+    if not path.exists():
+        return None
+    try:
+        store = load_history(path)
+        th = store.threads.get(pid)
+        threads = [th] if th is not None and th.pid != pid else \
+            sorted((t for t in store.threads.values() if t.pid == pid), key=lambda t: t.tid)
+        out = [{"tid": t.tid, "events": [{**e, "raw_args": e.pop("args")}
+                                         for e in thread_events(store, t, Selection(last=last))]}
+               for t in threads if t.count]
+    except HistoryFileError as exc:
+        log.warning("history file %s not read: %s", path, exc)
+        return None
+    return {"pid": pid, "error": None, "threads": out, "source": "persisted"} if out else None
 
 
 class Daemon:

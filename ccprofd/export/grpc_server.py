@@ -123,7 +123,8 @@ class ProfilerServicer(pb_grpc.ProfilerServicer):
         except OSError as exc:  # a BPF map read failed
             context.abort(grpc.StatusCode.UNAVAILABLE, f"cannot read the history of pid {request.pid}: {exc}")
             raise
-        out = pb.GetHistoryResponse(pid=request.pid, target=rt.name, mode=rt.mode())
+        out = pb.GetHistoryResponse(pid=request.pid, target=rt.name, mode=rt.mode(),
+                                    source=str(got.get("source") or "live"))
         for th in got["threads"]:
             out.threads.add(tid=th["tid"], events=[messages.history_event_to_pb(ev) for ev in th["events"]])
         return out
