@@ -7,9 +7,11 @@ CLONE_VM|CLONE_VFORK) and a ``vfork``.  glibc's clone/clone3 close their FDE jus
 FDE: before ccprofd.elf.cfi filled such fall-through gaps, every thread creation was sampled
 ``incomplete`` (no_cfi).  strace -k (libunwind) stops there too, after one frame, so the oracle is
 gdb, which unwinds it by prologue analysis: every sample must be complete and its pcs equal gdb's
-at the same syscall entry, per thread and in order.  Also covered: the new thread's first syscalls
-(rseq, set_robust_list from start_thread, whose outermost frame has ``cfi_undefined rip``) and a
-syscall of the thread's own start routine.
+at the same syscall entry, per thread and in order.  glibc's ``vfork`` pops its return address into
+rdi before the syscall (``cfi_register rip, rdi``), a rule the unwinder evaluates in the innermost
+frame of a syscall sample (rdi as saved at the entry); before, ``unsupported_cfi``.  Also covered:
+the new thread's first syscalls (rseq, set_robust_list from start_thread, whose outermost frame
+has ``cfi_undefined rip``) and a syscall of the thread's own start routine.
 """
 
 from __future__ import annotations
@@ -27,9 +29,7 @@ from ccprofd.elf import cfi
 from ccprofd.tracing.unwind.sampler import UnwindSampler
 
 # x86-64 syscall numbers (asm/unistd_64.h)
-# (vfork(2) is left out: glibc's vfork keeps its return address in rdi across the syscall, a CFI
-# rule the unwinder does not evaluate; README "STATUS AND KNOWN LIMITS")
-NRS = {"clone": 56, "getppid": 110, "set_robust_list": 273, "rseq": 334, "clone3": 435}
+NRS = {"clone": 56, "vfork": 58, "getppid": 110, "set_robust_list": 273, "rseq": 334, "clone3": 435}
 NAMES = {nr: name for name, nr in NRS.items()}
 
 
@@ -87,7 +87,7 @@ def test_thread_and_process_creation_equal_gdb(sampler: UnwindSampler, tmp_path:
             assert complete, f"{where}: incomplete ({reason}) after {[hex(p) for p in pcs]}"
             assert pcs == want, f"{where}: bpf {[hex(p) for p in pcs]} gdb {[hex(p) for p in want]}"
             seen.append(name)
-    # main: clone3 (pthread_create), clone (fork), clone3 (posix_spawn); the thread: rseq,
+    # main: clone3 (pthread_create), clone (fork), clone3 (posix_spawn), vfork; the thread: rseq,
     # set_robust_list, getppid
-    assert sorted(seen) == sorted(["clone3", "clone", "clone3", "rseq", "set_robust_list",
+    assert sorted(seen) == sorted(["clone3", "clone", "clone3", "vfork", "rseq", "set_robust_list",
                                    "getppid"]), seen

@@ -38,7 +38,7 @@ from ccprofd.elf.image import ElfImage
 from ccprofd.persist.cache import AnalysisCache
 
 CACHE_KIND = "cfi"
-TABLE_FORMAT = 2  # 2: code an FDE falls through into keeps its last row (_fallthrough_gaps)
+TABLE_FORMAT = 3  # 2: code an FDE falls through into keeps its last row (_fallthrough_gaps); 3: RA_REG
 
 # Rule kinds.
 NONE = 0  # no CFI covers the address: the unwinder may try frame pointers
@@ -48,8 +48,9 @@ PLT = 3  # CFA = rsp + cfa_off + (8 if (pc & 15) >= aux else 0)
 SIGNAL = 4  # signal trampoline: rsp'=*(rsp+cfa_off), rip'=*(rsp+ra_off), rbp'=*(rsp+rbp_off)
 END = 5  # return address undefined: outermost frame
 UNSUPPORTED = 6  # anything else; aux says why
+RA_REG = 7  # CFA = rsp + cfa_off, return address in register aux (rdi only: glibc's vfork)
 KIND_NAMES = {NONE: "none", CFA_RSP: "rsp", CFA_RBP: "rbp", PLT: "plt", SIGNAL: "signal", END: "end",
-              UNSUPPORTED: "unsupported"}
+              UNSUPPORTED: "unsupported", RA_REG: "ra-in-reg"}
 
 # rbp rules.
 RBP_SAME = 0  # unchanged in the caller
@@ -63,7 +64,7 @@ WHY_CFA_REG = 2
 WHY_RA_RULE = 3
 WHY_BAD_CFI = 4
 
-RSP, RBP, _RIP = 7, 6, 16  # DWARF register numbers
+RSP, RBP, RDI, _RIP = 7, 6, 5, 16  # DWARF register numbers
 T = TypeVar("T")
 
 
@@ -140,7 +141,7 @@ class _State:
         self.cfa_reg = RSP
         self.cfa_off = 8
         self.cfa_special: tuple[int, ...] | None = None  # (PLT, k, n) | (SIGNAL, k) | (UNSUPPORTED,)
-        # rules: ("same",) ("undef",) ("cfa", off) ("sp", off) ("other",)
+        # rules: ("same",) ("undef",) ("cfa", off) ("sp", off) ("reg", dwarf_reg; rip only) ("other",)
         self.rbp: tuple[str, int] = ("same", 0)
         self.ra: tuple[str, int] = ("cfa", -8)
 
@@ -161,6 +162,10 @@ class _State:
             return Rule(UNSUPPORTED, aux=WHY_CFA_EXPR)
         if self.ra[0] == "undef":
             return Rule(END, 0, RBP_SAME, 0, 0, 0)
+        if self.ra == ("reg", RDI) and self.cfa_reg == RSP and self.rbp[0] == "same":
+            # glibc's vfork pops its return address into rdi before the syscall (the child must not
+            # find it overwritten on the shared stack); the innermost frame of a syscall sample has rdi
+            return Rule(RA_REG, self.cfa_off, RBP_SAME, 0, 0, RDI)
         if self.ra[0] != "cfa":
             return Rule(UNSUPPORTED, aux=WHY_RA_RULE)
         if self.cfa_reg == RSP:
@@ -307,7 +312,7 @@ def _execute(buf: bytes, pos: int, end: int, st: _State, cie: Cie, init: _State 
         elif op == 0x09:  # register reg, reg2
             r, pos = uleb(buf, pos)
             r2, pos = uleb(buf, pos)
-            _set_reg(st, r, ("same", 0) if r == r2 else ("other", 0))
+            _set_reg(st, r, ("same", 0) if r == r2 else ("reg", r2) if r == _RIP else ("other", 0))
         elif op == 0x0A:  # remember_state
             stack.append(st.copy())
         elif op == 0x0B:  # restore_state (the CFA is part of the saved state)
