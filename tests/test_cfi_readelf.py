@@ -102,6 +102,9 @@ def expected_matches(row: dict[str, str], rule: cfi.Rule) -> str | None:
         # unsupported either way (the return-address rule may be what was noticed first)
         ok = rule.kind == cfi.UNSUPPORTED and rule.aux in (cfi.WHY_CFA_REG, cfi.WHY_RA_RULE)
         return None if ok else f"CFA {cfa} vs {rule.describe()}"
+    if re.fullmatch(r"r5\s*\(rdi\)", ra) and reg == "rsp":  # glibc's vfork: ra kept in rdi
+        ok = (rule.kind, rule.cfa_off, rule.aux) == (cfi.RA_REG, off, 5)
+        return None if ok else f"CFA {cfa} ra {ra} vs {rule.describe()}"
     mra = re.fullmatch(r"c(-?\+?\d+)", ra)
     if not mra:
         return None if (rule.kind == cfi.UNSUPPORTED and rule.aux == cfi.WHY_RA_RULE) else \
