@@ -29,6 +29,7 @@ from array import array
 from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from itertools import pairwise
 from typing import NamedTuple, TypeVar
 
 from ccprofd.elf.ehframe import MALFORMED, Cie, FdeHeader, cfi_errors, iter_fdes, read_encoded, sleb, uleb
@@ -37,7 +38,7 @@ from ccprofd.elf.image import ElfImage
 from ccprofd.persist.cache import AnalysisCache
 
 CACHE_KIND = "cfi"
-TABLE_FORMAT = 1
+TABLE_FORMAT = 3  # 2: code an FDE falls through into keeps its last row (_fallthrough_gaps); 3: RA_REG
 
 # Rule kinds.
 NONE = 0  # no CFI covers the address: the unwinder may try frame pointers
@@ -47,8 +48,9 @@ PLT = 3  # CFA = rsp + cfa_off + (8 if (pc & 15) >= aux else 0)
 SIGNAL = 4  # signal trampoline: rsp'=*(rsp+cfa_off), rip'=*(rsp+ra_off), rbp'=*(rsp+rbp_off)
 END = 5  # return address undefined: outermost frame
 UNSUPPORTED = 6  # anything else; aux says why
+RA_REG = 7  # CFA = rsp + cfa_off, return address in register aux (rdi only: glibc's vfork)
 KIND_NAMES = {NONE: "none", CFA_RSP: "rsp", CFA_RBP: "rbp", PLT: "plt", SIGNAL: "signal", END: "end",
-              UNSUPPORTED: "unsupported"}
+              UNSUPPORTED: "unsupported", RA_REG: "ra-in-reg"}
 
 # rbp rules.
 RBP_SAME = 0  # unchanged in the caller
@@ -62,7 +64,7 @@ WHY_CFA_REG = 2
 WHY_RA_RULE = 3
 WHY_BAD_CFI = 4
 
-RSP, RBP, _RIP = 7, 6, 16  # DWARF register numbers
+RSP, RBP, RDI, _RIP = 7, 6, 5, 16  # DWARF register numbers
 T = TypeVar("T")
 
 
@@ -139,7 +141,7 @@ class _State:
         self.cfa_reg = RSP
         self.cfa_off = 8
         self.cfa_special: tuple[int, ...] | None = None  # (PLT, k, n) | (SIGNAL, k) | (UNSUPPORTED,)
-        # rules: ("same",) ("undef",) ("cfa", off) ("sp", off) ("other",)
+        # rules: ("same",) ("undef",) ("cfa", off) ("sp", off) ("reg", dwarf_reg; rip only) ("other",)
         self.rbp: tuple[str, int] = ("same", 0)
         self.ra: tuple[str, int] = ("cfa", -8)
 
@@ -160,6 +162,10 @@ class _State:
             return Rule(UNSUPPORTED, aux=WHY_CFA_EXPR)
         if self.ra[0] == "undef":
             return Rule(END, 0, RBP_SAME, 0, 0, 0)
+        if self.ra == ("reg", RDI) and self.cfa_reg == RSP and self.rbp[0] == "same":
+            # glibc's vfork pops its return address into rdi before the syscall (the child must not
+            # find it overwritten on the shared stack); the innermost frame of a syscall sample has rdi
+            return Rule(RA_REG, self.cfa_off, RBP_SAME, 0, 0, RDI)
         if self.ra[0] != "cfa":
             return Rule(UNSUPPORTED, aux=WHY_RA_RULE)
         if self.cfa_reg == RSP:
@@ -306,7 +312,7 @@ def _execute(buf: bytes, pos: int, end: int, st: _State, cie: Cie, init: _State 
         elif op == 0x09:  # register reg, reg2
             r, pos = uleb(buf, pos)
             r2, pos = uleb(buf, pos)
-            _set_reg(st, r, ("same", 0) if r == r2 else ("other", 0))
+            _set_reg(st, r, ("same", 0) if r == r2 else ("reg", r2) if r == _RIP else ("other", 0))
         elif op == 0x0A:  # remember_state
             stack.append(st.copy())
         elif op == 0x0B:  # restore_state (the CFA is part of the saved state)
@@ -540,8 +546,80 @@ def _build_table(image: ElfImage) -> UnwindTable:
         fdes.extend(f for f in got if not _overlaps(eh_ranges, f[0], f[1]))
         count += c
         sources.append(".debug_frame")
+    fdes.extend(_fallthrough_gaps(image, fdes))
     starts, ids, rules = _compact(fdes)
     return UnwindTable(image.build_id(), image.path, starts, ids, rules, count, tuple(sources))
+
+
+_GAP_MAX = 256  # bytes of code without an FDE that _fallthrough_gaps considers
+_PREV_MAX = 4096  # bytes of the preceding FDE it decodes to find that FDE's last instruction
+_FRAME_REGS = frozenset({"rsp", "esp", "sp", "spl", "rbp", "ebp", "bp", "bpl"})
+_PADDING = frozenset({"nop", "int3", "xchg"})
+_NO_FALLTHROUGH = frozenset({"ret", "jmp", "call", "ud2", "hlt", "int3", "iretq", "sysret", "ljmp"})
+
+
+def _fallthrough_gaps(image: ElfImage, fdes: list[Fde]) -> list[Fde]:
+    """Rows for code that an FDE *falls through* into and that no FDE covers.
+
+    glibc's ``clone``/``clone3`` close their FDE just before the ``syscall`` (``cfi_endproc``: in the
+    child the parent's CFI would be wrong) and open the child's FDE after the parent's ``ret``, so the
+    parent's pc at that syscall -- every ``pthread_create`` and ``posix_spawn`` -- lies in no FDE
+    (libunwind stops there; gdb unwinds it by prologue analysis).  The state there is the preceding
+    FDE's last row, as long as the code in between changes neither rsp nor rbp nor a stack slot: so
+    a gap gets that row when (1) the preceding FDE's last instruction falls through into it, (2) the
+    gap's instructions, decoded exactly up to a ``ret``/``jmp`` or the next FDE, write no rsp/rbp and
+    address no memory through them, and (3) that row is a plain rsp/rbp rule.  Padding-only gaps
+    (between functions) and anything else stay NONE."""
+    from capstone import CS_ARCH_X86, CS_MODE_64, Cs, CsError
+
+    md = Cs(CS_ARCH_X86, CS_MODE_64)
+    md.detail = True
+    out: list[Fde] = []
+    ordered = sorted(fdes, key=lambda f: (f[0], -f[1]))
+    for (lo, hi, rows), nxt in pairwise(ordered):
+        gap_end = nxt[0]
+        if not rows or not hi < gap_end <= hi + _GAP_MAX or hi - lo > _PREV_MAX:
+            continue
+        # the state after the FDE's last instruction: its last row at or before hi (a row *at* hi,
+        # outside the range, is the effect of that instruction)
+        last = next((rule for loc, rule in reversed(rows) if loc <= hi), NO_CFI)
+        if last.kind not in (CFA_RSP, CFA_RBP):
+            continue
+        try:
+            code = image.bytes_at(hi, gap_end - hi)
+            first = next(md.disasm_lite(code, hi, 1), None)
+            if first is None or first[2] in _PADDING:
+                continue  # padding between functions (most gaps): never executed
+            end = _gap_code_end(md, code, hi)
+            if end is None or end == hi:
+                continue
+            prev = list(md.disasm_lite(image.bytes_at(lo, hi - lo), lo))
+        except (CsError, BinaryError, ValueError, KeyError):
+            continue
+        if not prev or prev[-1][0] + prev[-1][1] != hi or prev[-1][2] in _NO_FALLTHROUGH | _PADDING:
+            continue
+        out.append((hi, end, [(hi, last)]))
+    return out
+
+
+def _gap_code_end(md: object, code: bytes, at: int) -> int | None:
+    """Where the gap's code that keeps the frame ends (after its ``ret``/``jmp``, or the gap's end);
+    None if an instruction changes the frame or the bytes do not decode exactly."""
+    end = at
+    for insn in md.disasm(code, at):  # type: ignore[attr-defined]
+        if insn.mnemonic in _PADDING:
+            return end if end > at else None  # padding after the code
+        _, written = insn.regs_access()
+        terminator = insn.mnemonic in ("ret", "jmp")
+        frame_mem = "[rsp" in insn.op_str or "[rbp" in insn.op_str
+        if frame_mem or (insn.mnemonic in _NO_FALLTHROUGH and not terminator):
+            return None
+        if not terminator and any(insn.reg_name(r) in _FRAME_REGS for r in written):
+            return None
+        end = insn.address + insn.size
+        if terminator:
+            return end
+    return end if end == at + len(code) else None
 
 
 def _overlaps(ranges: list[tuple[int, int]], lo: int, hi: int) -> bool:

@@ -41,6 +41,7 @@ PROGRAMS: dict[str, str] = {
     "execs": "syscalls, then exec of /bin/echo",
     "vdso_loop": "clock_gettime/gettimeofday loops answered in the vDSO; a syscall made by the vDSO",
     "exithandlers": "syscalls from atexit handlers and a destructor after main returned",
+    "spawns": "pthread_create (clone3), fork (clone), posix_spawn (clone3 CLONE_VFORK), vfork",
 }
 
 Opt = Literal["O0", "O2"]

@@ -21,6 +21,7 @@
 #define UW_KIND_SIGNAL 4
 #define UW_KIND_END 5
 #define UW_KIND_UNSUPPORTED 6
+#define UW_KIND_RA_REG 7  // return address in rdi (glibc's vfork), CFA = rsp + cfa_off
 
 #define UW_RBP_SAME 0
 #define UW_RBP_AT_CFA 1
@@ -619,6 +620,10 @@ static __always_inline long uw_unwind_step(struct uw_state *st) {
             cfa = bp + r->cfa_off;
         } else if (kind == UW_KIND_PLT) {
             cfa = sp + r->cfa_off + (((pc & 15) >= r->aux) ? 8 : 0);
+        } else if (kind == UW_KIND_RA_REG && n == 0 && st->s.nr >= 0) {
+            // only the innermost frame of a syscall sample has rdi (sargs[0], saved at the entry)
+            cfa = sp + r->cfa_off;
+            nread = 0;
         } else {
             return uw_finish(st, UW_WHY_UNSUPPORTED);
         }
@@ -644,7 +649,7 @@ static __always_inline long uw_unwind_step(struct uw_state *st) {
         st->exact = 1;  // the interrupted instruction itself, not a return address
         return 0;
     }
-    u64 ra = val[0];
+    u64 ra = nread ? val[0] : st->s.sargs[0];
     if (fp) {
         bp = val[1];
         st->s.fp_frames++;
@@ -655,7 +660,7 @@ static __always_inline long uw_unwind_step(struct uw_state *st) {
     }
     if (ra == 0)
         return uw_finish(st, 0);  // conventional end of the stack
-    if (cfa <= sp)
+    if (cfa <= sp && nread)  // (RA_REG: the return address was popped, so the CFA may be rsp itself)
         return uw_finish(st, UW_WHY_BAD_FRAME);
     st->sp = cfa;
     st->bp = bp;
