@@ -499,3 +499,42 @@ def test_compiled_record_decoder_decodes_the_hand_laid_record() -> None:
     assert got is not None and got == want and repr(got) == repr(want)
     assert got.encoded.rec == 0xF0F0_F0F0 & ((1 << 40) - 1) | 0xFF_0000_0000  # cut to its 40 bits
     assert got.arg == "/a\udcff" and got.exact == (True, False, False) and got.sargs == tuple(range(6))
+
+
+def test_a_new_contexts_daemon_sample_is_made_only_when_its_count_is_taken() -> None:
+    """A new context's representative sample (no time, what poll_counted() gives the daemon's
+    store) is made when the kernel's count of it is first taken, not at every poll (ccprofd trace
+    never takes counts): the same TraceSample as the mode's own ``_sample(r, d, timed=False)``,
+    made once, the first record of a key standing; poll() meanwhile makes only the output sample."""
+    from ccprofd.tracing.frames import Decoded, Frame
+    from ccprofd.tracing.unwind.constants import EV_SAMPLE, FLAG_NEW
+
+    def record(t: int, tid: int, key: int) -> UnwoundSample:
+        hdr = struct.pack("<QIIIiIIIIQQII6Q", t, EV_SAMPLE, 7, tid, 39, 0, 0, 0, FLAG_NEW, key, key, 0, 0,
+                          *range(6))
+        return UnwoundSample.decode(hdr + bytes(ARG_LEN))
+
+    d = Decoded([Frame("main", "/bin/x", None, True, 0x10, 0x15)], True)
+    first, again, other = record(5, 8, 1), record(6, 9, 1), record(7, 10, 2)
+    mode = _hits_mode([first, again, other], 100)
+    made: list[Any] = []
+    sample = mode._sample
+
+    def spy(r: Any, dd: Decoded, *, timed: bool = True) -> Any:
+        if not timed:
+            made.append(r)
+        return sample(r, dd, timed=timed)
+
+    mode._sample = spy  # type: ignore[method-assign]
+    mode._decode = lambda _r: d  # type: ignore[method-assign]
+    out = mode.poll(0)
+    assert [s.time_ns for s in out] == [105, 106, 107] and made == []
+    mode._receive = lambda _timeout: []  # type: ignore[method-assign]
+    mode._kernel_counts = lambda: {(1, 1): 3}  # type: ignore[method-assign]
+    _, counts = mode.poll_counted(0)
+    assert counts == [(sample(first, d, timed=False), 3)] and made == [first]
+    assert counts[0][0].time_ns == 0 and counts[0][0].tid == 8
+    mode._kernel_counts = lambda: {(1, 1): 5, (2, 2): 1}  # type: ignore[method-assign]
+    _, counts = mode.poll_counted(0)
+    assert counts == [(sample(first, d, timed=False), 2), (sample(other, d, timed=False), 1)]
+    assert made == [first, other]

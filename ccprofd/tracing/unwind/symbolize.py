@@ -136,9 +136,12 @@ class UnwindSymbolizer:
         if rec.node == NO_NODE:
             return Decoded([], complete, reason)
         node = self.nodes[rec.node]
-        state = self.state_of(rec)
         try:
-            path = self.decoder.decode(state, node)
+            # No segment, no recID (most contexts): the plan's acyclic walk without an EncodedState
+            path = (self.decoder.decode_acyclic(rec.acyc, node) if not rec.segments and not rec.rec_len
+                    else None)
+            if path is None:
+                path = self.decoder.decode(self.state_of(rec), node)
         except UnknownCaller as exc:
             path = exc.partial
             if not rec.flags & UE_F_ANCHOR:
