@@ -518,23 +518,23 @@ def test_a_new_contexts_daemon_sample_is_made_only_when_its_count_is_taken() -> 
     first, again, other = record(5, 8, 1), record(6, 9, 1), record(7, 10, 2)
     mode = _hits_mode([first, again, other], 100)
     made: list[Any] = []
-    sample = mode._sample
+    sample, representative = mode._sample, mode._representative
 
-    def spy(r: Any, dd: Decoded, *, timed: bool = True) -> Any:
-        if not timed:
-            made.append(r)
-        return sample(r, dd, timed=timed)
+    def spy(arg: Any) -> Any:
+        got = representative(arg)
+        made.append(got.tid)
+        return got
 
-    mode._sample = spy  # type: ignore[method-assign]
+    mode._representative = spy  # type: ignore[method-assign]
     mode._decode = lambda _r: d  # type: ignore[method-assign]
     out = mode.poll(0)
     assert [s.time_ns for s in out] == [105, 106, 107] and made == []
     mode._receive = lambda _timeout: []  # type: ignore[method-assign]
     mode._kernel_counts = lambda: {(1, 1): 3}  # type: ignore[method-assign]
     _, counts = mode.poll_counted(0)
-    assert counts == [(sample(first, d, timed=False), 3)] and made == [first]
+    assert counts == [(sample(first, d, timed=False), 3)] and made == [8]
     assert counts[0][0].time_ns == 0 and counts[0][0].tid == 8
     mode._kernel_counts = lambda: {(1, 1): 5, (2, 2): 1}  # type: ignore[method-assign]
     _, counts = mode.poll_counted(0)
     assert counts == [(sample(first, d, timed=False), 2), (sample(other, d, timed=False), 1)]
-    assert made == [first, other]
+    assert made == [8, 10]

@@ -264,9 +264,15 @@ class ModeBase(ABC, Generic[Record, Key]):
                            path_args(name, arg) if arg is not None else None,
                            None if sargs is None or nr is None else sargs[:nargs], None, None)
 
-    def _representative(self, rd: tuple[Record, Decoded]) -> TraceSample:
-        """A new context's sample without its time (what the daemon's store keeps for it)."""
-        return self._sample(rd[0], rd[1], timed=False)
+    def _later_context(self, r: Record, d: Decoded) -> Any:
+        """What :meth:`_representative` makes a new context's sample from, kept until then (a
+        mode keeps less than the whole record where it can)."""
+        return (r, d)
+
+    def _representative(self, arg: Any) -> TraceSample:
+        """A new context's sample without its time (what the daemon's store keeps for it), from
+        :meth:`_later_context`'s value."""
+        return self._sample(arg[0], arg[1], timed=False)
 
     def poll(self, timeout_ms: int) -> list[TraceSample]:
         out = self._poll_decoded(timeout_ms, in_kernel=False)[0]
@@ -304,12 +310,12 @@ class ModeBase(ABC, Generic[Record, Key]):
         key = self._key
         sample = self._sample
         if NEW in kinds:  # new contexts first: a hit (another CPU) may overtake its context's record
-            learn = self._kernel.learn_later
+            learn, make, later = self._kernel.learn_later, self._representative, self._later_context
             for r, k in zip(raw, kinds, strict=True):
                 if k == NEW:
                     d = fresh[id(r)] = self._decode(r)
                     # the daemon's context sample (no time), made only if poll_counted() needs it
-                    learn(key(r), self._representative, (r, d), d)
+                    learn(key(r), make, later(r, d), d)
         out: list[TraceSample] = []
         counted: list[bool] = []
         append = out.append

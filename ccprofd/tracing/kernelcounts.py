@@ -24,9 +24,10 @@ class KernelCounts(Generic[Key]):
 
     def __init__(self) -> None:
         self._contexts: dict[Key, tuple[Any, Any]] = {}
-        # contexts learnt lazily: key -> (make, arg), ``make(arg)`` the context, made when deltas()
+        # contexts learnt lazily: key -> arg, ``self._make(arg)`` the context, made when deltas()
         # first needs it (their _contexts entry's context is None until then)
-        self._later: dict[Key, tuple[Callable[[Any], Any], Any]] = {}
+        self._later: dict[Key, Any] = {}
+        self._make: Callable[[Any], Any] | None = None
         self._taken: dict[Key, int] = {}
         self.lost = 0  # hit records whose context record never came
 
@@ -38,10 +39,13 @@ class KernelCounts(Generic[Key]):
     def learn_later(self, key: Key, make: Callable[[Any], Any], arg: Any, decoded: Any) -> None:
         """:meth:`learn` with the context ``make(arg)`` made only when :meth:`deltas` needs it
         (never, in ``ccprofd trace``: a new context then costs no representative sample).
-        ``make(arg)`` must give the same context whenever it is called."""
+        ``make(arg)`` must give the same context whenever it is called, and ``make`` is the same
+        for every key (the mode's: kept once, not per key, as ``arg`` is kept small: both stay
+        alive as long as the context, and every object kept is work for the cyclic GC)."""
         if key not in self._contexts:
             self._contexts[key] = (None, decoded)
-            self._later[key] = (make, arg)
+            self._later[key] = arg
+            self._make = make
 
     @property
     def by_key(self) -> Mapping[Key, tuple[Any, Any]]:
@@ -70,8 +74,8 @@ class KernelCounts(Generic[Key]):
             delta = value - self._taken.get(key, 0)
             if delta > 0:
                 self._taken[key] = value
-                if key in self._later:
-                    make, arg = self._later.pop(key)
-                    got = self._contexts[key] = (make(arg), got[1])
+                if got[0] is None and key in self._later:
+                    assert self._make is not None
+                    got = self._contexts[key] = (self._make(self._later.pop(key)), got[1])
                 out.append((got[0], got[1], delta))
         return out
