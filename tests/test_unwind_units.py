@@ -538,3 +538,45 @@ def test_a_new_contexts_daemon_sample_is_made_only_when_its_count_is_taken() -> 
     _, counts = mode.poll_counted(0)
     assert counts == [(sample(first, d, timed=False), 2), (sample(other, d, timed=False), 1)]
     assert made == [8, 10]
+
+
+def test_the_innermost_frame_is_made_once_per_pc_and_shared(tmp_path: Path) -> None:
+    """decode() of records that end in the same function at the same pc (exact, or a return
+    address) shares one innermost frame and its JSON, made once; another pc or exactness gets its
+    own, and making it leaves the first context's frames as they were (frames are shared read-only).
+    The frames are checked by hand: main at the pc, its call site looked up from a return address."""
+    from ccprofd.callgraph.model import ROOT
+    from ccprofd.encode import Encoder
+    from ccprofd.encode.plan import COL
+    from ccprofd.tracing.unwind.constants import UE_F_INNER_EXACT
+    from ccprofd.tracing.unwind.sampler import EncodedRecord
+    from ccprofd.tracing.unwind.symbolize import UnwindSymbolizer
+
+    graph = analyze_binary(str(build("tailcall", opt="O2", pie=True)), cache_dir=tmp_path)
+    plan = get_plan(graph, "valence", cache_dir=tmp_path, use_cache=False)
+    enc = unwind_plan.build_unwind_encoding(graph, plan)
+    sym = UnwindSymbolizer(enc, plan, lambda _key: None)
+    name = dict(zip(plan["nodes"], plan["names"], strict=True))
+    (entry,) = [(r[COL["caller"]], r[COL["callee"]], r[COL["site"]]) for r in plan["sites"]
+                if r[COL["caller"]] == ROOT and name.get(r[COL["callee"]]) == "main"]
+    encoder = Encoder(plan)
+    encoder.call(entry)
+    acyc = encoder.state().acyc
+    main = enc.nodes.index(entry[1])
+    ret, call = next(iter(sym._lookups()[0].items()))  # a return address in the binary and its call site
+
+    def decode(inner: int, flags: int) -> Any:
+        return sym.decode(EncodedRecord(main, flags, inner, 1, acyc, 0, 0, (), ()), None)
+
+    first = decode(ret, 0)
+    assert [(f.function, f.call_site, f.return_address) for f in first.frames] == [("main", call, ret)]
+    assert first.json_frames() == [first.frames[0].to_json()] and first.complete
+    again = decode(ret, 0)
+    assert again.frames[0] is first.frames[0] and again.json_frames()[0] is first.json_frames()[0]
+    exact = decode(ret, UE_F_INNER_EXACT)
+    other = decode(ret + 1, 0)
+    assert [(f.function, f.call_site, f.return_address) for f in exact.frames] == [("main", ret, None)]
+    assert [(f.function, f.return_address) for f in other.frames] == [("main", ret + 1)]
+    assert exact.frames[0] is not first.frames[0] and other.frames[0] is not first.frames[0]
+    assert [(f.function, f.call_site, f.return_address) for f in first.frames] == [("main", call, ret)]
+    assert first.json_frames() == [first.frames[0].to_json()]
