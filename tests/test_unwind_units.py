@@ -580,3 +580,37 @@ def test_the_innermost_frame_is_made_once_per_pc_and_shared(tmp_path: Path) -> N
     assert exact.frames[0] is not first.frames[0] and other.frames[0] is not first.frames[0]
     assert [(f.function, f.call_site, f.return_address) for f in first.frames] == [("main", call, ret)]
     assert first.json_frames() == [first.frames[0].to_json()]
+
+
+def test_a_poll_runs_with_the_cyclic_gc_paused() -> None:
+    """mode.poll() reads and decodes its records with the cyclic GC paused (a batch's records and
+    samples are no garbage; collections every 700 of them only moved them to older generations),
+    turns it back on after, also when the read fails, and leaves it off when it was off."""
+    import gc
+
+    seen: list[bool] = []
+    mode = _hits_mode([], 0)
+
+    def receive(_timeout: int) -> list[Any]:
+        seen.append(gc.isenabled())
+        return []
+
+    mode._receive = receive  # type: ignore[method-assign]
+    assert gc.isenabled()
+    assert mode.poll(0) == [] and seen == [False] and gc.isenabled()
+
+    def failing(_timeout: int) -> list[Any]:
+        raise OSError("ring buffer")
+
+    mode._receive = failing  # type: ignore[method-assign]
+    with pytest.raises(OSError):
+        mode.poll(0)
+    assert gc.isenabled()
+    mode._receive = receive  # type: ignore[method-assign]
+    gc.disable()
+    try:
+        mode.poll(0)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    assert seen == [False, False]
