@@ -300,7 +300,7 @@ class JsonlWriter:
         """:meth:`sample` for each of ``batch``, the common lines formatted by the compiled
         helper when it is built (every other line, and every line without it, by :meth:`sample`)."""
         if cjsonl is not None:
-            cjsonl.format_samples(batch, self._tails, self._line, self._lines)
+            cjsonl.format_samples(batch, self._tails, self._line, self._lines, self._tail)
             return
         sample = self.sample
         for s in batch:
