@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import io
 import json
+import types
+from typing import Any
 
 import pytest
 from conftest import skip_or_fail
@@ -285,3 +287,24 @@ def test_trace_says_when_the_compiled_helpers_are_missing(tmp_path) -> None:
         assert (noted in proc.stderr) == pure, proc.stderr
         lines.append([json.loads(line)["syscall"] for line in out.read_text().splitlines()])
     assert lines[0] == lines[1] == ["exit_group"]
+
+
+def test_a_stale_compiled_formatter_is_called_as_it_was_built(monkeypatch) -> None:
+    """A cjsonl built from an older cjsonl.c (no TAKES_TAIL_OF: format_samples takes four
+    arguments) is called with four, not failing the trace with a TypeError; the bytes are the same."""
+    require_compiled()
+    compiled = jsonl.cjsonl
+
+    def four(samples: Any, tails: Any, slow: Any, lines: Any) -> None:
+        compiled.format_samples(samples, tails, slow, lines)
+
+    assert jsonl._TAIL_OF
+    monkeypatch.setattr(jsonl, "cjsonl", types.SimpleNamespace(format_samples=four))
+    monkeypatch.setattr(jsonl, "_TAIL_OF", getattr(jsonl.cjsonl, "TAKES_TAIL_OF", 0) == 1)
+    frames = [{"function": "main", "module": "/b", "build_id": None, "analysed": True,
+               "call_site": "0x10", "return_address": "0x15"}]
+    batch = [TraceSample(i, 5, 6, "syscall", "getppid", True, list(frames), None, (i,)) for i in range(3)]
+    w = JsonlWriter(io.StringIO())
+    w.samples(batch)
+    w.flush()
+    assert w.out.getvalue() == reference_jsonl(batch)  # type: ignore[attr-defined]

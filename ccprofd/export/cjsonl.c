@@ -301,5 +301,10 @@ PyMODINIT_FUNC PyInit_cjsonl(void)
         if (!*names[i].dst)
             return NULL;
     }
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    /* format_samples takes tail_of: a helper built from an older cjsonl.c (a stale build) does
+     * not, and jsonl.py then calls it with four arguments */
+    if (m && PyModule_AddIntConstant(m, "TAKES_TAIL_OF", 1) < 0)
+        Py_CLEAR(m);
+    return m;
 }
