@@ -112,21 +112,31 @@ def capture(argv: list[str]) -> list[bytes]:
 
 
 def replay(binary: Path, records: list[bytes], out_path: Path) -> dict[str, float]:
-    """Decode and write ``records`` as ``ccprofd trace`` does (batches of RECORDS_PER_POLL, one flush
-    each) through a fresh mode; the rate counts every sample line written."""
+    """Decode and write ``records`` as ``ccprofd trace`` does (batches of RECORDS_PER_POLL, each
+    delivered by the ring buffer's consume call inside ``mode.poll()``, one flush each) through a
+    fresh mode; the rate counts every sample line written."""
     mode = UnwindMode(str(binary), TraceOptions(syscalls="getppid"))
     mode.prepare()
     sampler = mode.sampler
     assert sampler is not None
     written = 0
+    # As in ccprofd trace, a poll's records reach the sampler inside mode.poll() (the ring buffer's
+    # callback runs in UnwindSampler.take()'s ring_buffer_consume): the replay stands in for it.
+    batches = iter([records[i:i + RECORDS_PER_POLL] for i in range(0, len(records), RECORDS_PER_POLL)])
+
+    def consume(_max_records: int) -> int:
+        got = next(batches, [])
+        for raw in got:
+            sampler.deliver(raw)
+        return len(got)
+
+    sampler.module.ring_buffer_consume = consume  # type: ignore[method-assign]
     try:
         with open(out_path, "w", encoding="utf-8") as out:
             writer = JsonlWriter(out)
             batched = hasattr(writer, "samples")
             t0, c0 = time.perf_counter(), time.process_time()
-            for i in range(0, len(records), RECORDS_PER_POLL):
-                for raw in records[i:i + RECORDS_PER_POLL]:
-                    sampler.deliver(raw)
+            for _ in range(0, len(records), RECORDS_PER_POLL):
                 batch = mode.poll(0)
                 if batched:
                     writer.samples(batch)

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from ccprofd.callgraph.model import ROOT, CallGraph, CallSite
-from ccprofd.decode import DecodeError, decoder_for
+from ccprofd.decode import CachingDecoder, DecodeError, decoder_for
 from ccprofd.encode import EncodedState, Encoder, build_plan
 from ccprofd.encode.plan import COL
 
@@ -264,3 +264,27 @@ def test_compiled_acyclic_decode_agrees_with_the_python_loop(monkeypatch) -> Non
                         got.append(f"DecodeError: {exc}")
                 assert got[0] == got[1], (name, value)
     assert any(calls) and not all(calls)  # the compiled loop decoded some, left others to Python
+
+
+def test_acyclic_shortcut_decodes_as_the_state_does() -> None:
+    """decode_acyclic (unwind mode's way for a record with no segment and no recID: no
+    EncodedState made, no cache) against decode(EncodedState(acyc)) -- the reference -- at every node
+    of Figures 1 and 3 and a node not in the plan, for every acycID below 2^8, ids past 64 bits and
+    two-word ids: the same path, or the same DecodeError message; the caching decoder's shortcut too."""
+    for edges in (FIG1_EDGES, FIG3_EDGES):
+        plan = build_plan(paper_graph(edges), "valence")
+        nodes = {u for u, _, _ in edges} | {v for _, v, _ in edges}
+        for node in [*(NODE[n] for n in sorted(nodes)), 987654]:
+            for acyc in [*((v,) for v in range(1 << 8)), (1 << 64,), ((1 << 70) | 5,), (3, 1), (0, 0)]:
+                got = []
+                for way in ("state", "shortcut", "cached"):
+                    try:
+                        if way == "state":
+                            got.append(decoder_for(plan).decode(EncodedState(acyc=acyc), node))
+                        elif way == "shortcut":
+                            got.append(decoder_for(plan).decode_acyclic(acyc, node))
+                        else:
+                            got.append(CachingDecoder(decoder_for(plan)).decode_acyclic(acyc, node))
+                    except DecodeError as exc:
+                        got.append(f"DecodeError: {exc}")
+                assert got[0] == got[1] == got[2], (node, acyc, got)

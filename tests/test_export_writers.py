@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import io
 import json
+import types
+from typing import Any
 
 import pytest
 from conftest import skip_or_fail
@@ -234,21 +236,29 @@ def test_compiled_and_python_batches_write_the_same_bytes(contexts: list[list[di
 
 
 def test_compiled_formatter_takes_the_common_line_itself(monkeypatch) -> None:
-    """The helper formats a cached context's plain line without calling back into Python (else it
-    would be no faster): only each context's first sample goes the long way."""
+    """The helper formats a plain line without calling back into Python for the line (else it
+    would be no faster): a cached context's at once, a new context's once the writer has made
+    its tail (JsonlWriter._tail, once per context), in a batch of one context repeated and in a
+    batch of distinct contexts (each sample its own frames list); only other lines go the long way."""
     require_compiled()
-    frames = [{"function": "main", "module": "/b", "build_id": None, "analysed": True,
-               "call_site": "0x10", "return_address": "0x15"}]
+    frame = {"function": "main", "module": "/b", "build_id": None, "analysed": True,
+             "call_site": "0x10", "return_address": "0x15"}
+    frames = [frame]
     w = JsonlWriter(io.StringIO())
-    calls = []
-    slow = w._line
+    calls, tails = [], []
+    slow, tail = w._line, w._tail
     monkeypatch.setattr(w, "_line", lambda s: calls.append(s) or slow(s))
+    monkeypatch.setattr(w, "_tail", lambda s: tails.append(s) or tail(s))
     batch = [TraceSample(i, 5, 6, "syscall", "getppid", True, frames, None, (i, 2**64 - 1))
              for i in range(100)]
+    distinct = [TraceSample(i, 5, 6, "syscall", "getppid", True, [frame, {**frame, "line": i}], None, (i,))
+                for i in range(50)]
+    other = TraceSample(7, 5, 6, "syscall", "openat", True, frames, ("/etc/x",), (1, 2))
     w.samples(batch)
+    w.samples([*distinct, other])
     w.flush()
-    assert calls == batch[:1]
-    assert w.out.getvalue() == reference_jsonl(batch)  # type: ignore[attr-defined]
+    assert calls == [other] and tails == [batch[0], *distinct, other]
+    assert w.out.getvalue() == reference_jsonl([*batch, *distinct, other])  # type: ignore[attr-defined]
 
 
 def test_trace_says_when_the_compiled_helpers_are_missing(tmp_path) -> None:
@@ -277,3 +287,24 @@ def test_trace_says_when_the_compiled_helpers_are_missing(tmp_path) -> None:
         assert (noted in proc.stderr) == pure, proc.stderr
         lines.append([json.loads(line)["syscall"] for line in out.read_text().splitlines()])
     assert lines[0] == lines[1] == ["exit_group"]
+
+
+def test_a_stale_compiled_formatter_is_called_as_it_was_built(monkeypatch) -> None:
+    """A cjsonl built from an older cjsonl.c (no TAKES_TAIL_OF: format_samples takes four
+    arguments) is called with four, not failing the trace with a TypeError; the bytes are the same."""
+    require_compiled()
+    compiled = jsonl.cjsonl
+
+    def four(samples: Any, tails: Any, slow: Any, lines: Any) -> None:
+        compiled.format_samples(samples, tails, slow, lines)
+
+    assert jsonl._TAIL_OF
+    monkeypatch.setattr(jsonl, "cjsonl", types.SimpleNamespace(format_samples=four))
+    monkeypatch.setattr(jsonl, "_TAIL_OF", getattr(jsonl.cjsonl, "TAKES_TAIL_OF", 0) == 1)
+    frames = [{"function": "main", "module": "/b", "build_id": None, "analysed": True,
+               "call_site": "0x10", "return_address": "0x15"}]
+    batch = [TraceSample(i, 5, 6, "syscall", "getppid", True, list(frames), None, (i,)) for i in range(3)]
+    w = JsonlWriter(io.StringIO())
+    w.samples(batch)
+    w.flush()
+    assert w.out.getvalue() == reference_jsonl(batch)  # type: ignore[attr-defined]

@@ -499,3 +499,118 @@ def test_compiled_record_decoder_decodes_the_hand_laid_record() -> None:
     assert got is not None and got == want and repr(got) == repr(want)
     assert got.encoded.rec == 0xF0F0_F0F0 & ((1 << 40) - 1) | 0xFF_0000_0000  # cut to its 40 bits
     assert got.arg == "/a\udcff" and got.exact == (True, False, False) and got.sargs == tuple(range(6))
+
+
+def test_a_new_contexts_daemon_sample_is_made_only_when_its_count_is_taken() -> None:
+    """A new context's representative sample (no time, what poll_counted() gives the daemon's
+    store) is made when the kernel's count of it is first taken, not at every poll (ccprofd trace
+    never takes counts): the same TraceSample as the mode's own ``_sample(r, d, timed=False)``,
+    made once, the first record of a key standing; poll() meanwhile makes only the output sample."""
+    from ccprofd.tracing.frames import Decoded, Frame
+    from ccprofd.tracing.unwind.constants import EV_SAMPLE, FLAG_NEW
+
+    def record(t: int, tid: int, key: int) -> UnwoundSample:
+        hdr = struct.pack("<QIIIiIIIIQQII6Q", t, EV_SAMPLE, 7, tid, 39, 0, 0, 0, FLAG_NEW, key, key, 0, 0,
+                          *range(6))
+        return UnwoundSample.decode(hdr + bytes(ARG_LEN))
+
+    d = Decoded([Frame("main", "/bin/x", None, True, 0x10, 0x15)], True)
+    first, again, other = record(5, 8, 1), record(6, 9, 1), record(7, 10, 2)
+    mode = _hits_mode([first, again, other], 100)
+    made: list[Any] = []
+    sample, representative = mode._sample, mode._representative
+
+    def spy(arg: Any) -> Any:
+        got = representative(arg)
+        made.append(got.tid)
+        return got
+
+    mode._representative = spy  # type: ignore[method-assign]
+    mode._decode = lambda _r: d  # type: ignore[method-assign]
+    out = mode.poll(0)
+    assert [s.time_ns for s in out] == [105, 106, 107] and made == []
+    mode._receive = lambda _timeout: []  # type: ignore[method-assign]
+    mode._kernel_counts = lambda: {(1, 1): 3}  # type: ignore[method-assign]
+    _, counts = mode.poll_counted(0)
+    assert counts == [(sample(first, d, timed=False), 3)] and made == [8]
+    assert counts[0][0].time_ns == 0 and counts[0][0].tid == 8
+    mode._kernel_counts = lambda: {(1, 1): 5, (2, 2): 1}  # type: ignore[method-assign]
+    _, counts = mode.poll_counted(0)
+    assert counts == [(sample(first, d, timed=False), 2), (sample(other, d, timed=False), 1)]
+    assert made == [8, 10]
+
+
+def test_the_innermost_frame_is_made_once_per_pc_and_shared(tmp_path: Path) -> None:
+    """decode() of records that end in the same function at the same pc (exact, or a return
+    address) shares one innermost frame and its JSON, made once; another pc or exactness gets its
+    own, and making it leaves the first context's frames as they were (frames are shared read-only).
+    The frames are checked by hand: main at the pc, its call site looked up from a return address."""
+    from ccprofd.callgraph.model import ROOT
+    from ccprofd.encode import Encoder
+    from ccprofd.encode.plan import COL
+    from ccprofd.tracing.unwind.constants import UE_F_INNER_EXACT
+    from ccprofd.tracing.unwind.sampler import EncodedRecord
+    from ccprofd.tracing.unwind.symbolize import UnwindSymbolizer
+
+    graph = analyze_binary(str(build("tailcall", opt="O2", pie=True)), cache_dir=tmp_path)
+    plan = get_plan(graph, "valence", cache_dir=tmp_path, use_cache=False)
+    enc = unwind_plan.build_unwind_encoding(graph, plan)
+    sym = UnwindSymbolizer(enc, plan, lambda _key: None)
+    name = dict(zip(plan["nodes"], plan["names"], strict=True))
+    (entry,) = [(r[COL["caller"]], r[COL["callee"]], r[COL["site"]]) for r in plan["sites"]
+                if r[COL["caller"]] == ROOT and name.get(r[COL["callee"]]) == "main"]
+    encoder = Encoder(plan)
+    encoder.call(entry)
+    acyc = encoder.state().acyc
+    main = enc.nodes.index(entry[1])
+    ret, call = next(iter(sym._lookups()[0].items()))  # a return address in the binary and its call site
+
+    def decode(inner: int, flags: int) -> Any:
+        return sym.decode(EncodedRecord(main, flags, inner, 1, acyc, 0, 0, (), ()), None)
+
+    first = decode(ret, 0)
+    assert [(f.function, f.call_site, f.return_address) for f in first.frames] == [("main", call, ret)]
+    assert first.json_frames() == [first.frames[0].to_json()] and first.complete
+    again = decode(ret, 0)
+    assert again.frames[0] is first.frames[0] and again.json_frames()[0] is first.json_frames()[0]
+    exact = decode(ret, UE_F_INNER_EXACT)
+    other = decode(ret + 1, 0)
+    assert [(f.function, f.call_site, f.return_address) for f in exact.frames] == [("main", ret, None)]
+    assert [(f.function, f.return_address) for f in other.frames] == [("main", ret + 1)]
+    assert exact.frames[0] is not first.frames[0] and other.frames[0] is not first.frames[0]
+    assert [(f.function, f.call_site, f.return_address) for f in first.frames] == [("main", call, ret)]
+    assert first.json_frames() == [first.frames[0].to_json()]
+
+
+def test_a_poll_runs_with_the_cyclic_gc_paused() -> None:
+    """mode.poll() reads and decodes its records with the cyclic GC paused (a batch's records and
+    samples are no garbage; collections every 700 of them only moved them to older generations),
+    turns it back on after, also when the read fails, and leaves it off when it was off."""
+    import gc
+
+    seen: list[bool] = []
+    mode = _hits_mode([], 0)
+
+    def receive(_timeout: int) -> list[Any]:
+        seen.append(gc.isenabled())
+        return []
+
+    mode._receive = receive  # type: ignore[method-assign]
+    assert gc.isenabled()
+    assert mode.poll(0) == [] and seen == [False] and gc.isenabled()
+
+    def failing(_timeout: int) -> list[Any]:
+        raise OSError("ring buffer")
+
+    mode._receive = failing  # type: ignore[method-assign]
+    with pytest.raises(OSError):
+        mode.poll(0)
+    assert gc.isenabled()
+    mode._receive = receive  # type: ignore[method-assign]
+    gc.disable()
+    try:
+        mode.poll(0)
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
+    assert seen == [False, False]

@@ -119,6 +119,12 @@ class BaseDecoder:
         """The scheme's decoding: edges innermost first into ``out`` (returned outermost first)."""
         raise NotImplementedError
 
+    def decode_acyclic(self, acyc: tuple[int, ...], node: int) -> list[Edge] | None:
+        """``decode(EncodedState(acyc), node)`` for a state with no segment and no recID (the
+        common, acyclic context) without making the state; None: the scheme has no such shortcut
+        (the caller decodes the state)."""
+        return None
+
 
 def check_heights(segments: tuple[Segment, ...], height: int) -> None:
     """Segment heights must grow inwards and not exceed the live recID / stack height."""
@@ -140,6 +146,11 @@ class CachingDecoder:
         self._cache: dict[tuple[EncodedState, int], tuple[Edge, ...]] = {}
         self.hits = 0
         self.misses = 0
+
+    def decode_acyclic(self, acyc: tuple[int, ...], node: int) -> list[Edge] | None:
+        """The decoder's own shortcut for an acyclic-only state, not cached: the walk costs less
+        than making, hashing and keeping the state (None: no shortcut, use :meth:`decode`)."""
+        return self.decoder.decode_acyclic(acyc, node)
 
     def decode(self, state: EncodedState, node: int) -> list[Edge]:
         key = (state, node)

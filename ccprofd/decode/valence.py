@@ -118,6 +118,17 @@ class ValenceDecoder(BaseDecoder):
         out.reverse()
         return out
 
+    def decode_acyclic(self, acyc: tuple[int, ...], node: int) -> list[Edge] | None:
+        """:meth:`_decode`'s first steps for a state without segments and recID, then its acyclic
+        loop: the same path and the same errors, without an EncodedState (a new context's
+        record is decoded once, so building and hashing one for a cache is pure cost)."""
+        m = self.dense(node)
+        a = words_to_int(acyc)
+        level = self.node_table[m][0]
+        if a >> level:
+            raise DecodeError(f"acycID has bits above level {level} of node {node}")
+        return self._acyclic(m, a, [])
+
     def _acyclic(self, m: int, acyc: int, out: list[Edge]) -> list[Edge]:
         """The main loop of :meth:`_decode` once nothing but acyclic steps remain (no segment left,
         recID empty): the same steps and checks, without the segment and recID tests."""

@@ -7,8 +7,10 @@
  * and hands every other sample to the writer's Python code (``slow``), so the output is the same
  * bytes as the pure-Python path by construction (tests/test_export_writers.py compares them).
  *
- * format_samples(samples, tails, slow, lines): appends the batch's text to ``lines`` (a list of
- * str, joined and written by JsonlWriter.flush()); ``slow(sample)`` returns one sample's line.
+ * format_samples(samples, tails, slow, lines[, tail_of]): appends the batch's text to ``lines`` (a
+ * list of str, joined and written by JsonlWriter.flush()); ``slow(sample)`` returns one sample's
+ * line; ``tail_of(sample)`` (JsonlWriter._tail) serialises and caches the tail of a context not in
+ * ``tails`` yet, so a new context's common line is formatted here too (a distinct-context flood).
  * Built by scripts/build_ext.sh (run by scripts/setup.sh); jsonl.py falls back without it. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -102,7 +104,9 @@ static int buf_flush(buf_t *b, PyObject *lines)
     return r;
 }
 
-/* 0: the sample's line is in the buffer; 1: not the common line (nothing added); -1: error. */
+/* 0: the sample's line is in the buffer; 1: not the common line (nothing added); 2: no tail cached
+ * for this sample's context (nothing added: ``tail_of`` may make it, then this is tried again);
+ * -1: error. */
 static int fast_line(buf_t *b, PyObject *s, PyObject *tails)
 {
     int rc = 1;
@@ -119,10 +123,13 @@ static int fast_line(buf_t *b, PyObject *s, PyObject *tails)
     if (!got) {
         if (PyErr_Occurred())
             goto error;
+        rc = 2;
         goto out;
     }
-    if (!PyTuple_CheckExact(got) || PyTuple_GET_SIZE(got) != 5 || PyTuple_GET_ITEM(got, 0) != frames)
+    if (!PyTuple_CheckExact(got) || PyTuple_GET_SIZE(got) != 5 || PyTuple_GET_ITEM(got, 0) != frames) {
+        rc = 2;
         goto out;
+    }
     /* the cached tail is this context's only under the same event, syscall and completeness */
     static PyObject **const same[3] = {&s_event, &s_syscall, &s_complete};
     for (int i = 0; i < 3; i++) {
@@ -133,8 +140,10 @@ static int fast_line(buf_t *b, PyObject *s, PyObject *tails)
         Py_CLEAR(v);
         if (eq < 0)
             goto error;
-        if (!eq)
+        if (!eq) {
+            rc = 2;
             goto out;
+        }
     }
     PyObject *tail = PyTuple_GET_ITEM(got, 4);
     if (!PyUnicode_CheckExact(tail) || !PyUnicode_IS_ASCII(tail))
@@ -213,11 +222,12 @@ done:
 static PyObject *format_samples(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
-    if (nargs != 4) {
-        PyErr_SetString(PyExc_TypeError, "format_samples(samples, tails, slow, lines)");
+    if (nargs != 4 && nargs != 5) {
+        PyErr_SetString(PyExc_TypeError, "format_samples(samples, tails, slow, lines[, tail_of])");
         return NULL;
     }
     PyObject *samples = args[0], *tails = args[1], *slow = args[2], *lines = args[3];
+    PyObject *tail_of = nargs == 5 && args[4] != Py_None ? args[4] : NULL;
     if (!PyDict_Check(tails) || !PyList_Check(lines)) {
         PyErr_SetString(PyExc_TypeError, "format_samples: tails must be a dict and lines a list");
         return NULL;
@@ -230,6 +240,13 @@ static PyObject *format_samples(PyObject *self, PyObject *const *args, Py_ssize_
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *s = PySequence_Fast_GET_ITEM(seq, i);
         int r = fast_line(&b, s, tails);
+        if (r == 2 && tail_of) { /* a context not formatted yet: its tail made (and cached) once */
+            PyObject *t = PyObject_CallOneArg(tail_of, s);
+            if (!t)
+                goto error;
+            Py_DECREF(t);
+            r = fast_line(&b, s, tails);
+        }
         if (r < 0)
             goto error;
         if (r == 0)
@@ -264,7 +281,7 @@ error:
 
 static PyMethodDef methods[] = {
     {"format_samples", (PyCFunction)(void (*)(void))format_samples, METH_FASTCALL,
-     "format_samples(samples, tails, slow, lines): append the JSONL text of samples to lines."},
+     "format_samples(samples, tails, slow, lines[, tail_of]): append the JSONL text of samples to lines."},
     {NULL, NULL, 0, NULL},
 };
 
@@ -284,5 +301,10 @@ PyMODINIT_FUNC PyInit_cjsonl(void)
         if (!*names[i].dst)
             return NULL;
     }
-    return PyModule_Create(&module);
+    PyObject *m = PyModule_Create(&module);
+    /* format_samples takes tail_of: a helper built from an older cjsonl.c (a stale build) does
+     * not, and jsonl.py then calls it with four arguments */
+    if (m && PyModule_AddIntConstant(m, "TAKES_TAIL_OF", 1) < 0)
+        Py_CLEAR(m);
+    return m;
 }

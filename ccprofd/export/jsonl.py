@@ -34,6 +34,8 @@ except ImportError:
     cjsonl = None
 #: Whether JsonlWriter.samples() runs compiled (``ccprofd trace`` notes it on stderr when not).
 COMPILED = cjsonl is not None
+# a helper built from an older cjsonl.c (not rebuilt since) formats only cached contexts' lines
+_TAIL_OF = getattr(cjsonl, "TAKES_TAIL_OF", 0) == 1
 COMPILED_MISSING_NOTE = ("ccprofd: note: compiled helpers not built ({}); using their pure-Python code "
                          "(same output, fewer samples a second): run scripts/build_ext.sh "
                          "(scripts/setup.sh does)")
@@ -300,7 +302,10 @@ class JsonlWriter:
         """:meth:`sample` for each of ``batch``, the common lines formatted by the compiled
         helper when it is built (every other line, and every line without it, by :meth:`sample`)."""
         if cjsonl is not None:
-            cjsonl.format_samples(batch, self._tails, self._line, self._lines)
+            if _TAIL_OF:
+                cjsonl.format_samples(batch, self._tails, self._line, self._lines, self._tail)
+            else:
+                cjsonl.format_samples(batch, self._tails, self._line, self._lines)
             return
         sample = self.sample
         for s in batch:

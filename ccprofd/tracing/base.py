@@ -8,6 +8,7 @@ reader.  A mode supplies how to receive, classify and decode its own records
 from __future__ import annotations
 
 import functools
+import gc
 import os
 from abc import ABC, abstractmethod
 from collections import deque
@@ -264,8 +265,29 @@ class ModeBase(ABC, Generic[Record, Key]):
                            path_args(name, arg) if arg is not None else None,
                            None if sargs is None or nr is None else sargs[:nargs], None, None)
 
+    def _later_context(self, r: Record, d: Decoded) -> Any:
+        """What :meth:`_representative` makes a new context's sample from, kept until then (a
+        mode keeps less than the whole record where it can)."""
+        return (r, d)
+
+    def _representative(self, arg: Any) -> TraceSample:
+        """A new context's sample without its time (what the daemon's store keeps for it), from
+        :meth:`_later_context`'s value."""
+        return self._sample(arg[0], arg[1], timed=False)
+
     def poll(self, timeout_ms: int) -> list[TraceSample]:
-        out = self._poll_decoded(timeout_ms, in_kernel=False)[0]
+        # The cyclic GC waits while a poll's records are read and decoded: they, their samples and
+        # the decoding's temporaries (tens of containers per record, all alive till the batch is
+        # done) are no garbage, yet every 700 of them a collection ran and moved them towards the
+        # oldest generation, whose full passes then walked every context kept (~20% of a new
+        # context's cost).  After the poll the first allocation starts one young collection.
+        enabled = gc.isenabled()
+        gc.disable()
+        try:
+            out = self._poll_decoded(timeout_ms, in_kernel=False)[0]
+        finally:
+            if enabled:
+                gc.enable()
         if not self.options.retval:
             return out
         rets = self._take_returns()
@@ -300,10 +322,12 @@ class ModeBase(ABC, Generic[Record, Key]):
         key = self._key
         sample = self._sample
         if NEW in kinds:  # new contexts first: a hit (another CPU) may overtake its context's record
+            learn, make, later = self._kernel.learn_later, self._representative, self._later_context
             for r, k in zip(raw, kinds, strict=True):
                 if k == NEW:
                     d = fresh[id(r)] = self._decode(r)
-                    self._kernel.learn(key(r), sample(r, d, timed=False), d)
+                    # the daemon's context sample (no time), made only if poll_counted() needs it
+                    learn(key(r), make, later(r, d), d)
         out: list[TraceSample] = []
         counted: list[bool] = []
         append = out.append

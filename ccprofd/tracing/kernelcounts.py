@@ -13,7 +13,7 @@ read, so nothing is lost; a key whose record was never sent (ring buffer full) i
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Generic, TypeVar
 
 Key = TypeVar("Key", bound=Hashable)
@@ -24,6 +24,10 @@ class KernelCounts(Generic[Key]):
 
     def __init__(self) -> None:
         self._contexts: dict[Key, tuple[Any, Any]] = {}
+        # contexts learnt lazily: key -> arg, ``self._make(arg)`` the context, made when deltas()
+        # first needs it (their _contexts entry's context is None until then)
+        self._later: dict[Key, Any] = {}
+        self._make: Callable[[Any], Any] | None = None
         self._taken: dict[Key, int] = {}
         self.lost = 0  # hit records whose context record never came
 
@@ -31,6 +35,17 @@ class KernelCounts(Generic[Key]):
         """A new context's sample (``context``: what the daemon's store is given for it; ``decoded``:
         the mode's decode result, for hits and statistics).  The first one sent stands."""
         self._contexts.setdefault(key, (context, decoded))
+
+    def learn_later(self, key: Key, make: Callable[[Any], Any], arg: Any, decoded: Any) -> None:
+        """:meth:`learn` with the context ``make(arg)`` made only when :meth:`deltas` needs it
+        (never, in ``ccprofd trace``: a new context then costs no representative sample).
+        ``make(arg)`` must give the same context whenever it is called, and ``make`` is the same
+        for every key (the mode's: kept once, not per key, as ``arg`` is kept small: both stay
+        alive as long as the context, and every object kept is work for the cyclic GC)."""
+        if key not in self._contexts:
+            self._contexts[key] = (None, decoded)
+            self._later[key] = arg
+            self._make = make
 
     @property
     def by_key(self) -> Mapping[Key, tuple[Any, Any]]:
@@ -59,5 +74,8 @@ class KernelCounts(Generic[Key]):
             delta = value - self._taken.get(key, 0)
             if delta > 0:
                 self._taken[key] = value
+                if got[0] is None and key in self._later:
+                    assert self._make is not None
+                    got = self._contexts[key] = (self._make(self._later.pop(key)), got[1])
                 out.append((got[0], got[1], delta))
         return out

@@ -228,6 +228,14 @@ class UnwindMode(ModeBase[Record, tuple[int, int]]):
         return self.trace_sample(r.time_ns + self._clock_offset, r.tgid, r.tid,
                                  "cpu" if nrs is None else "syscall", nrs, d, r.arg, r.sargs)
 
+    def _later_context(self, r: Record, d: Decoded) -> Any:
+        # the fields _sample(timed=False) reads, not the record (its pcs, encoded state...)
+        assert not isinstance(r, tuple)  # a new context's record is never a hit's header
+        return (r.tgid, r.tid, r.event, r.syscall, d)
+
+    def _representative(self, arg: Any) -> TraceSample:
+        return self.trace_sample(0, *arg)
+
     def _history_map(self) -> RawMap | None:
         if self.sampler is None:
             return None

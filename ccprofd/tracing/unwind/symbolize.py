@@ -56,6 +56,7 @@ class UnwindSymbolizer:
         self._frames: dict[tuple[int, int | None, int | None, bool], FrameJson] = {}
         self._edge_frames: dict[tuple[int, int, int], EdgeFrame] = {}  # by decoded edge (not OUTSIDE)
         self._library: dict[tuple[int, int, bool], FrameJson] = {}  # library frames by (key, vaddr, exact)
+        self._inner_frames: dict[tuple[int, int, bool], FrameJson] = {}  # by (node, pc, exact)
         self._tail_exits: dict[tuple[int, str | None], tuple[FrameJson, ...]] = {}
         self._symbols: dict[str, ModuleSymbols] = {}
         self.source_lines = source_lines
@@ -136,9 +137,12 @@ class UnwindSymbolizer:
         if rec.node == NO_NODE:
             return Decoded([], complete, reason)
         node = self.nodes[rec.node]
-        state = self.state_of(rec)
         try:
-            path = self.decoder.decode(state, node)
+            # No segment, no recID (most contexts): the plan's acyclic walk without an EncodedState
+            path = (self.decoder.decode_acyclic(rec.acyc, node) if not rec.segments and not rec.rec_len
+                    else None)
+            if path is None:
+                path = self.decoder.decode(self.state_of(rec), node)
         except UnknownCaller as exc:
             path = exc.partial
             if not rec.flags & UE_F_ANCHOR:
@@ -155,13 +159,12 @@ class UnwindSymbolizer:
             self.errors += 1
             return Decoded([], False, f"decode error: {len(frames) - ntail} frames decoded, "
                                       f"{rec.nframes} unwound")
-        inner = frames[-1]
-        if rec.flags & UE_F_INNER_EXACT:
-            inner.call_site = rec.inner
-        else:
-            inner.return_address = rec.inner
-            inner.call_site = self._lookups()[0].get(rec.inner)
-        jsons[-1] = frame_json(self._own_lines(inner))
+        inner_key = (path[-1][1] if path else node, rec.inner, bool(rec.flags & UE_F_INNER_EXACT))
+        got = self._inner_frames.get(inner_key)
+        if got is None:
+            got = self._inner_frame(*inner_key)
+        inner = frames[-1] = got[0]
+        jsons[-1] = got[1]
         if rec.unanalysed:
             below: dict[int, list[FrameJson]] = {}
             for u in rec.unanalysed:
@@ -194,6 +197,21 @@ class UnwindSymbolizer:
                     out_json.append(lj)
                 frames, jsons = out, out_json
         return Decoded.with_json(frames, jsons, complete, reason)
+
+    def _inner_frame(self, node: int, inner: int, exact: bool) -> FrameJson:
+        """The innermost frame of the binary (in function ``node``, at ``inner``: its exact pc,
+        else its return address) and its JSON, made once per (node, pc, exactness) and shared by
+        the contexts that end there, as outer frames are (read-only once made)."""
+        f = self._frame(node)
+        if exact:
+            f.call_site = inner
+        else:
+            f.return_address = inner
+            f.call_site = self._lookups()[0].get(inner)
+        if len(self._inner_frames) >= FRAME_CACHE_ENTRIES:
+            self._inner_frames.clear()
+        got = self._inner_frames[(node, inner, exact)] = (f, frame_json(self._own_lines(f)))
+        return got
 
     def _exit_tables(self) -> tuple[dict[int, int], dict[int, list[tuple[int, int]]], set[int]]:
         if self._exits is None:
@@ -266,11 +284,12 @@ class UnwindSymbolizer:
                      seg_ret: Mapping[tuple[int, int, int], int]
                      ) -> tuple[list[Frame], list[dict[str, Any]], int]:
         """(frames outermost first, their JSON dicts, how many are tail-call frames); every frame but
-        the innermost is shared through the cache, the innermost is its own (decode() completes
-        it; its JSON entry is filled there).  A decoded path is a chain (each edge's caller is the
-        previous edge's callee), so an edge's frame is its caller's, at its site."""
+        the innermost is shared through the cache, the innermost's place is held by a placeholder
+        (decode() puts the frame, and its JSON, there: it depends on the record's pc).  A decoded
+        path is a chain (each edge's caller is the previous edge's callee), so an edge's frame is
+        its caller's, at its site."""
         if not path:
-            return [self._frame(node)], [_PENDING], 0
+            return [_INNER], [_PENDING], 0
         start = 1 if path[0][0] == ROOT else 0
         edges = path[start:] if start else path
         known = self._edge_frames
@@ -280,7 +299,7 @@ class UnwindSymbolizer:
             got = self._new_edge_frames(edges, seg_ret)
         frames = list(map(_FIRST, got))
         jsons = list(map(_SECOND, got))
-        frames.append(self._frame(path[-1][1]))  # the innermost frame: its own, decode() completes it
+        frames.append(_INNER)  # the innermost frame's place: decode() puts it there
         jsons.append(_PENDING)
         return frames, jsons, sum(map(_THIRD, got))
 
@@ -329,7 +348,8 @@ FrameJson = tuple[Frame, dict[str, Any]]
 EdgeFrame = tuple[Frame, dict[str, Any], int]
 _FIRST, _SECOND, _THIRD = itemgetter(0), itemgetter(1), itemgetter(2)
 _NO_RETS: dict[tuple[int, int, int], int] = {}
-_PENDING: dict[str, Any] = {}  # the innermost frame's JSON slot until decode() has completed the frame
+_INNER = Frame(None, None, None, True)  # the innermost frame's place until decode() fills it
+_PENDING: dict[str, Any] = {}  # the innermost frame's JSON slot until decode() fills it
 
 
 def _plain(m: Mapping[int, int]) -> dict[int, int]:
