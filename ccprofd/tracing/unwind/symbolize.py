@@ -215,29 +215,7 @@ class UnwindSymbolizer:
 
     def _exit_tables(self) -> tuple[dict[int, int], dict[int, list[tuple[int, int]]], set[int]]:
         if self._exits is None:
-            si, ci, ki, kd = COL["site"], COL["caller"], COL["callee"], COL["kind"]
-            jumps = self.enc.jump_sites
-            direct: dict[int, int] = {}
-            tails: dict[int, list[tuple[int, int]]] = {}
-            tail_sites: set[int] = set()
-            for r in self.plan["sites"]:
-                site, caller, callee = r[si], r[ci], r[ki]
-                if not site or caller == ROOT:
-                    continue
-                if r[kd] == "tail" or site in jumps:
-                    tails.setdefault(caller, []).append((callee, site))
-                    tail_sites.add(site)
-                elif r[kd] == "direct" and callee > ROOT:
-                    direct[site] = callee
-            # A function with a jump that is no known tail edge (an indirect jump) may leave the
-            # binary by a way the call graph does not show.
-            other_jumpers = set()
-            for site in jumps:
-                if site not in tail_sites:
-                    fn = self.enc.function_at(site)
-                    if fn is not None:
-                        other_jumpers.add(self.nodes[fn[0]])
-            self._exits = (direct, tails, other_jumpers)
+            self._exits = _tail_exit_tables(self.enc, self.plan, self.nodes)
         return self._exits
 
     def _tail_exit(self, call_site: int, entered: str | None) -> tuple[FrameJson, ...]:
@@ -350,6 +328,35 @@ _FIRST, _SECOND, _THIRD = itemgetter(0), itemgetter(1), itemgetter(2)
 _NO_RETS: dict[tuple[int, int, int], int] = {}
 _INNER = Frame(None, None, None, True)  # the innermost frame's place until decode() fills it
 _PENDING: dict[str, Any] = {}  # the innermost frame's JSON slot until decode() fills it
+
+
+def _tail_exit_tables(enc: UnwindEncoding, plan: Mapping[str, Any], nodes: Sequence[int]
+                      ) -> tuple[dict[int, int], dict[int, list[tuple[int, int]]], set[int]]:
+    """The plan's direct call sites (site -> callee), tail edges (caller -> [(callee, jump site)])
+    and the functions with a jump that is no known tail edge, for the tail-exit frames."""
+    si, ci, ki, kd = COL["site"], COL["caller"], COL["callee"], COL["kind"]
+    jumps = enc.jump_sites
+    direct: dict[int, int] = {}
+    tails: dict[int, list[tuple[int, int]]] = {}
+    tail_sites: set[int] = set()
+    for r in plan["sites"]:
+        site, caller, callee = r[si], r[ci], r[ki]
+        if not site or caller == ROOT:
+            continue
+        if r[kd] == "tail" or site in jumps:
+            tails.setdefault(caller, []).append((callee, site))
+            tail_sites.add(site)
+        elif r[kd] == "direct" and callee > ROOT:
+            direct[site] = callee
+    # A function with a jump that is no known tail edge (an indirect jump) may leave the
+    # binary by a way the call graph does not show.
+    other_jumpers = set()
+    for site in jumps:
+        if site not in tail_sites:
+            fn = enc.function_at(site)
+            if fn is not None:
+                other_jumpers.add(nodes[fn[0]])
+    return direct, tails, other_jumpers
 
 
 def _plain(m: Mapping[int, int]) -> dict[int, int]:
