@@ -15,8 +15,11 @@ DEFAULT_MODE = "unwind"  # cheap; instrumented mode is for --scope and unwind-ta
 # Ring buffer records one poll takes at most.  The bound keeps memory flat and a poll short when
 # the target produces records faster than they are decoded: the rest waits in the kernel's ring,
 # and once that is full the BPF side drops and counts (``ringbuf_full``) -- backpressure instead
-# of an ever-growing queue in Python, and a stop request is seen within one batch.
-RECORDS_PER_POLL = 4096
+# of an ever-growing queue in Python, and a stop request is seen within one batch.  1024, not
+# 4096: while a batch of new contexts is decoded and formatted (the cyclic GC paused), each holds
+# ~10 kB, so 4096 of them were ~45 MB of peak RSS (the distinct flood of tests/test_trace_stop.py:
+# 207 MB, over issue 16's bound; 161 MB with 1024).
+RECORDS_PER_POLL = 1024
 
 #: What the kernel side of a mode could not do (``Mode.drops()`` keys), each as it is reported:
 #: the output record's ``event`` and unit (``{"event": "lost", "samples": N, "reason": ...}``),
@@ -129,6 +132,7 @@ class Mode(Protocol):
     name: str
     path: str
     build_id: str | None
+    context_samples: bool  # keep what poll_counted() needs per context (a Session turns it off)
 
     def prepare(self) -> None: ...
     def track_launch(self, pid: int) -> None: ...

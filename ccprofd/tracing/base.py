@@ -33,7 +33,10 @@ LOST_DECODED = Decoded([], False, LOST_CONTEXT)
 
 # A recorded event whose context the tracer never decoded (or no longer holds).
 HISTORY_UNKNOWN = Decoded([], False, "context not known: its sample record was lost or is too old")
-RECENT_PLAIN = 65536  # samples sent on their own remembered for the flight recorder
+RECENT_PLAIN = 8192  # samples sent on their own remembered for the flight recorder (~1 kB each)
+# Decoded contexts a Session's mode keeps for the hits that name them (~1 kB each); past it the
+# oldest is forgotten and its later hits are counted as lost (issue 16: bounded memory).
+TRACE_MAX_CONTEXTS = 65536
 
 # Record kinds (ModeBase._kind).
 SIDE, PLAIN, NEW, HIT = range(4)
@@ -179,6 +182,18 @@ class ContextReader(Protocol):
     def close(self) -> None: ...
 
 
+def _remember(recent: dict[tuple[int, int], Decoded], order: deque[tuple[int, int]],
+              key: tuple[int, int], d: Decoded) -> None:
+    """Keep a sample sent on its own for the flight recorder, the last :data:`RECENT_PLAIN` of
+    them (oldest dropped by ``order``: a dict's first key is found past the holes its deletions
+    leave, O(n) each)."""
+    if key not in recent:
+        order.append(key)
+    recent[key] = d
+    if len(order) > RECENT_PLAIN:
+        recent.pop(order.popleft(), None)
+
+
 class ModeBase(ABC, Generic[Record, Key]):
     """The shared half of :class:`~ccprofd.tracing.api.Mode` implementations."""
 
@@ -191,6 +206,7 @@ class ModeBase(ABC, Generic[Record, Key]):
         self.build_id: str | None = None
         self._kernel: KernelCounts[Key] = KernelCounts()
         self._per_sample = True
+        self.context_samples = True  # keep what poll_counted() needs (a Session turns it off)
         self.records = 0  # sample records received (new contexts only, in aggregate mode)
         self.samples_seen = 0
         self.incomplete = 0
@@ -201,6 +217,7 @@ class ModeBase(ABC, Generic[Record, Key]):
         # (tid, time_ns) -> Decoded of the latest samples sent on their own (no kernel key), for
         # the flight recorder's events (history)
         self._recent_plain: dict[tuple[int, int], Decoded] = {}
+        self._recent_order: deque[tuple[int, int]] = deque()  # its keys, oldest first
 
     # ------------------------------------------------------------------------ a mode's own part
     @abstractmethod
@@ -323,11 +340,14 @@ class ModeBase(ABC, Generic[Record, Key]):
         sample = self._sample
         if NEW in kinds:  # new contexts first: a hit (another CPU) may overtake its context's record
             learn, make, later = self._kernel.learn_later, self._representative, self._later_context
+            bounded, keep = self._kernel.learn_bounded, self.context_samples
             for r, k in zip(raw, kinds, strict=True):
                 if k == NEW:
                     d = fresh[id(r)] = self._decode(r)
-                    # the daemon's context sample (no time), made only if poll_counted() needs it
-                    learn(key(r), make, later(r, d), d)
+                    if keep:  # the daemon's context sample (no time), made only if poll_counted() needs it
+                        learn(key(r), make, later(r, d), d)
+                    else:
+                        bounded(key(r), d, TRACE_MAX_CONTEXTS)
         out: list[TraceSample] = []
         counted: list[bool] = []
         append = out.append
@@ -345,10 +365,7 @@ class ModeBase(ABC, Generic[Record, Key]):
                 continue
             append(sample(r, d))
             if k == PLAIN:  # the flight recorder finds a sample sent on its own by thread and time
-                recent = self._recent_plain
-                recent[(out[-1].tid, out[-1].time_ns)] = d
-                if len(recent) > RECENT_PLAIN:
-                    del recent[next(iter(recent))]
+                _remember(self._recent_plain, self._recent_order, (out[-1].tid, out[-1].time_ns), d)
             if in_kernel:
                 counted.append(k == PLAIN)
                 if k != PLAIN:
@@ -383,6 +400,7 @@ class ModeBase(ABC, Generic[Record, Key]):
         The map is read after the ring buffer is drained: a context whose first record is not in
         yet (still being sent by another CPU) is left for the next call, its count not yet taken,
         so nothing is lost (see kernelcounts.py)."""
+        assert self.context_samples, "poll_counted() on a mode that keeps no context samples"
         samples, counted = self._poll_decoded(timeout_ms, in_kernel=True)
         records = list(zip(samples, counted, strict=True))
         counts: list[tuple[TraceSample, int]] = []

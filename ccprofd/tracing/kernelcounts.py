@@ -13,6 +13,7 @@ read, so nothing is lost; a key whose record was never sent (ring buffer full) i
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Generic, TypeVar
 
@@ -29,12 +30,28 @@ class KernelCounts(Generic[Key]):
         self._later: dict[Key, Any] = {}
         self._make: Callable[[Any], Any] | None = None
         self._taken: dict[Key, int] = {}
-        self.lost = 0  # hit records whose context record never came
+        self._order: deque[Key] = deque()  # learn_bounded()'s keys, oldest first
+        self.lost = 0  # hit records whose context record never came (or was forgotten)
+        self.forgotten = 0  # contexts learn_bounded() dropped to stay within its limit
 
     def learn(self, key: Key, context: Any, decoded: Any) -> None:
         """A new context's sample (``context``: what the daemon's store is given for it; ``decoded``:
         the mode's decode result, for hits and statistics).  The first one sent stands."""
         self._contexts.setdefault(key, (context, decoded))
+
+    def learn_bounded(self, key: Key, decoded: Any, limit: int) -> None:
+        """:meth:`learn` for a tracer that never takes counts (``ccprofd trace``, learn, detect): at
+        most ``limit`` contexts are kept, the oldest forgotten first, so memory stays bounded however
+        many distinct contexts a target makes; a later hit of a forgotten context is counted as
+        lost, as one whose record never came (the kernel does not send it again)."""
+        ctx = self._contexts
+        if key in ctx:
+            return
+        if len(ctx) >= limit and self._order:
+            ctx.pop(self._order.popleft(), None)
+            self.forgotten += 1
+        ctx[key] = (None, decoded)
+        self._order.append(key)
 
     def learn_later(self, key: Key, make: Callable[[Any], Any], arg: Any, decoded: Any) -> None:
         """:meth:`learn` with the context ``make(arg)`` made only when :meth:`deltas` needs it

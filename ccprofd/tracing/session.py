@@ -80,6 +80,7 @@ class Session:
         """``detach_at_end=False``: the mode outlives this session (one prepared mode traces
         several commands in turn, as bench/report_trace.py does): it is drained, not detached."""
         self.mode = mode
+        mode.context_samples = False  # a session never takes the kernel's counts (poll_counted)
         self.detach_at_end = detach_at_end
         self.child = child
         self.attached: tuple[int, ...] = (attached,) if isinstance(attached, int) else tuple(attached or ())
