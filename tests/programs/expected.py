@@ -268,6 +268,30 @@ EXPECTED: dict[str, Expected] = {
         o2="""
         main -> strtol 1 plt
         """),
+    "spawns": _prog(
+        "main worker make_thread fork_child make_fork make_spawn make_vfork",
+        """
+        main -> make_thread 1 direct
+        main -> make_fork 1 direct
+        main -> make_spawn 1 direct
+        main -> make_vfork 1 direct
+        main -> puts 1 plt
+        main -> fflush 1 plt
+        make_thread -> pthread_create 1 plt
+        make_thread -> pthread_join 1 plt
+        worker -> getppid 1 plt
+        make_fork -> fork 1 plt
+        make_fork -> fork_child 1 direct
+        make_fork -> waitpid 1 plt
+        fork_child -> getppid 1 plt
+        fork_child -> _exit 1 plt
+        make_spawn -> posix_spawn 1 plt
+        make_spawn -> waitpid 1 plt
+        make_vfork -> vfork 1 plt
+        make_vfork -> _exit 1 plt
+        make_vfork -> waitpid 1 plt
+        """,
+        address_taken="worker"),
     "exithandlers": _prog(
         "main emit flush_chain handler_a handler_b fini_hook deeper work",
         """

@@ -2,7 +2,7 @@
  *
  * Expected call graph (same at -O0 and -O2):
  *   main -> make_thread 1 direct   main -> make_fork 1 direct   main -> make_spawn 1 direct
- *   main -> make_vfork 1 direct
+ *   main -> make_vfork 1 direct   main -> puts 1 plt   main -> fflush 1 plt
  *   make_thread -> pthread_create 1 plt   make_thread -> pthread_join 1 plt
  *   worker -> getppid 1 plt   (worker: address-taken, a pthread start routine)
  *   make_fork -> fork 1 plt   make_fork -> fork_child 1 direct   make_fork -> waitpid 1 plt
@@ -72,5 +72,7 @@ int main(void) {
     make_fork();
     make_spawn();
     make_vfork();
+    puts("spawns: done");  /* after every spawn: the programs' common "NAME:" line */
+    fflush(stdout);
     return 0;
 }
