@@ -55,7 +55,7 @@ class KernelCounts(Generic[Key]):
 
     def learn_later(self, key: Key, make: Callable[[Any], Any], arg: Any, decoded: Any) -> None:
         """:meth:`learn` with the context ``make(arg)`` made only when :meth:`deltas` needs it
-        (never, in ``ccprofd trace``: a new context then costs no representative sample).
+        (the daemon's modes; a Session's mode, which never takes counts, uses :meth:`learn_bounded`).
         ``make(arg)`` must give the same context whenever it is called, and ``make`` is the same
         for every key (the mode's: kept once, not per key, as ``arg`` is kept small: both stay
         alive as long as the context, and every object kept is work for the cyclic GC)."""
