@@ -284,6 +284,22 @@ def test_failed_target_is_retried_on_reload_and_changed_targets_restart(workdir:
         daemon.stop()
 
 
+def test_reload_applies_daemon_bounds_to_targets_that_keep_running(workdir: str) -> None:
+    """top_k / max_series / retire_after_seconds applied only to targets started after a reload."""
+    factory = FakeFactory()
+    daemon = Daemon(parse_config(config_text(workdir, TARGET_APP)), factory, servers=standard_servers())
+    daemon.start()
+    try:
+        source = factory.sources["app"]
+        daemon.apply(parse_config(config_text(
+            workdir, TARGET_APP, daemon_extra="top_k = 3\nmax_series = 5\nretire_after_seconds = 7200\n")))
+        assert factory.sources["app"] is source and not source.closed  # not restarted
+        store = daemon.targets["app"].store
+        assert (store.top_k, store.max_series, store.retire_ns) == (3, 5, 7200 * 1_000_000_000)
+    finally:
+        daemon.stop()
+
+
 def test_probe_hit_budget_switches_to_unwind_mode(workdir: str) -> None:
     factory = FakeFactory()
     target = (

@@ -256,3 +256,24 @@ def test_frames_keep_source_lines_and_inlined_calls() -> None:
     assert [dict(f) for f in resolved[1]] == [dict(f, tail_call=None) for f in lined]
     (read,) = store.hot(syscall="read")
     assert [dict(f) for f in read.frames] == [dict(f, tail_call=None) for f in plain]
+
+
+def test_retune_applies_a_reloaded_bound_to_a_running_store() -> None:
+    """A reload's lower max_series retires the series seen longest ago until the bound holds; the
+    kept series continue, the counts are untouched, and a retired one resumes monotonic."""
+    now = [T0]
+    store = TargetStore(top_k=3, max_series=3, promotion_window_seconds=60, clock=lambda: now[0])
+    a, b, c = ctx("main", "ra"), ctx("main", "rb"), ctx("main", "rc")
+    for i, chain in enumerate((a, b, c)):
+        now[0] = T0 + i * S
+        store.add(sample(chain))
+    assert len(series_map(store, now[0])) == 4  # three series and "other"
+    store.retune(max_contexts=10000, top_k=1, max_series=1, promotion_window_seconds=60,
+                 retire_after_seconds=0)
+    assert series_map(store, now[0]) == {("write", context_id(c)): 1, ("write", OTHER): 0}
+    assert store.counters()["retired"] == 2 and store.samples == 3
+    # Raised again: a, still hot in the window, is promoted again from its last value.
+    store.retune(max_contexts=10000, top_k=3, max_series=3, promotion_window_seconds=60,
+                 retire_after_seconds=0)
+    store.add(sample(a))
+    assert series_map(store, now[0])[("write", context_id(a))] == 2

@@ -471,6 +471,11 @@ class Daemon:
                 log.info("target %s: configuration changed: re-attaching", name)
                 self.stop_target(name)
                 kept[name] = running.store
+        d = new.daemon
+        for store in [*kept.values(), *(rt.store for rt in self.targets.values())]:
+            store.retune(max_contexts=d.max_contexts, top_k=d.top_k, max_series=d.max_series,
+                         promotion_window_seconds=d.promotion_window_seconds,
+                         retire_after_seconds=d.retire_after_seconds)
         for tc in new.targets:
             rt = self.targets.get(tc.name)
             if rt is None:
