@@ -445,15 +445,22 @@ def _chain(frames: list[dict[str, Any]]) -> str:
 def _sample_line(s: dict[str, Any]) -> str:
     what = s["syscall"] if s["event"] == "syscall" else "cpu"
     flag = "" if s["complete"] else " [incomplete]"
-    return (f"{s['time_ns']} {s['target']} {s['pid']}/{s['tid']} {what} {s['context']}{flag}: "
+    args = "".join(f" {k}={v}" for k, v in sorted((s.get("args") or {}).items()))
+    ret = "" if "ret" not in s else f" = {'?' if s['ret'] is None else s['ret']}"
+    return (f"{s['time_ns']} {s['target']} {s['pid']}/{s['tid']} {what}{args}{ret} {s['context']}{flag}: "
             f"{_chain(s['frames'])}")
 
 
 def _alert_line(a: dict[str, Any]) -> str:
     args = " ".join(f"{k}={v}" for k, v in sorted(a["args"].items()))
     denied = " DENIED" if a["denied"] else ""
-    return (f"{a['time_ns']} {a['target']} {a['pid']}/{a['tid']} {a['kind']} {a['syscall']}{denied} {args}: "
-            f"{_chain(a['frames'])}")
+    edge = ""
+    if a.get("unseen_edge"):
+        from ccprofd.anomaly.detector import edge_text
+
+        edge = f" unseen_edge={edge_text(a['unseen_edge'])}"
+    return (f"{a['time_ns']} {a['target']} {a['pid']}/{a['tid']} {a['kind']} {a['syscall']}{denied} "
+            f"{args}{edge}: {_chain(a['frames'])}")
 
 
 def cmd_stats(args: argparse.Namespace, channel: Any, fmt: str, w: _Writer) -> int:

@@ -453,8 +453,7 @@ class Daemon:
     def apply(self, new: Config) -> None:
         """Move to ``new``: restart servers whose settings changed; stop removed or changed targets;
         start added ones and retry failed ones; leave unchanged attached targets alone."""
-        old = self.config
-        self.config = new
+        old, self.config = self.config, new
         if (new.daemon.grpc_listen, new.daemon.metrics_listen, new.daemon.tls_cert, new.daemon.tls_key,
                 new.daemon.tls_client_ca, new.daemon.grpc_socket_mode, new.daemon.grpc_socket_group) != (
                 old.daemon.grpc_listen, old.daemon.metrics_listen, old.daemon.tls_cert, old.daemon.tls_key,
@@ -471,11 +470,7 @@ class Daemon:
                 log.info("target %s: configuration changed: re-attaching", name)
                 self.stop_target(name)
                 kept[name] = running.store
-        d = new.daemon
-        for store in [*kept.values(), *(rt.store for rt in self.targets.values())]:
-            store.retune(max_contexts=d.max_contexts, top_k=d.top_k, max_series=d.max_series,
-                         promotion_window_seconds=d.promotion_window_seconds,
-                         retire_after_seconds=d.retire_after_seconds)
+        _retune([*kept.values(), *(rt.store for rt in self.targets.values())], new.daemon)
         for tc in new.targets:
             rt = self.targets.get(tc.name)
             if rt is None:
@@ -514,6 +509,14 @@ class Daemon:
         self.anomaly.close()  # after the pumps stopped: the final flush has every sample
         self._stop_servers()
         log.info("stopped: every probe detached")
+
+
+def _retune(stores: list[TargetStore], d: DaemonConfig) -> None:
+    """A reload's daemon-level bounds apply to the stores of targets kept running too."""
+    for store in stores:
+        store.retune(max_contexts=d.max_contexts, top_k=d.top_k, max_series=d.max_series,
+                     promotion_window_seconds=d.promotion_window_seconds,
+                     retire_after_seconds=d.retire_after_seconds)
 
 
 def attach_waiting(daemon: Daemon) -> None:

@@ -416,30 +416,20 @@ class TargetStore:
 
     def retune(self, *, max_contexts: int, top_k: int, max_series: int, promotion_window_seconds: int,
                retire_after_seconds: int) -> None:
-        """Apply a reloaded ``[daemon]``'s bounds to this running store (its counts are kept).
-
-        A lower ``max_series`` retires the promoted series least recently seen until the bound
-        holds again (as :meth:`_retire` would: their series leave the exposition, counters stay
-        monotonic if promoted again); a lower ``max_contexts`` keeps the contexts already in the
-        table and applies to new ones.  Bucket width and depth are not changed: existing buckets
-        were cut at the old width.
-        """
+        """A reloaded ``[daemon]``'s bounds for this running store (counts kept).  A lower
+        ``max_series`` retires the series seen longest ago (as :meth:`_retire` does); bucket width
+        and depth stay: existing buckets were cut at the old width."""
         with self._lock:
-            self.max_contexts = max_contexts
-            self.top_k = top_k
-            self.max_series = max_series
+            self.max_contexts, self.top_k, self.max_series = max_contexts, top_k, max_series
             self.window_ns = promotion_window_seconds * 1_000_000_000
             self.retire_ns = retire_after_seconds * 1_000_000_000
-            for event, promoted in list(self._promoted_count.items()):
-                excess = promoted - max_series
-                if excess <= 0:
-                    continue
-                oldest = sorted((e for e in self._entries.values() if e.promoted and e.event == event),
-                                key=lambda e: (e.last_ns, e.context, e.syscall))[:excess]
-                for e in oldest:
+            for event in list(self._promoted_count):
+                ranked = sorted((e for e in self._entries.values() if e.promoted and e.event == event),
+                                key=lambda e: (e.last_ns, e.context, e.syscall))
+                for e in ranked[:max(0, len(ranked) - max_series)]:
                     e.promoted = False
+                    self._promoted_count[event] -= 1
                     self.retired += 1
-                self._promoted_count[event] = promoted - len(oldest)
 
     def _retire(self, now: int) -> None:
         """Stop exporting promoted contexts not seen for ``retire_ns``: frees their ``max_series``

@@ -63,16 +63,36 @@ def frames_from_pb(frames: Iterable[Any]) -> list[dict[str, Any]]:
 
 
 def sample_to_pb(sample: Mapping[str, Any], target: str = "", context: str = "") -> Any:
-    return pb.Sample(time_ns=int(sample.get("time_ns") or 0), pid=int(sample.get("pid") or 0),
-                     tid=int(sample.get("tid") or 0), event=str(sample.get("event") or "syscall"),
-                     syscall=str(sample.get("syscall") or ""), complete=bool(sample.get("complete", True)),
-                     frames=frames_to_pb(sample.get("frames") or ()), target=target, context=context)
+    """A sample as a Sample; ``args``/``raw_args``/``ret`` follow the JSON: a ``ret`` key with null
+    is a return that never came (``unreturned``), no ``ret`` key: returns not traced."""
+    msg = pb.Sample(time_ns=int(sample.get("time_ns") or 0), pid=int(sample.get("pid") or 0),
+                    tid=int(sample.get("tid") or 0), event=str(sample.get("event") or "syscall"),
+                    syscall=str(sample.get("syscall") or ""), complete=bool(sample.get("complete", True)),
+                    frames=frames_to_pb(sample.get("frames") or ()), target=target, context=context,
+                    raw_args=[int(a) & 0xFFFF_FFFF_FFFF_FFFF for a in sample.get("raw_args") or ()])
+    for key, value in (sample.get("args") or {}).items():
+        msg.args[str(key)] = str(value)
+    if "ret" in sample:
+        if sample["ret"] is None:
+            msg.unreturned = True
+        else:
+            msg.ret = int(sample["ret"])
+    return msg
 
 
 def sample_from_pb(msg: Any) -> dict[str, Any]:
-    return {"time_ns": msg.time_ns, "pid": msg.pid, "tid": msg.tid, "event": msg.event,
-            "syscall": msg.syscall or None, "complete": msg.complete, "frames": frames_from_pb(msg.frames),
-            "target": msg.target, "context": msg.context}
+    out = {"time_ns": msg.time_ns, "pid": msg.pid, "tid": msg.tid, "event": msg.event,
+           "syscall": msg.syscall or None, "complete": msg.complete, "frames": frames_from_pb(msg.frames),
+           "target": msg.target, "context": msg.context}
+    if msg.args:
+        out["args"] = dict(msg.args)
+    if msg.raw_args:
+        out["raw_args"] = list(msg.raw_args)
+    if msg.HasField("ret"):
+        out["ret"] = msg.ret
+    elif msg.unreturned:
+        out["ret"] = None
+    return out
 
 
 def history_event_to_pb(ev: Mapping[str, Any]) -> Any:
@@ -102,7 +122,18 @@ def alert_to_pb(alert: Mapping[str, Any]) -> Any:
         msg.nearest.add(frames=frames_to_pb(near.get("frames") or ()), count=int(near.get("count") or 0),
                         common_prefix=int(near.get("common_prefix") or 0))
     msg.history.extend(history_event_to_pb(ev) for ev in alert.get("history") or ())
+    edge = alert.get("unseen_edge")
+    if edge:
+        msg.unseen_edge.syscall = str(edge.get("syscall") or "")
+        if edge.get("caller"):
+            msg.unseen_edge.caller.CopyFrom(frame_to_pb(edge["caller"]))
+        if edge.get("callee"):
+            msg.unseen_edge.callee.CopyFrom(frame_to_pb(edge["callee"]))
     return msg
+
+
+def _edge_frame_from_pb(msg: Any) -> dict[str, Any]:
+    return {k: v for k, v in frame_from_pb(msg).items() if v is not None and k != "analysed"}
 
 
 def alert_from_pb(msg: Any) -> dict[str, Any]:
@@ -112,4 +143,11 @@ def alert_from_pb(msg: Any) -> dict[str, Any]:
             "build_id": msg.build_id, "context": msg.context,
             "nearest": [{"frames": frames_from_pb(n.frames), "count": n.count,
                          "common_prefix": n.common_prefix} for n in msg.nearest],
-            "history": [history_event_from_pb(ev) for ev in msg.history]}
+            "history": [history_event_from_pb(ev) for ev in msg.history],
+            **({"unseen_edge": _edge_from_pb(msg.unseen_edge)} if msg.HasField("unseen_edge") else {})}
+
+
+def _edge_from_pb(edge: Any) -> dict[str, Any]:
+    return {"syscall": edge.syscall,
+            "caller": _edge_frame_from_pb(edge.caller) if edge.HasField("caller") else None,
+            "callee": _edge_frame_from_pb(edge.callee) if edge.HasField("callee") else None}
