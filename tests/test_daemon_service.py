@@ -22,7 +22,7 @@ from daemon_fakes import TARGET_APP, FakeFactory, config_text, frame, sample, sh
 
 from ccprofd.daemon.config import parse_config
 from ccprofd.daemon.notify import Notifier
-from ccprofd.daemon.service import Daemon
+from ccprofd.daemon.service import Daemon, retry_failed
 from ccprofd.export.gen import ccprofd_pb2 as pb
 from ccprofd.export.gen import ccprofd_pb2_grpc as pb_grpc
 from ccprofd.export.servers import standard_servers
@@ -296,6 +296,37 @@ def test_reload_applies_daemon_bounds_to_targets_that_keep_running(workdir: str)
         assert factory.sources["app"] is source and not source.closed  # not restarted
         store = daemon.targets["app"].store
         assert (store.top_k, store.max_series, store.retire_ns) == (3, 5, 7200 * 1_000_000_000)
+    finally:
+        daemon.stop()
+
+
+def test_failed_target_is_retried_with_backoff_without_a_sighup(workdir: str) -> None:
+    """A failed target used to wait for a SIGHUP; now it is retried after 10 s, 20 s, 40 s, ...
+    (at most 600 s apart; the clock is injected, nothing sleeps) and attaches once it can."""
+    factory = FakeFactory(fail={"app": "BPF map limit"})
+    daemon = Daemon(parse_config(config_text(workdir, TARGET_APP)), factory, servers=standard_servers())
+    daemon.start()
+    try:
+        rt = daemon.targets["app"]
+        assert rt.state == "failed" and len(factory.built) == 1
+        attempts = []
+        for now in range(0, 5000):  # one main-loop tick per second
+            retry_failed(daemon, now=float(now))
+            attempts.append(len(factory.built))
+        # 10 s after the failure, then each wait twice the previous one, capped at 600 s
+        assert [t for t in range(1, 5000) if attempts[t] != attempts[t - 1]] == [
+            10, 30, 70, 150, 310, 630, 1230, 1830, 2430, 3030, 3630, 4230, 4830]
+        assert rt.state == "failed" and rt.retries == 13 and rt.error == "BPF map limit"
+        factory.fail.clear()
+        retry_failed(daemon, now=1e9)
+        assert rt.state == "attached" and rt.error == ""
+        # a reload retries a failed target at once and its backoff starts over
+        factory.fail["app"] = "again"
+        daemon._detach(rt)
+        daemon._attach(rt)
+        assert rt.state == "failed"
+        daemon.apply(parse_config(config_text(workdir, TARGET_APP)))
+        assert rt.retries == 0 and rt.retry_at is None
     finally:
         daemon.stop()
 

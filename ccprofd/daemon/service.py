@@ -6,8 +6,8 @@ and the live sample bus (``StreamSamples``) and sample observers (the anomaly de
 publishes on the alert bus) -> the exporters read stores and buses; nothing flows back.
 
 Lifecycle (:func:`run_daemon`): validate the config (bad -> exit 2, nothing started), start every
-target (a target that fails to attach is reported in ``ListTargets`` and the log, and retried on
-the next ``SIGHUP``; one whose path or cgroup does not exist yet is ``waiting`` and attached once
+target (a target that fails to attach is reported in ``ListTargets`` and the log, and retried
+with backoff (:func:`retry_failed`) or at the next ``SIGHUP``; one whose path or cgroup does not exist yet is ``waiting`` and attached once
 it exists and has not changed for a main-loop tick), serve gRPC and metrics, send ``READY=1``.
 ``SIGHUP`` reloads: a bad new config is logged and the old one keeps running; changed or removed
 targets are stopped, new ones started, unchanged ones untouched.  ``SIGTERM``/``SIGINT`` send
@@ -44,6 +44,10 @@ log = logging.getLogger("ccprofd")
 
 SampleObserver = Callable[[str, dict[str, Any]], None]
 POLL_MS = 200
+#: A failed target (analysis or BPF error, a source that failed) is retried after 10 s, then after
+#: twice the previous wait, at most 10 minutes apart; a reload retries it at once.
+RETRY_FIRST_SECONDS = 10.0
+RETRY_MAX_SECONDS = 600.0
 
 
 @dataclass
@@ -83,6 +87,8 @@ class TargetRuntime:
         self._rate: tuple[float, int] | None = None
         self._seen: tuple[int, int, int] | None = None  # the waited-for path's last (inode, size, mtime)
         self.lock = threading.RLock()
+        self.retries = 0  # automatic retries after failures (backoff: :func:`retry_failed`)
+        self.retry_at: float | None = None  # monotonic time of the next one, once scheduled
 
     @property
     def name(self) -> str:
@@ -475,9 +481,8 @@ class Daemon:
             rt = self.targets.get(tc.name)
             if rt is None:
                 self.start_target(tc, kept.get(tc.name))
-            elif rt.state == "failed":
-                self._detach(rt)
-                self._attach(rt)
+            elif rt.state == "failed":  # retried at once, its backoff starts over
+                _restart(self, rt, retries=0)
 
     def reload(self, path: str) -> bool:
         """``SIGHUP``: a bad new config is rejected with one log line; the old one keeps running."""
@@ -517,6 +522,27 @@ def _retune(stores: list[TargetStore], d: DaemonConfig) -> None:
         store.retune(max_contexts=d.max_contexts, top_k=d.top_k, max_series=d.max_series,
                      promotion_window_seconds=d.promotion_window_seconds,
                      retire_after_seconds=d.retire_after_seconds)
+
+
+def retry_failed(daemon: Daemon, now: float | None = None) -> None:
+    """Retry failed targets with exponential backoff (run every main-loop tick): a transient
+    failure (a BPF map limit, a busy kernel, a binary replaced mid-analysis) heals without a
+    ``SIGHUP``; a permanent one costs one attempt per ``RETRY_MAX_SECONDS``."""
+    now = time.monotonic() if now is None else now
+    for rt in daemon.runtimes():
+        if rt.state == "failed" and rt.retry_at is not None and now >= rt.retry_at:
+            log.info("target %s: retry %d after: %s", rt.name, rt.retries + 1, rt.error)
+            _restart(daemon, rt, retries=rt.retries + 1)
+        if rt.state == "failed" and rt.retry_at is None:
+            wait = min(RETRY_MAX_SECONDS, RETRY_FIRST_SECONDS * 2 ** min(rt.retries, 32))
+            rt.retry_at = now + wait
+            log.info("target %s: retrying in %.0f s", rt.name, wait)
+
+
+def _restart(daemon: Daemon, rt: TargetRuntime, *, retries: int) -> None:
+    rt.retries, rt.retry_at = retries, None
+    daemon._detach(rt)
+    daemon._attach(rt)
 
 
 def attach_waiting(daemon: Daemon) -> None:
@@ -620,6 +646,7 @@ def run_daemon(config_path: str, factory: SourceFactory | None = None,
                 signals.reload = False
                 daemon.reload(config_path)
             attach_waiting(daemon)
+            retry_failed(daemon)
             daemon.check_budgets()
             if daemon.notifier.watchdog_due():
                 daemon.notifier.watchdog()
