@@ -39,6 +39,11 @@ DROPS: dict[str, tuple[str, str, str]] = {
     "thread_state_full": ("degraded", "threads",
                           "threads traced without per-thread state (their samples are flagged incomplete, "
                           "'no per-thread state'): every state slot was in use (CCPROFD_THREADS)"),
+    "return_lost": ("lost", "returns",
+                    "--retval returns lost (their samples are written '= ?' though the call returned): "
+                    "the process-event ring was full"),
+    "return_unjoined": ("lost", "unjoined_returns",
+                        "--retval return records left without their sample (the sample was dropped)"),
 }
 
 

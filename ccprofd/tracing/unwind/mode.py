@@ -322,7 +322,7 @@ class UnwindMode(ModeBase[Record, tuple[int, int]]):
         return self.sampler.module.map_entries() if self.sampler is not None else {}
 
     def drops(self) -> dict[str, int]:
-        return self.sampler.drops() if self.sampler is not None else {}
+        return {**(self.sampler.drops() if self.sampler is not None else {}), **self._return_drops()}
 
     def close(self) -> None:
         self._close_contexts()  # thread snapshots' private vDSO copies
