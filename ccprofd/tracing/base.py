@@ -358,7 +358,8 @@ class ModeBase(ABC, Generic[Record, Key]):
         name, nargs = SYSCALL_INFO.get(nr) or syscall_info(nr)  # once per sample: one lookup, not two calls
         return TraceSample(r_time, pid, tid, event, name, d.complete, d.json_frames(),
                            path_args(name, arg) if arg is not None else None,
-                           None if sargs is None or nr is None else sargs[:nargs], None, None)
+                           None if sargs is None or nr is None else sargs[:nargs], None, None,
+                           None if d.complete else d.reason)
 
     def _later_context(self, r: Record, d: Decoded) -> Any:
         """What :meth:`_representative` makes a new context's sample from, kept until then (a
@@ -566,7 +567,7 @@ class ModeBase(ABC, Generic[Record, Key]):
             d = HISTORY_UNKNOWN
         name, nargs = SYSCALL_INFO.get(ev.syscall) or syscall_info(ev.syscall)
         return TraceSample(t, ev.tgid, ev.tid, "syscall", name, d.complete, d.json_frames(), None,
-                           ev.args[:nargs], None, None)
+                           ev.args[:nargs], None, None, None if d.complete else d.reason)
 
     def _close_contexts(self) -> None:
         """Thread snapshots' private vDSO copies go with the reader (ccprofd/proc/modules.py)."""
