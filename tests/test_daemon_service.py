@@ -6,18 +6,23 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
-import pytest
-from daemon_fakes import TARGET_APP, FakeFactory, config_text, frame, sample, short_tmpdir, wait_for
+from daemon_fakes import (
+    TARGET_APP,
+    FakeFactory,
+    config_text,
+    frame,
+    sample,
+    started_daemon,
+    wait_for,
+)
 
 from ccprofd.daemon.config import parse_config
 from ccprofd.daemon.notify import Notifier
@@ -28,13 +33,6 @@ from ccprofd.export.servers import standard_servers
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
-
-
-@pytest.fixture
-def workdir() -> Iterator[str]:
-    d = short_tmpdir()
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 class NotifyListener:
@@ -243,9 +241,8 @@ def test_missing_tracer_is_a_one_line_failure(workdir: str) -> None:
 
 def test_failed_target_is_retried_on_reload_and_changed_targets_restart(workdir: str) -> None:
     factory = FakeFactory(fail={"app": "binary not found"})
-    daemon = Daemon(parse_config(config_text(workdir, TARGET_APP)), factory, servers=standard_servers())
-    daemon.start()
-    try:
+    with started_daemon(TARGET_APP, workdir=workdir, factory=factory) as served:
+        daemon = served.daemon
         assert daemon.targets["app"].state == "failed" and daemon.targets["app"].error == "binary not found"
         factory.fail.clear()
         daemon.apply(parse_config(config_text(workdir, TARGET_APP)))
@@ -265,8 +262,6 @@ def test_failed_target_is_retried_on_reload_and_changed_targets_restart(workdir:
         second = factory.sources["app"]
         daemon.apply(parse_config(config_text(workdir)))
         assert second.closed and daemon.targets == {}
-    finally:
-        daemon.stop()
 
 
 def test_probe_hit_budget_switches_to_unwind_mode(workdir: str) -> None:
@@ -274,9 +269,8 @@ def test_probe_hit_budget_switches_to_unwind_mode(workdir: str) -> None:
     target = (
         '[[target]]\nname = "hot"\npath = "/opt/hot"\nmode = "instrumented"\nmax_probe_hits_per_sec = 1000\n'
     )
-    daemon = Daemon(parse_config(config_text(workdir, target)), factory, servers=standard_servers())
-    daemon.start()
-    try:
+    with started_daemon(target, workdir=workdir, factory=factory) as served:
+        daemon = served.daemon
         src = factory.sources["hot"]
         daemon.check_budgets(now=10.0)
         src.probe_hits = 500
@@ -296,8 +290,6 @@ def test_probe_hit_budget_switches_to_unwind_mode(workdir: str) -> None:
         assert out.returncode == 0, out.stderr
         lines = out.stdout.splitlines()
         assert "mode unwind (configured instrumented)" in lines[0] and lines[1] == f"  note: {note}", lines
-    finally:
-        daemon.stop()
 
 
 def test_stop_closes_every_source_even_after_a_source_failure(workdir: str) -> None:
