@@ -393,10 +393,6 @@ class ModeBase(ABC, Generic[Record, Key]):
         """The return records received since the last call: (wall-clock time, tid, nr, ret)."""
         return []
 
-    def _return_drops(self) -> dict[str, int]:
-        """``--retval``: the returns that could not be joined to their samples (api.DROPS)."""
-        return self._returns.drops() if self.options.retval else {}
-
     def unfinished(self) -> list[TraceSample]:
         """At the end of a trace: the samples still waiting for their return (``= ?``)."""
         return self._returns.flush()

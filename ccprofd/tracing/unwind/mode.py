@@ -324,7 +324,8 @@ class UnwindMode(ModeBase[Record, tuple[int, int]]):
         return self.sampler.module.map_entries() if self.sampler is not None else {}
 
     def drops(self) -> dict[str, int]:
-        return {**(self.sampler.drops() if self.sampler is not None else {}), **self._return_drops()}
+        return {**(self.sampler.drops() if self.sampler is not None else {}),
+                **self._returns.drops()}  # --retval's (all 0 without it)
 
     def close(self) -> None:
         self._close_contexts()  # thread snapshots' private vDSO copies
