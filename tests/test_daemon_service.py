@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import grpc
+import pytest
 from daemon_fakes import (
     TARGET_APP,
     FakeFactory,
@@ -309,3 +310,20 @@ def test_stop_closes_every_source_even_after_a_source_failure(workdir: str) -> N
     daemon.stop()
     assert all(s.closed for s in factory.built)
     time.sleep(0)  # no background thread left to touch the sources
+
+
+def test_started_daemon_serves_then_stops_and_cleans_up(tmp_path: Path) -> None:
+    """The shared in-process set-up (daemon_fakes.started_daemon): the daemon answers on its socket
+    while the block runs, is stopped after it (its socket gone, its sources closed) even when the
+    block fails, and the work directory it made is removed (one given to it is kept)."""
+    with started_daemon(TARGET_APP) as served:
+        assert grpc_targets(served.socket) == {"app": "attached"}
+        made = served.workdir
+    assert not os.path.exists(made) and all(s.closed for s in served.factory.built)
+    given = tmp_path / "d"
+    given.mkdir()
+    with pytest.raises(RuntimeError, match="the block failed"), \
+            started_daemon(TARGET_APP, workdir=str(given)) as served:
+        raise RuntimeError("the block failed")
+    assert given.is_dir() and not os.path.exists(served.socket)
+    assert all(s.closed for s in served.factory.built)
