@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import ctypes
+import io
 import os
 import platform
 import re
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -82,3 +87,49 @@ def publish(section: str, text: str, update_readme: bool) -> None:
 
 def python() -> str:
     return sys.executable
+
+
+def median(xs: list[float]) -> float:
+    """The middle value (the upper one of an even count), as the unwind benches report."""
+    s = sorted(xs)
+    return s[len(s) // 2]
+
+
+BPF_ENABLE_STATS = 32
+
+
+class _EnableStatsAttr(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_uint32)]  # BPF_STATS_RUN_TIME = 0
+
+
+@contextlib.contextmanager
+def run_time_stats() -> Iterator[None]:
+    """BPF run-time stats on while the block runs, through a ``BPF_ENABLE_STATS`` fd rather than the
+    ``kernel.bpf_stats_enabled`` sysctl: the kernel counts the fd apart from the sysctl, so another
+    benchmark on this shared machine switching the sysctl off mid-run does not zero our figures."""
+    from ccprofd.kbpf import rawbpf
+
+    fd = rawbpf.bpf(BPF_ENABLE_STATS, _EnableStatsAttr(0), "BPF_ENABLE_STATS")
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+def report_main(name: str, measure: Callable[[argparse.Namespace], int], args: argparse.Namespace,
+                *, update_readme: bool) -> int:
+    """Run a root-only bench's ``measure`` (which prints its report), print the report and, when
+    asked, put it into README's ``bench:NAME`` section; the exit status (2: not root, 1: no such
+    section)."""
+    if os.geteuid() != 0:
+        print(f"bench/{name}.py: needs root (BPF)", file=sys.stderr)
+        return 2
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = measure(args)
+    report = buf.getvalue()
+    print(report, end="")
+    if rc == 0 and update_readme and not update_readme_section(name, report):
+        print(f"bench/{name}.py: README.md has no bench:{name} section", file=sys.stderr)
+        return 1
+    return rc

@@ -17,9 +17,6 @@ Run as root: ``.venv/bin/python bench/unwind.py [--calls N]``.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
-import os
 import subprocess
 import sys
 import tempfile
@@ -28,9 +25,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import machine_line, update_readme_section
+from bench.common import (
+    machine_line,
+    median,
+    report_main,
+    run_time_stats,  # this process's programs only: the machine is shared
+)
 from bench.report_bpf import owned_prog_stats
-from bench.unwind_python import run_time_stats  # this process's programs only: the machine is shared
 from ccprofd.elf import cfi
 from ccprofd.elf.image import ElfImage
 from ccprofd.kbpf.rawmodule import load_module
@@ -117,11 +118,6 @@ def run_program(binary: Path, frames: int, calls: int, on_pid=None) -> float:  #
     return float(out.split()[-1])
 
 
-def median(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[len(s) // 2]
-
-
 def table_build_times() -> list[str]:
     rows = []
     with tempfile.TemporaryDirectory() as d:
@@ -150,18 +146,7 @@ def main() -> int:
     ap.add_argument("--update-readme", action="store_true",
                     help="also write the tables into README.md's bench:unwind section")
     args = ap.parse_args()
-    if os.geteuid() != 0:
-        print("bench/unwind.py: needs root (BPF)", file=sys.stderr)
-        return 2
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        rc = measure(args)
-    report = buf.getvalue()
-    print(report, end="")
-    if rc == 0 and args.update_readme and not update_readme_section("unwind", report):
-        print("bench/unwind.py: README.md has no bench:unwind section", file=sys.stderr)
-        return 1
-    return rc
+    return report_main("unwind", measure, args, update_readme=args.update_readme)
 
 
 def measure(args: argparse.Namespace) -> int:

@@ -19,22 +19,17 @@ Run as root: ``.venv/bin/python bench/unwind_python.py [--calls N] [--base-repo 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import ctypes
-import io
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.common import machine_line, update_readme_section
-from ccprofd.kbpf import rawbpf
+from bench.common import machine_line, median, report_main, run_time_stats
 
 PYTHON = "/usr/bin/python3.11"
 NR_WRITE = 1
@@ -104,30 +99,6 @@ print(json.dumps({"wall": walls, "ns": ns, "frames": frames, "incomplete": incom
 """
 
 
-BPF_ENABLE_STATS = 32
-
-
-class _EnableStatsAttr(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_uint32)]  # BPF_STATS_RUN_TIME = 0
-
-
-@contextlib.contextmanager
-def run_time_stats() -> Iterator[None]:
-    """BPF run-time stats on while the block runs, through a ``BPF_ENABLE_STATS`` fd rather than the
-    ``kernel.bpf_stats_enabled`` sysctl: the kernel counts the fd apart from the sysctl, so another
-    benchmark on this shared machine switching the sysctl off mid-run does not zero our figures."""
-    fd = rawbpf.bpf(BPF_ENABLE_STATS, _EnableStatsAttr(0), "BPF_ENABLE_STATS")
-    try:
-        yield
-    finally:
-        os.close(fd)
-
-
-def median(xs: list[float]) -> float:
-    s = sorted(xs)
-    return s[len(s) // 2]
-
-
 def run_workload(calls: int, prefix: list[str] | None = None) -> float:
     """Wall seconds of the loop (measured inside the workload, after start-up)."""
     p = subprocess.Popen([*(prefix or []), PYTHON, "-c", WORKLOAD, str(calls)], stdin=subprocess.PIPE,
@@ -173,21 +144,10 @@ def main() -> int:
     ap.add_argument("--update-readme", action="store_true",
                     help="also write the tables into README.md's bench:unwind_python section")
     args = ap.parse_args()
-    if os.geteuid() != 0:
-        print("bench/unwind_python.py: needs root (BPF)", file=sys.stderr)
-        return 2
     if args.base_repo is not None and not (args.base_repo / "ccprofd").is_dir():
         print(f"bench/unwind_python.py: {args.base_repo} is not a ccprofd checkout", file=sys.stderr)
         return 2
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        rc = measure(args)
-    report = buf.getvalue()
-    print(report, end="")
-    if rc == 0 and args.update_readme and not update_readme_section("unwind_python", report):
-        print("bench/unwind_python.py: README.md has no bench:unwind_python section", file=sys.stderr)
-        return 1
-    return rc
+    return report_main("unwind_python", measure, args, update_readme=args.update_readme)
 
 
 def measure(args: argparse.Namespace) -> int:

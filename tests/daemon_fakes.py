@@ -10,15 +10,21 @@ sees (start/close) is appended to ``$CCPROFD_FAKE_LOG``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
+import shutil
 import threading
-from collections.abc import Iterable
-from typing import Any
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from ccprofd.daemon.config import DaemonConfig, TargetConfig
 from ccprofd.daemon.source import BinaryInfo, ProcessInfo, SourceCounters, ThreadContext, UnknownProcess
+
+if TYPE_CHECKING:
+    from ccprofd.daemon.service import Daemon
 
 BUILD_ID = "0123456789abcdef0123456789abcdef01234567"
 
@@ -217,6 +223,49 @@ def config_text(
         f'[daemon]\nstate_dir = "{workdir}/state"\ngrpc_listen = "{listen}"\n'
         f'metrics_listen = "127.0.0.1:0"\n{daemon_extra}\n{targets}'
     )
+
+
+@dataclass
+class Served:
+    """An in-process daemon that :func:`started_daemon` started."""
+
+    daemon: Daemon
+    factory: Any  # what made its sources: a FakeFactory unless the test gave another
+    workdir: str
+
+    @property
+    def socket(self) -> str:
+        """Its gRPC Unix socket (``config_text``'s default ``grpc_listen``)."""
+        return f"{self.workdir}/ccprofd.sock"
+
+
+@contextlib.contextmanager
+def started_daemon(targets: str = "", *, workdir: str | None = None, factory: Any = None,
+                   daemon_extra: str = "", grpc_listen: str | None = None,
+                   servers: bool = True) -> Iterator[Served]:
+    """The set-up the daemon/export tests share: an in-process :class:`Daemon` configured by
+    :func:`config_text` (``targets`` and the ``[daemon]`` extras), its sources made by ``factory``
+    (a new :class:`FakeFactory` by default), with the standard gRPC and /metrics servers unless
+    ``servers`` is False, started; stopped at the end, and its work directory removed when made
+    here (``workdir`` None: a short one, Unix socket paths being limited)."""
+    from ccprofd.daemon.config import parse_config
+    from ccprofd.daemon.service import Daemon
+    from ccprofd.export.servers import standard_servers
+
+    made = workdir is None
+    wd = short_tmpdir() if workdir is None else workdir
+    fac = FakeFactory() if factory is None else factory
+    try:
+        config = parse_config(config_text(wd, targets, daemon_extra=daemon_extra, grpc_listen=grpc_listen))
+        daemon = Daemon(config, fac, servers=standard_servers() if servers else None)
+        daemon.start()
+        try:
+            yield Served(daemon, fac, wd)
+        finally:
+            daemon.stop()
+    finally:
+        if made:
+            shutil.rmtree(wd, ignore_errors=True)
 
 
 TARGET_APP = '[[target]]\nname = "app"\npath = "/opt/app/bin"\nsyscalls = ["write", "openat"]\n'

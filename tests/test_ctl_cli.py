@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import gzip
 import json
-import shutil
 import subprocess
 import sys
 import threading
@@ -14,12 +13,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from daemon_fakes import TARGET_APP, FakeFactory, config_text, frame, sample, short_tmpdir, wait_for
+from daemon_fakes import (
+    TARGET_APP,
+    FakeFactory,
+    frame,
+    sample,
+    started_daemon,
+    wait_for,
+)
 
-from ccprofd.daemon.config import parse_config
 from ccprofd.daemon.service import Daemon
 from ccprofd.daemon.store import context_id, sample_context_id
-from ccprofd.export.servers import standard_servers
 
 WRITE_CTX = [frame("main", 0x1139), frame("emit", 0x1180)]
 OPEN_CTX = [frame("main", 0x1145), frame("load", 0x11A0)]
@@ -27,24 +31,14 @@ OPEN_CTX = [frame("main", 0x1145), frame("load", 0x11A0)]
 
 @pytest.fixture(scope="module")
 def served() -> Iterator[tuple[Daemon, FakeFactory, str]]:
-    workdir = short_tmpdir()
-    factory = FakeFactory()
-    daemon = Daemon(
-        parse_config(
-            config_text(workdir, TARGET_APP + '[[target]]\nname="cpuapp"\npid=77\nperf_sample_hz = 50\n')
-        ),
-        factory, servers=standard_servers(),
-    )
-    daemon.start()
-    src = factory.sources["app"]
-    src.push(*[sample(WRITE_CTX) for _ in range(5)], *[sample(OPEN_CTX, "openat") for _ in range(2)])
-    factory.sources["cpuapp"].push(*[sample(WRITE_CTX, event="cpu") for _ in range(4)])
-    wait_for(lambda: daemon.targets["app"].store.samples == 7 and daemon.targets["cpuapp"].store.samples == 4)
-    try:
-        yield daemon, factory, f"{workdir}/ccprofd.sock"
-    finally:
-        daemon.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
+    with started_daemon(TARGET_APP + '[[target]]\nname="cpuapp"\npid=77\nperf_sample_hz = 50\n') as s:
+        daemon, factory = s.daemon, s.factory
+        src = factory.sources["app"]
+        src.push(*[sample(WRITE_CTX) for _ in range(5)], *[sample(OPEN_CTX, "openat") for _ in range(2)])
+        factory.sources["cpuapp"].push(*[sample(WRITE_CTX, event="cpu") for _ in range(4)])
+        wait_for(lambda: daemon.targets["app"].store.samples == 7
+                 and daemon.targets["cpuapp"].store.samples == 4)
+        yield daemon, factory, s.socket
 
 
 def ctl(sock: str, *args: str, binary: bool = False) -> subprocess.CompletedProcess[bytes]:

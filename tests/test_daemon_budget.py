@@ -11,12 +11,11 @@ from pathlib import Path
 
 from bpf_helpers import compile_c
 from conftest import require_tool
-from daemon_fakes import config_text, wait_for
+from daemon_fakes import started_daemon, wait_for
 from daemon_harness import target_toml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from ccprofd.daemon.config import parse_config
 from ccprofd.daemon.service import Daemon
 from ccprofd.daemon.tracer_source import TracerSource, make_source
 from ccprofd.export.metrics import build_registry
@@ -65,40 +64,39 @@ def test_probe_hits_counted_and_budget_enforced(bpf: None, workdir: str, tmp_pat
     assert prog.stdout.readline() == "ready\n"
     target = target_toml("prog", f'path = "{binary}"', ["getppid"], "instrumented",
                          "max_probe_hits_per_sec = 100\n")
-    daemon = Daemon(parse_config(config_text(workdir, target)), make_source)
-    daemon.start()
     try:
-        rt = daemon.targets["prog"]
-        assert rt.state == "attached", rt.error
-        source = rt.source
-        assert isinstance(source, TracerSource)
-        wait_for(lambda: prog.pid in source.tracked, timeout=60)
-        daemon.check_budgets(now=100.0)  # the rate's starting point: nothing over budget yet
-        assert rt.mode() == "instrumented"
-        # the syscall sampler's map of tracked threads, as the kernel lists it
-        (binary_state,) = source.binaries_by_inode.values()
-        tracked_id = binary_state.mode._bpf.module.map("tracked").id  # type: ignore[attr-defined]
-        m = metrics(daemon)
-        assert m["ccprofd_bpf_map_entries"][(("map", "tracked"),)] == bpftool_entries(tracked_id) >= 1
-        prog.stdin.write("go\n")
-        prog.stdin.flush()
-        assert prog.stdout.readline() == "done 1\n"
-        wait_for(lambda: rt.store.samples >= CALLS, timeout=120)
-        hits = rt.counters().probe_hits
-        assert hits >= CALLS, hits  # every call of leaf() was a probe event
-        assert metrics(daemon)["ccprofd_probe_hits_total"][(("target", "prog"),)] == hits
-        # CALLS hits within one (stated) second exceed 100/s: the target switches to unwind mode
-        daemon.check_budgets(now=101.0)
-        assert rt.state == "attached" and rt.mode() == "unwind", rt.error
-        assert rt.error.startswith("switched to unwind mode: ") and rt.error.endswith(
-            " probe hits/s exceeded max_probe_hits_per_sec = 100"), rt.error
-        assert rt.mode_switches == {"probe_hit_budget": 1}
-        m = metrics(daemon)
-        assert m["ccprofd_mode_switches_total"][(("reason", "probe_hit_budget"), ("target", "prog"))] == 1
-        assert m["ccprofd_mode"][(("mode", "unwind"), ("target", "prog"))] == 1
-        assert m["ccprofd_probe_hits_total"][(("target", "prog"),)] >= hits  # carried: monotonic
-        assert any(name.startswith("uw_") for _, name in {k[0] for k in m["ccprofd_bpf_map_entries"]})
+        with started_daemon(target, workdir=workdir, factory=make_source, servers=False) as served:
+            daemon = served.daemon
+            rt = daemon.targets["prog"]
+            assert rt.state == "attached", rt.error
+            source = rt.source
+            assert isinstance(source, TracerSource)
+            wait_for(lambda: prog.pid in source.tracked, timeout=60)
+            daemon.check_budgets(now=100.0)  # the rate's starting point: nothing over budget yet
+            assert rt.mode() == "instrumented"
+            # the syscall sampler's map of tracked threads, as the kernel lists it
+            (binary_state,) = source.binaries_by_inode.values()
+            tracked_id = binary_state.mode._bpf.module.map("tracked").id  # type: ignore[attr-defined]
+            m = metrics(daemon)
+            assert m["ccprofd_bpf_map_entries"][(("map", "tracked"),)] == bpftool_entries(tracked_id) >= 1
+            prog.stdin.write("go\n")
+            prog.stdin.flush()
+            assert prog.stdout.readline() == "done 1\n"
+            wait_for(lambda: rt.store.samples >= CALLS, timeout=120)
+            hits = rt.counters().probe_hits
+            assert hits >= CALLS, hits  # every call of leaf() was a probe event
+            assert metrics(daemon)["ccprofd_probe_hits_total"][(("target", "prog"),)] == hits
+            # CALLS hits within one (stated) second exceed 100/s: the target switches to unwind mode
+            daemon.check_budgets(now=101.0)
+            assert rt.state == "attached" and rt.mode() == "unwind", rt.error
+            assert rt.error.startswith("switched to unwind mode: ") and rt.error.endswith(
+                " probe hits/s exceeded max_probe_hits_per_sec = 100"), rt.error
+            assert rt.mode_switches == {"probe_hit_budget": 1}
+            m = metrics(daemon)
+            assert m["ccprofd_mode_switches_total"][(("reason", "probe_hit_budget"), ("target", "prog"))] == 1
+            assert m["ccprofd_mode"][(("mode", "unwind"), ("target", "prog"))] == 1
+            assert m["ccprofd_probe_hits_total"][(("target", "prog"),)] >= hits  # carried: monotonic
+            assert any(name.startswith("uw_") for _, name in {k[0] for k in m["ccprofd_bpf_map_entries"]})
     finally:
-        daemon.stop()
         prog.stdin.close()
         prog.wait(timeout=60)

@@ -7,18 +7,24 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
-from daemon_fakes import TARGET_APP, FakeFactory, config_text, frame, sample, short_tmpdir, wait_for
+from daemon_fakes import (
+    TARGET_APP,
+    FakeFactory,
+    config_text,
+    frame,
+    sample,
+    started_daemon,
+    wait_for,
+)
 
 from ccprofd.daemon.config import parse_config
 from ccprofd.daemon.notify import Notifier
@@ -29,13 +35,6 @@ from ccprofd.export.servers import standard_servers
 
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
-
-
-@pytest.fixture
-def workdir() -> Iterator[str]:
-    d = short_tmpdir()
-    yield d
-    shutil.rmtree(d, ignore_errors=True)
 
 
 class NotifyListener:
@@ -258,9 +257,8 @@ def test_missing_tracer_is_a_one_line_failure(workdir: str) -> None:
 
 def test_failed_target_is_retried_on_reload_and_changed_targets_restart(workdir: str) -> None:
     factory = FakeFactory(fail={"app": "binary not found"})
-    daemon = Daemon(parse_config(config_text(workdir, TARGET_APP)), factory, servers=standard_servers())
-    daemon.start()
-    try:
+    with started_daemon(TARGET_APP, workdir=workdir, factory=factory) as served:
+        daemon = served.daemon
         assert daemon.targets["app"].state == "failed" and daemon.targets["app"].error == "binary not found"
         factory.fail.clear()
         daemon.apply(parse_config(config_text(workdir, TARGET_APP)))
@@ -280,8 +278,6 @@ def test_failed_target_is_retried_on_reload_and_changed_targets_restart(workdir:
         second = factory.sources["app"]
         daemon.apply(parse_config(config_text(workdir)))
         assert second.closed and daemon.targets == {}
-    finally:
-        daemon.stop()
 
 
 def test_reload_applies_daemon_bounds_to_targets_that_keep_running(workdir: str) -> None:
@@ -336,9 +332,8 @@ def test_probe_hit_budget_switches_to_unwind_mode(workdir: str) -> None:
     target = (
         '[[target]]\nname = "hot"\npath = "/opt/hot"\nmode = "instrumented"\nmax_probe_hits_per_sec = 1000\n'
     )
-    daemon = Daemon(parse_config(config_text(workdir, target)), factory, servers=standard_servers())
-    daemon.start()
-    try:
+    with started_daemon(target, workdir=workdir, factory=factory) as served:
+        daemon = served.daemon
         src = factory.sources["hot"]
         daemon.check_budgets(now=10.0)
         src.probe_hits = 500
@@ -358,8 +353,6 @@ def test_probe_hit_budget_switches_to_unwind_mode(workdir: str) -> None:
         assert out.returncode == 0, out.stderr
         lines = out.stdout.splitlines()
         assert "mode unwind (configured instrumented)" in lines[0] and lines[1] == f"  note: {note}", lines
-    finally:
-        daemon.stop()
 
 
 def test_stop_closes_every_source_even_after_a_source_failure(workdir: str) -> None:
@@ -379,3 +372,20 @@ def test_stop_closes_every_source_even_after_a_source_failure(workdir: str) -> N
     daemon.stop()
     assert all(s.closed for s in factory.built)
     time.sleep(0)  # no background thread left to touch the sources
+
+
+def test_started_daemon_serves_then_stops_and_cleans_up(tmp_path: Path) -> None:
+    """The shared in-process set-up (daemon_fakes.started_daemon): the daemon answers on its socket
+    while the block runs, is stopped after it (its socket gone, its sources closed) even when the
+    block fails, and the work directory it made is removed (one given to it is kept)."""
+    with started_daemon(TARGET_APP) as served:
+        assert grpc_targets(served.socket) == {"app": "attached"}
+        made = served.workdir
+    assert not os.path.exists(made) and all(s.closed for s in served.factory.built)
+    given = tmp_path / "d"
+    given.mkdir()
+    with pytest.raises(RuntimeError, match="the block failed"), \
+            started_daemon(TARGET_APP, workdir=str(given)) as served:
+        raise RuntimeError("the block failed")
+    assert given.is_dir() and not os.path.exists(served.socket)
+    assert all(s.closed for s in served.factory.built)

@@ -12,11 +12,10 @@ from pathlib import Path
 
 from bpf_helpers import compile_c
 from conftest import skip_or_fail
-from daemon_fakes import config_text, wait_for
+from daemon_fakes import config_text, started_daemon, wait_for
 from daemon_harness import RunningDaemon, target_toml
 
-from ccprofd.daemon.config import parse_config
-from ccprofd.daemon.service import Daemon, attach_waiting
+from ccprofd.daemon.service import attach_waiting
 from ccprofd.daemon.tracer_source import make_source
 from ccprofd.export.gen import ccprofd_pb2 as pb
 
@@ -97,19 +96,18 @@ def test_cgroup_target_waits_for_its_cgroup(workdir: str) -> None:
         skip_or_fail("no writable cgroup v2 hierarchy")
         return
     group = os.path.join(unified, f"ccprofd-test-{os.getpid()}")
-    daemon = Daemon(parse_config(config_text(workdir, f'[[target]]\nname = "cg"\ncgroup = "{group}"\n')),
-                    make_source)
-    daemon.start()
     try:
-        rt = daemon.targets["cg"]
-        assert (rt.state, rt.error) == ("waiting", f"{group} does not exist")
-        attach_waiting(daemon)
-        assert rt.state == "waiting"
-        os.mkdir(group)
-        attach_waiting(daemon)  # seen: attached once unchanged at the next check
-        attach_waiting(daemon)
-        assert (rt.state, rt.error) == ("attached", ""), rt.error
+        with started_daemon(f'[[target]]\nname = "cg"\ncgroup = "{group}"\n', workdir=workdir,
+                            factory=make_source, servers=False) as served:
+            daemon = served.daemon
+            rt = daemon.targets["cg"]
+            assert (rt.state, rt.error) == ("waiting", f"{group} does not exist")
+            attach_waiting(daemon)
+            assert rt.state == "waiting"
+            os.mkdir(group)
+            attach_waiting(daemon)  # seen: attached once unchanged at the next check
+            attach_waiting(daemon)
+            assert (rt.state, rt.error) == ("attached", ""), rt.error
     finally:
-        daemon.stop()
         if os.path.isdir(group):
             os.rmdir(group)

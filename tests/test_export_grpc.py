@@ -24,6 +24,7 @@ from daemon_fakes import (
     frame,
     sample,
     short_tmpdir,
+    started_daemon,
     wait_for,
 )
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -42,16 +43,8 @@ OPEN_CTX = [frame("main", 0x1145), frame("load", 0x11A0), frame("read_cfg", 0x11
 
 @pytest.fixture
 def served() -> Iterator[tuple[Daemon, FakeFactory, str]]:
-    workdir = short_tmpdir()
-    factory = FakeFactory()
-    daemon = Daemon(parse_config(config_text(workdir, TARGET_APP + TARGET_DB)), factory,
-                    servers=standard_servers())
-    daemon.start()
-    try:
-        yield daemon, factory, f"{workdir}/ccprofd.sock"
-    finally:
-        daemon.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
+    with started_daemon(TARGET_APP + TARGET_DB) as s:
+        yield s.daemon, s.factory, s.socket
 
 
 def stub(path: str) -> pb_grpc.ProfilerStub:
@@ -295,17 +288,13 @@ def test_stale_socket_is_replaced_and_a_live_one_refused(tmp_path: Path) -> None
     s = socketmod.socket(socketmod.AF_UNIX)
     s.bind(sock)
     s.close()  # bound, never listening: what a SIGKILLed daemon leaves behind
-    d1 = Daemon(parse_config(config_text(workdir)), FakeFactory(), servers=standard_servers())
-    d1.start()
-    try:
+    with started_daemon(workdir=workdir):
         assert stub(sock).ListTargets(pb.ListTargetsRequest(), timeout=10).targets == []
         d2 = Daemon(parse_config(config_text(workdir)), FakeFactory(), servers=standard_servers())
         with pytest.raises(ServerError, match="another process is serving it"):
             d2.start()
         d2.stop()
         assert stub(sock).ListTargets(pb.ListTargetsRequest(), timeout=10).targets == []
-    finally:
-        d1.stop()
     assert not os.path.exists(sock)
     shutil.rmtree(workdir, ignore_errors=True)
 
@@ -374,14 +363,9 @@ def test_tcp_with_mutual_tls(tmp_path: Path) -> None:
         f'tls_cert = "{tmp_path}/server.pem"\ntls_key = "{tmp_path}/server.key"\n'
         f'tls_client_ca = "{tmp_path}/ca.pem"\n'
     )
-    daemon = Daemon(
-        parse_config(
-            config_text(str(tmp_path), TARGET_APP, daemon_extra=extra, grpc_listen="tcp://127.0.0.1:0")
-        ),
-        FakeFactory(), servers=standard_servers(),
-    )
-    daemon.start()
-    try:
+    with started_daemon(TARGET_APP, workdir=str(tmp_path), daemon_extra=extra,
+                        grpc_listen="tcp://127.0.0.1:0") as served_tls:
+        daemon = served_tls.daemon
         address = daemon.grpc_address.removeprefix("tcp://")
         ca = (tmp_path / "ca.pem").read_bytes()
         creds = grpc.ssl_channel_credentials(
@@ -398,8 +382,6 @@ def test_tcp_with_mutual_tls(tmp_path: Path) -> None:
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE  # no client certificate: handshake refused
         with grpc.insecure_channel(address) as ch, pytest.raises(grpc.RpcError):
             pb_grpc.ProfilerStub(ch).ListTargets(pb.ListTargetsRequest(), timeout=5)
-    finally:
-        daemon.stop()
 
 
 def test_get_context_resolves_an_id_to_its_frames(served: tuple[Daemon, FakeFactory, str]) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import urllib.error
 import urllib.request
@@ -14,36 +13,23 @@ from daemon_fakes import (
     TARGET_APP,
     TARGET_DB,
     FakeFactory,
-    config_text,
     frame,
     sample,
-    short_tmpdir,
+    started_daemon,
     wait_for,
 )
 from prometheus_client.parser import text_string_to_metric_families
 
-from ccprofd.daemon.config import parse_config
 from ccprofd.daemon.service import Daemon
 from ccprofd.daemon.store import context_id, sample_context_id
-from ccprofd.export.servers import standard_servers
 
 Labels = tuple[tuple[str, str], ...]
 
 
 @pytest.fixture
 def served() -> Iterator[tuple[Daemon, FakeFactory]]:
-    workdir = short_tmpdir()
-    factory = FakeFactory()
-    daemon = Daemon(
-        parse_config(config_text(workdir, TARGET_APP + TARGET_DB, daemon_extra="top_k = 2\n")), factory,
-        servers=standard_servers(),
-    )
-    daemon.start()
-    try:
-        yield daemon, factory
-    finally:
-        daemon.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
+    with started_daemon(TARGET_APP + TARGET_DB, daemon_extra="top_k = 2\n") as s:
+        yield s.daemon, s.factory
 
 
 def scrape(daemon: Daemon) -> dict[str, dict[Labels, float]]:
@@ -112,17 +98,11 @@ def test_hot_context_series_count_every_sample(served: tuple[Daemon, FakeFactory
 
 def test_failed_target_is_down_and_says_why(served: tuple[Daemon, FakeFactory]) -> None:
     _daemon, _ = served
-    workdir = short_tmpdir()
-    factory = FakeFactory(fail={"app": "cannot attach: no such binary"})
-    d2 = Daemon(parse_config(config_text(workdir, TARGET_APP)), factory, servers=standard_servers())
-    d2.start()
-    try:
+    with started_daemon(TARGET_APP, factory=FakeFactory(fail={"app": "cannot attach: no such binary"})) as s:
+        d2 = s.daemon
         m = scrape(d2)
         assert m["ccprofd_target_up"][(("target", "app"),)] == 0
         assert d2.targets["app"].error == "cannot attach: no such binary"
-    finally:
-        d2.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def get(daemon: Daemon, path: str) -> tuple[int, str, str]:
@@ -208,13 +188,9 @@ def test_series_of_contexts_not_seen_are_retired() -> None:
     """Issue 17: promoted series never retired.  Over real HTTP with the store's clock injected
     (nothing sleeps): a context not seen for retire_after_seconds leaves /metrics, its info series
     with it, and the freed slot under max_series goes to another context; promtool accepts it."""
-    workdir = short_tmpdir()
-    factory = FakeFactory()
     extra = "top_k = 1\nmax_series = 1\npromotion_window_seconds = 60\nretire_after_seconds = 120\n"
-    daemon = Daemon(parse_config(config_text(workdir, TARGET_APP, daemon_extra=extra)), factory,
-                    servers=standard_servers())
-    daemon.start()
-    try:
+    with started_daemon(TARGET_APP, daemon_extra=extra) as served_:
+        daemon, factory = served_.daemon, served_.factory
         now = [1_700_000_000 * 10**9]
         store = daemon.targets["app"].store
         store.clock = lambda: now[0]
@@ -242,6 +218,3 @@ def test_series_of_contexts_not_seen_are_retired() -> None:
         proc = subprocess.run([require_tool("promtool"), "check", "metrics"], input=text,
                               capture_output=True, text=True, check=False)
         assert proc.returncode == 0, proc.stdout + proc.stderr
-    finally:
-        daemon.stop()
-        shutil.rmtree(workdir, ignore_errors=True)

@@ -46,6 +46,8 @@ def test_writers_equal_the_reference_serialisation(contexts: list[list[dict]], d
             event, syscall if event == "syscall" else None,
             data.draw(st.booleans()), frames,
             data.draw(st.one_of(st.none(), st.fixed_dictionaries({"path": st.text(max_size=6)}))))
+        if not sample.complete:
+            sample.reason = data.draw(st.sampled_from([None, "max_depth", "read_fault: 0x10"]))
         if event == "syscall" and data.draw(st.booleans()):  # argument words, a return (or none)
             sample.raw_args = tuple(data.draw(st.lists(st.integers(0, 2**64 - 1), max_size=6)))
             sample.returned = data.draw(st.one_of(st.none(), st.booleans()))
@@ -175,6 +177,7 @@ def test_the_compiled_formatter_is_built() -> None:
     assert jsonl.COMPILED
 
 
+REASON = st.sampled_from([None, "max_depth", "context record lost", 'decode error: "x"\n\u00e9'])
 INT = st.one_of(st.integers(0, 2**64 - 1), st.integers(-2**70, 2**70), st.booleans())
 
 
@@ -194,6 +197,8 @@ def _adversarial(data: st.DataObject, contexts: list[list[dict]]) -> TraceSample
     if data.draw(st.integers(0, 3)) == 0:
         s.returned = data.draw(st.booleans())
         s.ret = data.draw(st.integers(-4200, 2**63)) if s.returned else None
+    if not s.complete:
+        s.reason = data.draw(REASON)
     return s
 
 
@@ -308,3 +313,42 @@ def test_a_stale_compiled_formatter_is_called_as_it_was_built(monkeypatch) -> No
     w.samples(batch)
     w.flush()
     assert w.out.getvalue() == reference_jsonl(batch)  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize("how", ["compiled", "python", "one by one"])
+def test_jsonl_says_why_a_sample_is_incomplete(how: str, monkeypatch) -> None:
+    """An incomplete sample's line carries its ``reason`` (the decoder's, as the summary and
+    GetThreadContexts give it) right after ``complete``; a complete one has none.  One frames list
+    under two reasons (an empty list may be shared) is not given the first one's cached reason."""
+    if how == "compiled":
+        require_compiled()
+    else:
+        monkeypatch.setattr(jsonl, "cjsonl", None)
+    frames: list[dict[str, Any]] = []
+    batch = [TraceSample(1, 2, 3, "syscall", "write", False, frames, None, None, None, None, "max_depth"),
+             TraceSample(2, 2, 3, "syscall", "write", False, frames, None, None, None, None,
+                         "context record lost"),
+             TraceSample(3, 2, 3, "syscall", "write", True, frames),
+             TraceSample(4, 2, 3, "cpu", None, False, frames)]  # no reason known: said so
+    w = JsonlWriter(io.StringIO())
+    if how == "one by one":
+        for s in batch:
+            w.sample(s)
+    else:
+        w.samples(batch)
+    w.flush()
+    assert w.out.getvalue().splitlines() == [  # type: ignore[attr-defined]
+        '{"time_ns":1,"pid":2,"tid":3,"event":"syscall","syscall":"write","complete":false,'
+        '"reason":"max_depth","frames":[]}',
+        '{"time_ns":2,"pid":2,"tid":3,"event":"syscall","syscall":"write","complete":false,'
+        '"reason":"context record lost","frames":[]}',
+        '{"time_ns":3,"pid":2,"tid":3,"event":"syscall","syscall":"write","complete":true,"frames":[]}',
+        '{"time_ns":4,"pid":2,"tid":3,"event":"cpu","syscall":null,"complete":false,'
+        '"reason":"unknown","frames":[]}']
+
+
+def test_a_compiled_formatter_of_another_tail_layout_is_not_used() -> None:
+    """A cjsonl built before the tails held the reason would format an incomplete context's line
+    with the first reason cached for its frames: jsonl.py only takes a helper of its own layout."""
+    require_compiled()
+    assert jsonl.cjsonl is not None and jsonl.cjsonl.TAIL_FIELDS == 6

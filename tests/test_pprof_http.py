@@ -5,7 +5,6 @@ are in test_pprof_e2e."""
 
 from __future__ import annotations
 
-import shutil
 import threading
 import urllib.error
 import urllib.request
@@ -16,31 +15,20 @@ from daemon_fakes import (
     TARGET_APP,
     TARGET_DB,
     FakeFactory,
-    config_text,
     frame,
     sample,
-    short_tmpdir,
+    started_daemon,
     wait_for,
 )
 from test_export_pprof import decode_profile
 
-from ccprofd.daemon.config import parse_config
 from ccprofd.daemon.service import Daemon
-from ccprofd.export.servers import standard_servers
 
 
 @pytest.fixture
 def served() -> Iterator[tuple[Daemon, FakeFactory]]:
-    workdir = short_tmpdir()
-    factory = FakeFactory()
-    targets = TARGET_APP + "perf_sample_hz = 50\n" + TARGET_DB
-    daemon = Daemon(parse_config(config_text(workdir, targets)), factory, servers=standard_servers())
-    daemon.start()
-    try:
-        yield daemon, factory
-    finally:
-        daemon.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
+    with started_daemon(TARGET_APP + "perf_sample_hz = 50\n" + TARGET_DB) as s:
+        yield s.daemon, s.factory
 
 
 def get(daemon: Daemon, path: str) -> tuple[int, dict[str, str], bytes]:

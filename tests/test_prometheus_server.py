@@ -6,7 +6,6 @@ real clients; promtool only checks the text, this checks that a server ingests a
 from __future__ import annotations
 
 import json
-import shutil
 import socket
 import subprocess
 import urllib.parse
@@ -17,12 +16,17 @@ from typing import Any
 
 import pytest
 from conftest import require_tool
-from daemon_fakes import TARGET_APP, FakeFactory, config_text, frame, sample, short_tmpdir, wait_for
+from daemon_fakes import (
+    TARGET_APP,
+    FakeFactory,
+    frame,
+    sample,
+    started_daemon,
+    wait_for,
+)
 
-from ccprofd.daemon.config import parse_config
 from ccprofd.daemon.service import Daemon
 from ccprofd.daemon.store import context_id
-from ccprofd.export.servers import standard_servers
 
 
 def _free_port() -> int:
@@ -33,16 +37,8 @@ def _free_port() -> int:
 
 @pytest.fixture
 def daemon() -> Iterator[tuple[Daemon, FakeFactory]]:
-    workdir = short_tmpdir()
-    factory = FakeFactory()
-    d = Daemon(parse_config(config_text(workdir, TARGET_APP, daemon_extra="top_k = 2\n")), factory,
-               servers=standard_servers())
-    d.start()
-    try:
-        yield d, factory
-    finally:
-        d.stop()
-        shutil.rmtree(workdir, ignore_errors=True)
+    with started_daemon(TARGET_APP, daemon_extra="top_k = 2\n") as s:
+        yield s.daemon, s.factory
 
 
 @pytest.fixture

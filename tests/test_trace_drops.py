@@ -104,11 +104,12 @@ def test_every_drop_reason_becomes_a_record_and_a_line_at_exit() -> None:
     assert [(r["event"], r["reason"], r.get("samples"), r.get("threads")) for r in first] == \
         [("lost", "ringbuf_full", 5, None), ("degraded", "thread_state_full", None, 2)]
     mode.counts = {"ringbuf_full": 7, "tracked_full": 1, "thread_state_full": 2, "events_ringbuf_full": 3,
-                   "scope_ringbuf_full": 4, "maps_ringbuf_full": 6}
+                   "scope_ringbuf_full": 4, "maps_ringbuf_full": 6, "return_lost": 8, "return_unjoined": 9}
     second = {r["reason"]: r for r in tally.records()}
     assert second["ringbuf_full"]["samples"] == 2 and second["tracked_full"]["processes"] == 1
     assert second["events_ringbuf_full"]["events"] == 3 and second["scope_ringbuf_full"]["scope_entries"] == 4
     assert second["maps_ringbuf_full"]["map_events"] == 6
+    assert second["return_lost"]["returns"] == 8 and second["return_unjoined"]["unjoined_returns"] == 9
     assert "thread_state_full" not in second  # no growth, no record
     lines = tally.lines()
     assert len(lines) == len(DROPS)
@@ -118,6 +119,7 @@ def test_every_drop_reason_becomes_a_record_and_a_line_at_exit() -> None:
     text = io.StringIO()
     TextWriter(text).record(second["tracked_full"])
     assert text.getvalue() == "--- 1 processes lost (tracked_full) ---\n"
+    assert format_text(second["return_lost"]) == "--- 8 returns lost (return_lost) ---\n"
 
 
 # ------------------------------------------------------------------------ item 4: many threads

@@ -201,3 +201,42 @@ def test_joiner_ends_a_gone_thread_once_the_rings_are_read_dry() -> None:
     late = _s(100, "write", tid=2**22 + 8, pid=2**22 + 8)
     assert j.join([late], [], drained=False) == [] and j.join([], [], drained=False) == []
     assert j.join([], [], drained=True) == [late] and late.returned is False
+
+
+def test_joiner_gives_up_returns_whose_sample_was_dropped() -> None:
+    """A return whose sample the full ring dropped waited for it forever (one entry per such
+    return of a thread that made no later sample: unbounded under drops).  Once a poll has read
+    the rings dry after the one that brought it, its sample cannot come any more: it is counted."""
+    j = ReturnJoiner()
+    tid = 2**22 + 9  # no such thread: nothing else of it comes
+    for i in range(1000):
+        assert j.join([], [(100 + i, tid, NR["write"], 1)], drained=True) == []
+    assert sum(len(q) for q in j.orphans.values()) <= 1
+    assert j.drops() == {"return_lost": 0, "return_unjoined": 999}
+    early = _s(50_000, "write", tid=tid)  # a return may still come a poll before its sample
+    assert j.join([], [(50_001, tid, NR["write"], 3)]) == [] and j.join([early], []) == [early]
+    assert (early.returned, early.ret) == (True, 3)
+
+
+def test_joiner_bounds_the_returns_waiting_while_the_rings_are_never_read_dry() -> None:
+    j = ReturnJoiner()
+    j.MAX_EARLY_RETURNS = 10
+    assert j.join([], [(i, 7, NR["write"], 1) for i in range(25)], drained=False) == []
+    assert sum(len(q) for q in j.orphans.values()) == 10 and j.returns_unjoined == 15
+    assert j.flush() == [] and not j.orphans and j.returns_unjoined == 25
+
+
+def test_joiner_ends_a_sample_whose_return_was_lost_when_its_thread_blocks() -> None:
+    """A write's return was lost and the thread then blocked in a read: the write waited (unwritten)
+    for as long as the read did.  The read's sample came at an earlier poll than one that read
+    the rings dry, so the write's return, recorded before the read began, was read if it ever
+    will be: the write is written `= ?` and counted; the read, maybe still running, waits."""
+    me = os.getpid()
+    j = ReturnJoiner()
+    w, r = _s(100, "write", tid=me, pid=me), _s(200, "read", tid=me, pid=me)
+    assert j.join([w, r], [], drained=True) == []  # the write's return may be in the ring still
+    assert j.join([], [], drained=False) == []  # not read dry: it may still
+    assert j.join([], [], drained=True) == [w] and w.returned is False
+    assert j.drops() == {"return_lost": 1, "return_unjoined": 0}
+    assert j.join([], [(300, me, 0, 5)]) == [r] and (r.returned, r.ret) == (True, 5)
+    assert not j.open and not j._arrived

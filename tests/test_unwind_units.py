@@ -404,6 +404,10 @@ def test_compiled_hit_loop_makes_the_python_loops_samples(hits: list[Any], offse
                         mode._kernel.lost))
     assert results[0] == results[1]
     assert all(s.frames is contexts[(1, 1)].json_frames() for s in results[0][0] if s.complete)  # shared
+    # an incomplete sample says why, as its context's Decoded does (JSONL's "reason")
+    assert all((s.reason is None) == s.complete for s in results[0][0])
+    assert {s.reason for s in results[0][0] if not s.complete} <= {"depth: too deep", "decode error: x",
+                                                                   base.LOST_CONTEXT}
 
 
 def test_compiled_hit_loop_leaves_a_mixed_batch_to_python() -> None:

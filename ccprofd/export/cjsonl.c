@@ -3,7 +3,8 @@
  * Why C: at 200,000 samples a second a repeated context has ~5 us for everything; formatting its
  * line in Python (attribute reads, an f-string, the argument words' str()) took ~3.5 us of them.
  * This loop does only the common line -- the context's serialised tail already cached by the
- * writer (JsonlWriter._tails, by id(frames)), no path argument, no return value, exact ints --
+ * writer (JsonlWriter._tails, by id(frames); an incomplete one's holds its reason), no path
+ * argument, no return value, exact ints --
  * and hands every other sample to the writer's Python code (``slow``), so the output is the same
  * bytes as the pure-Python path by construction (tests/test_export_writers.py compares them).
  *
@@ -21,8 +22,11 @@ typedef struct {
     Py_ssize_t len, cap;
 } buf_t;
 
-static PyObject *s_frames, *s_event, *s_syscall, *s_complete, *s_args, *s_returned, *s_raw_args,
-    *s_time_ns, *s_pid, *s_tid;
+static PyObject *s_frames, *s_event, *s_syscall, *s_complete, *s_reason, *s_args, *s_returned,
+    *s_raw_args, *s_time_ns, *s_pid, *s_tid;
+
+/* JsonlWriter._tails values: (frames, event, syscall, complete, reason, tail) */
+#define TAIL_FIELDS 6
 
 static int buf_reserve(buf_t *b, Py_ssize_t extra)
 {
@@ -126,13 +130,13 @@ static int fast_line(buf_t *b, PyObject *s, PyObject *tails)
         rc = 2;
         goto out;
     }
-    if (!PyTuple_CheckExact(got) || PyTuple_GET_SIZE(got) != 5 || PyTuple_GET_ITEM(got, 0) != frames) {
+    if (!PyTuple_CheckExact(got) || PyTuple_GET_SIZE(got) != TAIL_FIELDS || PyTuple_GET_ITEM(got, 0) != frames) {
         rc = 2;
         goto out;
     }
-    /* the cached tail is this context's only under the same event, syscall and completeness */
-    static PyObject **const same[3] = {&s_event, &s_syscall, &s_complete};
-    for (int i = 0; i < 3; i++) {
+    /* the cached tail is this context's only under the same event, syscall, completeness and reason */
+    static PyObject **const same[4] = {&s_event, &s_syscall, &s_complete, &s_reason};
+    for (int i = 0; i < 4; i++) {
         v = PyObject_GetAttr(s, *same[i]);
         if (!v)
             goto error;
@@ -145,7 +149,7 @@ static int fast_line(buf_t *b, PyObject *s, PyObject *tails)
             goto out;
         }
     }
-    PyObject *tail = PyTuple_GET_ITEM(got, 4);
+    PyObject *tail = PyTuple_GET_ITEM(got, TAIL_FIELDS - 1);
     if (!PyUnicode_CheckExact(tail) || !PyUnicode_IS_ASCII(tail))
         goto out;
     v = PyObject_GetAttr(s, s_args); /* a path argument: the long way */
@@ -293,7 +297,8 @@ PyMODINIT_FUNC PyInit_cjsonl(void)
         PyObject **dst;
         const char *name;
     } names[] = {{&s_frames, "frames"}, {&s_event, "event"},       {&s_syscall, "syscall"},
-                 {&s_complete, "complete"}, {&s_args, "args"},       {&s_returned, "returned"},
+                 {&s_complete, "complete"}, {&s_reason, "reason"},   {&s_args, "args"},
+                 {&s_returned, "returned"},
                  {&s_raw_args, "raw_args"}, {&s_time_ns, "time_ns"}, {&s_pid, "pid"},
                  {&s_tid, "tid"}};
     for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
@@ -305,6 +310,9 @@ PyMODINIT_FUNC PyInit_cjsonl(void)
     /* format_samples takes tail_of: a helper built from an older cjsonl.c (a stale build) does
      * not, and jsonl.py then calls it with four arguments */
     if (m && PyModule_AddIntConstant(m, "TAKES_TAIL_OF", 1) < 0)
+        Py_CLEAR(m);
+    /* the tails' layout: jsonl.py does not use a helper built for another one */
+    if (m && PyModule_AddIntConstant(m, "TAIL_FIELDS", TAIL_FIELDS) < 0)
         Py_CLEAR(m);
     return m;
 }

@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from typing import IO, Any, Protocol
 
 from ccprofd.kbpf.syscalls import syscall_arg_kinds
-from ccprofd.tracing.api import TraceSample
+from ccprofd.tracing.api import UNKNOWN_REASON, TraceSample
 
 # The compiled batch formatter (cjsonl.c, built by scripts/build_ext.sh at set-up): the same bytes as
 # JsonlWriter.sample(), ~10x faster for the common line.  CCPROFD_PURE_PYTHON=1 leaves it out
@@ -34,6 +34,8 @@ except ImportError:
     cjsonl = None
 #: Whether JsonlWriter.samples() runs compiled (``ccprofd trace`` notes it on stderr when not).
 COMPILED = cjsonl is not None
+if cjsonl is not None and getattr(cjsonl, "TAIL_FIELDS", 0) != 6:  # built from an older cjsonl.c,
+    cjsonl = None  # which would not compare a cached tail's reason: rebuild it
 # a helper built from an older cjsonl.c (not rebuilt since) formats only cached contexts' lines
 _TAIL_OF = getattr(cjsonl, "TAKES_TAIL_OF", 0) == 1
 COMPILED_MISSING_NOTE = ("ccprofd: note: compiled helpers not built ({}); using their pure-Python code "
@@ -241,15 +243,16 @@ class _FrameCache:
 class JsonlWriter:
     """``--format jsonl``: each line equals ``json.dumps(sample.to_json(), separators=(",", ":"))``.
     Everything after ``tid`` but the arguments is the same for every sample of one context and
-    syscall: it is serialised once per frames list and reused while the event, syscall and
-    completeness stay the same."""
+    syscall: it is serialised once per frames list and reused while the event, syscall,
+    completeness and incomplete reason stay the same (cjsonl.c compares the same four)."""
 
     def __init__(self, out: IO[str]) -> None:
         self.out = out
-        self._tails: dict[int, tuple[list[dict[str, Any]], str, str | None, bool, str]] = {}
+        self._tails: dict[int, tuple[list[dict[str, Any]], str, str | None, bool, str | None, str]] = {}
         self._frame_texts = _FrameCache()
         self._lines: list[str] = []  # this batch's output (pieces of lines), written at flush()
-        self._heads: dict[tuple[str, str | None, bool], str] = {}  # the tail's text before "frames"
+        # the tail's text before "frames", by (event, syscall, complete, reason)
+        self._heads: dict[tuple[str, str | None, bool, str | None], str] = {}
 
     def _frames_text(self, frames: list[dict[str, Any]]) -> str:
         """The JSON of a frames list, each frame dict serialised once (the modes share equal
@@ -265,23 +268,27 @@ class JsonlWriter:
         frames = s.frames
         if len(self._tails) >= FRAME_CACHE_ENTRIES:
             self._tails.clear()
-        head = self._heads.get((s.event, s.syscall, s.complete))
+        key = (s.event, s.syscall, s.complete, s.reason)
+        head = self._heads.get(key)
         if head is None:
-            head = self._heads[(s.event, s.syscall, s.complete)] = (
-                f'"event":{_dumps(s.event)},"syscall":{_dumps(s.syscall)},'
-                f'"complete":{"true" if s.complete else "false"},"frames":')
+            if len(self._heads) >= FRAME_CACHE_ENTRIES:  # reasons with details ("decode error: ...")
+                self._heads.clear()
+            head = self._heads[key] = (
+                f'"event":{_dumps(s.event)},"syscall":{_dumps(s.syscall)},' + (
+                    '"complete":true,"frames":' if s.complete else
+                    f'"complete":false,"reason":{_dumps(s.reason or UNKNOWN_REASON)},"frames":'))
         tail = head + self._frames_text(frames)
-        self._tails[id(frames)] = (frames, s.event, s.syscall, s.complete, tail)
+        self._tails[id(frames)] = (frames, s.event, s.syscall, s.complete, s.reason, tail)
         return tail
 
     def sample(self, s: TraceSample) -> None:
         frames = s.frames
         got = self._tails.get(id(frames))
         if got is None or got[0] is not frames or got[1] != s.event or got[2] != s.syscall \
-                or got[3] != s.complete:
+                or got[3] != s.complete or got[4] != s.reason:
             tail = self._tail(s)
         else:
-            tail = got[4]
+            tail = got[5]
         # The line goes out as three pieces (flush joins them): the context's tail, kilobytes of
         # frames, is copied once, by that join, not also into a line of its own.
         raw = s.raw_args

@@ -39,6 +39,11 @@ DROPS: dict[str, tuple[str, str, str]] = {
     "thread_state_full": ("degraded", "threads",
                           "threads traced without per-thread state (their samples are flagged incomplete, "
                           "'no per-thread state'): every state slot was in use (CCPROFD_THREADS)"),
+    "return_lost": ("lost", "returns",
+                    "--retval returns lost (their samples are written '= ?' though the call returned): "
+                    "the process-event ring was full"),
+    "return_unjoined": ("lost", "unjoined_returns",
+                        "--retval return records left without their sample (the sample was dropped)"),
 }
 
 
@@ -80,6 +85,10 @@ class TraceOptions:
 
 
 
+#: The ``reason`` of an incomplete sample whose decoder gave none (none does today).
+UNKNOWN_REASON = "unknown"
+
+
 @dataclass(slots=True)
 class TraceSample:
     """One decoded sample in the issue-4 JSONL format.  ``frames`` is shared by every sample of
@@ -101,10 +110,16 @@ class TraceSample:
     #: (exit_group, a successful execve that ended tracking: strace's ``= ?``); None: not traced.
     returned: bool | None = None
     ret: int | None = None
+    #: Why the context is incomplete (the decoder's reason, as the summary's ``incomplete_reasons``
+    #: and GetThreadContexts say it); None when complete.
+    reason: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"time_ns": self.time_ns, "pid": self.pid, "tid": self.tid, "event": self.event,
-                               "syscall": self.syscall, "complete": self.complete, "frames": self.frames}
+                               "syscall": self.syscall, "complete": self.complete}
+        if not self.complete:
+            out["reason"] = self.reason or UNKNOWN_REASON
+        out["frames"] = self.frames
         if self.args:
             out["args"] = self.args
         if self.raw_args is not None:

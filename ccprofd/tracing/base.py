@@ -78,18 +78,39 @@ class ReturnJoiner:
     as do exit/exit_group (at once, or after the thread's calls still waiting), the thread's exit
     (see :meth:`_ended_threads`) and the end of the trace (:meth:`flush`).  Returns and samples
     come through different rings, read in batches, so a return may arrive polls before its sample:
-    it waits for it, until a later sample of its thread shows that its own never came."""
+    it waits for it, until a later sample of its thread shows that its own never came.
+
+    Nothing waits forever when records are dropped (full rings): a poll that read the rings dry
+    ends what can no longer be joined (:meth:`_expire`), and at most :data:`MAX_EARLY_RETURNS`
+    returns wait for their samples.  What is given up is counted in :attr:`returns_lost` (samples
+    written ``= ?`` though their call returned: its record was lost) and
+    :attr:`returns_unjoined` (return records whose sample never came), reported as drops."""
+
+    # Returns kept waiting for their samples at most (~100 bytes each); a later one is given up
+    # (counted) until a poll reads the rings dry.
+    MAX_EARLY_RETURNS = 65536
 
     def __init__(self) -> None:
         self.open: dict[int, deque[TraceSample]] = {}  # tid -> samples waiting, oldest first
-        self.orphans: dict[int, deque[tuple[int, int, int]]] = {}  # tid -> (time, nr, ret) come early
+        # tid -> (time, nr, ret, poll received) come early
+        self.orphans: dict[int, deque[tuple[int, int, int, int]]] = {}
+        self._early = 0  # returns in self.orphans
         self._gone: set[int] = set()  # tids with waiting samples whose thread was gone at the last poll
+        self._poll = 0  # join() calls so far
+        self._arrived: dict[int, int] = {}  # id(sample) waiting -> the poll it came in
+        self.returns_lost = 0
+        self.returns_unjoined = 0
+
+    def drops(self) -> dict[str, int]:
+        """What could not be joined so far, by reason (api.DROPS)."""
+        return {"return_lost": self.returns_lost, "return_unjoined": self.returns_unjoined}
 
     def join(self, samples: list[TraceSample], rets: list[tuple[int, int, int, int]],
              drained: bool = True) -> list[TraceSample]:
         """The samples ready to write: those of ``samples`` that are not syscalls or never return,
         and every waiting sample whose return came in ``rets`` (time, tid, nr, ret) or never will.
         ``drained``: this poll read every record the rings held (it did not stop at its budget)."""
+        self._poll += 1
         ready: list[TraceSample] = []
         for s in samples:
             if s.event != "syscall":
@@ -98,11 +119,11 @@ class ReturnJoiner:
                 s.returned = False
                 q = self.open.get(s.tid)
                 if q:  # behind the thread's earlier calls still waiting for their returns
-                    q.append(s)
+                    self._wait(q, s)
                 else:
                     ready.append(s)
             elif not self._take_orphan(s):
-                self.open.setdefault(s.tid, deque()).append(s)
+                self._wait(self.open.setdefault(s.tid, deque()), s)
             else:
                 ready.append(s)
         for t, tid, nr, ret in rets:
@@ -110,24 +131,71 @@ class ReturnJoiner:
             q = self.open.get(tid)
             matched = False
             while q and q[0].time_ns <= t + RET_SLACK_NS:
-                head = q.popleft()
+                head = self._pop(q)
                 if head.syscall == name and not (q and q[0].time_ns < t):  # (the thread's next call
                     # entered before this return: the head's own return was lost, this is a later one)
                     head.returned, head.ret = True, ret
                     ready.append(head)
                     matched = True
                     break
-                head.returned = False  # a later syscall of its thread returned first: this one never will
+                self._lost(head)  # a later syscall of its thread returned first: this one never will
                 ready.append(head)
             while q and q[0].syscall in NO_RETURN:  # an exit that waited behind the call just ended
-                ready.append(q.popleft())
+                ready.append(self._pop(q))
             if q is not None and not q:
                 del self.open[tid]
             if not matched:
-                self.orphans.setdefault(tid, deque()).append((t, nr, ret))
+                if self._early < self.MAX_EARLY_RETURNS:
+                    self.orphans.setdefault(tid, deque()).append((t, nr, ret, self._poll))
+                    self._early += 1
+                else:
+                    self.returns_unjoined += 1
         ready.extend(self._ended_threads(drained))
+        if drained:
+            ready.extend(self._expire())
         ready.sort(key=lambda s: s.time_ns)  # written in the order they were made, within a poll
         return ready
+
+    def _wait(self, q: deque[TraceSample], s: TraceSample) -> None:
+        q.append(s)
+        self._arrived[id(s)] = self._poll
+
+    def _pop(self, q: deque[TraceSample]) -> TraceSample:
+        s = q.popleft()
+        self._arrived.pop(id(s), None)
+        return s
+
+    def _lost(self, s: TraceSample) -> None:
+        """``s``'s call returned (a later call of its thread came), but its return record was lost."""
+        if s.syscall not in NO_RETURN:
+            s.returned = False
+            self.returns_lost += 1
+
+    def _expire(self) -> list[TraceSample]:
+        """At a poll that read the rings dry, what can no longer be joined.  A record is in its
+        ring before anything its thread does later is recorded, so every record made before one
+        that an earlier poll received has been read by now: a return received at an earlier poll
+        whose sample is still not here lost it (the sample was dropped), and a waiting sample
+        followed by a later sample of its thread received at an earlier poll lost its return.
+        Only a thread's last call may still be running (a blocking read can wait for hours)."""
+        for tid, early in list(self.orphans.items()):
+            while early and early[0][3] < self._poll:
+                early.popleft()
+                self._early -= 1
+                self.returns_unjoined += 1
+            if not early:
+                del self.orphans[tid]
+        out: list[TraceSample] = []
+        for tid, q in list(self.open.items()):
+            while len(q) > 1 and self._arrived.get(id(q[1]), self._poll) < self._poll:
+                head = self._pop(q)
+                self._lost(head)
+                out.append(head)
+            while q and q[0].syscall in NO_RETURN:  # an exit that waited behind the calls ended
+                out.append(self._pop(q))
+            if not q:
+                del self.open[tid]
+        return out
 
     def _take_orphan(self, s: TraceSample) -> bool:
         """Join ``s`` to a return that came before it; returns older than ``s`` are dropped (their
@@ -137,9 +205,12 @@ class ReturnJoiner:
             return False
         while early and early[0][0] + RET_SLACK_NS < s.time_ns:
             early.popleft()
+            self._early -= 1
+            self.returns_unjoined += 1
         took = bool(early) and syscall_name(early[0][1]) == s.syscall
         if took:
             s.returned, s.ret = True, early.popleft()[2]
+            self._early -= 1
         if not early:
             del self.orphans[s.tid]
         return took
@@ -155,23 +226,30 @@ class ReturnJoiner:
                 continue
             if tid in self._gone and drained:
                 out.extend(self._never_returned(self.open.pop(tid)))
-                self.orphans.pop(tid, None)
+                self._drop_orphans(tid)
             else:
                 gone.add(tid)
         self._gone = gone
         return out
 
-    @staticmethod
-    def _never_returned(q: deque[TraceSample]) -> list[TraceSample]:
+    def _drop_orphans(self, tid: int) -> None:
+        early = self.orphans.pop(tid, None)
+        if early:
+            self._early -= len(early)
+            self.returns_unjoined += len(early)
+
+    def _never_returned(self, q: deque[TraceSample]) -> list[TraceSample]:
         for s in q:
             s.returned = False
+            self._arrived.pop(id(s), None)
         return list(q)
 
     def flush(self) -> list[TraceSample]:
         """Every waiting sample, as never returned (the trace ends), oldest first."""
         out = [s for q in self.open.values() for s in self._never_returned(q)]
         self.open.clear()
-        self.orphans.clear()
+        for tid in list(self.orphans):
+            self._drop_orphans(tid)
         return sorted(out, key=lambda s: s.time_ns)
 
 
@@ -280,7 +358,8 @@ class ModeBase(ABC, Generic[Record, Key]):
         name, nargs = SYSCALL_INFO.get(nr) or syscall_info(nr)  # once per sample: one lookup, not two calls
         return TraceSample(r_time, pid, tid, event, name, d.complete, d.json_frames(),
                            path_args(name, arg) if arg is not None else None,
-                           None if sargs is None or nr is None else sargs[:nargs], None, None)
+                           None if sargs is None or nr is None else sargs[:nargs], None, None,
+                           None if d.complete else d.reason)
 
     def _later_context(self, r: Record, d: Decoded) -> Any:
         """What :meth:`_representative` makes a new context's sample from, kept until then (a
@@ -484,7 +563,7 @@ class ModeBase(ABC, Generic[Record, Key]):
             d = HISTORY_UNKNOWN
         name, nargs = SYSCALL_INFO.get(ev.syscall) or syscall_info(ev.syscall)
         return TraceSample(t, ev.tgid, ev.tid, "syscall", name, d.complete, d.json_frames(), None,
-                           ev.args[:nargs], None, None)
+                           ev.args[:nargs], None, None, None if d.complete else d.reason)
 
     def _close_contexts(self) -> None:
         """Thread snapshots' private vDSO copies go with the reader (ccprofd/proc/modules.py)."""

@@ -2,10 +2,10 @@
 
 ``build(name, opt="O2", pie=False, strip=True)`` returns the path of the compiled (and optionally
 stripped) program.  The output name carries a hash of everything that determines it -- the source
-files (the program and ``shapes.h``), the compiler's identity and the flags -- so a repeated test
-run finds the binary already there, and a changed source or flag gets a new file.  Every output is
-written to a temporary file in the same directory and renamed into place, so two pytest processes
-building the same program at once both end up with a complete file.
+files (the program and the headers of ``COMMON_HEADERS``), the compiler's identity and the flags
+-- so a repeated test run finds the binary already there, and a changed source or flag gets a new
+file.  Every output is written to a temporary file in the same directory and renamed into place,
+so two pytest processes building the same program at once both end up with a complete file.
 
 Run ``python tests/programs/build.py`` to build every program in every variant the tests use.
 """
@@ -24,7 +24,7 @@ from typing import Literal
 
 HERE = pathlib.Path(__file__).resolve().parent
 BUILD_DIR = HERE / "build"
-COMMON_HEADERS = ("shapes.h",)
+COMMON_HEADERS = ("shapes.h", "cmdloop.h")
 
 #: Every test program (stem of its source file), with what it exercises.
 PROGRAMS: dict[str, str] = {

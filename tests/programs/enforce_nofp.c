@@ -18,24 +18,9 @@
  * No stdio and no malloc.
  */
 #include <fcntl.h>
-#include <string.h>
 #include <unistd.h>
 
-#include "shapes.h"
-
-volatile long sink;
-
-static char buf[65536];
-
-NOINLINE static void emit(const char *s, long n) {
-    sink = write(1, s, (size_t)n);
-}
-
-NOINLINE static int open_file(const char *path) {
-    int fd = open(path, O_RDONLY);
-    sink = fd;
-    return fd;
-}
+#include "cmdloop.h" /* main > run_script > dispatch > cmd_X; emit, open_file, buf, sink */
 
 NOINLINE static long load_file(const char *path) {
     int fd = open_file(path);
@@ -78,38 +63,5 @@ NOINLINE static int cmd_wipe(const char *arg) {
     return r == 0 ? 0 : 1;
 }
 
-struct command {
-    const char *name;
-    int (*fn)(const char *);
-};
-
-static const struct command commands[] = {{"cat", cmd_cat}, {"rm", cmd_rm}, {"wipe", cmd_wipe}};
-
-NOINLINE static int dispatch(const char *name, const char *arg) {
-    for (unsigned i = 0; i < sizeof commands / sizeof commands[0]; i++) {
-        if (strcmp(commands[i].name, name) == 0) {
-            int r = commands[i].fn(arg);
-            sink = r;
-            return r;
-        }
-    }
-    return 2;
-}
-
-NOINLINE static int run_script(int argc, char **argv) {
-    int status = 0;
-    for (int i = 1; i + 1 < argc; i += 2) {
-        int r = dispatch(argv[i], argv[i + 1]);
-        if (r > status)
-            status = r;
-    }
-    return status;
-}
-
-int main(int argc, char **argv) {
-    if (argc < 3 || argc % 2 == 0)
-        return 2;
-    int r = run_script(argc, argv);
-    sink = r;
-    return r;
-}
+const struct command commands[] = {{"cat", cmd_cat}, {"rm", cmd_rm}, {"wipe", cmd_wipe}};
+const unsigned ncommands = sizeof commands / sizeof commands[0];

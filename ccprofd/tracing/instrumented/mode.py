@@ -306,7 +306,8 @@ class InstrumentedMode(ModeBase[Event, int]):
         return self._bpf.module.map_entries() if self._bpf is not None else {}
 
     def drops(self) -> dict[str, int]:
-        return self._bpf.drops() if self._bpf is not None else {}
+        return {**(self._bpf.drops() if self._bpf is not None else {}),
+                **self._returns.drops()}  # --retval's (all 0 without it)
 
     def close(self) -> None:
         import sys

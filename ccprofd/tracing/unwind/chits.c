@@ -2,7 +2,7 @@
  *
  * Why C: a repeated context (a "hit": the header-only record BPF sends for a context it has seen)
  * had ~5 us of Python for everything at the 200,000 samples/s target, and building its
- * TraceSample (a dataclass __init__ of 11 fields, ~0.8 us) plus the loop around it took half.
+ * TraceSample (a dataclass __init__ of 12 fields, ~0.8 us) plus the loop around it took half.
  * This does what ModeBase._poll_decoded does with UnwindMode._sample for a batch made only of
  * hit headers (the tuples UnwindSampler.take() returns): look up the context by its key, take the
  * decoded frames, cut the argument words to the syscall's count, and fill each TraceSample's slots
@@ -21,19 +21,20 @@
 #include <stdint.h>
 #include <string.h>
 
-enum { F_TIME, F_PID, F_TID, F_EVENT, F_SYSCALL, F_COMPLETE, F_FRAMES, F_ARGS, F_RAW, F_RETURNED, F_RET, NFIELDS };
+enum { F_TIME, F_PID, F_TID, F_EVENT, F_SYSCALL, F_COMPLETE, F_FRAMES, F_ARGS, F_RAW, F_RETURNED, F_RET, F_REASON,
+       NFIELDS };
 /* HitHeader indices (sampler.py: HIT_*) */
 enum { H_TIME = 0, H_TGID = 2, H_TID = 3, H_NR = 4, H_KEY1 = 9, H_KEY2 = 10, H_ARGS = 13, H_LEN = 19 };
 
 static PyTypeObject *sample_type;
 static Py_ssize_t offsets[NFIELDS];
-static PyObject *s_complete, *s_json_frames, *s_cpu, *s_syscall;
+static PyObject *s_complete, *s_json_frames, *s_cpu, *s_syscall, *s_reason;
 
 static PyObject *prepare(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     (void)self;
     if (nargs != 2 || !PyType_Check(args[0]) || !PyTuple_Check(args[1]) || PyTuple_GET_SIZE(args[1]) != NFIELDS) {
-        PyErr_SetString(PyExc_TypeError, "prepare(TraceSample, its 11 field names in order)");
+        PyErr_SetString(PyExc_TypeError, "prepare(TraceSample, its 12 field names in order)");
         return NULL;
     }
     PyTypeObject *t = (PyTypeObject *)args[0];
@@ -79,7 +80,7 @@ static PyObject *hit_samples(PyObject *self, PyObject *const *args, Py_ssize_t n
             Py_RETURN_NONE; /* not all hit headers: the Python loop */
     }
     PyObject *out = PyList_New(n), *incomplete = PyList_New(0);
-    PyObject *prev_d = NULL, *complete = NULL, *frames = NULL; /* the last context's, reused */
+    PyObject *prev_d = NULL, *complete = NULL, *frames = NULL, *reason = NULL; /* the last context's, reused */
     PyObject *prev_nr = NULL, *name = NULL;                     /* the last syscall's */
     Py_ssize_t nwords = 0, seen = 0, lost = 0;
     if (!out || !incomplete)
@@ -107,9 +108,16 @@ static PyObject *hit_samples(PyObject *self, PyObject *const *args, Py_ssize_t n
         if (d != prev_d) {
             Py_CLEAR(complete);
             Py_CLEAR(frames);
+            Py_CLEAR(reason);
             Py_XSETREF(prev_d, Py_NewRef(d));
             complete = PyObject_GetAttr(d, s_complete);
             if (!complete)
+                goto error;
+            int c = PyObject_IsTrue(complete); /* the reason of an incomplete context only */
+            if (c < 0)
+                goto error;
+            reason = c ? Py_NewRef(Py_None) : PyObject_GetAttr(d, s_reason);
+            if (!reason)
                 goto error;
             frames = PyObject_CallMethodNoArgs(d, s_json_frames);
             if (!frames)
@@ -171,6 +179,7 @@ static PyObject *hit_samples(PyObject *self, PyObject *const *args, Py_ssize_t n
         *(PyObject **)((char *)s + offsets[F_RAW]) = words ? words : Py_NewRef(Py_None);
         set_slot(s, F_RETURNED, Py_None);
         set_slot(s, F_RET, Py_None);
+        set_slot(s, F_REASON, reason);
         PyList_SET_ITEM(out, i, s);
         int c = PyObject_IsTrue(complete);
         if (c < 0)
@@ -183,6 +192,7 @@ static PyObject *hit_samples(PyObject *self, PyObject *const *args, Py_ssize_t n
     Py_XDECREF(prev_d);
     Py_XDECREF(complete);
     Py_XDECREF(frames);
+    Py_XDECREF(reason);
     Py_XDECREF(prev_nr);
     Py_XDECREF(name);
     PyObject *res = Py_BuildValue("(NnnN)", out, seen, lost, incomplete);
@@ -193,6 +203,7 @@ error:
     Py_XDECREF(prev_d);
     Py_XDECREF(complete);
     Py_XDECREF(frames);
+    Py_XDECREF(reason);
     Py_XDECREF(prev_nr);
     Py_XDECREF(name);
     return NULL;
@@ -428,7 +439,8 @@ PyMODINIT_FUNC PyInit_chits(void)
 {
     if (!(s_complete = PyUnicode_InternFromString("complete")) ||
         !(s_json_frames = PyUnicode_InternFromString("json_frames")) ||
-        !(s_cpu = PyUnicode_InternFromString("cpu")) || !(s_syscall = PyUnicode_InternFromString("syscall")))
+        !(s_cpu = PyUnicode_InternFromString("cpu")) || !(s_syscall = PyUnicode_InternFromString("syscall")) ||
+        !(s_reason = PyUnicode_InternFromString("reason")))
         return NULL;
     PyObject *m = PyModule_Create(&module);
     /* the HitHeader indices this file reads, checked against sampler.py's at import (mode.py) */

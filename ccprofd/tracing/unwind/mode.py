@@ -82,8 +82,8 @@ try:
     if chits.HEADER != (HIT_TIME, HIT_TGID, HIT_TID, HIT_NR, HIT_KEY1, HIT_KEY2, HIT_ARGS, HIT_ARGS + 6):
         raise ImportError("chits.c reads another hit header layout than sampler.py's")  # rebuild it
     chits.prepare(TraceSample, ("time_ns", "pid", "tid", "event", "syscall", "complete", "frames", "args",
-                                "raw_args", "returned", "ret"))
-except ImportError:
+                                "raw_args", "returned", "ret", "reason"))
+except (ImportError, TypeError):  # TypeError: built from an older chits.c (other fields): rebuild it
     chits = None
 
 # ---------------------------------------------------------------------------------- the mode
@@ -218,10 +218,12 @@ class UnwindMode(ModeBase[Record, tuple[int, int]]):
             nr = r[HIT_NR]
             if nr < 0:
                 return TraceSample(r[HIT_TIME] + self._clock_offset, r[HIT_TGID], r[HIT_TID], "cpu", None,
-                                   d.complete, d.json_frames(), None, None, None, None)
+                                   d.complete, d.json_frames(), None, None, None, None,
+                                   None if d.complete else d.reason)
             name, nargs = SYSCALL_INFO.get(nr) or syscall_info(nr)
             return TraceSample(r[HIT_TIME] + self._clock_offset, r[HIT_TGID], r[HIT_TID], "syscall", name,
-                               d.complete, d.json_frames(), None, r[HIT_ARGS:HIT_ARGS + nargs], None, None)
+                               d.complete, d.json_frames(), None, r[HIT_ARGS:HIT_ARGS + nargs], None, None,
+                               None if d.complete else d.reason)
         if not timed:
             return self.trace_sample(0, r.tgid, r.tid, r.event, r.syscall, d)
         nrs = r.syscall
@@ -322,7 +324,8 @@ class UnwindMode(ModeBase[Record, tuple[int, int]]):
         return self.sampler.module.map_entries() if self.sampler is not None else {}
 
     def drops(self) -> dict[str, int]:
-        return self.sampler.drops() if self.sampler is not None else {}
+        return {**(self.sampler.drops() if self.sampler is not None else {}),
+                **self._returns.drops()}  # --retval's (all 0 without it)
 
     def close(self) -> None:
         self._close_contexts()  # thread snapshots' private vDSO copies
