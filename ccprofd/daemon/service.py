@@ -7,8 +7,9 @@ publishes on the alert bus) -> the exporters read stores and buses; nothing flow
 
 Lifecycle (:func:`run_daemon`): validate the config (bad -> exit 2, nothing started), start every
 target (a target that fails to attach is reported in ``ListTargets`` and the log, and retried
-with backoff (:func:`retry_failed`) or at the next ``SIGHUP``; one whose path or cgroup does not exist yet is ``waiting`` and attached once
-it exists and has not changed for a main-loop tick), serve gRPC and metrics, send ``READY=1``.
+with backoff (:func:`retry_failed`) or at the next ``SIGHUP``; one whose path or cgroup does not
+exist yet is ``waiting`` and attached once it exists and has not changed for a main-loop tick),
+serve gRPC and metrics, send ``READY=1``.
 ``SIGHUP`` reloads: a bad new config is logged and the old one keeps running; changed or removed
 targets are stopped, new ones started, unchanged ones untouched.  ``SIGTERM``/``SIGINT`` send
 ``STOPPING=1``, stop serving, close every source (which detaches its probes) and exit 0.  An
