@@ -48,3 +48,11 @@ def test_alert_carries_the_unseen_edge() -> None:
                                      "callee": {"function": "main", "module": "/bin/p", "build_id": "ab"}})
     assert alert_from_pb(alert_to_pb(entry))["unseen_edge"] == entry["unseen_edge"]
     assert "unseen_edge" not in alert_from_pb(alert_to_pb(dict(alert, unseen_edge=None)))
+
+
+def test_an_incomplete_sample_says_why_on_the_wire() -> None:
+    flagged = sample(complete=False, reason="no_cfi: pc 0x4010 in /bin/p has no FDE")
+    msg = pb.Sample.FromString(sample_to_pb(flagged).SerializeToString())
+    assert msg.reason == "no_cfi: pc 0x4010 in /bin/p has no FDE"
+    assert sample_from_pb(msg)["reason"] == flagged["reason"]
+    assert "reason" not in sample_from_pb(sample_to_pb(sample()))

@@ -444,7 +444,7 @@ def _chain(frames: list[dict[str, Any]]) -> str:
 
 def _sample_line(s: dict[str, Any]) -> str:
     what = s["syscall"] if s["event"] == "syscall" else "cpu"
-    flag = "" if s["complete"] else " [incomplete]"
+    flag = "" if s["complete"] else f" [incomplete: {s.get('reason') or 'unknown'}]"
     args = "".join(f" {k}={v}" for k, v in sorted((s.get("args") or {}).items()))
     ret = "" if "ret" not in s else f" = {'?' if s['ret'] is None else s['ret']}"
     return (f"{s['time_ns']} {s['target']} {s['pid']}/{s['tid']} {what}{args}{ret} {s['context']}{flag}: "

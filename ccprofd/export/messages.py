@@ -69,6 +69,7 @@ def sample_to_pb(sample: Mapping[str, Any], target: str = "", context: str = "")
                     tid=int(sample.get("tid") or 0), event=str(sample.get("event") or "syscall"),
                     syscall=str(sample.get("syscall") or ""), complete=bool(sample.get("complete", True)),
                     frames=frames_to_pb(sample.get("frames") or ()), target=target, context=context,
+                    reason=str(sample.get("reason") or ""),
                     raw_args=[int(a) & 0xFFFF_FFFF_FFFF_FFFF for a in sample.get("raw_args") or ()])
     for key, value in (sample.get("args") or {}).items():
         msg.args[str(key)] = str(value)
@@ -84,6 +85,8 @@ def sample_from_pb(msg: Any) -> dict[str, Any]:
     out = {"time_ns": msg.time_ns, "pid": msg.pid, "tid": msg.tid, "event": msg.event,
            "syscall": msg.syscall or None, "complete": msg.complete, "frames": frames_from_pb(msg.frames),
            "target": msg.target, "context": msg.context}
+    if msg.reason:
+        out["reason"] = msg.reason
     if msg.args:
         out["args"] = dict(msg.args)
     if msg.raw_args:
