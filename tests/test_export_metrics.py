@@ -6,6 +6,7 @@ import subprocess
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from conftest import require_tool
@@ -218,3 +219,18 @@ def test_series_of_contexts_not_seen_are_retired() -> None:
         proc = subprocess.run([require_tool("promtool"), "check", "metrics"], input=text,
                               capture_output=True, text=True, check=False)
         assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_every_metric_family_is_documented_in_the_readme() -> None:
+    """Operators find metrics in the README: every family the collectors build is named there
+    (counters with their exposed ``_total`` suffix)."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    source = (root / "ccprofd" / "export" / "metrics.py").read_text()
+    readme = (root / "README.md").read_text()
+    families = re.findall(r'(Counter|Gauge)MetricFamily\(\s*"(ccprofd_[a-z_]+)"', source)
+    assert len(families) >= 15
+    missing = [name + ("_total" if kind == "Counter" else "") for kind, name in families
+               if f"`{name}{'_total' if kind == 'Counter' else ''}" not in readme]
+    assert missing == []
