@@ -85,10 +85,14 @@ from ccprofd.tracing.unwind.constants import (
     C_SOURCE,
     CFG_AGGREGATE,
     CFG_EMIT_HITS,
+    CFG_MEMO,
     EV_HIT,
     EV_MAPS,
     EXACT_BIT,
     FLAG_HIT,
+    MEMO_OFF,
+    MEMO_ON,
+    MEMO_UNCHECKED,
     REASONS,
     STATS,
 )
@@ -574,6 +578,16 @@ class UnwindSampler:
         counts, read with :meth:`counts`, are then the only record of repeated samples).  The
         kernel count is incremented whether or not the record is sent."""
         self._m["uw_config"].set(CFG_EMIT_HITS, 1 if on else 0)
+
+    def set_memo(self, mode: str) -> None:
+        """Runtime switch of the per-thread memo of outer frames (``uw_config[UW_CFG_MEMO]``):
+        ``"on"`` (the default), ``"off"`` (every frame unwound afresh: the reference for tests and
+        benchmarks), ``"unchecked"`` (reuse without re-reading the reused stack slots: unsound, only
+        for the test that shows the re-read is what makes the memo correct)."""
+        modes = {"on": MEMO_ON, "off": MEMO_OFF, "unchecked": MEMO_UNCHECKED}
+        if mode not in modes:
+            raise ValueError(f"memo mode {mode!r}: one of {', '.join(modes)}")
+        self._m["uw_config"].set(CFG_MEMO, modes[mode])
 
     # ------------------------------------------------------------------------------- reporting
     def stats(self) -> dict[str, int]:

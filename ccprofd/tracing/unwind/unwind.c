@@ -77,11 +77,38 @@
 #define UW_STAT_LOOKUP_STEPS 12
 #define UW_STAT_STACK_COPIES 13
 #define UW_STAT_MAP_SEARCHES 14
-#define UW_NR_STATS 16
+// per-thread memoisation of the outer frames (issue #18): samples that reused the previous
+// sample's chain, frames taken from it (each re-read and found unchanged), reuses refused because
+// a re-read return-address or saved-register slot had changed (the frame was unwound afresh)
+#define UW_STAT_MEMO_HITS 15
+#define UW_STAT_MEMO_FRAMES 16
+#define UW_STAT_MEMO_REJECTS 17
+#define UW_NR_STATS 20
 
 #define UW_CFG_AGGREGATE 0
 #define UW_CFG_SAMPLE_CPU_ALL 1
 #define UW_CFG_EMIT_HITS 2
+#define UW_CFG_MEMO 3  // UW_MEMO_ON (0, the default), UW_MEMO_OFF, UW_MEMO_UNCHECKED
+#define UW_MEMO_ON 0
+#define UW_MEMO_OFF 1
+#define UW_MEMO_UNCHECKED 2  // tests only: reuse without re-reading the slots (unsound; shows the check matters)
+
+// Per-thread memo of the last complete chain (syscall samples only): the outer frames of a thread's
+// stack rarely change between two syscalls.  Each frame of the chain keeps its entry state (pc,
+// CFA/rsp, rbp and its validity, exactness) and the stack slots its step read with their values.
+// A step is a function of that state, those slots' contents and the process's mappings (uw_proc.gen
+// names one upload of them; module tables are never rewritten), so once a new sample reaches a
+// frame whose state equals a cached frame's, re-reading that frame's slots and finding the same
+// values proves the next state equal too: frame by frame, the rest of the chain is taken from the
+// memo only as far as every slot re-reads unchanged; at the first changed slot the unwind goes on
+// afresh from the (proved) state of that frame.
+#ifndef UW_MEMO_DEPTH
+#define UW_MEMO_DEPTH 128  // frames a memoised chain may have (power of two); deeper stacks: no memo
+#endif
+#define UW_MF_BP_VALID 1
+#define UW_MF_EXACT 2
+#define UW_MF_FP 4
+#define UW_MEMO_SCAN 4  // cached frames skipped at most per step looking for the new frame's CFA
 
 struct uw_rule {
     u8 kind;
@@ -225,6 +252,16 @@ struct uw_sample {
     u64 pcs[UW_MAX_DEPTH];  // bit 63 (UW_EXACT_BIT): the pc is exact, not a return address
 };
 
+struct uw_mframe {
+    u64 pc;
+    u64 sp;
+    u64 bp;
+    u64 addr[2];
+    u64 val[2];
+    u32 flags;  // UW_MF_*
+    u32 nread;  // slots read by this frame's step (addr/val); 3 (a signal frame's rbp): not cached
+};
+
 // a mapping as uw_state caches it (c_* fields): the second most recent one is kept in uw_state.alt,
 // since stacks alternate between two modules (an interpreter and libc) and each switch would
 // otherwise search the process's mappings again (issue #18)
@@ -278,9 +315,24 @@ struct uw_state {
     u32 c_info;    // cached mapping's info
     u32 alen;      // words of the context (hash, arena)
 #endif
+    u32 gen;       // uw_proc.gen of the mappings this sample used (0: none yet)
+    u32 gen_mixed; // the sample saw two generations: not memoised
+    u32 memo_mode; // uw_config[UW_CFG_MEMO]
+    u32 m_cur;     // mf[m_cur]: the memoised chain; mf[m_cur ^ 1]: this sample's, being recorded
+    u32 m_n;       // frames of the memoised chain (0: none)
+    u32 m_tid;     // whose chain it is
+    u32 m_tgid;
+    u32 m_gen;
+    u32 m_lo;      // its first frame that may be reused (frames below an uncached one may not)
+    u32 m_c;       // cursor: the cached frame the unwind is at (or looking for)
+    u32 m_on;      // the current frame is m_c's: it is checked, not unwound
+    u32 m_cut;     // this sample's m_lo
+    u32 m_hit;     // this sample reused at least one frame
+    u32 m_pad;
     u64 start_stack;
     u64 win_base;  // stack window: the user page at win_base is copied into win (odd: none)
     u64 win[UW_WIN_WORDS];
+    struct uw_mframe mf[2][UW_MEMO_DEPTH];
     struct uw_sample s;
 };
 
@@ -370,6 +422,10 @@ static __always_inline int uw_find_mapping(struct uw_state *st, u64 pc) {
         return -UW_WHY_NO_MAPS;
     st->n_maps++;
     st->start_stack = p->start_stack;
+    if (st->gen == 0)
+        st->gen = p->gen;
+    else if (st->gen != p->gen)
+        st->gen_mixed = 1;
     u32 lo = 0, hi = p->n;
     if (hi > UW_MAX_MAPS)
         hi = UW_MAX_MAPS;
@@ -558,13 +614,102 @@ static __always_inline long uw_finish(struct uw_state *st, u32 reason) {
     return 1;
 }
 
-static __always_inline long uw_unwind_step(struct uw_state *st) {
+// Record frame n of this sample for the next one's memo (see UW_MEMO_DEPTH).
+static __always_inline void uw_memo_rec(struct uw_state *st, u32 n, u64 pc, u64 sp, u64 bp, u32 flags, u32 nread,
+                                        u64 *addr, u64 *val) {
+    if (n >= UW_MEMO_DEPTH)
+        return;
+    struct uw_mframe *f = &st->mf[(st->m_cur ^ 1) & 1][n & (UW_MEMO_DEPTH - 1)];
+    f->pc = pc;
+    f->sp = sp;
+    f->bp = bp;
+    f->flags = flags;
+    f->nread = nread;
+    f->addr[0] = addr[0];
+    f->addr[1] = addr[1];
+    f->val[0] = val[0];
+    f->val[1] = val[1];
+    if (nread > 2)
+        st->m_cut = n + 1;  // its third slot is not kept: the next sample may reuse only frames above it
+}
+
+// Frame n (>= 1) from the memo: 1/0 as a step returns, -1 to unwind it afresh.  Frame 0 is never
+// reused (its step may read rdi at the syscall entry, RA_REG), nor is a frame below m_lo.
+static __always_inline long uw_memo_step(struct uw_state *st, u32 n) {
+    if (st->m_n == 0 || n == 0)
+        return -1;
+    u32 prev = st->m_cur & 1;
+    u32 c = st->m_c;
+    if (!st->m_on) {
+        // the sample's mappings (looked up at frame 0) must be those the chain was unwound with
+        if (st->gen == 0 || st->gen != st->m_gen || st->gen_mixed)
+            return -1;
+        // CFAs grow outwards: skip the cached frames below this one's (a few per step)
+#pragma unroll
+        for (int i = 0; i < UW_MEMO_SCAN; i++) {
+            if (c >= st->m_n || st->mf[prev][c & (UW_MEMO_DEPTH - 1)].sp >= st->sp)
+                break;
+            c++;
+        }
+        st->m_c = c;
+        if (c >= st->m_n || c < st->m_lo)
+            return -1;
+        struct uw_mframe *f = &st->mf[prev][c & (UW_MEMO_DEPTH - 1)];
+        u32 fl = (st->bp_valid ? UW_MF_BP_VALID : 0) | (st->exact ? UW_MF_EXACT : 0);
+        if (f->sp != st->sp || f->pc != st->pc || f->bp != st->bp || (f->flags & (UW_MF_BP_VALID | UW_MF_EXACT)) != fl)
+            return -1;
+        st->m_on = 1;
+    }
+    struct uw_mframe *f = &st->mf[prev][c & (UW_MEMO_DEPTH - 1)];
+    if (st->memo_mode != UW_MEMO_UNCHECKED) {
+        // every slot the cached step read (return address, saved rbp), re-read now
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            if (k >= f->nread)
+                break;
+            u64 v = 0;
+            if (uw_read(st, f->addr[k], &v) || v != f->val[k]) {
+                st->m_on = 0;
+                st->m_c = c + 1;
+                uw_stat(UW_STAT_MEMO_REJECTS, 1);
+                return -1;  // state is still this frame's (proved): unwound afresh from here
+            }
+        }
+    }
+    u64 pc = f->pc;
+    st->s.pcs[n & (UW_MAX_DEPTH - 1)] = pc | ((f->flags & UW_MF_EXACT) ? UW_EXACT_BIT : 0);
+    st->s.n = n + 1;
+    uw_mix(st, pc);
+    if (f->flags & UW_MF_FP)
+        st->s.fp_frames++;
+    if (n < UW_MEMO_DEPTH)
+        st->mf[prev ^ 1][n & (UW_MEMO_DEPTH - 1)] = *f;
+    st->m_hit++;
+    if (c + 1 >= st->m_n)
+        return uw_finish(st, 0);  // the chain's last frame: it ended there (only complete chains are kept)
+    struct uw_mframe *g = &st->mf[prev][(c + 1) & (UW_MEMO_DEPTH - 1)];
+    st->pc = g->pc;
+    st->sp = g->sp;
+    st->bp = g->bp;
+    st->bp_valid = g->flags & UW_MF_BP_VALID;
+    st->exact = (g->flags & UW_MF_EXACT) ? 1 : 0;
+    st->m_c = c + 1;
+    return 0;
+}
+
+static __always_inline long uw_unwind_step(struct uw_state *st, int memo) {
     if (st->done)
         return 1;
-    u64 pc = st->pc;
     u32 n = st->s.n;
     if (n >= UW_MAX_DEPTH)
         return uw_finish(st, UW_WHY_MAX_DEPTH);
+    if (memo) {
+        long r = uw_memo_step(st, n);
+        if (r >= 0)
+            return r;
+    }
+    u64 pc = st->pc;
+    u32 eflags = (st->bp_valid ? UW_MF_BP_VALID : 0) | (st->exact ? UW_MF_EXACT : 0);
     st->s.pcs[n & (UW_MAX_DEPTH - 1)] = pc | (st->exact ? UW_EXACT_BIT : 0);
     st->s.n = n + 1;
     uw_mix(st, pc);
@@ -582,19 +727,26 @@ static __always_inline long uw_unwind_step(struct uw_state *st) {
         if (r)
             kind = r->kind;
     }
-    if (kind == UW_KIND_END || (kind == UW_KIND_NONE && pc == 0))
+    u64 sp = st->sp, bp = st->bp, cfa = 0;
+    u64 addr[3] = {0, 0, 0};
+    u64 val[3] = {0, 0, 0};
+    if (kind == UW_KIND_END || (kind == UW_KIND_NONE && pc == 0)) {
+        if (memo)
+            uw_memo_rec(st, n, pc, sp, bp, eflags, 0, addr, val);
         return uw_finish(st, 0);
+    }
 
     // Decide which stack words to read (return address, saved rbp, signal frame's rsp), then read
     // them in one loop: one copy of the read code keeps the verifier's work small.
-    u64 sp = st->sp, bp = st->bp, cfa = 0;
-    u64 addr[3] = {0, 0, 0};
     u32 nread = 1;
     int fp = 0;
     if (!r || kind == UW_KIND_NONE) {
         // The main thread's first frame (the loader's _start often has no CFI) ends the stack.
-        if (sp == st->start_stack)
+        if (sp == st->start_stack) {
+            if (memo)
+                uw_memo_rec(st, n, pc, sp, bp, eflags, 0, addr, val);
             return uw_finish(st, 0);
+        }
         // no CFI: frame-pointer rule, only where rbp looks like a frame pointer
         if (!st->bp_valid || bp < sp || bp - sp > (8ULL << 20) || (bp & 7))
             return uw_finish(st, st->c_module == UW_NO_MODULE ? UW_WHY_NO_TABLE : UW_WHY_NO_CFI);
@@ -633,7 +785,6 @@ static __always_inline long uw_unwind_step(struct uw_state *st) {
             nread = 2;
         }
     }
-    u64 val[3] = {0, 0, 0};
 #pragma nounroll
     for (u32 k = 0; k < 3; k++) {
         if (k >= nread)
@@ -641,6 +792,8 @@ static __always_inline long uw_unwind_step(struct uw_state *st) {
         if (uw_read(st, addr[k], &val[k]))
             return uw_finish(st, UW_WHY_READ_FAULT);
     }
+    if (memo)
+        uw_memo_rec(st, n, pc, sp, bp, eflags | (fp ? UW_MF_FP : 0), nread, addr, val);
     if (kind == UW_KIND_SIGNAL) {
         st->pc = val[0];
         st->sp = val[1];
@@ -974,11 +1127,11 @@ static __always_inline long uw_arena_step(struct uw_state *st, u32 i) {
     return 0;
 }
 
-static __always_inline long uw_step(u32 slot) {
+static __always_inline long uw_step(u32 slot, int memo) {
     struct uw_state *st = uw_state.lookup(&slot);
     if (!st)
         return 1;
-    return uw_unwind_step(st);
+    return uw_unwind_step(st, memo);
 }
 
 static __always_inline long uw_arena_slot(u32 slot, u32 i) {
@@ -992,8 +1145,8 @@ static __always_inline long uw_arena_slot(u32 slot, u32 i) {
 // sample interrupting a syscall sample on the same CPU does not clobber it).  The verifier checks
 // a callback once per call site, so each loop has its own small callback; Python tells their call
 // sites apart by the loop count (UW_UNWIND_LOOPS, UW_ARENA_LOOPS, UE_ENC_LOOPS, UE_HASH_LOOPS).
-long uw_step_sys(u64 i) { return uw_step(bpf_get_smp_processor_id() * 2); }
-long uw_step_cpu(u64 i) { return uw_step(bpf_get_smp_processor_id() * 2 + 1); }
+long uw_step_sys(u64 i) { return uw_step(bpf_get_smp_processor_id() * 2, 1); }
+long uw_step_cpu(u64 i) { return uw_step(bpf_get_smp_processor_id() * 2 + 1, 0); }
 long uw_arena_sys(u64 i) { return uw_arena_slot(bpf_get_smp_processor_id() * 2, (u32)i); }
 long uw_arena_cpu(u64 i) { return uw_arena_slot(bpf_get_smp_processor_id() * 2 + 1, (u32)i); }
 #ifdef UE_ENABLED
@@ -1117,7 +1270,8 @@ static __always_inline void uw_aggregate(struct uw_state *st, void *arena_cb) {
 // `can_aggregate` is a constant per program: the CPU sampler sends every sample (the aggregation
 // code would double its verification cost past the verifier's limit; CPU samples are few).
 static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u64 sp, u64 bp, u64 argp,
-                                      struct pt_regs *regs, void *loop_cb, void *arena_cb, int can_aggregate UE_CALLBACK_PARAMS) {
+                                      struct pt_regs *regs, void *loop_cb, void *arena_cb, int can_aggregate, int memo
+                                      UE_CALLBACK_PARAMS) {
     struct uw_state *st = uw_state.lookup(&slot);
     if (!st)
         return;
@@ -1138,6 +1292,20 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
     st->n_steps = 0;
     st->n_copies = 0;
     st->n_maps = 0;
+    st->gen = 0;
+    st->gen_mixed = 0;
+    if (memo) {
+        u32 km = UW_CFG_MEMO;
+        u64 *mm = uw_config.lookup(&km);
+        st->memo_mode = mm ? (u32)*mm : UW_MEMO_ON;
+        // the memo is this thread's only (tid and process; uw_memo_step checks the mappings)
+        if (st->m_tid != (u32)pid_tgid || st->m_tgid != tgid || st->memo_mode == UW_MEMO_OFF)
+            st->m_n = 0;
+        st->m_c = 0;
+        st->m_on = 0;
+        st->m_cut = 1;
+        st->m_hit = 0;
+    }
     st->s.ktime_ns = bpf_ktime_get_ns();
     st->s.kind = UW_EV_SAMPLE;
     st->s.tgid = tgid;
@@ -1179,6 +1347,25 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
         bpf_loop(UW_UNWIND_LOOPS, loop_cb, 0, 0);
         if (!st->done)
             st->s.reason = UW_WHY_MAX_DEPTH;
+    }
+    if (memo) {
+        if (st->m_hit) {
+            uw_stat(UW_STAT_MEMO_HITS, 1);
+            uw_stat(UW_STAT_MEMO_FRAMES, st->m_hit);
+        }
+        // keep this chain for the thread's next sample: complete, every frame recorded, one
+        // generation of mappings
+        if (st->memo_mode != UW_MEMO_OFF && st->s.reason == 0 && st->s.n > 0 && st->s.n <= UW_MEMO_DEPTH &&
+            st->gen != 0 && !st->gen_mixed) {
+            st->m_cur ^= 1;
+            st->m_n = st->s.n;
+            st->m_tid = (u32)pid_tgid;
+            st->m_tgid = tgid;
+            st->m_gen = st->gen;
+            st->m_lo = st->m_cut;
+        } else {
+            st->m_n = 0;
+        }
     }
 #ifdef UE_ENABLED
     ue_reset(st);
@@ -1442,7 +1629,7 @@ int uw_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
     bpf_probe_read_kernel(&bp, sizeof(bp), &regs->bp);
     uw_sample(bpf_get_smp_processor_id() * 2, pid_tgid, (s32)nr, ip, sp, bp, uw_path_arg(regs, nr), regs,
               uw_step_sys,
-              uw_arena_sys, 1 UE_CALLBACKS_SYS);
+              uw_arena_sys, 1, 1 UE_CALLBACKS_SYS);
     UW_ENFORCE_SYS(tgid, (u32)pid_tgid, nr);
     return 0;
 }
@@ -1464,7 +1651,7 @@ int uw_cpu_sample(struct bpf_perf_event_data *ctx) {
     bpf_probe_read_kernel(&ip, sizeof(ip), &regs->ip);
     bpf_probe_read_kernel(&sp, sizeof(sp), &regs->sp);
     bpf_probe_read_kernel(&bp, sizeof(bp), &regs->bp);
-    uw_sample(bpf_get_smp_processor_id() * 2 + 1, pid_tgid, -1, ip, sp, bp, 0, 0, uw_step_cpu, uw_arena_cpu, 0
+    uw_sample(bpf_get_smp_processor_id() * 2 + 1, pid_tgid, -1, ip, sp, bp, 0, 0, uw_step_cpu, uw_arena_cpu, 0, 0
               UE_CALLBACKS_CPU);
     return 0;
 }
