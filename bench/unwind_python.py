@@ -64,7 +64,8 @@ from ccprofd.tracing.unwind.sampler import UnwindSampler
 from bench.report_bpf import owned_prog_stats
 calls, repeat, python, workload = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 enc = None
-if sys.argv[6] == "encoded":  # as `ccprofd trace`/the daemon run it: python3.11 analysed, encoded in BPF
+# as `ccprofd trace`/the daemon run it: python3.11 analysed, encoded in BPF
+if sys.argv[6].startswith("encoded"):
     from ccprofd.callgraph import analyze_binary
     from ccprofd.encode import get_plan
     from ccprofd.persist.cache import AnalysisCache
@@ -73,6 +74,8 @@ if sys.argv[6] == "encoded":  # as `ccprofd trace`/the daemon run it: python3.11
     enc = cached_unwind_encoding(graph, get_plan(graph, "valence"), AnalysisCache())
 uw = UnwindSampler(syscalls=[1], aggregate=True, max_depth=4096, encoding=enc)
 uw.attach()
+if sys.argv[6].endswith("memo off"):  # this tree's per-thread memo of outer frames switched off
+    uw.set_memo("off")
 walls, ns, frames = [], [], []
 extra = {}
 try:
@@ -94,7 +97,7 @@ try:
         ns.append(dt / max(1, samples))
         frames.append((s1["frames"] - s0["frames"]) / max(1, samples))
         incomplete = s1["incomplete"] - s0["incomplete"]
-        for k in ("lookup_steps", "stack_copies", "map_searches"):  # absent in older trees
+        for k in ("lookup_steps", "stack_copies", "map_searches", "memo_frames"):  # absent in older trees
             if k in s1:
                 extra.setdefault(k, []).append((s1[k] - s0[k]) / max(1, samples))
 finally:
@@ -170,6 +173,9 @@ def main() -> int:
     ap.add_argument("--base-repo", type=Path,
                     help="a checkout of the commit to compare against (e.g. d2220d0)")
     ap.add_argument("--base-label", default="d2220d0")
+    ap.add_argument("--modes", default="plain,encoded",
+                    help="comma-separated: plain, encoded, and 'plain memo off', 'encoded memo off' "
+                         "(this tree with its per-thread memo of outer frames off)")
     ap.add_argument("--update-readme", action="store_true",
                     help="also write the tables into README.md's bench:unwind_python section")
     args = ap.parse_args()
@@ -191,7 +197,8 @@ def main() -> int:
 
 
 def measure(args: argparse.Namespace) -> int:
-    print(machine_line())
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"{machine_line()}, load average {load} at the start")
     here = Path(__file__).resolve().parent.parent
     configs: list[tuple[str, Path]] = [("this tree", here)]
     if args.base_repo is not None:
@@ -199,23 +206,25 @@ def measure(args: argparse.Namespace) -> int:
     untraced = median([run_workload(args.calls) for _ in range(args.repeat)])
     with run_time_stats():
         results = [(f"{label}, {mode}", traced(repo, args.calls, args.repeat, mode))
-                   for mode in ("plain", "encoded") for label, repo in configs]
+                   for mode in args.modes.split(",") for label, repo in configs
+                   if "memo" not in mode or repo == here]
     perf = perf_dwarf(args.calls, args.repeat)
     print(f"\n{PYTHON}: {args.calls} os.write() calls from two Python functions, median of {args.repeat} "
           "(wall = the loop's own time; added = (wall - untraced) / calls; BPF ns from bpf_stats run_time_ns "
           "over the samples taken):\n")
     print("| configuration | wall s | added µs/sample | BPF ns/sample | frames/sample | "
-          "search steps, stack copies, mapping searches /sample | incomplete |")
-    print("|---|---|---|---|---|---|---|")
-    print(f"| untraced | {untraced:.3f} | | | | | |")
+          "search steps, stack copies, mapping searches /sample | memo frames/sample | incomplete |")
+    print("|---|---|---|---|---|---|---|---|")
+    print(f"| untraced | {untraced:.3f} | | | | | | |")
     for label, r in results:
         added = (r["wall"] - untraced) / args.calls * 1e6
         work = ", ".join(f"{r[k]:.1f}" for k in ("lookup_steps", "stack_copies", "map_searches") if k in r)
+        memo = f"{r['memo_frames']:.1f}" if "memo_frames" in r else "n/a"
         print(f"| unwind ({label}) | {r['wall']:.3f} | {added:.2f} | {r['ns']:.0f} | {r['frames']:.1f} | "
-              f"{work or 'n/a'} | {r['incomplete']:.0f} of {r['samples']:.0f} |")
+              f"{work or 'n/a'} | {memo} | {r['incomplete']:.0f} of {r['samples']:.0f} |")
     if perf is not None:
         added = (perf - untraced) / args.calls * 1e6
-        print(f"| perf record --call-graph dwarf | {perf:.3f} | {added:.2f} | | | | |")
+        print(f"| perf record --call-graph dwarf | {perf:.3f} | {added:.2f} | | | | | |")
     return 0
 
 

@@ -7,7 +7,7 @@ frames are rewritten between two samples under inner frames that look unchanged 
 memo that trusted its cached chain would report A for B.  The oracle is the program itself: leaf
 passes its own return-address chain (``__builtin_return_address(0..2)``, the binary built with frame
 pointers) in the syscall's argument registers, and the function each one lies in is checked against
-``nm``'s symbol ranges (A for even iterations, B for odd ones).  Every sample's pcs[1..3] must equal
+``nm``'s symbol ranges (A, A, B, B, ... by iteration).  Every sample's pcs[1..3] must equal
 that chain.  The same check, run with the re-read of reused slots switched off (``unchecked``), must
 find wrong chains: the re-read is what makes the reuse correct.
 """
@@ -54,7 +54,7 @@ int main(int argc, char **argv) {
     if (read(0, &c, 1) != 1)
         return 1;
     for (long i = 0; i < n; i++) {
-        if (i & 1)
+        if ((i >> 1) & 1)  /* A A B B A A ...: repeated stacks and changed ones */
             B(i);
         else
             A(i);
@@ -134,7 +134,8 @@ def wrong_chains(samples: list[UnwoundSample], bias: int, syms: dict[str, tuple[
         rdi, ra0, ra1, ra2 = x.sargs[0], x.sargs[1], x.sargs[2], x.sargs[3]
         i = (1 << 64) - 1 - rdi  # fd = -1 - i
         # the program's own chain is what nm says it must be (independent of the unwinder)
-        assert inside(ra0, "mid") and inside(ra1, "B" if i & 1 else "A") and inside(ra2, "main"), (i, x.sargs)
+        want_ab = "B" if (i >> 1) & 1 else "A"
+        assert inside(ra0, "mid") and inside(ra1, want_ab) and inside(ra2, "main"), (i, x.sargs)
         if not x.complete or tuple(x.pcs[1:4]) != (ra0, ra1, ra2):
             want = [hex(ra0), hex(ra1), hex(ra2)]
             bad.append(f"i={i}: {[hex(p) for p in x.pcs[1:4]]} != {want} ({x.reason})")
@@ -153,7 +154,7 @@ def test_memo_reuses_outer_frames_only_when_every_slot_rereads_equal(sampler: Un
     # the memo was used (libc's start-up frames above main) and refused where the chain changed
     # (mid's return address into A / B): both paths of the check ran
     assert d["memo_hits"] >= N - 1, d
-    assert d["memo_rejects"] >= N - 1, d
+    assert d["memo_rejects"] >= N // 2 - 1, d
 
 
 def test_without_the_reread_the_memo_reports_wrong_chains(sampler: UnwindSampler, program: Path) -> None:
@@ -165,7 +166,7 @@ def test_without_the_reread_the_memo_reports_wrong_chains(sampler: UnwindSampler
     finally:
         sampler.set_memo("on")
     bad = wrong_chains(samples, bias, syms)
-    assert len(bad) >= N // 2, bad[:5]
+    assert len(bad) >= N // 4, bad[:5]
 
 
 def test_memo_off_is_every_frame_afresh(sampler: UnwindSampler, program: Path) -> None:
@@ -179,3 +180,29 @@ def test_memo_off_is_every_frame_afresh(sampler: UnwindSampler, program: Path) -
         sampler.set_memo("on")
     assert wrong_chains(samples, bias, syms) == []
     assert after["memo_hits"] == before["memo_hits"]
+
+
+def test_encoded_contexts_of_alternating_paths_stay_apart(program: Path, tmp_path: Path) -> None:
+    """Encoded and aggregated in the kernel (as ``trace`` and the daemon run it): a sample whose
+    pcs equal the previous one's reuses its encoding and skips the arena compare, any other is
+    encoded afresh.  The two paths are two contexts of N/2 samples each, whichever way they came."""
+    from conftest import require_bpf
+
+    from ccprofd.callgraph import analyze_binary
+    from ccprofd.encode import get_plan
+    from ccprofd.persist.cache import AnalysisCache
+    from ccprofd.tracing.unwind.plan import cached_unwind_encoding
+
+    require_bpf()
+    graph = analyze_binary(str(program), cache_dir=tmp_path)
+    plan = get_plan(graph, "valence", cache_dir=tmp_path)
+    enc = cached_unwind_encoding(graph, plan, AnalysisCache(tmp_path))
+    with UnwindSampler(syscalls=[NR_WRITE], aggregate=True, encoding=enc, cache=AnalysisCache(tmp_path)) as s:
+        s.attach()
+        before = s.stats()
+        run(s, program)
+        after = s.stats()
+        counts = sorted(s.counts().values())
+    same = after["same_as_previous"] - before["same_as_previous"]
+    assert counts == [N // 2, N // 2], counts
+    assert N // 2 - 1 <= same <= N // 2, same  # every second sample repeats its predecessor's stack

@@ -83,6 +83,7 @@
 #define UW_STAT_MEMO_HITS 15
 #define UW_STAT_MEMO_FRAMES 16
 #define UW_STAT_MEMO_REJECTS 17
+#define UW_STAT_SAME_AS_PREVIOUS 18  // pcs equal to the previous sample of the thread on this CPU: its encoding reused
 #define UW_NR_STATS 20
 
 #define UW_CFG_AGGREGATE 0
@@ -327,8 +328,24 @@ struct uw_state {
     u32 m_c;       // cursor: the cached frame the unwind is at (or looking for)
     u32 m_on;      // the current frame is m_c's: it is checked, not unwound
     u32 m_cut;     // this sample's m_lo
-    u32 m_hit;     // this sample reused at least one frame
-    u32 m_pad;
+    u32 m_hit;     // frames this sample reused
+    // The previous sample of this slot, when this one's pcs turn out to be the same (same process,
+    // mappings, frames and reason): its encoding and context words are then this one's (a function
+    // of those), so the encoding and hashing passes are skipped, and so is the arena compare when
+    // the counts entry is the one that sample compared equal or stored.
+    u32 same;      // every pc so far equals the previous sample's (tracked while p_valid)
+    u32 p_valid;
+    u32 p_tgid;
+    u32 p_gen;
+    u32 p_n;
+    u32 p_reason;
+    u32 p_agg;     // the previous sample's context is the arena's at p_off under key (p_h1, p_h2)
+    u32 p_pad;
+    u64 p_h1;
+    u64 p_h2;
+    u64 p_off;
+    u64 p_eh1;     // hash state after the previous sample's hashing pass (before nr, reason, length)
+    u64 p_eh2;
     u64 start_stack;
     u64 win_base;  // stack window: the user page at win_base is copied into win (odd: none)
     u64 win[UW_WIN_WORDS];
@@ -677,7 +694,10 @@ static __always_inline long uw_memo_step(struct uw_state *st, u32 n) {
         }
     }
     u64 pc = f->pc;
-    st->s.pcs[n & (UW_MAX_DEPTH - 1)] = pc | ((f->flags & UW_MF_EXACT) ? UW_EXACT_BIT : 0);
+    u64 tagged = pc | ((f->flags & UW_MF_EXACT) ? UW_EXACT_BIT : 0);
+    if (st->s.pcs[n & (UW_MAX_DEPTH - 1)] != tagged)
+        st->same = 0;
+    st->s.pcs[n & (UW_MAX_DEPTH - 1)] = tagged;
     st->s.n = n + 1;
     uw_mix(st, pc);
     if (f->flags & UW_MF_FP)
@@ -710,7 +730,10 @@ static __always_inline long uw_unwind_step(struct uw_state *st, int memo) {
     }
     u64 pc = st->pc;
     u32 eflags = (st->bp_valid ? UW_MF_BP_VALID : 0) | (st->exact ? UW_MF_EXACT : 0);
-    st->s.pcs[n & (UW_MAX_DEPTH - 1)] = pc | (st->exact ? UW_EXACT_BIT : 0);
+    u64 tagged = pc | (st->exact ? UW_EXACT_BIT : 0);
+    if (memo && st->s.pcs[n & (UW_MAX_DEPTH - 1)] != tagged)
+        st->same = 0;
+    st->s.pcs[n & (UW_MAX_DEPTH - 1)] = tagged;
     st->s.n = n + 1;
     uw_mix(st, pc);
 
@@ -1210,13 +1233,24 @@ static __always_inline void uw_aggregate(struct uw_state *st, void *arena_cb) {
     struct uw_key key = {st->s.h1, st->s.h2};
     struct uw_count *c = uw_counts.lookup(&key);
     u32 len = UW_CTX_LEN(st);
+    int alike = 0;
     if (c) {
 #ifdef UE_ENABLED
-        int same = c->len == len && c->nr == st->s.nr && c->reason == st->s.reason;
+        alike = c->len == len && c->nr == st->s.nr && c->reason == st->s.reason;
 #else
-        int same = c->len == len && c->tgid == st->s.tgid && c->nr == st->s.nr && c->reason == st->s.reason;
+        alike = c->len == len && c->tgid == st->s.tgid && c->nr == st->s.nr && c->reason == st->s.reason;
 #endif
-        if (same) {
+        if (alike && st->same && st->p_agg && st->p_h1 == key.h1 && st->p_h2 == key.h2 &&
+            st->p_off == c->arena_off) {
+            // the words the previous sample compared equal (or stored) at this very entry
+            __sync_fetch_and_add(&c->count, 1);
+            uw_emit_hit(st);
+            return;
+        }
+    }
+    st->p_agg = 0;  // set again below only once this sample's words are those at an entry's offset
+    if (c) {
+        if (alike) {
             st->op = UW_OP_COMPARE;
             st->mismatch = 0;
             st->arena_off = c->arena_off;
@@ -1224,6 +1258,10 @@ static __always_inline void uw_aggregate(struct uw_state *st, void *arena_cb) {
             if (!st->mismatch) {
                 __sync_fetch_and_add(&c->count, 1);
                 uw_emit_hit(st);
+                st->p_agg = 1;
+                st->p_h1 = key.h1;
+                st->p_h2 = key.h2;
+                st->p_off = c->arena_off;
                 return;
             }
         }
@@ -1261,8 +1299,14 @@ static __always_inline void uw_aggregate(struct uw_state *st, void *arena_cb) {
     }
     st->s.flags |= UW_F_NEW;
     uw_stat(UW_STAT_NEW, 1);
-    if (uw_emit(st) != 0)
+    if (uw_emit(st) != 0) {
         uw_counts.delete(&key);  // userspace never saw it: the next occurrence is new again
+        return;
+    }
+    st->p_agg = 1;
+    st->p_h1 = key.h1;
+    st->p_h2 = key.h2;
+    st->p_off = off;
 }
 
 #define UW_UNWIND_LOOPS (UW_MAX_DEPTH + 1)
@@ -1305,6 +1349,9 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
         st->m_on = 0;
         st->m_cut = 1;
         st->m_hit = 0;
+        st->same = st->p_valid && st->p_tgid == tgid && st->memo_mode != UW_MEMO_OFF;
+    } else {
+        st->same = 0;
     }
     st->s.ktime_ns = bpf_ktime_get_ns();
     st->s.kind = UW_EV_SAMPLE;
@@ -1366,21 +1413,36 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
         } else {
             st->m_n = 0;
         }
+        st->same = st->same && st->s.n == st->p_n && st->s.reason == st->p_reason && st->gen == st->p_gen &&
+                   st->gen != 0 && !st->gen_mixed;
+        if (st->same)
+            uw_stat(UW_STAT_SAME_AS_PREVIOUS, 1);
+        st->p_valid = 1;
+        st->p_tgid = tgid;
+        st->p_gen = st->gen_mixed ? 0 : st->gen;
+        st->p_n = st->s.n;
+        st->p_reason = st->s.reason;
     }
 #ifdef UE_ENABLED
-    ue_reset(st);
-    bpf_loop(UE_ENC_LOOPS, enc_cb, 0, 0);
-    {
+    if (memo && st->same) {
+        // the previous sample's pcs: st->s.e and alen still hold its encoding, which is this one's
+        st->s.h1 = st->p_eh1;
+        st->s.h2 = st->p_eh2;
+    } else {
+        ue_reset(st);
+        bpf_loop(UE_ENC_LOOPS, enc_cb, 0, 0);
         struct ue_rec *e = &st->s.e;
         e->node = st->w.cur;
         e->inner = st->w.cur_v;
         if (st->w.cur_exact)
             e->flags |= UE_F_INNER_EXACT;
         st->alen = UE_HDR_WORDS + e->nsegs * UE_SEGW + (e->rec_len + 63) / 64 + 2 * e->nunan;
+        st->s.h1 = 0x243F6A8885A308D3ULL;
+        st->s.h2 = 0x13198A2E03707344ULL;
+        bpf_loop(UE_HASH_LOOPS, hash_cb, 0, 0);
+        st->p_eh1 = st->s.h1;
+        st->p_eh2 = st->s.h2;
     }
-    st->s.h1 = 0x243F6A8885A308D3ULL;
-    st->s.h2 = 0x13198A2E03707344ULL;
-    bpf_loop(UE_HASH_LOOPS, hash_cb, 0, 0);
     uw_mix(st, ((u64)st->s.reason << 32) | (u32)nr);
     uw_mix(st, st->alen);
 #else
@@ -1398,10 +1460,14 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
         uw_stat(UW_STAT_INCOMPLETE, 1);
     u32 k = UW_CFG_AGGREGATE;
     u64 *agg = uw_config.lookup(&k);
-    if (can_aggregate && agg && *agg)
+    if (!st->same)
+        st->p_agg = 0;
+    if (can_aggregate && agg && *agg) {
         uw_aggregate(st, arena_cb);
-    else
+    } else {
+        st->p_agg = 0;
         uw_emit(st);
+    }
     if (regs)  // a syscall sample: flight recorder (history.c), the context is its 128-bit hash
         ccprof_history_put(pid_tgid, st->s.ktime_ns, nr, st->s.flags, st->s.h1, st->s.h2, st->s.sargs);
 }
