@@ -76,7 +76,7 @@ uw = UnwindSampler(syscalls=[1], aggregate=True, max_depth=4096, encoding=enc)
 uw.attach()
 if sys.argv[6].endswith("memo off"):  # this tree's per-thread memo of outer frames switched off
     uw.set_memo("off")
-walls, ns, frames = [], [], []
+walls, ns, frames, others = [], [], [], []
 extra = {}
 try:
     for _ in range(repeat):
@@ -95,6 +95,9 @@ try:
         dt = after["uw_sys_enter"][0] - before["uw_sys_enter"][0]
         walls.append(float(out.split()[-1]))
         ns.append(dt / max(1, samples))
+        # the other programs of the sampler (sys_exit, sched tracepoints...) over the same run
+        others.append(sum(t - before.get(k, (0, 0))[0] for k, (t, _) in after.items() if k != "uw_sys_enter")
+                      / max(1, samples))
         frames.append((s1["frames"] - s0["frames"]) / max(1, samples))
         incomplete = s1["incomplete"] - s0["incomplete"]
         for k in ("lookup_steps", "stack_copies", "map_searches", "memo_frames"):  # absent in older trees
@@ -102,8 +105,8 @@ try:
                 extra.setdefault(k, []).append((s1[k] - s0[k]) / max(1, samples))
 finally:
     uw.close()
-print(json.dumps({"wall": walls, "ns": ns, "frames": frames, "incomplete": incomplete, "samples": samples,
-                  "extra": extra}))
+print(json.dumps({"wall": walls, "ns": ns, "others": others, "frames": frames, "incomplete": incomplete,
+                  "samples": samples, "extra": extra}))
 """
 
 
@@ -150,7 +153,8 @@ def traced(repo: Path, calls: int, repeat: int, mode: str = "plain") -> dict[str
     out = subprocess.run(argv,
                          check=True, capture_output=True, text=True, env=env, cwd=str(repo)).stdout
     r = json.loads(out.strip().splitlines()[-1])
-    return {"wall": median(r["wall"]), "ns": median(r["ns"]), "frames": median(r["frames"]),
+    return {"wall": median(r["wall"]), "ns": median(r["ns"]), "others": median(r["others"]),
+            "frames": median(r["frames"]),
             "incomplete": r["incomplete"], "samples": r["samples"],
             **{k: median(v) for k, v in r.get("extra", {}).items()}}
 
@@ -212,19 +216,21 @@ def measure(args: argparse.Namespace) -> int:
     print(f"\n{PYTHON}: {args.calls} os.write() calls from two Python functions, median of {args.repeat} "
           "(wall = the loop's own time; added = (wall - untraced) / calls; BPF ns from bpf_stats run_time_ns "
           "over the samples taken):\n")
-    print("| configuration | wall s | added µs/sample | BPF ns/sample | frames/sample | "
+    print("| configuration | wall s | added µs/sample | BPF ns/sample | other programs' BPF ns/sample | "
+          "frames/sample | "
           "search steps, stack copies, mapping searches /sample | memo frames/sample | incomplete |")
-    print("|---|---|---|---|---|---|---|---|")
-    print(f"| untraced | {untraced:.3f} | | | | | | |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"| untraced | {untraced:.3f} | | | | | | | |")
     for label, r in results:
         added = (r["wall"] - untraced) / args.calls * 1e6
         work = ", ".join(f"{r[k]:.1f}" for k in ("lookup_steps", "stack_copies", "map_searches") if k in r)
         memo = f"{r['memo_frames']:.1f}" if "memo_frames" in r else "n/a"
-        print(f"| unwind ({label}) | {r['wall']:.3f} | {added:.2f} | {r['ns']:.0f} | {r['frames']:.1f} | "
+        print(f"| unwind ({label}) | {r['wall']:.3f} | {added:.2f} | {r['ns']:.0f} | {r['others']:.0f} | "
+              f"{r['frames']:.1f} | "
               f"{work or 'n/a'} | {memo} | {r['incomplete']:.0f} of {r['samples']:.0f} |")
     if perf is not None:
         added = (perf - untraced) / args.calls * 1e6
-        print(f"| perf record --call-graph dwarf | {perf:.3f} | {added:.2f} | | | | | |")
+        print(f"| perf record --call-graph dwarf | {perf:.3f} | {added:.2f} | | | | | | |")
     return 0
 
 

@@ -263,7 +263,7 @@ struct uw_mframe {
     u32 nread;  // slots read by this frame's step (addr/val); 3 (a signal frame's rbp): not cached
 };
 
-// a mapping as uw_state caches it (c_* fields): the second most recent one is kept in uw_state.alt,
+// a mapping as uw_state caches it (uw_state.c): the second most recent one is kept in uw_state.alt,
 // since stacks alternate between two modules (an interpreter and libc) and each switch would
 // otherwise search the process's mappings again (issue #18)
 struct uw_cmap {
@@ -288,33 +288,25 @@ struct uw_state {
     u32 exact;     // pc is not a return address (innermost frame, or interrupted by a signal)
     u32 done;
     u32 op;
-    u64 c_start;   // cached mapping of the last pc
-    u64 c_end;
-    u64 c_bias;
-    u32 c_module;
-    u32 c_first;
-    u32 c_count;
+    struct uw_cmap c;    // cached mapping of the last pc, with its module's rows and page index
     u32 mismatch;
-    u32 c_base;    // cached module's page index (struct uw_module)
-    u32 c_shift;
-    u32 c_pfirst;
-    u32 c_pcount;
+    u32 mismatch_pad;
     u64 arena_off; // COPY / COMPARE
-    u64 r_lo;      // cached row: ELF vaddrs [r_lo, r_hi) of module c_module use rule r_id
+    u64 r_lo;      // cached row: ELF vaddrs [r_lo, r_hi) of module c.module use rule r_id
     u64 r_hi;
     u32 r_id;
     u32 r_module;
     u32 bs_lo;     // binary searches' bounds, kept in map memory (see uw_opaque)
     u32 bs_hi;
-    struct uw_cmap alt;  // the mapping cached before c_* (alt.end == 0: none)
+    struct uw_cmap alt;  // the mapping cached before c (alt.end == 0: none)
     u32 n_steps;   // this sample's rule-search steps, stack copies, mapping searches (uw_stats)
     u32 n_copies;
     u32 n_maps;
     u32 n_pad;
 #ifdef UE_ENABLED
     struct ue_work w;
-    u32 c_info;    // cached mapping's info
     u32 alen;      // words of the context (hash, arena)
+    u32 alen_pad;
 #endif
     u32 gen;       // uw_proc.gen of the mappings this sample used (0: none yet)
     u32 gen_mixed; // the sample saw two generations: not memoised
@@ -466,70 +458,37 @@ static __always_inline int uw_find_mapping(struct uw_state *st, u64 pc) {
         return -UW_WHY_UNKNOWN_PC;
     if (pc >= p->m[i].end)
         return -UW_WHY_UNKNOWN_PC;
-    st->c_start = p->m[i].start;
-    st->c_end = p->m[i].end;
-    st->c_bias = p->m[i].bias;
-    st->c_module = p->m[i].module;
+    st->c.start = p->m[i].start;
+    st->c.end = p->m[i].end;
+    st->c.bias = p->m[i].bias;
+    st->c.module = p->m[i].module;
 #ifdef UE_ENABLED
-    st->c_info = p->m[i].info;
+    st->c.info = p->m[i].info;
 #endif
-    st->c_first = 0;
-    st->c_count = 0;
-    st->c_pcount = 0;
-    if (st->c_module != UW_NO_MODULE) {
-        u32 mid = st->c_module;
+    st->c.first = 0;
+    st->c.count = 0;
+    st->c.pcount = 0;
+    if (st->c.module != UW_NO_MODULE) {
+        u32 mid = st->c.module;
         struct uw_module *mod = uw_modules.lookup(&mid);
         if (mod) {
-            st->c_first = mod->first;
-            st->c_count = mod->count;
-            st->c_base = mod->base;
-            st->c_shift = mod->shift;
-            st->c_pfirst = mod->pfirst;
-            st->c_pcount = mod->pcount;
+            st->c.first = mod->first;
+            st->c.count = mod->count;
+            st->c.base = mod->base;
+            st->c.shift = mod->shift;
+            st->c.pfirst = mod->pfirst;
+            st->c.pcount = mod->pcount;
         }
     }
     return 0;
 }
 
-static __always_inline void uw_cmap_get(struct uw_state *st, struct uw_cmap *m) {
-    m->start = st->c_start;
-    m->end = st->c_end;
-    m->bias = st->c_bias;
-    m->module = st->c_module;
-    m->first = st->c_first;
-    m->count = st->c_count;
-    m->base = st->c_base;
-    m->shift = st->c_shift;
-    m->pfirst = st->c_pfirst;
-    m->pcount = st->c_pcount;
-#ifdef UE_ENABLED
-    m->info = st->c_info;
-#endif
-}
-
-static __always_inline void uw_cmap_put(struct uw_state *st, struct uw_cmap *m) {
-    st->c_start = m->start;
-    st->c_end = m->end;
-    st->c_bias = m->bias;
-    st->c_module = m->module;
-    st->c_first = m->first;
-    st->c_count = m->count;
-    st->c_base = m->base;
-    st->c_shift = m->shift;
-    st->c_pfirst = m->pfirst;
-    st->c_pcount = m->pcount;
-#ifdef UE_ENABLED
-    st->c_info = m->info;
-#endif
-}
-
 // Make the mapping holding pc the cached one: the previous one if it holds pc (the two swap),
 // else a search (the one it replaces becomes the previous one).
 static __always_inline int uw_switch_mapping(struct uw_state *st, u64 pc) {
-    struct uw_cmap cur = {};
-    uw_cmap_get(st, &cur);
+    struct uw_cmap cur = st->c;
     if (pc >= st->alt.start && pc < st->alt.end) {
-        uw_cmap_put(st, &st->alt);
+        st->c = st->alt;
         st->alt = cur;
         return 0;
     }
@@ -544,29 +503,29 @@ static __always_inline int uw_switch_mapping(struct uw_state *st, u64 pc) {
 // search to the rows that can cover v's bucket: lo = rows at or before the bucket's start (all
 // <= v), hi = rows at or before the next bucket's start (every later row starts beyond v).
 static __always_inline struct uw_rule *uw_find_rule(struct uw_state *st, u64 v) {
-    u32 lo = 0, hi = st->c_count;
+    u32 lo = 0, hi = st->c.count;
     if (v >= 0x100000000ULL)
         return 0;
-    if (st->r_module == st->c_module && v >= st->r_lo && v < st->r_hi) {
+    if (st->r_module == st->c.module && v >= st->r_lo && v < st->r_hi) {
         u32 rid = st->r_id;
         return uw_rules.lookup(&rid);
     }
-    if (st->c_pcount) {
-        if (v < st->c_base) {
+    if (st->c.pcount) {
+        if (v < st->c.base) {
             hi = 0;
         } else {
-            u64 b = (v - st->c_base) >> (st->c_shift & 31);
-            if (b >= st->c_pcount) {
+            u64 b = (v - st->c.base) >> (st->c.shift & 31);
+            if (b >= st->c.pcount) {
                 lo = hi;  // past the last bucket: the last row
             } else {
-                u32 pi = st->c_pfirst + (u32)b;
+                u32 pi = st->c.pfirst + (u32)b;
                 struct uw_page *pg = uw_pages.lookup(&pi);
                 if (!pg)
                     return 0;
                 lo = pg->lo;
                 hi = pg->hi;
-                if (hi > st->c_count)
-                    hi = st->c_count;
+                if (hi > st->c.count)
+                    hi = st->c.count;
             }
         }
     }
@@ -575,7 +534,7 @@ static __always_inline struct uw_rule *uw_find_rule(struct uw_state *st, u64 v) 
         if (lo >= hi)
             break;
         u32 mid = (lo + hi) / 2;
-        u32 idx = st->c_first + mid;
+        u32 idx = st->c.first + mid;
         struct uw_entry *e = uw_entries.lookup(&idx);
         if (!e)
             return 0;
@@ -588,21 +547,21 @@ static __always_inline struct uw_rule *uw_find_rule(struct uw_state *st, u64 v) 
     }
     if (lo == 0)
         return 0;
-    u32 idx = st->c_first + lo - 1;
+    u32 idx = st->c.first + lo - 1;
     struct uw_entry *e = uw_entries.lookup(&idx);
     if (!e)
         return 0;
     u32 rid = e->rule;
     st->r_lo = e->vaddr;
     st->r_hi = 0x100000000ULL;
-    if (lo < st->c_count) {
+    if (lo < st->c.count) {
         u32 nidx = idx + 1;
         struct uw_entry *ne = uw_entries.lookup(&nidx);
         if (ne)
             st->r_hi = ne->vaddr;
     }
     st->r_id = rid;
-    st->r_module = st->c_module;
+    st->r_module = st->c.module;
     return uw_rules.lookup(&rid);
 }
 
@@ -737,7 +696,7 @@ static __always_inline long uw_unwind_step(struct uw_state *st, int memo) {
     st->s.n = n + 1;
     uw_mix(st, pc);
 
-    if (!(pc >= st->c_start && pc < st->c_end)) {
+    if (!(pc >= st->c.start && pc < st->c.end)) {
         int err = uw_switch_mapping(st, pc);
         if (err < 0)
             return uw_finish(st, -err);
@@ -745,8 +704,8 @@ static __always_inline long uw_unwind_step(struct uw_state *st, int memo) {
     u64 lookup = st->exact ? pc : pc - 1;
     u8 kind = UW_KIND_NONE;
     struct uw_rule *r = 0;
-    if (st->c_module != UW_NO_MODULE) {
-        r = uw_find_rule(st, lookup - st->c_bias);
+    if (st->c.module != UW_NO_MODULE) {
+        r = uw_find_rule(st, lookup - st->c.bias);
         if (r)
             kind = r->kind;
     }
@@ -772,7 +731,7 @@ static __always_inline long uw_unwind_step(struct uw_state *st, int memo) {
         }
         // no CFI: frame-pointer rule, only where rbp looks like a frame pointer
         if (!st->bp_valid || bp < sp || bp - sp > (8ULL << 20) || (bp & 7))
-            return uw_finish(st, st->c_module == UW_NO_MODULE ? UW_WHY_NO_TABLE : UW_WHY_NO_CFI);
+            return uw_finish(st, st->c.module == UW_NO_MODULE ? UW_WHY_NO_TABLE : UW_WHY_NO_CFI);
         cfa = bp + 16;
         addr[0] = bp + 8;
         addr[1] = bp;
@@ -1023,16 +982,16 @@ static __always_inline long ue_step(struct uw_state *st, u32 i) {
     u64 pc = raw & ~UW_EXACT_BIT;
     u32 exact = raw >> 63;
     struct ue_rec *e = &st->s.e;
-    if (!(pc >= st->c_start && pc < st->c_end)) {
+    if (!(pc >= st->c.start && pc < st->c.end)) {
         if (uw_switch_mapping(st, pc) < 0) {
-            st->c_start = 0;
-            st->c_end = 0;
-            st->c_bias = 0;
-            st->c_info = 0xffff;
+            st->c.start = 0;
+            st->c.end = 0;
+            st->c.bias = 0;
+            st->c.info = 0xffff;
         }
     }
-    u32 info = st->c_info;
-    u64 v = pc - st->c_bias;
+    u32 info = st->c.info;
+    u64 v = pc - st->c.bias;
     u32 node = UE_NONE, fflags = 0;
     if (info & UE_ANALYSED) {
         if (ue_function(st, exact ? v : v - 1, &node, &fflags) < 0 || (fflags & 1))
@@ -1327,8 +1286,8 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
     st->exact = 1;
     st->done = 0;
     st->op = UW_OP_UNWIND;
-    st->c_start = 0;
-    st->c_end = 0;
+    st->c.start = 0;
+    st->c.end = 0;
     st->alt.start = 0;
     st->alt.end = 0;
     st->r_module = UW_NO_MODULE;
@@ -1592,17 +1551,17 @@ static __always_inline long uw_enf_step(u32 slot, u32 i) {
     u64 raw = st->s.pcs[i & (UW_MAX_DEPTH - 1)];
     u64 pc = raw & ~UW_EXACT_BIT;
     u32 exact = raw >> 63;
-    if (!(pc >= st->c_start && pc < st->c_end)) {
+    if (!(pc >= st->c.start && pc < st->c.end)) {
         if (uw_find_mapping(st, pc) < 0) {
-            st->c_start = 0;
-            st->c_end = 0;
-            st->c_info = 0;
+            st->c.start = 0;
+            st->c.end = 0;
+            st->c.info = 0;
             return 0;
         }
     }
-    if (!(st->c_info & UE_ANALYSED))
+    if (!(st->c.info & UE_ANALYSED))
         return 0;
-    u64 v = pc - st->c_bias;
+    u64 v = pc - st->c.bias;
     u32 node = UE_NONE, fflags = 0;
     if (ue_function(st, exact ? v : v - 1, &node, &fflags) < 0 || (fflags & 1))
         return 0;
@@ -1634,8 +1593,8 @@ static __always_inline void uw_enforce(u32 slot, u32 tgid, u32 tid, long nr) {
         denied = deny_incomplete && *deny_incomplete;
     } else {
         *h = UW_ENF_SEED;
-        st->c_start = 0;  // the mapping cache may hold another process's mapping: look up afresh
-        st->c_end = 0;
+        st->c.start = 0;  // the mapping cache may hold another process's mapping: look up afresh
+        st->c.end = 0;
         st->w.f_lo = 0;
         st->w.f_hi = 0;
         bpf_loop(UW_ENF_LOOPS, uw_enf_sys, 0, 0);
