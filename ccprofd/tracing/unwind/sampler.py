@@ -22,6 +22,12 @@ relocate a ``bpf_loop`` callback, so this module loads those two programs itself
 compiled instructions of the program and of its callback, points the callback's ``ld_imm64`` at the
 appended callback (``BPF_PSEUDO_FUNC``) and loads them with BTF FUNC info through raw ``bpf(2)``.
 
+Syscall samples reuse the outer frames of the same thread's previous complete chain (unwind.c,
+``uw_memo_step``: a cached frame is taken only when its state equals the new frame's and every
+stack slot its step read re-reads unchanged, under the same upload of the process's mappings,
+``uw_proc.gen``), and a sample whose pcs equal the previous one's reuses its encoding;
+:meth:`UnwindSampler.set_memo` switches this off for tests and benchmarks.
+
 Output: :class:`UnwoundSample` (tgid, tid, syscall number, runtime pcs innermost first, complete
 flag and reason).  With ``aggregate=True`` contexts are counted in the kernel under a 128-bit hash
 of (pcs, tgid, syscall, completeness); the full pc list is stored once in an arena map and compared
