@@ -1,10 +1,12 @@
 """Benchmark: per-sample cost of ccprofd's CFI unwinder in BPF against bpf_get_stack(BPF_F_USER_STACK).
 
 A test program built with frame pointers recurses until the stack at its getppid() has F frames
-(F = 6, 32, 104, 1,000, 4,000) and then calls getppid() N times.  Measured, side by side:
+(F = 6, 32, 104, 127, 1,000, 4,000) and then calls getppid() N times.  Measured, side by side:
 
 * BPF program time per sample (``kernel.bpf_stats_enabled``: run_time_ns / run_cnt of each
-  program) with *both* programs attached to ``raw_syscalls:sys_enter`` in the same run;
+  program) with *both* programs attached to ``raw_syscalls:sys_enter`` in the same run, the
+  unwinder with its per-thread memo of outer frames on (the default) and off (every frame unwound
+  afresh); the program repeats one stack, the memo's best case;
 * wall time per getppid() in the program: untraced, with only bpf_get_stack, with only the
   unwinder (in-kernel aggregation on: the production path, nothing sent to userspace per sample);
 * frames each one reached (bpf_get_stack stops at ``kernel.perf_event_max_stack``, 127).
@@ -39,7 +41,7 @@ from ccprofd.persist.cache import AnalysisCache
 from ccprofd.tracing.unwind.sampler import UnwindSampler
 
 NR_GETPPID = 110
-DEPTHS = (6, 32, 104, 1000, 4000)
+DEPTHS = (6, 32, 104, 127, 1000, 4000)
 OUTSIDE_FRAMES = 5  # getppid wrapper, main, __libc_start_call_main, __libc_start_main, _start
 
 PROG_C = r"""
@@ -150,7 +152,8 @@ def main() -> int:
 
 
 def measure(args: argparse.Namespace) -> int:
-    print(machine_line())
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"{machine_line()}, load average {load} at the start")
     print("\nUnwind tables (cold = parse CFI; cached = load from the build-id cache):\n")
     print("| object | FDEs | rows | rules | cold | cached | BPF rows |")
     print("|---|---|---|---|---|---|---|")
@@ -186,13 +189,20 @@ def measure(args: argparse.Namespace) -> int:
                 uw.track(pid)
                 pids.append(pid)
 
-            before = owned_prog_stats()
-            run_program(binary, frames, args.calls, track_both)
-            after = owned_prog_stats()
-            for name, key in (("uw_sys_enter", "bpf_unwind_ns"), ("gs_sys_enter", "bpf_get_stack_ns")):
-                dt = after[name][0] - before.get(name, (0, 0))[0]
-                dn = after[name][1] - before.get(name, (0, 0))[1]
-                r[key] = dt / max(1, dn) if name == "gs_sys_enter" else dt / max(1, args.calls)
+            for memo in ("off", "on"):  # memo on last: its run's new contexts are read below
+                uw.set_memo(memo)
+                before = owned_prog_stats()
+                run_program(binary, frames, args.calls, track_both)
+                after = owned_prog_stats()
+                for name, key in (("uw_sys_enter", f"bpf_unwind_{memo}_ns"),
+                                  ("gs_sys_enter", f"bpf_get_stack_{memo}_ns")):
+                    dt = after[name][0] - before.get(name, (0, 0))[0]
+                    dn = after[name][1] - before.get(name, (0, 0))[1]
+                    r[key] = dt / max(1, dn) if name == "gs_sys_enter" else dt / max(1, args.calls)
+                if memo == "off":
+                    uw.poll(0)
+            r["bpf_unwind_ns"] = r["bpf_unwind_on_ns"]
+            r["bpf_get_stack_ns"] = r["bpf_get_stack_on_ns"]
             r["get_stack_frames"] = float(gs_frames.get(0) or 0)
             got = uw.poll(0)  # the new contexts (aggregation sends each one once)
             deepest = [len(s.pcs) for s in got if s.tgid in pids and s.syscall == NR_GETPPID]
@@ -220,13 +230,17 @@ def measure(args: argparse.Namespace) -> int:
     print(f"\nPer sample at getppid() (N = {args.calls}, median of {args.repeat}; BPF ns from bpf_stats, "
           "both programs attached in the same run):\n")
     print("| frames | untraced ns/call | bpf_get_stack: frames, BPF ns, wall ns/call | "
-          "unwind: frames, BPF ns, wall ns/call | unwind / get_stack (BPF ns) |")
-    print("|---|---|---|---|---|")
+          "unwind: frames, BPF ns, wall ns/call | unwind / get_stack (BPF ns) | "
+          "memo off: get_stack BPF ns, unwind BPF ns, ratio |")
+    print("|---|---|---|---|---|---|")
     for frames, r in results.items():
         ratio = r["bpf_unwind_ns"] / r["bpf_get_stack_ns"] if r["bpf_get_stack_ns"] else float("nan")
+        gs_off = r["bpf_get_stack_off_ns"]
+        off = r["bpf_unwind_off_ns"] / gs_off if gs_off else float("nan")
         print(f"| {frames} | {r['untraced']:.0f} | {r['get_stack_frames']:.0f}, {r['bpf_get_stack_ns']:.0f}, "
               f"{r['wall_get_stack']:.0f} | {r['unwind_frames']:.0f}, {r['bpf_unwind_ns']:.0f}, "
-              f"{r['wall_unwind']:.0f} | {ratio:.2f}x |")
+              f"{r['wall_unwind']:.0f} | {ratio:.2f}x | {r['bpf_get_stack_off_ns']:.0f}, "
+              f"{r['bpf_unwind_off_ns']:.0f}, {off:.2f}x |")
     print("\nbpf_get_stack stops at kernel.perf_event_max_stack (127) and, like any frame-pointer walk, "
           "skips frames of code without frame pointers (libc's getppid wrapper, _start); the unwinder "
           "reports every frame (CFI), so its frame count is higher at the same depth.")

@@ -59,7 +59,8 @@ from ccprofd.tracing.unwind.sampler import UnwindSampler
 from bench.report_bpf import owned_prog_stats
 calls, repeat, python, workload = int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 enc = None
-if sys.argv[6] == "encoded":  # as `ccprofd trace`/the daemon run it: python3.11 analysed, encoded in BPF
+# as `ccprofd trace`/the daemon run it: python3.11 analysed, encoded in BPF
+if sys.argv[6].startswith("encoded"):
     from ccprofd.callgraph import analyze_binary
     from ccprofd.encode import get_plan
     from ccprofd.persist.cache import AnalysisCache
@@ -68,7 +69,9 @@ if sys.argv[6] == "encoded":  # as `ccprofd trace`/the daemon run it: python3.11
     enc = cached_unwind_encoding(graph, get_plan(graph, "valence"), AnalysisCache())
 uw = UnwindSampler(syscalls=[1], aggregate=True, max_depth=4096, encoding=enc)
 uw.attach()
-walls, ns, frames = [], [], []
+if sys.argv[6].endswith("memo off"):  # this tree's per-thread memo of outer frames switched off
+    uw.set_memo("off")
+walls, ns, frames, others = [], [], [], []
 extra = {}
 try:
     for _ in range(repeat):
@@ -87,15 +90,18 @@ try:
         dt = after["uw_sys_enter"][0] - before["uw_sys_enter"][0]
         walls.append(float(out.split()[-1]))
         ns.append(dt / max(1, samples))
+        # the other programs of the sampler (sys_exit, sched tracepoints...) over the same run
+        others.append(sum(t - before.get(k, (0, 0))[0] for k, (t, _) in after.items() if k != "uw_sys_enter")
+                      / max(1, samples))
         frames.append((s1["frames"] - s0["frames"]) / max(1, samples))
         incomplete = s1["incomplete"] - s0["incomplete"]
-        for k in ("lookup_steps", "stack_copies", "map_searches"):  # absent in older trees
+        for k in ("lookup_steps", "stack_copies", "map_searches", "memo_frames"):  # absent in older trees
             if k in s1:
                 extra.setdefault(k, []).append((s1[k] - s0[k]) / max(1, samples))
 finally:
     uw.close()
-print(json.dumps({"wall": walls, "ns": ns, "frames": frames, "incomplete": incomplete, "samples": samples,
-                  "extra": extra}))
+print(json.dumps({"wall": walls, "ns": ns, "others": others, "frames": frames, "incomplete": incomplete,
+                  "samples": samples, "extra": extra}))
 """
 
 
@@ -118,7 +124,8 @@ def traced(repo: Path, calls: int, repeat: int, mode: str = "plain") -> dict[str
     out = subprocess.run(argv,
                          check=True, capture_output=True, text=True, env=env, cwd=str(repo)).stdout
     r = json.loads(out.strip().splitlines()[-1])
-    return {"wall": median(r["wall"]), "ns": median(r["ns"]), "frames": median(r["frames"]),
+    return {"wall": median(r["wall"]), "ns": median(r["ns"]), "others": median(r["others"]),
+            "frames": median(r["frames"]),
             "incomplete": r["incomplete"], "samples": r["samples"],
             **{k: median(v) for k, v in r.get("extra", {}).items()}}
 
@@ -141,6 +148,9 @@ def main() -> int:
     ap.add_argument("--base-repo", type=Path,
                     help="a checkout of the commit to compare against (e.g. d2220d0)")
     ap.add_argument("--base-label", default="d2220d0")
+    ap.add_argument("--modes", default="plain,encoded",
+                    help="comma-separated: plain, encoded, and 'plain memo off', 'encoded memo off' "
+                         "(this tree with its per-thread memo of outer frames off)")
     ap.add_argument("--update-readme", action="store_true",
                     help="also write the tables into README.md's bench:unwind_python section")
     args = ap.parse_args()
@@ -151,7 +161,8 @@ def main() -> int:
 
 
 def measure(args: argparse.Namespace) -> int:
-    print(machine_line())
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    print(f"{machine_line()}, load average {load} at the start")
     here = Path(__file__).resolve().parent.parent
     configs: list[tuple[str, Path]] = [("this tree", here)]
     if args.base_repo is not None:
@@ -159,23 +170,27 @@ def measure(args: argparse.Namespace) -> int:
     untraced = median([run_workload(args.calls) for _ in range(args.repeat)])
     with run_time_stats():
         results = [(f"{label}, {mode}", traced(repo, args.calls, args.repeat, mode))
-                   for mode in ("plain", "encoded") for label, repo in configs]
+                   for mode in args.modes.split(",") for label, repo in configs
+                   if "memo" not in mode or repo == here]
     perf = perf_dwarf(args.calls, args.repeat)
     print(f"\n{PYTHON}: {args.calls} os.write() calls from two Python functions, median of {args.repeat} "
           "(wall = the loop's own time; added = (wall - untraced) / calls; BPF ns from bpf_stats run_time_ns "
           "over the samples taken):\n")
-    print("| configuration | wall s | added µs/sample | BPF ns/sample | frames/sample | "
-          "search steps, stack copies, mapping searches /sample | incomplete |")
-    print("|---|---|---|---|---|---|---|")
-    print(f"| untraced | {untraced:.3f} | | | | | |")
+    print("| configuration | wall s | added µs/sample | BPF ns/sample | other programs' BPF ns/sample | "
+          "frames/sample | "
+          "search steps, stack copies, mapping searches /sample | memo frames/sample | incomplete |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print(f"| untraced | {untraced:.3f} | | | | | | | |")
     for label, r in results:
         added = (r["wall"] - untraced) / args.calls * 1e6
         work = ", ".join(f"{r[k]:.1f}" for k in ("lookup_steps", "stack_copies", "map_searches") if k in r)
-        print(f"| unwind ({label}) | {r['wall']:.3f} | {added:.2f} | {r['ns']:.0f} | {r['frames']:.1f} | "
-              f"{work or 'n/a'} | {r['incomplete']:.0f} of {r['samples']:.0f} |")
+        memo = f"{r['memo_frames']:.1f}" if "memo_frames" in r else "n/a"
+        print(f"| unwind ({label}) | {r['wall']:.3f} | {added:.2f} | {r['ns']:.0f} | {r['others']:.0f} | "
+              f"{r['frames']:.1f} | "
+              f"{work or 'n/a'} | {memo} | {r['incomplete']:.0f} of {r['samples']:.0f} |")
     if perf is not None:
         added = (perf - untraced) / args.calls * 1e6
-        print(f"| perf record --call-graph dwarf | {perf:.3f} | {added:.2f} | | | | |")
+        print(f"| perf record --call-graph dwarf | {perf:.3f} | {added:.2f} | | | | | | |")
     return 0
 
 

@@ -71,9 +71,14 @@ def test_syscall_argument_registers_are_the_values_passed(sampler: UnwindSampler
 
 
 def test_rule_search_steps_and_mapping_searches_per_sample(sampler: UnwindSampler) -> None:
-    before = sampler.stats()
-    samples = [x for x in run_tracked(sampler, WRITE_LOOP, "outer()\n") if x.syscall == NR_WRITE]
-    after = sampler.stats()
+    """Every frame unwound (the per-thread memo off: it would skip most of them, see below)."""
+    sampler.set_memo("off")
+    try:
+        before = sampler.stats()
+        samples = [x for x in run_tracked(sampler, WRITE_LOOP, "outer()\n") if x.syscall == NR_WRITE]
+        after = sampler.stats()
+    finally:
+        sampler.set_memo("on")
     d = {k: after[k] - before[k] for k in ("samples", "frames", "lookup_steps", "map_searches", "incomplete")}
     assert d["samples"] == 200 and d["incomplete"] == 0, d
     assert samples and all(x.complete for x in samples)
@@ -82,6 +87,24 @@ def test_rule_search_steps_and_mapping_searches_per_sample(sampler: UnwindSample
     assert d["frames"] / d["samples"] >= 8, d
     assert d["lookup_steps"] <= 2 * d["frames"], d
     assert d["map_searches"] == 2 * d["samples"], d
+
+
+def test_memo_takes_the_outer_frames_of_a_repeated_stack(sampler: UnwindSampler) -> None:
+    """The loop's stacks repeat: after the first sample, each frame but the innermost comes from
+    the thread's memo (its slots re-read and unchanged), so a sample searches one mapping (frame
+    0's) and no rule table beyond frame 0's; the frames are those of the memo-off run above."""
+    before = sampler.stats()
+    samples = [x for x in run_tracked(sampler, WRITE_LOOP, "outer()\n") if x.syscall == NR_WRITE]
+    after = sampler.stats()
+    d = {k: after[k] - before[k] for k in ("samples", "frames", "lookup_steps", "map_searches", "incomplete",
+                                           "memo_hits", "memo_frames", "memo_rejects")}
+    assert d["samples"] == 200 and d["incomplete"] == 0, d
+    assert samples and all(x.complete for x in samples)
+    assert d["memo_hits"] >= d["samples"] - 1, d
+    # all but at most two frames of each sample after the first (frame 0 is always unwound)
+    assert d["memo_frames"] >= d["frames"] - 2 * d["samples"] - d["frames"] // d["samples"], d
+    assert d["map_searches"] <= d["samples"] + 2, d
+    assert d["lookup_steps"] < d["frames"] // 4, d
 
 
 def test_encoding_pass_searches_a_bucket_of_functions(tmp_path: Path) -> None:
@@ -102,6 +125,7 @@ def test_encoding_pass_searches_a_bucket_of_functions(tmp_path: Path) -> None:
     enc = cached_unwind_encoding(graph, plan, AnalysisCache(tmp_path))
     with UnwindSampler(syscalls=[NR_WRITE], aggregate=True, encoding=enc, cache=AnalysisCache(tmp_path)) as s:
         s.attach()
+        s.set_memo("off")  # the encoding pass's own searches, over every frame
         before = s.stats()
         run_tracked(s, WRITE_LOOP, "outer()\n")
         after = s.stats()

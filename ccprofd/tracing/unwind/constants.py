@@ -26,11 +26,16 @@ UE_ANALYSED = _C["UE_ANALYSED"]
 #: uw_stats indexes, in the order of their UW_STAT_* values
 STATS = ("samples", "incomplete", "frames", "fp_frames", "collisions", "arena_full", "counts_full",
          "ringbuf_full", "new_contexts", "procs_inherited", "maps_lost", "restopped", "lookup_steps",
-         "stack_copies", "map_searches")
+         "stack_copies", "map_searches", "memo_hits", "memo_frames", "memo_rejects",
+         "same_as_previous")
 # the UW_STAT_ names of STATS, same order
 STAT_NAMES = ("SAMPLES", "INCOMPLETE", "FRAMES", "FP_FRAMES", "COLLISIONS", "ARENA_FULL", "COUNTS_FULL",
               "RINGBUF_FULL", "NEW", "PROC_COPIED", "MAPS_LOST", "RESTOPPED", "LOOKUP_STEPS",
-              "STACK_COPIES", "MAP_SEARCHES")
+              "STACK_COPIES", "MAP_SEARCHES", "MEMO_HITS", "MEMO_FRAMES", "MEMO_REJECTS",
+              "SAME_AS_PREVIOUS")
 EV_SAMPLE, EV_MAPS, EV_HIT = _C["UW_EV_SAMPLE"], _C["UW_EV_MAPS"], _C["UW_EV_HIT"]
 ARG_LEN = _C["UW_ARG_LEN"]  # the path argument's buffer (PATH_MAX)
-CFG_AGGREGATE, CFG_EMIT_HITS = _C["UW_CFG_AGGREGATE"], _C["UW_CFG_EMIT_HITS"]
+CFG_AGGREGATE, CFG_EMIT_HITS, CFG_MEMO = _C["UW_CFG_AGGREGATE"], _C["UW_CFG_EMIT_HITS"], _C["UW_CFG_MEMO"]
+#: uw_config[CFG_MEMO] values: the per-thread memo of outer frames on (default), off, or on without
+#: re-reading the reused slots (unsound: only for the test that shows the re-read matters)
+MEMO_ON, MEMO_OFF, MEMO_UNCHECKED = _C["UW_MEMO_ON"], _C["UW_MEMO_OFF"], _C["UW_MEMO_UNCHECKED"]

@@ -66,6 +66,9 @@ class ProcessTracker:
         self.refresh_failures = 0  # mapping re-reads that failed (samples flagged meanwhile)
         self.events: list[SamplerEvent] = []
         self._guard: HoldGuard | None = None
+        # uw_proc.gen of the last upload: each upload of a process's mappings gets a new number, so
+        # BPF's per-thread memo of outer frames (unwind.c) never reuses a chain unwound with others
+        self._gen = 0
 
     # ----------------------------------------------------------------------------- following
     def track(self, tgid: int, *, launched: bool = False) -> None:
@@ -137,6 +140,8 @@ class ProcessTracker:
             slot.info = mod.key | (UE_ANALYSED if mod.analysed else 0)
         entry.n = len(mappings)
         entry.start_stack = start_stack(tgid, self.proc_root)
+        self._gen = self._gen % 0xFFFFFFFF + 1  # never 0 (BPF: "no mappings seen")
+        entry.gen = self._gen
         self._m["uw_procs"].set(tgid, entry)
         self.procs[tgid] = proc
         return True

@@ -22,6 +22,12 @@ relocate a ``bpf_loop`` callback, so this module loads those two programs itself
 compiled instructions of the program and of its callback, points the callback's ``ld_imm64`` at the
 appended callback (``BPF_PSEUDO_FUNC``) and loads them with BTF FUNC info through raw ``bpf(2)``.
 
+Syscall samples reuse the outer frames of the same thread's previous complete chain (unwind.c,
+``uw_memo_step``: a cached frame is taken only when its state equals the new frame's and every
+stack slot its step read re-reads unchanged, under the same upload of the process's mappings,
+``uw_proc.gen``), and a sample whose pcs equal the previous one's reuses its encoding;
+:meth:`UnwindSampler.set_memo` switches this off for tests and benchmarks.
+
 Output: :class:`UnwoundSample` (tgid, tid, syscall number, runtime pcs innermost first, complete
 flag and reason).  With ``aggregate=True`` contexts are counted in the kernel under a 128-bit hash
 of (pcs, tgid, syscall, completeness); the full pc list is stored once in an arena map and compared
@@ -85,10 +91,14 @@ from ccprofd.tracing.unwind.constants import (
     C_SOURCE,
     CFG_AGGREGATE,
     CFG_EMIT_HITS,
+    CFG_MEMO,
     EV_HIT,
     EV_MAPS,
     EXACT_BIT,
     FLAG_HIT,
+    MEMO_OFF,
+    MEMO_ON,
+    MEMO_UNCHECKED,
     REASONS,
     STATS,
 )
@@ -574,6 +584,16 @@ class UnwindSampler:
         counts, read with :meth:`counts`, are then the only record of repeated samples).  The
         kernel count is incremented whether or not the record is sent."""
         self._m["uw_config"].set(CFG_EMIT_HITS, 1 if on else 0)
+
+    def set_memo(self, mode: str) -> None:
+        """Runtime switch of the per-thread memo of outer frames (``uw_config[UW_CFG_MEMO]``):
+        ``"on"`` (the default), ``"off"`` (every frame unwound afresh: the reference for tests and
+        benchmarks), ``"unchecked"`` (reuse without re-reading the reused stack slots: unsound, only
+        for the test that shows the re-read is what makes the memo correct)."""
+        modes = {"on": MEMO_ON, "off": MEMO_OFF, "unchecked": MEMO_UNCHECKED}
+        if mode not in modes:
+            raise ValueError(f"memo mode {mode!r}: one of {', '.join(modes)}")
+        self._m["uw_config"].set(CFG_MEMO, modes[mode])
 
     # ------------------------------------------------------------------------------- reporting
     def stats(self) -> dict[str, int]:

@@ -77,11 +77,39 @@
 #define UW_STAT_LOOKUP_STEPS 12
 #define UW_STAT_STACK_COPIES 13
 #define UW_STAT_MAP_SEARCHES 14
-#define UW_NR_STATS 16
+// per-thread memoisation of the outer frames (issue #18): samples that reused the previous
+// sample's chain, frames taken from it (each re-read and found unchanged), reuses refused because
+// a re-read return-address or saved-register slot had changed (the frame was unwound afresh)
+#define UW_STAT_MEMO_HITS 15
+#define UW_STAT_MEMO_FRAMES 16
+#define UW_STAT_MEMO_REJECTS 17
+#define UW_STAT_SAME_AS_PREVIOUS 18  // pcs equal to the previous sample of the thread on this CPU: its encoding reused
+#define UW_NR_STATS 20
 
 #define UW_CFG_AGGREGATE 0
 #define UW_CFG_SAMPLE_CPU_ALL 1
 #define UW_CFG_EMIT_HITS 2
+#define UW_CFG_MEMO 3  // UW_MEMO_ON (0, the default), UW_MEMO_OFF, UW_MEMO_UNCHECKED
+#define UW_MEMO_ON 0
+#define UW_MEMO_OFF 1
+#define UW_MEMO_UNCHECKED 2  // tests only: reuse without re-reading the slots (unsound; shows the check matters)
+
+// Per-thread memo of the last complete chain (syscall samples only): the outer frames of a thread's
+// stack rarely change between two syscalls.  Each frame of the chain keeps its entry state (pc,
+// CFA/rsp, rbp and its validity, exactness) and the stack slots its step read with their values.
+// A step is a function of that state, those slots' contents and the process's mappings (uw_proc.gen
+// names one upload of them; module tables are never rewritten), so once a new sample reaches a
+// frame whose state equals a cached frame's, re-reading that frame's slots and finding the same
+// values proves the next state equal too: frame by frame, the rest of the chain is taken from the
+// memo only as far as every slot re-reads unchanged; at the first changed slot the unwind goes on
+// afresh from the (proved) state of that frame.
+#ifndef UW_MEMO_DEPTH
+#define UW_MEMO_DEPTH 128  // frames a memoised chain may have (power of two); deeper stacks: no memo
+#endif
+#define UW_MF_BP_VALID 1
+#define UW_MF_EXACT 2
+#define UW_MF_FP 4
+#define UW_MEMO_SCAN 4  // cached frames skipped at most per step looking for the new frame's CFA
 
 struct uw_rule {
     u8 kind;
@@ -225,7 +253,17 @@ struct uw_sample {
     u64 pcs[UW_MAX_DEPTH];  // bit 63 (UW_EXACT_BIT): the pc is exact, not a return address
 };
 
-// a mapping as uw_state caches it (c_* fields): the second most recent one is kept in uw_state.alt,
+struct uw_mframe {
+    u64 pc;
+    u64 sp;
+    u64 bp;
+    u64 addr[2];
+    u64 val[2];
+    u32 flags;  // UW_MF_*
+    u32 nread;  // slots read by this frame's step (addr/val); 3 (a signal frame's rbp): not cached
+};
+
+// a mapping as uw_state caches it (uw_state.c): the second most recent one is kept in uw_state.alt,
 // since stacks alternate between two modules (an interpreter and libc) and each switch would
 // otherwise search the process's mappings again (issue #18)
 struct uw_cmap {
@@ -250,37 +288,60 @@ struct uw_state {
     u32 exact;     // pc is not a return address (innermost frame, or interrupted by a signal)
     u32 done;
     u32 op;
-    u64 c_start;   // cached mapping of the last pc
-    u64 c_end;
-    u64 c_bias;
-    u32 c_module;
-    u32 c_first;
-    u32 c_count;
+    struct uw_cmap c;    // cached mapping of the last pc, with its module's rows and page index
     u32 mismatch;
-    u32 c_base;    // cached module's page index (struct uw_module)
-    u32 c_shift;
-    u32 c_pfirst;
-    u32 c_pcount;
+    u32 mismatch_pad;
     u64 arena_off; // COPY / COMPARE
-    u64 r_lo;      // cached row: ELF vaddrs [r_lo, r_hi) of module c_module use rule r_id
+    u64 r_lo;      // cached row: ELF vaddrs [r_lo, r_hi) of module c.module use rule r_id
     u64 r_hi;
     u32 r_id;
     u32 r_module;
     u32 bs_lo;     // binary searches' bounds, kept in map memory (see uw_opaque)
     u32 bs_hi;
-    struct uw_cmap alt;  // the mapping cached before c_* (alt.end == 0: none)
+    struct uw_cmap alt;  // the mapping cached before c (alt.end == 0: none)
     u32 n_steps;   // this sample's rule-search steps, stack copies, mapping searches (uw_stats)
     u32 n_copies;
     u32 n_maps;
     u32 n_pad;
 #ifdef UE_ENABLED
     struct ue_work w;
-    u32 c_info;    // cached mapping's info
     u32 alen;      // words of the context (hash, arena)
+    u32 alen_pad;
 #endif
+    u32 gen;       // uw_proc.gen of the mappings this sample used (0: none yet)
+    u32 gen_mixed; // the sample saw two generations: not memoised
+    u32 memo_mode; // uw_config[UW_CFG_MEMO]
+    u32 m_cur;     // mf[m_cur]: the memoised chain; mf[m_cur ^ 1]: this sample's, being recorded
+    u32 m_n;       // frames of the memoised chain (0: none)
+    u32 m_tid;     // whose chain it is
+    u32 m_tgid;
+    u32 m_gen;
+    u32 m_lo;      // its first frame that may be reused (frames below an uncached one may not)
+    u32 m_c;       // cursor: the cached frame the unwind is at (or looking for)
+    u32 m_on;      // the current frame is m_c's: it is checked, not unwound
+    u32 m_cut;     // this sample's m_lo
+    u32 m_hit;     // frames this sample reused
+    // The previous sample of this slot, when this one's pcs turn out to be the same (same process,
+    // mappings, frames and reason): its encoding and context words are then this one's (a function
+    // of those), so the encoding and hashing passes are skipped, and so is the arena compare when
+    // the counts entry is the one that sample compared equal or stored.
+    u32 same;      // every pc so far equals the previous sample's (tracked while p_valid)
+    u32 p_valid;
+    u32 p_tgid;
+    u32 p_gen;
+    u32 p_n;
+    u32 p_reason;
+    u32 p_agg;     // the previous sample's context is the arena's at p_off under key (p_h1, p_h2)
+    u32 p_pad;
+    u64 p_h1;
+    u64 p_h2;
+    u64 p_off;
+    u64 p_eh1;     // hash state after the previous sample's hashing pass (before nr, reason, length)
+    u64 p_eh2;
     u64 start_stack;
     u64 win_base;  // stack window: the user page at win_base is copied into win (odd: none)
     u64 win[UW_WIN_WORDS];
+    struct uw_mframe mf[2][UW_MEMO_DEPTH];
     struct uw_sample s;
 };
 
@@ -370,6 +431,10 @@ static __always_inline int uw_find_mapping(struct uw_state *st, u64 pc) {
         return -UW_WHY_NO_MAPS;
     st->n_maps++;
     st->start_stack = p->start_stack;
+    if (st->gen == 0)
+        st->gen = p->gen;
+    else if (st->gen != p->gen)
+        st->gen_mixed = 1;
     u32 lo = 0, hi = p->n;
     if (hi > UW_MAX_MAPS)
         hi = UW_MAX_MAPS;
@@ -393,70 +458,37 @@ static __always_inline int uw_find_mapping(struct uw_state *st, u64 pc) {
         return -UW_WHY_UNKNOWN_PC;
     if (pc >= p->m[i].end)
         return -UW_WHY_UNKNOWN_PC;
-    st->c_start = p->m[i].start;
-    st->c_end = p->m[i].end;
-    st->c_bias = p->m[i].bias;
-    st->c_module = p->m[i].module;
+    st->c.start = p->m[i].start;
+    st->c.end = p->m[i].end;
+    st->c.bias = p->m[i].bias;
+    st->c.module = p->m[i].module;
 #ifdef UE_ENABLED
-    st->c_info = p->m[i].info;
+    st->c.info = p->m[i].info;
 #endif
-    st->c_first = 0;
-    st->c_count = 0;
-    st->c_pcount = 0;
-    if (st->c_module != UW_NO_MODULE) {
-        u32 mid = st->c_module;
+    st->c.first = 0;
+    st->c.count = 0;
+    st->c.pcount = 0;
+    if (st->c.module != UW_NO_MODULE) {
+        u32 mid = st->c.module;
         struct uw_module *mod = uw_modules.lookup(&mid);
         if (mod) {
-            st->c_first = mod->first;
-            st->c_count = mod->count;
-            st->c_base = mod->base;
-            st->c_shift = mod->shift;
-            st->c_pfirst = mod->pfirst;
-            st->c_pcount = mod->pcount;
+            st->c.first = mod->first;
+            st->c.count = mod->count;
+            st->c.base = mod->base;
+            st->c.shift = mod->shift;
+            st->c.pfirst = mod->pfirst;
+            st->c.pcount = mod->pcount;
         }
     }
     return 0;
 }
 
-static __always_inline void uw_cmap_get(struct uw_state *st, struct uw_cmap *m) {
-    m->start = st->c_start;
-    m->end = st->c_end;
-    m->bias = st->c_bias;
-    m->module = st->c_module;
-    m->first = st->c_first;
-    m->count = st->c_count;
-    m->base = st->c_base;
-    m->shift = st->c_shift;
-    m->pfirst = st->c_pfirst;
-    m->pcount = st->c_pcount;
-#ifdef UE_ENABLED
-    m->info = st->c_info;
-#endif
-}
-
-static __always_inline void uw_cmap_put(struct uw_state *st, struct uw_cmap *m) {
-    st->c_start = m->start;
-    st->c_end = m->end;
-    st->c_bias = m->bias;
-    st->c_module = m->module;
-    st->c_first = m->first;
-    st->c_count = m->count;
-    st->c_base = m->base;
-    st->c_shift = m->shift;
-    st->c_pfirst = m->pfirst;
-    st->c_pcount = m->pcount;
-#ifdef UE_ENABLED
-    st->c_info = m->info;
-#endif
-}
-
 // Make the mapping holding pc the cached one: the previous one if it holds pc (the two swap),
 // else a search (the one it replaces becomes the previous one).
 static __always_inline int uw_switch_mapping(struct uw_state *st, u64 pc) {
-    struct uw_cmap cur = {};
-    uw_cmap_get(st, &cur);
+    struct uw_cmap cur = st->c;
     if (pc >= st->alt.start && pc < st->alt.end) {
-        uw_cmap_put(st, &st->alt);
+        st->c = st->alt;
         st->alt = cur;
         return 0;
     }
@@ -471,29 +503,29 @@ static __always_inline int uw_switch_mapping(struct uw_state *st, u64 pc) {
 // search to the rows that can cover v's bucket: lo = rows at or before the bucket's start (all
 // <= v), hi = rows at or before the next bucket's start (every later row starts beyond v).
 static __always_inline struct uw_rule *uw_find_rule(struct uw_state *st, u64 v) {
-    u32 lo = 0, hi = st->c_count;
+    u32 lo = 0, hi = st->c.count;
     if (v >= 0x100000000ULL)
         return 0;
-    if (st->r_module == st->c_module && v >= st->r_lo && v < st->r_hi) {
+    if (st->r_module == st->c.module && v >= st->r_lo && v < st->r_hi) {
         u32 rid = st->r_id;
         return uw_rules.lookup(&rid);
     }
-    if (st->c_pcount) {
-        if (v < st->c_base) {
+    if (st->c.pcount) {
+        if (v < st->c.base) {
             hi = 0;
         } else {
-            u64 b = (v - st->c_base) >> (st->c_shift & 31);
-            if (b >= st->c_pcount) {
+            u64 b = (v - st->c.base) >> (st->c.shift & 31);
+            if (b >= st->c.pcount) {
                 lo = hi;  // past the last bucket: the last row
             } else {
-                u32 pi = st->c_pfirst + (u32)b;
+                u32 pi = st->c.pfirst + (u32)b;
                 struct uw_page *pg = uw_pages.lookup(&pi);
                 if (!pg)
                     return 0;
                 lo = pg->lo;
                 hi = pg->hi;
-                if (hi > st->c_count)
-                    hi = st->c_count;
+                if (hi > st->c.count)
+                    hi = st->c.count;
             }
         }
     }
@@ -502,7 +534,7 @@ static __always_inline struct uw_rule *uw_find_rule(struct uw_state *st, u64 v) 
         if (lo >= hi)
             break;
         u32 mid = (lo + hi) / 2;
-        u32 idx = st->c_first + mid;
+        u32 idx = st->c.first + mid;
         struct uw_entry *e = uw_entries.lookup(&idx);
         if (!e)
             return 0;
@@ -515,21 +547,21 @@ static __always_inline struct uw_rule *uw_find_rule(struct uw_state *st, u64 v) 
     }
     if (lo == 0)
         return 0;
-    u32 idx = st->c_first + lo - 1;
+    u32 idx = st->c.first + lo - 1;
     struct uw_entry *e = uw_entries.lookup(&idx);
     if (!e)
         return 0;
     u32 rid = e->rule;
     st->r_lo = e->vaddr;
     st->r_hi = 0x100000000ULL;
-    if (lo < st->c_count) {
+    if (lo < st->c.count) {
         u32 nidx = idx + 1;
         struct uw_entry *ne = uw_entries.lookup(&nidx);
         if (ne)
             st->r_hi = ne->vaddr;
     }
     st->r_id = rid;
-    st->r_module = st->c_module;
+    st->r_module = st->c.module;
     return uw_rules.lookup(&rid);
 }
 
@@ -558,18 +590,113 @@ static __always_inline long uw_finish(struct uw_state *st, u32 reason) {
     return 1;
 }
 
-static __always_inline long uw_unwind_step(struct uw_state *st) {
+// Record frame n of this sample for the next one's memo (see UW_MEMO_DEPTH).
+static __always_inline void uw_memo_rec(struct uw_state *st, u32 n, u64 pc, u64 sp, u64 bp, u32 flags, u32 nread,
+                                        u64 *addr, u64 *val) {
+    if (n >= UW_MEMO_DEPTH)
+        return;
+    struct uw_mframe *f = &st->mf[(st->m_cur ^ 1) & 1][n & (UW_MEMO_DEPTH - 1)];
+    f->pc = pc;
+    f->sp = sp;
+    f->bp = bp;
+    f->flags = flags;
+    f->nread = nread;
+    f->addr[0] = addr[0];
+    f->addr[1] = addr[1];
+    f->val[0] = val[0];
+    f->val[1] = val[1];
+    if (nread > 2)
+        st->m_cut = n + 1;  // its third slot is not kept: the next sample may reuse only frames above it
+}
+
+// Frame n (>= 1) from the memo: 1/0 as a step returns, -1 to unwind it afresh.  Frame 0 is never
+// reused (its step may read rdi at the syscall entry, RA_REG), nor is a frame below m_lo.
+static __always_inline long uw_memo_step(struct uw_state *st, u32 n) {
+    if (st->m_n == 0 || n == 0)
+        return -1;
+    u32 prev = st->m_cur & 1;
+    u32 c = st->m_c;
+    if (!st->m_on) {
+        // the sample's mappings (looked up at frame 0) must be those the chain was unwound with
+        if (st->gen == 0 || st->gen != st->m_gen || st->gen_mixed)
+            return -1;
+        // CFAs grow outwards: skip the cached frames below this one's (a few per step)
+#pragma unroll
+        for (int i = 0; i < UW_MEMO_SCAN; i++) {
+            if (c >= st->m_n || st->mf[prev][c & (UW_MEMO_DEPTH - 1)].sp >= st->sp)
+                break;
+            c++;
+        }
+        st->m_c = c;
+        if (c >= st->m_n || c < st->m_lo)
+            return -1;
+        struct uw_mframe *f = &st->mf[prev][c & (UW_MEMO_DEPTH - 1)];
+        u32 fl = (st->bp_valid ? UW_MF_BP_VALID : 0) | (st->exact ? UW_MF_EXACT : 0);
+        if (f->sp != st->sp || f->pc != st->pc || f->bp != st->bp || (f->flags & (UW_MF_BP_VALID | UW_MF_EXACT)) != fl)
+            return -1;
+        st->m_on = 1;
+    }
+    struct uw_mframe *f = &st->mf[prev][c & (UW_MEMO_DEPTH - 1)];
+    if (st->memo_mode != UW_MEMO_UNCHECKED) {
+        // every slot the cached step read (return address, saved rbp), re-read now
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            if (k >= f->nread)
+                break;
+            u64 v = 0;
+            if (uw_read(st, f->addr[k], &v) || v != f->val[k]) {
+                st->m_on = 0;
+                st->m_c = c + 1;
+                uw_stat(UW_STAT_MEMO_REJECTS, 1);
+                return -1;  // state is still this frame's (proved): unwound afresh from here
+            }
+        }
+    }
+    u64 pc = f->pc;
+    u64 tagged = pc | ((f->flags & UW_MF_EXACT) ? UW_EXACT_BIT : 0);
+    if (st->s.pcs[n & (UW_MAX_DEPTH - 1)] != tagged)
+        st->same = 0;
+    st->s.pcs[n & (UW_MAX_DEPTH - 1)] = tagged;
+    st->s.n = n + 1;
+    uw_mix(st, pc);
+    if (f->flags & UW_MF_FP)
+        st->s.fp_frames++;
+    if (n < UW_MEMO_DEPTH)
+        st->mf[prev ^ 1][n & (UW_MEMO_DEPTH - 1)] = *f;
+    st->m_hit++;
+    if (c + 1 >= st->m_n)
+        return uw_finish(st, 0);  // the chain's last frame: it ended there (only complete chains are kept)
+    struct uw_mframe *g = &st->mf[prev][(c + 1) & (UW_MEMO_DEPTH - 1)];
+    st->pc = g->pc;
+    st->sp = g->sp;
+    st->bp = g->bp;
+    st->bp_valid = g->flags & UW_MF_BP_VALID;
+    st->exact = (g->flags & UW_MF_EXACT) ? 1 : 0;
+    st->m_c = c + 1;
+    return 0;
+}
+
+static __always_inline long uw_unwind_step(struct uw_state *st, int memo) {
     if (st->done)
         return 1;
-    u64 pc = st->pc;
     u32 n = st->s.n;
     if (n >= UW_MAX_DEPTH)
         return uw_finish(st, UW_WHY_MAX_DEPTH);
-    st->s.pcs[n & (UW_MAX_DEPTH - 1)] = pc | (st->exact ? UW_EXACT_BIT : 0);
+    if (memo) {
+        long r = uw_memo_step(st, n);
+        if (r >= 0)
+            return r;
+    }
+    u64 pc = st->pc;
+    u32 eflags = (st->bp_valid ? UW_MF_BP_VALID : 0) | (st->exact ? UW_MF_EXACT : 0);
+    u64 tagged = pc | (st->exact ? UW_EXACT_BIT : 0);
+    if (memo && st->s.pcs[n & (UW_MAX_DEPTH - 1)] != tagged)
+        st->same = 0;
+    st->s.pcs[n & (UW_MAX_DEPTH - 1)] = tagged;
     st->s.n = n + 1;
     uw_mix(st, pc);
 
-    if (!(pc >= st->c_start && pc < st->c_end)) {
+    if (!(pc >= st->c.start && pc < st->c.end)) {
         int err = uw_switch_mapping(st, pc);
         if (err < 0)
             return uw_finish(st, -err);
@@ -577,27 +704,34 @@ static __always_inline long uw_unwind_step(struct uw_state *st) {
     u64 lookup = st->exact ? pc : pc - 1;
     u8 kind = UW_KIND_NONE;
     struct uw_rule *r = 0;
-    if (st->c_module != UW_NO_MODULE) {
-        r = uw_find_rule(st, lookup - st->c_bias);
+    if (st->c.module != UW_NO_MODULE) {
+        r = uw_find_rule(st, lookup - st->c.bias);
         if (r)
             kind = r->kind;
     }
-    if (kind == UW_KIND_END || (kind == UW_KIND_NONE && pc == 0))
+    u64 sp = st->sp, bp = st->bp, cfa = 0;
+    u64 addr[3] = {0, 0, 0};
+    u64 val[3] = {0, 0, 0};
+    if (kind == UW_KIND_END || (kind == UW_KIND_NONE && pc == 0)) {
+        if (memo)
+            uw_memo_rec(st, n, pc, sp, bp, eflags, 0, addr, val);
         return uw_finish(st, 0);
+    }
 
     // Decide which stack words to read (return address, saved rbp, signal frame's rsp), then read
     // them in one loop: one copy of the read code keeps the verifier's work small.
-    u64 sp = st->sp, bp = st->bp, cfa = 0;
-    u64 addr[3] = {0, 0, 0};
     u32 nread = 1;
     int fp = 0;
     if (!r || kind == UW_KIND_NONE) {
         // The main thread's first frame (the loader's _start often has no CFI) ends the stack.
-        if (sp == st->start_stack)
+        if (sp == st->start_stack) {
+            if (memo)
+                uw_memo_rec(st, n, pc, sp, bp, eflags, 0, addr, val);
             return uw_finish(st, 0);
+        }
         // no CFI: frame-pointer rule, only where rbp looks like a frame pointer
         if (!st->bp_valid || bp < sp || bp - sp > (8ULL << 20) || (bp & 7))
-            return uw_finish(st, st->c_module == UW_NO_MODULE ? UW_WHY_NO_TABLE : UW_WHY_NO_CFI);
+            return uw_finish(st, st->c.module == UW_NO_MODULE ? UW_WHY_NO_TABLE : UW_WHY_NO_CFI);
         cfa = bp + 16;
         addr[0] = bp + 8;
         addr[1] = bp;
@@ -633,7 +767,6 @@ static __always_inline long uw_unwind_step(struct uw_state *st) {
             nread = 2;
         }
     }
-    u64 val[3] = {0, 0, 0};
 #pragma nounroll
     for (u32 k = 0; k < 3; k++) {
         if (k >= nread)
@@ -641,6 +774,8 @@ static __always_inline long uw_unwind_step(struct uw_state *st) {
         if (uw_read(st, addr[k], &val[k]))
             return uw_finish(st, UW_WHY_READ_FAULT);
     }
+    if (memo)
+        uw_memo_rec(st, n, pc, sp, bp, eflags | (fp ? UW_MF_FP : 0), nread, addr, val);
     if (kind == UW_KIND_SIGNAL) {
         st->pc = val[0];
         st->sp = val[1];
@@ -847,16 +982,16 @@ static __always_inline long ue_step(struct uw_state *st, u32 i) {
     u64 pc = raw & ~UW_EXACT_BIT;
     u32 exact = raw >> 63;
     struct ue_rec *e = &st->s.e;
-    if (!(pc >= st->c_start && pc < st->c_end)) {
+    if (!(pc >= st->c.start && pc < st->c.end)) {
         if (uw_switch_mapping(st, pc) < 0) {
-            st->c_start = 0;
-            st->c_end = 0;
-            st->c_bias = 0;
-            st->c_info = 0xffff;
+            st->c.start = 0;
+            st->c.end = 0;
+            st->c.bias = 0;
+            st->c.info = 0xffff;
         }
     }
-    u32 info = st->c_info;
-    u64 v = pc - st->c_bias;
+    u32 info = st->c.info;
+    u64 v = pc - st->c.bias;
     u32 node = UE_NONE, fflags = 0;
     if (info & UE_ANALYSED) {
         if (ue_function(st, exact ? v : v - 1, &node, &fflags) < 0 || (fflags & 1))
@@ -974,11 +1109,11 @@ static __always_inline long uw_arena_step(struct uw_state *st, u32 i) {
     return 0;
 }
 
-static __always_inline long uw_step(u32 slot) {
+static __always_inline long uw_step(u32 slot, int memo) {
     struct uw_state *st = uw_state.lookup(&slot);
     if (!st)
         return 1;
-    return uw_unwind_step(st);
+    return uw_unwind_step(st, memo);
 }
 
 static __always_inline long uw_arena_slot(u32 slot, u32 i) {
@@ -992,8 +1127,8 @@ static __always_inline long uw_arena_slot(u32 slot, u32 i) {
 // sample interrupting a syscall sample on the same CPU does not clobber it).  The verifier checks
 // a callback once per call site, so each loop has its own small callback; Python tells their call
 // sites apart by the loop count (UW_UNWIND_LOOPS, UW_ARENA_LOOPS, UE_ENC_LOOPS, UE_HASH_LOOPS).
-long uw_step_sys(u64 i) { return uw_step(bpf_get_smp_processor_id() * 2); }
-long uw_step_cpu(u64 i) { return uw_step(bpf_get_smp_processor_id() * 2 + 1); }
+long uw_step_sys(u64 i) { return uw_step(bpf_get_smp_processor_id() * 2, 1); }
+long uw_step_cpu(u64 i) { return uw_step(bpf_get_smp_processor_id() * 2 + 1, 0); }
 long uw_arena_sys(u64 i) { return uw_arena_slot(bpf_get_smp_processor_id() * 2, (u32)i); }
 long uw_arena_cpu(u64 i) { return uw_arena_slot(bpf_get_smp_processor_id() * 2 + 1, (u32)i); }
 #ifdef UE_ENABLED
@@ -1057,13 +1192,24 @@ static __always_inline void uw_aggregate(struct uw_state *st, void *arena_cb) {
     struct uw_key key = {st->s.h1, st->s.h2};
     struct uw_count *c = uw_counts.lookup(&key);
     u32 len = UW_CTX_LEN(st);
+    int alike = 0;
     if (c) {
 #ifdef UE_ENABLED
-        int same = c->len == len && c->nr == st->s.nr && c->reason == st->s.reason;
+        alike = c->len == len && c->nr == st->s.nr && c->reason == st->s.reason;
 #else
-        int same = c->len == len && c->tgid == st->s.tgid && c->nr == st->s.nr && c->reason == st->s.reason;
+        alike = c->len == len && c->tgid == st->s.tgid && c->nr == st->s.nr && c->reason == st->s.reason;
 #endif
-        if (same) {
+        if (alike && st->same && st->p_agg && st->p_h1 == key.h1 && st->p_h2 == key.h2 &&
+            st->p_off == c->arena_off) {
+            // the words the previous sample compared equal (or stored) at this very entry
+            __sync_fetch_and_add(&c->count, 1);
+            uw_emit_hit(st);
+            return;
+        }
+    }
+    st->p_agg = 0;  // set again below only once this sample's words are those at an entry's offset
+    if (c) {
+        if (alike) {
             st->op = UW_OP_COMPARE;
             st->mismatch = 0;
             st->arena_off = c->arena_off;
@@ -1071,6 +1217,10 @@ static __always_inline void uw_aggregate(struct uw_state *st, void *arena_cb) {
             if (!st->mismatch) {
                 __sync_fetch_and_add(&c->count, 1);
                 uw_emit_hit(st);
+                st->p_agg = 1;
+                st->p_h1 = key.h1;
+                st->p_h2 = key.h2;
+                st->p_off = c->arena_off;
                 return;
             }
         }
@@ -1108,8 +1258,14 @@ static __always_inline void uw_aggregate(struct uw_state *st, void *arena_cb) {
     }
     st->s.flags |= UW_F_NEW;
     uw_stat(UW_STAT_NEW, 1);
-    if (uw_emit(st) != 0)
+    if (uw_emit(st) != 0) {
         uw_counts.delete(&key);  // userspace never saw it: the next occurrence is new again
+        return;
+    }
+    st->p_agg = 1;
+    st->p_h1 = key.h1;
+    st->p_h2 = key.h2;
+    st->p_off = off;
 }
 
 #define UW_UNWIND_LOOPS (UW_MAX_DEPTH + 1)
@@ -1117,7 +1273,8 @@ static __always_inline void uw_aggregate(struct uw_state *st, void *arena_cb) {
 // `can_aggregate` is a constant per program: the CPU sampler sends every sample (the aggregation
 // code would double its verification cost past the verifier's limit; CPU samples are few).
 static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u64 sp, u64 bp, u64 argp,
-                                      struct pt_regs *regs, void *loop_cb, void *arena_cb, int can_aggregate UE_CALLBACK_PARAMS) {
+                                      struct pt_regs *regs, void *loop_cb, void *arena_cb, int can_aggregate, int memo
+                                      UE_CALLBACK_PARAMS) {
     struct uw_state *st = uw_state.lookup(&slot);
     if (!st)
         return;
@@ -1129,8 +1286,8 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
     st->exact = 1;
     st->done = 0;
     st->op = UW_OP_UNWIND;
-    st->c_start = 0;
-    st->c_end = 0;
+    st->c.start = 0;
+    st->c.end = 0;
     st->alt.start = 0;
     st->alt.end = 0;
     st->r_module = UW_NO_MODULE;
@@ -1138,6 +1295,23 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
     st->n_steps = 0;
     st->n_copies = 0;
     st->n_maps = 0;
+    st->gen = 0;
+    st->gen_mixed = 0;
+    if (memo) {
+        u32 km = UW_CFG_MEMO;
+        u64 *mm = uw_config.lookup(&km);
+        st->memo_mode = mm ? (u32)*mm : UW_MEMO_ON;
+        // the memo is this thread's only (tid and process; uw_memo_step checks the mappings)
+        if (st->m_tid != (u32)pid_tgid || st->m_tgid != tgid || st->memo_mode == UW_MEMO_OFF)
+            st->m_n = 0;
+        st->m_c = 0;
+        st->m_on = 0;
+        st->m_cut = 1;
+        st->m_hit = 0;
+        st->same = st->p_valid && st->p_tgid == tgid && st->memo_mode != UW_MEMO_OFF;
+    } else {
+        st->same = 0;
+    }
     st->s.ktime_ns = bpf_ktime_get_ns();
     st->s.kind = UW_EV_SAMPLE;
     st->s.tgid = tgid;
@@ -1180,20 +1354,54 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
         if (!st->done)
             st->s.reason = UW_WHY_MAX_DEPTH;
     }
+    if (memo) {
+        if (st->m_hit) {
+            uw_stat(UW_STAT_MEMO_HITS, 1);
+            uw_stat(UW_STAT_MEMO_FRAMES, st->m_hit);
+        }
+        // keep this chain for the thread's next sample: complete, every frame recorded, one
+        // generation of mappings
+        if (st->memo_mode != UW_MEMO_OFF && st->s.reason == 0 && st->s.n > 0 && st->s.n <= UW_MEMO_DEPTH &&
+            st->gen != 0 && !st->gen_mixed) {
+            st->m_cur ^= 1;
+            st->m_n = st->s.n;
+            st->m_tid = (u32)pid_tgid;
+            st->m_tgid = tgid;
+            st->m_gen = st->gen;
+            st->m_lo = st->m_cut;
+        } else {
+            st->m_n = 0;
+        }
+        st->same = st->same && st->s.n == st->p_n && st->s.reason == st->p_reason && st->gen == st->p_gen &&
+                   st->gen != 0 && !st->gen_mixed;
+        if (st->same)
+            uw_stat(UW_STAT_SAME_AS_PREVIOUS, 1);
+        st->p_valid = 1;
+        st->p_tgid = tgid;
+        st->p_gen = st->gen_mixed ? 0 : st->gen;
+        st->p_n = st->s.n;
+        st->p_reason = st->s.reason;
+    }
 #ifdef UE_ENABLED
-    ue_reset(st);
-    bpf_loop(UE_ENC_LOOPS, enc_cb, 0, 0);
-    {
+    if (memo && st->same) {
+        // the previous sample's pcs: st->s.e and alen still hold its encoding, which is this one's
+        st->s.h1 = st->p_eh1;
+        st->s.h2 = st->p_eh2;
+    } else {
+        ue_reset(st);
+        bpf_loop(UE_ENC_LOOPS, enc_cb, 0, 0);
         struct ue_rec *e = &st->s.e;
         e->node = st->w.cur;
         e->inner = st->w.cur_v;
         if (st->w.cur_exact)
             e->flags |= UE_F_INNER_EXACT;
         st->alen = UE_HDR_WORDS + e->nsegs * UE_SEGW + (e->rec_len + 63) / 64 + 2 * e->nunan;
+        st->s.h1 = 0x243F6A8885A308D3ULL;
+        st->s.h2 = 0x13198A2E03707344ULL;
+        bpf_loop(UE_HASH_LOOPS, hash_cb, 0, 0);
+        st->p_eh1 = st->s.h1;
+        st->p_eh2 = st->s.h2;
     }
-    st->s.h1 = 0x243F6A8885A308D3ULL;
-    st->s.h2 = 0x13198A2E03707344ULL;
-    bpf_loop(UE_HASH_LOOPS, hash_cb, 0, 0);
     uw_mix(st, ((u64)st->s.reason << 32) | (u32)nr);
     uw_mix(st, st->alen);
 #else
@@ -1211,10 +1419,14 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
         uw_stat(UW_STAT_INCOMPLETE, 1);
     u32 k = UW_CFG_AGGREGATE;
     u64 *agg = uw_config.lookup(&k);
-    if (can_aggregate && agg && *agg)
+    if (!st->same)
+        st->p_agg = 0;
+    if (can_aggregate && agg && *agg) {
         uw_aggregate(st, arena_cb);
-    else
+    } else {
+        st->p_agg = 0;
         uw_emit(st);
+    }
     if (regs)  // a syscall sample: flight recorder (history.c), the context is its 128-bit hash
         ccprof_history_put(pid_tgid, st->s.ktime_ns, nr, st->s.flags, st->s.h1, st->s.h2, st->s.sargs);
 }
@@ -1339,17 +1551,17 @@ static __always_inline long uw_enf_step(u32 slot, u32 i) {
     u64 raw = st->s.pcs[i & (UW_MAX_DEPTH - 1)];
     u64 pc = raw & ~UW_EXACT_BIT;
     u32 exact = raw >> 63;
-    if (!(pc >= st->c_start && pc < st->c_end)) {
+    if (!(pc >= st->c.start && pc < st->c.end)) {
         if (uw_find_mapping(st, pc) < 0) {
-            st->c_start = 0;
-            st->c_end = 0;
-            st->c_info = 0;
+            st->c.start = 0;
+            st->c.end = 0;
+            st->c.info = 0;
             return 0;
         }
     }
-    if (!(st->c_info & UE_ANALYSED))
+    if (!(st->c.info & UE_ANALYSED))
         return 0;
-    u64 v = pc - st->c_bias;
+    u64 v = pc - st->c.bias;
     u32 node = UE_NONE, fflags = 0;
     if (ue_function(st, exact ? v : v - 1, &node, &fflags) < 0 || (fflags & 1))
         return 0;
@@ -1381,8 +1593,8 @@ static __always_inline void uw_enforce(u32 slot, u32 tgid, u32 tid, long nr) {
         denied = deny_incomplete && *deny_incomplete;
     } else {
         *h = UW_ENF_SEED;
-        st->c_start = 0;  // the mapping cache may hold another process's mapping: look up afresh
-        st->c_end = 0;
+        st->c.start = 0;  // the mapping cache may hold another process's mapping: look up afresh
+        st->c.end = 0;
         st->w.f_lo = 0;
         st->w.f_hi = 0;
         bpf_loop(UW_ENF_LOOPS, uw_enf_sys, 0, 0);
@@ -1442,7 +1654,7 @@ int uw_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
     bpf_probe_read_kernel(&bp, sizeof(bp), &regs->bp);
     uw_sample(bpf_get_smp_processor_id() * 2, pid_tgid, (s32)nr, ip, sp, bp, uw_path_arg(regs, nr), regs,
               uw_step_sys,
-              uw_arena_sys, 1 UE_CALLBACKS_SYS);
+              uw_arena_sys, 1, 1 UE_CALLBACKS_SYS);
     UW_ENFORCE_SYS(tgid, (u32)pid_tgid, nr);
     return 0;
 }
@@ -1464,7 +1676,7 @@ int uw_cpu_sample(struct bpf_perf_event_data *ctx) {
     bpf_probe_read_kernel(&ip, sizeof(ip), &regs->ip);
     bpf_probe_read_kernel(&sp, sizeof(sp), &regs->sp);
     bpf_probe_read_kernel(&bp, sizeof(bp), &regs->bp);
-    uw_sample(bpf_get_smp_processor_id() * 2 + 1, pid_tgid, -1, ip, sp, bp, 0, 0, uw_step_cpu, uw_arena_cpu, 0
+    uw_sample(bpf_get_smp_processor_id() * 2 + 1, pid_tgid, -1, ip, sp, bp, 0, 0, uw_step_cpu, uw_arena_cpu, 0, 0
               UE_CALLBACKS_CPU);
     return 0;
 }

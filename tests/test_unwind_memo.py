@@ -1,0 +1,208 @@
+"""Issue #18: the per-thread memo of outer frames (unwind.c, uw_memo_step) is sound.
+
+A thread's consecutive syscalls alternate between two call paths whose inner frames are identical
+(same pc, CFA and rbp at every frame up to the one whose return address differs): main -> A -> mid
+-> leaf and main -> B -> mid -> leaf, A and B the same code at the same stack depth.  So the outer
+frames are rewritten between two samples under inner frames that look unchanged -- the case where a
+memo that trusted its cached chain would report A for B.  The oracle is the program itself: leaf
+passes its own return-address chain (``__builtin_return_address(0..2)``, the binary built with frame
+pointers) in the syscall's argument registers, and the function each one lies in is checked against
+``nm``'s symbol ranges (A, A, B, B, ... by iteration).  Every sample's pcs[1..3] must equal
+that chain.  The same check, run with the re-read of reused slots switched off (``unchecked``), must
+find wrong chains: the re-read is what makes the reuse correct.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from bpf_helpers import compile_c
+from conftest import require_tool
+
+from ccprofd.tracing.unwind.sampler import UnwindSampler, UnwoundSample
+
+NR_WRITE = 1
+N = 400
+
+SOURCE = r"""
+#include <stdlib.h>
+#include <unistd.h>
+#include <sys/syscall.h>
+#define NOI __attribute__((noinline, noclone))
+
+NOI long leaf(long i) {
+    long ra0 = (long)__builtin_return_address(0);  /* into mid */
+    long ra1 = (long)__builtin_return_address(1);  /* into A or B */
+    register long ra2 asm("r10") = (long)__builtin_return_address(2);  /* into main */
+    long ret;
+    asm volatile("syscall" : "=a"(ret) : "0"((long)SYS_write), "D"(-1L - i), "S"(ra0), "d"(ra1), "r"(ra2)
+                 : "rcx", "r11", "memory");
+    return ret;
+}
+NOI long mid(long i) { long r = leaf(i); asm volatile("" ::: "memory"); return r + 1; }
+NOI long A(long i) { long r = mid(i); asm volatile("" ::: "memory"); return r + 1; }
+NOI long B(long i) { long r = mid(i); asm volatile("" ::: "memory"); return r + 2; }
+
+int main(int argc, char **argv) {
+    long n = atol(argv[1]);
+    char c;
+    write(1, "ready\n", 6);
+    if (read(0, &c, 1) != 1)
+        return 1;
+    for (long i = 0; i < n; i++) {
+        if ((i >> 1) & 1)  /* A A B B A A ...: repeated stacks and changed ones */
+            B(i);
+        else
+            A(i);
+    }
+    return 0;
+}
+"""
+
+
+@pytest.fixture(scope="module")
+def sampler() -> Iterator[UnwindSampler]:
+    from conftest import require_bpf
+
+    require_bpf()
+    with UnwindSampler(syscalls=[NR_WRITE], aggregate=False, max_depth=4096) as s:
+        s.attach()
+        yield s
+
+
+@pytest.fixture(scope="module")
+def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    tmp = tmp_path_factory.mktemp("memo")
+    return compile_c(tmp, "alternate", SOURCE, "-O1", "-fno-omit-frame-pointer", "-fno-inline")
+
+
+def symbols(binary: Path) -> dict[str, tuple[int, int]]:
+    """Function name -> (start, end) ELF vaddrs, from nm (binutils, not ccprofd)."""
+    out = subprocess.run([require_tool("nm"), "-S", "--defined-only", str(binary)], check=True,
+                         capture_output=True, text=True).stdout
+    syms: dict[str, tuple[int, int]] = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) == 4 and parts[2] in "tT":
+            start, size = int(parts[0], 16), int(parts[1], 16)
+            syms[parts[3]] = (start, start + size)
+    return syms
+
+
+def load_bias(pid: int, binary: Path) -> int:
+    """Runtime minus ELF vaddr of the binary's first mapping (PIE), from /proc/PID/maps."""
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and fields[5] == str(binary) and int(fields[2], 16) == 0:
+            return int(fields[0].split("-")[0], 16)
+    raise AssertionError(f"{binary} not mapped in {pid}")
+
+
+def run(s: UnwindSampler, binary: Path) -> tuple[list[UnwoundSample], int]:
+    p = subprocess.Popen([str(binary), str(N)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert p.stdin is not None and p.stdout is not None
+    assert p.stdout.readline() == b"ready\n"
+    bias = load_bias(p.pid, binary)
+    s.track(p.pid)
+    p.stdin.write(b"x")
+    p.stdin.close()
+    assert p.wait(timeout=60) == 0
+    out: list[UnwoundSample] = []
+    quiet = time.monotonic()
+    while time.monotonic() - quiet < 0.3:
+        got = s.poll(50)
+        if got:
+            quiet = time.monotonic()
+            out.extend(x for x in got if x.tgid == p.pid and x.syscall == NR_WRITE)
+    return out, bias
+
+
+def wrong_chains(samples: list[UnwoundSample], bias: int, syms: dict[str, tuple[int, int]]) -> list[str]:
+    """Samples whose frames 1..3 differ from the program's own return-address chain."""
+    def inside(pc: int, name: str) -> bool:
+        lo, hi = syms[name]
+        return lo < pc - bias <= hi  # a return address follows its call: up to the function's end
+
+    bad = []
+    assert len(samples) == N, len(samples)
+    for x in samples:
+        assert x.sargs is not None
+        rdi, ra0, ra1, ra2 = x.sargs[0], x.sargs[1], x.sargs[2], x.sargs[3]
+        i = (1 << 64) - 1 - rdi  # fd = -1 - i
+        # the program's own chain is what nm says it must be (independent of the unwinder)
+        want_ab = "B" if (i >> 1) & 1 else "A"
+        assert inside(ra0, "mid") and inside(ra1, want_ab) and inside(ra2, "main"), (i, x.sargs)
+        if not x.complete or tuple(x.pcs[1:4]) != (ra0, ra1, ra2):
+            want = [hex(ra0), hex(ra1), hex(ra2)]
+            bad.append(f"i={i}: {[hex(p) for p in x.pcs[1:4]]} != {want} ({x.reason})")
+    return bad
+
+
+def test_memo_reuses_outer_frames_only_when_every_slot_rereads_equal(sampler: UnwindSampler,
+                                                                      program: Path) -> None:
+    syms = symbols(program)
+    sampler.set_memo("on")
+    before = sampler.stats()
+    samples, bias = run(sampler, program)
+    after = sampler.stats()
+    d = {k: after[k] - before[k] for k in ("samples", "memo_hits", "memo_frames", "memo_rejects")}
+    assert wrong_chains(samples, bias, syms) == []
+    # the memo was used (libc's start-up frames above main) and refused where the chain changed
+    # (mid's return address into A / B): both paths of the check ran
+    assert d["memo_hits"] >= N - 1, d
+    assert d["memo_rejects"] >= N // 2 - 1, d
+
+
+def test_without_the_reread_the_memo_reports_wrong_chains(sampler: UnwindSampler, program: Path) -> None:
+    """The check above fails when reused slots are not re-read: the test can see the bug it guards."""
+    syms = symbols(program)
+    sampler.set_memo("unchecked")
+    try:
+        samples, bias = run(sampler, program)
+    finally:
+        sampler.set_memo("on")
+    bad = wrong_chains(samples, bias, syms)
+    assert len(bad) >= N // 4, bad[:5]
+
+
+def test_memo_off_is_every_frame_afresh(sampler: UnwindSampler, program: Path) -> None:
+    syms = symbols(program)
+    sampler.set_memo("off")
+    try:
+        before = sampler.stats()
+        samples, bias = run(sampler, program)
+        after = sampler.stats()
+    finally:
+        sampler.set_memo("on")
+    assert wrong_chains(samples, bias, syms) == []
+    assert after["memo_hits"] == before["memo_hits"]
+
+
+def test_encoded_contexts_of_alternating_paths_stay_apart(program: Path, tmp_path: Path) -> None:
+    """Encoded and aggregated in the kernel (as ``trace`` and the daemon run it): a sample whose
+    pcs equal the previous one's reuses its encoding and skips the arena compare, any other is
+    encoded afresh.  The two paths are two contexts of N/2 samples each, whichever way they came."""
+    from conftest import require_bpf
+
+    from ccprofd.callgraph import analyze_binary
+    from ccprofd.encode import get_plan
+    from ccprofd.persist.cache import AnalysisCache
+    from ccprofd.tracing.unwind.plan import cached_unwind_encoding
+
+    require_bpf()
+    graph = analyze_binary(str(program), cache_dir=tmp_path)
+    plan = get_plan(graph, "valence", cache_dir=tmp_path)
+    enc = cached_unwind_encoding(graph, plan, AnalysisCache(tmp_path))
+    with UnwindSampler(syscalls=[NR_WRITE], aggregate=True, encoding=enc, cache=AnalysisCache(tmp_path)) as s:
+        s.attach()
+        before = s.stats()
+        run(s, program)
+        after = s.stats()
+        counts = sorted(s.counts().values())
+    same = after["same_as_previous"] - before["same_as_previous"]
+    assert counts == [N // 2, N // 2], counts
+    assert N // 2 - 1 <= same <= N // 2, same  # every second sample repeats its predecessor's stack
