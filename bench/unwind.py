@@ -19,6 +19,7 @@ Run as root: ``.venv/bin/python bench/unwind.py [--calls N]``.
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
