@@ -54,6 +54,7 @@ from ccprofd.tracing.base import (
 from ccprofd.tracing.frames import Decoded
 from ccprofd.tracing.history import MAP_NAME as HISTORY_MAP
 from ccprofd.tracing.history import HistoryEvent
+from ccprofd.tracing.patharg import path_pointer
 from ccprofd.tracing.unwind.constants import FLAG_COLLISION, FLAG_HIT, FLAG_NEW, FLAG_UNAGGREGATED
 from ccprofd.tracing.unwind.enforcement import EnforcementDenial, UnwindEnforcementMaps
 from ccprofd.tracing.unwind.plan import UnwindEncoding
@@ -227,8 +228,13 @@ class UnwindMode(ModeBase[Record, tuple[int, int]]):
         if not timed:
             return self.trace_sample(0, r.tgid, r.tid, r.event, r.syscall, d)
         nrs = r.syscall
+        arg = r.arg
+        if arg is None and self.sampler is not None:  # not readable at entry: from the mapped file?
+            ptr = path_pointer(nrs, r.sargs)
+            if ptr:
+                arg = self.sampler.path_string(r.tgid, ptr, r.time_ns)
         return self.trace_sample(r.time_ns + self._clock_offset, r.tgid, r.tid,
-                                 "cpu" if nrs is None else "syscall", nrs, d, r.arg, r.sargs)
+                                 "cpu" if nrs is None else "syscall", nrs, d, arg, r.sargs)
 
     def _later_context(self, r: Record, d: Decoded) -> Any:
         # the fields _sample(timed=False) reads, not the record (its pcs, encoded state...)
