@@ -11,6 +11,7 @@ program that wrote a string there has the page resident anyway.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable
 
 from ccprofd.elf.rostring import read_only_string
@@ -37,3 +38,22 @@ def path_from_file(places: Iterable[str], inode: int | None, vaddr: int, limit: 
         if got is not None:
             return got.decode("utf-8", "surrogateescape") or None
     return None
+
+
+def file_inode(path: str) -> int | None:
+    """The inode of the file at ``path`` now (None: unreadable), to know it later for the same file."""
+    try:
+        return os.stat(path).st_ino
+    except OSError:
+        return None
+
+
+def binary_path_arg(path: str, inode: int | None, nr: int | None, sargs: tuple[int, ...] | None,
+                    bias: int, limit: int) -> str | None:
+    """Instrumented mode's case: a path argument BPF could not read, from the analysed binary's file
+    (``inode`` as it was when analysed) whose load bias in the process is ``bias``.  A path in a
+    library is not found here (only the binary's bias is known): it keeps its pointer."""
+    ptr = path_pointer(nr, sargs)
+    if not ptr or inode is None:
+        return None
+    return path_from_file((path,), inode, ptr - bias, limit)

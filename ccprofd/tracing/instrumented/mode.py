@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -24,7 +23,7 @@ from ccprofd.tracing.instrumented.loader import (
     RawHit,
     ScopeEntry,
 )
-from ccprofd.tracing.patharg import path_from_file, path_pointer
+from ccprofd.tracing.patharg import binary_path_arg
 from ccprofd.tracing.syscall_sampler import EXEC_TARGET_FLAG, exec_verdict
 
 if TYPE_CHECKING:
@@ -53,7 +52,6 @@ class InstrumentedMode(ModeBase[Event, int]):
         self._new_processes: list[int] = []
         self._scope: ScopePrefixes | None = None  # --scope: prefixes above scope entries (scopeprefix.py)
         self._aggregating = False  # aggregate mode (the daemon): on from the first set_per_sample
-        self._binary_inode: int | None = None  # the analysed file's, for path arguments read from it
 
     def prepare(self) -> None:
         from pathlib import Path
@@ -73,10 +71,6 @@ class InstrumentedMode(ModeBase[Event, int]):
                              "pcce and hcce (stack tags cannot be decoded exactly)")
         cache = Path(self.options.cache_dir) if self.options.cache_dir else None
         graph = analyze_binary(self.path, cache_dir=cache)
-        try:
-            self._binary_inode = os.stat(self.path).st_ino
-        except OSError:
-            self._binary_inode = None
         weights = self._load_weights(graph)
         plan = get_plan(graph, self.options.encoding, weights=weights, cache_dir=cache)
         words = int(plan["report"].get("words_needed") or 1)
@@ -232,21 +226,9 @@ class InstrumentedMode(ModeBase[Event, int]):
 
     def _sample(self, r: Event, d: Decoded, *, timed: bool = True) -> TraceSample:
         assert isinstance(r, RawContext | RawHit)
-        if not timed:
-            return self.trace_sample(0, r.pid, r.tid, r.event, r.syscall, d)
-        arg = r.arg
-        if arg is None and isinstance(r, RawContext):
-            arg = self._path_from_binary(r)
-        return self.trace_sample(r.time_ns, r.pid, r.tid, r.event, r.syscall, d, arg, r.sargs)
-
-    def _path_from_binary(self, r: RawContext) -> str | None:
-        """A path argument BPF could not read at entry, from the analysed binary's file when it
-        points into a read-only segment of the binary (tracing/patharg.py).  Only the binary's
-        load bias is known here (the record's, SF_BIAS): a path in a library keeps its pointer."""
-        ptr = path_pointer(r.syscall, r.sargs)
-        if not ptr or not r.flags & SF_BIAS or self._binary_inode is None:
-            return None
-        return path_from_file((self.path,), self._binary_inode, ptr - r.bias, ARG_LEN)
+        arg = (r.arg or _unread_path(self, r)) if timed else None
+        return self.trace_sample(r.time_ns if timed else 0, r.pid, r.tid, r.event, r.syscall, d, arg,
+                                 r.sargs if timed else None)
 
     def _history_map(self) -> RawMap | None:
         if self._bpf is None:
@@ -354,3 +336,10 @@ class InstrumentedMode(ModeBase[Event, int]):
             self._bpf.close()
             self._bpf = None
 
+
+def _unread_path(mode: InstrumentedMode, r: RawContext | RawHit) -> str | None:
+    """A path argument BPF could not read at entry, from the analysed binary's file (only its load
+    bias is known here, a context record's SF_BIAS one: a path in a library keeps its pointer)."""
+    if not isinstance(r, RawContext) or not r.flags & SF_BIAS:
+        return None
+    return binary_path_arg(mode.path, mode.binary_inode, r.syscall, r.sargs, r.bias, ARG_LEN)

@@ -55,7 +55,7 @@ from ccprofd.tracing.frames import Decoded
 from ccprofd.tracing.history import MAP_NAME as HISTORY_MAP
 from ccprofd.tracing.history import HistoryEvent
 from ccprofd.tracing.patharg import path_pointer
-from ccprofd.tracing.unwind.constants import FLAG_COLLISION, FLAG_HIT, FLAG_NEW, FLAG_UNAGGREGATED
+from ccprofd.tracing.unwind.constants import ARG_LEN, FLAG_COLLISION, FLAG_HIT, FLAG_NEW, FLAG_UNAGGREGATED
 from ccprofd.tracing.unwind.enforcement import EnforcementDenial, UnwindEnforcementMaps
 from ccprofd.tracing.unwind.plan import UnwindEncoding
 from ccprofd.tracing.unwind.sampler import (
@@ -232,7 +232,7 @@ class UnwindMode(ModeBase[Record, tuple[int, int]]):
         if arg is None and self.sampler is not None:  # not readable at entry: from the mapped file?
             ptr = path_pointer(nrs, r.sargs)
             if ptr:
-                arg = self.sampler.path_string(r.tgid, ptr, r.time_ns)
+                arg = self.sampler.processes.string_at(r.tgid, ptr, ARG_LEN, r.time_ns)
         return self.trace_sample(r.time_ns + self._clock_offset, r.tgid, r.tid,
                                  "cpu" if nrs is None else "syscall", nrs, d, arg, r.sargs)
 

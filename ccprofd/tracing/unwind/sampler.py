@@ -519,10 +519,6 @@ class UnwindSampler:
     def symbolize(self, tgid: int, pc: int) -> ResolvedPc | None:
         return self.processes.symbolize(tgid, pc)
 
-    def path_string(self, tgid: int, address: int, time_ns: int) -> str | None:
-        """A path argument BPF could not read, from the file mapped there (ProcessTracker.string_at)."""
-        return self.processes.string_at(tgid, address, ARG_LEN, time_ns)
-
     def resolve(self, tgid: int, pc: int, time_ns: int | None = None) -> tuple[int, bool, int] | None:
         return self.processes.resolve(tgid, pc, time_ns)
 
