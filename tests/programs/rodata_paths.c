@@ -4,14 +4,17 @@
  * rodata_path has 64 KiB of .rodata to itself (64 KiB-aligned): nothing the program reads before the
  * open lies on its page nor in the 64 KiB around it that the kernel maps along with a faulted-in page
  * of a file (fault-around, /sys/kernel/debug/fault_around_bytes, 64 KiB by default), so at the open
- * its page is not in the process's page tables yet,
- * bpf_probe_read_user_str fails (-EFAULT; it cannot fault pages in) and the kernel faults it in only
- * during the syscall.  data_path is the same in .data (writable: written under a condition that is
- * never true, so the compiler cannot make it read-only).  Before each open the program looks up, in
+ * its page is not in the process's page tables yet, bpf_probe_read_user_str fails (-EFAULT; it
+ * cannot fault pages in) and the kernel faults it in only during the syscall.  rodata_path2 is
+ * another such window, opened right after from the same call site (a loop the compiler cannot
+ * unroll: its count is argc + 1): a repeated context, whose sample is a short "hit" record in BPF.
+ * data_path is the same in .data (writable: written under a condition that is never true, so the
+ * compiler cannot make it read-only).  Before each open the program looks up, in
  * /proc/self/pagemap, whether the string's page is present, and prints it at the end:
  *   rodata_paths: rodata_present=0 data_present=0
- * so the test knows the case it checks did happen.  Syscalls after start-up: openat (the pagemap,
- * then the path, twice), read/pread, close, write, exit_group.
+ * so the test knows the case it checks did happen (rodata_present counts both .rodata pages).
+ * Syscalls after start-up: openat (the pagemap twice, the two .rodata paths, the pagemap, the .data
+ * path), pread64, close, write, exit_group.
  */
 #include <fcntl.h>
 #include <stdint.h>
@@ -22,6 +25,7 @@
 #define WINDOW 65536 /* the fault-around window */
 
 __attribute__((aligned(WINDOW))) static const char rodata_path[WINDOW] = "/etc/passwd";
+__attribute__((aligned(WINDOW))) static const char rodata_path2[WINDOW] = "/etc/hosts";
 __attribute__((aligned(WINDOW))) static char data_path[WINDOW] = "/etc/group";
 
 /* 1 if the page of p is in the page tables, 0 if not, -1 if pagemap cannot be read. */
@@ -45,8 +49,10 @@ int main(int argc, char **argv) {
     (void)argv;
     if (argc > 100)
         data_path[0] = 'x'; /* never: keeps data_path writable */
-    int rodata_present = page_present(rodata_path);
-    open_close(rodata_path);
+    int rodata_present = page_present(rodata_path) + page_present(rodata_path2);
+    /* one call site for both: the second open is a repeat of the first one's context */
+    for (int i = 0; i < argc + 1; i++) /* run without arguments: twice */
+        open_close(i == 0 ? rodata_path : rodata_path2);
     int data_present = page_present(data_path);
     open_close(data_path);
     printf("rodata_paths: rodata_present=%d data_present=%d\n", rodata_present, data_present);
