@@ -22,6 +22,7 @@ from ccprofd.tracing.frames import Decoded
 from ccprofd.tracing.history import HistoryEvent, read_thread
 from ccprofd.tracing.history import threads as history_threads
 from ccprofd.tracing.kernelcounts import KernelCounts
+from ccprofd.tracing.patharg import file_inode
 
 Record = TypeVar("Record")
 Key = TypeVar("Key", bound=Hashable)
@@ -281,6 +282,8 @@ class ModeBase(ABC, Generic[Record, Key]):
         # /proc/PID/root/...: a binary in another mount namespace; resolving it would leave that namespace.
         self.path = binary if binary.startswith("/proc/") else os.path.realpath(binary)
         self.options = options
+        # its inode now: a path argument is read from this file later only if it is still that file
+        self.binary_inode = file_inode(self.path)
         self.build_id: str | None = None
         self._kernel: KernelCounts[Key] = KernelCounts()
         self._per_sample = True

@@ -12,7 +12,7 @@ from ccprofd.tracing.base import HIT, NEW, PLAIN, RET_RINGBUF_PAGES, SIDE, Conte
 from ccprofd.tracing.frames import Decoded
 from ccprofd.tracing.history import MAP_NAME as HISTORY_MAP
 from ccprofd.tracing.history import HistoryEvent
-from ccprofd.tracing.instrumented.constants import SF_BIAS
+from ccprofd.tracing.instrumented.constants import ARG_LEN, SF_BIAS
 from ccprofd.tracing.instrumented.loader import (
     AGG_HIT,
     AGG_NEW,
@@ -23,6 +23,7 @@ from ccprofd.tracing.instrumented.loader import (
     RawHit,
     ScopeEntry,
 )
+from ccprofd.tracing.patharg import binary_path_arg
 from ccprofd.tracing.syscall_sampler import EXEC_TARGET_FLAG, exec_verdict
 
 if TYPE_CHECKING:
@@ -225,9 +226,9 @@ class InstrumentedMode(ModeBase[Event, int]):
 
     def _sample(self, r: Event, d: Decoded, *, timed: bool = True) -> TraceSample:
         assert isinstance(r, RawContext | RawHit)
-        if not timed:
-            return self.trace_sample(0, r.pid, r.tid, r.event, r.syscall, d)
-        return self.trace_sample(r.time_ns, r.pid, r.tid, r.event, r.syscall, d, r.arg, r.sargs)
+        arg = (r.arg or _unread_path(self, r)) if timed else None
+        return self.trace_sample(r.time_ns if timed else 0, r.pid, r.tid, r.event, r.syscall, d, arg,
+                                 r.sargs if timed else None)
 
     def _history_map(self) -> RawMap | None:
         if self._bpf is None:
@@ -335,3 +336,10 @@ class InstrumentedMode(ModeBase[Event, int]):
             self._bpf.close()
             self._bpf = None
 
+
+def _unread_path(mode: InstrumentedMode, r: RawContext | RawHit) -> str | None:
+    """A path argument BPF could not read at entry, from the analysed binary's file (only its load
+    bias is known here, a context record's SF_BIAS one: a path in a library keeps its pointer)."""
+    if not isinstance(r, RawContext) or not r.flags & SF_BIAS:
+        return None
+    return binary_path_arg(mode.path, mode.binary_inode, r.syscall, r.sargs, r.bias, ARG_LEN)

@@ -39,7 +39,7 @@ from typing import Any
 from ccprofd.elf.needed import load_set
 from ccprofd.kbpf.bpfmap import RawMap
 from ccprofd.kbpf.errors import BPFError
-from ccprofd.tracing.api import TraceOptions, TraceSample
+from ccprofd.tracing.api import TraceOptions, TraceSample, path_args
 from ccprofd.tracing.base import (
     HIT,
     LOST_DECODED,
@@ -54,7 +54,8 @@ from ccprofd.tracing.base import (
 from ccprofd.tracing.frames import Decoded
 from ccprofd.tracing.history import MAP_NAME as HISTORY_MAP
 from ccprofd.tracing.history import HistoryEvent
-from ccprofd.tracing.unwind.constants import FLAG_COLLISION, FLAG_HIT, FLAG_NEW, FLAG_UNAGGREGATED
+from ccprofd.tracing.patharg import PATH_ARG_REGISTER, path_pointer
+from ccprofd.tracing.unwind.constants import ARG_LEN, FLAG_COLLISION, FLAG_HIT, FLAG_NEW, FLAG_UNAGGREGATED
 from ccprofd.tracing.unwind.enforcement import EnforcementDenial, UnwindEnforcementMaps
 from ccprofd.tracing.unwind.plan import UnwindEncoding
 from ccprofd.tracing.unwind.sampler import (
@@ -104,6 +105,7 @@ class UnwindMode(ModeBase[Record, tuple[int, int]]):
         self.encoding: UnwindEncoding | None = None
         self._clock_offset = time.time_ns() - time.clock_gettime_ns(time.CLOCK_MONOTONIC)
         self.verify_checked = 0
+        self._path_syscalls: dict[str | None, int] = {}  # prepare()
         self.verify_mismatches = 0
         self.fp_frames = 0
         self._enforcement_final: tuple[dict[str, int], list[EnforcementDenial]] = ({}, [])
@@ -124,6 +126,9 @@ class UnwindMode(ModeBase[Record, tuple[int, int]]):
             nrs = parse_syscalls(self.options.syscalls)
         except ValueError as exc:
             raise TraceError(str(exc)) from None
+        # the traced syscalls whose path BPF reads (name -> nr): their hits are checked for one
+        self._path_syscalls = {syscall_info(nr)[0]: nr for nr in PATH_ARG_REGISTER
+                               if nrs is None or nr in nrs}
         if self.options.encoding != "valence":
             raise TraceError(f"--encoding {self.options.encoding}: unwind mode implements valence only")
         if self.options.scope:
@@ -221,14 +226,26 @@ class UnwindMode(ModeBase[Record, tuple[int, int]]):
                                    d.complete, d.json_frames(), None, None, None, None,
                                    None if d.complete else d.reason)
             name, nargs = SYSCALL_INFO.get(nr) or syscall_info(nr)
+            sargs = r[HIT_ARGS:HIT_ARGS + nargs]
+            path = self._unread_path(r[HIT_TGID], nr, sargs, r[HIT_TIME]) if nr in PATH_ARG_REGISTER else None
             return TraceSample(r[HIT_TIME] + self._clock_offset, r[HIT_TGID], r[HIT_TID], "syscall", name,
-                               d.complete, d.json_frames(), None, r[HIT_ARGS:HIT_ARGS + nargs], None, None,
+                               d.complete, d.json_frames(), path_args(name, path), sargs, None, None,
                                None if d.complete else d.reason)
         if not timed:
             return self.trace_sample(0, r.tgid, r.tid, r.event, r.syscall, d)
         nrs = r.syscall
+        arg = r.arg if r.arg is not None else self._unread_path(r.tgid, nrs, r.sargs, r.time_ns)
         return self.trace_sample(r.time_ns + self._clock_offset, r.tgid, r.tid,
-                                 "cpu" if nrs is None else "syscall", nrs, d, r.arg, r.sargs)
+                                 "cpu" if nrs is None else "syscall", nrs, d, arg, r.sargs)
+
+    def _unread_path(self, tgid: int, nr: int | None, sargs: tuple[int, ...] | None,
+                     time_ns: int) -> str | None:
+        """A path argument BPF could not read at entry (a page not faulted in yet), from the file
+        mapped there when it is a read-only segment of an object (tracing/patharg.py)."""
+        ptr = path_pointer(nr, sargs)
+        if not ptr or self.sampler is None:
+            return None
+        return self.sampler.processes.string_at(tgid, ptr, ARG_LEN, time_ns)
 
     def _later_context(self, r: Record, d: Decoded) -> Any:
         # the fields _sample(timed=False) reads, not the record (its pcs, encoded state...)
@@ -258,6 +275,12 @@ class UnwindMode(ModeBase[Record, tuple[int, int]]):
             return None
         got: tuple[list[TraceSample], int, int, list[Decoded]] | None = chits.hit_samples(
             raw, self._kernel.by_key, SYSCALL_INFO, syscall_info, self._clock_offset, LOST_DECODED)
+        if got is not None and self._path_syscalls:  # a hit has no path when BPF could not read it
+            for s in got[0]:
+                nr = self._path_syscalls.get(s.syscall) if s.args is None else None
+                if nr is not None:
+                    s.args = path_args(s.syscall, self._unread_path(s.pid, nr, s.raw_args,
+                                                                    s.time_ns - self._clock_offset))
         return got
 
     def _kernel_counts(self) -> Mapping[tuple[int, int], int]:

@@ -14,6 +14,7 @@ from ccprofd.kbpf.bpfmap import RawMap
 from ccprofd.kbpf.errors import BPFError
 from ccprofd.kbpf.holdguard import release
 from ccprofd.proc.maps import ProcessMaps, module_mappings, start_stack
+from ccprofd.tracing.patharg import path_from_file
 from ccprofd.tracing.syscall_sampler import SamplerEvent, exec_verdict, set_exec_target
 from ccprofd.tracing.unwind.constants import UE_ANALYSED
 from ccprofd.tracing.unwind.tables import LoadedModule, ModuleTables
@@ -241,6 +242,21 @@ class ProcessTracker:
         if mod is None:
             return None
         return mod.key, mod.analysed, mm.vaddr(pc)
+
+    def string_at(self, tgid: int, address: int, limit: int, time_ns: int | None = None) -> str | None:
+        """The NUL-terminated string at ``address`` of the process (as mapped at ``time_ns``), read
+        from the file of the ELF object mapped there when it lies in a read-only segment of it
+        (tracing/patharg.py: a path argument BPF could not read at entry); else None."""
+        proc = self._proc_at(tgid, time_ns)
+        if proc is None:
+            return None
+        for mm in proc.maps.mappings:
+            mod = proc.modules.get(mm.start)
+            vaddr = address - mm.bias
+            if mod is None or not mm.path.startswith("/") or mod.addrspace.segment_of(vaddr) is None:
+                continue  # not this object's image ([vdso] has no file)
+            return path_from_file((mm.open_path, mod.readable, mod.path), mm.inode, vaddr, limit)
+        return None
 
     # ----------------------------------------------------------------------------- shutdown
     def continue_launched(self) -> None:
