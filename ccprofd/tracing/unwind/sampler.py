@@ -60,6 +60,7 @@ import ctypes
 import os
 import struct
 from dataclasses import dataclass
+from typing import Any
 from pathlib import Path
 
 from ccprofd.kbpf.attach import (
@@ -349,6 +350,28 @@ def unwind_source() -> str:
 
 
 
+def _map_memory_bytes(module: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for name in ("uw_entries", "uw_pages", "uw_procs", "uw_counts", "uw_rules", "uw_modules"):
+        m = module.map(name)
+        out[name] = m.max_entries * (ctypes.sizeof(m.leaf_type) + ctypes.sizeof(m.key_type))
+    state = module.map("uw_state")
+    out["uw_state"] = state.max_entries * ctypes.sizeof(state.leaf_type)
+    out["uw_arena"] = module.map("uw_arena").max_entries * 8
+    return out
+
+
+def memo_setting(mode: str) -> int:
+    """``uw_config[UW_CFG_MEMO]`` for ``mode``: ``"on"`` (the default), ``"off"`` (every frame
+    unwound afresh: the reference for tests and benchmarks), ``"unchecked"`` (reuse without
+    re-reading the reused stack slots: unsound, only for the test that shows the re-read is what
+    makes the memo correct)."""
+    modes = {"on": MEMO_ON, "off": MEMO_OFF, "unchecked": MEMO_UNCHECKED}
+    if mode not in modes:
+        raise ValueError(f"memo mode {mode!r}: one of {', '.join(modes)}")
+    return modes[mode]
+
+
 class UnwindSampler:
     """Unwind the user stacks of tracked processes at selected syscalls.
 
@@ -586,14 +609,8 @@ class UnwindSampler:
         self._m["uw_config"].set(CFG_EMIT_HITS, 1 if on else 0)
 
     def set_memo(self, mode: str) -> None:
-        """Runtime switch of the per-thread memo of outer frames (``uw_config[UW_CFG_MEMO]``):
-        ``"on"`` (the default), ``"off"`` (every frame unwound afresh: the reference for tests and
-        benchmarks), ``"unchecked"`` (reuse without re-reading the reused stack slots: unsound, only
-        for the test that shows the re-read is what makes the memo correct)."""
-        modes = {"on": MEMO_ON, "off": MEMO_OFF, "unchecked": MEMO_UNCHECKED}
-        if mode not in modes:
-            raise ValueError(f"memo mode {mode!r}: one of {', '.join(modes)}")
-        self._m["uw_config"].set(CFG_MEMO, modes[mode])
+        """Runtime switch of the per-thread memo of outer frames: see :func:`memo_setting`."""
+        self._m["uw_config"].set(CFG_MEMO, memo_setting(mode))
 
     # ------------------------------------------------------------------------------- reporting
     def stats(self) -> dict[str, int]:
@@ -618,15 +635,7 @@ class UnwindSampler:
 
     def map_memory_bytes(self) -> dict[str, int]:
         """Allocated size of the big maps (preallocated arrays/hashes), for the memory report."""
-        out: dict[str, int] = {}
-        for name in ("uw_entries", "uw_pages", "uw_procs", "uw_counts", "uw_rules", "uw_modules"):
-            m = self.module.map(name)
-            out[name] = m.max_entries * (ctypes.sizeof(m.leaf_type) + ctypes.sizeof(m.key_type))
-        state = self.module.map("uw_state")
-        out["uw_state"] = state.max_entries * ctypes.sizeof(state.leaf_type)
-        arena = self.module.map("uw_arena")
-        out["uw_arena"] = arena.max_entries * 8
-        return out
+        return _map_memory_bytes(self.module)
 
     def detach(self) -> None:
         """Stop sampling: no new holds at exec, no syscall or CPU samples; the rings and tables stay
