@@ -60,8 +60,8 @@ import ctypes
 import os
 import struct
 from dataclasses import dataclass
-from typing import Any
 from pathlib import Path
+from typing import Any
 
 from ccprofd.kbpf.attach import (
     attach_raw_tracepoint_fd,
