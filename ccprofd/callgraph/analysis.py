@@ -75,11 +75,16 @@ def _analyze(image: ElfImage, progress: Progress | None) -> CallGraph:
 
     for start in table.starts:
         part = parts[start]
+        end = table.by_start[start].end
+        own = owner.get(start, start)
         for b in part.branches:
-            containing = table.containing(b.address)
-            if containing is None:
-                continue  # cannot happen: every swept byte belongs to a function range
-            caller = owner.get(containing.start, containing.start)
+            if start <= b.address < end:  # swept from this function's range: its own branch
+                caller = own
+            else:
+                containing = table.containing(b.address)
+                if containing is None:
+                    continue  # cannot happen: every swept byte belongs to a function range
+                caller = owner.get(containing.start, containing.start)
             site = _classify(b, caller, table, plt, owner, external)
             if site is not None:
                 graph.add_call(site)
