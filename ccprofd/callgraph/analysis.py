@@ -103,14 +103,24 @@ def _sweep_all(image: ElfImage, table: FunctionTable, md: Cs, plt: PltResolver,
     has neither symbol nor FDE costs one more sweep of a few functions, not of the whole binary.
     """
     done: dict[int, tuple[int, SweepResult]] = {}
+    # What each swept part contributes to the splitting references (its code references and its
+    # jumps out of its own range): computed once when it is swept, not again every round.
+    contributes: dict[int, set[int]] = {}
     pointers = _code_pointers_in_data(image)
     for _round in range(50):
         todo = [(s, table.by_start[s].end) for s in table.starts
                 if done.get(s, (-1,))[0] != table.by_start[s].end]
-        for (start, end), part in zip(todo, sweep_functions(image.bytes_at, md, todo, progress), strict=True):
+        swept = sweep_functions(image.bytes_at, md, todo, progress)
+        for (start, end), part in zip(todo, swept, strict=True):
             done[start] = (end, part)
+            refs_of = set(part.code_refs)
+            refs_of.update(b.target for b in part.branches
+                           if not b.is_call and not b.conditional and b.target is not None
+                           and not start <= b.target < end)
+            contributes[start] = refs_of
         for stale in set(done) - set(table.by_start):
             del done[stale]
+            del contributes[stale]
         grown = False
         # Code no function covers: it starts at its first non-padding instruction.
         for lo, hi in table.gaps():
@@ -118,18 +128,16 @@ def _sweep_all(image: ElfImage, table: FunctionTable, md: Cs, plt: PltResolver,
             if first is not None:
                 grown |= table.add_start(first, weak=True)
         # Addresses taken in code or stored in init/fini arrays and relocations split such code.
-        refs = {r for _end, part in done.values() for r in part.code_refs} | pointers
         # So do jumps into it from another function (tail calls, e.g. crtstuff's frame_dummy).
-        for start, (_end, part) in list(done.items()):
-            refs.update(b.target for b in part.branches
-                        if not b.is_call and not b.conditional and b.target is not None
-                        and not start <= b.target < _end)
+        refs = pointers.union(*contributes.values())
         for r in sorted(refs):
             holder = table.containing(r)
             if holder is not None and holder.weak and holder.start != r:
                 grown |= table.add_start(r, weak=True)
-        # Call targets that are not known function starts.
-        for _end, part in list(done.values()):
+        # Call targets that are not known function starts.  Only the parts swept this round: an
+        # older part's targets were added when it was swept (starts are never removed) or are
+        # not code (PLT stubs, addresses outside the code sections), so they add nothing again.
+        for part in swept:
             for b in part.branches:
                 t = b.target
                 if b.is_call and t is not None and t not in table.by_start and not plt.in_plt(t):
