@@ -55,6 +55,7 @@ def test_compiled_sweep_equals_python_sweep(path: str, compiled: None,
         c, p = _both(monkeypatch, image.bytes_at(start, end - start), start, False)
         assert _facts(c) == _facts(p), hex(start)
         assert [type(b.target) for b in c.branches] == [type(b.target) for b in p.branches]
+        assert all(type(b) is disasm.Branch for b in c.branches)
         branches += len(c.branches)
         refs += len(c.code_refs)
     assert branches and refs

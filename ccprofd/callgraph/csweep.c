@@ -14,7 +14,8 @@
  * scan(buf, n, code, base, local_jumps, classes, jcc, layout, branch) -> (branches, refs) or None
  *   buf: n cs_insn records (layout: record size, mnemonic, op_str, bytes offsets, CALL and JMP ids);
  *   classes[id]: 1 branch, 2 mov/movabs, 4 lea/push, 0 not looked at; jcc[id]: 1 for a jcc id;
- *   branch: the Branch class, called with its seven fields in order.
+ *   branch: the Branch class (a NamedTuple: its tuple is allocated and filled here; any other class
+ *   is called with the seven fields in order).
  * Built by scripts/build_ext.sh; disasm.py falls back without it. */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -141,6 +142,11 @@ static PyObject *scan(PyObject *self, PyObject *args)
     refs = PyList_New(0);
     if (!branches || !refs)
         goto done;
+    /* a plain tuple subclass (a NamedTuple: no instance dict, no extra fields) is allocated directly */
+    int as_tuple = PyType_Check(branch_type) &&
+                   PyType_IsSubtype((PyTypeObject *)branch_type, &PyTuple_Type) &&
+                   ((PyTypeObject *)branch_type)->tp_basicsize == PyTuple_Type.tp_basicsize &&
+                   ((PyTypeObject *)branch_type)->tp_dictoffset == 0;
     const unsigned char *B = buf.buf, *C = code.buf, *cls = classes.buf, *jc = jcc.buf;
     uint64_t end = base + (uint64_t)code.len;
     int fallback = 0;
@@ -219,7 +225,17 @@ static PyObject *scan(PyObject *self, PyObject *args)
             if (fields[0] && fields[1] && fields[2] && fields[5] && fields[6]) {
                 if (imm)
                     PyUnicode_InternInPlace(&fields[6]);
-                b = PyObject_Vectorcall(branch_type, fields, 7, NULL);
+                if (as_tuple) { /* the NamedTuple's own tuple, filled in place: no __new__ call */
+                    b = ((PyTypeObject *)branch_type)->tp_alloc((PyTypeObject *)branch_type, 7);
+                    if (b) {
+                        for (int k = 0; k < 7; k++) {
+                            PyTuple_SET_ITEM(b, k, fields[k]);
+                            fields[k] = NULL;
+                        }
+                    }
+                } else {
+                    b = PyObject_Vectorcall(branch_type, fields, 7, NULL);
+                }
             }
             for (int k = 0; k < 7; k++)
                 Py_XDECREF(fields[k]);
