@@ -86,3 +86,18 @@ def test_operand_texts_python_would_parse_otherwise_fall_back(compiled: None) ->
         buf = ctypes.string_at(ctypes.addressof(rec), ctypes.sizeof(rec))
         got = disasm.csweep.scan(buf, 1, b"\x6a\x00", 0x1000, False, classes, jccs, layout, disasm.Branch)
         assert (got if got is None else (list(got[0]), list(got[1]))) == want, text
+
+
+@pytest.mark.parametrize("byte", [b"\xcc", b"\x90", b"\x00"])
+def test_gaps_of_one_padding_byte_are_all_padding_to_capstone(byte: bytes) -> None:
+    """analysis._first_non_padding answers None for such a gap without disassembling it: capstone
+    must say the same of every length (zero fill: pairs of `add byte ptr [rax], al`, a lone .byte)."""
+    from ccprofd.callgraph.analysis import _first_non_padding
+    from ccprofd.callgraph.disasm import first_non_padding
+
+    md = make_disassembler()
+    for n in range(1, 40):
+        assert first_non_padding(md, byte * n, 0x1000) is None, n
+        assert _first_non_padding(md, byte * n, 0x1000) is None
+    ret = byte * 6 + b"\xc3"
+    assert _first_non_padding(md, ret, 0x1000) == first_non_padding(md, ret, 0x1000) == 0x1006

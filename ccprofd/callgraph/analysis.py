@@ -106,6 +106,7 @@ def _sweep_all(image: ElfImage, table: FunctionTable, md: Cs, plt: PltResolver,
     # What each swept part contributes to the splitting references (its code references and its
     # jumps out of its own range): computed once when it is swept, not again every round.
     contributes: dict[int, set[int]] = {}
+    gap_starts: dict[tuple[int, int], int | None] = {}
     pointers = _code_pointers_in_data(image)
     for _round in range(50):
         todo = [(s, table.by_start[s].end) for s in table.starts
@@ -124,7 +125,9 @@ def _sweep_all(image: ElfImage, table: FunctionTable, md: Cs, plt: PltResolver,
         grown = False
         # Code no function covers: it starts at its first non-padding instruction.
         for lo, hi in table.gaps():
-            first = first_non_padding(md, image.bytes_at(lo, hi - lo), lo)
+            if (lo, hi) not in gap_starts:  # a gap's bytes do not change: looked at once, not every round
+                gap_starts[lo, hi] = _first_non_padding(md, image.bytes_at(lo, hi - lo), lo)
+            first = gap_starts[lo, hi]
             if first is not None:
                 grown |= table.add_start(first, weak=True)
         # Addresses taken in code or stored in init/fini arrays and relocations split such code.
@@ -147,6 +150,18 @@ def _sweep_all(image: ElfImage, table: FunctionTable, md: Cs, plt: PltResolver,
     if progress is not None:
         progress("disassembling", len(table.starts), len(table.starts))
     return {start: done[start][1] for start in table.starts}
+
+
+#: Gaps made of one padding byte alone (node: ~70k of them, each disassembled every round): int3,
+#: the one-byte nop, zero fill (``00 00`` is ``add byte ptr [rax], al``, a lone 00 a ``.byte``).
+_UNIFORM_PADDING = (b"\xcc", b"\x90", b"\x00")
+
+
+def _first_non_padding(md: Cs, code: bytes, base: int) -> int | None:
+    """:func:`first_non_padding`, without disassembling a gap that is one padding byte repeated."""
+    if code and code[:1] in _UNIFORM_PADDING and not code.strip(code[:1]):
+        return None
+    return first_non_padding(md, code, base)
 
 
 def _code_pointers_in_data(image: ElfImage) -> set[int]:
