@@ -20,7 +20,7 @@ from capstone import CS_ARCH_X86, CS_ERR_OK, CS_MODE_64, Cs, CsError, _cs, _cs_i
 from capstone.x86_const import X86_INS_CALL, X86_INS_ENDING, X86_INS_JMP
 
 try:  # sweep()'s compiled loop (csweep.c, built by scripts/build_ext.sh); the Python one is the reference
-    from ccprofd.callgraph import csweep  # type: ignore[attr-defined, unused-ignore]
+    import ccprofd.callgraph.csweep as csweep  # type: ignore[import-not-found, unused-ignore]
 except ImportError:
     csweep = None
 
