@@ -253,7 +253,12 @@ def test_cache_hit_of_an_unchanged_file_neither_reads_nor_hashes_it(tmp_path: Pa
 def test_file_changed_just_before_it_was_read_is_not_remembered(tmp_path: Path, true_copy: Path,
                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """git's racy rule: a file written in the clock tick it was read in could be written again
-    without its stat changing, so a file copied just now is read and hashed at every hit."""
+    without its stat changing, so a file copied just now is read and hashed at every hit.  (The
+    window is widened to an hour here so that a stalled test machine cannot outlast it.)"""
+    import ccprofd.callgraph as callgraph
+
+    assert callgraph.RACY_NS >= 1_000_000_000  # at least a second: coarser than any file timestamp tick
+    monkeypatch.setattr(callgraph, "RACY_NS", 3600 * 1_000_000_000)
     reads = _count_reads(monkeypatch)
     analyze_binary(true_copy, cache_dir=tmp_path)
     warm = analyze_binary(true_copy, cache_dir=tmp_path)
