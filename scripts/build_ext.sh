@@ -14,7 +14,8 @@ SUFFIX=$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"
 if [ ! -e "$INC/Python.h" ]; then
   echo "build_ext: no Python.h in $INC (Debian: apt-get install python3-dev)" >&2; exit 1
 fi
-for src in ccprofd/export/cjsonl.c ccprofd/tracing/unwind/chits.c ccprofd/decode/cvalence.c; do
+for src in ccprofd/export/cjsonl.c ccprofd/tracing/unwind/chits.c ccprofd/decode/cvalence.c \
+    ccprofd/callgraph/csweep.c; do
   out=${src%.c}$SUFFIX
   tmp=$out.tmp.$$
   "$CC" -O2 -g -Wall -Wextra -Werror -fPIC -shared -fvisibility=hidden -I"$INC" -o "$tmp" "$src"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -186,6 +187,23 @@ def test_cache_hit_imports_no_elf_disassembler_or_graph_library(tmp_path: Path) 
     assert proc.stderr.strip().splitlines()[-1] == "[]", proc.stderr
 
 
+def test_cache_hit_imports_only_what_it_uses(tmp_path: Path) -> None:
+    """The rest of a hit's cost was imports it never used: the trace parser's tracing.api (with
+    dataclasses, inspect, ast), logging for a warning never printed, tempfile for a write never
+    made.  None of them may be loaded by the time the JSON is printed."""
+    assert run("analyze", "--json", "--cache-dir", str(tmp_path), "/bin/true").returncode == 0
+    probe = ("import sys, runpy\n"
+             "sys.argv = ['ccprofd', 'analyze', '--json', '--cache-dir', sys.argv[1], '/bin/true']\n"
+             "try:\n    runpy.run_module('ccprofd.cli', run_name='__main__')\n"
+             "except SystemExit:\n    pass\n"
+             "unused = {'dataclasses', 'inspect', 'logging', 'tempfile', 'ccprofd.tracing.api'}\n"
+             "print(sorted(set(sys.modules) & unused), file=sys.stderr)")
+    proc = subprocess.run([sys.executable, "-c", probe, str(tmp_path)], capture_output=True, text=True,
+                          timeout=120, env={**os.environ, "PYTHONPATH": str(Path(__file__).parent.parent)})
+    assert json.loads(proc.stdout)["functions"] > 0
+    assert proc.stderr.strip().splitlines()[-1] == "[]", proc.stderr
+
+
 def test_build_id_without_pyelftools_matches_readelf(tmp_path: Path, true_copy: Path) -> None:
     """The build-id read with struct (what a cache hit keys on) is what `readelf -n` prints."""
     from ccprofd.elf.identity import build_id_of
@@ -198,3 +216,81 @@ def test_build_id_without_pyelftools_matches_readelf(tmp_path: Path, true_copy: 
     subprocess.run(["objcopy", "--remove-section=.note.gnu.build-id", str(true_copy), str(no_notes)],
                    check=True)
     assert build_id_of(no_notes.read_bytes()) is None
+
+
+# ------------------------------------------------------------------ remembered file identities
+def _count_reads(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    import ccprofd.callgraph as callgraph
+
+    reads: list[str] = []
+    real = callgraph.read_elf_file
+
+    def counting(path: str) -> bytes:
+        reads.append(path)
+        return real(path)
+
+    monkeypatch.setattr(callgraph, "read_elf_file", counting)
+    return reads
+
+
+def test_cache_hit_of_an_unchanged_file_neither_reads_nor_hashes_it(tmp_path: Path, true_copy: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Reading and hashing the file was most of a hit (node: 99 MB).  A file left alone long enough
+    before it was read (here: the racy window set to "always") is known by its stat afterwards."""
+    import ccprofd.callgraph as callgraph
+
+    monkeypatch.setattr(callgraph, "RACY_NS", -(1 << 62), raising=False)
+    reads = _count_reads(monkeypatch)
+    cold = graph_stats(analyze_binary(true_copy, cache_dir=tmp_path))
+    assert reads == [str(true_copy)]
+    warm = analyze_binary(true_copy, cache_dir=tmp_path)
+    assert reads == [str(true_copy)]  # not read again
+    assert warm.from_cache
+    assert warm.binary.content_hash == hashlib.sha256(true_copy.read_bytes()).hexdigest()
+    assert {**graph_stats(warm), "analysis_seconds": 0} == {**cold, "analysis_seconds": 0}
+
+
+def test_file_changed_just_before_it_was_read_is_not_remembered(tmp_path: Path, true_copy: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    """git's racy rule: a file written in the clock tick it was read in could be written again
+    without its stat changing, so a file copied just now is read and hashed at every hit.  (The
+    window is widened to an hour here so that a stalled test machine cannot outlast it.)"""
+    import ccprofd.callgraph as callgraph
+
+    assert callgraph.RACY_NS >= 1_000_000_000  # at least a second: coarser than any file timestamp tick
+    monkeypatch.setattr(callgraph, "RACY_NS", 3600 * 1_000_000_000)
+    reads = _count_reads(monkeypatch)
+    analyze_binary(true_copy, cache_dir=tmp_path)
+    warm = analyze_binary(true_copy, cache_dir=tmp_path)
+    assert warm.from_cache
+    assert reads == [str(true_copy)] * 2
+
+
+def test_file_edited_in_place_with_its_size_and_mtime_kept_is_read_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An edit that keeps the size and sets the mtime back (touch -r) still changes the ctime,
+    which no caller can set: the new bytes are read, hashed and analysed."""
+    import ccprofd.callgraph as callgraph
+
+    monkeypatch.setattr(callgraph, "RACY_NS", -(1 << 62), raising=False)
+    true_copy = tmp_path / "calls"
+    subprocess.run(["gcc", "-O0", "-o", str(true_copy), str(Path(__file__).parent / "programs" / "calls.c")],
+                   check=True)
+    analyze_binary(true_copy, cache_dir=tmp_path)
+    before = true_copy.stat()
+    from elftools.elf.elffile import ELFFile
+
+    with open(true_copy, "rb") as fh:
+        comment = ELFFile(fh).get_section_by_name(".comment")["sh_offset"]
+    data = bytearray(true_copy.read_bytes())
+    data[comment] ^= 0x20  # "GCC: ..." -> "gCC: ...": a byte no analysis reads
+    with open(true_copy, "r+b") as fh:
+        fh.write(bytes(data))
+    os.utime(true_copy, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = true_copy.stat()
+    kept = (before.st_ino, before.st_size, before.st_mtime_ns)
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == kept
+    reads = _count_reads(monkeypatch)
+    graph = analyze_binary(true_copy, cache_dir=tmp_path)
+    assert reads == [str(true_copy)]
+    assert graph.binary.content_hash == hashlib.sha256(bytes(data)).hexdigest()

@@ -12,6 +12,8 @@ See :mod:`ccprofd.callgraph.model` for the graph's node and edge attributes.
 from __future__ import annotations
 
 import os
+import stat
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -38,23 +40,25 @@ def analyze_binary(path: str | os.PathLike[str], *, cache_dir: Path | None = Non
                    progress: Progress | None = None) -> CallGraph:
     """Analyse one x86-64 ELF object; reuse the cached result for the same build.
 
-    A cache hit reads the file and its summary entry only: neither pyelftools nor capstone nor
-    networkx is imported (the file's bytes equal those of a file analysed, so checked, before)."""
-    data = read_elf_file(os.fspath(path))
+    A cache hit reads the summary entry only: neither pyelftools nor capstone nor networkx is
+    imported (the file's bytes equal those of a file analysed, so checked, before), and a file
+    whose identity is remembered (:func:`_known_key`) is not even read or hashed again."""
     abspath = os.path.abspath(path)
     cache = AnalysisCache(cache_dir) if use_cache else None
+    if cache is not None:
+        known = _known_key(cache, os.fspath(path))
+        if known is not None:
+            graph = _summary_hit(cache, known, abspath)
+            if graph is not None:
+                return graph
+    before = _stat_or_none(os.fspath(path))
+    data = read_elf_file(os.fspath(path))
     key = cache_key_of(data) if cache is not None else ""
     if cache is not None:
-        summary = cache.load(SUMMARY_KIND, key)
-        if isinstance(summary, dict) and summary.get("stamp") == _stamp(cache, key):
-            try:
-                graph = CallGraph.deferred(summary["graph"], lambda: _rows_of(cache, key, abspath, summary))
-                graph.binary.path = abspath
-                graph.cached_stats = summary["stats"]
-                graph.from_cache = True
-                return graph
-            except (KeyError, TypeError, ValueError):
-                pass  # a damaged summary: the full entry below, which rewrites it
+        _remember_key(cache, os.fspath(path), before, key)
+        graph = _summary_hit(cache, key, abspath)
+        if graph is not None:
+            return graph
         cached = cache.load("callgraph", key)
         if isinstance(cached, dict):
             graph = CallGraph.from_dict(cached["graph"])
@@ -74,6 +78,72 @@ def analyze_binary(path: str | os.PathLike[str], *, cache_dir: Path | None = Non
         _store_summary(cache, key, graph, stats)
         graph.cached_stats = stats  # computed once, whether the caller reads them or not
     return graph
+
+
+def _summary_hit(cache: AnalysisCache, key: str, abspath: str) -> CallGraph | None:
+    """The graph of ``key`` from its summary entry (rows read only when asked for); None: no valid one."""
+    summary = cache.load(SUMMARY_KIND, key)
+    if isinstance(summary, dict) and summary.get("stamp") == _stamp(cache, key):
+        try:
+            graph = CallGraph.deferred(summary["graph"], lambda: _rows_of(cache, key, abspath, summary))
+            graph.binary.path = abspath
+            graph.cached_stats = summary["stats"]
+            graph.from_cache = True
+            return graph
+        except (KeyError, TypeError, ValueError):
+            pass  # a damaged summary: the caller reads the full entry, which rewrites it
+    return None
+
+
+# ---------------------------------------------------------------------------- remembered identities
+# Reading and hashing the file was most of a cache hit (node: 99 MB read and SHA-256'd, ~0.2 s).
+# So the content key is remembered per file, as git's index and ccache's direct mode do, under the
+# file's (device, inode) with its (size, mtime, ctime): any write to the file, chmod, rename over it
+# or a new file at a reused inode sets ctime to the current time, which no caller can set back
+# (utimensat sets mtime, never ctime).  A file changed in the same clock tick as it was read could
+# keep its stat, so a file is only remembered once it had been left alone for RACY_NS before it was
+# read (git's "racy" rule); a file changed since is read and hashed as before.
+IDENTITY_KIND = "file-identity"
+RACY_NS = 2_000_000_000
+
+
+def _stat_or_none(path: str) -> os.stat_result | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st if stat.S_ISREG(st.st_mode) else None
+
+
+def _identity(st: os.stat_result) -> tuple[str, list[int]]:
+    return f"{st.st_dev:x}-{st.st_ino:x}", [st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _known_key(cache: AnalysisCache, path: str) -> str | None:
+    """The content key remembered for the file at ``path`` if its stat is the remembered one."""
+    st = _stat_or_none(path)
+    if st is None:
+        return None
+    where, what = _identity(st)
+    entry = cache.load(IDENTITY_KIND, where)
+    if isinstance(entry, dict) and entry.get("stat") == what and isinstance(entry.get("key"), str):
+        return str(entry["key"])
+    return None
+
+
+def _remember_key(cache: AnalysisCache, path: str, before: os.stat_result | None, key: str) -> None:
+    """Remember ``key`` for the file read between ``before`` and now, if it was left alone for
+    :data:`RACY_NS` before being read and did not change while it was read."""
+    after = _stat_or_none(path)
+    if before is None or after is None:
+        return
+    where, what = _identity(before)
+    if _identity(after) != (where, what):
+        return
+    if time.time_ns() - max(before.st_mtime_ns, before.st_ctime_ns) <= RACY_NS:
+        return
+    if cache.load(IDENTITY_KIND, where) != {"stat": what, "key": key}:
+        cache.store(IDENTITY_KIND, where, {"stat": what, "key": key})
 
 
 #: A small entry beside each cached graph: identity, node/edge counts, whether edges are weighted.

@@ -14,7 +14,7 @@ from capstone import Cs
 from elftools.elf.relocation import RelocationSection
 
 from ccprofd.callgraph.disasm import Branch, SweepResult, first_non_padding, make_disassembler
-from ccprofd.callgraph.functions import FunctionTable
+from ccprofd.callgraph.functions import FunctionInfo, FunctionTable
 from ccprofd.callgraph.model import BinaryInfo, CallGraph, GraphRows
 from ccprofd.callgraph.parallel import sweep_functions
 from ccprofd.elf.image import ElfImage
@@ -73,16 +73,22 @@ def _analyze(image: ElfImage, progress: Progress | None) -> CallGraph:
             graph.add_function(node, name, kind="external")
         return externals[name]
 
+    by_start, containing_of, in_plt, add_call = table.by_start, table.containing, plt.in_plt, graph.add_call
     for start in table.starts:
         part = parts[start]
+        end = table.by_start[start].end
+        own = owner.get(start, start)
         for b in part.branches:
-            containing = table.containing(b.address)
-            if containing is None:
-                continue  # cannot happen: every swept byte belongs to a function range
-            caller = owner.get(containing.start, containing.start)
-            site = _classify(b, caller, table, plt, owner, external)
+            if start <= b.address < end:  # swept from this function's range: its own branch
+                caller = own
+            else:
+                containing = table.containing(b.address)
+                if containing is None:
+                    continue  # cannot happen: every swept byte belongs to a function range
+                caller = owner.get(containing.start, containing.start)
+            site = _site_row(b, caller, by_start, containing_of, in_plt, plt, owner, external)
             if site is not None:
-                graph.add_call(site)
+                add_call(site)
         part.branches = []  # freed as the rows grow: node's branches and rows are ~100 MB each
     del parts
 
@@ -98,33 +104,44 @@ def _sweep_all(image: ElfImage, table: FunctionTable, md: Cs, plt: PltResolver,
     has neither symbol nor FDE costs one more sweep of a few functions, not of the whole binary.
     """
     done: dict[int, tuple[int, SweepResult]] = {}
+    # What each swept part contributes to the splitting references (its code references and its
+    # jumps out of its own range): computed once when it is swept, not again every round.
+    contributes: dict[int, set[int]] = {}
+    gap_starts: dict[tuple[int, int], int | None] = {}
     pointers = _code_pointers_in_data(image)
     for _round in range(50):
         todo = [(s, table.by_start[s].end) for s in table.starts
                 if done.get(s, (-1,))[0] != table.by_start[s].end]
-        for (start, end), part in zip(todo, sweep_functions(image.bytes_at, md, todo, progress), strict=True):
+        swept = sweep_functions(image.bytes_at, md, todo, progress)
+        for (start, end), part in zip(todo, swept, strict=True):
             done[start] = (end, part)
+            refs_of = set(part.code_refs)
+            refs_of.update(b.target for b in part.branches
+                           if not b.is_call and not b.conditional and b.target is not None
+                           and not start <= b.target < end)
+            contributes[start] = refs_of
         for stale in set(done) - set(table.by_start):
             del done[stale]
+            del contributes[stale]
         grown = False
         # Code no function covers: it starts at its first non-padding instruction.
         for lo, hi in table.gaps():
-            first = first_non_padding(md, image.bytes_at(lo, hi - lo), lo)
+            if (lo, hi) not in gap_starts:  # a gap's bytes do not change: looked at once, not every round
+                gap_starts[lo, hi] = _first_non_padding(md, image.bytes_at(lo, hi - lo), lo)
+            first = gap_starts[lo, hi]
             if first is not None:
                 grown |= table.add_start(first, weak=True)
         # Addresses taken in code or stored in init/fini arrays and relocations split such code.
-        refs = {r for _end, part in done.values() for r in part.code_refs} | pointers
         # So do jumps into it from another function (tail calls, e.g. crtstuff's frame_dummy).
-        for start, (_end, part) in list(done.items()):
-            refs.update(b.target for b in part.branches
-                        if not b.is_call and not b.conditional and b.target is not None
-                        and not start <= b.target < _end)
+        refs = pointers.union(*contributes.values())
         for r in sorted(refs):
             holder = table.containing(r)
             if holder is not None and holder.weak and holder.start != r:
                 grown |= table.add_start(r, weak=True)
-        # Call targets that are not known function starts.
-        for _end, part in list(done.values()):
+        # Call targets that are not known function starts.  Only the parts swept this round: an
+        # older part's targets were added when it was swept (starts are never removed) or are
+        # not code (PLT stubs, addresses outside the code sections), so they add nothing again.
+        for part in swept:
             for b in part.branches:
                 t = b.target
                 if b.is_call and t is not None and t not in table.by_start and not plt.in_plt(t):
@@ -134,6 +151,18 @@ def _sweep_all(image: ElfImage, table: FunctionTable, md: Cs, plt: PltResolver,
     if progress is not None:
         progress("disassembling", len(table.starts), len(table.starts))
     return {start: done[start][1] for start in table.starts}
+
+
+#: Gaps made of one padding byte alone (node: ~70k of them, each disassembled every round): int3,
+#: the one-byte nop, zero fill (``00 00`` is ``add byte ptr [rax], al``, a lone 00 a ``.byte``).
+_UNIFORM_PADDING = (b"\xcc", b"\x90", b"\x00")
+
+
+def _first_non_padding(md: Cs, code: bytes, base: int) -> int | None:
+    """:func:`first_non_padding`, without disassembling a gap that is one padding byte repeated."""
+    if code and code[:1] in _UNIFORM_PADDING and not code.strip(code[:1]):
+        return None
+    return first_non_padding(md, code, base)
 
 
 def _code_pointers_in_data(image: ElfImage) -> set[int]:
@@ -262,28 +291,31 @@ def _table_words(image: ElfImage, base: int, width: int, executable: dict[int, b
     return out
 
 
-def _classify(b: Branch, caller: int, table: FunctionTable, plt: PltResolver, owner: dict[int, int],
-              external: Callable[[str], int]) -> list[Any] | None:
-    """The site row (as in ``CallGraph.to_dict()["sites"]``) of one branch, None if it is no call site."""
-    def site(kind: str, target: int | None = None, operand: str | None = None,
-             jump: bool = False) -> list[Any]:
-        return [caller, b.address, b.address + b.length, b.length, b.raw.hex(), kind, target, operand, jump]
+def _site_row(b: Branch, caller: int, by_start: dict[int, FunctionInfo],
+              containing: Callable[[int], FunctionInfo | None], in_plt: Callable[[int], bool],
+              plt: PltResolver, owner: dict[int, int], external: Callable[[str], int]) -> list[Any] | None:
+    """The site row (as in ``CallGraph.to_dict()["sites"]``) of one branch, None if it is no call site.
 
-    if b.target is None:
-        return site("indirect", operand=b.operand, jump=not b.is_call)
-    tgt = b.target
-    if plt.in_plt(tgt):
+    Called for every branch (node: ~500k), so written flat: the tuple unpacked once, no closure."""
+    address, length, raw, is_call, _conditional, tgt, operand = b
+    if tgt is None:
+        return [caller, address, address + length, length, raw.hex(), "indirect", None, operand, not is_call]
+    if in_plt(tgt):
         node = external(plt.resolve(tgt) or f"plt_{tgt:x}")
-        return site("plt", node) if b.is_call else site("tail", node, jump=True)
-    if b.is_call:
-        callee_fn = table.containing(tgt)
+        if is_call:
+            return [caller, address, address + length, length, raw.hex(), "plt", node, None, False]
+        return [caller, address, address + length, length, raw.hex(), "tail", node, None, True]
+    if is_call:
+        # a function's start is its own containing function (ends lie past starts): no bisect
+        callee_fn = by_start.get(tgt) or containing(tgt)
         if callee_fn is None:  # a call out of the code sections: treat like an unknown target
-            return site("indirect", operand=b.operand)
-        return site("direct", owner.get(callee_fn.start, callee_fn.start))
+            return [caller, address, address + length, length, raw.hex(), "indirect", None, operand, False]
+        callee = owner.get(callee_fn.start, callee_fn.start)
+        return [caller, address, address + length, length, raw.hex(), "direct", callee, None, False]
     # A jump: a tail call when it lands on another function's entry (not on a fragment it owns).
-    if tgt not in table.by_start or tgt in owner or tgt == caller:
+    if tgt not in by_start or tgt in owner or tgt == caller:
         return None
-    return site("tail", tgt, jump=True)
+    return [caller, address, address + length, length, raw.hex(), "tail", tgt, None, True]
 
 
 def _mark_roots(graph: GraphRows, image: ElfImage, table: FunctionTable, code_refs: list[int],

@@ -14,9 +14,15 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 from sys import intern
+from typing import NamedTuple
 
 from capstone import CS_ARCH_X86, CS_ERR_OK, CS_MODE_64, Cs, CsError, _cs, _cs_insn
 from capstone.x86_const import X86_INS_CALL, X86_INS_ENDING, X86_INS_JMP
+
+try:  # sweep()'s compiled loop (csweep.c, built by scripts/build_ext.sh); the Python one is the reference
+    import ccprofd.callgraph.csweep as csweep  # type: ignore[import-not-found, unused-ignore]
+except ImportError:
+    csweep = None
 
 _IMM = re.compile(r"^(?:0x[0-9a-f]+|\d+)$")
 _RIP = re.compile(r"\[rip(?: ([+-]) (0x[0-9a-f]+|\d+))?\]")  # "[rip]" when disp == 0
@@ -24,9 +30,9 @@ _TRAILING_IMM = re.compile(r", (0x[0-9a-f]+|\d+)$")
 PADDING = frozenset({"nop", "int3", ".byte"})
 
 
-@dataclass(frozen=True, slots=True)
-class Branch:
-    """A call or jump instruction."""
+class Branch(NamedTuple):
+    """A call or jump instruction.  A tuple, so that csweep.c builds the ~10^5 (node: 10^6) of them
+    as tuples, without a Python ``__init__`` call each."""
 
     address: int
     length: int
@@ -104,6 +110,18 @@ def _class_tables() -> list[tuple[bytes, bytes]]:
     return out
 
 
+@cache
+def _scan_tables() -> tuple[bytes, bytes, tuple[int, ...]]:
+    """csweep.scan's tables: each id's record class, whether it is a jcc, and cs_insn's layout."""
+    branch, jcc, moves, other = _looked_at_ids()
+    classes = bytes(_BRANCH if i in branch else _MOVE if i in moves else _OTHER if i in other else 0
+                    for i in range(X86_INS_ENDING))
+    jccs = bytes(1 if i in jcc else 0 for i in range(X86_INS_ENDING))
+    layout = (_INSN, _MNEM, _OPS, _BYTES, _cs_insn.mnemonic.size, _cs_insn.op_str.size, X86_INS_CALL,
+              X86_INS_JMP)
+    return classes, jccs, layout
+
+
 def _classes(buf: bytes, n: int) -> bytes:
     """Each record's class (0: not looked at), computed for all records at once: one byte per record
     from strided slices, combined as big integers (bitwise AND/OR run in C over the whole function)."""
@@ -148,6 +166,13 @@ def sweep(md: Cs, code: bytes, base: int, result: SweepResult, *, local_jumps: b
     if not n:
         return
     result.instructions += n
+    if csweep is not None:
+        classes, jccs, layout = _scan_tables()
+        got = csweep.scan(buf, n, code, base, local_jumps, classes, jccs, layout, Branch)
+        if got is not None:
+            branches += got[0]
+            refs += got[1]
+            return
     jcc_ids = _looked_at_ids()[1]
     cls = _classes(buf, n)
     unpack = _ADDR_SIZE.unpack_from

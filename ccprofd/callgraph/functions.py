@@ -8,7 +8,7 @@ disassembly pass, which sees the jump that enters them.
 
 from __future__ import annotations
 
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 
 from ccprofd.elf.cfi import fde_ranges
@@ -136,9 +136,8 @@ class FunctionTable:
         for sec in self.code:
             cur = sec.vaddr
             end = sec.vaddr + sec.size
-            for start in self.starts:
-                if start < sec.vaddr or start >= end:
-                    continue
+            # the starts inside this section (the list is sorted): not a pass over all of them per section
+            for start in self.starts[bisect_left(self.starts, sec.vaddr):bisect_left(self.starts, end)]:
                 if start > cur:
                     out.append((cur, start))
                 cur = max(cur, self.by_start[start].end)

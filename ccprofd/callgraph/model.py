@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -39,25 +38,70 @@ ROOT_EDGE_KEY = 0
 SITE_KINDS = ("direct", "plt", "tail", "indirect")
 
 
-@dataclass(frozen=True, slots=True)
+_SITE_FIELDS = ("function", "address", "return_address", "length", "bytes_hex", "kind", "target", "operand",
+                "is_jump")
+_BINARY_FIELDS = ("path", "build_id", "content_hash", "pie", "elf_type", "entry", "text_bytes")
+
+# CallSite and BinaryInfo are written out instead of declared with @dataclass: importing dataclasses
+# (inspect, ast, dis, tokenize) was ~15 ms of a ~0.1 s `analyze` cache hit.  They behave as the
+# dataclasses did: field order, keyword defaults, equality, repr; CallSite is frozen and hashable.
+
+
 class CallSite:
     """One call or tail-jump instruction found by exact disassembly."""
 
+    __slots__ = _SITE_FIELDS
     function: int  # entry vaddr of the containing function
     address: int  # vaddr of the call/jmp instruction
     return_address: int  # vaddr of the next instruction
     length: int
     bytes_hex: str
     kind: str  # one of SITE_KINDS
-    target: int | None = None  # callee node id (internal vaddr or external id); None if indirect
-    operand: str | None = None  # operand text for indirect sites ("rax", "qword ptr [rip + 0x..]")
-    is_jump: bool = False  # a jmp (tail call or indirect jump), not a call: nothing returns to it
+    target: int | None  # callee node id (internal vaddr or external id); None if indirect
+    operand: str | None  # operand text for indirect sites ("rax", "qword ptr [rip + 0x..]")
+    is_jump: bool  # a jmp (tail call or indirect jump), not a call: nothing returns to it
+
+    def __init__(self, function: int, address: int, return_address: int, length: int, bytes_hex: str,
+                 kind: str, target: int | None = None, operand: str | None = None,
+                 is_jump: bool = False) -> None:
+        put = object.__setattr__
+        put(self, "function", function)
+        put(self, "address", address)
+        put(self, "return_address", return_address)
+        put(self, "length", length)
+        put(self, "bytes_hex", bytes_hex)
+        put(self, "kind", kind)
+        put(self, "target", target)
+        put(self, "operand", operand)
+        put(self, "is_jump", is_jump)
+
+    def _values(self) -> tuple[Any, ...]:
+        return (self.function, self.address, self.return_address, self.length, self.bytes_hex, self.kind,
+                self.target, self.operand, self.is_jump)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        raise AttributeError(f"cannot assign to field {name!r}: CallSite is frozen")
+
+    def __delattr__(self, name: str) -> None:
+        raise AttributeError(f"cannot delete field {name!r}: CallSite is frozen")
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        assert isinstance(other, CallSite)
+        return self._values() == other._values()
+
+    def __hash__(self) -> int:
+        return hash(self._values())
+
+    def __repr__(self) -> str:
+        return "CallSite(" + ", ".join(f"{f}={getattr(self, f)!r}" for f in _SITE_FIELDS) + ")"
 
 
-@dataclass(slots=True)
 class BinaryInfo:
     """Identity of the analysed object (what the cache and every later stage key on)."""
 
+    __slots__ = _BINARY_FIELDS
     path: str
     build_id: str | None
     content_hash: str
@@ -65,6 +109,31 @@ class BinaryInfo:
     elf_type: str  # "EXEC" | "DYN"
     entry: int
     text_bytes: int
+
+    def __init__(self, path: str, build_id: str | None, content_hash: str, pie: bool, elf_type: str,
+                 entry: int, text_bytes: int) -> None:
+        self.path = path
+        self.build_id = build_id
+        self.content_hash = content_hash
+        self.pie = pie
+        self.elf_type = elf_type
+        self.entry = entry
+        self.text_bytes = text_bytes
+
+    def as_dict(self) -> dict[str, Any]:
+        """The fields by name, in order (what ``dataclasses.asdict`` gave)."""
+        return {f: getattr(self, f) for f in _BINARY_FIELDS}
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is not self.__class__:
+            return NotImplemented
+        assert isinstance(other, BinaryInfo)
+        return self.as_dict() == other.as_dict()
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, as the dataclass was
+
+    def __repr__(self) -> str:
+        return "BinaryInfo(" + ", ".join(f"{f}={getattr(self, f)!r}" for f in _BINARY_FIELDS) + ")"
 
 
 class CallGraph:
@@ -214,7 +283,7 @@ class CallGraph:
         if self._lazy():  # the rows already are the serialised form: no networkx graph is built
             rows = self._serial()
             assert rows is not None
-            return {"format": FORMAT_VERSION, "binary": asdict(self.binary),
+            return {"format": FORMAT_VERSION, "binary": self.binary.as_dict(),
                     "analysis_seconds": self.analysis_seconds, "nodes": rows["nodes"], "edges": rows["edges"],
                     "sites": rows["sites"]}
         nodes = [[n, d["name"], d["kind"], d["addr"], d["size"], d["aliases"], d["address_taken"],
@@ -223,7 +292,7 @@ class CallGraph:
                  for u, v, k, d in self.graph.edges(keys=True, data=True)]
         return {
             "format": FORMAT_VERSION,
-            "binary": asdict(self.binary),
+            "binary": self.binary.as_dict(),
             "analysis_seconds": self.analysis_seconds,
             "nodes": nodes,
             "edges": edges,
@@ -243,7 +312,7 @@ class CallGraph:
 
     def summary(self) -> dict[str, Any]:
         """What a warm start needs without the rows: identity, counts, whether edges are weighted."""
-        return {"format": FORMAT_VERSION, "binary": asdict(self.binary),
+        return {"format": FORMAT_VERSION, "binary": self.binary.as_dict(),
                 "analysis_seconds": self.analysis_seconds, "nodes": self.number_of_nodes(),
                 "edges": self.number_of_edges(),
                 "weighted": any(w for *_, w in self.edge_rows())}

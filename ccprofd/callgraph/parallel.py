@@ -87,10 +87,10 @@ def _sweep_range(code_of: Callable[[int, int], bytes], md: Cs, ranges: list[tupl
 
 
 def _plain(r: SweepResult) -> tuple[list[tuple[object, ...]], list[int], int]:
-    return ([(b.address, b.length, b.raw, b.is_call, b.conditional, b.target, b.operand) for b in r.branches],
+    return ([tuple(b) for b in r.branches],  # plain tuples: marshal takes no tuple subclass
             r.code_refs, r.instructions)
 
 
 def _from_plain(p: tuple[list[tuple[object, ...]], list[int], int]) -> SweepResult:
     branches, refs, n = p
-    return SweepResult([Branch(*b) for b in branches], list(refs), n)  # type: ignore[arg-type]
+    return SweepResult([Branch._make(b) for b in branches], list(refs), n)

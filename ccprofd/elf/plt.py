@@ -25,6 +25,9 @@ class PltResolver:
         self._cache: dict[int, str | None] = {}
         self._md = Cs(CS_ARCH_X86, CS_MODE_64)
         self._ranges = [(s.vaddr, s.vaddr + s.size) for s in self.sections]
+        # the span of all PLT sections: most addresses asked about (every call target) lie outside it
+        self._lo = min((lo for lo, _ in self._ranges), default=0)
+        self._hi = max((hi for _, hi in self._ranges), default=0)
 
     def _read_slots(self) -> dict[int, str]:
         with self.image.parsing("dynamic relocations"):
@@ -51,6 +54,8 @@ class PltResolver:
         return out
 
     def in_plt(self, addr: int) -> bool:
+        if not self._lo <= addr < self._hi:
+            return False
         return any(lo <= addr < hi for lo, hi in self._ranges)
 
     def resolve(self, stub: int) -> str | None:

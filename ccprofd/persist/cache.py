@@ -15,18 +15,14 @@ from __future__ import annotations
 import contextlib
 import gc
 import hashlib
-import logging
 import marshal
 import os
 from pathlib import Path
 from typing import Any
 
-from ccprofd.persist.atomicfile import atomic_write_chunks
-
 CACHE_FORMAT = 4  # bump whenever the analysis output changes meaning
 MAGIC = b"ccprofd-cache\n"
 _DIGEST = 32  # SHA-256 of the payload, after the magic
-log = logging.getLogger("ccprofd")
 
 
 def file_identity(path: str) -> str | None:
@@ -65,7 +61,10 @@ class AnalysisCache:
         head = len(MAGIC) + _DIGEST
         payload = memoryview(raw)[head:]
         if raw[:len(MAGIC)] != MAGIC or hashlib.sha256(payload).digest() != raw[len(MAGIC):head]:
-            log.warning("cache entry %s is damaged (checksum mismatch): recomputed", path)
+            import logging  # only here: a cache hit must not pay for importing it
+
+            logging.getLogger("ccprofd").warning("cache entry %s is damaged (checksum mismatch): recomputed",
+                                                 path)
             return None
         gc_was_enabled = gc.isenabled()
         gc.disable()  # millions of small containers: the cyclic GC would triple the load time
@@ -81,6 +80,8 @@ class AnalysisCache:
         return obj.get("value")
 
     def store(self, kind: str, key: str, value: Any) -> None:
+        from ccprofd.persist.atomicfile import atomic_write_chunks  # tempfile: not for a cache hit
+
         payload = marshal.dumps({"cache_format": CACHE_FORMAT, "value": value})
         with contextlib.suppress(OSError):  # a read-only or full cache dir must not fail the analysis
             atomic_write_chunks(self.path_for(kind, key), (MAGIC, hashlib.sha256(payload).digest(), payload))

@@ -1,0 +1,103 @@
+"""ccprofd/callgraph/csweep.c against disasm.sweep's Python loop (the reference): the same branches
+(address, length, bytes, kind, target, operand text) and code references, in the same order, for
+every function of several binaries, both as the analysis sweeps functions (local jumps left out)
+and as a whole code section is swept (local jumps kept).  Byte-for-byte: the call graph's digest
+must not depend on which loop ran."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import skip_or_fail
+from programs.build import build
+
+from ccprofd.callgraph import disasm
+from ccprofd.callgraph.disasm import SweepResult, make_disassembler, sweep
+from ccprofd.callgraph.functions import FunctionTable
+from ccprofd.elf.image import ElfImage
+
+SYSTEM = ["/usr/bin/bash", "/usr/lib/x86_64-linux-gnu/libc.so.6", "/usr/bin/python3.11"]
+
+
+def _both(monkeypatch: pytest.MonkeyPatch, code: bytes, base: int,
+          local_jumps: bool) -> tuple[SweepResult, ...]:
+    md = make_disassembler()
+    compiled = SweepResult([], [], 0)
+    sweep(md, code, base, compiled, local_jumps=local_jumps)
+    with monkeypatch.context() as m:
+        m.setattr(disasm, "csweep", None)
+        reference = SweepResult([], [], 0)
+        sweep(md, code, base, reference, local_jumps=local_jumps)
+    return compiled, reference
+
+
+def _facts(r: SweepResult) -> tuple[object, ...]:
+    return r.branches, r.code_refs, r.instructions
+
+
+@pytest.fixture
+def compiled() -> None:
+    if disasm.csweep is None:
+        skip_or_fail("ccprofd/callgraph/csweep.c is not built (bash scripts/build_ext.sh)")
+
+
+@pytest.mark.parametrize("path", [*SYSTEM, "calls", "switch", "fptr", "tailcall"])
+def test_compiled_sweep_equals_python_sweep(path: str, compiled: None,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    if "/" not in path:
+        path = build(path, opt="O2", pie=True, strip=False)
+    image = ElfImage(path)
+    table = FunctionTable(image)
+    ranges = [(s, table.by_start[s].end) for s in table.starts]
+    if path == "/usr/bin/python3.11":
+        ranges = ranges[::7]  # a seventh of its ~7,000 functions keeps the test short
+    branches = refs = 0
+    for start, end in ranges:
+        c, p = _both(monkeypatch, image.bytes_at(start, end - start), start, False)
+        assert _facts(c) == _facts(p), hex(start)
+        assert [type(b.target) for b in c.branches] == [type(b.target) for b in p.branches]
+        assert all(type(b) is disasm.Branch for b in c.branches)
+        branches += len(c.branches)
+        refs += len(c.code_refs)
+    assert branches and refs
+    for sec in image.code_sections():
+        code = image.bytes_at(sec.vaddr, min(sec.size, 1 << 18))
+        c, p = _both(monkeypatch, code, sec.vaddr, True)
+        assert _facts(c) == _facts(p), sec.name
+
+
+def test_operand_texts_python_would_parse_otherwise_fall_back(compiled: None) -> None:
+    """A decimal with a leading zero (int("012", 0) raises) is not parsed in C: scan returns None
+    and the Python loop decides (hand-made records: a push of "012")."""
+    import ctypes
+
+    from capstone import _cs_insn
+
+    classes, jccs, layout = disasm._scan_tables()
+    from capstone.x86_const import X86_INS_PUSH
+
+    rec = _cs_insn()
+    rec.id = X86_INS_PUSH
+    rec.address = 0x1000
+    rec.size = 2
+    rec.mnemonic = b"push"
+    for text, want in ((b"012", None), (b"0x12345", ([], [0x12345])), (b"12345", ([], [12345])),
+                       (b"0x" + b"1" * 17, None), (b"rax", ([], []))):
+        rec.op_str = text
+        buf = ctypes.string_at(ctypes.addressof(rec), ctypes.sizeof(rec))
+        got = disasm.csweep.scan(buf, 1, b"\x6a\x00", 0x1000, False, classes, jccs, layout, disasm.Branch)
+        assert (got if got is None else (list(got[0]), list(got[1]))) == want, text
+
+
+@pytest.mark.parametrize("byte", [b"\xcc", b"\x90", b"\x00"])
+def test_gaps_of_one_padding_byte_are_all_padding_to_capstone(byte: bytes) -> None:
+    """analysis._first_non_padding answers None for such a gap without disassembling it: capstone
+    must say the same of every length (zero fill: pairs of `add byte ptr [rax], al`, a lone .byte)."""
+    from ccprofd.callgraph.analysis import _first_non_padding
+    from ccprofd.callgraph.disasm import first_non_padding
+
+    md = make_disassembler()
+    for n in range(1, 40):
+        assert first_non_padding(md, byte * n, 0x1000) is None, n
+        assert _first_non_padding(md, byte * n, 0x1000) is None
+    ret = byte * 6 + b"\xc3"
+    assert _first_non_padding(md, ret, 0x1000) == first_non_padding(md, ret, 0x1000) == 0x1006
