@@ -39,6 +39,19 @@ def test_trace_arguments_parse_without_the_other_commands_modules() -> None:
         assert command in helptext
 
 
+
+def test_trace_start_up_imports_no_http_client() -> None:
+    """The debug-file locator fetches from debuginfod with urllib.request, which imports
+    http.client, email and ssl (~25-70 ms here): only a configured server needs them, so the
+    modules a trace loads (the CLI, both modes, the symbolizers) must not import them."""
+    code = ("import sys\n"
+            "import ccprofd.cli.main, ccprofd.tracing.unwind.mode, ccprofd.tracing.unwind.symbolize\n"
+            "import ccprofd.tracing.instrumented.mode, ccprofd.tracing.symbols, ccprofd.elf.debugfile\n"
+            "print(sorted({'urllib.request', 'http.client', 'ssl', 'email'} & set(sys.modules)))\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
 SYMS_C = ("int helper_fn(int x) { return x * 3; }\n"
           "int main(int argc, char **argv) { return helper_fn(argc); }\n")
 

@@ -66,3 +66,23 @@ def test_verified_insns_reads_the_kernels_count() -> None:
         assert n == 5
     finally:
         os.close(fd)
+
+
+@pytest.mark.parametrize("shape", [None, (2, 13, 7574)], ids=["unencoded", "python3.11-like"])
+def test_the_flight_recorder_adds_little_verification(shape: tuple[int, int, int] | None) -> None:
+    """The recorder (tracing/history.c) is a few stores at the end of the syscall sample, so it may
+    add a few hundred processed instructions, not a second pass over the unwind loops: it once
+    doubled them (11,139 -> 21,786 for a small target, ~+80 ms of every start-up) because its
+    guard branched on the tracepoint's `regs`, which made that value precise and kept its NULL and
+    non-NULL cases apart through every bpf_loop callback."""
+    from conftest import require_bpf, skip_or_fail
+
+    require_bpf()
+    enc = _encoding(*shape) if shape else None
+    counts = {}
+    for length in (0, 256):
+        with UnwindSampler(syscalls=[1], encoding=enc, history=length) as s:
+            counts[length] = s.verified_insns()["uw_sys_enter"]
+    if not counts[0]:
+        skip_or_fail("kernel does not report verified_insns (before 5.16)")
+    assert counts[0] < counts[256] < counts[0] * 1.1, counts

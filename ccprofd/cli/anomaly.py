@@ -103,14 +103,16 @@ def _parse_syscalls(text: str | None) -> list[str] | None:
 
 
 def _open_traced(args: argparse.Namespace, syscalls: list[str] | None,
-                 on_launch: Callable[[int], None] | None = None, enforce: Any = None) -> Any:
-    """The tracer's session for ``-- CMD``: probes attached before the command execs."""
+                 on_launch: Callable[[int], None] | None = None, enforce: Any = None,
+                 history: int | None = None) -> Any:
+    """The tracer's session for ``-- CMD``: probes attached before the command execs.  ``history``:
+    the flight recorder's events per thread (TraceOptions.history; learn reads none: 0)."""
     from ccprofd.kbpf.errors import BPFError
     from ccprofd.tracing import session as tracer
 
     try:
         opts = tracer.TraceOptions(mode=args.mode, syscalls=",".join(syscalls) if syscalls else None,
-                                   cache_dir=args.cache_dir, enforce=enforce)
+                                   cache_dir=args.cache_dir, enforce=enforce, history=history)
         return tracer.open_session(list(args.command), options=opts, on_launch=on_launch)
     except tracer.TraceError as exc:
         raise _Usage(str(exc)) from None
@@ -199,7 +201,7 @@ def cmd_learn(args: argparse.Namespace) -> int:
         sink.learners[bid] = (learner := Learner(TargetModel(bid, path), syscalls=syscalls,
                                                  transitions=args.transitions),
                               PeriodicFlusher(args.model, learner, args.flush_interval))
-        session = _open_traced(args, syscalls)
+        session = _open_traced(args, syscalls, history=0)  # nothing here reads the flight recorder
         try:
             status = _run_session(session, lambda s: sink.add(target, s))
         finally:

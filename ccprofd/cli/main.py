@@ -105,7 +105,10 @@ def cmd_trace(args: argparse.Namespace) -> int:
                            edge_weights=args.edge_weights, save_edge_weights=args.save_edge_weights,
                            retval=args.format == "text" if args.retval is None else args.retval,
                            source_lines=(args.format == "text" if args.source_lines is None
-                                         else args.source_lines))
+                                         else args.source_lines),
+                           # nothing in `trace` reads the flight recorder (GetHistory, alerts): not
+                           # built, which saves its map and half the unwinder's verification
+                           history=0)
     problem = privileges_problem()
     if problem is not None:
         print(f"ccprofd: {problem}", file=sys.stderr)

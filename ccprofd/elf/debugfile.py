@@ -16,8 +16,6 @@ import logging
 import mmap
 import os
 import struct
-import urllib.error
-import urllib.request
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -168,6 +166,13 @@ class DebugFileLocator:
         target = self.debuginfod_dir / bid / "debuginfo"
         if target.is_file() and read_ids(str(target)).build_id == bid:
             return str(target)
+        if not self.urls:
+            return None
+        # imported here: urllib.request pulls in http.client, email and ssl (~25-70 ms), which every
+        # `ccprofd trace` start-up paid while only a configured debuginfod server uses them
+        import urllib.error
+        import urllib.request
+
         for url in self.urls:
             try:
                 with urllib.request.urlopen(f"{url}/buildid/{bid}/debuginfo", timeout=self.timeout) as r:

@@ -435,6 +435,7 @@ class ModeBase(ABC, Generic[Record, Key]):
         append = out.append
         hit = self._kernel.hit
         seen = 0
+        recorder = self.options.history != 0  # 0: compiled out, nothing to find them for
         for r, k in zip(raw, kinds, strict=True):
             if k == HIT:
                 d = hit(key(r)) or LOST_DECODED
@@ -446,7 +447,7 @@ class ModeBase(ABC, Generic[Record, Key]):
                 self._on_side_event(r)
                 continue
             append(sample(r, d))
-            if k == PLAIN:  # the flight recorder finds a sample sent on its own by thread and time
+            if k == PLAIN and recorder:  # the recorder finds a sample sent on its own by thread and time
                 _remember(self._recent_plain, self._recent_order, (out[-1].tid, out[-1].time_ns), d)
             if in_kernel:
                 counted.append(k == PLAIN)

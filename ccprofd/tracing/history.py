@@ -52,8 +52,13 @@ class HistoryEvent:
 ENV_LENGTH = "CCPROFD_HISTORY"  # events kept per thread; 0 turns the recorder off (README)
 
 
-def configured_length() -> int:
-    """Events per thread: ``CCPROFD_HISTORY`` (0 or a power of two up to 4096), else the default."""
+def configured_length(requested: int | None = None) -> int:
+    """Events per thread: ``requested`` when given (a caller that never reads the recorder passes
+    0), else ``CCPROFD_HISTORY`` (0 or a power of two up to 4096), else the default."""
+    if requested is not None:
+        if requested < 0 or requested > 4096 or requested & (requested - 1):
+            raise BPFError(f"history length must be 0 or a power of two up to 4096, not {requested}")
+        return requested
     text = os.environ.get(ENV_LENGTH)
     if text is None:
         return DEFAULT_HISTORY_LEN

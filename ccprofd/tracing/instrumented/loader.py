@@ -76,10 +76,11 @@ PROGRAMS = {"site": "cc_site_probe", "tail": "cc_tail_probe", "entry": "cc_entry
 
 
 
-def _program_text() -> str:
-    """The flight recorder (tracing/history.c: cc_emit calls its ccprof_history_put), then instrumented.c."""
+def _program_text(history: int | None = None) -> str:
+    """The flight recorder (tracing/history.c: cc_emit calls its ccprof_history_put; ``history``
+    events per thread, see history.configured_length), then instrumented.c."""
     own = Path(__file__).with_name(C_SOURCE).read_text(encoding="utf-8")
-    return history_source(configured_length()) + own
+    return history_source(configured_length(history)) + own
 
 
 @dataclass(frozen=True, slots=True)
@@ -436,7 +437,7 @@ class InstrumentedBPF:
 
     def __init__(self, probe_plan: ProbePlan, plan: Mapping[str, Any], *,
                  syscalls: Iterable[int] | None = None, limits: Limits = Limits(),
-                 cache_dir: str | None = None) -> None:
+                 cache_dir: str | None = None, history: int | None = None) -> None:
         pages = os.environ.get("CCPROFD_SCOPE_STACK_PAGES")  # --scope prefix copy size (README)
         if pages is not None:
             if not pages.isdigit() or not 0 <= int(pages) <= 64:
@@ -490,7 +491,7 @@ class InstrumentedBPF:
                    "CC_AGG_KEY_BYTES": agg_key_bytes, **sas,
                    **self.scheme.defines()}
         prelude = "".join(f"#define {k} {v}\n" for k, v in defines.items())
-        prelude += _program_text()
+        prelude += _program_text(history)
         self.sampler = SyscallSampler(syscalls=syscalls, max_tracked=max(4096, 2 * limits.slots),
                                       ringbuf_pages=limits.sampler_ring, prelude=prelude, cache_dir=cache_dir)
         self.module: RawModule = self.sampler.module

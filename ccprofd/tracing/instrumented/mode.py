@@ -104,7 +104,8 @@ class InstrumentedMode(ModeBase[Event, int]):
 
             self._scope = live_prefixes(pp, self._sym.names, self.options.cache_dir)
         limits = Limits(sampler_ring=RET_RINGBUF_PAGES) if self.options.retval else Limits()
-        self._bpf = InstrumentedBPF(pp, plan, syscalls=nrs, limits=limits, cache_dir=self.options.cache_dir)
+        self._bpf = InstrumentedBPF(pp, plan, syscalls=nrs, limits=limits, cache_dir=self.options.cache_dir,
+                                    history=self.options.history)
         self._bpf.attach()
         if self.options.retval:
             self._bpf.sampler.attach_returns()

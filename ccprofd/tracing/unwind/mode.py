@@ -149,7 +149,8 @@ class UnwindMode(ModeBase[Record, tuple[int, int]]):
         self.sampler = UnwindSampler(syscalls=nrs, aggregate=True, emit_hits=True, encoding=self.encoding,
                                      cache=analysis_cache, load_early=True,
                                      events_ringbuf_pages=RET_RINGBUF_PAGES if self.options.retval else 16,
-                                     enforce_keys=0 if enf is None else max(1, len(enf.allowed)))
+                                     enforce_keys=0 if enf is None else max(1, len(enf.allowed)),
+                                     history=self.options.history)
         if enf is not None:
             self.enforcement_maps = UnwindEnforcementMaps(self.sampler.module)
             self.enforcement_maps.configure(enf.allowed, enf.syscalls, kill=enf.kill,

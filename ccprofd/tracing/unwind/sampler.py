@@ -405,6 +405,7 @@ class UnwindSampler:
         max_unanalysed: int = 128,
         emit_hits: bool = False,
         load_early: bool = False, enforce_keys: int = 0,  # enforce_keys: UW_ENFORCE, see enforcement.py
+        history: int | None = None,  # flight recorder events per thread (history.configured_length)
     ) -> None:
         if max_depth < 1 or max_depth & (max_depth - 1):
             raise BPFError(f"max_depth must be a power of two, not {max_depth}")
@@ -428,7 +429,7 @@ class UnwindSampler:
             max_depth=max_depth, max_maps=max_maps, max_procs=max_procs, max_entries=max_entries,
             max_modules=max_modules, max_rules=max_rules, max_contexts=max_contexts, arena_words=arena_words,
             ringbuf_pages=ringbuf_pages, encoding=encoding, layout=self.layout,
-            events_ringbuf_pages=events_ringbuf_pages, enforce_keys=enforce_keys)
+            events_ringbuf_pages=events_ringbuf_pages, enforce_keys=enforce_keys, history=history)
         bpf_cache = cache_dir_under(self.cache.directory) if cache is not None else None
         self.module = load_module(defines + sampler_source(self.cache.directory) + "\n" + unwind_source(),
                                   cache_dir=bpf_cache)
@@ -673,7 +674,8 @@ class UnwindSampler:
 def _program_defines(*, max_depth: int, max_maps: int, max_procs: int, max_entries: int,
                      max_modules: int, max_rules: int, max_contexts: int, arena_words: int,
                      ringbuf_pages: int, encoding: UnwindEncoding | None, layout: RecordLayout | None,
-                     events_ringbuf_pages: int = 16, enforce_keys: int = 0) -> tuple[str, dict[str, int]]:
+                     events_ringbuf_pages: int = 16, enforce_keys: int = 0,
+                     history: int | None = None) -> tuple[str, dict[str, int]]:
     """The ``#define`` prelude of unwind.c for these limits (and encoding), and the bpf_loop
     iteration counts by loop name (they pick each loop's callback when the program is linked)."""
     ncpu = os.cpu_count() or 1
@@ -720,7 +722,8 @@ def _program_defines(*, max_depth: int, max_maps: int, max_procs: int, max_entri
     if len(set(loops.values())) != len(loops):
         raise BPFError(f"bpf_loop counts must differ (they pick the callbacks): {loops}")
     # the flight recorder (tracing/history.c): uw_sample calls its ccprof_history_put
-    text = "".join(f"#define {k} {v}\n" for k, v in defines.items()) + history_source(configured_length())
+    text = "".join(f"#define {k} {v}\n" for k, v in defines.items())
+    text += history_source(configured_length(history))
     if tracepoint_has_field("sched", "sched_process_exit", "group_dead"):
         text += "#define HAVE_GROUP_DEAD 1\n"
         off = tracepoint_field_offset("sched", "sched_process_exit", "group_dead")

@@ -1272,9 +1272,11 @@ static __always_inline void uw_aggregate(struct uw_state *st, void *arena_cb) {
 
 // `can_aggregate` is a constant per program: the CPU sampler sends every sample (the aggregation
 // code would double its verification cost past the verifier's limit; CPU samples are few).
+// `syscall_sample` too (1: from uw_sys_enter, whose `regs` are read for the arguments and the
+// flight recorder gets the sample); never test `regs` for that, see the recorder's call below.
 static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u64 sp, u64 bp, u64 argp,
-                                      struct pt_regs *regs, void *loop_cb, void *arena_cb, int can_aggregate, int memo
-                                      UE_CALLBACK_PARAMS) {
+                                      struct pt_regs *regs, void *loop_cb, void *arena_cb, int can_aggregate, int memo,
+                                      int syscall_sample UE_CALLBACK_PARAMS) {
     struct uw_state *st = uw_state.lookup(&slot);
     if (!st)
         return;
@@ -1324,7 +1326,7 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
     st->s.h1 = 0x243F6A8885A308D3ULL;
     st->s.h2 = 0x13198A2E03707344ULL;
     st->s.arg_len = 0;
-    if (regs) {  // a constant per program: CPU samples pass 0
+    if (syscall_sample) {  // a constant per program (regs is not: the tracepoint's argument)
         // one read of pt_regs from r10 to di (they are adjacent) instead of six (issue #18)
 #define UW_REG(r) ((offsetof(struct pt_regs, r) - offsetof(struct pt_regs, r10)) / 8)
         u64 rw[UW_REG(di) + 1];
@@ -1427,7 +1429,10 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
         st->p_agg = 0;
         uw_emit(st);
     }
-    if (regs)  // a syscall sample: flight recorder (history.c), the context is its 128-bit hash
+    // A syscall sample: flight recorder (history.c), the context is its 128-bit hash.  Tested on the
+    // constant, not on regs: a branch on regs (a value the verifier does not know) made it precise
+    // and kept its two cases apart through every bpf_loop above, twice the verification.
+    if (syscall_sample)
         ccprof_history_put(pid_tgid, st->s.ktime_ns, nr, st->s.flags, st->s.h1, st->s.h2, st->s.sargs);
 }
 
@@ -1654,7 +1659,7 @@ int uw_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
     bpf_probe_read_kernel(&bp, sizeof(bp), &regs->bp);
     uw_sample(bpf_get_smp_processor_id() * 2, pid_tgid, (s32)nr, ip, sp, bp, uw_path_arg(regs, nr), regs,
               uw_step_sys,
-              uw_arena_sys, 1, 1 UE_CALLBACKS_SYS);
+              uw_arena_sys, 1, 1, 1 UE_CALLBACKS_SYS);
     UW_ENFORCE_SYS(tgid, (u32)pid_tgid, nr);
     return 0;
 }
@@ -1676,7 +1681,7 @@ int uw_cpu_sample(struct bpf_perf_event_data *ctx) {
     bpf_probe_read_kernel(&ip, sizeof(ip), &regs->ip);
     bpf_probe_read_kernel(&sp, sizeof(sp), &regs->sp);
     bpf_probe_read_kernel(&bp, sizeof(bp), &regs->bp);
-    uw_sample(bpf_get_smp_processor_id() * 2 + 1, pid_tgid, -1, ip, sp, bp, 0, 0, uw_step_cpu, uw_arena_cpu, 0, 0
+    uw_sample(bpf_get_smp_processor_id() * 2 + 1, pid_tgid, -1, ip, sp, bp, 0, 0, uw_step_cpu, uw_arena_cpu, 0, 0, 0
               UE_CALLBACKS_CPU);
     return 0;
 }
