@@ -434,8 +434,7 @@ class ModeBase(ABC, Generic[Record, Key]):
         counted: list[bool] = []
         append = out.append
         hit = self._kernel.hit
-        seen = 0
-        recorder = self.options.history != 0  # 0: compiled out, nothing to find them for
+        seen, recorder = 0, self.options.history != 0  # history 0: no recorder to find samples for
         for r, k in zip(raw, kinds, strict=True):
             if k == HIT:
                 d = hit(key(r)) or LOST_DECODED

@@ -96,8 +96,7 @@ class InstrumentedMode(ModeBase[Event, int]):
                                    scope=self.options.scope)
         except ProbePlanError as exc:
             raise TraceError(str(exc)) from None
-        self.build_id = graph.binary.build_id
-        self.probe_plan = pp
+        self.build_id, self.probe_plan = graph.binary.build_id, pp
         self._sym = Symbolizer(pp, plan, source_lines=self.options.source_lines, cache=AnalysisCache(cache))
         if self.options.scope:
             from ccprofd.tracing.instrumented.scopeprefix import live_prefixes
