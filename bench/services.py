@@ -46,7 +46,9 @@ them) and linux-perf for perf-dwarf and the exactness check.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
+import ctypes
 import io
 import json
 import os
@@ -59,10 +61,12 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, ClassVar
 
 import exactness
+import scope_hits
 from common import ROOT, cpu_seconds, machine_line, publish, status_mb
 
 sys.path.insert(0, str(ROOT / "tests"))  # the daemon harness the end-to-end tests use
@@ -73,7 +77,8 @@ from ccprofd.kbpf.syscalls import syscall_numbers
 
 SECURITY = ["execve", "openat", "connect", "accept4", "mprotect", "mmap", "clone3", "unlinkat", "renameat2"]
 TESTS = "get,set,lrange_100"
-CONFIGS = ("untraced", "unwind-all", "unwind-security", "perf-dwarf", "bpf-fp", "instrumented-scope")
+CONFIGS = ("untraced", "unwind-all", "unwind-security", "perf-dwarf", "bpf-fp", "instrumented-scope",
+           "scope-probes")
 
 
 def free_port() -> int:
@@ -321,7 +326,9 @@ Service = Redis | Nginx | Postgres
 #: only the call graph below it), and how the bench calls it once after the load
 SCOPES = {"redis": "^(saveCommand|bgsaveCommand|configSetCommand)$",
           "nginx": "^ngx_reopen_files$",  # the master, on SIGUSR1 (log rotation)
-          "postgres": "^(DoCopy|be_lo_export)$"}
+          # the smallest probe plan of the rare entry points tried: 1,983 probes (its call graph
+          # reaches elog/ereport); ^(DoCopy|be_lo_export)$ has 42,421, ^be_lo_export$ 7,758
+          "postgres": "^pg_reload_conf$"}
 
 
 def call_scope(svc: Service) -> None:
@@ -332,12 +339,43 @@ def call_scope(svc: Service) -> None:
         svc.proc.send_signal(signal.SIGUSR1)
     else:
         subprocess.run(["psql", "-h", "127.0.0.1", "-p", str(svc.port), "-U", "postgres", "-Atc",
-                        "COPY (SELECT 1) TO STDOUT", "postgres"], capture_output=True, check=True,
+                        "SELECT pg_reload_conf()", "postgres"], capture_output=True, check=True,
                        cwd=svc.dir)
 
 
+BPF_ENABLE_STATS = 32  # bpf(2) command: run-time stats on while the returned fd is open
+
+
+def bpf_run_stats(ids: set[int]) -> tuple[int, int]:
+    """(run_time_ns, run_cnt) summed over the BPF programs ``ids`` (bpftool; counted only while
+    run-time stats are on)."""
+    out = subprocess.run(["bpftool", "-j", "prog", "show"], capture_output=True, text=True, check=True).stdout
+    progs = [p for p in json.loads(out or "[]") if int(p["id"]) in ids]
+    return sum(int(p.get("run_time_ns", 0)) for p in progs), sum(int(p.get("run_cnt", 0)) for p in progs)
+
+
+@contextlib.contextmanager
+def bpf_stats_on(on: bool) -> Iterator[None]:
+    """BPF run-time stats on while the block runs (a ``BPF_ENABLE_STATS`` fd, not the shared
+    ``kernel.bpf_stats_enabled`` sysctl); they add two clock reads per program run, so only
+    ``--bpf-stats`` runs use them."""
+    if not on:
+        yield
+        return
+    from ccprofd.kbpf import rawbpf
+
+    class Attr(ctypes.Structure):
+        _fields_: ClassVar = [("type", ctypes.c_uint32)]  # BPF_STATS_RUN_TIME = 0
+
+    fd = rawbpf.bpf(BPF_ENABLE_STATS, Attr(0), "BPF_ENABLE_STATS")
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
 def run_daemon(workdir: Path, svc: Service, syscalls: list[str] | str, requests: int,
-               mode: str = "unwind") -> dict[str, Any]:
+               mode: str = "unwind", bpf_stats: bool = False) -> dict[str, Any]:
     """The service's load under ``ccprofd run`` with the service's binary as a ``path`` target
     (its running processes are found by the daemon's /proc rescan).  ``instrumented`` mode scopes
     to :data:`SCOPES` and calls the scope once after the load."""
@@ -346,16 +384,23 @@ def run_daemon(workdir: Path, svc: Service, syscalls: list[str] | str, requests:
     target = target_toml(svc.name, f'path = "{svc.binary}"', syscalls, mode, scope)
     with RunningDaemon(wd, config_text(wd, target, daemon_extra="top_k = 20")) as daemon:
         wait_tracked(daemon, svc.pids(), timeout=120)
-        cpu0 = cpu_seconds(daemon.proc.pid)
-        t0 = time.perf_counter()
-        result = svc.load(requests)
-        wall = time.perf_counter() - t0
+        progs = daemon.bpf_objects().all_progs
+        with bpf_stats_on(bpf_stats):
+            bpf0 = bpf_run_stats(progs) if bpf_stats else (0, 0)
+            cpu0 = cpu_seconds(daemon.proc.pid)
+            svc_cpu0 = sum(cpu_seconds(p) for p in svc.pids())
+            t0 = time.perf_counter()
+            result = svc.load(requests)
+            wall = time.perf_counter() - t0
+            svc_cpu = sum(cpu_seconds(p) for p in svc.pids()) - svc_cpu0
+            bpf1 = bpf_run_stats(progs) if bpf_stats else (0, 0)
         time.sleep(1.5)  # the daemon drains what the load left in the rings
         cpu = cpu_seconds(daemon.proc.pid) - cpu0
         if mode == "instrumented":
             call_scope(svc)
             time.sleep(1.5)
         dropped = sum(v for _, v in daemon.metric_samples("ccprofd_samples_dropped_total"))
+        probe_hits = sum(v for _, v in daemon.metric_samples("ccprofd_probe_hits_total"))
         ctl = [sys.executable, "-m", "ccprofd.cli.ctl", "--socket", daemon.socket_path]
         every = json.loads(subprocess.run([*ctl, "--format", "json", "hot", "--top", "1000000"],
                                           capture_output=True, text=True,
@@ -370,8 +415,10 @@ def run_daemon(workdir: Path, svc: Service, syscalls: list[str] | str, requests:
         rss = status_mb(daemon.proc.pid, "VmHWM")
         daemon.stop()
     return {"tests": result, "daemon_cpu_pct": 100 * cpu / (wall + 1.5), "daemon_rss_mb": rss,
-            "dropped": dropped, "contexts": contexts, "samples": samples, "hot": hot,
-            "mean_depth": depth, "mean_program_frames": program}
+            "dropped": dropped, "probe_hits": probe_hits, "contexts": contexts, "samples": samples,
+            "hot": hot,
+            "mean_depth": depth, "mean_program_frames": program, "wall": wall, "service_cpu_s": svc_cpu,
+            "daemon_cpu_s": cpu, "bpf_ns": bpf1[0] - bpf0[0], "bpf_runs": bpf1[1] - bpf0[1]}
 
 
 def run_perf(workdir: Path, svc: Service, requests: int) -> dict[str, Any]:
@@ -389,6 +436,7 @@ def run_perf(workdir: Path, svc: Service, requests: int) -> dict[str, Any]:
     perf.wait(timeout=300)
     size = data.stat().st_size if data.exists() else 0
     data.unlink(missing_ok=True)
+    os.sync()  # its GBs of perf.data written back now, not during the next configuration's load
     return {"tests": result, "perf_cpu_pct": 100 * cpu / wall, "perf_data_mb": size / 2**20}
 
 
@@ -605,6 +653,34 @@ def render_service(name: str, version: str, results: dict[str, list[dict[str, An
             hist = ", ".join(f"{k}: {100 * v / max(1, fp[0]['samples']):.0f}%"
                              for k, v in fp[0]["program_frames_hist"].items())
             lines.append(f"\nbpf-fp: samples by number of frames in the service's binary: {hist}.")
+    prof = [x for x in results.get("unwind-all", []) if x.get("bpf_runs")]
+    if prof:
+        def med(f: Any) -> float:
+            return statistics.median(f(x) for x in prof)
+        lines += ["", "Where unwind-all's time goes (`--bpf-stats`, medians over the rounds; BPF run time "
+                  "from BPF_ENABLE_STATS, the service's and the daemon's CPU from /proc during the load): "
+                  f"{med(lambda x: x['bpf_runs'] / x['wall']):,.0f} BPF program runs/s "
+                  f"(the service's syscalls), {med(lambda x: x['bpf_ns'] / x['bpf_runs']):,.0f} ns per run; "
+                  f"BPF time {med(lambda x: x['bpf_ns'] / 1e9 / x['wall']) * 100:.0f}% of a core against "
+                  f"the service's own CPU {med(lambda x: x['service_cpu_s'] / x['wall']) * 100:.0f}% "
+                  f"(which includes the BPF time: it runs in the service's syscalls) and the daemon's "
+                  f"{med(lambda x: x['daemon_cpu_s'] / x['wall']) * 100:.0f}%."]
+    if results.get("instrumented-scope"):
+        r = results["instrumented-scope"]
+        per = requests if name != "postgres" else None
+        hits = statistics.median(x["probe_hits"] for x in r)
+        lines += ["", f"instrumented-scope: the daemon counted {hits:,.0f} probe hits per load (median)"
+                  + (f", {hits / (per * len(r[0]['tests'])):.1f} per request" if per else "") + "."]
+    if results.get("scope-probes"):
+        r = results["scope-probes"][-1]
+        lines += ["", f"scope-probes (last round): the plan for `scope = '{SCOPES[name]}'` has {r['probes']} "
+                  f"probes ({', '.join(f'{v} {k}' for k, v in sorted(r['kinds'].items()))}); under the load "
+                  f"{r['probes_fired']} of them fired, {r['hits']:,} hits"
+                  + (f" ({r['hits'] / (requests * len(r['tests'])):.1f} per request)" if name != "postgres"
+                     else f" ({r['hits'] / max(1, sum(t['rps'] for t in r['tests'].values()) * seconds):.1f} "
+                     "per transaction)") + ", by probe (kind, the function it is in, the callee):", "",
+                  "| probe kind | in function | callee | hits |", "|---|---|---|---:|"]
+        lines += [f"| {k} | `{f}` | `{t}` | {c:,} |" for k, f, t, c in r["top"]]
     if results.get("instrumented-scope"):
         lines += ["", f"instrumented-scope: `scope = '{SCOPES[name]}'`, called once after the load; the top "
                   "of `ccprofctl hot` then (last round):", "", "```",
@@ -663,6 +739,9 @@ def main() -> int:
     ap.add_argument("--configs", default=",".join(CONFIGS),
                     help=f"comma-separated configurations to measure, of {', '.join(CONFIGS)} "
                     "(untraced always)")
+    ap.add_argument("--bpf-stats", action="store_true",
+                    help="unwind-all: the daemon's BPF programs' run time per sample (BPF_ENABLE_STATS) "
+                    "against the service's and the daemon's CPU")
     ap.add_argument("--section", default="services", help="README section --update-readme writes")
     ap.add_argument("--update-readme", action="store_true")
     args = ap.parse_args()
@@ -689,15 +768,20 @@ def main() -> int:
                 if args.rounds:
                     svc.load(args.requests)  # warm-up: allocator, page cache
                 for rnd in range(args.rounds):
-                    for cfg in configs:
+                    # each round starts one configuration later: none always follows the same one
+                    for cfg in configs[rnd % len(configs):] + configs[:rnd % len(configs)]:
                         if cfg == "untraced":
                             r: dict[str, Any] = {"tests": svc.load(args.requests)}
                         elif cfg == "unwind-all":
-                            r = run_daemon(work, svc, "all", args.requests)
+                            r = run_daemon(work, svc, "all", args.requests, bpf_stats=args.bpf_stats)
                         elif cfg == "unwind-security":
                             r = run_daemon(work, svc, SECURITY, args.requests)
                         elif cfg == "instrumented-scope":
                             r = run_daemon(work, svc, "all", args.requests, "instrumented")
+                        elif cfg == "scope-probes":
+                            r = scope_hits.count_hits(svc.binary, SCOPES[name],
+                                                      lambda s=svc: s.load(args.requests))  # type: ignore[misc]
+                            r["tests"] = r.pop("load")
                         elif cfg == "bpf-fp":
                             r = run_fpstacks(work, svc, args.requests)
                         elif shutil.which("perf"):
