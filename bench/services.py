@@ -465,6 +465,16 @@ def run_fpstacks(workdir: Path, svc: Service, requests: int) -> dict[str, Any]:
     return {"tests": result, "fp_cpu_pct": 100 * cpu / wall, **stats}
 
 
+def perf_events_open(pid: int) -> bool:
+    """Whether process ``pid`` holds a perf_event fd (perf record has opened its events)."""
+    with contextlib.suppress(OSError):
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            with contextlib.suppress(OSError):
+                if os.readlink(f"/proc/{pid}/fd/{fd}") == "anon_inode:[perf_event]":
+                    return True
+    return False
+
+
 #: the exactness check's second pairing (µs-level jitter between perf's and our stamps of a syscall)
 WIDE_TOLERANCE_NS = 150_000
 
@@ -491,7 +501,10 @@ def check_exactness(workdir: Path, svc: Service) -> dict[str, Any]:
                                  "--call-graph", "dwarf", "-p", ",".join(map(str, sorted(before))),
                                  "-o", str(data)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                                 text=True)
-        time.sleep(1.0)  # perf attaches
+        # perf attaches: its event fds exist (on a loaded machine this took longer than the 1 s
+        # once waited here, and perf saw 61 of nginx's 14,000 syscalls), then it enables them
+        wait_for(lambda: perf_events_open(perf.pid), timeout=120, interval=0.1)
+        time.sleep(1.0)
         offset = time.time_ns() - time.clock_gettime_ns(time.CLOCK_MONOTONIC)
         svc.check_load()
         perf.send_signal(signal.SIGINT)
