@@ -20,6 +20,7 @@ from typing import Any
 from ccprofd.callgraph import analyze_binary
 from ccprofd.elf.image import ElfImage
 from ccprofd.encode import get_plan
+from ccprofd.kbpf.rawbpf import BPFError
 from ccprofd.kbpf.rawmodule import load_module
 from ccprofd.kbpf.uprobe_multi import attach_uprobe_multi
 from ccprofd.tracing.instrumented.probeplan import CCOL, PCOL, build_probe_plan
@@ -42,6 +43,19 @@ def scope_plan(binary: str, scope: str) -> Any:
     return build_probe_plan(graph, get_plan(graph, "valence"), ElfImage(binary), scope=scope)
 
 
+def refused(fd: int, path: str, pp: Any) -> list[list[Any]]:
+    """The probes the kernel refuses one by one (kind, vaddr, function, error): uprobes analyse the
+    instruction when they are first installed in a process, so this needs the service running."""
+    out: list[list[Any]] = []
+    for i, p in enumerate(pp.probes):
+        try:
+            attach_uprobe_multi(fd, path, [int(p[PCOL["offset"]])], cookies=[i]).close()
+        except BPFError as exc:
+            node = pp.names.get(int(p[PCOL["node"]]), "?")
+            out.append([str(p[PCOL["kind"]]), hex(int(p[PCOL["vaddr"]])), node, str(exc)])
+    return out
+
+
 def count_hits(binary: str, scope: str, load: Callable[[], Any]) -> dict[str, Any]:
     """Run ``load`` with a counter on every probe of ``scope``'s plan; the counts by probe."""
     path = os.path.realpath(binary)
@@ -50,8 +64,12 @@ def count_hits(binary: str, scope: str, load: Callable[[], Any]) -> dict[str, An
     mod = load_module(COUNTER % {"n": max(1, len(probes))})
     try:
         fd = mod.load_func("count_probe", "kprobe", attach_type=48)  # BPF_TRACE_UPROBE_MULTI
-        link = attach_uprobe_multi(fd, path, [int(p[PCOL["offset"]]) for p in probes],
-                                   cookies=list(range(len(probes))), pid=None)
+        try:
+            link = attach_uprobe_multi(fd, path, [int(p[PCOL["offset"]]) for p in probes],
+                                       cookies=list(range(len(probes))), pid=None)
+        except BPFError as exc:
+            return {"probes": len(probes), "kinds": dict(Counter(str(p[PCOL["kind"]]) for p in probes)),
+                    "error": str(exc), "refused": refused(fd, path, pp)}
         try:
             result = load()
         finally:

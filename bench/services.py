@@ -672,8 +672,11 @@ def render_service(name: str, version: str, results: dict[str, list[dict[str, An
             return statistics.median(f(x) for x in prof)
         lines += ["", "Where unwind-all's time goes (`--bpf-stats`, medians over the rounds; BPF run time "
                   "from BPF_ENABLE_STATS, the service's and the daemon's CPU from /proc during the load): "
-                  f"{med(lambda x: x['bpf_runs'] / x['wall']):,.0f} BPF program runs/s "
-                  f"(the service's syscalls), {med(lambda x: x['bpf_ns'] / x['bpf_runs']):,.0f} ns per run; "
+                  f"{med(lambda x: x['bpf_runs'] / x['wall']):,.0f} BPF program runs/s (the sys_enter "
+                  "tracepoint fires for every process's syscalls: the other processes' runs exit early), "
+                  f"{med(lambda x: x['bpf_ns'] / x['bpf_runs']):,.0f} ns per run, "
+                  f"{med(lambda x: x['bpf_ns'] / max(1, x['samples'])):,.0f} ns of BPF time per sample of "
+                  f"the service ({med(lambda x: x['samples'] / x['wall']):,.0f} samples/s); "
                   f"BPF time {med(lambda x: x['bpf_ns'] / 1e9 / x['wall']) * 100:.0f}% of a core against "
                   f"the service's own CPU {med(lambda x: x['service_cpu_s'] / x['wall']) * 100:.0f}% "
                   f"(which includes the BPF time: it runs in the service's syscalls) and the daemon's "
@@ -766,6 +769,7 @@ def main() -> int:
         print("services: needs root (BPF)", file=sys.stderr)
         return 2
     text = [f"Measured by `bench/services.py` on {machine_line()}.", ""]
+    scope_refused: dict[str, dict[str, Any]] = {}
     for name in args.services.split(","):
         cls = SERVICES[name]
         missing = [t for t in cls.tools if not shutil.which(t)]
@@ -790,10 +794,18 @@ def main() -> int:
                         elif cfg == "unwind-security":
                             r = run_daemon(work, svc, SECURITY, args.requests)
                         elif cfg == "instrumented-scope":
-                            r = run_daemon(work, svc, "all", args.requests, "instrumented")
+                            try:
+                                r = run_daemon(work, svc, "all", args.requests, "instrumented")
+                            except AssertionError as exc:  # the target failed to attach
+                                why = str(exc).split("error: ")[-1][:300]
+                                scope_refused[f"{name} daemon"] = {"error": why}
+                                continue
                         elif cfg == "scope-probes":
                             r = scope_hits.count_hits(svc.binary, SCOPES[name],
                                                       lambda s=svc: s.load(args.requests))  # type: ignore[misc]
+                            if "error" in r:  # the kernel refused a probe: no load ran
+                                scope_refused[name] = r
+                                continue
                             r["tests"] = r.pop("load")
                         elif cfg == "bpf-fp":
                             r = run_fpstacks(work, svc, args.requests)
@@ -815,6 +827,16 @@ def main() -> int:
             text += [f"**{name} {version}**", ""]
         if exact is not None:
             text += render_exactness(name, exact)
+        for key, r in scope_refused.items():
+            if key.split()[0] != name:
+                continue
+            if "refused" in r:
+                each = "; ".join(f"{x[0]} probe at {x[1]} in `{x[2]}`: {x[3]}" for x in r["refused"][:10])
+                text += [f"scope-probes: the plan for `scope = '{SCOPES[name]}'` has {r['probes']} probes; "
+                         f"the kernel refused the link ({r['error']}); probes refused one by one with {name} "
+                         f"running: {each or 'none'}.", ""]
+            else:
+                text += [f"instrumented-scope: the daemon's target failed: {r['error'].strip()}", ""]
     publish(args.section, "\n".join(text), args.update_readme)
     return 0
 
