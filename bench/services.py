@@ -630,9 +630,11 @@ def render_service(name: str, version: str, results: dict[str, list[dict[str, An
             lines.append(f"| {cfg} | {t} | {m['rps']:,.0f} | {change:+.0f}% | {m['p50']:.3f} | "
                          f"{m['p99']:.3f} |")
     lines += targets(results)
-    lines += ["", "| configuration | tracer CPU % of a core | tracer peak RSS MB | samples | dropped "
-              "| contexts |",
-              "|---|---:|---:|---:|---:|---:|"]
+    if any(results.get(c) for c in ("unwind-all", "unwind-security", "instrumented-scope", "perf-dwarf",
+                                    "bpf-fp")):  # a tracer's own cost: none for scope-probes alone
+        lines += ["", "| configuration | tracer CPU % of a core | tracer peak RSS MB | samples | dropped "
+                  "| contexts |",
+                  "|---|---:|---:|---:|---:|---:|"]
     for cfg in ("unwind-all", "unwind-security", "instrumented-scope"):
         if results.get(cfg):
             r = results[cfg]
