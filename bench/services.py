@@ -34,11 +34,21 @@ and our samples in FILE.ours.json, to look at disagreements.
 
 * ``instrumented-scope``: the daemon in instrumented mode, every syscall, with a ``scope``
   (:data:`SCOPES`) on a subsystem the load never calls; the scope is called once after the load.
+  Its probe hits (the daemon's /metrics) are reported.
+* ``scope-probes``: no ccprofd; one counting uprobe on every probe of the plan instrumented mode
+  builds for that scope (bench/scope_hits.py) under the same load: which probes fire, how often,
+  in which function (and, when the kernel refuses the link, which probe it refuses).
+
+Every configuration's load records the load average after it; each round starts one configuration
+later than the one before.  The report gives, per test, the median over rounds of the change
+against the same round's untraced run and issue 14's targets met or not (:func:`targets`).
+``--bpf-stats`` adds, for unwind-all, the daemon's BPF run time per sample (BPF_ENABLE_STATS)
+against the service's and the daemon's CPU.
 
 Anomaly learning curves and injected attacks: bench/services_anomaly.py.
 
 Usage (root): .venv/bin/python bench/services.py [--services redis,nginx,postgres] [--rounds 5]
-[--requests 50000] [--seconds 10] [--no-exactness] [--update-readme]
+[--requests 50000] [--seconds 10] [--configs ...] [--no-exactness] [--bpf-stats] [--update-readme]
 Needs redis-server, redis-tools, nginx-light, apache2-utils, postgresql-15 (bench/setup.sh installs
 them) and linux-perf for perf-dwarf and the exactness check.
 """
