@@ -32,7 +32,7 @@ bench-trace: bench-setup
 
 # Real services under the daemon (issue 14: redis, nginx, postgres): throughput and latency untraced,
 # under ccprofd run (unwind, all syscalls and a security set) and under perf record --call-graph
-# dwarf, then ccprofd's frames checked against perf script's (redis, postgres); rewrites the README's
+# dwarf, then ccprofd's frames checked against perf script's (redis, nginx, postgres); rewrites the README's
 # bench:services section (~30 minutes with the default 5 rounds).
 bench-services: bench-setup
 	$(PYTHON) bench/services.py --update-readme

@@ -30,9 +30,10 @@ fi
 # man-db, groff-base: `man ccprofd` (and the man-page test); bash-completion: loads the completions
 # python3-dev: Python.h, for ccprofd's compiled helpers (scripts/build_ext.sh)
 # redis-server, redis-tools: a real service in tests/test_services_redis_anomaly.py and test_services_redis_enforce.py (issue 14)
+# nginx-light: a real service in tests/test_services_nginx_exact.py (its frames against gdb, issue 14)
 APT_PACKAGES=(python3-bpfcc linux-headers-amd64 bpftool gcc g++ make binutils strace gdb file
               python3 python3-venv python3-dev systemd prometheus libc6-dbg golang-go man-db groff-base
-              bash-completion redis-server redis-tools)
+              bash-completion redis-server redis-tools nginx-light)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")
@@ -49,6 +50,10 @@ if [ ${#missing[@]} -gt 0 ]; then
   # The test starts its own redis-server on a free loopback port: stop the one the package enables.
   if [[ " ${missing[*]} " == *" redis-server "* ]] && command -v systemctl >/dev/null; then
     systemctl disable --now redis-server.service >/dev/null 2>&1 || true
+  fi
+  # Likewise nginx (the test starts its own master and worker).
+  if [[ " ${missing[*]} " == *" nginx-light "* ]] && command -v systemctl >/dev/null; then
+    systemctl disable --now nginx.service >/dev/null 2>&1 || true
   fi
 fi
 

@@ -34,6 +34,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -58,12 +59,16 @@ try:
 except gdb.error:
     pass
 
+if CONFIG.get("attach"):  # attached first: catchpoints set before an attach did not fire (gdb 13)
+    gdb.execute("attach %%d" %% CONFIG["attach"], to_string=True)
+
 catch_names = {}
 for name in CONFIG["syscalls"]:
     gdb.execute("catch syscall " + name)
     catch_names[gdb.breakpoints()[-1].number] = name
 
 in_syscall = {}   # (pid, lwp) -> True between entry and return stop
+state = {"stop": False}
 maps_cache = {}
 
 def read_maps(pid):
@@ -107,6 +112,9 @@ def on_stop(ev):
     in_syscall[key] = entering
     if not entering:
         return
+    if CONFIG.get("stop_file") and os.path.exists(CONFIG["stop_file"]):
+        state["stop"] = True  # attached: the caller asked to detach (this syscall is not recorded)
+        return
     rax = int(gdb.parse_and_eval("$rax"))
     rows = read_maps(pid)
     try:
@@ -138,9 +146,17 @@ gdb.events.exited.connect(on_exited)
 gdb.events.stop.connect(on_stop)
 
 try:
-    gdb.execute("run", to_string=True)
-    while True:
-        gdb.execute("continue", to_string=True)
+    if CONFIG.get("attach"):
+        for t in gdb.selected_inferior().threads():
+            emit({"event": "thread", "pid": t.ptid[0], "tid": t.ptid[1] or t.ptid[0]})
+        emit({"event": "attached"})
+        while not state["stop"]:
+            gdb.execute("continue", to_string=True)
+        gdb.execute("detach", to_string=True)
+    else:
+        gdb.execute("run", to_string=True)
+        while True:
+            gdb.execute("continue", to_string=True)
 except gdb.error as exc:
     if "not being run" not in str(exc):
         emit({"event": "error", "message": str(exc)})
@@ -194,6 +210,70 @@ def run_gdb(cmd: Sequence[str], syscalls: Iterable[str], *, cwd: str | os.PathLi
     trace, run = parse_gdb_events(text, requested=requested, command=tuple(cmd))
     trace.stdout, trace.stderr = stdout, stderr
     return trace, run
+
+
+class AttachedGdb:
+    """gdb attached to a running process (:func:`attach_gdb`), catching syscalls until
+    :meth:`finish`: that creates the stop file, and gdb detaches at the next caught syscall entry
+    (which the caller must cause; it is not recorded)."""
+
+    def __init__(self, proc: subprocess.Popen[str], tmp: tempfile.TemporaryDirectory[str],
+                 requested: frozenset[str], pid: int) -> None:
+        self.proc, self._tmp, self.requested, self.pid = proc, tmp, requested, pid
+        self.events_file = pathlib.Path(tmp.name) / "events.jsonl"
+        self.stop_file = pathlib.Path(tmp.name) / "stop"
+
+    def request_stop(self) -> None:
+        self.stop_file.touch()
+
+    def finish(self, timeout: float | None = None) -> tuple[Trace, GdbRun]:
+        try:
+            try:
+                _, stderr = self.proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.communicate()
+                raise OracleError(f"gdb attached to {self.pid} did not detach in {timeout} s") from None
+            text = self.events_file.read_text() if self.events_file.exists() else ""
+        finally:
+            self._tmp.cleanup()
+        lines = "\n".join(line for line in text.splitlines() if '"attached"' not in line)
+        if not lines.strip():
+            raise OracleError(f"gdb -p {self.pid} produced no events (exit {self.proc.returncode}): "
+                              f"{stderr.strip()[-2000:]}")
+        trace, run = parse_gdb_events(lines, requested=self.requested, command=(f"pid {self.pid}",))
+        trace.stderr = stderr
+        return trace, run
+
+
+def attach_gdb(pid: int, syscalls: Iterable[str], *, timeout: float = 120,
+               max_frames: int = 1_000_000) -> AttachedGdb:
+    """Attach gdb to the running process ``pid`` (every thread), catching ``syscalls``; return once
+    it is attached and the catchpoints are armed.  Only syscalls *entered* after the attach are
+    seen: a thread blocked in a syscall at attach time must be blocked in one not caught (its
+    return would be taken for an entry; ``entry_check_failures`` would count it)."""
+    requested = frozenset(syscalls)
+    if not requested:
+        raise ValueError("no syscalls to catch")
+    tmp = tempfile.TemporaryDirectory(prefix="gdb-oracle-")
+    events = pathlib.Path(tmp.name) / "events.jsonl"
+    script = pathlib.Path(tmp.name) / "oracle.py"
+    config = json.dumps({"output": str(events), "syscalls": sorted(requested), "max_frames": max_frames,
+                         "attach": pid, "stop_file": str(pathlib.Path(tmp.name) / "stop")})
+    script.write_text(_SCRIPT % {"config": config})
+    argv = [gdb_path(), "-q", "-batch", "-nx", "-x", str(script)]
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, errors="replace", start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while '"attached"' not in (events.read_text() if events.exists() else ""):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+            _, err = proc.communicate()
+            tmp.cleanup()
+            raise OracleError(f"gdb could not attach to {pid}: {err.strip()[-2000:]}")
+        time.sleep(0.05)
+    return AttachedGdb(proc, tmp, requested, pid)
 
 
 def parse_gdb_events(text: str, *, requested: frozenset[str],
