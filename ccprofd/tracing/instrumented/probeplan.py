@@ -32,7 +32,8 @@ sample point is reachable (for syscall sampling: functions that make no library 
 known pure ones, contain no ``syscall`` instruction and no indirect call); calls to pure library
 functions (``strlen``...); the ELF entry point.
 
-Schema (``PROBE_PLAN_VERSION`` 2), all addresses ELF virtual addresses:
+Schema (``PROBE_PLAN_VERSION`` 3: entry probes moved past instructions uprobes refuse, see
+:mod:`~ccprofd.tracing.instrumented.uprobe_insn`), all addresses ELF virtual addresses:
 ``binary`` {path, build_id, identity}; ``encoding`` {scheme, key}; ``acyc_words``;
 ``rec_code_bits``; ``names`` {node: name}; ``functions`` [[start, end, node]] sorted (fragments are
 extra ranges of their owner); ``callsites`` [[vaddr, length, kind, caller, target|None, is_jump,
@@ -58,9 +59,10 @@ from ccprofd.elf.image import ElfImage
 from ccprofd.encode.plan import COL, REASON_BITS
 from ccprofd.persist.cache import CACHE_FORMAT as ANALYSIS_FORMAT
 from ccprofd.persist.cache import AnalysisCache
+from ccprofd.tracing.instrumented.uprobe_insn import moved_entry, refused
 
 PROBE_PLAN_FORMAT = "ccprofd-probe-plan"
-PROBE_PLAN_VERSION = 2
+PROBE_PLAN_VERSION = 3
 
 R_ACYC = REASON_BITS["acyc"]
 R_CYCLIC = REASON_BITS["cyclic"]
@@ -393,6 +395,9 @@ def build_probe_plan(graph: CallGraph, plan: Mapping[str, Any], image: ElfImage,
         entries[t] = entries.get(t, 0) | R_SCOPE
     for r, reasons in sorted(entries.items()):
         va = _entry_probe_address(image, g.nodes[r]["addr"])
+        if refused(image.bytes_at(va, 15)) is not None:
+            va = _moved_entry_probe(image, va, g.nodes[r])
+            stats["entry_moved"] = stats.get("entry_moved", 0) + 1
         pending.append(("entry", va, reasons, root_site.get(r, -1), -1, r))
         stats["scope_entry" if reasons & R_SCOPE else "entry"] += 1
 
@@ -503,6 +508,19 @@ def _entry_function(graph: CallGraph) -> int | None:
 
 _ENDBR64 = b"\xf3\x0f\x1e\xfa"
 _PUSH_REG = frozenset({0x50, 0x51, 0x52, 0x53, 0x54, 0x55, 0x56, 0x57})
+
+
+def _moved_entry_probe(image: ElfImage, va: int, fn: Mapping[str, Any]) -> int:
+    """The entry probe of ``fn`` past its refused first instruction (uprobe_insn), or a one-line
+    error: a probe the kernel refuses fails the whole link, one placed elsewhere would be wrong."""
+    why = refused(image.bytes_at(va, 15))
+    end = int(fn["addr"]) + int(fn["size"])
+    moved, why_not = moved_entry(image.bytes_at(va, end - va), va) if end > va else (None, "size unknown")
+    if moved is None:
+        raise ProbePlanError(
+            f"x86 uprobes refuse the entry of {fn['name']} at {va:#x} ({why}) and the probe cannot move "
+            f"past it ({why_not}): trace this binary in unwind mode, or leave {fn['name']} out of --scope")
+    return moved
 
 
 def _entry_probe_address(image: ElfImage, addr: int) -> int:
