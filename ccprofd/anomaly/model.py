@@ -14,6 +14,10 @@ of edges "caller function at this call site -> callee function" from the outermo
 syscall.  The ``edges`` granularity accepts an unseen context whose every edge was seen for that
 syscall (a new combination of known calls); the file format does not change, because the edges of
 a model are those of its stored contexts (a removed context takes its edges with it).
+A third view, on by default in the detector, is a signal handler's part of a context
+(:func:`signal_handler_part`): frames interrupted by a signal are stored with the call site
+:data:`SIGNAL_SITE` (models learned before that mark store them with none, and must be learned
+again to judge handlers' syscalls this way).
 Transitions between consecutive (syscall, context) pairs of a thread (Feng's "virtual path") are
 recorded only when asked for, and the model counts how many runs recorded them: a transition set
 learned from only some runs is incomplete and must not be used to alert.
