@@ -25,7 +25,11 @@ file (nginx reads and discards a body no normal client sends); postgres ``COPY (
 
 Writes docs/services-anomaly.md and docs/services-anomaly-learning-curve.png.
 Usage (root): python bench/services_anomaly.py [--services redis,nginx,postgres] [--train 8]
-[--held-out 4] [--seed 3]
+[--held-out 4] [--seed 3] [--pg-seconds 12] [--keep-samples DIR]
+
+The training mixes, together, ask for every request of the service's vocabulary at least once
+(:func:`vocabulary`, :func:`deal`): a request no training mix made is new behaviour, not a false
+alert to blame on the model.  Held-out mixes are free random mixes of the same vocabulary.
 """
 
 from __future__ import annotations
@@ -131,11 +135,36 @@ REDIS_CLI = (["info"], ["dbsize"], ["config", "get", "maxmemory"], ["type", "key
              ["llen", "mylist"], ["scard", "myset"], ["hgetall", "myhash"], ["client", "list"])
 
 
-def redis_mix(svc: Redis, rng: random.Random) -> tuple[str, Callable[[], None]]:
-    tests = rng.sample(REDIS_TESTS, rng.randint(4, 8))
+def vocabulary(name: str) -> list[tuple[str, Any]]:
+    """A service's request vocabulary: what its clients ask of it in normal operation.  The training
+    mixes, together, ask for each item at least once (:func:`deal`); held-out mixes are free random
+    mixes of the same vocabulary."""
+    if name == "redis":
+        return [("test", t) for t in REDIS_TESTS] + [("cli", c) for c in REDIS_CLI]
+    if name == "nginx":
+        return [("file", f) for f in (*sorted(NGINX_FILES), "missing.html")]
+    return [("script", s) for s in PG_SCRIPTS] + [("query", q) for q in PG_QUERIES]
+
+
+def deal(items: list[tuple[str, Any]], mixes: int, rng: random.Random) -> list[list[tuple[str, Any]]]:
+    """The vocabulary shuffled and dealt round-robin over ``mixes`` training mixes."""
+    items = items[:]
+    rng.shuffle(items)
+    return [items[i::mixes] for i in range(mixes)]
+
+
+def with_required(picked: list[Any], must: list[tuple[str, Any]], kind: str) -> list[Any]:
+    """``picked`` plus the items of ``kind`` this mix must include (no repeats, order kept)."""
+    out = list(picked)
+    out += [x for k, x in must if k == kind and x not in out]
+    return out
+
+
+def redis_mix(svc: Redis, rng: random.Random, must: list[tuple[str, Any]]) -> tuple[str, Callable[[], None]]:
+    tests = with_required(rng.sample(REDIS_TESTS, rng.randint(4, 8)), must, "test")
     n, c, d = rng.choice((300, 600, 1000)), rng.choice((1, 4, 10, 20)), rng.choice((3, 64, 512, 4096))
     pipe = rng.choice((1, 1, 4, 16))
-    cli = rng.sample(REDIS_CLI, rng.randint(2, 5))
+    cli = with_required(rng.sample(REDIS_CLI, rng.randint(2, 5)), must, "cli")
     what = f"redis-benchmark -t {','.join(tests)} -n {n} -c {c} -d {d} -P {pipe}; redis-cli " + \
         "; ".join(" ".join(x) for x in cli)
 
@@ -181,10 +210,11 @@ def nginx_setup(svc: Nginx) -> None:
     (www / "private").chmod(0o755)
 
 
-def nginx_mix(svc: Nginx, rng: random.Random) -> tuple[str, Callable[[], None]]:
+def nginx_mix(svc: Nginx, rng: random.Random, must: list[tuple[str, Any]]) -> tuple[str, Callable[[], None]]:
     files = rng.sample(sorted(NGINX_FILES), rng.randint(2, 4))
     if rng.random() < 0.5:
         files.append("missing.html")  # 404s happen on every site
+    files = with_required(files, must, "file")
     n, c, keep, head = rng.choice((100, 200, 400)), rng.choice((1, 5, 20)), rng.random() < 0.6, \
         rng.random() < 0.3
     what = f"ab -n {n} -c {c}{' -k' if keep else ''}{' -i' if head else ''} on /" + ", /".join(files)
@@ -220,14 +250,29 @@ PG_QUERIES = ("SELECT count(*) FROM pgbench_accounts", "SELECT * FROM pgbench_br
               "SELECT now()", "SELECT relname FROM pg_class LIMIT 5", "BEGIN; SELECT 1; COMMIT")
 
 
-def postgres_mix(svc: Postgres, rng: random.Random) -> tuple[str, Callable[[], None]]:
-    script = rng.choice((["-S"], [], ["-N"]))
+#: pgbench's built-in scripts: select-only, tpcb-like, tpcb-like without the branch/teller updates
+PG_SCRIPTS = ("-S", "", "-N")
+#: seconds of pgbench per script of a mix: long enough for the background work load brings with it
+#: (WAL segments filled and added by the WAL writer, lock waits under concurrency, autovacuum's
+#: workers and their ANALYZE) to happen in training as it does in the held-out mixes (measured:
+#: 5 s left an autovacuum ANALYZE to a held-out mix, 329 alerts; 12 s did not)
+PG_SECONDS = 12
+
+
+def postgres_mix(svc: Postgres, rng: random.Random, must: list[tuple[str, Any]]
+                 ) -> tuple[str, Callable[[], None]]:
+    scripts = with_required([rng.choice(PG_SCRIPTS)] if not any(k == "script" for k, _ in must) else [],
+                            must, "script")
     c = rng.choice((1, 2, 4))
-    queries = rng.sample(PG_QUERIES, rng.randint(1, 3))
-    what = f"pgbench {' '.join(script) or '(tpcb-like)'} -c {c} -T 2; psql: " + "; ".join(queries)
+    queries = with_required(rng.sample(PG_QUERIES, rng.randint(1, 3)), must, "query")
+    seconds = PG_SECONDS
+    what = "; ".join(f"pgbench {s or '(tpcb-like)'} -c {c} -T {seconds}" for s in scripts) + \
+        "; psql: " + "; ".join(queries)
 
     def run() -> None:
-        svc.pgbench(["-c", str(c), "-j", str(min(c, 2)), "-T", "2", *script])
+        for script in scripts:
+            svc.pgbench(["-c", str(c), "-j", str(min(c, 2)), "-T", str(seconds),
+                         *([script] if script else [])])
         for q in queries:
             psql(svc, q)
     return what, run
@@ -315,8 +360,9 @@ def run_service(name: str, opts: argparse.Namespace, work: Path) -> dict[str, An
                     raise
         attach_s = time.monotonic() - t0
         windows: list[Window] = []
+        dealt = deal(vocabulary(name), opts.train, rng)
         for i in range(opts.train + opts.held_out):
-            what, run = mix(svc, rng)
+            what, run = mix(svc, rng, dealt[i] if i < opts.train else [])
             windows.append(timed(f"mix{i:02d}", what, run))
             print(f"{name} mix {i + 1}: {what}", file=sys.stderr)
         attack_windows = []
@@ -337,6 +383,18 @@ def run_service(name: str, opts: argparse.Namespace, work: Path) -> dict[str, An
     finally:
         svc.stop()
     split(samples, windows + [w for w, _ in attack_windows])
+    if opts.keep_samples:  # every window's samples and the whole trace, to judge again offline
+        kept = Path(opts.keep_samples) / name
+        kept.mkdir(parents=True, exist_ok=True)
+        for w in windows + [w for w, _ in attack_windows]:
+            write(w, kept / f"{w.name}.jsonl")
+        (kept / "windows.json").write_text(json.dumps(
+            [{"name": w.name, "what": w.what, "start_ns": w.start_ns, "end_ns": w.end_ns,
+              "train": i < opts.train} for i, w in enumerate(windows)]
+            + [{"name": w.name, "what": w.what, "start_ns": w.start_ns, "end_ns": w.end_ns, "attack": True,
+                "names": list(n)} for w, n in attack_windows]))
+        samples.replace(kept / "all.jsonl")
+        samples = kept / "all.jsonl"
     train, held = windows[: opts.train], windows[opts.train:]
     held_all = work / name / "held-out.jsonl"  # one detect per step; alerts told apart by time
     held_all.write_text("".join(line + "\n" for w in held for line in w.lines))
@@ -412,14 +470,20 @@ NOTES = {"nginx": (
 def markdown(results: list[dict[str, Any]], opts: argparse.Namespace, load: str) -> str:
     lines = ["# Anomaly detection on real services: learning curves and injected attacks", "",
              f"Generated by `python bench/services_anomaly.py --services {opts.services} --train "
-             f"{opts.train} --held-out {opts.held_out} --seed {opts.seed}` (rendered on {machine_line()}, "
+             f"{opts.train} --held-out {opts.held_out} --seed {opts.seed} --pg-seconds {opts.pg_seconds}` "
+             f"(rendered on {machine_line()}, "
              f"load average {load}; the machine is shared, see each service's line). Unwind mode, every "
              "syscall, one "
              "`ccprofd trace -p` attached to the running service for all its mixes, the samples split by "
              "time into one file per mix, judged by `ccprofd learn --samples` and `ccprofd detect "
              "--samples --alert-interval 0` in both granularities. A false alert is any alert on a "
              "held-out mix (another random mix of the same service); `incomplete_context` alerts "
-             "(the unwinder could not finish a chain) count too and are shown apart.", "",
+             "(the unwinder could not finish a chain) count too and are shown apart. The training mixes, "
+             "together, ask for every request of the service's vocabulary at least once (redis' tests "
+             "and redis-cli commands, nginx's files and the 404, postgres' pgbench scripts and psql "
+             "queries, dealt round-robin); held-out mixes are free random mixes of the same "
+             "vocabulary. `ccprofd detect` judges a syscall made under a signal handler by the "
+             "handler's chain (frames outward of the trampoline are where the signal landed).", "",
              "![services learning curves](services-anomaly-learning-curve.png)", ""]
     for r in results:
         last = r["curve"][-1]
@@ -487,7 +551,12 @@ def main() -> int:
     ap.add_argument("--keep", default="/tmp/ccprofd-services-anomaly",
                     help="each service's results are kept in DIR/NAME.json and reused by the next run "
                     "(delete them to measure again)")
+    ap.add_argument("--keep-samples", default="", metavar="DIR",
+                    help="also keep each window's samples (DIR/NAME/WINDOW.jsonl) and the whole trace")
+    ap.add_argument("--pg-seconds", type=int, default=PG_SECONDS,
+                    help="seconds of pgbench per script of a postgres mix")
     opts = ap.parse_args()
+    globals()["PG_SECONDS"] = opts.pg_seconds
     if os.geteuid() != 0:
         print("services_anomaly: needs root (BPF)", file=sys.stderr)
         return 2

@@ -40,6 +40,7 @@ from ccprofd.anomaly.model import (
     common_prefix_len,
     context_edges,
     context_key,
+    signal_handler_part,
 )
 
 KINDS = ("unseen_context", "unseen_transition", "incomplete_context")
@@ -56,6 +57,9 @@ class DetectorOptions:
     granularity: str = "exact"
     max_cycle: int = DEFAULT_MAX_CYCLE
     transitions: bool = False
+    #: Judge a syscall made under a signal handler by the handler's part of its context only (the
+    #: interrupted part is wherever the signal landed: :func:`~ccprofd.anomaly.model.signal_handler_part`).
+    split_signals: bool = True
     min_count: int = 1
     alert_interval_seconds: float = 60.0
     nearest: int = 3
@@ -156,7 +160,11 @@ class Detector:
             (*KINDS, "samples", "suppressed", "allowed_by_rule", "unmodelled_syscall"), 0)
         self._index()
 
-    def _view(self, frames: Sequence[FrameKey]) -> tuple[FrameKey, ...]:
+    def _signal_view(self, syscall: str, frames: Sequence[FrameKey]) -> tuple[FrameKey, ...]:
+        return signal_handler_part(syscall, frames) if self.options.split_signals else tuple(frames)
+
+    def _view(self, syscall: str, frames: Sequence[FrameKey]) -> tuple[FrameKey, ...]:
+        frames = self._signal_view(syscall, frames)
         if self.options.collapse_recursion:
             return collapse_cycles(frames, self.options.max_cycle)
         return tuple(frames)
@@ -164,27 +172,27 @@ class Detector:
     def _index(self) -> None:
         self._known: dict[ContextKey, int] = {}
         self._by_syscall: dict[str, list[tuple[ContextKey, int]]] = {}
-        self._edges = self.model.edges() if self.options.granularity == "edges" else {}
+        self._edges = self.model.edges(self._signal_view) if self.options.granularity == "edges" else {}
         for key, st in self.model.contexts.items():
-            view = (key[0], self._view(key[1]))
+            view = (key[0], self._view(*key))
             self._known[view] = self._known.get(view, 0) + st.count
             self._by_syscall.setdefault(key[0], []).append((key, st.count))
         self._transitions: set[tuple[ContextKey | None, ContextKey]] = set()
         for a, b in self.model.transitions:
-            va = None if a is None else (a[0], self._view(a[1]))
-            self._transitions.add((va, (b[0], self._view(b[1]))))
+            va = None if a is None else (a[0], self._view(*a))
+            self._transitions.add((va, (b[0], self._view(*b))))
 
     def known(self, key: ContextKey) -> bool:
         if self.options.granularity == "edges":
             return self.unseen_edge(key) is None
-        view = (key[0], self._view(key[1]))
+        view = (key[0], self._view(*key))
         return self._known.get(view, 0) >= max(1, self.options.min_count)
 
     def unseen_edge(self, key: ContextKey) -> EdgeKey | None:
         """The first (outermost) call edge of ``key`` learned fewer than ``min_count`` times for its
         syscall; None when every edge was learned (granularity "edges")."""
         need = max(1, self.options.min_count)
-        for e in context_edges(key[1]):
+        for e in context_edges(self._signal_view(*key)):
             if self._edges.get((key[0], e), 0) < need:
                 return e
         return None
@@ -226,7 +234,7 @@ class Detector:
                 return []
             return self._emit("incomplete_context", ("incomplete_context", key), sample, key)
         prev = self._last.get(tid)
-        view = (key[0], self._view(key[1]))
+        view = (key[0], self._view(*key))
         if self.model.allowed_by_rule(key) is not None:
             self.counts["allowed_by_rule"] += 1
             self._last[tid] = view

@@ -14,6 +14,10 @@ of edges "caller function at this call site -> callee function" from the outermo
 syscall.  The ``edges`` granularity accepts an unseen context whose every edge was seen for that
 syscall (a new combination of known calls); the file format does not change, because the edges of
 a model are those of its stored contexts (a removed context takes its edges with it).
+A third view, on by default in the detector, is a signal handler's part of a context
+(:func:`signal_handler_part`): frames interrupted by a signal are stored with the call site
+:data:`SIGNAL_SITE` (models learned before that mark store them with none, and must be learned
+again to judge handlers' syscalls this way).
 Transitions between consecutive (syscall, context) pairs of a thread (Feng's "virtual path") are
 recorded only when asked for, and the model counts how many runs recorded them: a transition set
 learned from only some runs is incomplete and must not be used to alert.
@@ -25,7 +29,7 @@ read by :mod:`ccprofd.anomaly.modelstore`.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +51,9 @@ GRANULARITIES = ("exact", "edges")
 THREAD_START = None
 
 DEFAULT_MAX_CYCLE = 16
+#: The call site a context keeps for a frame interrupted by a signal: the frame outward of a signal
+#: handler's trampoline, whose pc is where the signal happened to land, not a call.
+SIGNAL_SITE = "signal"
 #: The "return address" of a call site reached by a tail jump: none on the machine stack.
 TAIL_CALL = "tail"
 _BROKEN = ("", ())  # a thread's previous sample was incomplete: no transition from it
@@ -62,19 +69,47 @@ def module_id(frame: Mapping[str, Any]) -> str:
     return str(frame.get("build_id") or frame.get("module") or "?")
 
 
-def frame_key(frame: Mapping[str, Any]) -> FrameKey:
-    site = frame.get("call_site")
+def frame_key(frame: Mapping[str, Any], interrupted: bool = False) -> FrameKey:
+    site = SIGNAL_SITE if interrupted else frame.get("call_site")
     return (module_id(frame), str(frame.get("function") or "?"), None if site is None else str(site))
 
 
+def interrupted_by_signal(frame: Mapping[str, Any]) -> bool:
+    """Whether a frame that is not the innermost one was interrupted by a signal: it has neither
+    a call site nor a return address (the tracer reports its exact pc, and the next frame inward is
+    the signal trampoline, ``__restore_rt``); a tail-called frame has its own marker."""
+    return frame.get("call_site") is None and frame.get("return_address") is None \
+        and not frame.get("tail_call")
+
+
 def context_key(sample: Mapping[str, Any]) -> ContextKey:
-    """The model key of one decoded sample."""
+    """The model key of one decoded sample.  A frame interrupted by a signal is keyed with the call
+    site :data:`SIGNAL_SITE`, so a lookup can tell the handler's part of a context from the part it
+    interrupted (:func:`signal_handler_part`)."""
     try:
         frames = sample["frames"]
         syscall = str(sample["syscall"])
     except (KeyError, TypeError) as exc:
         raise ModelError(f"sample without {exc}: not a decoded syscall sample") from None
-    return syscall, tuple(frame_key(f) for f in frames)
+    last = len(frames) - 1
+    return syscall, tuple(frame_key(f, i < last and interrupted_by_signal(f)) for i, f in enumerate(frames))
+
+
+def signal_handler_part(syscall: str, frames: Sequence[FrameKey]) -> tuple[FrameKey, ...]:
+    """The frames inward of the innermost frame interrupted by a signal (the trampoline, the handler
+    and what it called); all the frames when no signal interrupted the context.  ``rt_sigreturn``
+    is made by the signal trampoline alone: its context is its innermost frame (the trampoline), the
+    frames outward being what the returning handler had interrupted.
+
+    What a signal interrupted says where the signal happened to land (any instruction of the
+    process can be interrupted: an asynchronous event), not who made the syscall: a handler's
+    syscall is judged by the handler's own chain, as a context of its own, wherever it landed."""
+    if syscall == "rt_sigreturn":
+        return tuple(frames[-1:])
+    for i in range(len(frames) - 1, -1, -1):
+        if frames[i][2] == SIGNAL_SITE:
+            return tuple(frames[i + 1:])
+    return tuple(frames)
 
 
 def collapse_cycles(frames: Sequence[FrameKey], max_cycle: int = DEFAULT_MAX_CYCLE) -> tuple[FrameKey, ...]:
@@ -263,12 +298,13 @@ class TargetModel:
         for rkey, ret in other.return_addresses.items():
             self.return_addresses.setdefault(rkey, ret)
 
-    def edges(self) -> dict[tuple[str, EdgeKey], int]:
+    def edges(self, view: Callable[[str, Sequence[FrameKey]], Sequence[FrameKey]] | None = None
+              ) -> dict[tuple[str, EdgeKey], int]:
         """(syscall, call edge) -> samples through it: the view granularity "edges" judges by,
-        derived from the stored contexts (not stored itself)."""
+        derived from the stored contexts (not stored itself), each seen through ``view`` if given."""
         out: dict[tuple[str, EdgeKey], int] = {}
         for (syscall, frames), st in self.contexts.items():
-            for e in context_edges(frames):
+            for e in context_edges(frames if view is None else view(syscall, frames)):
                 out[(syscall, e)] = out.get((syscall, e), 0) + st.count
         return out
 
