@@ -12,6 +12,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import subprocess
 import sys
 
@@ -145,7 +146,7 @@ def _s(t: int, name: str, tid: int = 1, pid: int = 1) -> TraceSample:
     return TraceSample(t, pid, tid, "syscall", name, True, [])
 
 
-NR = {"write": 1, "close": 3, "openat": 257}
+NR = {"read": 0, "write": 1, "close": 3, "brk": 12, "execve": 59, "openat": 257}  # x86-64, unistd_64.h
 
 
 def test_joiner_pairs_each_thread_in_order() -> None:
@@ -209,6 +210,8 @@ def test_joiner_gives_up_returns_whose_sample_was_dropped() -> None:
     the rings dry after the one that brought it, its sample cannot come any more: it is counted."""
     j = ReturnJoiner()
     tid = 2**22 + 9  # no such thread: nothing else of it comes
+    first = _s(10, "write", tid=tid)  # the thread's first sample, joined: it was traced from here on
+    assert j.join([first], [(11, tid, NR["write"], 1)]) == [first]
     for i in range(1000):
         assert j.join([], [(100 + i, tid, NR["write"], 1)], drained=True) == []
     assert sum(len(q) for q in j.orphans.values()) <= 1
@@ -221,9 +224,37 @@ def test_joiner_gives_up_returns_whose_sample_was_dropped() -> None:
 def test_joiner_bounds_the_returns_waiting_while_the_rings_are_never_read_dry() -> None:
     j = ReturnJoiner()
     j.MAX_EARLY_RETURNS = 10
+    first = _s(-10, "write", tid=7)
+    assert j.join([first], [(-9, 7, NR["write"], 1)], drained=False) == [first]
     assert j.join([], [(i, 7, NR["write"], 1) for i in range(25)], drained=False) == []
     assert sum(len(q) for q in j.orphans.values()) == 10 and j.returns_unjoined == 15
     assert j.flush() == [] and not j.orphans and j.returns_unjoined == 25
+
+
+def test_a_return_before_the_threads_first_sample_is_not_a_drop() -> None:
+    """The traced command's execve returns in the new image, whose first sample comes after it,
+    and a -p thread blocked in a read returns before its first sample: neither call's sample was
+    ever to be taken, so neither is a dropped sample (every trace of a command reported one)."""
+    j = ReturnJoiner()
+    assert j.join([], [(100, 5, NR["execve"], 0)]) == []
+    brk = _s(200, "brk", tid=5)
+    assert j.join([brk], [(201, 5, NR["brk"], 0)]) == [brk]
+    assert j.join([], [(150, 6, NR["read"], 4)]) == [] and j.join([], []) == []
+    assert j.flush() == [] and j.drops() == {"return_lost": 0, "return_unjoined": 0}
+    # a return after the thread's first sample whose own sample never came is one
+    assert j.join([], [(300, 5, NR["write"], 1)]) == [] and j.join([], []) == []
+    assert j.drops()["return_unjoined"] == 1
+
+
+@pytest.mark.bpf
+def test_tracing_a_command_reports_no_dropped_return() -> None:
+    """End to end: `ccprofd trace -- true` (text format: returns joined) says nothing was dropped."""
+    require_bpf()
+    true = shutil.which("true") or "/bin/true"
+    proc = subprocess.run([sys.executable, "-m", "ccprofd.cli", "trace", "--format", "text",
+                           "-o", "/dev/null", "--", true], capture_output=True, text=True, cwd=REPO)
+    assert proc.returncode == 0, proc.stderr
+    assert "without their sample" not in proc.stderr and "lost" not in proc.stderr, proc.stderr
 
 
 def test_joiner_ends_a_sample_whose_return_was_lost_when_its_thread_blocks() -> None:

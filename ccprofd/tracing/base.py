@@ -101,6 +101,10 @@ class ReturnJoiner:
         self._arrived: dict[int, int] = {}  # id(sample) waiting -> the poll it came in
         self.returns_lost = 0
         self.returns_unjoined = 0
+        # tid -> time of its first syscall sample: a return before it belongs to a call entered
+        # before tracing began (the traced command's execve, a -p thread blocked in a read), whose
+        # sample was never to be taken, not to a dropped one (cleared past MAX_EARLY_RETURNS tids)
+        self._first: dict[int, int] = {}
 
     def drops(self) -> dict[str, int]:
         """What could not be joined so far, by reason (api.DROPS)."""
@@ -114,6 +118,10 @@ class ReturnJoiner:
         self._poll += 1
         ready: list[TraceSample] = []
         for s in samples:
+            if s.event == "syscall" and s.time_ns < self._first.get(s.tid, s.time_ns + 1):
+                if len(self._first) >= self.MAX_EARLY_RETURNS:
+                    self._first.clear()
+                self._first[s.tid] = s.time_ns
             if s.event != "syscall":
                 ready.append(s)
             elif s.syscall in NO_RETURN:
@@ -150,7 +158,7 @@ class ReturnJoiner:
                     self.orphans.setdefault(tid, deque()).append((t, nr, ret, self._poll))
                     self._early += 1
                 else:
-                    self.returns_unjoined += 1
+                    self._unjoined(tid, t)
         ready.extend(self._ended_threads(drained))
         if drained:
             ready.extend(self._expire())
@@ -181,9 +189,8 @@ class ReturnJoiner:
         Only a thread's last call may still be running (a blocking read can wait for hours)."""
         for tid, early in list(self.orphans.items()):
             while early and early[0][3] < self._poll:
-                early.popleft()
+                self._unjoined(tid, early.popleft()[0])
                 self._early -= 1
-                self.returns_unjoined += 1
             if not early:
                 del self.orphans[tid]
         out: list[TraceSample] = []
@@ -205,9 +212,8 @@ class ReturnJoiner:
         if early is None:
             return False
         while early and early[0][0] + RET_SLACK_NS < s.time_ns:
-            early.popleft()
+            self._unjoined(s.tid, early.popleft()[0])
             self._early -= 1
-            self.returns_unjoined += 1
         took = bool(early) and syscall_name(early[0][1]) == s.syscall
         if took:
             s.returned, s.ret = True, early.popleft()[2]
@@ -237,7 +243,13 @@ class ReturnJoiner:
         early = self.orphans.pop(tid, None)
         if early:
             self._early -= len(early)
-            self.returns_unjoined += len(early)
+            for t, _nr, _ret, _poll in early:
+                self._unjoined(tid, t)
+
+    def _unjoined(self, tid: int, t: int) -> None:
+        """A return given up: counted as a drop when its thread had a sample made before it."""
+        if self._first.get(tid, t) < t:
+            self.returns_unjoined += 1
 
     def _never_returned(self, q: deque[TraceSample]) -> list[TraceSample]:
         for s in q:
