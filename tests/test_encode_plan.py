@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -44,12 +43,12 @@ def test_key_depends_on_identity_scheme_and_parameters() -> None:
     assert k != plan_key(BIN, "hcce", base)
     assert k != plan_key(BIN, "pcce", {"pcce_words": 2, "weights_hash": None})
     assert k != plan_key(BIN, "pcce", {"pcce_words": 1, "weights_hash": "ab"})
-    assert plan_key(replace(BIN, path="/elsewhere"), "pcce", base) == k  # identity, not path
-    assert plan_key(replace(BIN, build_id="deadbeef"), "pcce", base) != k
-    assert plan_key(replace(BIN, content_hash="1" * 64), "pcce", base) != k
+    assert plan_key(BIN.replace(path="/elsewhere"), "pcce", base) == k  # identity, not path
+    assert plan_key(BIN.replace(build_id="deadbeef"), "pcce", base) != k
+    assert plan_key(BIN.replace(content_hash="1" * 64), "pcce", base) != k
     # A stripped twin shares the build-id, not the content: it must not share the plan.
-    with_id = replace(BIN, build_id="deadbeef")
-    assert plan_key(replace(with_id, content_hash="2" * 64), "pcce", base) != plan_key(with_id, "pcce", base)
+    with_id = BIN.replace(build_id="deadbeef")
+    assert plan_key(with_id.replace(content_hash="2" * 64), "pcce", base) != plan_key(with_id, "pcce", base)
 
 
 def test_cache_round_trip_and_atomic_files(tmp_path: Path) -> None:

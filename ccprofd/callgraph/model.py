@@ -124,6 +124,10 @@ class BinaryInfo:
         """The fields by name, in order (what ``dataclasses.asdict`` gave)."""
         return {f: getattr(self, f) for f in _BINARY_FIELDS}
 
+    def replace(self, **changes: Any) -> BinaryInfo:
+        """A copy with ``changes`` (what ``dataclasses.replace`` gave; an unknown field is an error)."""
+        return BinaryInfo(**{**self.as_dict(), **changes})
+
     def __eq__(self, other: object) -> bool:
         if other.__class__ is not self.__class__:
             return NotImplemented
