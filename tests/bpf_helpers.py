@@ -6,10 +6,16 @@ from __future__ import annotations
 
 import re
 import subprocess
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from conftest import require_tool
+
+if TYPE_CHECKING:
+    from ccprofd.tracing.unwind.sampler import UnwindSampler, UnwoundSample
 
 
 def compile_c(tmp_path: Path, name: str, source: str, *flags: str) -> Path:
@@ -78,3 +84,27 @@ def file_offset(binary: Path, vaddr: int) -> int:
         if start <= vaddr < start + filesz:
             return vaddr - start + off
     raise AssertionError(f"{vaddr:#x} not in a PT_LOAD of {binary}")
+
+
+def run_released(s: UnwindSampler, argv: list[str],
+                 on_ready: Callable[[int], None] | None = None) -> tuple[list[UnwoundSample], int]:
+    """Run ``argv`` (a program that prints ``ready`` and waits for one byte on stdin), track it once
+    it is ready (``on_ready(pid)`` first, while its mappings are those of the run), release it and
+    collect its samples until the rings stay quiet for 0.3 s; returns them and its pid."""
+    p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert p.stdin is not None and p.stdout is not None
+    assert p.stdout.readline() == b"ready\n"
+    if on_ready is not None:
+        on_ready(p.pid)
+    s.track(p.pid)
+    p.stdin.write(b"x")
+    p.stdin.close()
+    assert p.wait(timeout=60) == 0
+    out: list[UnwoundSample] = []
+    quiet = time.monotonic()
+    while time.monotonic() - quiet < 0.3:
+        got = s.poll(50)
+        if got:
+            quiet = time.monotonic()
+            out.extend(x for x in got if x.tgid == p.pid)
+    return out, p.pid

@@ -10,12 +10,11 @@
 
 from __future__ import annotations
 
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from bpf_helpers import run_released
 
 from ccprofd.tracing.unwind.sampler import UnwindSampler, UnwoundSample
 
@@ -41,21 +40,7 @@ def run_tracked(s: UnwindSampler, setup: str, body: str) -> list[UnwoundSample]:
     """Run ``setup`` then ``body`` in python3.11, tracked from the end of ``setup`` (every module it
     needs is mapped by then: samples never meet a mapping loaded after ``track``); its samples."""
     code = f"import sys\n{setup}\nsys.stdout.write('ready\\n')\nsys.stdout.flush()\nsys.stdin.read(1)\n{body}"
-    p = subprocess.Popen([PYTHON, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    assert p.stdin is not None and p.stdout is not None
-    assert p.stdout.readline() == b"ready\n"
-    s.track(p.pid)
-    p.stdin.write(b"x")
-    p.stdin.close()
-    assert p.wait(timeout=60) == 0
-    out: list[UnwoundSample] = []
-    quiet = time.monotonic()
-    while time.monotonic() - quiet < 0.3:
-        got = s.poll(50)
-        if got:
-            quiet = time.monotonic()
-            out.extend(x for x in got if x.tgid == p.pid)
-    return out
+    return run_released(s, [PYTHON, "-c", code])[0]
 
 
 def test_syscall_argument_registers_are_the_values_passed(sampler: UnwindSampler) -> None:

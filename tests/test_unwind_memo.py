@@ -15,12 +15,11 @@ find wrong chains: the re-read is what makes the reuse correct.
 from __future__ import annotations
 
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from bpf_helpers import compile_c
+from bpf_helpers import compile_c, run_released
 from conftest import require_tool
 
 from ccprofd.tracing.unwind.sampler import UnwindSampler, UnwoundSample
@@ -103,22 +102,9 @@ def load_bias(pid: int, binary: Path) -> int:
 
 
 def run(s: UnwindSampler, binary: Path) -> tuple[list[UnwoundSample], int]:
-    p = subprocess.Popen([str(binary), str(N)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    assert p.stdin is not None and p.stdout is not None
-    assert p.stdout.readline() == b"ready\n"
-    bias = load_bias(p.pid, binary)
-    s.track(p.pid)
-    p.stdin.write(b"x")
-    p.stdin.close()
-    assert p.wait(timeout=60) == 0
-    out: list[UnwoundSample] = []
-    quiet = time.monotonic()
-    while time.monotonic() - quiet < 0.3:
-        got = s.poll(50)
-        if got:
-            quiet = time.monotonic()
-            out.extend(x for x in got if x.tgid == p.pid and x.syscall == NR_WRITE)
-    return out, bias
+    biases: list[int] = []
+    got, _pid = run_released(s, [str(binary), str(N)], lambda pid: biases.append(load_bias(pid, binary)))
+    return [x for x in got if x.syscall == NR_WRITE], biases[0]
 
 
 def wrong_chains(samples: list[UnwoundSample], bias: int, syms: dict[str, tuple[int, int]]) -> list[str]:
