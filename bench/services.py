@@ -82,6 +82,7 @@ from common import ROOT, cpu_seconds, machine_line, publish, status_mb
 sys.path.insert(0, str(ROOT / "tests"))  # the daemon harness the end-to-end tests use
 from daemon_fakes import config_text, wait_for
 from daemon_harness import RunningDaemon, SampleStream, target_toml
+from nginx_conf import nginx_conf
 
 from ccprofd.kbpf.syscalls import syscall_numbers
 
@@ -149,27 +150,6 @@ class Redis:
         self.proc.wait(timeout=30)
 
 
-NGINX_CONF = """
-daemon off;
-master_process on;
-worker_processes 2;
-pid {dir}/nginx.pid;
-error_log {dir}/error.log;
-events {{ worker_connections 1024; }}
-http {{
-    access_log off;
-    client_body_temp_path {dir}/body;
-    proxy_temp_path {dir}/proxy;
-    fastcgi_temp_path {dir}/fastcgi;
-    uwsgi_temp_path {dir}/uwsgi;
-    scgi_temp_path {dir}/scgi;
-    server {{
-        listen 127.0.0.1:{port};
-        root {dir}/www;
-        location / {{ }}
-    }}
-}}
-"""
 
 
 class Nginx:
@@ -190,7 +170,7 @@ class Nginx:
             (root / "www" / name).write_bytes(os.urandom(size // 2).hex().encode()[:size])
             (root / "www" / name).chmod(0o644)
         conf = root / "nginx.conf"
-        conf.write_text(NGINX_CONF.format(dir=root, port=self.port))
+        conf.write_text(nginx_conf(root, self.port, workers=2, connections=1024))
         self.proc = subprocess.Popen([self.binary, "-c", str(conf), "-p", str(root)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_for(lambda: len(children(self.proc.pid)) == 2 and self._answers(), timeout=30, interval=0.1)

@@ -31,33 +31,13 @@ import pytest
 from conftest import require_bpf, require_tool
 from fidelity import compare
 from gdb_oracle import AttachedGdb, attach_gdb
+from nginx_conf import nginx_conf
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 NGINX = "/usr/sbin/nginx"
 #: the request path of a static file (sendfile off, nginx's default: pread64 + writev)
 SYSCALLS = ["accept4", "recvfrom", "openat", "pread64", "writev", "close"]  # gdb 13 lacks newfstatat
 
-CONF = """
-daemon off;
-master_process on;
-worker_processes 1;
-pid {dir}/nginx.pid;
-error_log {dir}/error.log;
-events {{ worker_connections 64; }}
-http {{
-    access_log off;
-    client_body_temp_path {dir}/body;
-    proxy_temp_path {dir}/proxy;
-    fastcgi_temp_path {dir}/fastcgi;
-    uwsgi_temp_path {dir}/uwsgi;
-    scgi_temp_path {dir}/scgi;
-    server {{
-        listen 127.0.0.1:{port};
-        root {dir}/www;
-        location / {{ }}
-    }}
-}}
-"""
 
 
 @pytest.fixture(autouse=True)
@@ -125,7 +105,7 @@ def test_nginx_frames_equal_gdb(www_root: pathlib.Path, tmp_path: pathlib.Path) 
         (root / "www" / name).write_bytes(b"x" * size)
         (root / "www" / name).chmod(0o644)
     port = _free_port()
-    (root / "nginx.conf").write_text(CONF.format(dir=root, port=port))
+    (root / "nginx.conf").write_text(nginx_conf(root, port, workers=1, connections=64))
     master = subprocess.Popen([NGINX, "-c", str(root / "nginx.conf"), "-p", str(root)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     tracer: subprocess.Popen[str] | None = None
