@@ -395,8 +395,9 @@ def build_probe_plan(graph: CallGraph, plan: Mapping[str, Any], image: ElfImage,
         entries[t] = entries.get(t, 0) | R_SCOPE
     for r, reasons in sorted(entries.items()):
         va = _entry_probe_address(image, g.nodes[r]["addr"])
-        if refused(image.bytes_at(va, 15)) is not None:
-            va = _moved_entry_probe(image, va, g.nodes[r])
+        why = refused(image.bytes_at(va, 15))
+        if why is not None:
+            va = _moved_entry_probe(image, va, g.nodes[r], why)
             stats["entry_moved"] = stats.get("entry_moved", 0) + 1
         pending.append(("entry", va, reasons, root_site.get(r, -1), -1, r))
         stats["scope_entry" if reasons & R_SCOPE else "entry"] += 1
@@ -510,10 +511,9 @@ _ENDBR64 = b"\xf3\x0f\x1e\xfa"
 _PUSH_REG = frozenset({0x50, 0x51, 0x52, 0x53, 0x54, 0x55, 0x56, 0x57})
 
 
-def _moved_entry_probe(image: ElfImage, va: int, fn: Mapping[str, Any]) -> int:
-    """The entry probe of ``fn`` past its refused first instruction (uprobe_insn), or a one-line
-    error: a probe the kernel refuses fails the whole link, one placed elsewhere would be wrong."""
-    why = refused(image.bytes_at(va, 15))
+def _moved_entry_probe(image: ElfImage, va: int, fn: Mapping[str, Any], why: str) -> int:
+    """The entry probe of ``fn`` past its first instruction, refused for ``why`` (uprobe_insn), or a
+    one-line error: a probe the kernel refuses fails the whole link, one placed elsewhere would be wrong."""
     end = int(fn["addr"]) + int(fn["size"])
     moved, why_not = moved_entry(image.bytes_at(va, end - va), va) if end > va else (None, "size unknown")
     if moved is None:
