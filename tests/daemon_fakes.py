@@ -272,9 +272,10 @@ TARGET_APP = '[[target]]\nname = "app"\npath = "/opt/app/bin"\nsyscalls = ["writ
 TARGET_DB = '[[target]]\nname = "db"\npid = 999999\nmode = "instrumented"\n'
 
 
-def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.02) -> Any:
-    """Poll ``predicate`` until truthy (returns its value) or fail after ``timeout`` seconds.
-    A liveness bound for asynchronous hand-offs, not a performance assertion."""
+def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.02, what: str | None = None) -> Any:
+    """Poll ``predicate`` until truthy (returns its value) or fail after ``timeout`` seconds (the
+    message names ``what`` was awaited, else the predicate).  A liveness bound for asynchronous
+    hand-offs, not a performance assertion."""
     import time
 
     deadline = time.monotonic() + timeout
@@ -283,5 +284,5 @@ def wait_for(predicate: Any, timeout: float = 10.0, interval: float = 0.02) -> A
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout} s: {predicate}")
+            raise AssertionError(f"condition not met within {timeout} s: {what or predicate}")
         time.sleep(interval)

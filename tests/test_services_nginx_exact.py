@@ -25,10 +25,10 @@ import sys
 import tempfile
 import time
 from collections.abc import Iterator
-from typing import Any
 
 import pytest
 from conftest import require_bpf, require_tool
+from daemon_fakes import wait_for
 from fidelity import compare
 from gdb_oracle import AttachedGdb, attach_gdb
 from nginx_conf import nginx_conf
@@ -74,14 +74,6 @@ def _answers(port: int) -> bool:
         return False
 
 
-def _wait(cond: Any, what: str, timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout  # a hang guard, not a performance limit
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
 def _worker(master: int) -> int | None:
     kids = pathlib.Path(f"/proc/{master}/task/{master}/children").read_text().split()
     return int(kids[0]) if kids else None
@@ -111,8 +103,8 @@ def test_nginx_frames_equal_gdb(www_root: pathlib.Path, tmp_path: pathlib.Path) 
     tracer: subprocess.Popen[str] | None = None
     oracle: AttachedGdb | None = None
     try:
-        _wait(lambda: _worker(master.pid) is not None, "nginx's worker")
-        _wait(lambda: _answers(port), "nginx to answer")
+        wait_for(lambda: _worker(master.pid) is not None, 60, 0.05, what="nginx's worker")
+        wait_for(lambda: _answers(port), 60, 0.05, what="nginx to answer")
         first = _get(port, "/small.html").split(b"\r\n")[0]
         assert b" 200 " in first, first
         worker = _worker(master.pid)
@@ -130,7 +122,7 @@ def test_nginx_frames_equal_gdb(www_root: pathlib.Path, tmp_path: pathlib.Path) 
             _get(port, "/small.html")
             return out.exists() and bool(out.read_text().strip())
 
-        _wait(tracing, "ccprofd trace's first samples", timeout=600)
+        wait_for(tracing, 600, 0.05, what="ccprofd trace's first samples")
         oracle = attach_gdb(worker, SYSCALLS)
         attached_ns = time.time_ns()  # the worker sleeps in epoll_wait until the next request
         answers = [_get(port, p) for p in ("/small.html", "/large.bin", "/missing", "/small.html")]
