@@ -100,3 +100,31 @@ def test_parse_defines() -> None:
         "#endif", "#define G (~0u & 0xff)", "#define H (10 / 3)", "#define CAST ((u32)1)",
     ])
     assert parse_defines(text) == {"A": 16, "B": 64, "C": 64 << 20, "D": 15, "E": 65, "G": 255, "H": 3}
+
+
+@pytest.mark.parametrize(("c_file", "function"), [("tracing/unwind/unwind.c", "uw_path_arg"),
+                                                  ("tracing/instrumented/instrumented.c", "cc_path_arg")])
+def test_path_argument_registers_equal_the_bpf_readers(c_file: str, function: str, tmp_path: Path) -> None:
+    """tracing/patharg.PATH_ARG_REGISTER (which register holds the path userspace re-reads from the
+    file) is a copy of the BPF readers' syscall choice: gcc runs each reader, on registers rdi = 1
+    and rsi = 2, for every syscall number, and the copy must say the same."""
+    from ccprofd.tracing.patharg import PATH_ARG_REGISTER
+
+    require_tool("gcc")
+    text = (PKG / c_file).read_text()
+    m = re.search(rf"^static __always_inline u64 {function}\(.*?^}}\n", text, re.M | re.S)
+    assert m, function
+    src = tmp_path / "reader.c"
+    src.write_text(
+        "#include <stdio.h>\n#include <string.h>\ntypedef unsigned long long u64;\n"
+        "struct pt_regs { u64 di, si; };\n#define __always_inline inline\n"
+        "static long bpf_probe_read_kernel(void *dst, unsigned n, const void *src) "
+        "{ memcpy(dst, src, n); return 0; }\n" + m.group(0) +
+        f"int main(void) {{\n    struct pt_regs r = {{1, 2}};\n    for (long nr = 0; nr < 1024; nr++)\n"
+        f'        if ({function}(&r, nr))\n            printf("%ld %llu\\n", nr, {function}(&r, nr));\n'
+        "    return 0;\n}\n")
+    exe = tmp_path / "reader"
+    subprocess.run(["gcc", "-w", "-o", str(exe), str(src)], check=True, capture_output=True, text=True)
+    out = subprocess.run([str(exe)], check=True, capture_output=True, text=True).stdout
+    from_c = {int(nr): int(v) - 1 for nr, v in (line.split() for line in out.splitlines())}
+    assert from_c == PATH_ARG_REGISTER
