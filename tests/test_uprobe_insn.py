@@ -75,3 +75,34 @@ def test_instrumented_mode_attaches_past_a_lock_prefixed_entry(tmp_path: Path) -
         ours = [f for f in s["frames"] if f["analysed"]]
         assert [f["function"] for f in ours] == ["main", "cmp_locked", "cmp_inner"], s["frames"]
         assert int(ours[1]["call_site"], 16) == site
+
+
+def test_a_plan_with_a_refused_site_probe_is_refused_in_one_line(tmp_path: Path) -> None:
+    """A call site the plan must probe, crafted with a cs prefix (2e e8 rel32, which the kernel
+    refuses like ``notrack jmp *%rax``): before, the plan held the probe and the attach failed with
+    errno 524; now the plan is refused naming the function and the address (objdump's)."""
+    from bpf_helpers import compile_c
+
+    from ccprofd.callgraph import analyze_binary
+    from ccprofd.elf.image import ElfImage
+    from ccprofd.encode import build_plan
+    from ccprofd.tracing.instrumented.probeplan import ProbePlanError, build_probe_plan
+
+    prog = compile_c(tmp_path, "prefixed_call", r"""
+        #include <unistd.h>
+        volatile long sink;
+        __attribute__((noinline)) void io(void) { sink = getppid(); }
+        void prefixed(void);
+        __asm__(".text\n.globl prefixed\n.type prefixed, @function\nprefixed:\n .cfi_startproc\n"
+                " subq $8, %rsp\n .cfi_def_cfa_offset 16\n .byte 0x2e\n call io\n addq $8, %rsp\n"
+                " .cfi_def_cfa_offset 8\n ret\n .cfi_endproc\n.size prefixed, .-prefixed\n");
+        int main(void) { prefixed(); io(); return 0; }""", "-O1")
+    out = subprocess.run(["objdump", "-d", str(prog)], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"^\s*([0-9a-f]+):\s+2e e8 [0-9a-f ]+\s+cs call\s+[0-9a-f]+ <io>", out, re.M)
+    assert m, out
+    graph = analyze_binary(prog, use_cache=False)
+    with pytest.raises(ProbePlanError) as exc:
+        build_probe_plan(graph, build_plan(graph, "valence"), ElfImage(str(prog)))
+    msg = str(exc.value)
+    assert "\n" not in msg
+    assert f"of prefixed at {int(m.group(1), 16):#x} (cs-prefixed instruction)" in msg, msg

@@ -32,8 +32,9 @@ sample point is reachable (for syscall sampling: functions that make no library 
 known pure ones, contain no ``syscall`` instruction and no indirect call); calls to pure library
 functions (``strlen``...); the ELF entry point.
 
-Schema (``PROBE_PLAN_VERSION`` 3: entry probes moved past instructions uprobes refuse, see
-:mod:`~ccprofd.tracing.instrumented.uprobe_insn`), all addresses ELF virtual addresses:
+Schema (``PROBE_PLAN_VERSION`` 4: entry probes moved past instructions uprobes refuse, see
+:mod:`~ccprofd.tracing.instrumented.uprobe_insn`, and a plan with a refused site probe not built, so
+a cached plan from before that check is rebuilt), all addresses ELF virtual addresses:
 ``binary`` {path, build_id, identity}; ``encoding`` {scheme, key}; ``acyc_words``;
 ``rec_code_bits``; ``names`` {node: name}; ``functions`` [[start, end, node]] sorted (fragments are
 extra ranges of their owner); ``callsites`` [[vaddr, length, kind, caller, target|None, is_jump,
@@ -62,7 +63,7 @@ from ccprofd.persist.cache import AnalysisCache
 from ccprofd.tracing.instrumented.uprobe_insn import moved_entry, refused
 
 PROBE_PLAN_FORMAT = "ccprofd-probe-plan"
-PROBE_PLAN_VERSION = 3
+PROBE_PLAN_VERSION = 4
 
 R_ACYC = REASON_BITS["acyc"]
 R_CYCLIC = REASON_BITS["cyclic"]
@@ -416,6 +417,7 @@ def build_probe_plan(graph: CallGraph, plan: Mapping[str, Any], image: ElfImage,
                     todo.append(u)
         tail_entries.extend([u, r] for u in sorted(seen))
 
+    _check_site_probes(pending, callsites, names)
     site_vas = [p[1] for p in pending if p[0] != "entry"]
     eh = image.sections.get(".eh_frame")
     try:
@@ -505,6 +507,25 @@ def _entry_function(graph: CallGraph) -> int | None:
         if d["addr"] <= entry < d["addr"] + d["size"]:
             return int(n)
     return None
+
+
+def _check_site_probes(pending: Sequence[tuple[str, int, int, int, int, int]],
+                       callsites: Sequence[Sequence[Any]], names: Mapping[int, str]) -> None:
+    """Refuse the plan, in one line, when x86 uprobes would refuse one of its call/jmp site probes
+    (uprobe_insn: e.g. ``cs call``, ``notrack call``): the kernel would fail the whole link only at
+    attach, with a bare errno 524.  Unlike an entry probe, a site probe never moves: it must fire
+    before its call or jump transfers control, and the instruction before it need not be the same
+    point (a branch may land between them, the stack pointer may differ)."""
+    for kind, va, _reasons, _sid, cs, node in pending:
+        if kind == "entry":
+            continue
+        why = refused(bytes.fromhex(callsites[cs][CCOL["bytes"]]))
+        if why is not None:
+            name = names.get(node, f"sub_{node}")
+            raise ProbePlanError(
+                f"x86 uprobes refuse the {'tail jump' if kind == 'tail' else 'call'} of {name} at {va:#x} "
+                f"({why}), which this plan must probe: trace this binary in unwind mode, or leave {name} "
+                f"out of --scope")
 
 
 _ENDBR64 = b"\xf3\x0f\x1e\xfa"
