@@ -19,6 +19,7 @@ import pytest
 from daemon_fakes import (
     TARGET_APP,
     FakeFactory,
+    FakeSource,
     config_text,
     frame,
     sample,
@@ -26,7 +27,7 @@ from daemon_fakes import (
     wait_for,
 )
 
-from ccprofd.daemon.config import parse_config
+from ccprofd.daemon.config import DaemonConfig, TargetConfig, parse_config
 from ccprofd.daemon.notify import Notifier
 from ccprofd.daemon.service import Daemon, retry_failed
 from ccprofd.export.gen import ccprofd_pb2 as pb
@@ -389,3 +390,61 @@ def test_started_daemon_serves_then_stops_and_cleans_up(tmp_path: Path) -> None:
         raise RuntimeError("the block failed")
     assert given.is_dir() and not os.path.exists(served.socket)
     assert all(s.closed for s in served.factory.built)
+
+
+def test_backoff_starts_over_after_a_successful_attach(workdir: str) -> None:
+    """Before: a target that failed 3 times, then attached and ran, and then failed again waited
+    80 s (its last retry's wait doubled), and after days of running still up to 600 s; now a
+    source that attached and was polled starts the next backoff at 10 s again."""
+    factory = FakeFactory(fail={"app": "BPF map limit"})
+    daemon = Daemon(parse_config(config_text(workdir, TARGET_APP)), factory, servers=standard_servers())
+    daemon.start()
+    try:
+        rt = daemon.targets["app"]
+        for now in range(0, 80):
+            retry_failed(daemon, now=float(now))
+        assert rt.state == "failed" and rt.retries == 3  # retried at 10, 30 and 70 s
+        factory.fail.clear()
+        retry_failed(daemon, now=1000.0)
+        assert rt.state == "attached"
+        source = factory.sources["app"]
+        wait_for(lambda: rt.retries == 0, what="the backoff reset after a successful poll")
+
+        def broken(timeout_ms: int) -> list[dict[str, object]]:
+            raise OSError("ring buffer gone")
+
+        source.poll = broken  # type: ignore[method-assign]
+        wait_for(lambda: rt.state == "failed", what="the source's failure")
+        retry_failed(daemon, now=5000.0)
+        assert rt.retry_at == 5000.0 + 10.0
+    finally:
+        daemon.stop()
+
+
+def test_a_source_failing_at_its_first_poll_keeps_backing_off(workdir: str) -> None:
+    """The reset needs a successful poll: a source that attaches and fails at once each time is
+    not re-attached every 10 s."""
+    factory = FakeFactory()
+    daemon = Daemon(parse_config(config_text(workdir, TARGET_APP)), factory, servers=standard_servers())
+    daemon.start()
+    try:
+        rt = daemon.targets["app"]
+        rt.retries = 3
+
+        def broken(timeout_ms: int) -> list[dict[str, object]]:
+            raise OSError("ring buffer gone")
+
+        def failing_source(target: TargetConfig, d: DaemonConfig) -> FakeSource:
+            src = factory(target, d)
+            src.poll = broken  # type: ignore[method-assign]
+            return src
+
+        daemon.factory = failing_source
+        daemon._detach(rt)
+        daemon._attach(rt)
+        wait_for(lambda: rt.state == "failed", what="the source's failure at its first poll")
+        assert rt.retries == 3
+        retry_failed(daemon, now=0.0)
+        assert rt.retry_at == 80.0
+    finally:
+        daemon.stop()

@@ -319,7 +319,14 @@ class Daemon:
     def _pump(self, rt: TargetRuntime, source: SampleSource, stop: threading.Event) -> None:
         split = getattr(source, "poll_counted", None)
         switch = getattr(source, "set_per_sample", None)
+        polled = False
         while not stop.is_set():
+            if polled and rt.retries:
+                # It attached and a poll succeeded: the failures it was retried for are over, so a
+                # later failure starts the backoff at RETRY_FIRST_SECONDS again.  Not at attach
+                # itself: a source that fails at its first poll keeps backing off, not flapping.
+                rt.retries = 0
+            polled = True
             try:
                 if split is None:
                     for sample in source.poll(POLL_MS):
