@@ -83,6 +83,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the daemon harness the end-to-end tes
 from daemon_fakes import config_text, wait_for
 from daemon_harness import RunningDaemon, SampleStream, target_toml
 from nginx_conf import nginx_conf
+from ports import free_port
 
 from ccprofd.kbpf.syscalls import syscall_numbers
 
@@ -90,12 +91,6 @@ SECURITY = ["execve", "openat", "connect", "accept4", "mprotect", "mmap", "clone
 TESTS = "get,set,lrange_100"
 CONFIGS = ("untraced", "unwind-all", "unwind-security", "perf-dwarf", "bpf-fp", "instrumented-scope",
            "scope-probes")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 # ---------------------------------------------------------------------------------- services

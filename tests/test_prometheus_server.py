@@ -6,7 +6,6 @@ real clients; promtool only checks the text, this checks that a server ingests a
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import urllib.parse
 import urllib.request
@@ -24,15 +23,10 @@ from daemon_fakes import (
     started_daemon,
     wait_for,
 )
+from ports import free_port
 
 from ccprofd.daemon.service import Daemon
 from ccprofd.daemon.store import context_id
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -46,7 +40,7 @@ def prometheus(daemon: tuple[Daemon, FakeFactory], tmp_path: Path) -> Iterator[s
     binary = require_tool("prometheus")
     address = daemon[0].metrics_address
     assert address is not None
-    port = _free_port()
+    port = free_port()
     cfg = tmp_path / "prometheus.yml"
     cfg.write_text("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
                    "scrape_configs:\n  - job_name: ccprofd\n    static_configs:\n"

@@ -32,6 +32,7 @@ from daemon_fakes import wait_for
 from fidelity import compare
 from gdb_oracle import AttachedGdb, attach_gdb
 from nginx_conf import nginx_conf
+from ports import free_port
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 NGINX = "/usr/sbin/nginx"
@@ -46,12 +47,6 @@ def _prerequisites() -> None:
     require_tool("gdb")
     if not os.access(NGINX, os.X_OK):
         require_tool("nginx")  # skips (fails under CI=true): nginx-light is not installed
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _get(port: int, path: str) -> bytes:
@@ -96,7 +91,7 @@ def test_nginx_frames_equal_gdb(www_root: pathlib.Path, tmp_path: pathlib.Path) 
     for name, size in files.items():
         (root / "www" / name).write_bytes(b"x" * size)
         (root / "www" / name).chmod(0o644)
-    port = _free_port()
+    port = free_port()
     (root / "nginx.conf").write_text(nginx_conf(root, port, workers=1, connections=64))
     master = subprocess.Popen([NGINX, "-c", str(root / "nginx.conf"), "-p", str(root)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)

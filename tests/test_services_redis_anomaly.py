@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,16 +20,11 @@ from typing import Any
 
 import pytest
 from conftest import require_bpf, require_tool
+from ports import free_port
 
 BENCH_MIXES = (["-t", "set,get,incr", "-n", "2000", "-c", "4"],
                ["-t", "lpush,lrange_100,lpop", "-n", "1000", "-c", "10", "-d", "512"],
                ["-t", "sadd,hset,spop,ping_inline", "-n", "1500", "-c", "2", "-P", "4"])
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def nm_extents(binary: str) -> dict[str, tuple[int, int]]:

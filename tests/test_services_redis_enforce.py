@@ -45,18 +45,15 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from conftest import require_tool
 from daemon_fakes import config_text, wait_for
 from daemon_harness import RunningDaemon, target_toml
+from ports import free_port
 
 from ccprofd.anomaly.modelstore import load_models
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-from services import free_port  # bench/services.py: how the bench starts redis
 
 SYSCALLS = ["openat", "rename", "renameat", "renameat2", "unlink", "unlinkat", "execve", "execveat",
             "connect", "clone", "clone3"]
