@@ -285,6 +285,22 @@ def _remember(recent: dict[tuple[int, int], Decoded], order: deque[tuple[int, in
         recent.pop(order.popleft(), None)
 
 
+def shown_path(given: str, real: str) -> str:
+    """The name frames give the traced binary: the path the user configured or executed when it is
+    another name of the same file, else ``real``.  Debian's /usr/bin/redis-server is a symlink to
+    redis-check-rdb, and whoever started redis-server looks for that name.  Only a name: the file's
+    identity (its inode, its mappings in /proc/PID/maps, which name the real file) stays ``real``."""
+    if given.startswith("/proc/"):
+        return real
+    shown = os.path.abspath(given)
+    if shown == real:
+        return real
+    try:
+        return shown if os.path.samefile(shown, real) else real
+    except OSError:
+        return real
+
+
 class ModeBase(ABC, Generic[Record, Key]):
     """The shared half of :class:`~ccprofd.tracing.api.Mode` implementations."""
 
@@ -293,6 +309,7 @@ class ModeBase(ABC, Generic[Record, Key]):
     def __init__(self, binary: str, options: TraceOptions) -> None:
         # /proc/PID/root/...: a binary in another mount namespace; resolving it would leave that namespace.
         self.path = binary if binary.startswith("/proc/") else os.path.realpath(binary)
+        self.shown_path = shown_path(binary, self.path)  # the module name of the binary's frames
         self.options = options
         # its inode now: a path argument is read from this file later only if it is still that file
         self.binary_inode = file_inode(self.path)

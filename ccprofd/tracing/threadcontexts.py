@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from typing import Any
 
 from ccprofd.persist.cache import AnalysisCache
@@ -17,11 +18,12 @@ class ContextReader:
     "frames"}]}`` with frames as in the tracer's JSON, outermost first.  One snapshot at a time
     (a second ``PTRACE_SEIZE`` of the same threads would be refused)."""
 
-    def __init__(self, binary_path: str, cache_dir: str | None = None) -> None:
+    def __init__(self, binary_path: str, cache_dir: str | None = None, shown_as: str | None = None) -> None:
         import threading
         from pathlib import Path
 
         self.binary_path = os.path.realpath(binary_path)
+        self.shown_as = shown_as  # the module name of the binary's frames, if not its real path
         self.cache_dir = Path(cache_dir) if cache_dir else None
         self.modules = ModuleCache(AnalysisCache(self.cache_dir) if self.cache_dir else None)
         self._decoder: Any = None
@@ -35,6 +37,8 @@ class ContextReader:
 
             graph = analyze_binary(self.binary_path, cache_dir=self.cache_dir)  # from the cache
             analysed = AnalysedBinary.from_graph(graph, self.binary_path)
+            if self.shown_as:
+                analysed = replace(analysed, path=self.shown_as)
             self._decoder = FrameDecoder(analysed, self.modules.build_id_of, ModuleSymbols)
         return self._decoder
 

@@ -231,8 +231,8 @@ class LiveContextReader(ContextReader):
     snapshot machinery (module cache, symbols, one snapshot at a time) is ContextReader's."""
 
     def __init__(self, bpf: Any, symbolizer: Any, binary_path: str, cache_dir: str | None = None, *,
-                 scope: Any = None) -> None:
-        super().__init__(binary_path, cache_dir)
+                 scope: Any = None, shown_as: str | None = None) -> None:
+        super().__init__(binary_path, cache_dir, shown_as)
         self.bpf = bpf
         self.sym = symbolizer
         self.scope = scope  # --scope: scopeprefix.py's prefixes, joined as to samples

@@ -97,11 +97,12 @@ class InstrumentedMode(ModeBase[Event, int]):
         except ProbePlanError as exc:
             raise TraceError(str(exc)) from None
         self.build_id, self.probe_plan = graph.binary.build_id, pp
-        self._sym = Symbolizer(pp, plan, source_lines=self.options.source_lines, cache=AnalysisCache(cache))
+        self._sym = Symbolizer(pp, plan, source_lines=self.options.source_lines, cache=AnalysisCache(cache),
+                               shown_as=self.shown_path)
         if self.options.scope:
             from ccprofd.tracing.instrumented.scopeprefix import live_prefixes
 
-            self._scope = live_prefixes(pp, self._sym.names, self.options.cache_dir)
+            self._scope = live_prefixes(pp, self._sym.names, self.options.cache_dir, module=self.shown_path)
         limits = Limits(sampler_ring=RET_RINGBUF_PAGES) if self.options.retval else Limits()
         self._bpf = InstrumentedBPF(pp, plan, syscalls=nrs, limits=limits, cache_dir=self.options.cache_dir,
                                     history=self.options.history)
@@ -258,7 +259,8 @@ class InstrumentedMode(ModeBase[Event, int]):
         stop (livestate.py)."""
         from ccprofd.tracing.instrumented.livestate import LiveContextReader
 
-        return LiveContextReader(self._bpf, self._sym, self.path, self.options.cache_dir, scope=self._scope)
+        return LiveContextReader(self._bpf, self._sym, self.path, self.options.cache_dir, scope=self._scope,
+                                 shown_as=self.shown_path)
 
     # ------------------------------------------------------------------------------ daemon
     def set_per_sample(self, on: bool) -> None:

@@ -43,8 +43,9 @@ class ScopePrefixes:
 
     def __init__(self, probe_plan: ProbePlan, names: dict[int, str], maps_of: MapsOf, table_of: TableOf,
                  start_stack_of: Callable[[int], int], entry_vaddr: int | None,
-                 on_close: Callable[[], None] | None = None) -> None:
+                 on_close: Callable[[], None] | None = None, module: str | None = None) -> None:
         self.pp = probe_plan
+        self.module = module or probe_plan.binary["path"]  # the binary's frames' module name
         self._on_close = on_close  # releases what maps_of/table_of hold (live_prefixes' module cache)
         self.names = names
         self.maps_of = maps_of
@@ -121,7 +122,7 @@ class ScopePrefixes:
         raw = list(stack.frames[:-1])  # the last one is the scope function itself, at its entry
         out: list[Frame] = []
         outside = False
-        module = self.pp.binary["path"]
+        module = self.module
         build_id = self.pp.binary.get("build_id")
         for f in raw:
             node = None
@@ -177,7 +178,7 @@ class ScopePrefixes:
 
 
 def live_prefixes(probe_plan: ProbePlan, names: dict[int, str],
-                  cache_dir: str | None = None) -> ScopePrefixes:
+                  cache_dir: str | None = None, module: str | None = None) -> ScopePrefixes:
     """A :class:`ScopePrefixes` reading the traced processes' maps and module tables from ``/proc``
     (the objects' CFI tables as thread snapshots load them)."""
     from pathlib import Path
@@ -209,4 +210,4 @@ def live_prefixes(probe_plan: ProbePlan, names: dict[int, str],
 
     entry = ElfImage(probe_plan.binary["path"]).entry
     return ScopePrefixes(probe_plan, names, maps_of, modules.table_of, start_stack_of, entry,
-                         on_close=modules.close)
+                         on_close=modules.close, module=module)

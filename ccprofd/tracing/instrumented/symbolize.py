@@ -57,13 +57,14 @@ class Symbolizer:
     """Decodes and symbolises samples of one probe plan (compiled once, cached per context)."""
 
     def __init__(self, probe_plan: ProbePlan, plan: Mapping[str, Any], source_lines: bool = False,
-                 cache: AnalysisCache | None = None) -> None:
+                 cache: AnalysisCache | None = None, shown_as: str | None = None) -> None:
         """``source_lines``: give the binary's frames their DWARF file/line/inlined calls (kept in
-        ``cache``)."""
+        ``cache``).  ``shown_as``: the module name of the binary's frames (base.shown_path), if not
+        the plan's path."""
         self.pp = probe_plan
         self.plan = plan
         self.decoder = CachingDecoder(decoder_for(plan))
-        self.module: str = probe_plan.binary["path"]
+        self.module: str = shown_as or probe_plan.binary["path"]
         self.build_id: str | None = probe_plan.binary.get("build_id")
         pretty = demangle(probe_plan.names.values())
         self.names = {n: pretty.get(name, name) for n, name in probe_plan.names.items()}
@@ -74,7 +75,7 @@ class Symbolizer:
         self._source = None
         if source_lines:
             locator = DebugFileLocator.from_env(cache.directory if cache is not None else None)
-            self._source = ModuleSource(self.module, self.build_id, locator, cache)
+            self._source = ModuleSource(probe_plan.binary["path"], self.build_id, locator, cache)
 
     # ------------------------------------------------------------------------------- helpers
     def function_at(self, vaddr: int) -> int | None:

@@ -156,7 +156,8 @@ class UnwindMode(ModeBase[Record, tuple[int, int]]):
             self.enforcement_maps.configure(enf.allowed, enf.syscalls, kill=enf.kill,
                                             deny_incomplete=enf.deny_incomplete)
         self.symbolizer = UnwindSymbolizer(self.encoding, self.plan, self.sampler.module_of_key,
-                                           analysis_cache, source_lines=self.options.source_lines)
+                                           analysis_cache, source_lines=self.options.source_lines,
+                                           shown_as=self.shown_path)
         for path in load_set(self.path, cache=analysis_cache):
             self.sampler.preload(path)
         self.sampler.attach()
@@ -292,7 +293,7 @@ class UnwindMode(ModeBase[Record, tuple[int, int]]):
         """Every thread unwound from a brief ptrace stop with the CFI tables (proc/threadsnap.py)."""
         from ccprofd.tracing.threadcontexts import ContextReader as SnapshotReader
 
-        return SnapshotReader(self.path, self.options.cache_dir)
+        return SnapshotReader(self.path, self.options.cache_dir, shown_as=self.shown_path)
 
     def set_per_sample(self, on: bool) -> None:
         """The daemon's switch: a record per sample (a consumer needs each one) or only new

@@ -32,9 +32,11 @@ class UnwindSymbolizer:
     """Decodes encoded records of one analysed binary into issue-4 frames (cached per context)."""
 
     def __init__(self, encoding: UnwindEncoding, plan: Mapping[str, Any],
-                 module_of_key: Any, cache: AnalysisCache | None = None, source_lines: bool = False) -> None:
+                 module_of_key: Any, cache: AnalysisCache | None = None, source_lines: bool = False,
+                 shown_as: str | None = None) -> None:
         """``cache``: where the symbol tables of unanalysed objects are kept (by file identity).
-        ``source_lines``: give frames their DWARF file/line/inlined calls (:class:`ModuleSource`)."""
+        ``source_lines``: give frames their DWARF file/line/inlined calls (:class:`ModuleSource`).
+        ``shown_as``: the module name of the binary's frames (base.shown_path), if not its real path."""
         self.enc = encoding
         self.cache = cache
         self.plan = plan
@@ -42,7 +44,8 @@ class UnwindSymbolizer:
         # this cache only catches a state seen under another key: small, it bounds memory in a
         # flood of distinct contexts (65,536 cached paths were ~130 MB).
         self.decoder = CachingDecoder(decoder_for(plan), max_entries=4096)
-        self.module: str = os.path.realpath(str(encoding.binary["path"]))
+        real = os.path.realpath(str(encoding.binary["path"]))
+        self.module: str = shown_as or real
         self.build_id: str | None = encoding.binary.get("build_id")
         names = [str(n) for n in plan["names"]]
         pretty = demangle(names)
@@ -63,7 +66,7 @@ class UnwindSymbolizer:
         self._sources: dict[str, ModuleSource] = {}
         # debug files: the system's, and debuginfod's (when opted in) kept in this trace's cache dir
         self.locator = DebugFileLocator.from_env(cache.directory if cache is not None else None)
-        self._own_source = ModuleSource(self.module, self.build_id, self.locator, cache)
+        self._own_source = ModuleSource(real, self.build_id, self.locator, cache)
         # (direct callee by call site, tail edges by caller, functions with other jumps): made at first use
         self._exits: tuple[dict[int, int], dict[int, list[tuple[int, int]]], set[int]] | None = None
         self.errors = 0
