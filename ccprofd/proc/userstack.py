@@ -159,6 +159,7 @@ def unwind(regs: UserRegs, read_word: WordReader, maps: ProcessMaps, table_of: T
         ra = values[0]
         if fp or len(values) == 2:
             bp = values[1]
+            bp_valid = True  # restored from the stack: known again even if an inner frame lost it
         elif rule is not None and rule.rbp_kind != cfi.RBP_SAME:
             bp_valid = False
         inner_first[frame_at] = RawFrame(pc, exact, mod, vaddr, cfa, fp)

@@ -790,6 +790,7 @@ static __always_inline long uw_unwind_step(struct uw_state *st, int memo) {
         st->s.fp_frames++;
     } else if (nread == 2) {
         bp = val[1];
+        st->bp_valid = 1;  // rbp restored from the stack: known again even if an inner frame lost it
     } else if (r->rbp_kind != UW_RBP_SAME) {
         st->bp_valid = 0;
     }
