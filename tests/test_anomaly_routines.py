@@ -189,3 +189,37 @@ def test_detect_samples_cli_in_routines_mode(tmp_path: Any) -> None:
     assert r.returncode == 0, r.stderr
     alerts = [json.loads(x) for x in r.stderr.splitlines() if x.startswith("{")]
     assert [(a["time_ns"], a["unseen_edge"]["callee"]["function"]) for a in alerts] == [(2, "evil")]
+
+
+def test_unnamed_allocator_frames_as_in_redis_jemalloc() -> None:
+    # redis' false alert left by "edges": jemalloc's frames have no symbol (function "?", no call
+    # site), so every jemalloc frame is the same key and its inner edges are self edges.  Training
+    # saw the purge (madvise) under listDelNode@0x61ce1 and under jemalloc's exported calloc (called
+    # by zcalloc_num@0x7bd06); freeClient@0x843b4 frees without a purge in training (its path made
+    # `close` through freeClient@0x84000).
+    lib = "cd" * 20
+
+    def chain(*prog: tuple[str, str], inner: int) -> dict[str, Any]:
+        s = sample("madvise", list(prog))
+        s["frames"] += [{"function": None, "module": "/lib/libjemalloc.so.2", "build_id": lib,
+                         "call_site": None, "return_address": "0x1"} for _ in range(inner)]
+        s["frames"].append({"function": "madvise", "module": "/lib/libc.so.6", "build_id": "ef" * 20,
+                            "call_site": None, "return_address": "0x2"})
+        return s
+
+    top = [("main", "0x61211"), ("aeMain", "0x659e8")]
+    model = TargetModel(BID, "/bin/redis")
+    learner = Learner(model)
+    learner.observe(chain(*top, ("listDelNode", "0x61ce1"), inner=7))
+    calloc = chain(*top, ("zcalloc_num", "0x7bd06"), inner=5)
+    calloc["frames"].insert(3, {"function": "calloc", "module": "/lib/libjemalloc.so.2", "build_id": lib,
+                                "call_site": None, "return_address": "0x3"})
+    learner.observe(calloc)
+    learner.observe(sample("close", [*top, ("freeClient", "0x84000"), ("close", "0x90")]))
+    assert ("madvise", (lib, "?")) in shared_routines(model.edges())  # callers listDelNode@, calloc
+    held = chain(*top, ("freeClient", "0x843b4"), inner=7)
+    [alert] = det(model, "edges").check(held)
+    assert alert.unseen_edge["caller"]["function"] == "aeMain"  # type: ignore[index]  # for madvise
+    assert det(model, "routines").check(held) == []
+    # The same purge under a function never seen making a syscall still alerts.
+    assert len(det(model, "routines").check(chain(*top, ("evil", "0x1"), inner=7))) == 1
