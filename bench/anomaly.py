@@ -302,10 +302,12 @@ def markdown(curve: list[dict[str, Any]], opts: argparse.Namespace, trace_s: flo
         lines.append(f"| {syscall} | {where} | {n} |")
     if not residual["edges"]:
         lines.append("| (none) | | 0 |")
-    # Enforcement is measured by tests (tests/test_unwind_enforce.py), not by this benchmark: its
-    # hand-written section is appended as it stands.
-    section = (DOCS / "anomaly-enforcement.md").read_text(encoding="utf-8")
-    lines += ["", section.split("-->\n", 1)[-1].rstrip("\n")]
+    # Enforcement is measured by tests (tests/test_unwind_enforce.py), granularity routines on the
+    # services (bench/services_anomaly.py), not by this benchmark: their hand-written sections are
+    # appended as they stand.
+    for name in ("anomaly-routines.md", "anomaly-enforcement.md"):
+        section = (DOCS / name).read_text(encoding="utf-8")
+        lines += ["", section.split("-->\n", 1)[-1].rstrip("\n")]
     return "\n".join(lines) + "\n"
 
 

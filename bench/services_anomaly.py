@@ -7,13 +7,15 @@ followed) and stays attached while the bench drives, one after another, N random
 (different commands, sizes, concurrency and clients: see ``*_mix`` below) and then the injected
 attacks.  The samples are split by time into one file per mix (a mix's window runs from its first
 request to 0.3 s after its last answer; samples in the gaps between mixes are dropped), so every
-mix is judged by the real ``ccprofd learn --samples`` / ``ccprofd detect --samples``
-(``--alert-interval 0``), as bench/anomaly.py does for bash:
+mix is judged as ``ccprofd learn --samples`` / ``ccprofd detect --samples`` (``--alert-interval 0``)
+judge it, by the same Learner and Detector in this process (:func:`learn`, :func:`detect`: the
+model goes through its file format before each detection; a postgres mix is up to 2 GB of samples,
+read as a stream once per step for every granularity, not once per command):
 
 * learning curve: the model learns training mixes one at a time; after k mixes, the held-out
-  mixes (other random mixes of the same service) are checked, in both granularities (``exact``,
-  ``--granularity edges``).  A false alert is any alert on a held-out mix (``incomplete_context``
-  alerts included, counted apart).
+  mixes (other random mixes of the same service) are checked, in every granularity (``exact``,
+  ``--granularity edges``, ``--granularity routines``).  A false alert is any alert on a held-out
+  mix (``incomplete_context`` alerts included, counted apart).
 * attacks: each attack's window is checked with the model of all training mixes; the alerts whose
   frames name the attack's code (e.g. ``rdbSave``) are reported with their call chains.
 
@@ -43,7 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -53,7 +55,7 @@ from services import Nginx, Postgres, Redis
 
 DOCS = ROOT / "docs"
 CCPROFD = [sys.executable, "-c", "from ccprofd.cli.main import main; raise SystemExit(main())"]
-GRANULARITIES = ("exact", "edges")
+GRANULARITIES = ("exact", "edges", "routines")
 
 
 def loadavg() -> str:
@@ -102,6 +104,19 @@ class Window:
     what: str = ""
     lines: list[str] = field(default_factory=list)
     lost: int = 0  # samples the tracer reported lost in this window (its ring was full)
+    path: Path | None = None  # the samples kept in a file instead of ``lines``
+
+    def file(self, work: Path) -> Path:
+        """A file of the window's samples (written to ``work`` unless kept in one)."""
+        if self.path is None:
+            self.path = write(self, work / f"{self.name}.jsonl")
+        return self.path
+
+    def count(self) -> int:
+        if self.path is None:
+            return len(self.lines)
+        with self.path.open("rb") as fh:
+            return sum(1 for _ in fh)
 
 
 def timed(name: str, what: str, run: Callable[[], None]) -> Window:
@@ -314,10 +329,60 @@ def write(w: Window, path: Path) -> Path:
     return path
 
 
-def detect(model: Path, samples: Path, granularity: str) -> list[dict[str, Any]]:
-    r = ccprofd("detect", "--model", str(model), "--granularity", granularity, "--alert-interval", "0",
-                "--samples", str(samples))
-    return [json.loads(line) for line in r.stderr.splitlines() if line.startswith("{")]
+def targeted(paths: list[Path]) -> Iterator[tuple[tuple[str, str], dict[str, Any]]]:
+    """Each sample of the files (one after the other, as one file) with its target, as
+    ``ccprofd learn/detect --samples`` tell them apart (the outermost frame's module; a sample without
+    frames belongs to the only target, if there is one), read as a stream: a postgres mix is ~2 GB."""
+    from ccprofd.cli.anomaly import _target_of
+
+    targets: set[tuple[str, str]] = set()
+    frameless: list[dict[str, Any]] = []
+    for path in paths:
+        with path.open(encoding="utf-8") as fh:
+            for line in fh:
+                s = json.loads(line)
+                t = _target_of(s)
+                if t is None:
+                    frameless.append(s)
+                else:
+                    targets.add(t)
+                    yield t, s
+    if len(targets) == 1:  # judged last: no transitions are checked, so the order does not matter
+        only = next(iter(targets))
+        yield from ((only, s) for s in frameless)
+
+
+def learn(models: Any, path: Path) -> None:
+    """What ``ccprofd learn --model FILE --samples PATH`` does to FILE's models: one learning run per
+    target (the same Learner), merged into ``models``."""
+    from ccprofd.anomaly.model import Learner, TargetModel
+
+    learners: dict[str, Learner] = {}
+    for (bid, tpath), s in targeted([path]):
+        if bid not in learners:
+            learners[bid] = Learner(TargetModel(bid, tpath))
+        learners[bid].observe(s)
+    for learner in learners.values():
+        models.target(learner.model.build_id, learner.model.path).merge(learner.model)
+
+
+def detect(models: Any, paths: list[Path]) -> dict[str, list[dict[str, Any]]]:
+    """Per granularity, the alerts ``ccprofd detect --samples S --granularity G --alert-interval 0``
+    writes for the files (same Detector; the model through its file format and back; one pass)."""
+    from ccprofd.anomaly.detector import Detector, DetectorOptions
+    from ccprofd.anomaly.model import ModelSet
+
+    loaded = ModelSet.from_dict(json.loads(json.dumps(models.to_dict())))
+    detectors: dict[tuple[str, str], Detector] = {}
+    out: dict[str, list[dict[str, Any]]] = {g: [] for g in GRANULARITIES}
+    for (bid, _), s in targeted(paths):
+        for g in GRANULARITIES:
+            det = detectors.get((bid, g))
+            if det is None:
+                det = detectors[(bid, g)] = Detector(
+                    loaded.targets[bid], DetectorOptions(granularity=g, alert_interval_seconds=0))
+            out[g] += [json.loads(a.to_json()) for a in det.check(s)]
+    return out
 
 
 def chain(a: dict[str, Any], n: int = 6) -> str:
@@ -383,6 +448,9 @@ def run_service(name: str, opts: argparse.Namespace, work: Path) -> dict[str, An
     finally:
         svc.stop()
     split(samples, windows + [w for w, _ in attack_windows])
+    meta = {"name": name, "version": version, "measured": f"{machine_line()}, load average {loadavg()}",
+            "mixes": [(w.name, w.what, len(w.lines), w.lost) for w in windows], "attach_s": attach_s,
+            "trace_err": trace_err.strip()[-400:], "train": opts.train, "held": opts.held_out}
     if opts.keep_samples:  # every window's samples and the whole trace, to judge again offline
         kept = Path(opts.keep_samples) / name
         kept.mkdir(parents=True, exist_ok=True)
@@ -393,20 +461,60 @@ def run_service(name: str, opts: argparse.Namespace, work: Path) -> dict[str, An
               "train": i < opts.train} for i, w in enumerate(windows)]
             + [{"name": w.name, "what": w.what, "start_ns": w.start_ns, "end_ns": w.end_ns, "attack": True,
                 "names": list(n)} for w, n in attack_windows]))
+        (kept / "meta.json").write_text(json.dumps(meta))
         samples.replace(kept / "all.jsonl")
-        samples = kept / "all.jsonl"
-    train, held = windows[: opts.train], windows[opts.train:]
-    held_all = work / name / "held-out.jsonl"  # one detect per step; alerts told apart by time
-    held_all.write_text("".join(line + "\n" for w in held for line in w.lines))
-    model = work / name / "model.json"
+    return {**meta, **judge(name, windows, attack_windows, opts.train, work)}
+
+
+def kept_windows(kept: Path) -> tuple[list[Window], list[tuple[Window, tuple[str, ...]]], int]:
+    """The windows a ``--keep-samples`` run wrote (training and held-out mixes, attacks with the
+    names their alerts are checked for) and the number of training mixes."""
+    wins, attacks, train = [], [], 0
+    for d in json.loads((kept / "windows.json").read_text()):
+        w = Window(d["name"], int(d["start_ns"]), int(d["end_ns"]), d["what"],
+                   path=kept / f"{d['name']}.jsonl")
+        if d.get("attack"):
+            attacks.append((w, tuple(d["names"])))
+        else:
+            wins.append(w)
+            train += bool(d.get("train"))
+    return wins, attacks, train
+
+
+def judge_kept(name: str, kept: Path, meta_json: Path | None, work: Path) -> dict[str, Any]:
+    """Judge again, with this ccprofd, the samples a ``--keep-samples`` run kept (the detector changed,
+    the services' behaviour did not need to be traced again).  The run's description (version,
+    mixes, tracer messages) comes from its meta.json, else from its ``--keep`` result file."""
+    meta_path = kept / "meta.json"
+    if not meta_path.exists():
+        if meta_json is None or not meta_json.exists():
+            raise SystemExit(f"services_anomaly: {kept} has no meta.json and no kept result {meta_json}")
+        meta_path = meta_json
+    meta = {k: v for k, v in json.loads(meta_path.read_text()).items()
+            if k not in ("curve", "attacks", "residual")}
+    windows, attack_windows, train = kept_windows(kept)
+    meta["judged"] = f"{machine_line()}, load average {loadavg()}"
+    return {**meta, **judge(name, windows, attack_windows, train, work)}
+
+
+def judge(name: str, windows: list[Window], attack_windows: list[tuple[Window, tuple[str, ...]]],
+          n_train: int, work: Path) -> dict[str, Any]:
+    """The learning curve (training mixes learned one at a time, held-out mixes detected after each,
+    in every granularity) and the attacks' alerts with the model of all training mixes."""
+    from ccprofd.anomaly.model import ModelSet
+
+    (work / name).mkdir(parents=True, exist_ok=True)
+    train, held = windows[:n_train], windows[n_train:]
+    held_files = [w.file(work / name) for w in held]  # one detect per step; alerts told apart by time
+    model = ModelSet()
     curve: list[dict[str, Any]] = []
     residual: dict[str, dict[tuple[str, str, str], int]] = {g: {} for g in GRANULARITIES}
     for k, w in enumerate(train, start=1):
-        ccprofd("learn", "--model", str(model), "--samples", str(write(w, work / name / f"{w.name}.jsonl")))
-        doc = json.loads(model.read_text())
-        row: dict[str, Any] = {"k": k, "contexts": sum(len(t["contexts"]) for t in doc["targets"])}
+        learn(model, w.file(work / name))
+        row: dict[str, Any] = {"k": k, "contexts": sum(len(t.contexts) for t in model.targets.values())}
+        alerts = detect(model, held_files)
         for g in GRANULARITIES:
-            every = detect(model, held_all, g)
+            every = alerts[g]
             found = [[a for a in every if w.start_ns <= a["time_ns"] <= w.end_ns] for w in held]
             assert sum(map(len, found)) == len(every), "an alert outside every held-out window"
             row[f"mixes_{g}"] = sum(1 for f in found if f) / len(held)
@@ -417,21 +525,18 @@ def run_service(name: str, opts: argparse.Namespace, work: Path) -> dict[str, An
                     key = (a["kind"], a["syscall"], chain(a, 4))
                     residual[g][key] = residual[g].get(key, 0) + 1
         curve.append(row)
-        print(f"{name} k={k}: {row}", file=sys.stderr)
+        print(f"{name} k={k}: {row}", file=sys.stderr, flush=True)
     attacked: list[dict[str, Any]] = []
     for w, names in attack_windows:
-        path = write(w, work / name / f"{w.name}.jsonl")
+        alerts = detect(model, [w.file(work / name)])
         for g in GRANULARITIES:
-            found = detect(model, path, g)
+            found = alerts[g]
             hits = [a for a in found if names_any(a, names)]
             attacked.append({"attack": w.name, "what": w.what, "granularity": g, "alerts": len(found),
-                             "samples": len(w.lines), "hits": hits, "names": names,
+                             "samples": w.count(), "hits": hits, "names": names,
                              "others": [a for a in found if not names_any(a, names)]})
-    return {"name": name, "version": version, "curve": curve, "attacks": attacked,
-            "measured": f"{machine_line()}, load average {loadavg()}",
-            "residual": {g: [[*k, n] for k, n in r.items()] for g, r in residual.items()},
-            "mixes": [(w.name, w.what, len(w.lines), w.lost) for w in windows], "attach_s": attach_s,
-            "trace_err": trace_err.strip()[-400:], "train": opts.train, "held": opts.held_out}
+    return {"curve": curve, "attacks": attacked,
+            "residual": {g: [[*k, n] for k, n in r.items()] for g, r in residual.items()}}
 
 
 # ------------------------------------------------------------------------------------ report
@@ -444,7 +549,9 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.8), squeeze=False)
     for ax, r in zip(axes[0], results, strict=True):
         ks = [row["k"] for row in r["curve"]]
-        for g, style in (("exact", "o-"), ("edges", "D--")):
+        for g, style in (("exact", "o-"), ("edges", "D--"), ("routines", "s:")):
+            if f"mixes_{g}" not in r["curve"][0]:
+                continue
             ax.plot(ks, [100 * row[f"mixes_{g}"] for row in r["curve"]], style,
                     label=f"held-out mixes with an alert ({g})")
         ax.set_title(f"{r['name']} {r['version']}: {r['held']} held-out mixes")
@@ -470,13 +577,17 @@ NOTES = {"nginx": (
 def markdown(results: list[dict[str, Any]], opts: argparse.Namespace, load: str) -> str:
     lines = ["# Anomaly detection on real services: learning curves and injected attacks", "",
              f"Generated by `python bench/services_anomaly.py --services {opts.services} --train "
-             f"{opts.train} --held-out {opts.held_out} --seed {opts.seed} --pg-seconds {opts.pg_seconds}` "
+             f"{opts.train} --held-out {opts.held_out} --seed {opts.seed} --pg-seconds {opts.pg_seconds}"
+             f"{' --keep-samples DIR' if opts.keep_samples else ''}"
+             f"{'`, then judged again by `--judge-kept DIR' if opts.judge_kept else ''}` "
              f"(rendered on {machine_line()}, "
              f"load average {load}; the machine is shared, see each service's line). Unwind mode, every "
              "syscall, one "
              "`ccprofd trace -p` attached to the running service for all its mixes, the samples split by "
-             "time into one file per mix, judged by `ccprofd learn --samples` and `ccprofd detect "
-             "--samples --alert-interval 0` in both granularities. A false alert is any alert on a "
+             "time into one file per mix, judged as `ccprofd learn --samples` and `ccprofd detect "
+             "--samples --alert-interval 0` judge them (the same Learner and Detector, in the bench's "
+             "process) in each granularity (`exact`, `edges`, `routines`: see "
+             "docs/anomaly.md). A false alert is any alert on a "
              "held-out mix (another random mix of the same service); `incomplete_context` alerts "
              "(the unwinder could not finish a chain) count too and are shown apart. The training mixes, "
              "together, ask for every request of the service's vocabulary at least once (redis' tests "
@@ -487,25 +598,29 @@ def markdown(results: list[dict[str, Any]], opts: argparse.Namespace, load: str)
              "![services learning curves](services-anomaly-learning-curve.png)", ""]
     for r in results:
         last = r["curve"][-1]
-        lines += [f"## {r['name']} {r['version']}", "", f"Measured on {r.get('measured', '?')}.", "",
+        grans = [g for g in GRANULARITIES if f"mixes_{g}" in last]
+        judged = f" Judged again from the kept samples on {r['judged']}." if r.get("judged") else ""
+        attach = f"{r['attach_s']:.0f} s" if r.get("attach_s") is not None else "? s, not recorded"
+        lines += [f"## {r['name']} {r['version']}", "", f"Measured on {r.get('measured', '?')}.{judged}", "",
                   f"Mixes (samples in the mix's window; training first, then held-out; attached in "
-                  f"{r['attach_s']:.0f} s):", ""]
+                  f"{attach}):",
+                  ""]
         lines += [f"* {n}{' (held-out)' if i >= r['train'] else ''}: {what} — {count:,} samples"
                   + (f", {lost:,} lost by the tracer (ring full)" if lost else "")
                   for i, (n, what, count, lost) in enumerate(r["mixes"])]
-        lines += ["", "| training mixes | contexts | held-out mixes alerted (exact) | alerts (exact) "
-                  "| of them incomplete"
-                  " | held-out mixes alerted (edges) | alerts (edges) | of them incomplete |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += ["", "| training mixes | contexts | "
+                  + " | ".join(f"held-out mixes alerted ({g}) | alerts ({g}) | of them incomplete"
+                               for g in grans)
+                  + " |", "|---:|---:|" + "---:|---:|---:|" * len(grans)]
         for row in r["curve"]:
-            lines.append(f"| {row['k']} | {row['contexts']:,} | {100 * row['mixes_exact']:.0f}% | "
-                         f"{row['alerts_exact']:,} | {row['incomplete_exact']:,} | "
-                         f"{100 * row['mixes_edges']:.0f}% | {row['alerts_edges']:,} | "
-                         f"{row['incomplete_edges']:,} |")
-        lines += ["", f"After {last['k']} training mixes: {100 * last['mixes_exact']:.0f}% of held-out mixes "
-                  f"with a false alert (exact), {100 * last['mixes_edges']:.0f}% (edges); target 0%.", ""]
-        for g in GRANULARITIES:
-            if r["residual"][g]:
+            lines.append(f"| {row['k']} | {row['contexts']:,} | " + " | ".join(
+                f"{100 * row[f'mixes_{g}']:.0f}% | {row[f'alerts_{g}']:,} | {row[f'incomplete_{g}']:,}"
+                for g in grans) + " |")
+        lines += ["", f"After {last['k']} training mixes: " + ", ".join(
+            f"{100 * last[f'mixes_{g}']:.0f}% ({g})" for g in grans)
+            + " of held-out mixes with a false alert; target 0%.", ""]
+        for g in grans:
+            if r["residual"].get(g):
                 lines += [f"False alerts left after {last['k']} mixes ({g}; innermost frames):", "",
                           "| kind | syscall | innermost frames | alerts |", "|---|---|---|---:|"]
                 for kind, sc, ch, n in sorted(r["residual"][g], key=lambda x: -x[3])[:12]:
@@ -553,6 +668,10 @@ def main() -> int:
                     "(delete them to measure again)")
     ap.add_argument("--keep-samples", default="", metavar="DIR",
                     help="also keep each window's samples (DIR/NAME/WINDOW.jsonl) and the whole trace")
+    ap.add_argument("--judge-kept", default="", metavar="DIR",
+                    help="trace nothing: judge again, with this ccprofd, the samples an earlier "
+                    "--keep-samples DIR run kept (its description from DIR/NAME/meta.json, else from the "
+                    "--keep result file)")
     ap.add_argument("--pg-seconds", type=int, default=PG_SECONDS,
                     help="seconds of pgbench per script of a postgres mix")
     opts = ap.parse_args()
@@ -568,6 +687,9 @@ def main() -> int:
         keep.mkdir(parents=True, exist_ok=True)
         for name in opts.services.split(","):
             kept = keep / f"{name}.json"
+            if opts.judge_kept:
+                results.append(judge_kept(name, Path(opts.judge_kept) / name, kept, Path(d)))
+                continue
             if kept.exists():
                 results.append(json.loads(kept.read_text()))
                 continue

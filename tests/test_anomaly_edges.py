@@ -195,7 +195,7 @@ def test_daemon_detector_gets_the_configured_granularity(tmp_path: Any) -> None:
 
     models.targets[BID] = model_of(rec(2))
     monitor = AnomalyMonitor(daemon=None)  # type: ignore[arg-type]  # _new_binary does not use it
-    for granularity, alerts in (("exact", 1), ("edges", 0)):
+    for granularity, alerts in (("exact", 1), ("edges", 0), ("routines", 0)):
         cfg = AnomalyConfig(action="detect", granularity=granularity)
         t = _Target("prog", cfg, tmp_path / "m.json", models)
         b = monitor._new_binary(t, BID, "/bin/prog")

@@ -358,7 +358,12 @@ def test_anomaly_granularity() -> None:
     assert parse(base).targets[0].anomaly.granularity == "exact"  # type: ignore[attr-defined]
     cfg = parse(base + 'granularity = "edges"\n')
     assert cfg.targets[0].anomaly.granularity == "edges"  # type: ignore[attr-defined]
-    assert error_of(base + 'granularity = "fuzzy"\n').endswith("expected one of exact, edges; got 'fuzzy'")
-    assert "transitions" in error_of(base + 'granularity = "edges"\ntransitions = true\n')
+    cfg = parse(base + 'granularity = "routines"\n')
+    assert cfg.targets[0].anomaly.granularity == "routines"  # type: ignore[attr-defined]
+    assert error_of(base + 'granularity = "fuzzy"\n').endswith(
+        "expected one of exact, edges, routines; got 'fuzzy'")
     enforce = base.replace('"detect"', '"enforce"')
-    assert "cannot be enforced" in error_of(enforce + 'granularity = "edges"\n')
+    for g in ("edges", "routines"):
+        assert f'"{g}" cannot be combined with transitions' in error_of(
+            base + f'granularity = "{g}"\ntransitions = true\n')
+        assert f'"{g}" cannot be enforced' in error_of(enforce + f'granularity = "{g}"\n')

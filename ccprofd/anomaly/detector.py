@@ -6,7 +6,10 @@ Alert kinds:
   ``min_count`` times), and no allow rule covers it.  With ``granularity="edges"``: some call edge
   of the context (caller function at a call site -> callee, see
   :func:`~ccprofd.anomaly.model.context_edges`) was never learned for that syscall; the alert names
-  the first such edge (``unseen_edge``), because that edge, not the whole chain, is what is new;
+  the first such edge (``unseen_edge``), because that edge, not the whole chain, is what is new.
+  With ``granularity="routines"``: as ``edges``, but a context is also accepted when its one
+  unseen part is a call into a routine shared for the syscall from a path learned for any syscall
+  (:func:`~ccprofd.anomaly.model.routine_junction`); the alert names the first unseen edge too;
 * ``unseen_transition`` — both contexts are known, but this thread never went from the previous
   one to this one (only when asked for and the model recorded transitions in every run);
 * ``incomplete_context`` — the tracer flagged the sample ``complete: false``: the model cannot
@@ -38,8 +41,11 @@ from ccprofd.anomaly.model import (
     TargetModel,
     collapse_cycles,
     common_prefix_len,
+    context_edge_path,
     context_edges,
     context_key,
+    routine_junction,
+    shared_routines,
     signal_handler_part,
 )
 
@@ -53,7 +59,8 @@ class DetectorOptions:
 
     collapse_recursion: bool = False
     #: "exact": the whole context must have been learned; "edges": each of its call edges must have
-    #: been learned for the syscall (generalises over prefixes and recursion depths).
+    #: been learned for the syscall (generalises over prefixes and recursion depths); "routines":
+    #: "edges" or one new call into a routine shared for the syscall from a known path.
     granularity: str = "exact"
     max_cycle: int = DEFAULT_MAX_CYCLE
     transitions: bool = False
@@ -172,7 +179,15 @@ class Detector:
     def _index(self) -> None:
         self._known: dict[ContextKey, int] = {}
         self._by_syscall: dict[str, list[tuple[ContextKey, int]]] = {}
-        self._edges = self.model.edges(self._signal_view) if self.options.granularity == "edges" else {}
+        by_edges = self.options.granularity in ("edges", "routines")
+        self._edges = self.model.edges(self._signal_view) if by_edges else {}
+        need = max(1, self.options.min_count)
+        self._any_edge: dict[EdgeKey, int] = {}
+        self._shared: set[tuple[str, tuple[str, str]]] = set()
+        if self.options.granularity == "routines":
+            for (_, e), n in self._edges.items():
+                self._any_edge[e] = self._any_edge.get(e, 0) + n
+            self._shared = shared_routines(self._edges, need)
         for key, st in self.model.contexts.items():
             view = (key[0], self._view(*key))
             self._known[view] = self._known.get(view, 0) + st.count
@@ -185,6 +200,8 @@ class Detector:
     def known(self, key: ContextKey) -> bool:
         if self.options.granularity == "edges":
             return self.unseen_edge(key) is None
+        if self.options.granularity == "routines":
+            return self.unseen_edge(key) is None or self.junction(key) is not None
         view = (key[0], self._view(*key))
         return self._known.get(view, 0) >= max(1, self.options.min_count)
 
@@ -196,6 +213,17 @@ class Detector:
             if self._edges.get((key[0], e), 0) < need:
                 return e
         return None
+
+    def junction(self, key: ContextKey) -> EdgeKey | None:
+        """Granularity "routines": the call into a shared routine that makes ``key`` acceptable
+        although some of its edges were not learned for its syscall (None: no such call)."""
+        syscall = key[0]
+        need = max(1, self.options.min_count)
+        path = context_edge_path(self._signal_view(*key))
+        j = routine_junction(syscall, path, lambda e: self._edges.get((syscall, e), 0) >= need,
+                             lambda e: self._any_edge.get(e, 0) >= need,
+                             lambda sc, fn: (sc, fn) in self._shared)
+        return None if j is None else path[j]
 
     def _edge_out(self, syscall: str, edge: EdgeKey) -> dict[str, Any]:
         caller, callee = edge
@@ -269,7 +297,7 @@ class Detector:
             frames=[{k: f[k] for k in _FRAME_OUT if k in f} for f in sample.get("frames", [])],
             args=dict(args) if isinstance(args, Mapping) else {},
             nearest=self.nearest(key), suppressed=held)
-        if kind == "unseen_context" and self.options.granularity == "edges":
+        if kind == "unseen_context" and self.options.granularity in ("edges", "routines"):
             edge = self.unseen_edge(key)
             alert.unseen_edge = None if edge is None else self._edge_out(key[0], edge)
         if kind == "unseen_transition":

@@ -14,6 +14,15 @@ of edges "caller function at this call site -> callee function" from the outermo
 syscall.  The ``edges`` granularity accepts an unseen context whose every edge was seen for that
 syscall (a new combination of known calls); the file format does not change, because the edges of
 a model are those of its stored contexts (a removed context takes its edges with it).
+The ``routines`` granularity (:func:`routine_junction`) is ``edges`` plus one generalisation: a
+*shared routine* of a syscall is a function learned making that syscall when called from at least
+:data:`SHARED_ROUTINE_CALLERS` different call sites (a lock, an allocator, a file-open helper);
+a context is also accepted when it is a prefix whose every edge was learned (for any syscall: the
+program was seen going that way), one call into a shared routine of the syscall (the only edge
+allowed to be new), and a tail whose every edge was learned for the syscall.  A routine that makes
+its syscall only sometimes (a lock's ``futex`` under contention, an allocator's ``madvise`` purge)
+is then not new behaviour at a known call path; a function that never made a syscall before
+(``BeginCopyTo``, ``saveCommand``) still puts an edge unseen for every syscall before the junction.
 A third view, on by default in the detector, is a signal handler's part of a context
 (:func:`signal_handler_part`): frames interrupted by a signal are stored with the call site
 :data:`SIGNAL_SITE` (models learned before that mark store them with none, and must be learned
@@ -45,8 +54,12 @@ ContextKey = tuple[str, tuple[FrameKey, ...]]
 #: the syscall itself.  Recursion adds no edge: deeper recursion through the same call sites has the
 #: same edge set (collapsed by construction).
 EdgeKey = tuple[FrameKey | None, tuple[str, str] | None]
-#: Model granularities: exact contexts, or every call edge seen for the syscall.
-GRANULARITIES = ("exact", "edges")
+#: Model granularities: exact contexts, every call edge seen for the syscall, or that plus one new
+#: call into a routine shared for the syscall (:func:`routine_junction`).
+GRANULARITIES = ("exact", "edges", "routines")
+#: A function is a shared routine of a syscall when it was learned making it from this many
+#: different call sites (one caller is one context's habit, not a routine others call).
+SHARED_ROUTINE_CALLERS = 2
 #: A thread's first sample has no predecessor: its transition starts here.
 THREAD_START = None
 
@@ -135,16 +148,58 @@ def collapse_cycles(frames: Sequence[FrameKey], max_cycle: int = DEFAULT_MAX_CYC
     return tuple(out)
 
 
-def context_edges(frames: Sequence[FrameKey]) -> tuple[EdgeKey, ...]:
-    """The call edges of a context, outermost first, without repeats: the entry edge into the
-    outermost frame, each frame's call site into the next frame's function, and the innermost
-    frame's call site into the syscall.  An empty context is the single edge (None, None)."""
+def context_edge_path(frames: Sequence[FrameKey]) -> tuple[EdgeKey, ...]:
+    """The call edges of a context in chain order, repeats kept (one per frame, plus the syscall's):
+    the entry edge into the outermost frame, each frame's call site into the next frame's function,
+    and the innermost frame's call site into the syscall.  An empty context is (None, None)."""
     if not frames:
         return ((None, None),)
     edges: list[EdgeKey] = [(None, (frames[0][0], frames[0][1]))]
     edges += [(f, (g[0], g[1])) for f, g in itertools.pairwise(frames)]
     edges.append((frames[-1], None))
-    return tuple(dict.fromkeys(edges))
+    return tuple(edges)
+
+
+def context_edges(frames: Sequence[FrameKey]) -> tuple[EdgeKey, ...]:
+    """The call edges of a context (:func:`context_edge_path`), outermost first, without repeats."""
+    return tuple(dict.fromkeys(context_edge_path(frames)))
+
+
+def shared_routines(edges: Mapping[tuple[str, EdgeKey], int], need: int = 1,
+                    callers: int = SHARED_ROUTINE_CALLERS) -> set[tuple[str, tuple[str, str]]]:
+    """(syscall, (module id, function)) of every function learned (``need`` samples or more per
+    edge) making the syscall from at least ``callers`` different call sites, its own recursive
+    calls and the entry not counted."""
+    seen: dict[tuple[str, tuple[str, str]], set[FrameKey]] = {}
+    for (syscall, (caller, callee)), n in edges.items():
+        if n >= need and caller is not None and callee is not None and (caller[0], caller[1]) != callee:
+            seen.setdefault((syscall, callee), set()).add(caller)
+    return {k for k, sites in seen.items() if len(sites) >= callers}
+
+
+def routine_junction(syscall: str, path: Sequence[EdgeKey], learned: Callable[[EdgeKey], bool],
+                     learned_any: Callable[[EdgeKey], bool],
+                     shared: Callable[[str, tuple[str, str]], bool]) -> int | None:
+    """Granularity ``routines``: the index in ``path`` (:func:`context_edge_path`) of a call into a
+    shared routine of ``syscall`` such that every edge before it was learned for some syscall
+    (``learned_any``) and every edge after it for this one (``learned``); None when there is none.
+
+    Why this accepts: the program was seen taking every call before the junction, and the routine
+    was seen making the syscall from other call sites along exactly the calls after it; the one new
+    fact is that the routine made the syscall at this call site too, which a routine that makes it
+    only sometimes (contention, a purge threshold) does.  What stays an alert: a call path through
+    a function never seen making a syscall (its incoming edge is unseen for every syscall), a
+    routine not shared for the syscall, or a second new edge."""
+    n = len(path)
+    tail_ok = [True] * (n + 1)  # tail_ok[i]: every edge after i learned for the syscall
+    for i in range(n - 1, 0, -1):
+        tail_ok[i - 1] = tail_ok[i] and learned(path[i])
+    for j, (_, callee) in enumerate(path):
+        if callee is not None and tail_ok[j] and shared(syscall, callee):
+            return j
+        if not learned_any(path[j]):
+            return None  # every later junction would have this unseen edge before it
+    return None
 
 
 def common_prefix_len(a: Sequence[FrameKey], b: Sequence[FrameKey]) -> int:

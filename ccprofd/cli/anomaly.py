@@ -324,9 +324,9 @@ def cmd_detect(args: argparse.Namespace) -> int:
         models = load_models(args.model, missing_ok=False)
     except ModelFileError as exc:
         raise _Usage(str(exc)) from None
-    if args.granularity == "edges" and args.enforce:
-        raise _Usage("--granularity edges cannot be enforced (the kernel-side enforcer checks exact "
-                     "contexts): drop --enforce or use --granularity exact")
+    if args.granularity != "exact" and args.enforce:
+        raise _Usage(f"--granularity {args.granularity} cannot be enforced (the kernel-side enforcer "
+                     "checks exact contexts): drop --enforce or use --granularity exact")
     opts = DetectorOptions(collapse_recursion=args.collapse_recursion, transitions=args.transitions,
                            granularity=args.granularity,
                            min_count=args.min_count, alert_interval_seconds=args.alert_interval)
@@ -589,7 +589,9 @@ def add_commands(sub: Any) -> None:
     de.add_argument("--granularity", choices=GRANULARITIES, default="exact",
                     help="exact: alert on every context not learned as a whole; edges: accept a context "
                          "whose every call edge (caller function at a call site -> callee) was learned "
-                         "for the syscall, and name the unseen edge otherwise [exact]")
+                         "for the syscall, and name the unseen edge otherwise; routines: as edges, and "
+                         "also accept one new call into a routine learned making the syscall from 2 or "
+                         "more call sites, from a call path learned for any syscall [exact]")
     de.add_argument("--transitions", action="store_true",
                     help="also alert on unseen transitions (model must be learned with --transitions)")
     de.add_argument("--min-count", type=int, default=1, metavar="N",

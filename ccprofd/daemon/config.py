@@ -44,7 +44,8 @@ targets.  Schema (defaults in brackets)::
     model = PATH                                      [STATE_DIR/anomaly/NAME.model.json]
     flush_seconds = 30, alert_interval_seconds = 60   learning flush; repeat of the same alert
     collapse_recursion = false, transitions = false
-    granularity = "exact" | "edges"                   "edges": new combinations of learned call edges pass
+    granularity = "exact" | "edges" | "routines"      "edges": new combinations of learned call edges pass;
+                                                      "routines": also one new call into a shared routine
     alert_history = 16                                the thread's syscalls before an alert it carries
 """
 
@@ -68,7 +69,7 @@ from ccprofd.tracing.api import MODES
 DEFAULT_CONFIG_PATH = "/etc/ccprofd/ccprofd.toml"
 ENCODINGS = ("valence", "pcce", "hcce")
 ANOMALY_ACTIONS = ("off", "learn", "detect", "enforce")
-ANOMALY_GRANULARITIES = ("exact", "edges")  # anomaly.model.GRANULARITIES
+ANOMALY_GRANULARITIES = ("exact", "edges", "routines")  # anomaly.model.GRANULARITIES
 
 
 class ConfigError(Exception):
@@ -621,11 +622,11 @@ def _parse_anomaly(chk: _Checker, where: tuple[Any, ...], raw: Any) -> AnomalyCo
     granularity = chk.choice(tbl, where, "granularity", ANOMALY_GRANULARITIES, d.granularity)
     action = chk.choice(tbl, where, "action", ANOMALY_ACTIONS, d.action)
     transitions = bool(chk.get(tbl, where, "transitions", bool, d.transitions))
-    if granularity == "edges" and transitions:
-        raise chk.fail((*where, "granularity"), "\"edges\" cannot be combined with transitions = true "
-                       "(transitions are learned between exact contexts)")
-    if granularity == "edges" and action == "enforce":
-        raise chk.fail((*where, "granularity"), "\"edges\" cannot be enforced (the kernel-side "
+    if granularity != "exact" and transitions:
+        raise chk.fail((*where, "granularity"), f"\"{granularity}\" cannot be combined with transitions = "
+                       "true (transitions are learned between exact contexts)")
+    if granularity != "exact" and action == "enforce":
+        raise chk.fail((*where, "granularity"), f"\"{granularity}\" cannot be enforced (the kernel-side "
                        "enforcer checks exact contexts): use action = \"detect\"")
     alert_history = chk.get(tbl, where, "alert_history", int, d.alert_history)
     if isinstance(alert_history, bool) or not 0 <= alert_history <= 4096:
