@@ -321,6 +321,8 @@ struct uw_state {
     u32 m_on;      // the current frame is m_c's: it is checked, not unwound
     u32 m_cut;     // this sample's m_lo
     u32 m_hit;     // frames this sample reused
+    u32 k_tgid;    // the process and uw_proc.gen the mapping and rule caches hold (see uw_sample)
+    u32 k_gen;
     // The previous sample of this slot, when this one's pcs turn out to be the same (same process,
     // mappings, frames and reason): its encoding and context words are then this one's (a function
     // of those), so the encoding and hashing passes are skipped, and so is the arena compare when
@@ -609,33 +611,12 @@ static __always_inline void uw_memo_rec(struct uw_state *st, u32 n, u64 pc, u64 
         st->m_cut = n + 1;  // its third slot is not kept: the next sample may reuse only frames above it
 }
 
-// Frame n (>= 1) from the memo: 1/0 as a step returns, -1 to unwind it afresh.  Frame 0 is never
-// reused (its step may read rdi at the syscall entry, RA_REG), nor is a frame below m_lo.
-static __always_inline long uw_memo_step(struct uw_state *st, u32 n) {
-    if (st->m_n == 0 || n == 0)
-        return -1;
+// Frame n (>= 1), the memo's frame m_c (m_on: its entry state equals this frame's): its slots
+// re-read, then taken (1/0 as a step returns), or -1 (a slot changed: m_on cleared, the frame is
+// unwound afresh from its state, which is proved).
+static __always_inline long uw_memo_take(struct uw_state *st, u32 n) {
     u32 prev = st->m_cur & 1;
     u32 c = st->m_c;
-    if (!st->m_on) {
-        // the sample's mappings (looked up at frame 0) must be those the chain was unwound with
-        if (st->gen == 0 || st->gen != st->m_gen || st->gen_mixed)
-            return -1;
-        // CFAs grow outwards: skip the cached frames below this one's (a few per step)
-#pragma unroll
-        for (int i = 0; i < UW_MEMO_SCAN; i++) {
-            if (c >= st->m_n || st->mf[prev][c & (UW_MEMO_DEPTH - 1)].sp >= st->sp)
-                break;
-            c++;
-        }
-        st->m_c = c;
-        if (c >= st->m_n || c < st->m_lo)
-            return -1;
-        struct uw_mframe *f = &st->mf[prev][c & (UW_MEMO_DEPTH - 1)];
-        u32 fl = (st->bp_valid ? UW_MF_BP_VALID : 0) | (st->exact ? UW_MF_EXACT : 0);
-        if (f->sp != st->sp || f->pc != st->pc || f->bp != st->bp || (f->flags & (UW_MF_BP_VALID | UW_MF_EXACT)) != fl)
-            return -1;
-        st->m_on = 1;
-    }
     struct uw_mframe *f = &st->mf[prev][c & (UW_MEMO_DEPTH - 1)];
     if (st->memo_mode != UW_MEMO_UNCHECKED) {
         // every slot the cached step read (return address, saved rbp), re-read now
@@ -673,6 +654,59 @@ static __always_inline long uw_memo_step(struct uw_state *st, u32 n) {
     st->bp_valid = g->flags & UW_MF_BP_VALID;
     st->exact = (g->flags & UW_MF_EXACT) ? 1 : 0;
     st->m_c = c + 1;
+    return 0;
+}
+
+// Frame n (>= 1) from the memo: 1/0 as a step returns, -1 to unwind it afresh.  Frame 0 is never
+// reused (its step may read rdi at the syscall entry, RA_REG), nor is a frame below m_lo.
+static __always_inline long uw_memo_step(struct uw_state *st, u32 n) {
+    if (st->m_n == 0 || n == 0)
+        return -1;
+    u32 prev = st->m_cur & 1;
+    u32 c = st->m_c;
+    if (!st->m_on) {
+        // the sample's mappings (looked up at frame 0) must be those the chain was unwound with
+        if (st->gen == 0 || st->gen != st->m_gen || st->gen_mixed)
+            return -1;
+        // CFAs grow outwards: skip the cached frames below this one's (a few per step)
+#pragma unroll
+        for (int i = 0; i < UW_MEMO_SCAN; i++) {
+            if (c >= st->m_n || st->mf[prev][c & (UW_MEMO_DEPTH - 1)].sp >= st->sp)
+                break;
+            c++;
+        }
+        st->m_c = c;
+        if (c >= st->m_n || c < st->m_lo)
+            return -1;
+        struct uw_mframe *f = &st->mf[prev][c & (UW_MEMO_DEPTH - 1)];
+        u32 fl = (st->bp_valid ? UW_MF_BP_VALID : 0) | (st->exact ? UW_MF_EXACT : 0);
+        if (f->sp != st->sp || f->pc != st->pc || f->bp != st->bp || (f->flags & (UW_MF_BP_VALID | UW_MF_EXACT)) != fl)
+            return -1;
+        st->m_on = 1;
+    }
+    return uw_memo_take(st, n);
+}
+
+// Batched memo frames (issue #18): each bpf_loop iteration is a callback call and a kernel `ret`
+// (costly under this CPU's SRSO / retpoline mitigations), so once the unwind is on the memo's chain
+// (m_on: the next frame's state is the cached frame m_c's) one iteration takes up to UW_MEMO_BATCH
+// more of its frames, each with uw_memo_step's checks (uw_memo_take).  Returns 1 when the sample
+// is done, else 0 (the next iteration goes on, afresh if a slot changed).
+#ifndef UW_MEMO_BATCH
+#define UW_MEMO_BATCH 4
+#endif
+static __always_inline long uw_memo_more(struct uw_state *st) {
+#pragma unroll
+    for (int k = 0; k < UW_MEMO_BATCH; k++) {
+        u32 n = st->s.n;
+        if (!st->m_on || st->done || n == 0 || n >= UW_MAX_DEPTH || n >= UW_MEMO_DEPTH)
+            return 0;
+        long r = uw_memo_take(st, n);
+        if (r > 0)
+            return r;
+        if (r < 0)
+            return 0;
+    }
     return 0;
 }
 
@@ -1113,7 +1147,10 @@ static __always_inline long uw_step(u32 slot, int memo) {
     struct uw_state *st = uw_state.lookup(&slot);
     if (!st)
         return 1;
-    return uw_unwind_step(st, memo);
+    long r = uw_unwind_step(st, memo);
+    if (memo && r == 0)
+        r = uw_memo_more(st);
+    return r;
 }
 
 static __always_inline long uw_arena_slot(u32 slot, u32 i) {
@@ -1270,16 +1307,29 @@ static __always_inline void uw_aggregate(struct uw_state *st, void *arena_cb) {
 
 #define UW_UNWIND_LOOPS (UW_MAX_DEPTH + 1)
 
+// The user registers a sample needs, pt_regs from bp to sp (ip, sp, bp and the six argument
+// registers lie in between), in one read: each helper call ends in a kernel `ret`, costly under
+// this CPU's SRSO / retpoline mitigations, and four reads (ip, sp, bp, arguments) cost four
+// (issue #18).  A failed read leaves zeros (ip = sp = 0: "no user registers").
+#define UW_RW(r) ((offsetof(struct pt_regs, r) - offsetof(struct pt_regs, bp)) / 8)
+#define UW_REGS_WORDS (UW_RW(sp) + 1)
+static __always_inline void uw_read_regs(u64 *rw, struct pt_regs *regs) {
+    if (bpf_probe_read_kernel(rw, UW_REGS_WORDS * 8, &regs->bp) != 0)
+        __builtin_memset(rw, 0, UW_REGS_WORDS * 8);
+}
+
 // `can_aggregate` is a constant per program: the CPU sampler sends every sample (the aggregation
 // code would double its verification cost past the verifier's limit; CPU samples are few).
-// `syscall_sample` too (1: from uw_sys_enter, whose `regs` are read for the arguments and the
-// flight recorder gets the sample); never test `regs` for that, see the recorder's call below.
-static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u64 sp, u64 bp, u64 argp,
-                                      struct pt_regs *regs, void *loop_cb, void *arena_cb, int can_aggregate, int memo,
+// `syscall_sample` too (1: from uw_sys_enter, whose argument registers `rw` holds, and the flight
+// recorder gets the sample); never test a value the verifier does not know for that (the
+// tracepoint's `regs` once), see the recorder's call below.  `rw`: uw_read_regs's words.
+static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, const u64 *rw, u64 argp, void *loop_cb,
+                                      void *arena_cb, int can_aggregate, int memo,
                                       int syscall_sample UE_CALLBACK_PARAMS) {
     struct uw_state *st = uw_state.lookup(&slot);
     if (!st)
         return;
+    u64 ip = rw[UW_RW(ip)], sp = rw[UW_RW(sp)], bp = rw[UW_RW(bp)];
     u32 tgid = pid_tgid >> 32;
     st->pc = ip;
     st->sp = sp;
@@ -1288,17 +1338,31 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
     st->exact = 1;
     st->done = 0;
     st->op = UW_OP_UNWIND;
-    st->c.start = 0;
-    st->c.end = 0;
-    st->alt.start = 0;
-    st->alt.end = 0;
-    st->r_module = UW_NO_MODULE;
     st->win_base = 1;
     st->n_steps = 0;
     st->n_copies = 0;
     st->n_maps = 0;
     st->gen = 0;
     st->gen_mixed = 0;
+    // The mapping and rule caches (c, alt, r_*) are kept from this slot's previous sample when it
+    // was of the same process and the same upload of its mappings (uw_proc.gen; an upload never
+    // changes, module tables are never rewritten): a thread's syscalls mostly come from one
+    // wrapper, whose frame then needs no mapping or rule search -- their lookups in the big
+    // mapping, page and row arrays were most of a sample's fixed cost (issue #18).
+    struct uw_proc *p = uw_procs.lookup(&tgid);
+    if (p) {
+        st->gen = p->gen;
+        st->start_stack = p->start_stack;
+    }
+    if (!p || st->k_tgid != tgid || st->k_gen != st->gen) {
+        st->c.start = 0;
+        st->c.end = 0;
+        st->alt.start = 0;
+        st->alt.end = 0;
+        st->r_module = UW_NO_MODULE;
+        st->k_tgid = tgid;
+        st->k_gen = st->gen;
+    }
     if (memo) {
         u32 km = UW_CFG_MEMO;
         u64 *mm = uw_config.lookup(&km);
@@ -1327,18 +1391,12 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
     st->s.h2 = 0x13198A2E03707344ULL;
     st->s.arg_len = 0;
     if (syscall_sample) {  // a constant per program (regs is not: the tracepoint's argument)
-        // one read of pt_regs from r10 to di (they are adjacent) instead of six (issue #18)
-#define UW_REG(r) ((offsetof(struct pt_regs, r) - offsetof(struct pt_regs, r10)) / 8)
-        u64 rw[UW_REG(di) + 1];
-        if (bpf_probe_read_kernel(rw, sizeof(rw), &regs->r10) != 0)
-            __builtin_memset(rw, 0, sizeof(rw));
-        st->s.sargs[0] = rw[UW_REG(di)];
-        st->s.sargs[1] = rw[UW_REG(si)];
-        st->s.sargs[2] = rw[UW_REG(dx)];
-        st->s.sargs[3] = rw[UW_REG(r10)];
-        st->s.sargs[4] = rw[UW_REG(r8)];
-        st->s.sargs[5] = rw[UW_REG(r9)];
-#undef UW_REG
+        st->s.sargs[0] = rw[UW_RW(di)];
+        st->s.sargs[1] = rw[UW_RW(si)];
+        st->s.sargs[2] = rw[UW_RW(dx)];
+        st->s.sargs[3] = rw[UW_RW(r10)];
+        st->s.sargs[4] = rw[UW_RW(r8)];
+        st->s.sargs[5] = rw[UW_RW(r9)];
     } else {
         __builtin_memset(st->s.sargs, 0, sizeof(st->s.sargs));
     }
@@ -1356,6 +1414,8 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
         if (!st->done)
             st->s.reason = UW_WHY_MAX_DEPTH;
     }
+    if (st->gen_mixed)
+        st->k_gen = 0;  // its caches may hold two uploads' mappings: not reused (gen is never 0)
     if (memo) {
         if (st->m_hit) {
             uw_stat(UW_STAT_MEMO_HITS, 1);
@@ -1436,18 +1496,30 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
         ccprof_history_put(pid_tgid, st->s.ktime_ns, nr, st->s.flags, st->s.h1, st->s.h2, st->s.sargs);
 }
 
-// A forked child has its parent's mappings until it execs: copy them on its first sample.
-static __always_inline void uw_inherit(u32 tgid) {
-    if (uw_procs.lookup(&tgid))
+// A forked child has its parent's mappings until it execs: copy them on its first syscall.
+// Only a process tracked through a fork can need it, and only until it has mappings: unwind.c marks
+// its entry of the shared sampler's `tracked` (UW_TRACKED_HAS_PROC, a flag bit syscall_sampler.c
+// does not use) once they are there, so the other syscalls cost no uw_procs lookup (issue #18).
+#define UW_TRACKED_HAS_PROC 0x10000
+static __always_inline void uw_inherit(struct ccprof_tracked *t, u32 tgid) {
+    if ((t->flags & (TRACKED_VIA_FORK | UW_TRACKED_HAS_PROC)) != TRACKED_VIA_FORK)
         return;
-    u32 *parent = uw_parent.lookup(&tgid);
-    if (!parent)
-        return;
-    u32 ptgid = *parent;
-    struct uw_proc *pp = uw_procs.lookup(&ptgid);
-    if (pp && uw_procs.update(&tgid, pp) == 0)
+    if (!uw_procs.lookup(&tgid)) {
+        u32 *parent = uw_parent.lookup(&tgid);
+        if (!parent)
+            return;
+        u32 ptgid = *parent;
+        struct uw_proc *pp = uw_procs.lookup(&ptgid);
+        int copied = pp && uw_procs.update(&tgid, pp) == 0;
+        uw_parent.delete(&tgid);
+        if (!copied)
+            return;
         uw_stat(UW_STAT_PROC_COPIED, 1);
-    uw_parent.delete(&tgid);
+    }
+    // (an exec deletes the mappings and the parent entry: nothing is inherited after it either).
+    // A plain store: only this bit of the word is ever written while the entry lives (its other
+    // writers set the same bit), and a BPF atomic OR needs a newer instruction set than bcc emits.
+    t->flags |= UW_TRACKED_HAS_PROC;
 }
 
 // mmap/mprotect with PROT_EXEC: the mapping exists once the call returns, i.e. at the process's
@@ -1641,7 +1713,7 @@ int uw_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
         return 0;  // not tracked, or a launcher that has not exec'd the target yet
     long nr = (long)ctx->args[1];
     struct pt_regs *regs = (struct pt_regs *)ctx->args[0];
-    uw_inherit(tgid);
+    uw_inherit(t, tgid);
     if (uw_held.lookup(&tgid)) {
         // Running although we still hold it: a SIGCONT that was not ours -- another instance's
         // release that came late (it checked our map before this hold, then the process ran into
@@ -1653,12 +1725,9 @@ int uw_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
     uw_watch_maps(tgid, nr, regs);
     if (!ccprof_syscall_wanted(nr))
         return 0;
-    u64 ip = 0, sp = 0, bp = 0;
-    bpf_probe_read_kernel(&ip, sizeof(ip), &regs->ip);
-    bpf_probe_read_kernel(&sp, sizeof(sp), &regs->sp);
-    bpf_probe_read_kernel(&bp, sizeof(bp), &regs->bp);
-    uw_sample(bpf_get_smp_processor_id() * 2, pid_tgid, (s32)nr, ip, sp, bp, uw_path_arg(regs, nr), regs,
-              uw_step_sys,
+    u64 rw[UW_REGS_WORDS];
+    uw_read_regs(rw, regs);
+    uw_sample(bpf_get_smp_processor_id() * 2, pid_tgid, (s32)nr, rw, uw_path_arg(regs, nr), uw_step_sys,
               uw_arena_sys, 1, 1, 1 UE_CALLBACKS_SYS);
     UW_ENFORCE_SYS(tgid, (u32)pid_tgid, nr);
     return 0;
@@ -1674,14 +1743,12 @@ int uw_cpu_sample(struct bpf_perf_event_data *ctx) {
     struct ccprof_tracked *t = tracked.lookup(&tgid);
     if (!t || t->execs_left)
         return 0;
-    uw_inherit(tgid);
-    u64 ip = 0, sp = 0, bp = 0;
-    // (a NULL regs makes the reads fail and leave zeros: "no user registers")
+    uw_inherit(t, tgid);
+    // (a NULL regs makes the read fail and leave zeros: "no user registers")
     struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs((struct task_struct *)bpf_get_current_task_btf());
-    bpf_probe_read_kernel(&ip, sizeof(ip), &regs->ip);
-    bpf_probe_read_kernel(&sp, sizeof(sp), &regs->sp);
-    bpf_probe_read_kernel(&bp, sizeof(bp), &regs->bp);
-    uw_sample(bpf_get_smp_processor_id() * 2 + 1, pid_tgid, -1, ip, sp, bp, 0, 0, uw_step_cpu, uw_arena_cpu, 0, 0, 0
+    u64 rw[UW_REGS_WORDS];
+    uw_read_regs(rw, regs);
+    uw_sample(bpf_get_smp_processor_id() * 2 + 1, pid_tgid, -1, rw, 0, uw_step_cpu, uw_arena_cpu, 0, 0, 0
               UE_CALLBACKS_CPU);
     return 0;
 }
