@@ -5,11 +5,14 @@
 * the work counters (``uw_stats``) show the page index and the two-mapping cache at work: a frame
   costs at most a couple of rule-search steps (a full binary search over python3.11's 64k rows
   takes ~16), and a stack that goes libc -> python3.11 -> libc -> python3.11 searches the mappings
-  twice, not four times.  The frames themselves are checked against gdb in test_unwind_programs.
+  twice, not four times -- and only in a thread's first sample: the mapping and rule caches stay
+  valid while the process's mappings are the same upload (uw_proc.gen), so later samples of the
+  loop search none.  The frames themselves are checked against gdb in test_unwind_programs.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -71,7 +74,9 @@ def test_rule_search_steps_and_mapping_searches_per_sample(sampler: UnwindSample
     # python3.11's _start: two module switches back to a module seen before
     assert d["frames"] / d["samples"] >= 8, d
     assert d["lookup_steps"] <= 2 * d["frames"], d
-    assert d["map_searches"] == 2 * d["samples"], d
+    # the two mappings, searched in the first sample only (kept: same process, same upload); a
+    # few more if the thread's samples ran on both CPUs (each CPU's slot has its own caches)
+    assert 2 <= d["map_searches"] <= 2 * (os.cpu_count() or 1), d
 
 
 def test_memo_takes_the_outer_frames_of_a_repeated_stack(sampler: UnwindSampler) -> None:
@@ -88,7 +93,8 @@ def test_memo_takes_the_outer_frames_of_a_repeated_stack(sampler: UnwindSampler)
     assert d["memo_hits"] >= d["samples"] - 1, d
     # all but at most two frames of each sample after the first (frame 0 is always unwound)
     assert d["memo_frames"] >= d["frames"] - 2 * d["samples"] - d["frames"] // d["samples"], d
-    assert d["map_searches"] <= d["samples"] + 2, d
+    # frame 0's mapping is the one its slot's cache kept from the previous sample
+    assert d["map_searches"] <= 2 * (os.cpu_count() or 1), d
     assert d["lookup_steps"] < d["frames"] // 4, d
 
 
@@ -96,7 +102,8 @@ def test_encoding_pass_searches_a_bucket_of_functions(tmp_path: Path) -> None:
     """The encoding pass (python3.11 analysed, as `trace` runs it) finds each analysed frame's
     function in its page-index bucket and reuses the two cached mappings: at most a couple of
     function-search steps per frame on top of the rule-search steps (a search over python3.11's
-    ~3,200 functions takes ~12), and two mapping searches per sample, as without the encoding."""
+    ~3,200 functions takes ~12), and, as without the encoding, the two mappings searched in the
+    first sample only."""
     from conftest import require_bpf
 
     from ccprofd.callgraph import analyze_binary
@@ -117,4 +124,4 @@ def test_encoding_pass_searches_a_bucket_of_functions(tmp_path: Path) -> None:
     d = {k: after[k] - before[k] for k in ("samples", "frames", "lookup_steps", "map_searches", "incomplete")}
     assert d["samples"] == 200 and d["incomplete"] == 0, d
     assert d["lookup_steps"] <= 4 * d["frames"], d
-    assert d["map_searches"] == 2 * d["samples"], d
+    assert 2 <= d["map_searches"] <= 2 * (os.cpu_count() or 1), d

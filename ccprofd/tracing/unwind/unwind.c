@@ -379,7 +379,6 @@ struct uw_page {
 BPF_ARRAY(uw_pages, struct uw_page, UW_MAX_PAGES);
 BPF_HASH(uw_procs, u32, struct uw_proc, UW_MAX_PROCS);
 BPF_HASH(uw_parent, u32, u32, UW_MAX_PROCS);          // child pid -> parent tgid (fork)
-BPF_HASH(uw_pending, u32, u32, UW_MAX_PROCS);         // tgid -> exec mmap/mprotect seen
 // tgid -> execs left at which to stop: a process ccprofd launched stops (SIGSTOP) after exec and
 // after each new executable mapping until userspace has loaded its mappings (it sends SIGCONT),
 // so no sample of it is taken with stale mappings.  For children of ccprofd itself and for
@@ -1496,13 +1495,23 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, const u64 
         ccprof_history_put(pid_tgid, st->s.ktime_ns, nr, st->s.flags, st->s.h1, st->s.h2, st->s.sargs);
 }
 
+// unwind.c's per-process state at every syscall, kept in the shared sampler's `tracked` entry (the
+// lookup each syscall makes anyway) rather than in maps of its own, whose lookups cost a kernel
+// call and `ret` each (issue #18): bytes of ccprof_tracked.flags above the low one, which
+// syscall_sampler.c writes only when it makes the entry.  Each byte is written alone (a byte store,
+// or an atomic add that carries out of the word's top byte only), so no writer loses another's.
+#define UW_TB_HAS_PROC 1   // 1: the process has mappings in uw_procs (uw_inherit has nothing to do)
+#define UW_TB_MAPS_SEEN 2  // the count of UW_TB_MAPS the last maps event was sent for
+#define UW_TB_MAPS 3       // executable mmap/mprotect calls of the process (mod 256), counted at their entry
+static __always_inline volatile u8 *uw_tbyte(struct ccprof_tracked *t, int b) {
+    return (volatile u8 *)&t->flags + b;
+}
+
 // A forked child has its parent's mappings until it execs: copy them on its first syscall.
-// Only a process tracked through a fork can need it, and only until it has mappings: unwind.c marks
-// its entry of the shared sampler's `tracked` (UW_TRACKED_HAS_PROC, a flag bit syscall_sampler.c
-// does not use) once they are there, so the other syscalls cost no uw_procs lookup (issue #18).
-#define UW_TRACKED_HAS_PROC 0x10000
+// Only a process tracked through a fork can need it, and only until it has mappings (UW_TB_HAS_PROC),
+// so the other syscalls cost no uw_procs lookup (issue #18).
 static __always_inline void uw_inherit(struct ccprof_tracked *t, u32 tgid) {
-    if ((t->flags & (TRACKED_VIA_FORK | UW_TRACKED_HAS_PROC)) != TRACKED_VIA_FORK)
+    if (!(t->flags & TRACKED_VIA_FORK) || *uw_tbyte(t, UW_TB_HAS_PROC))
         return;
     if (!uw_procs.lookup(&tgid)) {
         u32 *parent = uw_parent.lookup(&tgid);
@@ -1516,18 +1525,20 @@ static __always_inline void uw_inherit(struct ccprof_tracked *t, u32 tgid) {
             return;
         uw_stat(UW_STAT_PROC_COPIED, 1);
     }
-    // (an exec deletes the mappings and the parent entry: nothing is inherited after it either).
-    // A plain store: only this bit of the word is ever written while the entry lives (its other
-    // writers set the same bit), and a BPF atomic OR needs a newer instruction set than bcc emits.
-    t->flags |= UW_TRACKED_HAS_PROC;
+    // (an exec deletes the mappings and the parent entry: nothing is inherited after it either)
+    *uw_tbyte(t, UW_TB_HAS_PROC) = 1;
 }
 
 // mmap/mprotect with PROT_EXEC: the mapping exists once the call returns, i.e. at the process's
 // next syscall; tell userspace then so it re-reads the maps.
-static __always_inline void uw_watch_maps(u32 tgid, long nr, struct pt_regs *regs) {
-    u32 *pending = uw_pending.lookup(&tgid);
-    if (pending) {
-        uw_pending.delete(&tgid);
+// The count of such calls is UW_TB_MAPS (an atomic add: calls of two threads both count); a syscall
+// that finds it differing from UW_TB_MAPS_SEEN stores the count it read there, then tells userspace.
+// Two threads may both tell it (as with a map entry that both found); none is missed, as the
+// count stored is always one an event is sent for.
+static __always_inline void uw_watch_maps(struct ccprof_tracked *t, u32 tgid, long nr, struct pt_regs *regs) {
+    u8 maps = *uw_tbyte(t, UW_TB_MAPS);
+    if (maps != *uw_tbyte(t, UW_TB_MAPS_SEEN)) {
+        *uw_tbyte(t, UW_TB_MAPS_SEEN) = maps;
         if (uw_stop.lookup(&tgid))
             uw_hold(tgid);  // until userspace has re-read the mappings
         struct uw_maps_event *e = uw_events.ringbuf_reserve(sizeof(struct uw_maps_event));
@@ -1543,10 +1554,8 @@ static __always_inline void uw_watch_maps(u32 tgid, long nr, struct pt_regs *reg
     if (nr == 9 || nr == 10) {  // mmap, mprotect: prot is the third argument (rdx)
         u64 prot = 0;
         bpf_probe_read_kernel(&prot, sizeof(prot), &regs->dx);
-        if (prot & 4) {  // PROT_EXEC
-            u32 one = 1;
-            uw_pending.update(&tgid, &one);
-        }
+        if (prot & 4)  // PROT_EXEC
+            __sync_fetch_and_add(&t->flags, 1U << (8 * UW_TB_MAPS));
     }
 }
 
@@ -1722,7 +1731,7 @@ int uw_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
         bpf_send_signal(19);
         uw_stat(UW_STAT_RESTOPPED, 1);
     }
-    uw_watch_maps(tgid, nr, regs);
+    uw_watch_maps(t, tgid, nr, regs);
     if (!ccprof_syscall_wanted(nr))
         return 0;
     u64 rw[UW_REGS_WORDS];
@@ -1795,7 +1804,6 @@ int uw_exit(void *args) {
 #endif
     if (group_dead) {
         uw_procs.delete(&tgid);
-        uw_pending.delete(&tgid);
         uw_stop.delete(&tgid);
         uw_held.delete(&tgid);
     }
