@@ -610,12 +610,33 @@ static __always_inline void uw_memo_rec(struct uw_state *st, u32 n, u64 pc, u64 
         st->m_cut = n + 1;  // its third slot is not kept: the next sample may reuse only frames above it
 }
 
-// Frame n (>= 1), the memo's frame m_c (m_on: its entry state equals this frame's): its slots
-// re-read, then taken (1/0 as a step returns), or -1 (a slot changed: m_on cleared, the frame is
-// unwound afresh from its state, which is proved).
-static __always_inline long uw_memo_take(struct uw_state *st, u32 n) {
+// Frame n (>= 1) from the memo: 1/0 as a step returns, -1 to unwind it afresh.  Frame 0 is never
+// reused (its step may read rdi at the syscall entry, RA_REG), nor is a frame below m_lo.
+static __always_inline long uw_memo_step(struct uw_state *st, u32 n) {
+    if (st->m_n == 0 || n == 0)
+        return -1;
     u32 prev = st->m_cur & 1;
     u32 c = st->m_c;
+    if (!st->m_on) {
+        // the sample's mappings (looked up at frame 0) must be those the chain was unwound with
+        if (st->gen == 0 || st->gen != st->m_gen || st->gen_mixed)
+            return -1;
+        // CFAs grow outwards: skip the cached frames below this one's (a few per step)
+#pragma unroll
+        for (int i = 0; i < UW_MEMO_SCAN; i++) {
+            if (c >= st->m_n || st->mf[prev][c & (UW_MEMO_DEPTH - 1)].sp >= st->sp)
+                break;
+            c++;
+        }
+        st->m_c = c;
+        if (c >= st->m_n || c < st->m_lo)
+            return -1;
+        struct uw_mframe *f = &st->mf[prev][c & (UW_MEMO_DEPTH - 1)];
+        u32 fl = (st->bp_valid ? UW_MF_BP_VALID : 0) | (st->exact ? UW_MF_EXACT : 0);
+        if (f->sp != st->sp || f->pc != st->pc || f->bp != st->bp || (f->flags & (UW_MF_BP_VALID | UW_MF_EXACT)) != fl)
+            return -1;
+        st->m_on = 1;
+    }
     struct uw_mframe *f = &st->mf[prev][c & (UW_MEMO_DEPTH - 1)];
     if (st->memo_mode != UW_MEMO_UNCHECKED) {
         // every slot the cached step read (return address, saved rbp), re-read now
@@ -653,59 +674,6 @@ static __always_inline long uw_memo_take(struct uw_state *st, u32 n) {
     st->bp_valid = g->flags & UW_MF_BP_VALID;
     st->exact = (g->flags & UW_MF_EXACT) ? 1 : 0;
     st->m_c = c + 1;
-    return 0;
-}
-
-// Frame n (>= 1) from the memo: 1/0 as a step returns, -1 to unwind it afresh.  Frame 0 is never
-// reused (its step may read rdi at the syscall entry, RA_REG), nor is a frame below m_lo.
-static __always_inline long uw_memo_step(struct uw_state *st, u32 n) {
-    if (st->m_n == 0 || n == 0)
-        return -1;
-    u32 prev = st->m_cur & 1;
-    u32 c = st->m_c;
-    if (!st->m_on) {
-        // the sample's mappings (looked up at frame 0) must be those the chain was unwound with
-        if (st->gen == 0 || st->gen != st->m_gen || st->gen_mixed)
-            return -1;
-        // CFAs grow outwards: skip the cached frames below this one's (a few per step)
-#pragma unroll
-        for (int i = 0; i < UW_MEMO_SCAN; i++) {
-            if (c >= st->m_n || st->mf[prev][c & (UW_MEMO_DEPTH - 1)].sp >= st->sp)
-                break;
-            c++;
-        }
-        st->m_c = c;
-        if (c >= st->m_n || c < st->m_lo)
-            return -1;
-        struct uw_mframe *f = &st->mf[prev][c & (UW_MEMO_DEPTH - 1)];
-        u32 fl = (st->bp_valid ? UW_MF_BP_VALID : 0) | (st->exact ? UW_MF_EXACT : 0);
-        if (f->sp != st->sp || f->pc != st->pc || f->bp != st->bp || (f->flags & (UW_MF_BP_VALID | UW_MF_EXACT)) != fl)
-            return -1;
-        st->m_on = 1;
-    }
-    return uw_memo_take(st, n);
-}
-
-// Batched memo frames (issue #18): each bpf_loop iteration is a callback call and a kernel `ret`
-// (costly under this CPU's SRSO / retpoline mitigations), so once the unwind is on the memo's chain
-// (m_on: the next frame's state is the cached frame m_c's) one iteration takes up to UW_MEMO_BATCH
-// more of its frames, each with uw_memo_step's checks (uw_memo_take).  Returns 1 when the sample
-// is done, else 0 (the next iteration goes on, afresh if a slot changed).
-#ifndef UW_MEMO_BATCH
-#define UW_MEMO_BATCH 4
-#endif
-static __always_inline long uw_memo_more(struct uw_state *st) {
-#pragma unroll
-    for (int k = 0; k < UW_MEMO_BATCH; k++) {
-        u32 n = st->s.n;
-        if (!st->m_on || st->done || n == 0 || n >= UW_MAX_DEPTH || n >= UW_MEMO_DEPTH)
-            return 0;
-        long r = uw_memo_take(st, n);
-        if (r > 0)
-            return r;
-        if (r < 0)
-            return 0;
-    }
     return 0;
 }
 
@@ -1146,10 +1114,7 @@ static __always_inline long uw_step(u32 slot, int memo) {
     struct uw_state *st = uw_state.lookup(&slot);
     if (!st)
         return 1;
-    long r = uw_unwind_step(st, memo);
-    if (memo && r == 0)
-        r = uw_memo_more(st);
-    return r;
+    return uw_unwind_step(st, memo);
 }
 
 static __always_inline long uw_arena_slot(u32 slot, u32 i) {
