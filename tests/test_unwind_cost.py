@@ -13,6 +13,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -125,3 +127,74 @@ def test_encoding_pass_searches_a_bucket_of_functions(tmp_path: Path) -> None:
     assert d["samples"] == 200 and d["incomplete"] == 0, d
     assert d["lookup_steps"] <= 4 * d["frames"], d
     assert 2 <= d["map_searches"] <= 2 * (os.cpu_count() or 1), d
+
+
+PHASES_SOURCE = r"""
+#include <stdlib.h>
+#include <unistd.h>
+#include <sys/syscall.h>
+int main(int argc, char **argv) {
+    long n = atol(argv[1]);
+    char c;
+    write(1, "ready\n", 6);
+    if (read(0, &c, 1) != 1)
+        return 1;
+    for (long i = 0; i < 2 * n; i++) {
+        if (i == n) {  /* between the phases: wait while the test replaces the mappings */
+            write(1, "mid\n", 4);
+            if (read(0, &c, 1) != 1)
+                return 1;
+        }
+        syscall(SYS_write, -1L, (void *)0, i);  /* fails (EBADF); rdx = i tells the phase */
+    }
+    return 0;
+}
+"""
+
+
+def test_kept_caches_follow_the_upload_of_the_mappings(sampler: UnwindSampler, tmp_path: Path) -> None:
+    """The mapping and rule caches kept between a process's samples are valid for one upload of its
+    mappings (uw_proc.gen) only.  Mid-run the process's BPF mappings are replaced by an upload that
+    has none (n = 0, a new gen): from the next sample on, every sample must find no mapping
+    (incomplete, unknown pc) -- a cache kept across that upload would still resolve the repeated
+    stack from the mappings cached before, and report those samples complete."""
+    from bpf_helpers import compile_c
+
+    n = 200
+    binary = compile_c(tmp_path, "phases", PHASES_SOURCE, "-O1")
+    p = subprocess.Popen([str(binary), str(n)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert p.stdin is not None and p.stdout is not None
+    try:
+        assert p.stdout.readline() == b"ready\n"
+        sampler.track(p.pid)
+        p.stdin.write(b"x")
+        p.stdin.flush()
+        assert p.stdout.readline() == b"mid\n"
+        procs = sampler.module.map("uw_procs")
+        entry = procs.get(p.pid)
+        assert entry is not None and entry.n > 0 and entry.gen != 0
+        entry.n = 0
+        entry.gen = (entry.gen + 0x10000) % 0xFFFFFFFF + 1  # an upload number the tracker never gave
+        procs.set(p.pid, entry)
+        p.stdin.write(b"x")
+        p.stdin.close()
+        assert p.wait(timeout=60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    got: list[UnwoundSample] = []
+    quiet = time.monotonic()
+    while time.monotonic() - quiet < 0.3:
+        batch = sampler.poll(50)
+        if batch:
+            quiet = time.monotonic()
+            got.extend(x for x in batch if x.tgid == p.pid)
+    ours = [x for x in got if x.syscall == NR_WRITE and x.sargs is not None and x.sargs[0] == (1 << 64) - 1]
+    before = [x for x in ours if x.sargs is not None and x.sargs[2] < n]
+    after = [x for x in ours if x.sargs is not None and x.sargs[2] >= n]
+    assert len(before) == n and len(after) == n, (len(before), len(after))
+    assert all(x.complete for x in before), {x.reason for x in before}
+    complete_after = [x.sargs[2] for x in after if x.complete and x.sargs is not None]
+    assert not complete_after, f"{len(complete_after)} samples resolved with the replaced mappings"
+    assert {x.reason for x in after} <= {"unknown_pc", "no_maps"}, {x.reason for x in after}
