@@ -5,11 +5,16 @@
 * the work counters (``uw_stats``) show the page index and the two-mapping cache at work: a frame
   costs at most a couple of rule-search steps (a full binary search over python3.11's 64k rows
   takes ~16), and a stack that goes libc -> python3.11 -> libc -> python3.11 searches the mappings
-  twice, not four times.  The frames themselves are checked against gdb in test_unwind_programs.
+  twice, not four times -- and only in a thread's first sample: the mapping and rule caches stay
+  valid while the process's mappings are the same upload (uw_proc.gen), so later samples of the
+  loop search none.  The frames themselves are checked against gdb in test_unwind_programs.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -71,7 +76,9 @@ def test_rule_search_steps_and_mapping_searches_per_sample(sampler: UnwindSample
     # python3.11's _start: two module switches back to a module seen before
     assert d["frames"] / d["samples"] >= 8, d
     assert d["lookup_steps"] <= 2 * d["frames"], d
-    assert d["map_searches"] == 2 * d["samples"], d
+    # the two mappings, searched in the first sample only (kept: same process, same upload); a
+    # few more if the thread's samples ran on both CPUs (each CPU's slot has its own caches)
+    assert 2 <= d["map_searches"] <= 2 * (os.cpu_count() or 1), d
 
 
 def test_memo_takes_the_outer_frames_of_a_repeated_stack(sampler: UnwindSampler) -> None:
@@ -88,7 +95,8 @@ def test_memo_takes_the_outer_frames_of_a_repeated_stack(sampler: UnwindSampler)
     assert d["memo_hits"] >= d["samples"] - 1, d
     # all but at most two frames of each sample after the first (frame 0 is always unwound)
     assert d["memo_frames"] >= d["frames"] - 2 * d["samples"] - d["frames"] // d["samples"], d
-    assert d["map_searches"] <= d["samples"] + 2, d
+    # frame 0's mapping is the one its slot's cache kept from the previous sample
+    assert d["map_searches"] <= 2 * (os.cpu_count() or 1), d
     assert d["lookup_steps"] < d["frames"] // 4, d
 
 
@@ -96,7 +104,8 @@ def test_encoding_pass_searches_a_bucket_of_functions(tmp_path: Path) -> None:
     """The encoding pass (python3.11 analysed, as `trace` runs it) finds each analysed frame's
     function in its page-index bucket and reuses the two cached mappings: at most a couple of
     function-search steps per frame on top of the rule-search steps (a search over python3.11's
-    ~3,200 functions takes ~12), and two mapping searches per sample, as without the encoding."""
+    ~3,200 functions takes ~12), and, as without the encoding, the two mappings searched in the
+    first sample only."""
     from conftest import require_bpf
 
     from ccprofd.callgraph import analyze_binary
@@ -117,4 +126,75 @@ def test_encoding_pass_searches_a_bucket_of_functions(tmp_path: Path) -> None:
     d = {k: after[k] - before[k] for k in ("samples", "frames", "lookup_steps", "map_searches", "incomplete")}
     assert d["samples"] == 200 and d["incomplete"] == 0, d
     assert d["lookup_steps"] <= 4 * d["frames"], d
-    assert d["map_searches"] == 2 * d["samples"], d
+    assert 2 <= d["map_searches"] <= 2 * (os.cpu_count() or 1), d
+
+
+PHASES_SOURCE = r"""
+#include <stdlib.h>
+#include <unistd.h>
+#include <sys/syscall.h>
+int main(int argc, char **argv) {
+    long n = atol(argv[1]);
+    char c;
+    write(1, "ready\n", 6);
+    if (read(0, &c, 1) != 1)
+        return 1;
+    for (long i = 0; i < 2 * n; i++) {
+        if (i == n) {  /* between the phases: wait while the test replaces the mappings */
+            write(1, "mid\n", 4);
+            if (read(0, &c, 1) != 1)
+                return 1;
+        }
+        syscall(SYS_write, -1L, (void *)0, i);  /* fails (EBADF); rdx = i tells the phase */
+    }
+    return 0;
+}
+"""
+
+
+def test_kept_caches_follow_the_upload_of_the_mappings(sampler: UnwindSampler, tmp_path: Path) -> None:
+    """The mapping and rule caches kept between a process's samples are valid for one upload of its
+    mappings (uw_proc.gen) only.  Mid-run the process's BPF mappings are replaced by an upload that
+    has none (n = 0, a new gen): from the next sample on, every sample must find no mapping
+    (incomplete, unknown pc) -- a cache kept across that upload would still resolve the repeated
+    stack from the mappings cached before, and report those samples complete."""
+    from bpf_helpers import compile_c
+
+    n = 200
+    binary = compile_c(tmp_path, "phases", PHASES_SOURCE, "-O1")
+    p = subprocess.Popen([str(binary), str(n)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert p.stdin is not None and p.stdout is not None
+    try:
+        assert p.stdout.readline() == b"ready\n"
+        sampler.track(p.pid)
+        p.stdin.write(b"x")
+        p.stdin.flush()
+        assert p.stdout.readline() == b"mid\n"
+        procs = sampler.module.map("uw_procs")
+        entry = procs.get(p.pid)
+        assert entry is not None and entry.n > 0 and entry.gen != 0
+        entry.n = 0
+        entry.gen = (entry.gen + 0x10000) % 0xFFFFFFFF + 1  # an upload number the tracker never gave
+        procs.set(p.pid, entry)
+        p.stdin.write(b"x")
+        p.stdin.close()
+        assert p.wait(timeout=60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    got: list[UnwoundSample] = []
+    quiet = time.monotonic()
+    while time.monotonic() - quiet < 0.3:
+        batch = sampler.poll(50)
+        if batch:
+            quiet = time.monotonic()
+            got.extend(x for x in batch if x.tgid == p.pid)
+    ours = [x for x in got if x.syscall == NR_WRITE and x.sargs is not None and x.sargs[0] == (1 << 64) - 1]
+    before = [x for x in ours if x.sargs is not None and x.sargs[2] < n]
+    after = [x for x in ours if x.sargs is not None and x.sargs[2] >= n]
+    assert len(before) == n and len(after) == n, (len(before), len(after))
+    assert all(x.complete for x in before), {x.reason for x in before}
+    complete_after = [x.sargs[2] for x in after if x.complete and x.sargs is not None]
+    assert not complete_after, f"{len(complete_after)} samples resolved with the replaced mappings"
+    assert {x.reason for x in after} <= {"unknown_pc", "no_maps"}, {x.reason for x in after}

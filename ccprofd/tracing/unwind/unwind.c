@@ -321,6 +321,8 @@ struct uw_state {
     u32 m_on;      // the current frame is m_c's: it is checked, not unwound
     u32 m_cut;     // this sample's m_lo
     u32 m_hit;     // frames this sample reused
+    u32 k_tgid;    // the process and uw_proc.gen the mapping and rule caches hold (see uw_sample)
+    u32 k_gen;
     // The previous sample of this slot, when this one's pcs turn out to be the same (same process,
     // mappings, frames and reason): its encoding and context words are then this one's (a function
     // of those), so the encoding and hashing passes are skipped, and so is the arena compare when
@@ -377,7 +379,6 @@ struct uw_page {
 BPF_ARRAY(uw_pages, struct uw_page, UW_MAX_PAGES);
 BPF_HASH(uw_procs, u32, struct uw_proc, UW_MAX_PROCS);
 BPF_HASH(uw_parent, u32, u32, UW_MAX_PROCS);          // child pid -> parent tgid (fork)
-BPF_HASH(uw_pending, u32, u32, UW_MAX_PROCS);         // tgid -> exec mmap/mprotect seen
 // tgid -> execs left at which to stop: a process ccprofd launched stops (SIGSTOP) after exec and
 // after each new executable mapping until userspace has loaded its mappings (it sends SIGCONT),
 // so no sample of it is taken with stale mappings.  For children of ccprofd itself and for
@@ -1271,16 +1272,29 @@ static __always_inline void uw_aggregate(struct uw_state *st, void *arena_cb) {
 
 #define UW_UNWIND_LOOPS (UW_MAX_DEPTH + 1)
 
+// The user registers a sample needs, pt_regs from bp to sp (ip, sp, bp and the six argument
+// registers lie in between), in one read: each helper call ends in a kernel `ret`, costly under
+// this CPU's SRSO / retpoline mitigations, and four reads (ip, sp, bp, arguments) cost four
+// (issue #18).  A failed read leaves zeros (ip = sp = 0: "no user registers").
+#define UW_RW(r) ((offsetof(struct pt_regs, r) - offsetof(struct pt_regs, bp)) / 8)
+#define UW_REGS_WORDS (UW_RW(sp) + 1)
+static __always_inline void uw_read_regs(u64 *rw, struct pt_regs *regs) {
+    if (bpf_probe_read_kernel(rw, UW_REGS_WORDS * 8, &regs->bp) != 0)
+        __builtin_memset(rw, 0, UW_REGS_WORDS * 8);
+}
+
 // `can_aggregate` is a constant per program: the CPU sampler sends every sample (the aggregation
 // code would double its verification cost past the verifier's limit; CPU samples are few).
-// `syscall_sample` too (1: from uw_sys_enter, whose `regs` are read for the arguments and the
-// flight recorder gets the sample); never test `regs` for that, see the recorder's call below.
-static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u64 sp, u64 bp, u64 argp,
-                                      struct pt_regs *regs, void *loop_cb, void *arena_cb, int can_aggregate, int memo,
+// `syscall_sample` too (1: from uw_sys_enter, whose argument registers `rw` holds, and the flight
+// recorder gets the sample); never test a value the verifier does not know for that (the
+// tracepoint's `regs` once), see the recorder's call below.  `rw`: uw_read_regs's words.
+static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, const u64 *rw, u64 argp, void *loop_cb,
+                                      void *arena_cb, int can_aggregate, int memo,
                                       int syscall_sample UE_CALLBACK_PARAMS) {
     struct uw_state *st = uw_state.lookup(&slot);
     if (!st)
         return;
+    u64 ip = rw[UW_RW(ip)], sp = rw[UW_RW(sp)], bp = rw[UW_RW(bp)];
     u32 tgid = pid_tgid >> 32;
     st->pc = ip;
     st->sp = sp;
@@ -1289,17 +1303,31 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
     st->exact = 1;
     st->done = 0;
     st->op = UW_OP_UNWIND;
-    st->c.start = 0;
-    st->c.end = 0;
-    st->alt.start = 0;
-    st->alt.end = 0;
-    st->r_module = UW_NO_MODULE;
     st->win_base = 1;
     st->n_steps = 0;
     st->n_copies = 0;
     st->n_maps = 0;
     st->gen = 0;
     st->gen_mixed = 0;
+    // The mapping and rule caches (c, alt, r_*) are kept from this slot's previous sample when it
+    // was of the same process and the same upload of its mappings (uw_proc.gen; an upload never
+    // changes, module tables are never rewritten): a thread's syscalls mostly come from one
+    // wrapper, whose frame then needs no mapping or rule search -- their lookups in the big
+    // mapping, page and row arrays were most of a sample's fixed cost (issue #18).
+    struct uw_proc *p = uw_procs.lookup(&tgid);
+    if (p) {
+        st->gen = p->gen;
+        st->start_stack = p->start_stack;
+    }
+    if (!p || st->k_tgid != tgid || st->k_gen != st->gen) {
+        st->c.start = 0;
+        st->c.end = 0;
+        st->alt.start = 0;
+        st->alt.end = 0;
+        st->r_module = UW_NO_MODULE;
+        st->k_tgid = tgid;
+        st->k_gen = st->gen;
+    }
     if (memo) {
         u32 km = UW_CFG_MEMO;
         u64 *mm = uw_config.lookup(&km);
@@ -1328,18 +1356,12 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
     st->s.h2 = 0x13198A2E03707344ULL;
     st->s.arg_len = 0;
     if (syscall_sample) {  // a constant per program (regs is not: the tracepoint's argument)
-        // one read of pt_regs from r10 to di (they are adjacent) instead of six (issue #18)
-#define UW_REG(r) ((offsetof(struct pt_regs, r) - offsetof(struct pt_regs, r10)) / 8)
-        u64 rw[UW_REG(di) + 1];
-        if (bpf_probe_read_kernel(rw, sizeof(rw), &regs->r10) != 0)
-            __builtin_memset(rw, 0, sizeof(rw));
-        st->s.sargs[0] = rw[UW_REG(di)];
-        st->s.sargs[1] = rw[UW_REG(si)];
-        st->s.sargs[2] = rw[UW_REG(dx)];
-        st->s.sargs[3] = rw[UW_REG(r10)];
-        st->s.sargs[4] = rw[UW_REG(r8)];
-        st->s.sargs[5] = rw[UW_REG(r9)];
-#undef UW_REG
+        st->s.sargs[0] = rw[UW_RW(di)];
+        st->s.sargs[1] = rw[UW_RW(si)];
+        st->s.sargs[2] = rw[UW_RW(dx)];
+        st->s.sargs[3] = rw[UW_RW(r10)];
+        st->s.sargs[4] = rw[UW_RW(r8)];
+        st->s.sargs[5] = rw[UW_RW(r9)];
     } else {
         __builtin_memset(st->s.sargs, 0, sizeof(st->s.sargs));
     }
@@ -1357,6 +1379,8 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
         if (!st->done)
             st->s.reason = UW_WHY_MAX_DEPTH;
     }
+    if (st->gen_mixed)
+        st->k_gen = 0;  // its caches may hold two uploads' mappings: not reused (gen is never 0)
     if (memo) {
         if (st->m_hit) {
             uw_stat(UW_STAT_MEMO_HITS, 1);
@@ -1437,26 +1461,50 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, u64 ip, u6
         ccprof_history_put(pid_tgid, st->s.ktime_ns, nr, st->s.flags, st->s.h1, st->s.h2, st->s.sargs);
 }
 
-// A forked child has its parent's mappings until it execs: copy them on its first sample.
-static __always_inline void uw_inherit(u32 tgid) {
-    if (uw_procs.lookup(&tgid))
+// unwind.c's per-process state at every syscall, kept in the shared sampler's `tracked` entry (the
+// lookup each syscall makes anyway) rather than in maps of its own, whose lookups cost a kernel
+// call and `ret` each (issue #18): bytes of ccprof_tracked.flags above the low one, which
+// syscall_sampler.c writes only when it makes the entry.  Each byte is written alone (a byte store,
+// or an atomic add that carries out of the word's top byte only), so no writer loses another's.
+#define UW_TB_HAS_PROC 1   // 1: the process has mappings in uw_procs (uw_inherit has nothing to do)
+#define UW_TB_MAPS_SEEN 2  // the count of UW_TB_MAPS the last maps event was sent for
+#define UW_TB_MAPS 3       // executable mmap/mprotect calls of the process (mod 256), counted at their entry
+static __always_inline volatile u8 *uw_tbyte(struct ccprof_tracked *t, int b) {
+    return (volatile u8 *)&t->flags + b;
+}
+
+// A forked child has its parent's mappings until it execs: copy them on its first syscall.
+// Only a process tracked through a fork can need it, and only until it has mappings (UW_TB_HAS_PROC),
+// so the other syscalls cost no uw_procs lookup (issue #18).
+static __always_inline void uw_inherit(struct ccprof_tracked *t, u32 tgid) {
+    if (!(t->flags & TRACKED_VIA_FORK) || *uw_tbyte(t, UW_TB_HAS_PROC))
         return;
-    u32 *parent = uw_parent.lookup(&tgid);
-    if (!parent)
-        return;
-    u32 ptgid = *parent;
-    struct uw_proc *pp = uw_procs.lookup(&ptgid);
-    if (pp && uw_procs.update(&tgid, pp) == 0)
+    if (!uw_procs.lookup(&tgid)) {
+        u32 *parent = uw_parent.lookup(&tgid);
+        if (!parent)
+            return;
+        u32 ptgid = *parent;
+        struct uw_proc *pp = uw_procs.lookup(&ptgid);
+        int copied = pp && uw_procs.update(&tgid, pp) == 0;
+        uw_parent.delete(&tgid);
+        if (!copied)
+            return;
         uw_stat(UW_STAT_PROC_COPIED, 1);
-    uw_parent.delete(&tgid);
+    }
+    // (an exec deletes the mappings and the parent entry: nothing is inherited after it either)
+    *uw_tbyte(t, UW_TB_HAS_PROC) = 1;
 }
 
 // mmap/mprotect with PROT_EXEC: the mapping exists once the call returns, i.e. at the process's
 // next syscall; tell userspace then so it re-reads the maps.
-static __always_inline void uw_watch_maps(u32 tgid, long nr, struct pt_regs *regs) {
-    u32 *pending = uw_pending.lookup(&tgid);
-    if (pending) {
-        uw_pending.delete(&tgid);
+// The count of such calls is UW_TB_MAPS (an atomic add: calls of two threads both count); a syscall
+// that finds it differing from UW_TB_MAPS_SEEN stores the count it read there, then tells userspace.
+// Two threads may both tell it (as with a map entry that both found); none is missed, as the
+// count stored is always one an event is sent for.
+static __always_inline void uw_watch_maps(struct ccprof_tracked *t, u32 tgid, long nr, struct pt_regs *regs) {
+    u8 maps = *uw_tbyte(t, UW_TB_MAPS);
+    if (maps != *uw_tbyte(t, UW_TB_MAPS_SEEN)) {
+        *uw_tbyte(t, UW_TB_MAPS_SEEN) = maps;
         if (uw_stop.lookup(&tgid))
             uw_hold(tgid);  // until userspace has re-read the mappings
         struct uw_maps_event *e = uw_events.ringbuf_reserve(sizeof(struct uw_maps_event));
@@ -1472,10 +1520,8 @@ static __always_inline void uw_watch_maps(u32 tgid, long nr, struct pt_regs *reg
     if (nr == 9 || nr == 10) {  // mmap, mprotect: prot is the third argument (rdx)
         u64 prot = 0;
         bpf_probe_read_kernel(&prot, sizeof(prot), &regs->dx);
-        if (prot & 4) {  // PROT_EXEC
-            u32 one = 1;
-            uw_pending.update(&tgid, &one);
-        }
+        if (prot & 4)  // PROT_EXEC
+            __sync_fetch_and_add(&t->flags, 1U << (8 * UW_TB_MAPS));
     }
 }
 
@@ -1642,7 +1688,7 @@ int uw_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
         return 0;  // not tracked, or a launcher that has not exec'd the target yet
     long nr = (long)ctx->args[1];
     struct pt_regs *regs = (struct pt_regs *)ctx->args[0];
-    uw_inherit(tgid);
+    uw_inherit(t, tgid);
     if (uw_held.lookup(&tgid)) {
         // Running although we still hold it: a SIGCONT that was not ours -- another instance's
         // release that came late (it checked our map before this hold, then the process ran into
@@ -1651,15 +1697,12 @@ int uw_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
         bpf_send_signal(19);
         uw_stat(UW_STAT_RESTOPPED, 1);
     }
-    uw_watch_maps(tgid, nr, regs);
+    uw_watch_maps(t, tgid, nr, regs);
     if (!ccprof_syscall_wanted(nr))
         return 0;
-    u64 ip = 0, sp = 0, bp = 0;
-    bpf_probe_read_kernel(&ip, sizeof(ip), &regs->ip);
-    bpf_probe_read_kernel(&sp, sizeof(sp), &regs->sp);
-    bpf_probe_read_kernel(&bp, sizeof(bp), &regs->bp);
-    uw_sample(bpf_get_smp_processor_id() * 2, pid_tgid, (s32)nr, ip, sp, bp, uw_path_arg(regs, nr), regs,
-              uw_step_sys,
+    u64 rw[UW_REGS_WORDS];
+    uw_read_regs(rw, regs);
+    uw_sample(bpf_get_smp_processor_id() * 2, pid_tgid, (s32)nr, rw, uw_path_arg(regs, nr), uw_step_sys,
               uw_arena_sys, 1, 1, 1 UE_CALLBACKS_SYS);
     UW_ENFORCE_SYS(tgid, (u32)pid_tgid, nr);
     return 0;
@@ -1675,14 +1718,12 @@ int uw_cpu_sample(struct bpf_perf_event_data *ctx) {
     struct ccprof_tracked *t = tracked.lookup(&tgid);
     if (!t || t->execs_left)
         return 0;
-    uw_inherit(tgid);
-    u64 ip = 0, sp = 0, bp = 0;
-    // (a NULL regs makes the reads fail and leave zeros: "no user registers")
+    uw_inherit(t, tgid);
+    // (a NULL regs makes the read fail and leave zeros: "no user registers")
     struct pt_regs *regs = (struct pt_regs *)bpf_task_pt_regs((struct task_struct *)bpf_get_current_task_btf());
-    bpf_probe_read_kernel(&ip, sizeof(ip), &regs->ip);
-    bpf_probe_read_kernel(&sp, sizeof(sp), &regs->sp);
-    bpf_probe_read_kernel(&bp, sizeof(bp), &regs->bp);
-    uw_sample(bpf_get_smp_processor_id() * 2 + 1, pid_tgid, -1, ip, sp, bp, 0, 0, uw_step_cpu, uw_arena_cpu, 0, 0, 0
+    u64 rw[UW_REGS_WORDS];
+    uw_read_regs(rw, regs);
+    uw_sample(bpf_get_smp_processor_id() * 2 + 1, pid_tgid, -1, rw, 0, uw_step_cpu, uw_arena_cpu, 0, 0, 0
               UE_CALLBACKS_CPU);
     return 0;
 }
@@ -1729,7 +1770,6 @@ int uw_exit(void *args) {
 #endif
     if (group_dead) {
         uw_procs.delete(&tgid);
-        uw_pending.delete(&tgid);
         uw_stop.delete(&tgid);
         uw_held.delete(&tgid);
     }
