@@ -13,9 +13,9 @@ from typing import Any
 from capstone import Cs
 from elftools.elf.relocation import RelocationSection
 
-from ccprofd.callgraph.disasm import Branch, SweepResult, first_non_padding, make_disassembler
+from ccprofd.callgraph.disasm import Branch, SweepResult, csweep, first_non_padding, make_disassembler
 from ccprofd.callgraph.functions import FunctionInfo, FunctionTable
-from ccprofd.callgraph.model import BinaryInfo, CallGraph, GraphRows
+from ccprofd.callgraph.model import SITE_KINDS, BinaryInfo, CallGraph, GraphRows
 from ccprofd.callgraph.parallel import sweep_functions
 from ccprofd.elf.image import ElfImage
 from ccprofd.elf.plt import PltResolver
@@ -73,6 +73,28 @@ def _analyze(image: ElfImage, progress: Progress | None) -> CallGraph:
             graph.add_function(node, name, kind="external")
         return externals[name]
 
+    if csweep is not None:
+        def plt_node(tgt: int) -> int:
+            return external(plt.resolve(tgt) or f"plt_{tgt:x}")
+
+        starts_q = array("Q", table.starts)
+        ends_q = array("Q", (table.by_start[s].end for s in table.starts))
+        plt_q = array("Q", (a for r in plt.ranges() for a in r))
+        sites, out = graph.sinks()
+        branches = [parts[s].branches for s in table.starts]
+        csweep.site_rows(branches, table.starts, starts_q, ends_q, owner, plt_q, plt_node, SITE_KINDS, sites,
+                         out)
+    else:
+        _site_rows(table, parts, owner, plt, graph, external)
+    del parts
+
+    _mark_roots(graph, image, table, code_refs, owner)
+    return CallGraph.from_rows(binary, graph, time.perf_counter() - t0)
+
+
+def _site_rows(table: FunctionTable, parts: dict[int, SweepResult], owner: dict[int, int], plt: PltResolver,
+               graph: GraphRows, external: Callable[[str], int]) -> None:
+    """The site rows of every branch (the reference of csweep.site_rows, and its fallback)."""
     by_start, containing_of, in_plt, add_call = table.by_start, table.containing, plt.in_plt, graph.add_call
     for start in table.starts:
         part = parts[start]
@@ -90,10 +112,6 @@ def _analyze(image: ElfImage, progress: Progress | None) -> CallGraph:
             if site is not None:
                 add_call(site)
         part.branches = []  # freed as the rows grow: node's branches and rows are ~100 MB each
-    del parts
-
-    _mark_roots(graph, image, table, code_refs, owner)
-    return CallGraph.from_rows(binary, graph, time.perf_counter() - t0)
 
 
 def _sweep_all(image: ElfImage, table: FunctionTable, md: Cs, plt: PltResolver,

@@ -379,6 +379,11 @@ class GraphRows:
             self._out.setdefault(function, []).append([function, target, address, kind, address, ret, length,
                                                        None])
 
+    def sinks(self) -> tuple[list[list[Any]], dict[int, list[list[Any]]]]:
+        """The site rows and the edge rows by source, for a builder that appends to them exactly as
+        :meth:`add_call` does (csweep.site_rows)."""
+        return self.sites, self._out
+
     def add_root(self, node: int) -> None:
         self.nodes[node][7] = True
         if node not in self._root_targets:

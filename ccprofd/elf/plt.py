@@ -53,6 +53,10 @@ class PltResolver:
                     out.setdefault(rel["r_offset"], name)
         return out
 
+    def ranges(self) -> list[tuple[int, int]]:
+        """The [lo, hi) vaddr ranges of the PLT sections."""
+        return list(self._ranges)
+
     def in_plt(self, addr: int) -> bool:
         if not self._lo <= addr < self._hi:
             return False
