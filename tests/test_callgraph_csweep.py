@@ -166,3 +166,24 @@ def test_compiled_statistics_equal_python_statistics(path: str, compiled: None,
     assert reference["sccs"] and reference["direct_calls"]
     if str(path).startswith("/usr/"):
         assert reference["cyclic_edges"] and reference["complex_sccs"] and reference["tail_calls"]
+
+
+@pytest.mark.parametrize("path", SYSTEM)
+def test_compiled_first_non_padding_equals_disasm_lite(path: str, compiled: None) -> None:
+    """csweep.first_non_padding (cs_disasm_iter) finds in every gap of a system binary, and in slices
+    of it starting mid-instruction, the address disasm_lite's loop (the reference) finds."""
+    from ccprofd.callgraph.disasm import first_non_padding, first_non_padding_lite
+
+    image = ElfImage(path)
+    md = make_disassembler()
+    found = 0
+    for lo, hi in FunctionTable(image).gaps():
+        code = image.bytes_at(lo, hi - lo)
+        for skip in (0, 1, 3):
+            want = first_non_padding_lite(md, code[skip:], lo + skip)
+            assert first_non_padding(md, code[skip:], lo + skip) == want, hex(lo)
+            found += want is not None
+    assert found
+    for code in (b"\x66\x2e\x0f\x1f\x84\x00\x00\x00\x00\x00\x90\xcc\x00\x00\x55", b"\x06\x90",
+                 b"\x00\x00\x00\x01", b"\x87\xc0\x66\x90\xc3", b"\x0f\xff\x90", b""):
+        assert first_non_padding(md, code, 0x1000) == first_non_padding_lite(md, code, 0x1000), code.hex()

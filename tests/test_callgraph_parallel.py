@@ -65,3 +65,25 @@ def test_no_fork_with_other_threads_running() -> None:
     finally:
         stop.set()
         t.join()
+
+
+def test_references_are_looked_up_region_by_region() -> None:
+    """analysis._refs_in: the sorted references inside any of the regions (gaps and weak functions,
+    which may lie inside a gap), each once and in order, as a one-by-one test would find them."""
+    import random
+
+    from ccprofd.callgraph.analysis import _refs_in
+
+    rng = random.Random(18)
+    for _ in range(200):
+        refs = sorted(set(rng.randrange(0, 400) for _ in range(rng.randrange(0, 60))))
+        regions = []
+        for _ in range(rng.randrange(0, 8)):
+            lo = rng.randrange(0, 400)
+            hi = lo + rng.randrange(0, 60)
+            regions.append((lo, hi))
+            if rng.random() < 0.5 and hi - lo > 2:  # a weak function found inside that gap
+                a = rng.randrange(lo, hi - 1)
+                regions.append((a, rng.randrange(a + 1, hi + 1)))
+        want = [r for r in refs if any(lo <= r < hi for lo, hi in regions)]
+        assert _refs_in(refs, regions) == want, (refs, regions)

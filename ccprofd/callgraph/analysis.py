@@ -7,7 +7,8 @@ import re
 import struct
 import time
 from array import array
-from collections.abc import Callable
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from capstone import Cs
@@ -124,26 +125,23 @@ def _sweep_all(image: ElfImage, table: FunctionTable, md: Cs, plt: PltResolver,
     done: dict[int, tuple[int, SweepResult]] = {}
     # What each swept part contributes to the splitting references (its code references and its
     # jumps out of its own range): computed once when it is swept, not again every round.
-    contributes: dict[int, set[int]] = {}
+    contributes: dict[int, tuple[list[int], Sequence[int]]] = {}
     gap_starts: dict[tuple[int, int], int | None] = {}
     pointers = _code_pointers_in_data(image)
+    candidates: Iterable[int] = table.starts  # round 1: every function; then those whose end moved
     for _round in range(50):
-        todo = [(s, table.by_start[s].end) for s in table.starts
+        todo = [(s, table.by_start[s].end) for s in candidates
                 if done.get(s, (-1,))[0] != table.by_start[s].end]
+        table.touched.clear()
         swept = sweep_functions(image.bytes_at, md, todo, progress)
-        for (start, end), part in zip(todo, swept, strict=True):
-            done[start] = (end, part)
-            refs_of = set(part.code_refs)
-            refs_of.update(b.target for b in part.branches
-                           if not b.is_call and not b.conditional and b.target is not None
-                           and not start <= b.target < end)
-            contributes[start] = refs_of
-        for stale in set(done) - set(table.by_start):
-            del done[stale]
-            del contributes[stale]
+        jumps_out, calls = _round_facts(todo, swept, table, plt)
+        for (start, end), part, jumps in zip(todo, swept, jumps_out, strict=True):
+            done[start] = (end, part)  # starts are never removed: no part goes stale
+            contributes[start] = (part.code_refs, jumps)
         grown = False
         # Code no function covers: it starts at its first non-padding instruction.
-        for lo, hi in table.gaps():
+        gaps = table.gaps()
+        for lo, hi in gaps:
             if (lo, hi) not in gap_starts:  # a gap's bytes do not change: looked at once, not every round
                 gap_starts[lo, hi] = _first_non_padding(md, image.bytes_at(lo, hi - lo), lo)
             first = gap_starts[lo, hi]
@@ -151,24 +149,59 @@ def _sweep_all(image: ElfImage, table: FunctionTable, md: Cs, plt: PltResolver,
                 grown |= table.add_start(first, weak=True)
         # Addresses taken in code or stored in init/fini arrays and relocations split such code.
         # So do jumps into it from another function (tail calls, e.g. crtstuff's frame_dummy).
-        refs = pointers.union(*contributes.values())
-        for r in sorted(refs):
+        refs = pointers.union(*(refs_of for pair in contributes.values() for refs_of in pair))
+        for r in _refs_in(sorted(refs), gaps + [(s, table.by_start[s].end) for s in table.weak_starts]):
             holder = table.containing(r)
             if holder is not None and holder.weak and holder.start != r:
                 grown |= table.add_start(r, weak=True)
         # Call targets that are not known function starts.  Only the parts swept this round: an
         # older part's targets were added when it was swept (starts are never removed) or are
         # not code (PLT stubs, addresses outside the code sections), so they add nothing again.
-        for part in swept:
-            for b in part.branches:
-                t = b.target
-                if b.is_call and t is not None and t not in table.by_start and not plt.in_plt(t):
-                    grown |= table.add_start(t)
+        for t in calls:
+            grown |= table.add_start(t)
         if not grown:
             break
+        candidates = sorted(table.touched)
     if progress is not None:
         progress("disassembling", len(table.starts), len(table.starts))
     return {start: done[start][1] for start in table.starts}
+
+
+def _round_facts(todo: list[tuple[int, int]], swept: list[SweepResult], table: FunctionTable,
+                 plt: PltResolver) -> tuple[list[Sequence[int]], list[int]]:
+    """The targets of each swept part's direct unconditional jumps out of its own range, and the
+    direct call targets (in branch order) that are neither known starts nor PLT stubs."""
+    if csweep is not None:
+        ranges = array("Q", (a for r in todo for a in r))
+        plt_q = array("Q", (a for r in plt.ranges() for a in r))
+        starts = array("Q", table.starts)
+        jumps, calls = csweep.round_facts([p.branches for p in swept], ranges, starts, plt_q)
+        return jumps, calls
+    jumps_out: list[Sequence[int]] = []
+    for (start, end), part in zip(todo, swept, strict=True):
+        jumps_out.append([b.target for b in part.branches if not b.is_call and not b.conditional
+                          and b.target is not None and not start <= b.target < end])
+    calls = [b.target for part in swept for b in part.branches if b.is_call and b.target is not None
+             and b.target not in table.by_start and not plt.in_plt(b.target)]
+    return jumps_out, calls
+
+
+def _refs_in(ordered: list[int], regions: list[tuple[int, int]]) -> list[int]:
+    """The references of ``ordered`` (sorted) inside ``regions``, in order.
+
+    Only a reference inside a weak function or in code no function covers (a gap) can split
+    anything: a function found by symbols or CFI is never split, and splitting a weak function only
+    ever covers its own range and the gap after it.  So the references are looked up region by
+    region (node: ~70k gaps and weak functions) instead of one by one (~500k)."""
+    out: list[int] = []
+    last = -1
+    for lo, hi in sorted(regions):
+        lo = max(lo, last)  # weak functions found in a gap lie inside it: each address once
+        if hi <= lo:
+            continue
+        out += ordered[bisect_left(ordered, lo):bisect_left(ordered, hi)]
+        last = hi
+    return out
 
 
 #: Gaps made of one padding byte alone (node: ~70k of them, each disassembled every round): int3,

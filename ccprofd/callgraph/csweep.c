@@ -676,6 +676,153 @@ done:
     return result;
 }
 
+/* ------------------------------------------------------------------------------------ sweep rounds
+ * round_facts(parts, ranges_q, starts_q, plt_q) -> (jumps, calls)
+ * What analysis._sweep_all takes from the branches of the functions swept in one round:
+ *   parts[i]: the branches swept from [ranges_q[2i], ranges_q[2i+1]);
+ *   jumps[i]: the targets of its direct unconditional jumps out of that range (an empty tuple if none);
+ *   calls: the direct call targets, in branch order, that are neither a start in starts_q (the sorted
+ *     function starts when the round began) nor in a PLT range of plt_q. */
+static PyObject *round_facts(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *parts;
+    Py_buffer rq, sq, pq;
+    if (!PyArg_ParseTuple(args, "O!y*y*y*", &PyList_Type, &parts, &rq, &sq, &pq))
+        return NULL;
+    PyObject *jumps = NULL, *calls = NULL, *result = NULL, *empty = PyTuple_New(0);
+    Py_ssize_t n = PyList_GET_SIZE(parts), nplt = pq.len / 16;
+    const uint64_t *ranges = rq.buf, *plt = pq.buf;
+    ftable_t t = {sq.buf, sq.buf, sq.len / 8};
+    if (!empty)
+        goto done;
+    if (rq.len != n * 16) {
+        PyErr_SetString(PyExc_ValueError, "csweep.round_facts: one range per part");
+        goto done;
+    }
+    jumps = PyList_New(n);
+    calls = PyList_New(0);
+    if (!jumps || !calls)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *part = PyList_GET_ITEM(parts, i), *mine = NULL;
+        if (!PyList_Check(part)) {
+            PyErr_SetString(PyExc_TypeError, "csweep.round_facts: a part is not a list");
+            goto done;
+        }
+        uint64_t lo = ranges[2 * i], hi = ranges[2 * i + 1];
+        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(part); j++) {
+            PyObject *b = PyList_GET_ITEM(part, j);
+            if (!PyTuple_Check(b) || PyTuple_GET_SIZE(b) != 7) {
+                PyErr_SetString(PyExc_TypeError, "csweep.round_facts: a branch is not a 7-tuple");
+                Py_XDECREF(mine);
+                goto done;
+            }
+            PyObject *tgt = PyTuple_GET_ITEM(b, 5);
+            if (tgt == Py_None)
+                continue;
+            int is_call = PyObject_IsTrue(PyTuple_GET_ITEM(b, 3));
+            int conditional = is_call < 0 ? -1 : PyObject_IsTrue(PyTuple_GET_ITEM(b, 4));
+            uint64_t target;
+            if (conditional < 0 || u64_of(tgt, &target) < 0) {
+                Py_XDECREF(mine);
+                goto done;
+            }
+            if (is_call) {
+                if (start_index(&t, target) >= 0)
+                    continue;
+                int in_plt = 0;
+                for (Py_ssize_t k = 0; k < nplt && !in_plt; k++)
+                    in_plt = plt[2 * k] <= target && target < plt[2 * k + 1];
+                if (!in_plt && PyList_Append(calls, tgt) < 0) {
+                    Py_XDECREF(mine);
+                    goto done;
+                }
+            } else if (!conditional && !(lo <= target && target < hi)) {
+                if (!mine && !(mine = PyList_New(0)))
+                    goto done;
+                if (PyList_Append(mine, tgt) < 0) {
+                    Py_DECREF(mine);
+                    goto done;
+                }
+            }
+        }
+        PyList_SET_ITEM(jumps, i, mine ? mine : Py_NewRef(empty));
+    }
+    result = PyTuple_Pack(2, jumps, calls);
+done:
+    Py_XDECREF(empty);
+    Py_XDECREF(jumps);
+    Py_XDECREF(calls);
+    PyBuffer_Release(&rq);
+    PyBuffer_Release(&sq);
+    PyBuffer_Release(&pq);
+    return result;
+}
+
+/* first_non_padding(handle, disasm_iter, insn_malloc, insn_free, code, base, layout) -> address or None
+ * disasm.first_non_padding over cs_disasm_iter: the first instruction that is not nop, int3, a skipped
+ * byte (.byte), xchg ax, ax, a prefixed nop or zero fill (add byte ptr [rax], al on 00 00). */
+static PyObject *first_non_padding(PyObject *self, PyObject *args)
+{
+    (void)self;
+    Py_buffer code;
+    unsigned long long handle, f_iter, f_malloc, f_free, base;
+    PyObject *lay;
+    if (!PyArg_ParseTuple(args, "KKKKy*KO", &handle, &f_iter, &f_malloc, &f_free, &code, &base, &lay))
+        return NULL;
+    PyObject *result = NULL;
+    void *insn = NULL;
+    layout_t L;
+    if (!PyArg_ParseTuple(lay, "nnnnnnkk", &L.insn, &L.mnem, &L.ops, &L.bytes, &L.mnem_len, &L.ops_len,
+                          &L.call_id, &L.jmp_id))
+        goto done;
+    if (!f_iter || !f_malloc || !f_free || L.mnem + L.mnem_len > L.insn || L.ops + L.ops_len > L.insn) {
+        PyErr_SetString(PyExc_ValueError, "csweep.first_non_padding: bad record layout or entry points");
+        goto done;
+    }
+    insn = ((insn_malloc_fn)(uintptr_t)f_malloc)((size_t)handle);
+    if (!insn) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    disasm_iter_fn disasm_iter = (disasm_iter_fn)(uintptr_t)f_iter;
+    const uint8_t *p = code.buf, *c = code.buf;
+    size_t left = (size_t)code.len;
+    uint64_t address = base;
+    while (1) {
+        uint64_t at = address;
+        if (!disasm_iter((size_t)handle, &p, &left, &address, insn)) {
+            result = Py_NewRef(Py_None);
+            break;
+        }
+        const char *rec = insn, *mnem = rec + L.mnem, *ops = rec + L.ops;
+        size_t mlen, olen;
+        if (text_len(mnem, L.mnem_len, &mlen) < 0 || text_len(ops, L.ops_len, &olen) < 0) {
+            PyErr_SetString(PyExc_ValueError, "csweep.first_non_padding: unterminated text");
+            break;
+        }
+        if ((mlen == 3 && memcmp(mnem, "nop", 3) == 0) || (mlen == 4 && memcmp(mnem, "int3", 4) == 0) ||
+            (mlen == 5 && memcmp(mnem, ".byte", 5) == 0))
+            continue;
+        if (mlen == 4 && memcmp(mnem, "xchg", 4) == 0 && olen == 6 && memcmp(ops, "ax, ax", 6) == 0)
+            continue;
+        if (mlen >= 4 && memcmp(mnem + mlen - 4, " nop", 4) == 0)
+            continue;
+        uint64_t off = at - base;
+        if (mlen == 3 && memcmp(mnem, "add", 3) == 0 && olen == 18 && memcmp(ops, "byte ptr [rax], al", 18) == 0 &&
+            off + 2 <= (uint64_t)code.len && c[off] == 0 && c[off + 1] == 0)
+            continue;
+        result = PyLong_FromUnsignedLongLong(at);
+        break;
+    }
+done:
+    if (insn)
+        ((insn_free_fn)(uintptr_t)f_free)(insn, 1);
+    PyBuffer_Release(&code);
+    return result;
+}
+
 /* ------------------------------------------------------------------------------------ statistics
  * scc_counts(nodes, edges, root) -> (sccs, complex_sccs, cyclic_edges, call_edges)
  * stats._stats_of_rows's strongly connected components: nodes and edges are CallGraph.to_dict() rows
@@ -882,6 +1029,8 @@ done:
 static PyMethodDef methods[] = {
     {"scan", scan, METH_VARARGS, "sweep()'s loop over capstone's cs_insn records (see disasm.py)."},
     {"sweep", sweep, METH_VARARGS, "scan() over cs_disasm_iter: one reused record (see disasm.py)."},
+    {"round_facts", round_facts, METH_VARARGS, "what _sweep_all takes from one round's branches."},
+    {"first_non_padding", first_non_padding, METH_VARARGS, "disasm.first_non_padding over cs_disasm_iter."},
     {"site_counts", site_counts, METH_VARARGS, "stats._stats_of_rows's site counts (see stats.py)."},
     {"scc_counts", scc_counts, METH_VARARGS, "stats._stats_of_rows's component counts (see stats.py)."},
     {"site_rows", site_rows, METH_VARARGS, "analysis._site_row and GraphRows.add_call for every branch."},

@@ -310,6 +310,15 @@ def sweep_lite(md: Cs, code: bytes, base: int, result: SweepResult) -> None:
 
 def first_non_padding(md: Cs, code: bytes, base: int) -> int | None:
     """Address of the first instruction in ``code`` that is not padding (None: all padding)."""
+    if csweep is not None and hasattr(csweep, "first_non_padding"):
+        found: int | None = csweep.first_non_padding(md.csh.value, *_iter_entry_points(), code, base,
+                                                     _scan_tables()[2])
+        return found
+    return first_non_padding_lite(md, code, base)
+
+
+def first_non_padding_lite(md: Cs, code: bytes, base: int) -> int | None:
+    """:func:`first_non_padding` over capstone's ``disasm_lite`` (the reference of csweep's)."""
     for addr, _size, mnem, ops in md.disasm_lite(code, base):
         if mnem in PADDING or (mnem == "xchg" and ops == "ax, ax") or mnem.endswith(" nop"):
             continue

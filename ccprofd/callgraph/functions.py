@@ -42,6 +42,10 @@ class FunctionTable:
         self.code = [s for s in image.code_sections() if s.name not in PLT_SECTIONS]
         self.by_start: dict[int, FunctionInfo] = {}
         self.starts: list[int] = []
+        self.weak_starts: set[int] = set()  # the starts of the weak functions
+        # Starts whose end was (re)computed since the caller last cleared it: a sweep round re-sweeps
+        # these only, not every function again to find the few whose range changed.
+        self.touched: set[int] = set()
         self._discover()
         self._reindex()
 
@@ -97,6 +101,8 @@ class FunctionTable:
         if addr in self.by_start or self.section_of(addr) is None:
             return False
         self.by_start[addr] = FunctionInfo(start=addr, end=0, name=sub_name(addr), weak=weak)
+        if weak:
+            self.weak_starts.add(addr)
         self._reindex(addr)
         return True
 
@@ -120,6 +126,7 @@ class FunctionTable:
             if fn.end <= start or fn.end > limit:
                 fn.end = limit
             fn.end = min(fn.end, nxt)  # never overlap: each instruction is swept exactly once
+        self.touched.update(ordered[i] for i in todo)
         self.starts = ordered
 
     def containing(self, addr: int) -> FunctionInfo | None:
