@@ -187,3 +187,33 @@ def test_compiled_first_non_padding_equals_disasm_lite(path: str, compiled: None
     for code in (b"\x66\x2e\x0f\x1f\x84\x00\x00\x00\x00\x00\x90\xcc\x00\x00\x55", b"\x06\x90",
                  b"\x00\x00\x00\x01", b"\x87\xc0\x66\x90\xc3", b"\x0f\xff\x90", b""):
         assert first_non_padding(md, code, 0x1000) == first_non_padding_lite(md, code, 0x1000), code.hex()
+
+
+@pytest.mark.parametrize("path", SYSTEM)
+def test_compiled_jump_table_words_equal_python(path: str, compiled: None,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """csweep.table_words reads the jump tables analysis._table_words's Python loop (the reference)
+    reads: at every address a function of the binary refers to (4-byte relative entries) and at
+    every data address (8-byte absolute ones), up to the first entry that is no code address."""
+    from ccprofd.callgraph import analysis
+
+    image = ElfImage(path)
+    table = FunctionTable(image)
+    md = make_disassembler()
+    bases: set[int] = set()
+    for start in table.starts[::3]:
+        part = SweepResult([], [], 0)
+        sweep(md, image.bytes_at(start, table.by_start[start].end - start), start, part, local_jumps=False)
+        bases.update(part.code_refs)
+        bases.update(int(m.group(1), 16) for b in part.branches
+                     if (m := analysis._ABS_TABLE.search(b.operand)))  # jmp [reg*8 + table]
+    assert len(bases) > 100
+    long_tables = 0
+    for width in (4, 8):
+        for base in sorted(bases):
+            got = analysis._table_words(image, base, width, {})
+            with monkeypatch.context() as m:
+                m.setattr(analysis, "csweep", None)
+                assert got == analysis._table_words(image, base, width, {}), (hex(base), width)
+            long_tables += len(got) > 8
+    assert long_tables

@@ -18,6 +18,7 @@ from ccprofd.callgraph.disasm import Branch, SweepResult, csweep, first_non_padd
 from ccprofd.callgraph.functions import FunctionInfo, FunctionTable
 from ccprofd.callgraph.model import SITE_KINDS, BinaryInfo, CallGraph, GraphRows
 from ccprofd.callgraph.parallel import sweep_functions
+from ccprofd.elf.addrspace import AddressSpace
 from ccprofd.elf.image import ElfImage
 from ccprofd.elf.plt import PltResolver
 
@@ -228,8 +229,8 @@ def _code_pointers_in_data(image: ElfImage) -> set[int]:
             found.update(words)
     for rsec in image.elf.iter_sections():
         if isinstance(rsec, RelocationSection) and rsec.is_RELA():
-            found.update(rel["r_addend"] for rel in rsec.iter_relocations()
-                         if rel["r_info_type"] == R_X86_64_RELATIVE)
+            found.update(addend for _off, _sym, rtype, addend in image.relocations(rsec)
+                         if rtype == R_X86_64_RELATIVE)
     return {a for a in found if image.addrspace.is_executable(a)}
 
 
@@ -303,6 +304,11 @@ def _jump_table_entries(image: ElfImage, parts: dict[int, SweepResult], wanted: 
 _WORDS = {8: struct.Struct("<Q"), 4: struct.Struct("<i")}
 
 
+def _segments_q(space: AddressSpace) -> array[int]:
+    """The (vaddr, memsz, flags) of each segment, in ``space``'s order, for csweep.table_words."""
+    return array("Q", (v for s in space.segments for v in (s.vaddr, s.memsz, s.flags)))
+
+
 def _table_words(image: ElfImage, base: int, width: int, executable: dict[int, bool]) -> list[int]:
     """The code addresses of the jump table at ``base``: 8-byte absolute addresses (``width`` 8) or
     4-byte offsets from ``base`` (``width`` 4), up to the first entry that is not backed by file
@@ -321,7 +327,13 @@ def _table_words(image: ElfImage, base: int, width: int, executable: dict[int, b
     room = min(seg.vaddr + seg.filesz - base + width - 1, len(image.data) - off) // width
     n = min(_MAX_TABLE_ENTRIES, max(room, 0))
     relative = width == 4
-    for (value,) in _WORDS[width].iter_unpack(image.data[off:off + n * width]):
+    if csweep is not None:
+        got = csweep.table_words(image.data[off:off + n * width], base, width, _segments_q(space))
+        if got is not None:
+            if len(got) < n:
+                return got  # stopped at an entry that is no code address
+            out = got
+    for (value,) in _WORDS[width].iter_unpack(image.data[off + len(out) * width:off + n * width]):
         word = base + value if relative else value
         ok = executable.get(word)
         if ok is None:
@@ -400,16 +412,15 @@ def _data_refs(image: ElfImage, starts: set[int]) -> set[int]:
     for sec in image.elf.iter_sections():
         if not isinstance(sec, RelocationSection) or not sec.is_RELA():
             continue
-        symtab = image.elf.get_section(sec["sh_link"]) if sec["sh_link"] else None
-        for rel in sec.iter_relocations():
-            rtype = rel["r_info_type"]
+        link = sec["sh_link"]
+        for _off, sym_index, rtype, addend in image.relocations(sec):
             if rtype == R_X86_64_RELATIVE:
-                if rel["r_addend"] in starts:
-                    found.add(rel["r_addend"])
-            elif rtype in (R_X86_64_64, R_X86_64_GLOB_DAT) and symtab is not None and rel["r_info_sym"]:
-                sym = symtab.get_symbol(rel["r_info_sym"])  # type: ignore[attr-defined]
-                val = sym["st_value"] + rel["r_addend"]
-                if sym["st_shndx"] != "SHN_UNDEF" and val in starts:
+                if addend in starts:
+                    found.add(addend)
+            elif rtype in (R_X86_64_64, R_X86_64_GLOB_DAT) and link and sym_index:
+                _name, value, defined = image.symbol_at(link, sym_index)
+                val = value + addend
+                if defined and val in starts:
                     found.add(val)
     for dsec in image.sections.values():
         if (dsec.executable or not (dsec.flags & 0x2) or dsec.type == "SHT_NOBITS" or dsec.size < 8

@@ -823,6 +823,73 @@ done:
     return result;
 }
 
+/* table_words(words, base, width, segments_q) -> list of code addresses, or None
+ * analysis._table_words's loop over the entries unpacked from one slice of the file: 8-byte absolute
+ * addresses (width 8) or 4-byte signed offsets from base (width 4), up to the first that does not lie
+ * in an executable PT_LOAD segment (segments_q: (vaddr, memsz, flags) triples sorted by vaddr, looked
+ * up as AddressSpace.segment_of looks them up).  None: an address past 64 bits either way (Python
+ * decides). */
+static PyObject *table_words(PyObject *self, PyObject *args)
+{
+    (void)self;
+    Py_buffer words, segs;
+    unsigned long long base;
+    int width;
+    if (!PyArg_ParseTuple(args, "y*Kiy*", &words, &base, &width, &segs))
+        return NULL;
+    PyObject *out = NULL;
+    const uint64_t *sg = segs.buf;
+    Py_ssize_t nseg = segs.len / 24;
+    if ((width != 4 && width != 8) || segs.len % 24) {
+        PyErr_SetString(PyExc_ValueError, "csweep.table_words: width 4 or 8, segment triples");
+        goto done;
+    }
+    out = PyList_New(0);
+    if (!out)
+        goto done;
+    const unsigned char *w = words.buf;
+    for (Py_ssize_t i = 0; i + width <= words.len; i += width) {
+        uint64_t word;
+        if (width == 8) {
+            memcpy(&word, w + i, 8);
+        } else {
+            int32_t rel;
+            memcpy(&rel, w + i, 4);
+            if ((rel < 0 && base < (uint64_t)(-(int64_t)rel)) || (rel > 0 && base > UINT64_MAX - (uint64_t)rel)) {
+                Py_SETREF(out, Py_NewRef(Py_None));
+                goto done;
+            }
+            word = base + (uint64_t)(int64_t)rel;
+        }
+        Py_ssize_t lo = 0, hi = nseg; /* bisect_right over the segment starts */
+        while (lo < hi) {
+            Py_ssize_t mid = lo + (hi - lo) / 2;
+            if (word < sg[3 * mid])
+                hi = mid;
+            else
+                lo = mid + 1;
+        }
+        lo -= 1;
+        if (lo < 0 || sg[3 * lo] + sg[3 * lo + 1] < sg[3 * lo]) { /* a segment past 64 bits: Python decides */
+            if (lo >= 0) {
+                Py_SETREF(out, Py_NewRef(Py_None));
+                goto done;
+            }
+            break;
+        }
+        if (!(word < sg[3 * lo] + sg[3 * lo + 1] && (sg[3 * lo + 2] & 1)))
+            break;
+        if (append_int(out, word) < 0) {
+            Py_CLEAR(out);
+            goto done;
+        }
+    }
+done:
+    PyBuffer_Release(&words);
+    PyBuffer_Release(&segs);
+    return out;
+}
+
 /* ------------------------------------------------------------------------------------ statistics
  * scc_counts(nodes, edges, root) -> (sccs, complex_sccs, cyclic_edges, call_edges)
  * stats._stats_of_rows's strongly connected components: nodes and edges are CallGraph.to_dict() rows
@@ -1031,6 +1098,7 @@ static PyMethodDef methods[] = {
     {"sweep", sweep, METH_VARARGS, "scan() over cs_disasm_iter: one reused record (see disasm.py)."},
     {"round_facts", round_facts, METH_VARARGS, "what _sweep_all takes from one round's branches."},
     {"first_non_padding", first_non_padding, METH_VARARGS, "disasm.first_non_padding over cs_disasm_iter."},
+    {"table_words", table_words, METH_VARARGS, "analysis._table_words's loop over one slice."},
     {"site_counts", site_counts, METH_VARARGS, "stats._stats_of_rows's site counts (see stats.py)."},
     {"scc_counts", scc_counts, METH_VARARGS, "stats._stats_of_rows's component counts (see stats.py)."},
     {"site_rows", site_rows, METH_VARARGS, "analysis._site_row and GraphRows.add_call for every branch."},

@@ -44,13 +44,12 @@ class PltResolver:
             symtab = self.image.elf.get_section(symtab_index)
             if not hasattr(symtab, "get_symbol"):
                 continue
-            for rel in sec.iter_relocations():
-                idx = rel["r_info_sym"]
+            for r_offset, idx, _type, _addend in self.image.relocations(sec):
                 if idx == 0:
                     continue
-                name = symtab.get_symbol(idx).name
+                name = self.image.symbol_at(symtab_index, idx)[0]
                 if name:
-                    out.setdefault(rel["r_offset"], name)
+                    out.setdefault(r_offset, name)
         return out
 
     def ranges(self) -> list[tuple[int, int]]:
