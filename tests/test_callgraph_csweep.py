@@ -217,3 +217,23 @@ def test_compiled_jump_table_words_equal_python(path: str, compiled: None,
                 assert got == analysis._table_words(image, base, width, {}), (hex(base), width)
             long_tables += len(got) > 8
     assert long_tables
+
+
+def test_compiled_edge_grouping_equals_networkx_order(compiled: None) -> None:
+    """csweep.group_edges orders one source's edge rows as GraphRows.serial's dicts (and networkx)
+    do: targets in order of their first edge, keys in order within each, a repeated key's row
+    replacing the earlier one in place; more than 64 rows are left to Python (None)."""
+    import random
+
+    import networkx as nx
+
+    rng = random.Random(18)
+    for _ in range(300):
+        k = rng.randrange(2, 70)
+        rows = [[1, rng.randrange(0, 6), rng.randrange(0, 12), "direct", i, 0, 5, None] for i in range(k)]
+        g = nx.MultiDiGraph()
+        for row in rows:
+            g.add_edge(row[0], row[1], key=row[2], row=row)
+        want = [d["row"] for _u, _v, _k, d in g.edges(keys=True, data=True)]
+        got = disasm.csweep.group_edges(rows)
+        assert got == (want if k <= 64 else None), rows

@@ -194,6 +194,9 @@ def _refs_in(ordered: list[int], regions: list[tuple[int, int]]) -> list[int]:
     anything: a function found by symbols or CFI is never split, and splitting a weak function only
     ever covers its own range and the gap after it.  So the references are looked up region by
     region (node: ~70k gaps and weak functions) instead of one by one (~500k)."""
+    if csweep is not None:
+        found: list[int] = csweep.refs_in(ordered, regions)
+        return found
     out: list[int] = []
     last = -1
     for lo, hi in sorted(regions):
@@ -280,22 +283,29 @@ def _jump_table_entries(image: ElfImage, parts: dict[int, SweepResult], wanted: 
     found: dict[int, int] = {}
     space = image.addrspace
     executable: dict[int, bool] = {}  # is_executable per address, for the tables read again and again
-    for start, part in parts.items():
-        jumps = [b for b in part.branches if not b.is_call and b.target is None]
+    segments = _segments_q(space)
+    if csweep is not None:  # the operands of each part's indirect jumps, None for most parts
+        operands = csweep.indirect_jumps([p.branches for p in parts.values()])
+    else:
+        operands = [[b.operand for b in p.branches if not b.is_call and b.target is None] or None
+                    for p in parts.values()]
+    for (start, part), jumps in zip(parts.items(), operands, strict=True):
         if not jumps:
             continue
-        for b in jumps:
-            m = _ABS_TABLE.search(b.operand)
+        for operand in jumps:
+            m = _ABS_TABLE.search(operand)
             if m:
-                for word in _table_words(image, int(m.group(1), 16), 8, executable):
+                for word in _table_words(image, int(m.group(1), 16), 8, executable, segments):
                     if word in wanted:
                         found.setdefault(word, start)
-        if image.elf_type != "DYN" or not any("ptr" not in b.operand for b in jumps):
+        if image.elf_type != "DYN" or not any("ptr" not in operand for operand in jumps):
             continue  # relative tables are what position-independent code uses
-        for base in part.code_refs:
-            if space.is_executable(base) or space.segment_of(base) is None:
-                continue
-            for target in _table_words(image, base, 4, executable):
+        bases = csweep.data_refs_of(part.code_refs, segments) if csweep is not None else None
+        if bases is None:
+            bases = [base for base in part.code_refs
+                     if not space.is_executable(base) and space.segment_of(base) is not None]
+        for base in bases:
+            for target in _table_words(image, base, 4, executable, segments):
                 if target in wanted:
                     found.setdefault(target, start)
     return found
@@ -309,7 +319,8 @@ def _segments_q(space: AddressSpace) -> array[int]:
     return array("Q", (v for s in space.segments for v in (s.vaddr, s.memsz, s.flags)))
 
 
-def _table_words(image: ElfImage, base: int, width: int, executable: dict[int, bool]) -> list[int]:
+def _table_words(image: ElfImage, base: int, width: int, executable: dict[int, bool],
+                 segments: array[int] | None = None) -> list[int]:
     """The code addresses of the jump table at ``base``: 8-byte absolute addresses (``width`` 8) or
     4-byte offsets from ``base`` (``width`` 4), up to the first entry that is not backed by file
     bytes or does not land in executable code, at most _MAX_TABLE_ENTRIES.
@@ -328,7 +339,9 @@ def _table_words(image: ElfImage, base: int, width: int, executable: dict[int, b
     n = min(_MAX_TABLE_ENTRIES, max(room, 0))
     relative = width == 4
     if csweep is not None:
-        got = csweep.table_words(image.data[off:off + n * width], base, width, _segments_q(space))
+        if segments is None:
+            segments = _segments_q(space)
+        got = csweep.table_words(image.data[off:off + n * width], base, width, segments)
         if got is not None:
             if len(got) < n:
                 return got  # stopped at an entry that is no code address

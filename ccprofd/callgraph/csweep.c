@@ -890,6 +890,279 @@ done:
     return out;
 }
 
+/* retype(lists, cls) -> a new list of new lists, each tuple of each list copied as a cls (a tuple
+ * subclass without extra fields, e.g. Branch, or tuple itself): what parallel.py sends through marshal
+ * (which takes no tuple subclass) and takes back, without a Python call per branch. */
+static PyObject *retype(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *lists, *cls;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &lists, &PyType_Type, &cls))
+        return NULL;
+    PyTypeObject *t = (PyTypeObject *)cls;
+    if (!PyType_IsSubtype(t, &PyTuple_Type) || t->tp_basicsize != PyTuple_Type.tp_basicsize || t->tp_dictoffset) {
+        PyErr_SetString(PyExc_TypeError, "csweep.retype: not a plain tuple type");
+        return NULL;
+    }
+    Py_ssize_t n = PyList_GET_SIZE(lists);
+    PyObject *out = PyList_New(n);
+    if (!out)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *src = PyList_GET_ITEM(lists, i);
+        if (!PyList_Check(src)) {
+            PyErr_SetString(PyExc_TypeError, "csweep.retype: not a list");
+            goto fail;
+        }
+        Py_ssize_t m = PyList_GET_SIZE(src);
+        PyObject *dst = PyList_New(m);
+        if (!dst)
+            goto fail;
+        PyList_SET_ITEM(out, i, dst);
+        for (Py_ssize_t j = 0; j < m; j++) {
+            PyObject *tup = PyList_GET_ITEM(src, j);
+            if (!PyTuple_Check(tup)) {
+                PyErr_SetString(PyExc_TypeError, "csweep.retype: not a tuple");
+                goto fail;
+            }
+            Py_ssize_t k = PyTuple_GET_SIZE(tup);
+            PyObject *copy = t == &PyTuple_Type ? PyTuple_New(k) : t->tp_alloc(t, k);
+            if (!copy)
+                goto fail;
+            for (Py_ssize_t e = 0; e < k; e++)
+                PyTuple_SET_ITEM(copy, e, Py_NewRef(PyTuple_GET_ITEM(tup, e)));
+            PyList_SET_ITEM(dst, j, copy);
+        }
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
+/* refs_in(ordered, regions) -> the items of ordered (sorted ints) inside any [lo, hi) of regions (a list
+ * of (lo, hi) pairs, in any order, possibly nested), in order: analysis._refs_in's reference loop. */
+typedef struct {
+    uint64_t lo, hi;
+} region_t;
+
+static int region_cmp(const void *a, const void *b)
+{
+    const region_t *x = a, *y = b;
+    if (x->lo != y->lo)
+        return x->lo < y->lo ? -1 : 1;
+    return x->hi < y->hi ? -1 : x->hi > y->hi;
+}
+
+static PyObject *refs_in(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *ordered, *regions;
+    if (!PyArg_ParseTuple(args, "O!O!", &PyList_Type, &ordered, &PyList_Type, &regions))
+        return NULL;
+    Py_ssize_t nr = PyList_GET_SIZE(regions), n = PyList_GET_SIZE(ordered);
+    region_t *r = PyMem_Malloc(sizeof(region_t) * (size_t)(nr + 1));
+    PyObject *out = NULL;
+    if (!r)
+        return PyErr_NoMemory();
+    for (Py_ssize_t i = 0; i < nr; i++) {
+        PyObject *pair = PyList_GET_ITEM(regions, i);
+        if (!PyTuple_Check(pair) || PyTuple_GET_SIZE(pair) != 2 || u64_of(PyTuple_GET_ITEM(pair, 0), &r[i].lo) < 0 ||
+            u64_of(PyTuple_GET_ITEM(pair, 1), &r[i].hi) < 0) {
+            if (!PyErr_Occurred())
+                PyErr_SetString(PyExc_TypeError, "csweep.refs_in: regions are (lo, hi) pairs");
+            goto done;
+        }
+    }
+    qsort(r, (size_t)nr, sizeof(region_t), region_cmp);
+    out = PyList_New(0);
+    if (!out)
+        goto done;
+    Py_ssize_t j = 0;
+    uint64_t prev = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        uint64_t v;
+        if (u64_of(PyList_GET_ITEM(ordered, i), &v) < 0) {
+            if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
+                Py_CLEAR(out);
+                goto done;
+            }
+            PyErr_Clear(); /* a negative reference (or one past 64 bits): in no region */
+            continue;
+        }
+        if (i && v < prev) {
+            PyErr_SetString(PyExc_ValueError, "csweep.refs_in: references not sorted");
+            Py_CLEAR(out);
+            goto done;
+        }
+        prev = v;
+        /* regions sorted by lo: skip those ending at or before v; nested ones end inside an earlier one */
+        while (j < nr && r[j].hi <= v)
+            j++;
+        int inside = 0;
+        for (Py_ssize_t k = j; k < nr && r[k].lo <= v && !inside; k++)
+            inside = v < r[k].hi;
+        if (inside && PyList_Append(out, PyList_GET_ITEM(ordered, i)) < 0) {
+            Py_CLEAR(out);
+            goto done;
+        }
+    }
+done:
+    PyMem_Free(r);
+    return out;
+}
+
+/* indirect_jumps(parts) -> for each list of branches, the operand texts of its indirect jumps (not
+ * calls, no target), in order, or None if it has none */
+static PyObject *indirect_jumps(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *parts;
+    if (!PyArg_ParseTuple(args, "O!", &PyList_Type, &parts))
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(parts);
+    PyObject *out = PyList_New(n);
+    if (!out)
+        return NULL;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *part = PyList_GET_ITEM(parts, i), *mine = NULL;
+        if (!PyList_Check(part)) {
+            PyErr_SetString(PyExc_TypeError, "csweep.indirect_jumps: a part is not a list");
+            goto fail;
+        }
+        for (Py_ssize_t j = 0; j < PyList_GET_SIZE(part); j++) {
+            PyObject *b = PyList_GET_ITEM(part, j);
+            if (!PyTuple_Check(b) || PyTuple_GET_SIZE(b) != 7) {
+                PyErr_SetString(PyExc_TypeError, "csweep.indirect_jumps: a branch is not a 7-tuple");
+                Py_XDECREF(mine);
+                goto fail;
+            }
+            if (PyTuple_GET_ITEM(b, 5) != Py_None)
+                continue;
+            int is_call = PyObject_IsTrue(PyTuple_GET_ITEM(b, 3));
+            if (is_call < 0 || (!is_call && ((!mine && !(mine = PyList_New(0))) ||
+                                             PyList_Append(mine, PyTuple_GET_ITEM(b, 6)) < 0))) {
+                Py_XDECREF(mine);
+                goto fail;
+            }
+        }
+        PyList_SET_ITEM(out, i, mine ? mine : Py_NewRef(Py_None));
+    }
+    return out;
+fail:
+    Py_DECREF(out);
+    return NULL;
+}
+
+/* data_refs_of(refs, segments_q) -> the refs (in order) that lie in a PT_LOAD segment that is not
+ * executable (segments_q as for table_words), or None if a segment reaches past 64 bits */
+static PyObject *data_refs_of(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *refs;
+    Py_buffer segs;
+    if (!PyArg_ParseTuple(args, "O!y*", &PyList_Type, &refs, &segs))
+        return NULL;
+    const uint64_t *sg = segs.buf;
+    Py_ssize_t nseg = segs.len / 24;
+    PyObject *out = PyList_New(0);
+    if (!out)
+        goto done;
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(refs); i++) {
+        PyObject *o = PyList_GET_ITEM(refs, i);
+        uint64_t v;
+        if (u64_of(o, &v) < 0) {
+            PyErr_Clear(); /* a negative or huge reference: in no segment */
+            continue;
+        }
+        Py_ssize_t lo = 0, hi = nseg;
+        while (lo < hi) {
+            Py_ssize_t mid = lo + (hi - lo) / 2;
+            if (v < sg[3 * mid])
+                hi = mid;
+            else
+                lo = mid + 1;
+        }
+        lo -= 1;
+        if (lo < 0)
+            continue;
+        if (sg[3 * lo] + sg[3 * lo + 1] < sg[3 * lo]) {
+            Py_SETREF(out, Py_NewRef(Py_None));
+            goto done;
+        }
+        if (v < sg[3 * lo] + sg[3 * lo + 1] && !(sg[3 * lo + 2] & 1) && PyList_Append(out, o) < 0) {
+            Py_CLEAR(out);
+            goto done;
+        }
+    }
+done:
+    PyBuffer_Release(&segs);
+    return out;
+}
+
+/* group_edges(rows) -> the edge rows of one source in networkx's order (GraphRows.serial): by target,
+ * first edge to each target first, then by key (row[2]); a key added again replaces its row in place.
+ * None for more than 64 rows (the quadratic walk here is for the many short lists; Python does the rest). */
+static PyObject *group_edges(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *rows;
+    if (!PyArg_ParseTuple(args, "O!", &PyList_Type, &rows))
+        return NULL;
+    Py_ssize_t k = PyList_GET_SIZE(rows);
+    if (k > 64)
+        Py_RETURN_NONE;
+    PyObject *slot[64];
+    Py_ssize_t n = 0;
+    for (Py_ssize_t i = 0; i < k; i++) {
+        PyObject *row = PyList_GET_ITEM(rows, i);
+        if (!PyList_Check(row) || PyList_GET_SIZE(row) < 3) {
+            PyErr_SetString(PyExc_TypeError, "csweep.group_edges: an edge row is not a list");
+            return NULL;
+        }
+        PyObject *t = PyList_GET_ITEM(row, 1), *key = PyList_GET_ITEM(row, 2);
+        Py_ssize_t last_same = -1, same_key = -1;
+        for (Py_ssize_t j = 0; j < n && same_key < 0; j++) {
+            int eq = PyObject_RichCompareBool(PyList_GET_ITEM(slot[j], 1), t, Py_EQ);
+            if (eq < 0)
+                return NULL;
+            if (!eq)
+                continue;
+            last_same = j;
+            eq = PyObject_RichCompareBool(PyList_GET_ITEM(slot[j], 2), key, Py_EQ);
+            if (eq < 0)
+                return NULL;
+            if (eq)
+                same_key = j;
+        }
+        if (same_key >= 0) {
+            slot[same_key] = row;
+            continue;
+        }
+        if (last_same >= 0) { /* after the target's group, which is contiguous */
+            while (last_same + 1 < n) {
+                int eq = PyObject_RichCompareBool(PyList_GET_ITEM(slot[last_same + 1], 1), t, Py_EQ);
+                if (eq < 0)
+                    return NULL;
+                if (!eq)
+                    break;
+                last_same++;
+            }
+            memmove(slot + last_same + 2, slot + last_same + 1, sizeof(PyObject *) * (size_t)(n - last_same - 1));
+            slot[last_same + 1] = row;
+        } else {
+            slot[n] = row;
+        }
+        n++;
+    }
+    PyObject *out = PyList_New(n);
+    if (!out)
+        return NULL;
+    for (Py_ssize_t j = 0; j < n; j++)
+        PyList_SET_ITEM(out, j, Py_NewRef(slot[j]));
+    return out;
+}
+
 /* ------------------------------------------------------------------------------------ statistics
  * scc_counts(nodes, edges, root) -> (sccs, complex_sccs, cyclic_edges, call_edges)
  * stats._stats_of_rows's strongly connected components: nodes and edges are CallGraph.to_dict() rows
@@ -1099,6 +1372,11 @@ static PyMethodDef methods[] = {
     {"round_facts", round_facts, METH_VARARGS, "what _sweep_all takes from one round's branches."},
     {"first_non_padding", first_non_padding, METH_VARARGS, "disasm.first_non_padding over cs_disasm_iter."},
     {"table_words", table_words, METH_VARARGS, "analysis._table_words's loop over one slice."},
+    {"retype", retype, METH_VARARGS, "lists of tuples copied as another plain tuple type."},
+    {"refs_in", refs_in, METH_VARARGS, "analysis._refs_in: sorted references inside regions."},
+    {"indirect_jumps", indirect_jumps, METH_VARARGS, "operands of each part's indirect jumps."},
+    {"data_refs_of", data_refs_of, METH_VARARGS, "references in a non-executable segment."},
+    {"group_edges", group_edges, METH_VARARGS, "one source's edge rows in networkx's order."},
     {"site_counts", site_counts, METH_VARARGS, "stats._stats_of_rows's site counts (see stats.py)."},
     {"scc_counts", scc_counts, METH_VARARGS, "stats._stats_of_rows's component counts (see stats.py)."},
     {"site_rows", site_rows, METH_VARARGS, "analysis._site_row and GraphRows.add_call for every branch."},
