@@ -139,6 +139,8 @@ def test_compiled_site_rows_equal_python_site_rows(path: str, compiled: None,
     for key in ("nodes", "edges", "sites"):
         assert compiled_rows[key] == reference[key], key
     assert any(s[5] == "plt" for s in reference["sites"]) and any(s[5] == "tail" for s in reference["sites"])
+    if str(path).startswith("/usr/"):  # gcc's .cold fragments, folded by csweep.fragment_entries' jumps
+        assert any(n[8] for n in reference["nodes"])
     def types(rows: list[list[object]]) -> list[type]:
         return [type(x) for s in rows for x in s]
 
@@ -237,3 +239,20 @@ def test_compiled_edge_grouping_equals_networkx_order(compiled: None) -> None:
         want = [d["row"] for _u, _v, _k, d in g.edges(keys=True, data=True)]
         got = disasm.csweep.group_edges(rows)
         assert got == (want if k <= 64 else None), rows
+
+
+@pytest.mark.parametrize("path", SYSTEM)
+def test_section_lookup_by_bisection_equals_the_loop(path: str) -> None:
+    """FunctionTable.section_of's bisection finds, for every symbol and FDE start and the bytes
+    around each section's bounds, the section the loop over the code sections finds."""
+    table = FunctionTable(ElfImage(path))
+    assert table._sections is not None  # the bisection is what is tested
+
+    def by_loop(addr: int) -> object:
+        return next((s for s in table.code if s.contains(addr)), None)
+
+    probes = set(table.starts) | {a for s in table.code for a in (s.vaddr - 1, s.vaddr, s.vaddr + s.size - 1,
+                                                                   s.vaddr + s.size)}
+    probes |= {sym.value for sym in table.image.symbols()}
+    for addr in probes:
+        assert table.section_of(addr) is by_loop(addr), hex(addr)

@@ -245,15 +245,22 @@ def _fold_fragments(image: ElfImage, table: FunctionTable, parts: dict[int, Swee
     """
     frag_starts = {s for s, fn in table.by_start.items() if fn.fragment}
     entered_from: dict[int, int] = {}
-    for start, part in parts.items():
-        end = table.by_start[start].end
-        for b in part.branches:
-            if b.is_call or b.target is None or start <= b.target < end:
-                continue  # calls, indirect jumps and jumps inside the function itself
-            # gcc groups several cold blocks in one fragment: hot code may jump to any of them.
-            dest = table.containing(b.target)
-            if dest is not None and dest.fragment and dest.start != start:
-                entered_from.setdefault(dest.start, start)
+    if csweep is not None and list(parts) == table.starts:
+        fns = [table.by_start[s] for s in table.starts]
+        for dest_start, start in csweep.fragment_entries(
+                [p.branches for p in parts.values()], table.starts, array("Q", table.starts),
+                array("Q", (fn.end for fn in fns)), bytes(fn.fragment for fn in fns)):
+            entered_from.setdefault(dest_start, start)
+    else:
+        for start, part in parts.items():
+            end = table.by_start[start].end
+            for b in part.branches:
+                if b.is_call or b.target is None or start <= b.target < end:
+                    continue  # calls, indirect jumps and jumps inside the function itself
+                # gcc groups several cold blocks in one fragment: hot code may jump to any of them.
+                dest = table.containing(b.target)
+                if dest is not None and dest.fragment and dest.start != start:
+                    entered_from.setdefault(dest.start, start)
     missing = frag_starts - entered_from.keys()
     if missing:
         for frag, src in _jump_table_entries(image, parts, missing).items():

@@ -1163,6 +1163,71 @@ static PyObject *group_edges(PyObject *self, PyObject *args)
     return out;
 }
 
+/* fragment_entries(parts, starts, starts_q, ends_q, fragment) -> [(fragment start, entering start)]
+ * analysis._fold_fragments's first loop: every direct jump (conditional or not) of parts[i], swept from
+ * [starts_q[i], ends_q[i]), that lands outside that range in a function j flagged fragment[j] (one
+ * byte per start), other than the jumping function itself, in branch order. */
+static PyObject *fragment_entries(PyObject *self, PyObject *args)
+{
+    (void)self;
+    PyObject *parts, *starts;
+    Py_buffer sq, eq, fq;
+    if (!PyArg_ParseTuple(args, "O!O!y*y*y*", &PyList_Type, &parts, &PyList_Type, &starts, &sq, &eq, &fq))
+        return NULL;
+    ftable_t t = {sq.buf, eq.buf, PyList_GET_SIZE(starts)};
+    const unsigned char *frag = fq.buf;
+    PyObject *out = NULL;
+    if (sq.len != t.n * 8 || eq.len != t.n * 8 || fq.len != t.n || PyList_GET_SIZE(parts) != t.n) {
+        PyErr_SetString(PyExc_ValueError, "csweep.fragment_entries: inconsistent tables");
+        goto done;
+    }
+    out = PyList_New(0);
+    if (!out)
+        goto done;
+    for (Py_ssize_t i = 0; i < t.n; i++) {
+        PyObject *part = PyList_GET_ITEM(parts, i);
+        if (!PyList_Check(part)) {
+            PyErr_SetString(PyExc_TypeError, "csweep.fragment_entries: a part is not a list");
+            Py_CLEAR(out);
+            goto done;
+        }
+        for (Py_ssize_t k = 0; k < PyList_GET_SIZE(part); k++) {
+            PyObject *b = PyList_GET_ITEM(part, k);
+            if (!PyTuple_Check(b) || PyTuple_GET_SIZE(b) != 7) {
+                PyErr_SetString(PyExc_TypeError, "csweep.fragment_entries: a branch is not a 7-tuple");
+                Py_CLEAR(out);
+                goto done;
+            }
+            PyObject *tgt = PyTuple_GET_ITEM(b, 5);
+            if (tgt == Py_None)
+                continue;
+            int is_call = PyObject_IsTrue(PyTuple_GET_ITEM(b, 3));
+            uint64_t target;
+            if (is_call < 0 || u64_of(tgt, &target) < 0) {
+                Py_CLEAR(out);
+                goto done;
+            }
+            if (is_call || (t.starts[i] <= target && target < t.ends[i]))
+                continue;
+            Py_ssize_t j = containing(&t, target);
+            if (j < 0 || !frag[j] || j == i)
+                continue;
+            PyObject *pair = PyTuple_Pack(2, PyList_GET_ITEM(starts, j), PyList_GET_ITEM(starts, i));
+            if (!pair || PyList_Append(out, pair) < 0) {
+                Py_XDECREF(pair);
+                Py_CLEAR(out);
+                goto done;
+            }
+            Py_DECREF(pair);
+        }
+    }
+done:
+    PyBuffer_Release(&sq);
+    PyBuffer_Release(&eq);
+    PyBuffer_Release(&fq);
+    return out;
+}
+
 /* ------------------------------------------------------------------------------------ statistics
  * scc_counts(nodes, edges, root) -> (sccs, complex_sccs, cyclic_edges, call_edges)
  * stats._stats_of_rows's strongly connected components: nodes and edges are CallGraph.to_dict() rows
@@ -1377,6 +1442,7 @@ static PyMethodDef methods[] = {
     {"indirect_jumps", indirect_jumps, METH_VARARGS, "operands of each part's indirect jumps."},
     {"data_refs_of", data_refs_of, METH_VARARGS, "references in a non-executable segment."},
     {"group_edges", group_edges, METH_VARARGS, "one source's edge rows in networkx's order."},
+    {"fragment_entries", fragment_entries, METH_VARARGS, "analysis._fold_fragments's jumps into fragments."},
     {"site_counts", site_counts, METH_VARARGS, "stats._stats_of_rows's site counts (see stats.py)."},
     {"scc_counts", scc_counts, METH_VARARGS, "stats._stats_of_rows's component counts (see stats.py)."},
     {"site_rows", site_rows, METH_VARARGS, "analysis._site_row and GraphRows.add_call for every branch."},

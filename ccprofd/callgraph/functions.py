@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 from ccprofd.elf.cfi import fde_ranges
 from ccprofd.elf.errors import BinaryError, CfiError
@@ -46,11 +47,24 @@ class FunctionTable:
         # Starts whose end was (re)computed since the caller last cleared it: a sweep round re-sweeps
         # these only, not every function again to find the few whose range changed.
         self.touched: set[int] = set()
+        # section_of by bisection when the code sections do not overlap (they never do in a sane
+        # file; then the first in file order wins, as the loop finds it); empty ones contain nothing
+        ordered = sorted((s for s in self.code if s.size > 0), key=lambda s: s.vaddr)
+        disjoint = all(a.vaddr + a.size <= b.vaddr for a, b in pairwise(ordered))
+        self._sections = ordered if disjoint else None
+        self._section_starts = [s.vaddr for s in ordered]
         self._discover()
         self._reindex()
 
     # ---------------------------------------------------------------------------- discovery
     def section_of(self, addr: int) -> Section | None:
+        if self._sections is not None:
+            i = bisect_right(self._section_starts, addr) - 1
+            if i >= 0:
+                s = self._sections[i]
+                if s.contains(addr):
+                    return s
+            return None
         for s in self.code:
             if s.contains(addr):
                 return s
