@@ -128,30 +128,43 @@ def _sweep_all(image: ElfImage, table: FunctionTable, md: Cs, plt: PltResolver,
     # jumps out of its own range): computed once when it is swept, not again every round.
     contributes: dict[int, tuple[list[int], Sequence[int]]] = {}
     gap_starts: dict[tuple[int, int], int | None] = {}
-    pointers = _code_pointers_in_data(image)
+    pointers: set[int] = set()
     candidates: Iterable[int] = table.starts  # round 1: every function; then those whose end moved
+
+    gaps: list[tuple[int, int]] = []
+
+    def scan_gaps() -> None:
+        """The gaps, and the first instruction of each not looked at yet: the table does not change
+        during a sweep, so this runs while a forked worker sweeps."""
+        gaps[:] = table.gaps()
+        for lo, hi in gaps:
+            if (lo, hi) not in gap_starts:  # a gap's bytes do not change: looked at once, not every round
+                gap_starts[lo, hi] = _first_non_padding(md, image.bytes_at(lo, hi - lo), lo)
+
+    def first_round_meanwhile() -> None:
+        pointers.update(_code_pointers_in_data(image))
+        scan_gaps()
+
     for _round in range(50):
         todo = [(s, table.by_start[s].end) for s in candidates
                 if done.get(s, (-1,))[0] != table.by_start[s].end]
         table.touched.clear()
-        swept = sweep_functions(image.bytes_at, md, todo, progress)
+        swept = sweep_functions(image.bytes_at, md, todo, progress,
+                                first_round_meanwhile if _round == 0 else scan_gaps)
         jumps_out, calls = _round_facts(todo, swept, table, plt)
         for (start, end), part, jumps in zip(todo, swept, jumps_out, strict=True):
             done[start] = (end, part)  # starts are never removed: no part goes stale
             contributes[start] = (part.code_refs, jumps)
         grown = False
         # Code no function covers: it starts at its first non-padding instruction.
-        gaps = table.gaps()
-        for lo, hi in gaps:
-            if (lo, hi) not in gap_starts:  # a gap's bytes do not change: looked at once, not every round
-                gap_starts[lo, hi] = _first_non_padding(md, image.bytes_at(lo, hi - lo), lo)
+        for lo, hi in list(gaps):  # as scan_gaps found them: the table did not change since
             first = gap_starts[lo, hi]
             if first is not None:
                 grown |= table.add_start(first, weak=True)
         # Addresses taken in code or stored in init/fini arrays and relocations split such code.
         # So do jumps into it from another function (tail calls, e.g. crtstuff's frame_dummy).
         refs = pointers.union(*(refs_of for pair in contributes.values() for refs_of in pair))
-        for r in _refs_in(sorted(refs), gaps + [(s, table.by_start[s].end) for s in table.weak_starts]):
+        for r in _refs_in(sorted(refs), [*gaps, *((s, table.by_start[s].end) for s in table.weak_starts)]):
             holder = table.containing(r)
             if holder is not None and holder.weak and holder.start != r:
                 grown |= table.add_start(r, weak=True)

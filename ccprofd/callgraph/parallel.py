@@ -19,16 +19,28 @@ PARALLEL_MIN_BYTES = 512 * 1024
 WORKERS_ENV = "CCPROFD_ANALYSIS_WORKERS"  # "1": never fork (e.g. to compare with a forked run)
 
 
+#: The share of the code this process sweeps when it forks: less than half, as it also runs the
+#: caller's ``meanwhile`` work while the worker sweeps.
+OWN_SHARE = 0.45
+
+
 def sweep_functions(code_of: Callable[[int, int], bytes], md: Cs, ranges: list[tuple[int, int]],
-                    progress: Progress | None = None) -> list[SweepResult]:
-    """The sweep (``local_jumps=False``) of each [start, end) of ``ranges``, in their order."""
+                    progress: Progress | None = None,
+                    meanwhile: Callable[[], None] | None = None) -> list[SweepResult]:
+    """The sweep (``local_jumps=False``) of each [start, end) of ``ranges``, in their order.
+
+    ``meanwhile``: work of the caller's that needs no sweep result, run by this process while a
+    forked worker sweeps (else after the sweep)."""
     total = sum(end - start for start, end in ranges)
     if total < PARALLEL_MIN_BYTES or not _may_fork():
-        return _sweep_range(code_of, md, ranges, progress)
+        results = _sweep_range(code_of, md, ranges, progress)
+        if meanwhile is not None:
+            meanwhile()
+        return results
     half, acc = len(ranges), 0
     for i, (start, end) in enumerate(ranges):
         acc += end - start
-        if acc * 2 >= total:
+        if acc >= total * OWN_SHARE:
             half = i + 1
             break
     mine, theirs = ranges[:half], ranges[half:]
@@ -47,6 +59,8 @@ def sweep_functions(code_of: Callable[[int, int], bytes], md: Cs, ranges: list[t
     os.close(write_fd)
     try:
         results = _sweep_range(code_of, md, mine, progress)
+        if meanwhile is not None:
+            meanwhile()
         with os.fdopen(read_fd, "rb") as inp:
             payload = inp.read()
     finally:
