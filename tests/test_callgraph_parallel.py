@@ -126,3 +126,45 @@ def test_forked_sweep_equals_single_process_on_larger_binaries(path: str,
         m.setattr(parallel, "_from_plain", lambda plain: real_from_plain(plain)[::-1])  # a wrong merge
         misordered = analyze_binary(path, use_cache=False).to_dict()
     assert _without_timing(misordered) != reference
+
+
+def _table_facts(path: str) -> list[tuple[object, ...]]:
+    from ccprofd.callgraph.functions import FunctionTable
+    from ccprofd.elf.image import ElfImage
+
+    table = FunctionTable(ElfImage(path))
+    return [(s, f.end, f.name, f.aliases, f.fragment, f.exported, f.signal_trampoline, f.weak)
+            for s, f in sorted(table.by_start.items())]
+
+
+@pytest.mark.parametrize("worker", ["works", "fails"])
+def test_fdes_read_by_a_forked_worker_give_the_same_functions(worker: str,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The .eh_frame read by a forked worker (while this process reads the symbols) gives the
+    function table a single process builds; a worker that fails leaves the work to this process."""
+    from ccprofd.callgraph import forked, functions
+
+    monkeypatch.setenv(parallel.WORKERS_ENV, "1")
+    reference = _table_facts("/usr/lib/x86_64-linux-gnu/libc.so.6")
+    monkeypatch.delenv(parallel.WORKERS_ENV)
+    forks = []
+    real_fork, parent = os.fork, os.getpid()
+
+    def counting_fork() -> int:
+        forks.append(1)
+        return real_fork()
+
+    monkeypatch.setattr(forked.os, "fork", counting_fork)
+    monkeypatch.setattr(forked, "may_fork", lambda: True)
+    monkeypatch.setattr(functions, "FORK_EH_FRAME_BYTES", 0)  # libc's 200 KB: forked too
+    if worker == "fails":
+        real_rows = functions._fde_rows
+
+        def rows_here_only(*args: object) -> object:
+            if os.getpid() != parent:
+                raise RuntimeError("worker dies")
+            return real_rows(*args)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(functions, "_fde_rows", rows_here_only)
+    assert _table_facts("/usr/lib/x86_64-linux-gnu/libc.so.6") == reference
+    assert forks, "the FDEs were not read by a worker"
