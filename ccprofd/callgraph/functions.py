@@ -12,7 +12,6 @@ from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
 from itertools import pairwise
 
-import ccprofd.callgraph.forked as forked
 from ccprofd.elf.cfi import fde_ranges
 from ccprofd.elf.errors import BinaryError, CfiError
 from ccprofd.elf.image import PLT_SECTIONS, ElfImage, Section
@@ -30,15 +29,6 @@ class FunctionInfo:
     exported: bool = False  # defined in .dynsym: callable from other objects
     signal_trampoline: bool = False
     weak: bool = False  # found only by sweeping uncovered code: references may split it
-
-
-#: From this size of .eh_frame (python3.11: 400 KB, node: 3 MB) its FDEs are read in a forked worker.
-FORK_EH_FRAME_BYTES = 256 * 1024
-
-
-def _fde_rows(image: ElfImage, eh: Section) -> list[tuple[int, int, bool, bool]]:
-    """(start, end, entry, signal frame) of every FDE range of ``eh``: plain data, as a worker sends it."""
-    return [(r.start, r.end, r.entry, r.signal_frame) for r in fde_ranges(image.section_bytes(eh), eh.vaddr)]
 
 
 def sub_name(addr: int) -> str:
@@ -81,34 +71,24 @@ class FunctionTable:
         return None
 
     def _discover(self) -> None:
-        eh = self.image.sections.get(".eh_frame")
-        if eh is None or eh.type == "SHT_NOBITS" or not eh.size:
-            eh = None
-        # A large .eh_frame is read by a forked worker while this process reads the symbols
-        # (node: ~0.7 s each); a failed worker leaves it to this process, which raises its errors.
-        worker = forked.start(lambda: _fde_rows(self.image, eh)) if (
-            eh is not None and eh.size >= FORK_EH_FRAME_BYTES and forked.may_fork()) else None
         names: dict[int, list[tuple[int, str, int, bool]]] = {}
-        try:
-            for sym in self.image.symbols():
-                if (not sym.defined or sym.type not in _FUNC_TYPES or not sym.name
-                        or self.section_of(sym.value) is None):
-                    continue
-                # Rank: .symtab GLOBAL first, then .symtab others, then .dynsym.
-                rank = (0 if sym.table == ".symtab" else 2) + (0 if sym.bind == "STB_GLOBAL" else 1)
-                names.setdefault(sym.value, []).append((rank, sym.name, sym.size, sym.table == ".dynsym"))
-        finally:
-            rows = worker() if worker is not None else None
+        for sym in self.image.symbols():
+            if (not sym.defined or sym.type not in _FUNC_TYPES or not sym.name
+                    or self.section_of(sym.value) is None):
+                continue
+            # Rank: .symtab GLOBAL first, then .symtab others, then .dynsym.
+            rank = (0 if sym.table == ".symtab" else 2) + (0 if sym.bind == "STB_GLOBAL" else 1)
+            names.setdefault(sym.value, []).append((rank, sym.name, sym.size, sym.table == ".dynsym"))
         fdes: dict[int, tuple[int, bool, bool]] = {}
-        if eh is not None:
-            if rows is None:
-                try:
-                    rows = _fde_rows(self.image, eh)
-                except CfiError as exc:
-                    raise BinaryError(self.image.path, str(exc)) from None
-            for start, end, entry, signal_frame in rows:
-                if self.section_of(start) is not None:
-                    fdes.setdefault(start, (end, entry, signal_frame))
+        eh = self.image.sections.get(".eh_frame")
+        if eh is not None and eh.type != "SHT_NOBITS" and eh.size:
+            try:
+                ranges = fde_ranges(self.image.section_bytes(eh), eh.vaddr)
+            except CfiError as exc:
+                raise BinaryError(self.image.path, str(exc)) from None
+            for r in ranges:
+                if self.section_of(r.start) is not None:
+                    fdes.setdefault(r.start, (r.end, r.entry, r.signal_frame))
         extra = {self.image.entry}
         tags = self.image.dynamic_tags()
         for t in ("DT_INIT", "DT_FINI"):

@@ -6,17 +6,17 @@ from __future__ import annotations
 
 import marshal
 import os
+import threading
 from collections.abc import Callable
 
 from capstone import Cs
 
-import ccprofd.callgraph.forked as forked
 from ccprofd.callgraph.disasm import Branch, SweepResult, csweep, sweep
 
 Progress = Callable[[str, int, int], None]
 #: Below this much code a fork, and marshalling the results back, costs more than it saves.
 PARALLEL_MIN_BYTES = 512 * 1024
-WORKERS_ENV = forked.WORKERS_ENV
+WORKERS_ENV = "CCPROFD_ANALYSIS_WORKERS"  # "1": never fork (e.g. to compare with a forked run)
 
 
 #: The share of the code this process sweeps when it forks: less than half, as it also runs the
@@ -77,7 +77,15 @@ def sweep_functions(code_of: Callable[[int, int], bytes], md: Cs, ranges: list[t
 
 
 def _may_fork() -> bool:
-    return forked.may_fork()
+    """Fork only a single-threaded process (a thread holding a lock at fork time would leave it
+    held forever in the child) with a second CPU to run on."""
+    if os.environ.get(WORKERS_ENV) == "1" or not hasattr(os, "fork"):
+        return False
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        cpus = os.cpu_count() or 1
+    return cpus >= 2 and threading.active_count() == 1
 
 
 def _sweep_range(code_of: Callable[[int, int], bytes], md: Cs, ranges: list[tuple[int, int]],
