@@ -95,18 +95,26 @@ class FunctionTable:
             if t in tags:
                 extra.add(tags[t])
         starts = set(names) | set(fdes) | {a for a in extra if self.section_of(a) is not None}
+        by_start = self.by_start
         for start in starts:
-            entries = sorted(names.get(start, []))
-            sym_size = max((e[2] for e in entries), default=0)
             fde = fdes.get(start)
+            entries = names.get(start)
+            if entries is None:  # known by its FDE alone (node: most of its 185k functions)
+                by_start[start] = FunctionInfo(
+                    start=start, end=fde[0] if fde else 0, name=sub_name(start), aliases=[],
+                    fragment=bool(fde and not fde[1]) and start not in extra, exported=False,
+                    signal_trampoline=bool(fde and fde[2]))
+                continue
+            if len(entries) > 1:
+                entries.sort()
+            sym_size = max(e[2] for e in entries)
             end = start + sym_size if sym_size else (fde[0] if fde else 0)
             uniq: list[str] = []
             for e in entries:
                 if e[1] not in uniq:
                     uniq.append(e[1])
-            name = uniq[0] if uniq else sub_name(start)
-            self.by_start[start] = FunctionInfo(
-                start=start, end=end, name=name, aliases=uniq[1:],
+            by_start[start] = FunctionInfo(
+                start=start, end=end, name=uniq[0], aliases=uniq[1:],
                 fragment=bool(fde and not fde[1]) and start not in extra,
                 exported=any(e[3] for e in entries), signal_trampoline=bool(fde and fde[2]))
 
