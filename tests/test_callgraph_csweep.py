@@ -101,3 +101,158 @@ def test_gaps_of_one_padding_byte_are_all_padding_to_capstone(byte: bytes) -> No
         assert _first_non_padding(md, byte * n, 0x1000) is None
     ret = byte * 6 + b"\xc3"
     assert _first_non_padding(md, ret, 0x1000) == first_non_padding(md, ret, 0x1000) == 0x1006
+
+
+def test_iterated_sweep_equals_array_sweep(compiled: None, monkeypatch: pytest.MonkeyPatch) -> None:
+    """csweep.sweep (capstone's cs_disasm_iter, one reused record) and csweep.scan (cs_disasm's array of
+    records) see the same records: whole code sections of python3.11 (invalid bytes skipped as data
+    included), and the skipdata records of bytes capstone cannot decode."""
+    image = ElfImage("/usr/bin/python3.11")
+    md = make_disassembler()
+    samples = [(image.bytes_at(s.vaddr, s.size), s.vaddr) for s in image.code_sections()]
+    samples.append((b"\x0f\xff\xd6\x06\xc3\xe8\x00\x00\x00\x00\x62\x62\xd7", 0x4000))  # undefined and invalid
+    for code, base in samples:
+        iterated = SweepResult([], [], 0)
+        sweep(md, code, base, iterated)
+        with monkeypatch.context() as m:
+            m.delattr(disasm.csweep, "sweep")
+            arrayed = SweepResult([], [], 0)
+            sweep(md, code, base, arrayed)
+        assert _facts(iterated) == _facts(arrayed), hex(base)
+        assert iterated.instructions
+
+
+@pytest.mark.parametrize("path", ["/usr/bin/python3.11", "/usr/lib/x86_64-linux-gnu/libc.so.6", "tailcall",
+                                  "calls"])
+def test_compiled_site_rows_equal_python_site_rows(path: str, compiled: None,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """csweep.site_rows builds the rows analysis._site_rows (the reference) builds: every node, edge
+    and site, in order, with the externals numbered alike."""
+    from ccprofd.callgraph import analysis, analyze_binary
+
+    if "/" not in path:
+        path = build(path, opt="O2", pie=True, strip=False)
+    compiled_rows = analyze_binary(path, use_cache=False).to_dict()
+    with monkeypatch.context() as m:
+        m.setattr(analysis, "csweep", None)
+        reference = analyze_binary(path, use_cache=False).to_dict()
+    for key in ("nodes", "edges", "sites"):
+        assert compiled_rows[key] == reference[key], key
+    assert any(s[5] == "plt" for s in reference["sites"]) and any(s[5] == "tail" for s in reference["sites"])
+    if str(path).startswith("/usr/"):  # gcc's .cold fragments, folded by csweep.fragment_entries' jumps
+        assert any(n[8] for n in reference["nodes"])
+    def types(rows: list[list[object]]) -> list[type]:
+        return [type(x) for s in rows for x in s]
+
+    assert types(compiled_rows["sites"]) == types(reference["sites"])
+
+
+@pytest.mark.parametrize("path", [*SYSTEM, "recursion", "calls"])
+def test_compiled_statistics_equal_python_statistics(path: str, compiled: None,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """csweep.scc_counts and csweep.site_counts give `analyze --json` the statistics the Python loops
+    (the reference) give, key for key and in the same order."""
+    import json
+    import sys
+
+    from ccprofd.callgraph import analyze_binary, graph_stats
+
+    if "/" not in path:
+        path = build(path, opt="O2", pie=True, strip=False)
+    graph = analyze_binary(path, use_cache=False)
+    compiled_stats = graph_stats(graph)
+    with monkeypatch.context() as m:
+        m.setitem(sys.modules, "ccprofd.callgraph.csweep", None)  # the import in stats fails: Python loops
+        reference = graph_stats(graph)
+    assert json.dumps(compiled_stats) == json.dumps(reference)
+    assert reference["sccs"] and reference["direct_calls"]
+    if str(path).startswith("/usr/"):
+        assert reference["cyclic_edges"] and reference["complex_sccs"] and reference["tail_calls"]
+
+
+@pytest.mark.parametrize("path", SYSTEM)
+def test_compiled_first_non_padding_equals_disasm_lite(path: str, compiled: None) -> None:
+    """csweep.first_non_padding (cs_disasm_iter) finds in every gap of a system binary, and in slices
+    of it starting mid-instruction, the address disasm_lite's loop (the reference) finds."""
+    from ccprofd.callgraph.disasm import first_non_padding, first_non_padding_lite
+
+    image = ElfImage(path)
+    md = make_disassembler()
+    found = 0
+    for lo, hi in FunctionTable(image).gaps():
+        code = image.bytes_at(lo, hi - lo)
+        for skip in (0, 1, 3):
+            want = first_non_padding_lite(md, code[skip:], lo + skip)
+            assert first_non_padding(md, code[skip:], lo + skip) == want, hex(lo)
+            found += want is not None
+    assert found
+    for code in (b"\x66\x2e\x0f\x1f\x84\x00\x00\x00\x00\x00\x90\xcc\x00\x00\x55", b"\x06\x90",
+                 b"\x00\x00\x00\x01", b"\x87\xc0\x66\x90\xc3", b"\x0f\xff\x90", b""):
+        assert first_non_padding(md, code, 0x1000) == first_non_padding_lite(md, code, 0x1000), code.hex()
+
+
+@pytest.mark.parametrize("path", SYSTEM)
+def test_compiled_jump_table_words_equal_python(path: str, compiled: None,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """csweep.table_words reads the jump tables analysis._table_words's Python loop (the reference)
+    reads: at every address a function of the binary refers to (4-byte relative entries) and at
+    every data address (8-byte absolute ones), up to the first entry that is no code address."""
+    from ccprofd.callgraph import analysis
+
+    image = ElfImage(path)
+    table = FunctionTable(image)
+    md = make_disassembler()
+    bases: set[int] = set()
+    for start in table.starts[::3]:
+        part = SweepResult([], [], 0)
+        sweep(md, image.bytes_at(start, table.by_start[start].end - start), start, part, local_jumps=False)
+        bases.update(part.code_refs)
+        bases.update(int(m.group(1), 16) for b in part.branches
+                     if (m := analysis._ABS_TABLE.search(b.operand)))  # jmp [reg*8 + table]
+    assert len(bases) > 100
+    long_tables = 0
+    for width in (4, 8):
+        for base in sorted(bases):
+            got = analysis._table_words(image, base, width, {})
+            with monkeypatch.context() as m:
+                m.setattr(analysis, "csweep", None)
+                assert got == analysis._table_words(image, base, width, {}), (hex(base), width)
+            long_tables += len(got) > 8
+    assert long_tables
+
+
+def test_compiled_edge_grouping_equals_networkx_order(compiled: None) -> None:
+    """csweep.group_edges orders one source's edge rows as GraphRows.serial's dicts (and networkx)
+    do: targets in order of their first edge, keys in order within each, a repeated key's row
+    replacing the earlier one in place; more than 64 rows are left to Python (None)."""
+    import random
+
+    import networkx as nx
+
+    rng = random.Random(18)
+    for _ in range(300):
+        k = rng.randrange(2, 70)
+        rows = [[1, rng.randrange(0, 6), rng.randrange(0, 12), "direct", i, 0, 5, None] for i in range(k)]
+        g = nx.MultiDiGraph()
+        for row in rows:
+            g.add_edge(row[0], row[1], key=row[2], row=row)
+        want = [d["row"] for _u, _v, _k, d in g.edges(keys=True, data=True)]
+        got = disasm.csweep.group_edges(rows)
+        assert got == (want if k <= 64 else None), rows
+
+
+@pytest.mark.parametrize("path", SYSTEM)
+def test_section_lookup_by_bisection_equals_the_loop(path: str) -> None:
+    """FunctionTable.section_of's bisection finds, for every symbol and FDE start and the bytes
+    around each section's bounds, the section the loop over the code sections finds."""
+    table = FunctionTable(ElfImage(path))
+    assert table._sections is not None  # the bisection is what is tested
+
+    def by_loop(addr: int) -> object:
+        return next((s for s in table.code if s.contains(addr)), None)
+
+    probes = set(table.starts) | {a for s in table.code for a in (s.vaddr - 1, s.vaddr, s.vaddr + s.size - 1,
+                                                                   s.vaddr + s.size)}
+    probes |= {sym.value for sym in table.image.symbols()}
+    for addr in probes:
+        assert table.section_of(addr) is by_loop(addr), hex(addr)

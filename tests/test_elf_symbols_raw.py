@@ -66,3 +66,28 @@ def test_symbol_table_with_a_wider_entry_size_is_read_at_its_stride(tmp_path: Pa
     image = ElfImage(str(odd))
     assert image.elf.get_section_by_name(".dynsym")["sh_entsize"] > 24
     assert image.symbols() == _reference(image)
+
+
+@pytest.mark.parametrize("path", ["/usr/bin/python3.11", "/usr/lib/x86_64-linux-gnu/libc.so.6",
+                                  "/usr/bin/bash"])
+def test_relocations_and_their_symbols_as_pyelftools_reads_them(path: str) -> None:
+    """ElfImage.relocations and symbol_at (struct-unpacked) give each RELA entry and the symbol it
+    names as pyelftools' iter_relocations and get_symbol do."""
+    from elftools.elf.relocation import RelocationSection
+
+    image = ElfImage(path)
+    seen = 0
+    for sec in image.elf.iter_sections():
+        if not isinstance(sec, RelocationSection) or not sec.is_RELA():
+            continue
+        want = [(r["r_offset"], r["r_info_sym"], r["r_info_type"], r["r_addend"])
+                for r in sec.iter_relocations()]
+        assert image.relocations(sec) == want, sec.name
+        link = sec["sh_link"]
+        for _off, index, _type, _addend in want:
+            if link and index:
+                sym = image.elf.get_section(link).get_symbol(index)
+                want_sym = (sym.name, sym["st_value"], sym["st_shndx"] != "SHN_UNDEF")
+                assert image.symbol_at(link, index) == want_sym
+                seen += 1
+    assert seen

@@ -11,6 +11,7 @@ See :mod:`ccprofd.callgraph.model` for the graph's node and edge attributes.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import stat
 import time
@@ -53,7 +54,8 @@ def analyze_binary(path: str | os.PathLike[str], *, cache_dir: Path | None = Non
                 return graph
     before = _stat_or_none(os.fspath(path))
     data = read_elf_file(os.fspath(path))
-    key = cache_key_of(data) if cache is not None else ""
+    digest = hashlib.sha256(data).hexdigest()  # the cache key's and the image's: hashed once
+    key = cache_key_of(data, digest) if cache is not None else ""
     if cache is not None:
         _remember_key(cache, os.fspath(path), before, key)
         graph = _summary_hit(cache, key, abspath)
@@ -70,7 +72,7 @@ def analyze_binary(path: str | os.PathLike[str], *, cache_dir: Path | None = Non
     from ccprofd.callgraph.analysis import analyze_image
     from ccprofd.elf.image import ElfImage
 
-    graph = analyze_image(ElfImage(os.fspath(path), data), progress)
+    graph = analyze_image(ElfImage(os.fspath(path), data, digest), progress)
     del data
     if cache is not None:
         stats = graph_stats(graph)

@@ -7,16 +7,18 @@ import re
 import struct
 import time
 from array import array
-from collections.abc import Callable
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from capstone import Cs
 from elftools.elf.relocation import RelocationSection
 
-from ccprofd.callgraph.disasm import Branch, SweepResult, first_non_padding, make_disassembler
+from ccprofd.callgraph.disasm import Branch, SweepResult, csweep, first_non_padding, make_disassembler
 from ccprofd.callgraph.functions import FunctionInfo, FunctionTable
-from ccprofd.callgraph.model import BinaryInfo, CallGraph, GraphRows
+from ccprofd.callgraph.model import SITE_KINDS, BinaryInfo, CallGraph, GraphRows
 from ccprofd.callgraph.parallel import sweep_functions
+from ccprofd.elf.addrspace import AddressSpace
 from ccprofd.elf.image import ElfImage
 from ccprofd.elf.plt import PltResolver
 
@@ -73,6 +75,28 @@ def _analyze(image: ElfImage, progress: Progress | None) -> CallGraph:
             graph.add_function(node, name, kind="external")
         return externals[name]
 
+    if csweep is not None:
+        def plt_node(tgt: int) -> int:
+            return external(plt.resolve(tgt) or f"plt_{tgt:x}")
+
+        starts_q = array("Q", table.starts)
+        ends_q = array("Q", (table.by_start[s].end for s in table.starts))
+        plt_q = array("Q", (a for r in plt.ranges() for a in r))
+        sites, out = graph.sinks()
+        branches = [parts[s].branches for s in table.starts]
+        csweep.site_rows(branches, table.starts, starts_q, ends_q, owner, plt_q, plt_node, SITE_KINDS, sites,
+                         out)
+    else:
+        _site_rows(table, parts, owner, plt, graph, external)
+    del parts
+
+    _mark_roots(graph, image, table, code_refs, owner)
+    return CallGraph.from_rows(binary, graph, time.perf_counter() - t0)
+
+
+def _site_rows(table: FunctionTable, parts: dict[int, SweepResult], owner: dict[int, int], plt: PltResolver,
+               graph: GraphRows, external: Callable[[str], int]) -> None:
+    """The site rows of every branch (the reference of csweep.site_rows, and its fallback)."""
     by_start, containing_of, in_plt, add_call = table.by_start, table.containing, plt.in_plt, graph.add_call
     for start in table.starts:
         part = parts[start]
@@ -90,10 +114,6 @@ def _analyze(image: ElfImage, progress: Progress | None) -> CallGraph:
             if site is not None:
                 add_call(site)
         part.branches = []  # freed as the rows grow: node's branches and rows are ~100 MB each
-    del parts
-
-    _mark_roots(graph, image, table, code_refs, owner)
-    return CallGraph.from_rows(binary, graph, time.perf_counter() - t0)
 
 
 def _sweep_all(image: ElfImage, table: FunctionTable, md: Cs, plt: PltResolver,
@@ -106,51 +126,99 @@ def _sweep_all(image: ElfImage, table: FunctionTable, md: Cs, plt: PltResolver,
     done: dict[int, tuple[int, SweepResult]] = {}
     # What each swept part contributes to the splitting references (its code references and its
     # jumps out of its own range): computed once when it is swept, not again every round.
-    contributes: dict[int, set[int]] = {}
+    contributes: dict[int, tuple[list[int], Sequence[int]]] = {}
     gap_starts: dict[tuple[int, int], int | None] = {}
-    pointers = _code_pointers_in_data(image)
-    for _round in range(50):
-        todo = [(s, table.by_start[s].end) for s in table.starts
-                if done.get(s, (-1,))[0] != table.by_start[s].end]
-        swept = sweep_functions(image.bytes_at, md, todo, progress)
-        for (start, end), part in zip(todo, swept, strict=True):
-            done[start] = (end, part)
-            refs_of = set(part.code_refs)
-            refs_of.update(b.target for b in part.branches
-                           if not b.is_call and not b.conditional and b.target is not None
-                           and not start <= b.target < end)
-            contributes[start] = refs_of
-        for stale in set(done) - set(table.by_start):
-            del done[stale]
-            del contributes[stale]
-        grown = False
-        # Code no function covers: it starts at its first non-padding instruction.
-        for lo, hi in table.gaps():
+    pointers: set[int] = set()
+    candidates: Iterable[int] = table.starts  # round 1: every function; then those whose end moved
+
+    gaps: list[tuple[int, int]] = []
+
+    def scan_gaps() -> None:
+        """The gaps, and the first instruction of each not looked at yet: the table does not change
+        during a sweep, so this runs while a forked worker sweeps."""
+        gaps[:] = table.gaps()
+        for lo, hi in gaps:
             if (lo, hi) not in gap_starts:  # a gap's bytes do not change: looked at once, not every round
                 gap_starts[lo, hi] = _first_non_padding(md, image.bytes_at(lo, hi - lo), lo)
+
+    def first_round_meanwhile() -> None:
+        pointers.update(_code_pointers_in_data(image))
+        scan_gaps()
+
+    for _round in range(50):
+        todo = [(s, table.by_start[s].end) for s in candidates
+                if done.get(s, (-1,))[0] != table.by_start[s].end]
+        table.touched.clear()
+        swept = sweep_functions(image.bytes_at, md, todo, progress,
+                                first_round_meanwhile if _round == 0 else scan_gaps)
+        jumps_out, calls = _round_facts(todo, swept, table, plt)
+        for (start, end), part, jumps in zip(todo, swept, jumps_out, strict=True):
+            done[start] = (end, part)  # starts are never removed: no part goes stale
+            contributes[start] = (part.code_refs, jumps)
+        grown = False
+        # Code no function covers: it starts at its first non-padding instruction.
+        for lo, hi in list(gaps):  # as scan_gaps found them: the table did not change since
             first = gap_starts[lo, hi]
             if first is not None:
                 grown |= table.add_start(first, weak=True)
         # Addresses taken in code or stored in init/fini arrays and relocations split such code.
         # So do jumps into it from another function (tail calls, e.g. crtstuff's frame_dummy).
-        refs = pointers.union(*contributes.values())
-        for r in sorted(refs):
+        refs = pointers.union(*(refs_of for pair in contributes.values() for refs_of in pair))
+        for r in _refs_in(sorted(refs), [*gaps, *((s, table.by_start[s].end) for s in table.weak_starts)]):
             holder = table.containing(r)
             if holder is not None and holder.weak and holder.start != r:
                 grown |= table.add_start(r, weak=True)
         # Call targets that are not known function starts.  Only the parts swept this round: an
         # older part's targets were added when it was swept (starts are never removed) or are
         # not code (PLT stubs, addresses outside the code sections), so they add nothing again.
-        for part in swept:
-            for b in part.branches:
-                t = b.target
-                if b.is_call and t is not None and t not in table.by_start and not plt.in_plt(t):
-                    grown |= table.add_start(t)
+        for t in calls:
+            grown |= table.add_start(t)
         if not grown:
             break
+        candidates = sorted(table.touched)
     if progress is not None:
         progress("disassembling", len(table.starts), len(table.starts))
     return {start: done[start][1] for start in table.starts}
+
+
+def _round_facts(todo: list[tuple[int, int]], swept: list[SweepResult], table: FunctionTable,
+                 plt: PltResolver) -> tuple[list[Sequence[int]], list[int]]:
+    """The targets of each swept part's direct unconditional jumps out of its own range, and the
+    direct call targets (in branch order) that are neither known starts nor PLT stubs."""
+    if csweep is not None:
+        ranges = array("Q", (a for r in todo for a in r))
+        plt_q = array("Q", (a for r in plt.ranges() for a in r))
+        starts = array("Q", table.starts)
+        jumps, calls = csweep.round_facts([p.branches for p in swept], ranges, starts, plt_q)
+        return jumps, calls
+    jumps_out: list[Sequence[int]] = []
+    for (start, end), part in zip(todo, swept, strict=True):
+        jumps_out.append([b.target for b in part.branches if not b.is_call and not b.conditional
+                          and b.target is not None and not start <= b.target < end])
+    calls = [b.target for part in swept for b in part.branches if b.is_call and b.target is not None
+             and b.target not in table.by_start and not plt.in_plt(b.target)]
+    return jumps_out, calls
+
+
+def _refs_in(ordered: list[int], regions: list[tuple[int, int]]) -> list[int]:
+    """The references of ``ordered`` (sorted) inside ``regions``, in order.
+
+    Only a reference inside a weak function or in code no function covers (a gap) can split
+    anything: a function found by symbols or CFI is never split, and splitting a weak function only
+    ever covers its own range and the gap after it.  So the references are looked up region by
+    region (node: ~70k gaps and weak functions) instead of one by one (~500k)."""
+    if csweep is not None:
+        found: list[int] = csweep.refs_in(ordered, regions)
+        return found
+    out: list[int] = []
+    last = -1
+    for lo, hi in sorted(regions):
+        lo = max(lo, last)  # weak functions found in a gap lie inside it: each address once
+        if hi <= lo:
+            continue
+        out += ordered[bisect_left(ordered, lo):bisect_left(ordered, hi)]
+        last = hi
+    return out
 
 
 #: Gaps made of one padding byte alone (node: ~70k of them, each disassembled every round): int3,
@@ -177,8 +245,8 @@ def _code_pointers_in_data(image: ElfImage) -> set[int]:
             found.update(words)
     for rsec in image.elf.iter_sections():
         if isinstance(rsec, RelocationSection) and rsec.is_RELA():
-            found.update(rel["r_addend"] for rel in rsec.iter_relocations()
-                         if rel["r_info_type"] == R_X86_64_RELATIVE)
+            found.update(addend for _off, _sym, rtype, addend in image.relocations(rsec)
+                         if rtype == R_X86_64_RELATIVE)
     return {a for a in found if image.addrspace.is_executable(a)}
 
 
@@ -190,15 +258,22 @@ def _fold_fragments(image: ElfImage, table: FunctionTable, parts: dict[int, Swee
     """
     frag_starts = {s for s, fn in table.by_start.items() if fn.fragment}
     entered_from: dict[int, int] = {}
-    for start, part in parts.items():
-        end = table.by_start[start].end
-        for b in part.branches:
-            if b.is_call or b.target is None or start <= b.target < end:
-                continue  # calls, indirect jumps and jumps inside the function itself
-            # gcc groups several cold blocks in one fragment: hot code may jump to any of them.
-            dest = table.containing(b.target)
-            if dest is not None and dest.fragment and dest.start != start:
-                entered_from.setdefault(dest.start, start)
+    if csweep is not None and list(parts) == table.starts:
+        fns = [table.by_start[s] for s in table.starts]
+        for dest_start, start in csweep.fragment_entries(
+                [p.branches for p in parts.values()], table.starts, array("Q", table.starts),
+                array("Q", (fn.end for fn in fns)), bytes(fn.fragment for fn in fns)):
+            entered_from.setdefault(dest_start, start)
+    else:
+        for start, part in parts.items():
+            end = table.by_start[start].end
+            for b in part.branches:
+                if b.is_call or b.target is None or start <= b.target < end:
+                    continue  # calls, indirect jumps and jumps inside the function itself
+                # gcc groups several cold blocks in one fragment: hot code may jump to any of them.
+                dest = table.containing(b.target)
+                if dest is not None and dest.fragment and dest.start != start:
+                    entered_from.setdefault(dest.start, start)
     missing = frag_starts - entered_from.keys()
     if missing:
         for frag, src in _jump_table_entries(image, parts, missing).items():
@@ -228,22 +303,29 @@ def _jump_table_entries(image: ElfImage, parts: dict[int, SweepResult], wanted: 
     found: dict[int, int] = {}
     space = image.addrspace
     executable: dict[int, bool] = {}  # is_executable per address, for the tables read again and again
-    for start, part in parts.items():
-        jumps = [b for b in part.branches if not b.is_call and b.target is None]
+    segments = _segments_q(space)
+    if csweep is not None:  # the operands of each part's indirect jumps, None for most parts
+        operands = csweep.indirect_jumps([p.branches for p in parts.values()])
+    else:
+        operands = [[b.operand for b in p.branches if not b.is_call and b.target is None] or None
+                    for p in parts.values()]
+    for (start, part), jumps in zip(parts.items(), operands, strict=True):
         if not jumps:
             continue
-        for b in jumps:
-            m = _ABS_TABLE.search(b.operand)
+        for operand in jumps:
+            m = _ABS_TABLE.search(operand)
             if m:
-                for word in _table_words(image, int(m.group(1), 16), 8, executable):
+                for word in _table_words(image, int(m.group(1), 16), 8, executable, segments):
                     if word in wanted:
                         found.setdefault(word, start)
-        if image.elf_type != "DYN" or not any("ptr" not in b.operand for b in jumps):
+        if image.elf_type != "DYN" or not any("ptr" not in operand for operand in jumps):
             continue  # relative tables are what position-independent code uses
-        for base in part.code_refs:
-            if space.is_executable(base) or space.segment_of(base) is None:
-                continue
-            for target in _table_words(image, base, 4, executable):
+        bases = csweep.data_refs_of(part.code_refs, segments) if csweep is not None else None
+        if bases is None:
+            bases = [base for base in part.code_refs
+                     if not space.is_executable(base) and space.segment_of(base) is not None]
+        for base in bases:
+            for target in _table_words(image, base, 4, executable, segments):
                 if target in wanted:
                     found.setdefault(target, start)
     return found
@@ -252,7 +334,13 @@ def _jump_table_entries(image: ElfImage, parts: dict[int, SweepResult], wanted: 
 _WORDS = {8: struct.Struct("<Q"), 4: struct.Struct("<i")}
 
 
-def _table_words(image: ElfImage, base: int, width: int, executable: dict[int, bool]) -> list[int]:
+def _segments_q(space: AddressSpace) -> array[int]:
+    """The (vaddr, memsz, flags) of each segment, in ``space``'s order, for csweep.table_words."""
+    return array("Q", (v for s in space.segments for v in (s.vaddr, s.memsz, s.flags)))
+
+
+def _table_words(image: ElfImage, base: int, width: int, executable: dict[int, bool],
+                 segments: array[int] | None = None) -> list[int]:
     """The code addresses of the jump table at ``base``: 8-byte absolute addresses (``width`` 8) or
     4-byte offsets from ``base`` (``width`` 4), up to the first entry that is not backed by file
     bytes or does not land in executable code, at most _MAX_TABLE_ENTRIES.
@@ -270,7 +358,15 @@ def _table_words(image: ElfImage, base: int, width: int, executable: dict[int, b
     room = min(seg.vaddr + seg.filesz - base + width - 1, len(image.data) - off) // width
     n = min(_MAX_TABLE_ENTRIES, max(room, 0))
     relative = width == 4
-    for (value,) in _WORDS[width].iter_unpack(image.data[off:off + n * width]):
+    if csweep is not None:
+        if segments is None:
+            segments = _segments_q(space)
+        got = csweep.table_words(image.data[off:off + n * width], base, width, segments)
+        if got is not None:
+            if len(got) < n:
+                return got  # stopped at an entry that is no code address
+            out = got
+    for (value,) in _WORDS[width].iter_unpack(image.data[off + len(out) * width:off + n * width]):
         word = base + value if relative else value
         ok = executable.get(word)
         if ok is None:
@@ -349,16 +445,15 @@ def _data_refs(image: ElfImage, starts: set[int]) -> set[int]:
     for sec in image.elf.iter_sections():
         if not isinstance(sec, RelocationSection) or not sec.is_RELA():
             continue
-        symtab = image.elf.get_section(sec["sh_link"]) if sec["sh_link"] else None
-        for rel in sec.iter_relocations():
-            rtype = rel["r_info_type"]
+        link = sec["sh_link"]
+        for _off, sym_index, rtype, addend in image.relocations(sec):
             if rtype == R_X86_64_RELATIVE:
-                if rel["r_addend"] in starts:
-                    found.add(rel["r_addend"])
-            elif rtype in (R_X86_64_64, R_X86_64_GLOB_DAT) and symtab is not None and rel["r_info_sym"]:
-                sym = symtab.get_symbol(rel["r_info_sym"])  # type: ignore[attr-defined]
-                val = sym["st_value"] + rel["r_addend"]
-                if sym["st_shndx"] != "SHN_UNDEF" and val in starts:
+                if addend in starts:
+                    found.add(addend)
+            elif rtype in (R_X86_64_64, R_X86_64_GLOB_DAT) and link and sym_index:
+                _name, value, defined = image.symbol_at(link, sym_index)
+                val = value + addend
+                if defined and val in starts:
                     found.add(val)
     for dsec in image.sections.values():
         if (dsec.executable or not (dsec.flags & 0x2) or dsec.type == "SHT_NOBITS" or dsec.size < 8

@@ -154,6 +154,14 @@ def _raw_insns(md: Cs, code: bytes, base: int) -> tuple[bytes, int]:
         _cs.cs_free(insns, n)
 
 
+@cache
+def _iter_entry_points() -> tuple[int, int, int]:
+    """Addresses of cs_disasm_iter, cs_malloc and cs_free in the capstone library the binding loaded
+    (csweep.sweep calls them: one reused record per instruction instead of cs_disasm's array)."""
+    return tuple(ctypes.cast(getattr(_cs, name), ctypes.c_void_p).value or 0  # type: ignore[return-value]
+                 for name in ("cs_disasm_iter", "cs_malloc", "cs_free"))
+
+
 def sweep(md: Cs, code: bytes, base: int, result: SweepResult, *, local_jumps: bool = True) -> None:
     """Disassemble ``code`` (mapped at ``base``) and append its branches and references.
 
@@ -162,6 +170,15 @@ def sweep(md: Cs, code: bytes, base: int, result: SweepResult, *, local_jumps: b
     """
     branches = result.branches
     refs = result.code_refs
+    if csweep is not None and hasattr(csweep, "sweep"):
+        classes, jccs, layout = _scan_tables()
+        swept = csweep.sweep(md.csh.value, *_iter_entry_points(), code, base, local_jumps, classes, jccs,
+                             layout, Branch)
+        if swept is not None:
+            branches += swept[0]
+            refs += swept[1]
+            result.instructions += swept[2]
+            return
     buf, n = _raw_insns(md, code, base)
     if not n:
         return
@@ -293,6 +310,15 @@ def sweep_lite(md: Cs, code: bytes, base: int, result: SweepResult) -> None:
 
 def first_non_padding(md: Cs, code: bytes, base: int) -> int | None:
     """Address of the first instruction in ``code`` that is not padding (None: all padding)."""
+    if csweep is not None and hasattr(csweep, "first_non_padding"):
+        found: int | None = csweep.first_non_padding(md.csh.value, *_iter_entry_points(), code, base,
+                                                     _scan_tables()[2])
+        return found
+    return first_non_padding_lite(md, code, base)
+
+
+def first_non_padding_lite(md: Cs, code: bytes, base: int) -> int | None:
+    """:func:`first_non_padding` over capstone's ``disasm_lite`` (the reference of csweep's)."""
     for addr, _size, mnem, ops in md.disasm_lite(code, base):
         if mnem in PADDING or (mnem == "xchg" and ops == "ax, ax") or mnem.endswith(" nop"):
             continue

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from bisect import bisect_left, bisect_right
 from dataclasses import dataclass, field
+from itertools import pairwise
 
 from ccprofd.elf.cfi import fde_ranges
 from ccprofd.elf.errors import BinaryError, CfiError
@@ -42,11 +43,28 @@ class FunctionTable:
         self.code = [s for s in image.code_sections() if s.name not in PLT_SECTIONS]
         self.by_start: dict[int, FunctionInfo] = {}
         self.starts: list[int] = []
+        self.weak_starts: set[int] = set()  # the starts of the weak functions
+        # Starts whose end was (re)computed since the caller last cleared it: a sweep round re-sweeps
+        # these only, not every function again to find the few whose range changed.
+        self.touched: set[int] = set()
+        # section_of by bisection when the code sections do not overlap (they never do in a sane
+        # file; then the first in file order wins, as the loop finds it); empty ones contain nothing
+        ordered = sorted((s for s in self.code if s.size > 0), key=lambda s: s.vaddr)
+        disjoint = all(a.vaddr + a.size <= b.vaddr for a, b in pairwise(ordered))
+        self._sections = ordered if disjoint else None
+        self._section_starts = [s.vaddr for s in ordered]
         self._discover()
         self._reindex()
 
     # ---------------------------------------------------------------------------- discovery
     def section_of(self, addr: int) -> Section | None:
+        if self._sections is not None:
+            i = bisect_right(self._section_starts, addr) - 1
+            if i >= 0:
+                s = self._sections[i]
+                if s.contains(addr):
+                    return s
+            return None
         for s in self.code:
             if s.contains(addr):
                 return s
@@ -77,18 +95,26 @@ class FunctionTable:
             if t in tags:
                 extra.add(tags[t])
         starts = set(names) | set(fdes) | {a for a in extra if self.section_of(a) is not None}
+        by_start = self.by_start
         for start in starts:
-            entries = sorted(names.get(start, []))
-            sym_size = max((e[2] for e in entries), default=0)
             fde = fdes.get(start)
+            entries = names.get(start)
+            if entries is None:  # known by its FDE alone (node: most of its 185k functions)
+                by_start[start] = FunctionInfo(
+                    start=start, end=fde[0] if fde else 0, name=sub_name(start), aliases=[],
+                    fragment=bool(fde and not fde[1]) and start not in extra, exported=False,
+                    signal_trampoline=bool(fde and fde[2]))
+                continue
+            if len(entries) > 1:
+                entries.sort()
+            sym_size = max(e[2] for e in entries)
             end = start + sym_size if sym_size else (fde[0] if fde else 0)
             uniq: list[str] = []
             for e in entries:
                 if e[1] not in uniq:
                     uniq.append(e[1])
-            name = uniq[0] if uniq else sub_name(start)
-            self.by_start[start] = FunctionInfo(
-                start=start, end=end, name=name, aliases=uniq[1:],
+            by_start[start] = FunctionInfo(
+                start=start, end=end, name=uniq[0], aliases=uniq[1:],
                 fragment=bool(fde and not fde[1]) and start not in extra,
                 exported=any(e[3] for e in entries), signal_trampoline=bool(fde and fde[2]))
 
@@ -97,6 +123,8 @@ class FunctionTable:
         if addr in self.by_start or self.section_of(addr) is None:
             return False
         self.by_start[addr] = FunctionInfo(start=addr, end=0, name=sub_name(addr), weak=weak)
+        if weak:
+            self.weak_starts.add(addr)
         self._reindex(addr)
         return True
 
@@ -120,6 +148,7 @@ class FunctionTable:
             if fn.end <= start or fn.end > limit:
                 fn.end = limit
             fn.end = min(fn.end, nxt)  # never overlap: each instruction is swept exactly once
+        self.touched.update(ordered[i] for i in todo)
         self.starts = ordered
 
     def containing(self, addr: int) -> FunctionInfo | None:

@@ -379,6 +379,11 @@ class GraphRows:
             self._out.setdefault(function, []).append([function, target, address, kind, address, ret, length,
                                                        None])
 
+    def sinks(self) -> tuple[list[list[Any]], dict[int, list[list[Any]]]]:
+        """The site rows and the edge rows by source, for a builder that appends to them exactly as
+        :meth:`add_call` does (csweep.site_rows)."""
+        return self.sites, self._out
+
     def add_root(self, node: int) -> None:
         self.nodes[node][7] = True
         if node not in self._root_targets:
@@ -386,10 +391,21 @@ class GraphRows:
             self._out.setdefault(ROOT, []).append([ROOT, node, ROOT_EDGE_KEY, "root", None, None, 0, None])
 
     def serial(self) -> dict[str, Any]:
+        try:  # the compiled grouping of short lists (csweep.c); the loop below is its reference
+            from ccprofd.callgraph.csweep import group_edges  # type: ignore[import-not-found, unused-ignore]
+        except ImportError:
+            group_edges = None
         edges: list[list[Any]] = []
         for n in self.nodes:
             rows = self._out.get(n)
             if not rows:
+                continue
+            if len(rows) == 1:
+                edges.append(rows[0])
+                continue
+            grouped = group_edges(rows) if group_edges is not None else None
+            if grouped is not None:
+                edges += grouped
                 continue
             # networkx's order: by target (first edge to it first), then by key (a key added again
             # replaces its edge in place); kept as nested dicts only for one source at a time.

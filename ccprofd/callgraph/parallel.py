@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from capstone import Cs
 
-from ccprofd.callgraph.disasm import Branch, SweepResult, sweep
+from ccprofd.callgraph.disasm import Branch, SweepResult, csweep, sweep
 
 Progress = Callable[[str, int, int], None]
 #: Below this much code a fork, and marshalling the results back, costs more than it saves.
@@ -19,16 +19,28 @@ PARALLEL_MIN_BYTES = 512 * 1024
 WORKERS_ENV = "CCPROFD_ANALYSIS_WORKERS"  # "1": never fork (e.g. to compare with a forked run)
 
 
+#: The share of the code this process sweeps when it forks: less than half, as it also runs the
+#: caller's ``meanwhile`` work while the worker sweeps.
+OWN_SHARE = 0.45
+
+
 def sweep_functions(code_of: Callable[[int, int], bytes], md: Cs, ranges: list[tuple[int, int]],
-                    progress: Progress | None = None) -> list[SweepResult]:
-    """The sweep (``local_jumps=False``) of each [start, end) of ``ranges``, in their order."""
+                    progress: Progress | None = None,
+                    meanwhile: Callable[[], None] | None = None) -> list[SweepResult]:
+    """The sweep (``local_jumps=False``) of each [start, end) of ``ranges``, in their order.
+
+    ``meanwhile``: work of the caller's that needs no sweep result, run by this process while a
+    forked worker sweeps (else after the sweep)."""
     total = sum(end - start for start, end in ranges)
     if total < PARALLEL_MIN_BYTES or not _may_fork():
-        return _sweep_range(code_of, md, ranges, progress)
+        results = _sweep_range(code_of, md, ranges, progress)
+        if meanwhile is not None:
+            meanwhile()
+        return results
     half, acc = len(ranges), 0
     for i, (start, end) in enumerate(ranges):
         acc += end - start
-        if acc * 2 >= total:
+        if acc >= total * OWN_SHARE:
             half = i + 1
             break
     mine, theirs = ranges[:half], ranges[half:]
@@ -38,7 +50,7 @@ def sweep_functions(code_of: Callable[[int, int], bytes], md: Cs, ranges: list[t
         status = 1
         try:
             os.close(read_fd)
-            payload = marshal.dumps([_plain(r) for r in _sweep_range(code_of, md, theirs, None)])
+            payload = marshal.dumps(_plain(_sweep_range(code_of, md, theirs, None)))
             with os.fdopen(write_fd, "wb") as out:
                 out.write(payload)
             status = 0
@@ -47,6 +59,8 @@ def sweep_functions(code_of: Callable[[int, int], bytes], md: Cs, ranges: list[t
     os.close(write_fd)
     try:
         results = _sweep_range(code_of, md, mine, progress)
+        if meanwhile is not None:
+            meanwhile()
         with os.fdopen(read_fd, "rb") as inp:
             payload = inp.read()
     finally:
@@ -54,10 +68,10 @@ def sweep_functions(code_of: Callable[[int, int], bytes], md: Cs, ranges: list[t
     try:
         if os.waitstatus_to_exitcode(wait_status) != 0:
             raise ValueError("worker failed")
-        theirs_results = [_from_plain(p) for p in marshal.loads(payload)]
+        theirs_results = _from_plain(marshal.loads(payload))
         if len(theirs_results) != len(theirs):
             raise ValueError("worker result count")
-    except (ValueError, EOFError, TypeError):
+    except (ValueError, EOFError, TypeError, IndexError):
         theirs_results = _sweep_range(code_of, md, theirs, None)  # the worker's half, here
     return results + theirs_results
 
@@ -86,11 +100,19 @@ def _sweep_range(code_of: Callable[[int, int], bytes], md: Cs, ranges: list[tupl
     return out
 
 
-def _plain(r: SweepResult) -> tuple[list[tuple[object, ...]], list[int], int]:
-    return ([tuple(b) for b in r.branches],  # plain tuples: marshal takes no tuple subclass
-            r.code_refs, r.instructions)
+Plain = tuple[list[list[tuple[object, ...]]], list[list[int]], list[int]]
 
 
-def _from_plain(p: tuple[list[tuple[object, ...]], list[int], int]) -> SweepResult:
-    branches, refs, n = p
-    return SweepResult([Branch._make(b) for b in branches], list(refs), n)
+def _plain(results: list[SweepResult]) -> Plain:
+    """The results as marshal takes them: plain tuples for the branches (no tuple subclass)."""
+    lists = [r.branches for r in results]
+    branches: list[list[tuple[object, ...]]] = (csweep.retype(lists, tuple) if csweep is not None
+                                                 else [[tuple(b) for b in bs] for bs in lists])
+    return branches, [r.code_refs for r in results], [r.instructions for r in results]
+
+
+def _from_plain(plain: Plain) -> list[SweepResult]:
+    lists, refs, counts = plain
+    branches = (csweep.retype(lists, Branch) if csweep is not None
+                else [[Branch._make(b) for b in bs] for bs in lists])
+    return [SweepResult(bs, list(rs), n) for bs, rs, n in zip(branches, refs, counts, strict=True)]

@@ -65,6 +65,35 @@ def _stats_of_rows(graph: CallGraph, rows: dict[str, Any]) -> dict[str, Any]:
     nodes = rows["nodes"]
     edges = rows["edges"]
     sites = rows["sites"]
+    try:  # the compiled counts (csweep.c), the loops below being their reference
+        import ccprofd.callgraph.csweep as csweep  # type: ignore[import-not-found, unused-ignore]
+    except ImportError:
+        csweep = None
+    if csweep is not None:
+        sccs, complex_sccs, cyclic_edges, call_edges = csweep.scc_counts(nodes, edges, ROOT)
+        direct, plt, tail, indirect_calls, indirect_jumps = csweep.site_counts(sites)
+        return {
+            "binary": graph.binary.path,
+            "build_id": graph.binary.build_id,
+            "pie": graph.binary.pie,
+            "elf_type": graph.binary.elf_type,
+            "functions": sum(1 for n in nodes if n[2] == "function"),
+            "external_functions": sum(1 for n in nodes if n[2] == "external"),
+            "direct_calls": direct,
+            "plt_calls": plt,
+            "tail_calls": tail,
+            "indirect_calls": indirect_calls,
+            "indirect_jumps": indirect_jumps,
+            "address_taken": sum(1 for n in nodes if n[2] == "function" and n[6]),
+            "roots": len(edges) - call_edges,
+            "nodes": len(nodes),
+            "edges": call_edges,
+            "sccs": sccs,
+            "complex_sccs": complex_sccs,
+            "cyclic_edges": cyclic_edges,
+            "text_bytes": graph.binary.text_bytes,
+            "analysis_seconds": round(graph.analysis_seconds, 4),
+        }
     internal = {n for n, _name, kind, *_ in nodes if kind == "function"}
     succ: dict[int, set[int]] = {}
     for u, v, *_ in edges:

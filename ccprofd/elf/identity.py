@@ -39,11 +39,11 @@ def build_id_of(data: bytes) -> str | None:
     return None
 
 
-def cache_key_of(data: bytes) -> str:
+def cache_key_of(data: bytes, content_hash: str | None = None) -> str:
     """The analysis cache key of an ELF file's bytes: its content hash (an edited binary may keep its
     build-id and size; a stripped copy keeps the build-id), after the build-id for whoever lists
-    the cache."""
-    return f"{build_id_of(data) or 'nobuildid'}-{hashlib.sha256(data).hexdigest()}"
+    the cache.  ``content_hash``: the bytes' SHA-256 (hex), if the caller computed it already."""
+    return f"{build_id_of(data) or 'nobuildid'}-{content_hash or hashlib.sha256(data).hexdigest()}"
 
 
 def read_elf_file(path: str) -> bytes:

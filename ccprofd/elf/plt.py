@@ -44,14 +44,17 @@ class PltResolver:
             symtab = self.image.elf.get_section(symtab_index)
             if not hasattr(symtab, "get_symbol"):
                 continue
-            for rel in sec.iter_relocations():
-                idx = rel["r_info_sym"]
+            for r_offset, idx, _type, _addend in self.image.relocations(sec):
                 if idx == 0:
                     continue
-                name = symtab.get_symbol(idx).name
+                name = self.image.symbol_at(symtab_index, idx)[0]
                 if name:
-                    out.setdefault(rel["r_offset"], name)
+                    out.setdefault(r_offset, name)
         return out
+
+    def ranges(self) -> list[tuple[int, int]]:
+        """The [lo, hi) vaddr ranges of the PLT sections."""
+        return list(self._ranges)
 
     def in_plt(self, addr: int) -> bool:
         if not self._lo <= addr < self._hi:
