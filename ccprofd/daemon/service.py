@@ -216,6 +216,20 @@ def persisted_history(path: Path, pid: int, last: int) -> dict[str, Any] | None:
     return {"pid": pid, "error": None, "threads": out, "source": "persisted"} if out else None
 
 
+def runtime_following(runtimes: list[TargetRuntime], pid: int) -> TargetRuntime | None:
+    """The target whose source follows ``pid`` (a source that cannot list its processes is skipped)."""
+    for rt in runtimes:
+        src = rt.source
+        if src is None:
+            continue
+        try:
+            if any(p.pid == pid for p in src.processes()):
+                return rt
+        except Exception:
+            continue
+    return None
+
+
 class Daemon:
     """Everything the daemon runs; its servers (built by the caller, see :class:`ServerFactories`)
     read from it through :class:`~ccprofd.daemon.query.DaemonView`."""
@@ -392,16 +406,7 @@ class Daemon:
 
     # -------------------------------------------------------------------------- lookups
     def runtime_of_pid(self, pid: int) -> TargetRuntime | None:
-        for rt in list(self.targets.values()):
-            src = rt.source
-            if src is None:
-                continue
-            try:
-                if any(p.pid == pid for p in src.processes()):
-                    return rt
-            except Exception:
-                continue
-        return None
+        return runtime_following(list(self.targets.values()), pid)
 
     def thread_contexts(self, pid: int) -> tuple[TargetRuntime, list[Any]]:
         rt = self.runtime_of_pid(pid)

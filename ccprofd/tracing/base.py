@@ -301,6 +301,14 @@ def shown_path(given: str, real: str) -> str:
         return real
 
 
+def rings_shown(rings: dict[int, list[HistoryEvent]], pid: int) -> list[int]:
+    """The recorder's rings a history query for ``pid`` shows: its own when ``pid`` is a thread's tid
+    with a ring of its own, else those of every thread of process ``pid``."""
+    if pid in rings and (not rings[pid] or rings[pid][0].tgid != pid):
+        return [pid]
+    return sorted(t for t, evs in rings.items() if evs and evs[0].tgid == pid)
+
+
 class ModeBase(ABC, Generic[Record, Key]):
     """The shared half of :class:`~ccprofd.tracing.api.Mode` implementations."""
 
@@ -551,10 +559,7 @@ class ModeBase(ABC, Generic[Record, Key]):
             out["error"] = "the flight recorder is off (CCPROFD_HISTORY=0)"
             return out
         rings = {tid: read_thread(hmap, tid) for tid in history_threads(hmap)}
-        if pid in rings and (not rings[pid] or rings[pid][0].tgid != pid):
-            chosen = [pid]  # a thread's tid
-        else:
-            chosen = sorted(t for t, evs in rings.items() if evs and evs[0].tgid == pid)
+        chosen = rings_shown(rings, pid)
         for tid in chosen:
             evs = rings[tid][-last:] if last > 0 else rings[tid]
             out["threads"].append({"tid": tid, "events": [self.history_sample(ev).to_json() for ev in evs]})

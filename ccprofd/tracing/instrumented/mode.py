@@ -35,6 +35,18 @@ if TYPE_CHECKING:
 Event = RawContext | RawHit | ProcessEvent | ScopeEntry
 
 
+def edge_weights_of(path: str | None, graph: Any) -> dict[tuple[int, int, int], int] | None:
+    """--edge-weights: the counts of a profiling run of this very binary (TraceError otherwise)."""
+    if not path:
+        return None
+    from ccprofd.encode.weightsfile import WeightsFileError, load_weights
+
+    try:
+        return load_weights(path, graph.binary.content_hash)
+    except WeightsFileError as exc:
+        raise TraceError(str(exc)) from None
+
+
 class InstrumentedMode(ModeBase[Event, int]):
     """Instrumented mode: Valence state maintained by uprobes (instrumented.c, loader.py)."""
 
@@ -71,7 +83,7 @@ class InstrumentedMode(ModeBase[Event, int]):
                              "pcce and hcce (stack tags cannot be decoded exactly)")
         cache = Path(self.options.cache_dir) if self.options.cache_dir else None
         graph = analyze_binary(self.path, cache_dir=cache)
-        weights = self._load_weights(graph)
+        weights = edge_weights_of(self.options.edge_weights, graph)
         plan = get_plan(graph, self.options.encoding, weights=weights, cache_dir=cache)
         words = int(plan["report"].get("words_needed") or 1)
         if plan["report"].get("overflow"):  # PCCE/HCCE ids wider than one word: size the id to fit
@@ -126,17 +138,6 @@ class InstrumentedMode(ModeBase[Event, int]):
         # sends a later sample of it as a small header (decoded by a lookup).  Decoding every record
         # whole made a 100k-write burst overflow the ring (the daemon flips the same switch).
         self.set_per_sample(True)
-
-    def _load_weights(self, graph: Any) -> dict[tuple[int, int, int], int] | None:
-        """--edge-weights: the counts of a profiling run of this very binary (TraceError otherwise)."""
-        if not self.options.edge_weights:
-            return None
-        from ccprofd.encode.weightsfile import WeightsFileError, load_weights
-
-        try:
-            return load_weights(self.options.edge_weights, graph.binary.content_hash)
-        except WeightsFileError as exc:
-            raise TraceError(str(exc)) from None
 
     def _prepare_verify(self, image: Any, nrs: Any) -> None:
         """--verify: a frame-pointer walk at each sampled syscall, joined with the samples in poll()."""
