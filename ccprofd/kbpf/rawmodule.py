@@ -116,6 +116,13 @@ class RawModule:
         self._attach_fds.append(tp_fd)
         self._tp_fds.append(tp_fd)
 
+    def attach_tracepoint_prog(self, tp: str, prog_fd: int) -> None:
+        """Attach an already loaded tracepoint program (``prog_fd``, not owned) to ``category:event``;
+        the attachment is this module's, closed as :meth:`attach_tracepoint`'s are."""
+        tp_fd = _attach.attach_tracepoint_fd(prog_fd, tp)
+        self._attach_fds.append(tp_fd)
+        self._tp_fds.append(tp_fd)
+
     def attach_raw_tracepoint(self, tp: str, fn_name: str) -> None:
         """Attach ``fn_name`` to raw tracepoint ``tp`` (e.g. ``sys_enter``)."""
         fd = self.load_func(fn_name, "raw_tracepoint")

@@ -108,16 +108,15 @@ static __always_inline void ccprof_submit(struct ccprof_event *e) {
     ccprof_stat(STAT_EVENTS);
 }
 
-// raw_syscalls:sys_enter as a raw tracepoint: args[0] is the user pt_regs, args[1] the number.
-int ccprof_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
+// One syscall entry of the current task: the user registers and the number (shared by the two
+// attach paths below).
+static __always_inline int ccprof_sys_sample(void *ctx, struct pt_regs *regs, long nr) {
     u64 pid_tgid = bpf_get_current_pid_tgid();
     u32 tgid = pid_tgid >> 32;
     if (!tracked.lookup(&tgid))
         return 0;
-    long nr = (long)ctx->args[1];
     if (!ccprof_syscall_wanted(nr))
         return 0;
-    struct pt_regs *regs = (struct pt_regs *)ctx->args[0];
 #ifdef CCPROF_HOOK_SENDS_SYSCALLS
     u32 zero = 0;
     struct ccprof_event *e = syscall_scratch.lookup(&zero);
@@ -144,6 +143,23 @@ int ccprof_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
     ccprof_submit(e);
 #endif
     return 0;
+}
+
+// raw_syscalls:sys_enter as a raw tracepoint: args[0] is the user pt_regs, args[1] the number.
+int ccprof_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
+    return ccprof_sys_sample(ctx, (struct pt_regs *)ctx->args[0], (long)ctx->args[1]);
+}
+
+// A syscalls:sys_enter_<name> event (the per-syscall attach path, kbpf/syscall_entry.py, which says
+// why): the number is the record's __syscall_nr (offset SYSCALL_NR_OFFSET); the user registers are
+// the task's pt_regs, the very pointer sys_enter passes (the entry code saved them at the top of
+// the kernel stack; the record's first word holds it too, but the verifier hides that word).
+#define SYSCALL_NR_OFFSET 8
+static __always_inline struct pt_regs *ccprof_task_regs(void) {
+    return (struct pt_regs *)bpf_task_pt_regs((struct task_struct *)bpf_get_current_task_btf());
+}
+int ccprof_sys_tp(void *ctx) {
+    return ccprof_sys_sample(ctx, ccprof_task_regs(), (long)*(int *)((char *)ctx + SYSCALL_NR_OFFSET));
 }
 
 // raw_syscalls:sys_exit as a raw tracepoint (attached only when return values are wanted): args[0]

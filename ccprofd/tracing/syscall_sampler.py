@@ -26,6 +26,7 @@ from ccprofd.kbpf.cdefs import c_constants
 from ccprofd.kbpf.errors import BPFError
 from ccprofd.kbpf.objcache import cache_dir_under
 from ccprofd.kbpf.rawmodule import load_module
+from ccprofd.kbpf.syscall_entry import entry_plan
 from ccprofd.kbpf.tracefs import tracepoint_has_field
 from ccprofd.tracing.api import RECORDS_PER_POLL
 
@@ -34,6 +35,7 @@ EXEC_TARGET_SOURCE = "exec_target.c"
 _C = c_constants(Path(__file__).with_name(C_SOURCE))  # the constants shared with the C (kbpf/cdefs.py)
 EXEC_TARGET_FLAG = _C["CCPROF_EXEC_TARGET"]  # EV_EXEC aux: the new image is an exec target
 NR_SYSCALL_SLOTS = _C["NR_SYSCALL_SLOTS"]
+SYSCALL_NR_OFFSET = _C["SYSCALL_NR_OFFSET"]  # where ccprof_sys_tp (and uw_sys_tp) read the number
 
 KINDS = {_C["EV_SYSCALL"]: "syscall", _C["EV_FORK"]: "fork", _C["EV_EXEC"]: "exec", _C["EV_EXIT"]: "exit",
          _C["EV_RET"]: "ret"}
@@ -163,6 +165,7 @@ class SyscallSampler:
         prelude: str = "",
         cflags: Sequence[str] = (),
         cache_dir: str | os.PathLike[str] | None = None,
+        entry_attach: bool = True,
     ) -> None:
         if max_tracked < 1:
             raise BPFError(f"max_tracked must be positive, not {max_tracked}")
@@ -184,13 +187,20 @@ class SyscallSampler:
         self._stats = self.module.map("stats")
         self.module.open_ring_buffer("events", lambda raw: self._pending.append(SamplerEvent.decode(raw)))
         self.set_syscalls(syscalls)
+        #: the syscalls attached one by one (kbpf/syscall_entry.py), None: raw_syscalls:sys_enter
+        self.entry_plan = entry_plan(None if syscalls is None else list(self._nrs or ()),
+                                     nr_offset=SYSCALL_NR_OFFSET) if entry_attach else None
 
     def set_syscalls(self, syscalls: Iterable[int] | None) -> None:
         """Report these syscall numbers (None: all).  Takes effect immediately."""
         if syscalls is None:
+            self._nrs: list[int] | None = None
             self._config.set(0, 1)
             return
         nrs = sorted(set(syscalls))
+        if self._attached and self.entry_plan is not None and not set(nrs) <= set(self.entry_plan):
+            raise BPFError("the syscall set cannot grow past the syscalls attached one by one")
+        self._nrs = nrs
         bad = [n for n in nrs if not 0 <= n < NR_SYSCALL_SLOTS]
         if bad:
             raise BPFError(f"syscall number out of range: {bad[0]}")
@@ -210,8 +220,19 @@ class SyscallSampler:
         self.module.attach_tracepoint("sched:sched_process_fork", "ccprof_fork")
         self.module.attach_tracepoint("sched:sched_process_exec", "ccprof_exec")
         self.module.attach_tracepoint("sched:sched_process_exit", "ccprof_exit")
-        self.module.attach_raw_tracepoint("sys_enter", "ccprof_sys_enter")
+        if self.entry_plan is None:
+            self.module.attach_raw_tracepoint("sys_enter", "ccprof_sys_enter")
+        else:
+            for event in self.entry_plan.values():
+                self.module.attach_tracepoint(event, "ccprof_sys_tp")
         self._attached = True
+
+    def syscall_program_fd(self) -> int:
+        """The program that runs at syscall entry (on raw_syscalls:sys_enter, or on the per-syscall
+        events), -1 before :meth:`attach`: its run count is how many syscalls paid for the sampler."""
+        if not self._attached:
+            return -1
+        return self.module.program_fds["ccprof_sys_enter" if self.entry_plan is None else "ccprof_sys_tp"]
 
     def track(self, tgid: int, *, execs: int = 0) -> None:
         """Track process ``tgid`` (and, from now on, its children).  ``execs``: how many execs keep

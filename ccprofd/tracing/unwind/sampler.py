@@ -73,6 +73,7 @@ from ccprofd.kbpf.bpfmap import RawMap
 from ccprofd.kbpf.errors import BPFError
 from ccprofd.kbpf.objcache import cache_dir_under
 from ccprofd.kbpf.rawmodule import load_module
+from ccprofd.kbpf.syscall_entry import entry_plan
 from ccprofd.kbpf.tracefs import tracepoint_field_offset, tracepoint_has_field
 from ccprofd.persist.cache import AnalysisCache
 from ccprofd.proc.maps import DEFAULT_PROC_ROOT
@@ -83,6 +84,7 @@ from ccprofd.tracing.syscall_sampler import (
 )
 from ccprofd.tracing.syscall_sampler import (
     NR_SYSCALL_SLOTS,
+    SYSCALL_NR_OFFSET,
     SamplerEvent,
     sampler_source,
 )
@@ -372,6 +374,11 @@ def memo_setting(mode: str) -> int:
     return modes[mode]
 
 
+#: syscalls the unwinder always looks at (unwind.c's uw_watch_maps: mmap, mprotect with PROT_EXEC),
+#: attached on the per-syscall path even when not sampled
+MAPS_WATCHED = (9, 10)
+
+
 class UnwindSampler:
     """Unwind the user stacks of tracked processes at selected syscalls.
 
@@ -406,6 +413,7 @@ class UnwindSampler:
         emit_hits: bool = False,
         load_early: bool = False, enforce_keys: int = 0,  # enforce_keys: UW_ENFORCE, see enforcement.py
         history: int | None = None,  # flight recorder events per thread (history.configured_length)
+        entry_attach: bool = True,  # a small set on its syscalls:sys_enter_* events (kbpf/syscall_entry.py)
     ) -> None:
         if max_depth < 1 or max_depth & (max_depth - 1):
             raise BPFError(f"max_depth must be a power of two, not {max_depth}")
@@ -451,8 +459,13 @@ class UnwindSampler:
         self.module.open_ring_buffer("events", self._on_sampler_event)
         self._m["uw_config"].set(CFG_AGGREGATE, 1 if aggregate else 0)
         self._m["uw_config"].set(CFG_EMIT_HITS, 1 if emit_hits else 0)
+        # The syscalls attached one by one (None: raw_syscalls:sys_enter): the sampled ones and
+        # mmap/mprotect, whose PROT_EXEC calls uw_watch_maps must see.
+        self.entry_plan = entry_plan(syscalls, extra=MAPS_WATCHED, nr_offset=SYSCALL_NR_OFFSET) \
+            if entry_attach else None
+        self._sys_fd = -1  # the syscall program's fd once attached
         if load_early:  # the verifier runs while the maps are filled and the modules loaded
-            self.programs.start("uw_sys_enter")
+            self.programs.start("uw_sys_enter" if self.entry_plan is None else "uw_sys_tp")
         if encoding is not None:
             try:
                 self.tables.upload_encoding(encoding)
@@ -484,8 +497,19 @@ class UnwindSampler:
                        ("sched:sched_process_exec", "uw_exec"), ("sched:sched_process_exec", "ccprof_exec"),
                        ("sched:sched_process_exit", "uw_exit"), ("sched:sched_process_exit", "ccprof_exit")):
             self.module.attach_tracepoint(tp, fn)
-        self._links.append(attach_raw_tracepoint_fd(self.programs.load("uw_sys_enter"), "sys_enter"))
+        if self.entry_plan is None:
+            self._sys_fd = self.programs.load("uw_sys_enter")
+            self._links.append(attach_raw_tracepoint_fd(self._sys_fd, "sys_enter"))
+        else:
+            self._sys_fd = self.programs.load("uw_sys_tp")
+            for event in self.entry_plan.values():
+                self.module.attach_tracepoint_prog(event, self._sys_fd)
         self._attached = True
+
+    def syscall_program_fd(self) -> int:
+        """The program that runs at syscall entry (on raw_syscalls:sys_enter, or on the per-syscall
+        events), -1 before :meth:`attach`: its run count is how many syscalls paid for the sampler."""
+        return self._sys_fd
 
     def attach_returns(self) -> None:
         """Report each sampled syscall's return too (the shared sampler's sys_exit program)."""

@@ -1633,14 +1633,13 @@ static __always_inline void uw_enforce(u32 slot, u32 tgid, u32 tid, long nr) {
 #define UW_ENFORCE_SYS(tgid, tid, nr)
 #endif
 
-int uw_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
+// One syscall entry (shared by the raw_syscalls:sys_enter and the per-syscall attach paths below).
+static __always_inline int uw_sys_sample(struct pt_regs *regs, long nr) {
     u64 pid_tgid = bpf_get_current_pid_tgid();
     u32 tgid = pid_tgid >> 32;
     struct ccprof_tracked *t = tracked.lookup(&tgid);
     if (!t || t->execs_left)
         return 0;  // not tracked, or a launcher that has not exec'd the target yet
-    long nr = (long)ctx->args[1];
-    struct pt_regs *regs = (struct pt_regs *)ctx->args[0];
     uw_inherit(tgid);
     if (uw_held.lookup(&tgid)) {
         // Running although we still hold it: a SIGCONT that was not ours -- another instance's
@@ -1662,6 +1661,17 @@ int uw_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
               uw_arena_sys, 1, 1, 1 UE_CALLBACKS_SYS);
     UW_ENFORCE_SYS(tgid, (u32)pid_tgid, nr);
     return 0;
+}
+
+int uw_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
+    return uw_sys_sample((struct pt_regs *)ctx->args[0], (long)ctx->args[1]);
+}
+
+// A syscalls:sys_enter_<name> event (per-syscall attach path; syscall_sampler.c's ccprof_sys_tp
+// says what the record holds).  Only the sampled syscalls and mmap/mprotect (uw_watch_maps) are
+// attached.
+int uw_sys_tp(void *ctx) {
+    return uw_sys_sample(ccprof_task_regs(), (long)*(int *)((char *)ctx + SYSCALL_NR_OFFSET));
 }
 
 // CPU-clock sample of a tracked process: unwind from its user registers.  The task's pt_regs (top

@@ -1,0 +1,213 @@
+"""Benchmark: what attaching to syscalls costs a service whose syscalls are mostly *outside* the
+sampled set (issue 14's security-set target), by attach mechanism.
+
+redis-server (started as bench/services.py does) under ``redis-benchmark -t set,get``, one
+configuration after another, rotating the order every round:
+
+* ``untraced``;
+* ``empty-raw``: a two-instruction BPF program (``r0 = 0; exit``) on ``raw_syscalls:sys_enter``:
+  what every syscall of every task pays for the raw tracepoint alone (the slow entry path and
+  one program run);
+* ``empty-tp``: the same program on the per-syscall ``syscalls:sys_enter_<name>`` events of the
+  security set (the syscall-tracing slow path stays on for every task, but a syscall outside the
+  set runs no program: the kernel tests a bitmap and returns);
+* ``trace-raw`` / ``trace-tp``: ``ccprofd trace --mode unwind -p PID`` with the security set,
+  forced onto ``raw_syscalls:sys_enter`` (``CCPROFD_SYSCALL_ATTACH=raw``) or on the per-syscall
+  events (the default for a set this small).
+
+Prints per configuration the median change against the same round's untraced run and the spread
+(min..max) of those changes, per test.  ``--loop``: instead of redis, a C loop of ``getppid()``
+calls (outside the set), started by the configuration (under ``ccprofd trace`` for trace-*),
+reporting the process CPU time per call (CLOCK_PROCESS_CPUTIME_ID), which a loaded machine
+disturbs less than a throughput.  Usage (root):
+``.venv/bin/python bench/syscall_attach.py [--rounds 5] [--requests 100000] [--configs ...] [--loop]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from common import ROOT
+
+sys.path.insert(0, str(ROOT))
+from ccprofd.kbpf import rawbpf
+from ccprofd.kbpf.attach import attach_raw_tracepoint_fd, attach_tracepoint_fd
+
+SECURITY_SET = ("execve", "openat", "connect", "accept4", "mprotect", "mmap", "clone3", "unlinkat",
+                "renameat2")
+CONFIGS = ("untraced", "empty-raw", "empty-tp", "trace-raw", "trace-tp")
+_EMPTY = rawbpf.mov64_imm(0, 0) + rawbpf.exit_insn()
+
+
+@contextlib.contextmanager
+def empty_program(where: str) -> Iterator[None]:
+    """The empty program on raw_syscalls:sys_enter ("raw") or the security set's events ("tp")."""
+    fds: list[int] = []
+    try:
+        if where == "raw":
+            prog = rawbpf.prog_load(17, _EMPTY, name="empty_raw")
+            fds.append(prog)
+            fds.append(attach_raw_tracepoint_fd(prog, "sys_enter"))
+        else:
+            prog = rawbpf.prog_load(5, _EMPTY, name="empty_tp")
+            fds.append(prog)
+            fds += [attach_tracepoint_fd(prog, f"syscalls:sys_enter_{n}") for n in SECURITY_SET]
+        yield
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+LOOP_C = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <time.h>
+#include <unistd.h>
+#include <sys/syscall.h>
+int main(int argc, char **argv) {
+    long n = atol(argv[1]);
+    struct timespec a, b;
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &a);
+    for (long i = 0; i < n; i++)
+        syscall(SYS_getppid);
+    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &b);
+    printf("%.1f\n", ((b.tv_sec - a.tv_sec) * 1e9 + (b.tv_nsec - a.tv_nsec)) / n);
+    return 0;
+}
+"""
+
+
+def loop_ns(cmd: list[str]) -> dict[str, float]:
+    """CPU ns per getppid() of the loop run by ``cmd``."""
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    return {"getppid ns": float(out.split()[-1])}
+
+
+def trace_cmd(attach: str, target: list[str]) -> list[str]:
+    return ["env", f"PYTHONPATH={ROOT}", f"CCPROFD_SYSCALL_ATTACH={attach}", sys.executable, "-m",
+            "ccprofd.cli", "trace", "--syscalls", ",".join(SECURITY_SET), "--format", "jsonl", "--output",
+            os.devnull, *target]
+
+
+@contextlib.contextmanager
+def traced(pid: int, attach: str) -> Iterator[None]:
+    """``ccprofd trace -p PID`` with the security set until the block ends (started when its first
+    sample... is not needed: started when it prints its attach line to stderr)."""
+    proc = subprocess.Popen(trace_cmd(attach, ["-p", str(pid)]), stderr=subprocess.PIPE, text=True,
+                            cwd=ROOT)
+    try:
+        assert proc.stderr is not None
+        deadline = time.monotonic() + 120
+        line = ""
+        while time.monotonic() < deadline:  # ccprofd trace -p says when it is attached
+            line = proc.stderr.readline()
+            if not line or "attached" in line.lower() or "tracing" in line.lower():
+                break
+        if proc.poll() is not None:
+            raise SystemExit(f"ccprofd trace failed: {line}{proc.stderr.read()}")
+        time.sleep(0.5)
+        yield
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+
+
+def load(port: int, requests: int) -> dict[str, float]:
+    out = subprocess.run(["redis-benchmark", "-p", str(port), "-t", "set,get", "-n", str(requests),
+                          "-c", "50",
+                          "--csv"], capture_output=True, text=True, check=True).stdout
+    rps: dict[str, float] = {}
+    for row in out.splitlines()[1:]:
+        cells = [c.strip('"') for c in row.split(",")]
+        rps[cells[0]] = float(cells[1])
+    return rps
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--requests", type=int, default=100000)
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--loop", action="store_true", help="a getppid() loop instead of redis")
+    args = ap.parse_args()
+    if args.loop:
+        run_loop(args)
+        return
+    configs = [c for c in args.configs.split(",") if c != "untraced"]
+    sys.path.insert(0, str(Path(__file__).parent))
+    from services import Redis
+
+    results: dict[str, list[dict[str, float]]] = {c: [] for c in ["untraced", *configs]}
+    with tempfile.TemporaryDirectory(prefix="ccprofd-attach-") as tmp:
+        redis = Redis(Path(tmp))
+        try:
+            load(redis.port, 20000)  # warm up
+            for rnd in range(args.rounds):
+                order = ["untraced", *configs]
+                order = order[rnd % len(order):] + order[:rnd % len(order)]
+                for cfg in order:
+                    if cfg == "untraced":
+                        ctx: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
+                    elif cfg.startswith("empty-"):
+                        ctx = empty_program(cfg.split("-", 1)[1])
+                    else:
+                        ctx = traced(redis.proc.pid, cfg.split("-", 1)[1])
+                    with ctx:
+                        got = load(redis.port, args.requests)
+                    results[cfg].append(got)
+                    print(f"round {rnd} {cfg:10} " + " ".join(f"{t} {v:,.0f}" for t, v in got.items())
+                          + f"  load {os.getloadavg()[0]:.1f}", flush=True)
+        finally:
+            redis.stop()
+    report(results, "req/s")
+
+
+def run_loop(args: argparse.Namespace) -> None:
+    configs = [c for c in args.configs.split(",") if c != "untraced"]
+    results: dict[str, list[dict[str, float]]] = {c: [] for c in ["untraced", *configs]}
+    with tempfile.TemporaryDirectory(prefix="ccprofd-attach-") as tmp:
+        src = Path(tmp) / "loop.c"
+        src.write_text(LOOP_C)
+        exe = str(Path(tmp) / "loop")
+        subprocess.run(["gcc", "-O2", "-o", exe, str(src)], check=True)
+        target = [exe, str(args.requests)]
+        for rnd in range(args.rounds):
+            order = ["untraced", *configs]
+            order = order[rnd % len(order):] + order[:rnd % len(order)]
+            for cfg in order:
+                if cfg == "untraced":
+                    got = loop_ns(target)
+                elif cfg.startswith("empty-"):
+                    with empty_program(cfg.split("-", 1)[1]):
+                        got = loop_ns(target)
+                else:
+                    got = loop_ns(trace_cmd(cfg.split("-", 1)[1], ["--", *target]))
+                results[cfg].append(got)
+                print(f"round {rnd} {cfg:10} {got['getppid ns']:.1f} ns  load {os.getloadavg()[0]:.1f}",
+                      flush=True)
+    report(results, "ns")
+
+
+def report(results: dict[str, list[dict[str, float]]], unit: str) -> None:
+    configs = [c for c in results if c != "untraced"]
+    print(f"\nconfiguration | test | median {unit} | median change vs same round's untraced | spread")
+    for cfg in ["untraced", *configs]:
+        for test in results["untraced"][0]:
+            vals = [r[test] for r in results[cfg]]
+            changes = [100 * (r[test] / u[test] - 1)
+                       for r, u in zip(results[cfg], results["untraced"], strict=True)]
+            print(f"{cfg} | {test} | {statistics.median(vals):,.0f} | {statistics.median(changes):+.1f}% | "
+                  f"{min(changes):+.1f}%..{max(changes):+.1f}%")
+
+
+if __name__ == "__main__":
+    main()
