@@ -13,13 +13,14 @@ configuration after another, rotating the order every round:
   set runs no program: the kernel tests a bitmap and returns);
 * ``trace-raw`` / ``trace-tp``: ``ccprofd trace --mode unwind -p PID`` with the security set,
   forced onto ``raw_syscalls:sys_enter`` (``CCPROFD_SYSCALL_ATTACH=raw``) or on the per-syscall
-  events (the default for a set this small).
+  events (the default for a set this small); with ``--loop``, the unwinder itself
+  (``UnwindSampler``, no encoding) in this process, tracking the loop.
 
 Prints per configuration the median change against the same round's untraced run and the spread
 (min..max) of those changes, per test.  ``--loop``: instead of redis, a C loop of ``getppid()``
-calls (outside the set), started by the configuration (under ``ccprofd trace`` for trace-*),
-reporting the process CPU time per call (CLOCK_PROCESS_CPUTIME_ID), which a loaded machine
-disturbs less than a throughput.  Usage (root):
+calls (outside the set) in bursts of ``--requests`` calls, reporting the process CPU time per call
+(CLOCK_PROCESS_CPUTIME_ID); short bursts alternate quickly, so a loaded machine's drift hits every
+configuration alike.  Usage (root):
 ``.venv/bin/python bench/syscall_attach.py [--rounds 5] [--requests 100000] [--configs ...] [--loop]``
 """
 
@@ -73,23 +74,59 @@ LOOP_C = r"""
 #include <time.h>
 #include <unistd.h>
 #include <sys/syscall.h>
+/* one burst of argv[1] getppid() calls per byte read from stdin; prints the CPU ns per call */
 int main(int argc, char **argv) {
     long n = atol(argv[1]);
     struct timespec a, b;
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &a);
-    for (long i = 0; i < n; i++)
-        syscall(SYS_getppid);
-    clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &b);
-    printf("%.1f\n", ((b.tv_sec - a.tv_sec) * 1e9 + (b.tv_nsec - a.tv_nsec)) / n);
+    setvbuf(stdout, NULL, _IOLBF, 0);
+    printf("ready\n");
+    while (getchar() == 'x') {
+        clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &a);
+        for (long i = 0; i < n; i++)
+            syscall(SYS_getppid);
+        clock_gettime(CLOCK_PROCESS_CPUTIME_ID, &b);
+        printf("%.1f\n", ((b.tv_sec - a.tv_sec) * 1e9 + (b.tv_nsec - a.tv_nsec)) / n);
+    }
     return 0;
 }
 """
 
 
-def loop_ns(cmd: list[str]) -> dict[str, float]:
-    """CPU ns per getppid() of the loop run by ``cmd``."""
-    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
-    return {"getppid ns": float(out.split()[-1])}
+class Loop:
+    """The getppid() loop, waiting for bursts."""
+
+    def __init__(self, exe: str, calls: int) -> None:
+        self.proc = subprocess.Popen([exe, str(calls)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True)
+        assert self.proc.stdout is not None and self.proc.stdout.readline() == "ready\n"
+
+    def burst(self) -> float:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        self.proc.stdin.write("x")
+        self.proc.stdin.flush()
+        return float(self.proc.stdout.readline())
+
+    def stop(self) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("q")
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+@contextlib.contextmanager
+def unwind_sampler(pid: int, per_syscall: bool) -> Iterator[None]:
+    """The unwinder (no encoding) with the security set, tracking ``pid``, on raw_syscalls or on
+    the per-syscall events."""
+    from ccprofd.kbpf.syscalls import syscall_numbers
+    from ccprofd.tracing.unwind.sampler import UnwindSampler
+
+    nrs = [syscall_numbers()[n] for n in SECURITY_SET]
+    with UnwindSampler(syscalls=nrs, entry_attach=per_syscall) as s:
+        assert (s.entry_plan is not None) == per_syscall
+        s.attach()
+        s.track(pid)
+        yield
+        s.poll(0)
 
 
 def trace_cmd(attach: str, target: list[str]) -> list[str]:
@@ -138,6 +175,7 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=100000)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--loop", action="store_true", help="a getppid() loop instead of redis")
+    ap.add_argument("--bursts", type=int, default=5, help="--loop: bursts per configuration and round")
     args = ap.parse_args()
     if args.loop:
         run_loop(args)
@@ -172,6 +210,8 @@ def main() -> None:
 
 
 def run_loop(args: argparse.Namespace) -> None:
+    """Each configuration in turn, rotating the order every round; per configuration and round the
+    median of ``--bursts`` bursts (the unwinder configurations verify their program each round)."""
     configs = [c for c in args.configs.split(",") if c != "untraced"]
     results: dict[str, list[dict[str, float]]] = {c: [] for c in ["untraced", *configs]}
     with tempfile.TemporaryDirectory(prefix="ccprofd-attach-") as tmp:
@@ -179,21 +219,26 @@ def run_loop(args: argparse.Namespace) -> None:
         src.write_text(LOOP_C)
         exe = str(Path(tmp) / "loop")
         subprocess.run(["gcc", "-O2", "-o", exe, str(src)], check=True)
-        target = [exe, str(args.requests)]
-        for rnd in range(args.rounds):
-            order = ["untraced", *configs]
-            order = order[rnd % len(order):] + order[:rnd % len(order)]
-            for cfg in order:
-                if cfg == "untraced":
-                    got = loop_ns(target)
-                elif cfg.startswith("empty-"):
-                    with empty_program(cfg.split("-", 1)[1]):
-                        got = loop_ns(target)
-                else:
-                    got = loop_ns(trace_cmd(cfg.split("-", 1)[1], ["--", *target]))
-                results[cfg].append(got)
-                print(f"round {rnd} {cfg:10} {got['getppid ns']:.1f} ns  load {os.getloadavg()[0]:.1f}",
-                      flush=True)
+        loop = Loop(exe, args.requests)
+        try:
+            for rnd in range(args.rounds):
+                order = ["untraced", *configs]
+                order = order[rnd % len(order):] + order[:rnd % len(order)]
+                for cfg in order:
+                    ctx: contextlib.AbstractContextManager[None]
+                    if cfg == "untraced":
+                        ctx = contextlib.nullcontext()
+                    elif cfg.startswith("empty-"):
+                        ctx = empty_program(cfg.split("-", 1)[1])
+                    else:
+                        ctx = unwind_sampler(loop.proc.pid, cfg == "trace-tp")
+                    with ctx:
+                        got = {"getppid ns": statistics.median(loop.burst() for _ in range(args.bursts))}
+                    results[cfg].append(got)
+                    print(f"round {rnd} {cfg:10} {got['getppid ns']:.1f} ns  load {os.getloadavg()[0]:.1f}",
+                          flush=True)
+        finally:
+            loop.stop()
     report(results, "ns")
 
 

@@ -71,4 +71,3 @@ def entry_plan(nrs: Iterable[int] | None, *, nr_offset: int,
     except BPFError:
         return None
     return {nr: f"syscalls:sys_enter_{name}" for nr, name in plan.items()}
-
