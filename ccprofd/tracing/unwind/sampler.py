@@ -104,6 +104,8 @@ from ccprofd.tracing.unwind.constants import (
     MEMO_UNCHECKED,
     REASONS,
     STATS,
+    UW_NR_MMAP,
+    UW_NR_MPROTECT,
 )
 from ccprofd.tracing.unwind.plan import UnwindEncoding
 from ccprofd.tracing.unwind.processes import ProcessTracker, ResolvedPc
@@ -376,7 +378,7 @@ def memo_setting(mode: str) -> int:
 
 #: syscalls the unwinder always looks at (unwind.c's uw_watch_maps: mmap, mprotect with PROT_EXEC),
 #: attached on the per-syscall path even when not sampled
-MAPS_WATCHED = (9, 10)
+MAPS_WATCHED = (UW_NR_MMAP, UW_NR_MPROTECT)
 
 
 class UnwindSampler:
@@ -388,6 +390,9 @@ class UnwindSampler:
     encoding in the maps), :class:`~ccprofd.tracing.unwind.processes.ProcessTracker` (processes
     and their mappings), :class:`~ccprofd.tracing.unwind.programs.ProgramLoader` (the unwinders'
     verifier loads); this class owns the BPF module and its attachments and ties them together.
+    Why this class is long: it is the one owner of the module and of every attachment (process
+    tracepoints, the syscall program on raw_syscalls or on per-syscall events, CPU sampling), which
+    are made and closed in an order that matters; splitting it would spread that order over classes.
     """
 
     def __init__(

@@ -1451,7 +1451,10 @@ static __always_inline void uw_inherit(u32 tgid) {
 }
 
 // mmap/mprotect with PROT_EXEC: the mapping exists once the call returns, i.e. at the process's
-// next syscall; tell userspace then so it re-reads the maps.
+// next syscall; tell userspace then so it re-reads the maps.  (On the per-syscall attach path these
+// two are attached whatever the set, and "next syscall" is the next attached one: constants.py.)
+#define UW_NR_MMAP 9
+#define UW_NR_MPROTECT 10
 static __always_inline void uw_watch_maps(u32 tgid, long nr, struct pt_regs *regs) {
     u32 *pending = uw_pending.lookup(&tgid);
     if (pending) {
@@ -1468,7 +1471,7 @@ static __always_inline void uw_watch_maps(u32 tgid, long nr, struct pt_regs *reg
             uw_stat(UW_STAT_MAPS_LOST, 1);
         }
     }
-    if (nr == 9 || nr == 10) {  // mmap, mprotect: prot is the third argument (rdx)
+    if (nr == UW_NR_MMAP || nr == UW_NR_MPROTECT) {  // prot is the third argument (rdx)
         u64 prot = 0;
         bpf_probe_read_kernel(&prot, sizeof(prot), &regs->dx);
         if (prot & 4) {  // PROT_EXEC
