@@ -40,6 +40,12 @@
 #define NR_STATS 8
 
 #define CFG_ALL_SYSCALLS 0
+// Which attachment samples: raw_syscalls:sys_enter (0, the default) or the per-syscall events (1).
+// A set that grows past the events attached one by one moves to the raw tracepoint: attached with
+// this still 1, then switched, then the events detached -- no syscall is missed meanwhile.
+#define CFG_SYSCALL_PATH 1
+#define PATH_RAW 0
+#define PATH_EVENTS 1
 
 struct ccprof_tracked {
     u32 execs_left;  // execs that keep tracking (a launcher's exec of the target)
@@ -145,8 +151,16 @@ static __always_inline int ccprof_sys_sample(void *ctx, struct pt_regs *regs, lo
     return 0;
 }
 
+static __always_inline int ccprof_path_is(u64 path) {
+    u32 k = CFG_SYSCALL_PATH;
+    u64 *v = config.lookup(&k);
+    return (v ? *v : PATH_RAW) == path;
+}
+
 // raw_syscalls:sys_enter as a raw tracepoint: args[0] is the user pt_regs, args[1] the number.
 int ccprof_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
+    if (!ccprof_path_is(PATH_RAW))
+        return 0;
     return ccprof_sys_sample(ctx, (struct pt_regs *)ctx->args[0], (long)ctx->args[1]);
 }
 
@@ -159,6 +173,8 @@ static __always_inline struct pt_regs *ccprof_task_regs(void) {
     return (struct pt_regs *)bpf_task_pt_regs((struct task_struct *)bpf_get_current_task_btf());
 }
 int ccprof_sys_tp(void *ctx) {
+    if (!ccprof_path_is(PATH_EVENTS))
+        return 0;
     return ccprof_sys_sample(ctx, ccprof_task_regs(), (long)*(int *)((char *)ctx + SYSCALL_NR_OFFSET));
 }
 

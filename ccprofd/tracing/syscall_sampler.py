@@ -36,6 +36,7 @@ _C = c_constants(Path(__file__).with_name(C_SOURCE))  # the constants shared wit
 EXEC_TARGET_FLAG = _C["CCPROF_EXEC_TARGET"]  # EV_EXEC aux: the new image is an exec target
 NR_SYSCALL_SLOTS = _C["NR_SYSCALL_SLOTS"]
 SYSCALL_NR_OFFSET = _C["SYSCALL_NR_OFFSET"]  # where ccprof_sys_tp (and uw_sys_tp) read the number
+CFG_SYSCALL_PATH, PATH_RAW, PATH_EVENTS = _C["CFG_SYSCALL_PATH"], _C["PATH_RAW"], _C["PATH_EVENTS"]
 
 KINDS = {_C["EV_SYSCALL"]: "syscall", _C["EV_FORK"]: "fork", _C["EV_EXEC"]: "exec", _C["EV_EXIT"]: "exit",
          _C["EV_RET"]: "ret"}
@@ -186,27 +187,38 @@ class SyscallSampler:
         self._config = self.module.map("config")
         self._stats = self.module.map("stats")
         self.module.open_ring_buffer("events", lambda raw: self._pending.append(SamplerEvent.decode(raw)))
-        self.set_syscalls(syscalls)
         #: the syscalls attached one by one (kbpf/syscall_entry.py), None: raw_syscalls:sys_enter
-        self.entry_plan = entry_plan(None if syscalls is None else list(self._nrs or ()),
-                                     nr_offset=SYSCALL_NR_OFFSET) if entry_attach else None
+        self.entry_plan: dict[int, str] | None = None
+        self._nrs: list[int] | None = None
+        self.set_syscalls(syscalls)
+        if entry_attach:
+            self.entry_plan = entry_plan(self._nrs, nr_offset=SYSCALL_NR_OFFSET)
 
     def set_syscalls(self, syscalls: Iterable[int] | None) -> None:
-        """Report these syscall numbers (None: all).  Takes effect immediately."""
-        if syscalls is None:
-            self._nrs: list[int] | None = None
-            self._config.set(0, 1)
-            return
-        nrs = sorted(set(syscalls))
-        if self._attached and self.entry_plan is not None and not set(nrs) <= set(self.entry_plan):
-            raise BPFError("the syscall set cannot grow past the syscalls attached one by one")
+        """Report these syscall numbers (None: all).  Takes effect immediately (a set that grows
+        past the per-syscall events attached moves to raw_syscalls:sys_enter, with no gap)."""
+        nrs = None if syscalls is None else sorted(set(syscalls))
+        if nrs is not None:
+            bad = [n for n in nrs if not 0 <= n < NR_SYSCALL_SLOTS]
+            if bad:
+                raise BPFError(f"syscall number out of range: {bad[0]}")
+        grows = self._attached and self.entry_plan is not None and (
+            nrs is None or not set(nrs) <= set(self.entry_plan))
+        if grows:
+            self.module.attach_raw_tracepoint("sys_enter", "ccprof_sys_enter")  # idle until switched
         self._nrs = nrs
-        bad = [n for n in nrs if not 0 <= n < NR_SYSCALL_SLOTS]
-        if bad:
-            raise BPFError(f"syscall number out of range: {bad[0]}")
-        self._config.set(0, 0)
-        self._syscall_set.clear()
-        self._syscall_set.update_many([(n, 1) for n in nrs])
+        if nrs is None:
+            self._config.set(0, 1)
+        else:
+            self._config.set(0, 0)
+            self._syscall_set.clear()
+            self._syscall_set.update_many([(n, 1) for n in nrs])
+        if grows:
+            assert self.entry_plan is not None
+            self._config.set(CFG_SYSCALL_PATH, PATH_RAW)
+            for event in self.entry_plan.values():
+                self.module.detach_tracepoint(event)
+            self.entry_plan = None
 
     def attach_returns(self) -> None:
         """Also report the return of every reported syscall (``ret`` events, raw_syscalls:sys_exit):
@@ -223,6 +235,7 @@ class SyscallSampler:
         if self.entry_plan is None:
             self.module.attach_raw_tracepoint("sys_enter", "ccprof_sys_enter")
         else:
+            self._config.set(CFG_SYSCALL_PATH, PATH_EVENTS)
             for event in self.entry_plan.values():
                 self.module.attach_tracepoint(event, "ccprof_sys_tp")
         self._attached = True
