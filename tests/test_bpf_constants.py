@@ -70,6 +70,7 @@ CASES = {
         "CCPROF_EXEC_TARGET": syscall_sampler.EXEC_TARGET_FLAG,
         "NR_SYSCALL_SLOTS": syscall_sampler.NR_SYSCALL_SLOTS,
         "SYSCALL_NR_OFFSET": syscall_sampler.SYSCALL_NR_OFFSET,
+        "SYSCALL_RET_OFFSET": syscall_sampler.SYSCALL_RET_OFFSET,
         "CFG_SYSCALL_PATH": syscall_sampler.CFG_SYSCALL_PATH, "PATH_RAW": syscall_sampler.PATH_RAW,
         "PATH_EVENTS": syscall_sampler.PATH_EVENTS,
         **{f"EV_{kind.upper()}": nr for nr, kind in syscall_sampler.KINDS.items()},

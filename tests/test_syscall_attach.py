@@ -30,7 +30,7 @@ from strace_oracle import run_strace
 
 from ccprofd.kbpf import rawbpf
 from ccprofd.kbpf.syscall_entry import MAX_ENTRY_SYSCALLS, entry_plan
-from ccprofd.tracing.syscall_sampler import SYSCALL_NR_OFFSET, SyscallSampler
+from ccprofd.tracing.syscall_sampler import SYSCALL_NR_OFFSET, SYSCALL_RET_OFFSET, SyscallSampler
 from ccprofd.tracing.unwind.sampler import UnwindSampler
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -48,15 +48,17 @@ def _prerequisites() -> None:
 def test_plan_small_sets_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """A small set (plus the extra syscalls) gets one event per syscall; "all", a set over the
     bound and the raw switch stay on raw_syscalls."""
-    plan = entry_plan([NR_OPENAT, NR_CONNECT], extra=[NR_MMAP], nr_offset=SYSCALL_NR_OFFSET)
+    offsets = {"nr_offset": SYSCALL_NR_OFFSET, "ret_offset": SYSCALL_RET_OFFSET}
+    plan = entry_plan([NR_OPENAT, NR_CONNECT], extra=[NR_MMAP], **offsets)
     assert plan == {NR_MMAP: "syscalls:sys_enter_mmap", NR_CONNECT: "syscalls:sys_enter_connect",
                     NR_OPENAT: "syscalls:sys_enter_openat"}
-    assert entry_plan(None, nr_offset=SYSCALL_NR_OFFSET) is None
-    assert entry_plan(range(MAX_ENTRY_SYSCALLS + 1), nr_offset=SYSCALL_NR_OFFSET) is None
-    # the number's offset must be where the program reads it (the tracefs format says 8 here)
-    assert entry_plan([NR_OPENAT], nr_offset=SYSCALL_NR_OFFSET + 8) is None
+    assert entry_plan(None, **offsets) is None
+    assert entry_plan(range(MAX_ENTRY_SYSCALLS + 1), **offsets) is None
+    # the offsets must be where the programs read them (the tracefs formats say 8 and 16 here)
+    assert entry_plan([NR_OPENAT], nr_offset=SYSCALL_NR_OFFSET + 8, ret_offset=SYSCALL_RET_OFFSET) is None
+    assert entry_plan([NR_OPENAT], nr_offset=SYSCALL_NR_OFFSET, ret_offset=SYSCALL_RET_OFFSET + 8) is None
     monkeypatch.setenv("CCPROFD_SYSCALL_ATTACH", "raw")
-    assert entry_plan([NR_OPENAT], nr_offset=SYSCALL_NR_OFFSET) is None
+    assert entry_plan([NR_OPENAT], **offsets) is None
 
 
 def _trace(mode: str, attach: str, cmd: list[str], tmp_path: pathlib.Path) -> list[dict[str, Any]]:
@@ -154,3 +156,25 @@ def test_syscalls_outside_the_set_run_no_program(kind: str, bpf_stats: None) -> 
     assert NR_GETPPID not in nrs
     assert gained >= 2
     assert gained < GETPPIDS, f"{gained} program runs for {2 * GETPPIDS} getppid calls outside the set"
+
+
+@pytest.mark.bpf
+@pytest.mark.parametrize("mode", ["unwind", "instrumented"])
+def test_return_values_match_strace(mode: str, tmp_path: pathlib.Path) -> None:
+    """Text format (``--retval`` on): the returns come from the set's own ``sys_exit_<name>``
+    events and read as strace prints them (openat's fds, connect's -1 ENOENT), call by call."""
+    strace = require_tool("strace")
+    binary = pathlib.Path(build("attachset", opt="O2", pie=True))
+    cmd = [str(binary), "2000"]
+    log = tmp_path / "strace.txt"
+    subprocess.run([strace, "-qq", "-e", "trace=" + ",".join(SET), "-o", str(log), *cmd], check=True,
+                   capture_output=True)
+    want = [line.split("(", 1)[0] + " = " + line.rsplit(" = ", 1)[1]
+            for line in log.read_text().splitlines() if " = " in line]
+    proc = subprocess.run([sys.executable, "-m", "ccprofd.cli", "trace", "--mode", mode, "--syscalls",
+                           ",".join(SET), "--", *cmd], capture_output=True, text=True, cwd=REPO, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    got = [line.split("] ", 1)[1].split("(", 1)[0] + " = " + line.rsplit(" = ", 1)[1]
+           for line in proc.stderr.splitlines() if line.startswith("[pid ") and " = " in line]
+    assert got == want, proc.stderr
+    assert "connect = -1 ENOENT (No such file or directory)" in got

@@ -41,13 +41,14 @@ MAX_ENTRY_SYSCALLS = 64
 ENV_SWITCH = "CCPROFD_SYSCALL_ATTACH"
 
 
-def entry_plan(nrs: Iterable[int] | None, *, nr_offset: int,
+def entry_plan(nrs: Iterable[int] | None, *, nr_offset: int, ret_offset: int,
                extra: Iterable[int] = ()) -> dict[int, str] | None:
     """Syscall number -> event name (``syscalls:sys_enter_<name>``) for ``nrs`` plus ``extra``
     (syscalls the program must see although not sampled), or None when the set stays on
     raw_syscalls: all syscalls, an empty set, more than :data:`MAX_ENTRY_SYSCALLS`, a syscall
-    without its event in tracefs, an event whose ``__syscall_nr`` is not at ``nr_offset`` (where
-    the program reads it), or ``CCPROFD_SYSCALL_ATTACH=raw``."""
+    without its events in tracefs, an event whose ``__syscall_nr`` is not at ``nr_offset`` or
+    whose exit event's ``ret`` is not at ``ret_offset`` (where the programs read them), or
+    ``CCPROFD_SYSCALL_ATTACH=raw``.  The exit events (:func:`exit_event`) serve ``--retval``."""
     if nrs is None or os.environ.get(ENV_SWITCH, "") == "raw":
         return None
     wanted = set(nrs)
@@ -65,9 +66,16 @@ def entry_plan(nrs: Iterable[int] | None, *, nr_offset: int,
             return None
         plan[nr] = name
     try:
-        if any(tracepoint_field_offset("syscalls", f"sys_enter_{name}", "__syscall_nr") != nr_offset
-               for name in plan.values()):
-            return None
+        for name in plan.values():
+            if tracepoint_field_offset("syscalls", f"sys_enter_{name}", "__syscall_nr") != nr_offset \
+                    or tracepoint_field_offset("syscalls", f"sys_exit_{name}", "__syscall_nr") != nr_offset \
+                    or tracepoint_field_offset("syscalls", f"sys_exit_{name}", "ret") != ret_offset:
+                return None
     except BPFError:
         return None
     return {nr: f"syscalls:sys_enter_{name}" for nr, name in plan.items()}
+
+
+def exit_event(enter_event: str) -> str:
+    """The exit event of a plan's entry event (``syscalls:sys_enter_X`` -> ``syscalls:sys_exit_X``)."""
+    return enter_event.replace(":sys_enter_", ":sys_exit_", 1)

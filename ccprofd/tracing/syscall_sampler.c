@@ -178,10 +178,21 @@ int ccprof_sys_tp(void *ctx) {
     return ccprof_sys_sample(ctx, ccprof_task_regs(), (long)*(int *)((char *)ctx + SYSCALL_NR_OFFSET));
 }
 
+static __always_inline void ccprof_send_ret(u64 pid_tgid, long nr, u64 ret) {
+    struct ccprof_event *e = ccprof_reserve(EV_RET, pid_tgid);
+    if (!e)
+        return;
+    e->nr = (s32)nr;
+    e->aux = ret;
+    ccprof_submit(e);
+}
+
 // raw_syscalls:sys_exit as a raw tracepoint (attached only when return values are wanted): args[0]
 // is the user pt_regs, args[1] the return value.  Same filter as the samples (a launcher that has
 // not exec'd the target yet sends none); userspace joins it to the thread's pending sample.
 int ccprof_sys_exit(struct bpf_raw_tracepoint_args *ctx) {
+    if (!ccprof_path_is(PATH_RAW))
+        return 0;
     u64 pid_tgid = bpf_get_current_pid_tgid();
     u32 tgid = pid_tgid >> 32;
     struct ccprof_tracked *t = tracked.lookup(&tgid);
@@ -192,12 +203,25 @@ int ccprof_sys_exit(struct bpf_raw_tracepoint_args *ctx) {
     bpf_probe_read_kernel(&nr, sizeof(nr), &regs->orig_ax);
     if (!ccprof_syscall_wanted(nr))
         return 0;
-    struct ccprof_event *e = ccprof_reserve(EV_RET, pid_tgid);
-    if (!e)
+    ccprof_send_ret(pid_tgid, nr, (u64)ctx->args[1]);
+    return 0;
+}
+
+// A syscalls:sys_exit_<name> event (per-syscall path, with ccprof_sys_tp): the record's
+// __syscall_nr and ret (offsets SYSCALL_NR_OFFSET, SYSCALL_RET_OFFSET).
+#define SYSCALL_RET_OFFSET 16
+int ccprof_sys_exit_tp(void *ctx) {
+    if (!ccprof_path_is(PATH_EVENTS))
         return 0;
-    e->nr = (s32)nr;
-    e->aux = (u64)ctx->args[1];
-    ccprof_submit(e);
+    u64 pid_tgid = bpf_get_current_pid_tgid();
+    u32 tgid = pid_tgid >> 32;
+    struct ccprof_tracked *t = tracked.lookup(&tgid);
+    if (!t || t->execs_left)
+        return 0;
+    long nr = (long)*(int *)((char *)ctx + SYSCALL_NR_OFFSET);
+    if (!ccprof_syscall_wanted(nr))
+        return 0;
+    ccprof_send_ret(pid_tgid, nr, *(u64 *)((char *)ctx + SYSCALL_RET_OFFSET));
     return 0;
 }
 

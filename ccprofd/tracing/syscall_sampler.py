@@ -26,7 +26,7 @@ from ccprofd.kbpf.cdefs import c_constants
 from ccprofd.kbpf.errors import BPFError
 from ccprofd.kbpf.objcache import cache_dir_under
 from ccprofd.kbpf.rawmodule import load_module
-from ccprofd.kbpf.syscall_entry import entry_plan
+from ccprofd.kbpf.syscall_entry import entry_plan, exit_event
 from ccprofd.kbpf.tracefs import tracepoint_has_field
 from ccprofd.tracing.api import RECORDS_PER_POLL
 
@@ -36,6 +36,7 @@ _C = c_constants(Path(__file__).with_name(C_SOURCE))  # the constants shared wit
 EXEC_TARGET_FLAG = _C["CCPROF_EXEC_TARGET"]  # EV_EXEC aux: the new image is an exec target
 NR_SYSCALL_SLOTS = _C["NR_SYSCALL_SLOTS"]
 SYSCALL_NR_OFFSET = _C["SYSCALL_NR_OFFSET"]  # where ccprof_sys_tp (and uw_sys_tp) read the number
+SYSCALL_RET_OFFSET = _C["SYSCALL_RET_OFFSET"]  # where ccprof_sys_exit_tp reads the return value
 CFG_SYSCALL_PATH, PATH_RAW, PATH_EVENTS = _C["CFG_SYSCALL_PATH"], _C["PATH_RAW"], _C["PATH_EVENTS"]
 
 KINDS = {_C["EV_SYSCALL"]: "syscall", _C["EV_FORK"]: "fork", _C["EV_EXEC"]: "exec", _C["EV_EXIT"]: "exit",
@@ -182,6 +183,7 @@ class SyscallSampler:
         self.module = load_module(text, cflags, cache_dir=cache_dir_under(cache_dir))
         self._pending: list[SamplerEvent] = []
         self._attached = False
+        self._returns = False
         self._tracked = self.module.map("tracked")
         self._syscall_set = self.module.map("syscall_set")
         self._config = self.module.map("config")
@@ -192,7 +194,8 @@ class SyscallSampler:
         self._nrs: list[int] | None = None
         self.set_syscalls(syscalls)
         if entry_attach:
-            self.entry_plan = entry_plan(self._nrs, nr_offset=SYSCALL_NR_OFFSET)
+            self.entry_plan = entry_plan(self._nrs, nr_offset=SYSCALL_NR_OFFSET,
+                                         ret_offset=SYSCALL_RET_OFFSET)
 
     def set_syscalls(self, syscalls: Iterable[int] | None) -> None:
         """Report these syscall numbers (None: all).  Takes effect immediately (a set that grows
@@ -206,6 +209,8 @@ class SyscallSampler:
             nrs is None or not set(nrs) <= set(self.entry_plan))
         if grows:
             self.module.attach_raw_tracepoint("sys_enter", "ccprof_sys_enter")  # idle until switched
+            if self._returns:
+                self.module.attach_raw_tracepoint("sys_exit", "ccprof_sys_exit")
         self._nrs = nrs
         if nrs is None:
             self._config.set(0, 1)
@@ -218,12 +223,20 @@ class SyscallSampler:
             self._config.set(CFG_SYSCALL_PATH, PATH_RAW)
             for event in self.entry_plan.values():
                 self.module.detach_tracepoint(event)
+                self.module.detach_tracepoint(exit_event(event))
             self.entry_plan = None
 
     def attach_returns(self) -> None:
-        """Also report the return of every reported syscall (``ret`` events, raw_syscalls:sys_exit):
-        one more program run and ring record per syscall, so only when asked."""
-        self.module.attach_raw_tracepoint("sys_exit", "ccprof_sys_exit")
+        """Also report the return of every reported syscall (``ret`` events, raw_syscalls:sys_exit,
+        or the set's own exit events on the per-syscall path): one more program run and ring record
+        per syscall, so only when asked."""
+        self._returns = True
+        if self.entry_plan is None:
+            self.module.attach_raw_tracepoint("sys_exit", "ccprof_sys_exit")
+            return
+        self._config.set(CFG_SYSCALL_PATH, PATH_EVENTS)
+        for event in self.entry_plan.values():
+            self.module.attach_tracepoint(exit_event(event), "ccprof_sys_exit_tp")
 
     def attach(self) -> None:
         """Attach all four programs.  Process tracepoints first, so no child escapes between."""

@@ -73,20 +73,23 @@ from ccprofd.kbpf.bpfmap import RawMap
 from ccprofd.kbpf.errors import BPFError
 from ccprofd.kbpf.objcache import cache_dir_under
 from ccprofd.kbpf.rawmodule import load_module
-from ccprofd.kbpf.syscall_entry import entry_plan
+from ccprofd.kbpf.syscall_entry import entry_plan, exit_event
 from ccprofd.kbpf.tracefs import tracepoint_field_offset, tracepoint_has_field
 from ccprofd.persist.cache import AnalysisCache
 from ccprofd.proc.maps import DEFAULT_PROC_ROOT
 from ccprofd.tracing.api import RECORDS_PER_POLL
 from ccprofd.tracing.history import configured_length, history_source
 from ccprofd.tracing.syscall_sampler import (
-    KINDS as SAMPLER_KINDS,
-)
-from ccprofd.tracing.syscall_sampler import (
+    CFG_SYSCALL_PATH,
     NR_SYSCALL_SLOTS,
+    PATH_EVENTS,
     SYSCALL_NR_OFFSET,
+    SYSCALL_RET_OFFSET,
     SamplerEvent,
     sampler_source,
+)
+from ccprofd.tracing.syscall_sampler import (
+    KINDS as SAMPLER_KINDS,
 )
 from ccprofd.tracing.syscall_sampler import STATS as SAMPLER_STATS
 from ccprofd.tracing.unwind.constants import (
@@ -466,8 +469,8 @@ class UnwindSampler:
         self._m["uw_config"].set(CFG_EMIT_HITS, 1 if emit_hits else 0)
         # The syscalls attached one by one (None: raw_syscalls:sys_enter): the sampled ones and
         # mmap/mprotect, whose PROT_EXEC calls uw_watch_maps must see.
-        self.entry_plan = entry_plan(syscalls, extra=MAPS_WATCHED, nr_offset=SYSCALL_NR_OFFSET) \
-            if entry_attach else None
+        self.entry_plan = entry_plan(syscalls, extra=MAPS_WATCHED, nr_offset=SYSCALL_NR_OFFSET,
+                                     ret_offset=SYSCALL_RET_OFFSET) if entry_attach else None
         self._sys_fd = -1  # the syscall program's fd once attached
         if load_early:  # the verifier runs while the maps are filled and the modules loaded
             self.programs.start("uw_sys_enter" if self.entry_plan is None else "uw_sys_tp")
@@ -507,6 +510,7 @@ class UnwindSampler:
             self._links.append(attach_raw_tracepoint_fd(self._sys_fd, "sys_enter"))
         else:
             self._sys_fd = self.programs.load("uw_sys_tp")
+            self._m["config"].set(CFG_SYSCALL_PATH, PATH_EVENTS)  # ccprof_sys_exit_tp's, for returns
             for event in self.entry_plan.values():
                 self.module.attach_tracepoint_prog(event, self._sys_fd)
         self._attached = True
@@ -517,8 +521,13 @@ class UnwindSampler:
         return self._sys_fd
 
     def attach_returns(self) -> None:
-        """Report each sampled syscall's return too (the shared sampler's sys_exit program)."""
-        self.module.attach_raw_tracepoint("sys_exit", "ccprof_sys_exit")
+        """Report each sampled syscall's return too (the shared sampler's sys_exit program, or its
+        per-syscall exit events' program)."""
+        if self.entry_plan is None:
+            self.module.attach_raw_tracepoint("sys_exit", "ccprof_sys_exit")
+            return
+        for event in self.entry_plan.values():
+            self.module.attach_tracepoint(exit_event(event), "ccprof_sys_exit_tp")
 
     def _on_sampler_event(self, raw: bytes) -> None:
         if _KIND.unpack_from(raw, 8)[0] == _EV_RET:
