@@ -11,10 +11,9 @@ configuration after another, rotating the order every round:
 * ``empty-tp``: the same program on the per-syscall ``syscalls:sys_enter_<name>`` events of the
   security set (the syscall-tracing slow path stays on for every task, but a syscall outside the
   set runs no program: the kernel tests a bitmap and returns);
-* ``trace-raw`` / ``trace-tp``: ``ccprofd trace --mode unwind -p PID`` with the security set,
-  forced onto ``raw_syscalls:sys_enter`` (``CCPROFD_SYSCALL_ATTACH=raw``) or on the per-syscall
-  events (the default for a set this small); with ``--loop``, the unwinder itself
-  (``UnwindSampler``, no encoding) in this process, tracking the loop.
+* ``trace-raw`` / ``trace-tp``: the unwinder (``UnwindSampler``, no encoding: the programs
+  ``ccprofd trace``/``run`` use) in this process with the security set, tracking the service, on
+  ``raw_syscalls:sys_enter`` or on the per-syscall events (the default for a set this small).
 
 Prints per configuration the median change against the same round's untraced run and the spread
 (min..max) of those changes, per test.  ``--loop``: instead of redis, a C loop of ``getppid()``
@@ -33,7 +32,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -129,35 +127,6 @@ def unwind_sampler(pid: int, per_syscall: bool) -> Iterator[None]:
         s.poll(0)
 
 
-def trace_cmd(attach: str, target: list[str]) -> list[str]:
-    return ["env", f"PYTHONPATH={ROOT}", f"CCPROFD_SYSCALL_ATTACH={attach}", sys.executable, "-m",
-            "ccprofd.cli", "trace", "--syscalls", ",".join(SECURITY_SET), "--format", "jsonl", "--output",
-            os.devnull, *target]
-
-
-@contextlib.contextmanager
-def traced(pid: int, attach: str) -> Iterator[None]:
-    """``ccprofd trace -p PID`` with the security set until the block ends (started when its first
-    sample... is not needed: started when it prints its attach line to stderr)."""
-    proc = subprocess.Popen(trace_cmd(attach, ["-p", str(pid)]), stderr=subprocess.PIPE, text=True,
-                            cwd=ROOT)
-    try:
-        assert proc.stderr is not None
-        deadline = time.monotonic() + 120
-        line = ""
-        while time.monotonic() < deadline:  # ccprofd trace -p says when it is attached
-            line = proc.stderr.readline()
-            if not line or "attached" in line.lower() or "tracing" in line.lower():
-                break
-        if proc.poll() is not None:
-            raise SystemExit(f"ccprofd trace failed: {line}{proc.stderr.read()}")
-        time.sleep(0.5)
-        yield
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
-
-
 def load(port: int, requests: int) -> dict[str, float]:
     out = subprocess.run(["redis-benchmark", "-p", str(port), "-t", "set,get", "-n", str(requests),
                           "-c", "50",
@@ -198,7 +167,7 @@ def main() -> None:
                     elif cfg.startswith("empty-"):
                         ctx = empty_program(cfg.split("-", 1)[1])
                     else:
-                        ctx = traced(redis.proc.pid, cfg.split("-", 1)[1])
+                        ctx = unwind_sampler(redis.proc.pid, cfg == "trace-tp")
                     with ctx:
                         got = load(redis.port, args.requests)
                     results[cfg].append(got)
@@ -242,6 +211,24 @@ def run_loop(args: argparse.Namespace) -> None:
     report(results, "ns")
 
 
+#: pairs compared round by round (the configurations measured next to each other in time)
+PAIRS = (("trace-raw", "trace-tp"), ("empty-raw", "empty-tp"), ("empty-raw", "untraced"),
+         ("empty-tp", "untraced"), ("trace-raw", "untraced"), ("trace-tp", "untraced"))
+
+
+def paired(results: dict[str, list[dict[str, float]]]) -> None:
+    """Per pair, the median over rounds of the difference A - B, and in how many rounds A > B (the
+    rounds' levels drift by a factor of ten on a loaded machine; a difference within a round less)."""
+    print("\nA | B | test | median of A - B per round | rounds with A > B")
+    for a, b in PAIRS:
+        if not results.get(a) or not results.get(b):
+            continue
+        for test in results[a][0]:
+            diffs = [x[test] - y[test] for x, y in zip(results[a], results[b], strict=True)]
+            print(f"{a} | {b} | {test} | {statistics.median(diffs):+,.0f} | "
+                  f"{sum(d > 0 for d in diffs)}/{len(diffs)}")
+
+
 def report(results: dict[str, list[dict[str, float]]], unit: str) -> None:
     configs = [c for c in results if c != "untraced"]
     print(f"\nconfiguration | test | median {unit} | median change vs same round's untraced | spread")
@@ -252,6 +239,7 @@ def report(results: dict[str, list[dict[str, float]]], unit: str) -> None:
                        for r, u in zip(results[cfg], results["untraced"], strict=True)]
             print(f"{cfg} | {test} | {statistics.median(vals):,.0f} | {statistics.median(changes):+.1f}% | "
                   f"{min(changes):+.1f}%..{max(changes):+.1f}%")
+    paired(results)
 
 
 if __name__ == "__main__":
