@@ -11,6 +11,8 @@ configuration after another, rotating the order every round:
 * ``empty-tp``: the same program on the per-syscall ``syscalls:sys_enter_<name>`` events of the
   security set (the syscall-tracing slow path stays on for every task, but a syscall outside the
   set runs no program: the kernel tests a bitmap and returns);
+* ``empty-tp-in``: the empty program on ``syscalls:sys_enter_getppid`` (``--loop``: what a syscall
+  *in* the set pays on the events path for the dispatch, against ``empty-raw``);
 * ``trace-raw`` / ``trace-tp``: the unwinder (``UnwindSampler``, no encoding: the programs
   ``ccprofd trace``/``run`` use) in this process with the security set, tracking the service, on
   ``raw_syscalls:sys_enter`` or on the per-syscall events (the default for a set this small).
@@ -43,7 +45,7 @@ from ccprofd.kbpf.attach import attach_raw_tracepoint_fd, attach_tracepoint_fd
 
 SECURITY_SET = ("execve", "openat", "connect", "accept4", "mprotect", "mmap", "clone3", "unlinkat",
                 "renameat2")
-CONFIGS = ("untraced", "empty-raw", "empty-tp", "trace-raw", "trace-tp")
+CONFIGS = ("untraced", "empty-raw", "empty-tp", "empty-tp-in", "trace-raw", "trace-tp")
 _EMPTY = rawbpf.mov64_imm(0, 0) + rawbpf.exit_insn()
 
 
@@ -59,7 +61,8 @@ def empty_program(where: str) -> Iterator[None]:
         else:
             prog = rawbpf.prog_load(5, _EMPTY, name="empty_tp")
             fds.append(prog)
-            fds += [attach_tracepoint_fd(prog, f"syscalls:sys_enter_{n}") for n in SECURITY_SET]
+            names = ("getppid",) if where == "tp-in" else SECURITY_SET
+            fds += [attach_tracepoint_fd(prog, f"syscalls:sys_enter_{n}") for n in names]
         yield
     finally:
         for fd in fds:
@@ -212,7 +215,8 @@ def run_loop(args: argparse.Namespace) -> None:
 
 
 #: pairs compared round by round (the configurations measured next to each other in time)
-PAIRS = (("trace-raw", "trace-tp"), ("empty-raw", "empty-tp"), ("empty-raw", "untraced"),
+PAIRS = (("trace-raw", "trace-tp"), ("empty-raw", "empty-tp"), ("empty-tp-in", "empty-raw"),
+         ("empty-raw", "untraced"),
          ("empty-tp", "untraced"), ("trace-raw", "untraced"), ("trace-tp", "untraced"))
 
 
