@@ -109,31 +109,28 @@ class RawModule:
         self._progs[key] = fd
         return fd
 
-    def attach_tracepoint(self, tp: str, fn_name: str, *, samples: bool = False) -> None:
-        """Attach ``fn_name`` to ``category:event``.  ``samples``: the program makes samples (a
-        syscall event), so its attachment is closed at :meth:`detach` itself, never in the
-        background (see :data:`BACKGROUND_TRACEPOINT_CLOSE`): no sample may follow a detach."""
+    def attach_tracepoint(self, tp: str, fn_name: str) -> None:
+        """Attach ``fn_name`` to ``category:event``."""
         tracepoint_id(tp)  # a bad name fails here, before the program is verified
         fd = self.load_func(fn_name, "tracepoint")
-        self._keep_tracepoint(tp, _attach.attach_tracepoint_fd(fd, tp), samples)
-
-    def _keep_tracepoint(self, tp: str, tp_fd: int, samples: bool) -> None:
+        tp_fd = _attach.attach_tracepoint_fd(fd, tp)
         self._attach_fds.append(tp_fd)
-        if not samples:
-            self._tp_fds.append(tp_fd)
+        self._tp_fds.append(tp_fd)
         self._tp_by_name.setdefault(tp, []).append(tp_fd)
 
-    def attach_tracepoint_prog(self, tp: str, prog_fd: int, *, samples: bool = False) -> None:
+    def attach_tracepoint_prog(self, tp: str, prog_fd: int) -> None:
         """Attach an already loaded tracepoint program (``prog_fd``, not owned) to ``category:event``;
         the attachment is this module's, closed as :meth:`attach_tracepoint`'s are."""
-        self._keep_tracepoint(tp, _attach.attach_tracepoint_fd(prog_fd, tp), samples)
+        tp_fd = _attach.attach_tracepoint_fd(prog_fd, tp)
+        self._attach_fds.append(tp_fd)
+        self._tp_fds.append(tp_fd)
+        self._tp_by_name.setdefault(tp, []).append(tp_fd)
 
     def detach_tracepoint(self, tp: str) -> None:
         """Detach every program this module attached to tracepoint ``category:event``."""
         for fd in self._tp_by_name.pop(tp, []):
             self._attach_fds.remove(fd)
-            if fd in self._tp_fds:
-                self._tp_fds.remove(fd)
+            self._tp_fds.remove(fd)
             os.close(fd)
 
     def attach_raw_tracepoint(self, tp: str, fn_name: str) -> None:

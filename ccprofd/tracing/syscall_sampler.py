@@ -236,7 +236,7 @@ class SyscallSampler:
             return
         self._config.set(CFG_SYSCALL_PATH, PATH_EVENTS)
         for event in self.entry_plan.values():
-            self.module.attach_tracepoint(exit_event(event), "ccprof_sys_exit_tp", samples=True)
+            self.module.attach_tracepoint(exit_event(event), "ccprof_sys_exit_tp")
 
     def attach(self) -> None:
         """Attach all four programs.  Process tracepoints first, so no child escapes between."""
@@ -250,7 +250,7 @@ class SyscallSampler:
         else:
             self._config.set(CFG_SYSCALL_PATH, PATH_EVENTS)
             for event in self.entry_plan.values():
-                self.module.attach_tracepoint(event, "ccprof_sys_tp", samples=True)
+                self.module.attach_tracepoint(event, "ccprof_sys_tp")
         self._attached = True
 
     def syscall_program_fd(self) -> int:

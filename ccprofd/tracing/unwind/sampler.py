@@ -512,7 +512,7 @@ class UnwindSampler:
             self._sys_fd = self.programs.load("uw_sys_tp")
             self._m["config"].set(CFG_SYSCALL_PATH, PATH_EVENTS)  # ccprof_sys_exit_tp's, for returns
             for event in self.entry_plan.values():
-                self.module.attach_tracepoint_prog(event, self._sys_fd, samples=True)
+                self.module.attach_tracepoint_prog(event, self._sys_fd)
         self._attached = True
 
     def syscall_program_fd(self) -> int:
@@ -527,7 +527,7 @@ class UnwindSampler:
             self.module.attach_raw_tracepoint("sys_exit", "ccprof_sys_exit")
             return
         for event in self.entry_plan.values():
-            self.module.attach_tracepoint(exit_event(event), "ccprof_sys_exit_tp", samples=True)
+            self.module.attach_tracepoint(exit_event(event), "ccprof_sys_exit_tp")
 
     def _on_sampler_event(self, raw: bytes) -> None:
         if _KIND.unpack_from(raw, 8)[0] == _EV_RET:
