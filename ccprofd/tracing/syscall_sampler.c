@@ -40,12 +40,15 @@
 #define NR_STATS 8
 
 #define CFG_ALL_SYSCALLS 0
-// Which attachment samples: raw_syscalls:sys_enter (0, the default) or the per-syscall events (1).
-// A set that grows past the events attached one by one moves to the raw tracepoint: attached with
-// this still 1, then switched, then the events detached -- no syscall is missed meanwhile.
+// Which attachment samples: raw_syscalls:sys_enter (0, the default) or the per-syscall events (1);
+// none (2) from detach on (the events' perf fds may be closed in the background, and no sample may
+// follow a detach).  A set that grows past the events attached one by one moves to the raw
+// tracepoint: attached with this still 1, then switched, then the events detached -- no syscall is
+// missed meanwhile.
 #define CFG_SYSCALL_PATH 1
 #define PATH_RAW 0
 #define PATH_EVENTS 1
+#define PATH_OFF 2
 
 struct ccprof_tracked {
     u32 execs_left;  // execs that keep tracking (a launcher's exec of the target)

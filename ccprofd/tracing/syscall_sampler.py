@@ -37,7 +37,8 @@ EXEC_TARGET_FLAG = _C["CCPROF_EXEC_TARGET"]  # EV_EXEC aux: the new image is an 
 NR_SYSCALL_SLOTS = _C["NR_SYSCALL_SLOTS"]
 SYSCALL_NR_OFFSET = _C["SYSCALL_NR_OFFSET"]  # where ccprof_sys_tp (and uw_sys_tp) read the number
 SYSCALL_RET_OFFSET = _C["SYSCALL_RET_OFFSET"]  # where ccprof_sys_exit_tp reads the return value
-CFG_SYSCALL_PATH, PATH_RAW, PATH_EVENTS = _C["CFG_SYSCALL_PATH"], _C["PATH_RAW"], _C["PATH_EVENTS"]
+CFG_SYSCALL_PATH, PATH_RAW, PATH_EVENTS, PATH_OFF = (_C[n] for n in ("CFG_SYSCALL_PATH", "PATH_RAW",
+                                                                     "PATH_EVENTS", "PATH_OFF"))
 
 KINDS = {_C["EV_SYSCALL"]: "syscall", _C["EV_FORK"]: "fork", _C["EV_EXEC"]: "exec", _C["EV_EXIT"]: "exit",
          _C["EV_RET"]: "ret"}
@@ -301,6 +302,7 @@ class SyscallSampler:
 
     def detach(self) -> None:
         """Stop sampling (every program detached); what is in the rings stays readable until close()."""
+        self._config.set(CFG_SYSCALL_PATH, PATH_OFF)  # before the events' background close
         self.module.detach()
 
     def close(self) -> None:

@@ -83,6 +83,7 @@ from ccprofd.tracing.syscall_sampler import (
     CFG_SYSCALL_PATH,
     NR_SYSCALL_SLOTS,
     PATH_EVENTS,
+    PATH_OFF,
     SYSCALL_NR_OFFSET,
     SYSCALL_RET_OFFSET,
     SamplerEvent,
@@ -685,6 +686,8 @@ class UnwindSampler:
         # (rawmodule.BACKGROUND_TRACEPOINT_CLOSE) and uw_exec runs until then.
         with contextlib.suppress(BPFError):
             self._m["uw_stop"].clear()
+        with contextlib.suppress(BPFError):  # no sample from here on, before the events' background close
+            self._m["config"].set(CFG_SYSCALL_PATH, PATH_OFF)
         for fd in self._perf_fds + self._links:
             with contextlib.suppress(OSError):
                 os.close(fd)

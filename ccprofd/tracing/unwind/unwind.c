@@ -1674,6 +1674,8 @@ int uw_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
 // says what the record holds).  Only the sampled syscalls and mmap/mprotect (uw_watch_maps) are
 // attached.
 int uw_sys_tp(void *ctx) {
+    if (!ccprof_path_is(PATH_EVENTS))
+        return 0;  // detached (the events' fds may still be closing in the background)
     return uw_sys_sample(ccprof_task_regs(), (long)*(int *)((char *)ctx + SYSCALL_NR_OFFSET));
 }
 
