@@ -12,6 +12,8 @@ alternating round by round so drifts of this shared VM hit every configuration a
   unwind mode, ``syscalls = "all"``;
 * ``unwind-security``: the same with the security set (execve, openat, connect, accept4, mprotect,
   mmap, clone3, unlinkat, renameat2);
+* ``unwind-security-raw``: the same set forced onto ``raw_syscalls:sys_enter``
+  (``CCPROFD_SYSCALL_ATTACH=raw``), as every set was sampled before the per-syscall events;
 * ``perf-dwarf``: ``perf record -e raw_syscalls:sys_enter --call-graph dwarf -p PID`` (what a user
   reaches for to get the same stacks).
 
@@ -89,8 +91,8 @@ from ccprofd.kbpf.syscalls import syscall_numbers
 
 SECURITY = ["execve", "openat", "connect", "accept4", "mprotect", "mmap", "clone3", "unlinkat", "renameat2"]
 TESTS = "get,set,lrange_100"
-CONFIGS = ("untraced", "unwind-all", "unwind-security", "perf-dwarf", "bpf-fp", "instrumented-scope",
-           "scope-probes")
+CONFIGS = ("untraced", "unwind-all", "unwind-security", "unwind-security-raw", "perf-dwarf", "bpf-fp",
+           "instrumented-scope", "scope-probes")
 
 
 # ---------------------------------------------------------------------------------- services
@@ -359,6 +361,21 @@ def bpf_stats_on(on: bool) -> Iterator[None]:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def raw_syscall_attach() -> Iterator[None]:
+    """The daemon started in the block samples on raw_syscalls:sys_enter whatever its set's size (the
+    path every set took before the per-syscall events, kbpf/syscall_entry.py)."""
+    old = os.environ.get("CCPROFD_SYSCALL_ATTACH")
+    os.environ["CCPROFD_SYSCALL_ATTACH"] = "raw"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["CCPROFD_SYSCALL_ATTACH"]
+        else:
+            os.environ["CCPROFD_SYSCALL_ATTACH"] = old
+
+
 def run_daemon(workdir: Path, svc: Service, syscalls: list[str] | str, requests: int,
                mode: str = "unwind", bpf_stats: bool = False) -> dict[str, Any]:
     """The service's load under ``ccprofd run`` with the service's binary as a ``path`` target
@@ -595,6 +612,14 @@ def targets(results: dict[str, list[dict[str, Any]]]) -> list[str]:
             ("met" if -ch["unwind-security"] <= TARGET_SECURITY else "**not met**")
         out.append(f"| {t} | {cell.get('unwind-all', '–')} | {cell.get('perf-dwarf', '–')} | "
                    f"{cell.get('unwind-security', '–')} | {met_all} | {met_sec} |")
+    if results.get("unwind-security") and results.get("unwind-security-raw"):
+        out += ["", "The security set by attach path (kbpf/syscall_entry.py), same pairing:", "",
+                "| test | per-syscall events (unwind-security) "
+                "| raw_syscalls:sys_enter (unwind-security-raw) |",
+                "|---|---:|---:|"]
+        for t in results["untraced"][0]["tests"]:
+            out.append(f"| {t} | {paired_change(results, 'unwind-security', t):+.1f}% | "
+                       f"{paired_change(results, 'unwind-security-raw', t):+.1f}% |")
     return out
 
 
@@ -620,7 +645,7 @@ def render_service(name: str, version: str, results: dict[str, list[dict[str, An
         lines += ["", "| configuration | tracer CPU % of a core | tracer peak RSS MB | samples | dropped "
                   "| contexts |",
                   "|---|---:|---:|---:|---:|---:|"]
-    for cfg in ("unwind-all", "unwind-security", "instrumented-scope"):
+    for cfg in ("unwind-all", "unwind-security", "unwind-security-raw", "instrumented-scope"):
         if results.get(cfg):
             r = results[cfg]
             lines.append(f"| {cfg} | {statistics.median(x['daemon_cpu_pct'] for x in r):.0f} | "
@@ -780,6 +805,9 @@ def main() -> int:
                             r = run_daemon(work, svc, "all", args.requests, bpf_stats=args.bpf_stats)
                         elif cfg == "unwind-security":
                             r = run_daemon(work, svc, SECURITY, args.requests)
+                        elif cfg == "unwind-security-raw":
+                            with raw_syscall_attach():
+                                r = run_daemon(work, svc, SECURITY, args.requests)
                         elif cfg == "instrumented-scope":
                             try:
                                 r = run_daemon(work, svc, "all", args.requests, "instrumented")

@@ -69,6 +69,10 @@ CASES = {
     "syscall_sampler": (PKG / "tracing/syscall_sampler.c", lambda: {
         "CCPROF_EXEC_TARGET": syscall_sampler.EXEC_TARGET_FLAG,
         "NR_SYSCALL_SLOTS": syscall_sampler.NR_SYSCALL_SLOTS,
+        "SYSCALL_NR_OFFSET": syscall_sampler.SYSCALL_NR_OFFSET,
+        "SYSCALL_RET_OFFSET": syscall_sampler.SYSCALL_RET_OFFSET,
+        "CFG_SYSCALL_PATH": syscall_sampler.CFG_SYSCALL_PATH, "PATH_RAW": syscall_sampler.PATH_RAW,
+        "PATH_EVENTS": syscall_sampler.PATH_EVENTS, "PATH_OFF": syscall_sampler.PATH_OFF,
         **{f"EV_{kind.upper()}": nr for nr, kind in syscall_sampler.KINDS.items()},
         **{f"STAT_{name.upper()}": i for i, name in enumerate(syscall_sampler.STATS)}}),
     "lsm_enforce": (PKG / "anomaly/lsm_enforce.c", lambda: {

@@ -65,6 +65,13 @@ def uprobe_links() -> set[int]:
     }
 
 
+def prog_names(ids: set[int]) -> set[str]:
+    """Names of the BPF programs with these ids, as bpftool lists them."""
+    out = subprocess.run([require_tool("bpftool"), "-j", "prog", "show"], capture_output=True, text=True,
+                         check=True).stdout
+    return {p.get("name", "") for p in json.loads(out or "[]") if p["id"] in ids}
+
+
 def config(workdir: str, binary: Path, syscalls: list[str], mode: str) -> str:
     target = target_toml("prog", f'path = "{binary}"', syscalls, mode)
     return config_text(workdir, target, daemon_extra="top_k = 5")
@@ -81,11 +88,16 @@ def test_daemon_end_to_end(bpf: None, workdir: str, tmp_path: Path, mode: str) -
             stub = daemon.stub
             daemon.wait_tracked(prog.pid)
             objs = daemon.bpf_objects()
-            # instrumented mode: uprobe_multi links on the program; unwind mode: the unwinder at
-            # raw_syscalls:sys_enter (ids of the daemon's own links: other processes' come and go)
-            want = "uprobe" if mode == "instrumented" else "raw_tracepoint"
-            assert any(want in kind for kind in objs.links.values()), objs.links
+            # instrumented mode: uprobe_multi links on the program (ids of the daemon's own links:
+            # other processes' come and go); unwind mode: the unwinder on getppid's own
+            # syscalls:sys_enter_getppid event (a one-syscall set: a perf event, no link), not on
+            # raw_syscalls:sys_enter (a raw tracepoint link)
             assert objs.progs
+            if mode == "instrumented":
+                assert any("uprobe" in kind for kind in objs.links.values()), objs.links
+            else:
+                assert not any("raw_tracepoint" in kind for kind in objs.links.values()), objs.links
+                assert "uw_sys_tp" in prog_names(objs.progs)
             if mode == "instrumented":
                 assert uprobe_links() & set(objs.links), "bpftool lists none of the daemon's links as uprobes"
             prog.stdin.write("go\n")

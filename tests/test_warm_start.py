@@ -559,8 +559,10 @@ def _bpf_prog_fds() -> int:
     return n
 
 
-def test_early_verifier_load_is_attached_or_closed(tmp_path: Path) -> None:
-    """load_early hands the unwinder to the verifier in a thread at construction; attach() uses that
+@pytest.mark.parametrize(("entry_attach", "prog"), [(False, "uw_sys_enter"), (True, "uw_sys_tp")])
+def test_early_verifier_load_is_attached_or_closed(tmp_path: Path, entry_attach: bool, prog: str) -> None:
+    """load_early hands the unwinder to the verifier in a thread at construction (the program of
+    the attach path the set takes: raw_syscalls, or the per-syscall events); attach() uses that
     load, and a sampler closed without attaching leaves no program fd behind."""
     from conftest import require_bpf
 
@@ -569,13 +571,16 @@ def test_early_verifier_load_is_attached_or_closed(tmp_path: Path) -> None:
 
     require_bpf()
     before = _bpf_prog_fds()
-    s = UnwindSampler(syscalls=[1], max_depth=64, cache=AnalysisCache(tmp_path), load_early=True)
+    s = UnwindSampler(syscalls=[1], max_depth=64, cache=AnalysisCache(tmp_path), load_early=True,
+                      entry_attach=entry_attach)
     try:
-        assert "uw_sys_enter" in s.programs.loading
+        assert list(s.programs.loading) == [prog]
     finally:
         s.close()
     assert not s.programs.loading and _bpf_prog_fds() == before
-    with UnwindSampler(syscalls=[1], max_depth=64, cache=AnalysisCache(tmp_path), load_early=True) as s:
+    with UnwindSampler(syscalls=[1], max_depth=64, cache=AnalysisCache(tmp_path), load_early=True,
+                       entry_attach=entry_attach) as s:
         s.attach()
-        assert not s.programs.loading and len(s._links) == 1 and _bpf_prog_fds() > before
+        assert not s.programs.loading and s.syscall_program_fd() >= 0 and _bpf_prog_fds() > before
+        assert len(s._links) == (0 if entry_attach else 1)  # the events' attachments are the module's
     assert _bpf_prog_fds() == before

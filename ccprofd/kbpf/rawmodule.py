@@ -75,6 +75,7 @@ class RawModule:
         self._progs: dict[tuple[str, int, int], int] = {}
         self._attach_fds: list[int] = []
         self._tp_fds: list[int] = []  # tracepoint perf events (also in _attach_fds)
+        self._tp_by_name: dict[str, list[int]] = {}  # the same, by tracepoint
         self._raw_tps: dict[str, list[int]] = {}
         self._rings = RingBufferSet()
         try:
@@ -115,6 +116,22 @@ class RawModule:
         tp_fd = _attach.attach_tracepoint_fd(fd, tp)
         self._attach_fds.append(tp_fd)
         self._tp_fds.append(tp_fd)
+        self._tp_by_name.setdefault(tp, []).append(tp_fd)
+
+    def attach_tracepoint_prog(self, tp: str, prog_fd: int) -> None:
+        """Attach an already loaded tracepoint program (``prog_fd``, not owned) to ``category:event``;
+        the attachment is this module's, closed as :meth:`attach_tracepoint`'s are."""
+        tp_fd = _attach.attach_tracepoint_fd(prog_fd, tp)
+        self._attach_fds.append(tp_fd)
+        self._tp_fds.append(tp_fd)
+        self._tp_by_name.setdefault(tp, []).append(tp_fd)
+
+    def detach_tracepoint(self, tp: str) -> None:
+        """Detach every program this module attached to tracepoint ``category:event``."""
+        for fd in self._tp_by_name.pop(tp, []):
+            self._attach_fds.remove(fd)
+            self._tp_fds.remove(fd)
+            os.close(fd)
 
     def attach_raw_tracepoint(self, tp: str, fn_name: str) -> None:
         """Attach ``fn_name`` to raw tracepoint ``tp`` (e.g. ``sys_enter``)."""
@@ -223,6 +240,7 @@ class RawModule:
         fds = [*self._attach_fds, *(fd for fds in self._raw_tps.values() for fd in fds)]
         self._attach_fds.clear()
         self._tp_fds.clear()
+        self._tp_by_name.clear()
         self._raw_tps.clear()
         for fd in fds:
             if fd not in later:

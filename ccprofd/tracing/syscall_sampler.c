@@ -40,6 +40,15 @@
 #define NR_STATS 8
 
 #define CFG_ALL_SYSCALLS 0
+// Which attachment samples: raw_syscalls:sys_enter (0, the default) or the per-syscall events (1);
+// none (2) from detach on (the events' perf fds may be closed in the background, and no sample may
+// follow a detach).  A set that grows past the events attached one by one moves to the raw
+// tracepoint: attached with this still 1, then switched, then the events detached -- no syscall is
+// missed meanwhile.
+#define CFG_SYSCALL_PATH 1
+#define PATH_RAW 0
+#define PATH_EVENTS 1
+#define PATH_OFF 2
 
 struct ccprof_tracked {
     u32 execs_left;  // execs that keep tracking (a launcher's exec of the target)
@@ -108,16 +117,15 @@ static __always_inline void ccprof_submit(struct ccprof_event *e) {
     ccprof_stat(STAT_EVENTS);
 }
 
-// raw_syscalls:sys_enter as a raw tracepoint: args[0] is the user pt_regs, args[1] the number.
-int ccprof_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
+// One syscall entry of the current task: the user registers and the number (shared by the two
+// attach paths below).
+static __always_inline int ccprof_sys_sample(void *ctx, struct pt_regs *regs, long nr) {
     u64 pid_tgid = bpf_get_current_pid_tgid();
     u32 tgid = pid_tgid >> 32;
     if (!tracked.lookup(&tgid))
         return 0;
-    long nr = (long)ctx->args[1];
     if (!ccprof_syscall_wanted(nr))
         return 0;
-    struct pt_regs *regs = (struct pt_regs *)ctx->args[0];
 #ifdef CCPROF_HOOK_SENDS_SYSCALLS
     u32 zero = 0;
     struct ccprof_event *e = syscall_scratch.lookup(&zero);
@@ -146,10 +154,48 @@ int ccprof_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
     return 0;
 }
 
+static __always_inline int ccprof_path_is(u64 path) {
+    u32 k = CFG_SYSCALL_PATH;
+    u64 *v = config.lookup(&k);
+    return (v ? *v : PATH_RAW) == path;
+}
+
+// raw_syscalls:sys_enter as a raw tracepoint: args[0] is the user pt_regs, args[1] the number.
+int ccprof_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
+    if (!ccprof_path_is(PATH_RAW))
+        return 0;
+    return ccprof_sys_sample(ctx, (struct pt_regs *)ctx->args[0], (long)ctx->args[1]);
+}
+
+// A syscalls:sys_enter_<name> event (the per-syscall attach path, kbpf/syscall_entry.py, which says
+// why): the number is the record's __syscall_nr (offset SYSCALL_NR_OFFSET); the user registers are
+// the task's pt_regs, the very pointer sys_enter passes (the entry code saved them at the top of
+// the kernel stack; the record's first word holds it too, but the verifier hides that word).
+#define SYSCALL_NR_OFFSET 8
+static __always_inline struct pt_regs *ccprof_task_regs(void) {
+    return (struct pt_regs *)bpf_task_pt_regs((struct task_struct *)bpf_get_current_task_btf());
+}
+int ccprof_sys_tp(void *ctx) {
+    if (!ccprof_path_is(PATH_EVENTS))
+        return 0;
+    return ccprof_sys_sample(ctx, ccprof_task_regs(), (long)*(int *)((char *)ctx + SYSCALL_NR_OFFSET));
+}
+
+static __always_inline void ccprof_send_ret(u64 pid_tgid, long nr, u64 ret) {
+    struct ccprof_event *e = ccprof_reserve(EV_RET, pid_tgid);
+    if (!e)
+        return;
+    e->nr = (s32)nr;
+    e->aux = ret;
+    ccprof_submit(e);
+}
+
 // raw_syscalls:sys_exit as a raw tracepoint (attached only when return values are wanted): args[0]
 // is the user pt_regs, args[1] the return value.  Same filter as the samples (a launcher that has
 // not exec'd the target yet sends none); userspace joins it to the thread's pending sample.
 int ccprof_sys_exit(struct bpf_raw_tracepoint_args *ctx) {
+    if (!ccprof_path_is(PATH_RAW))
+        return 0;
     u64 pid_tgid = bpf_get_current_pid_tgid();
     u32 tgid = pid_tgid >> 32;
     struct ccprof_tracked *t = tracked.lookup(&tgid);
@@ -160,12 +206,25 @@ int ccprof_sys_exit(struct bpf_raw_tracepoint_args *ctx) {
     bpf_probe_read_kernel(&nr, sizeof(nr), &regs->orig_ax);
     if (!ccprof_syscall_wanted(nr))
         return 0;
-    struct ccprof_event *e = ccprof_reserve(EV_RET, pid_tgid);
-    if (!e)
+    ccprof_send_ret(pid_tgid, nr, (u64)ctx->args[1]);
+    return 0;
+}
+
+// A syscalls:sys_exit_<name> event (per-syscall path, with ccprof_sys_tp): the record's
+// __syscall_nr and ret (offsets SYSCALL_NR_OFFSET, SYSCALL_RET_OFFSET).
+#define SYSCALL_RET_OFFSET 16
+int ccprof_sys_exit_tp(void *ctx) {
+    if (!ccprof_path_is(PATH_EVENTS))
         return 0;
-    e->nr = (s32)nr;
-    e->aux = (u64)ctx->args[1];
-    ccprof_submit(e);
+    u64 pid_tgid = bpf_get_current_pid_tgid();
+    u32 tgid = pid_tgid >> 32;
+    struct ccprof_tracked *t = tracked.lookup(&tgid);
+    if (!t || t->execs_left)
+        return 0;
+    long nr = (long)*(int *)((char *)ctx + SYSCALL_NR_OFFSET);
+    if (!ccprof_syscall_wanted(nr))
+        return 0;
+    ccprof_send_ret(pid_tgid, nr, *(u64 *)((char *)ctx + SYSCALL_RET_OFFSET));
     return 0;
 }
 

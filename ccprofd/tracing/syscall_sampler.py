@@ -26,6 +26,7 @@ from ccprofd.kbpf.cdefs import c_constants
 from ccprofd.kbpf.errors import BPFError
 from ccprofd.kbpf.objcache import cache_dir_under
 from ccprofd.kbpf.rawmodule import load_module
+from ccprofd.kbpf.syscall_entry import entry_plan, exit_event
 from ccprofd.kbpf.tracefs import tracepoint_has_field
 from ccprofd.tracing.api import RECORDS_PER_POLL
 
@@ -34,6 +35,10 @@ EXEC_TARGET_SOURCE = "exec_target.c"
 _C = c_constants(Path(__file__).with_name(C_SOURCE))  # the constants shared with the C (kbpf/cdefs.py)
 EXEC_TARGET_FLAG = _C["CCPROF_EXEC_TARGET"]  # EV_EXEC aux: the new image is an exec target
 NR_SYSCALL_SLOTS = _C["NR_SYSCALL_SLOTS"]
+SYSCALL_NR_OFFSET = _C["SYSCALL_NR_OFFSET"]  # where ccprof_sys_tp (and uw_sys_tp) read the number
+SYSCALL_RET_OFFSET = _C["SYSCALL_RET_OFFSET"]  # where ccprof_sys_exit_tp reads the return value
+CFG_SYSCALL_PATH, PATH_RAW, PATH_EVENTS, PATH_OFF = (_C[n] for n in ("CFG_SYSCALL_PATH", "PATH_RAW",
+                                                                     "PATH_EVENTS", "PATH_OFF"))
 
 KINDS = {_C["EV_SYSCALL"]: "syscall", _C["EV_FORK"]: "fork", _C["EV_EXEC"]: "exec", _C["EV_EXIT"]: "exit",
          _C["EV_RET"]: "ret"}
@@ -163,6 +168,7 @@ class SyscallSampler:
         prelude: str = "",
         cflags: Sequence[str] = (),
         cache_dir: str | os.PathLike[str] | None = None,
+        entry_attach: bool = True,
     ) -> None:
         if max_tracked < 1:
             raise BPFError(f"max_tracked must be positive, not {max_tracked}")
@@ -178,30 +184,60 @@ class SyscallSampler:
         self.module = load_module(text, cflags, cache_dir=cache_dir_under(cache_dir))
         self._pending: list[SamplerEvent] = []
         self._attached = False
+        self._returns = False
         self._tracked = self.module.map("tracked")
         self._syscall_set = self.module.map("syscall_set")
         self._config = self.module.map("config")
         self._stats = self.module.map("stats")
         self.module.open_ring_buffer("events", lambda raw: self._pending.append(SamplerEvent.decode(raw)))
+        #: the syscalls attached one by one (kbpf/syscall_entry.py), None: raw_syscalls:sys_enter
+        self.entry_plan: dict[int, str] | None = None
+        self._nrs: list[int] | None = None
         self.set_syscalls(syscalls)
+        if entry_attach:
+            self.entry_plan = entry_plan(self._nrs, nr_offset=SYSCALL_NR_OFFSET,
+                                         ret_offset=SYSCALL_RET_OFFSET)
 
     def set_syscalls(self, syscalls: Iterable[int] | None) -> None:
-        """Report these syscall numbers (None: all).  Takes effect immediately."""
-        if syscalls is None:
+        """Report these syscall numbers (None: all).  Takes effect immediately (a set that grows
+        past the per-syscall events attached moves to raw_syscalls:sys_enter, with no gap)."""
+        nrs = None if syscalls is None else sorted(set(syscalls))
+        if nrs is not None:
+            bad = [n for n in nrs if not 0 <= n < NR_SYSCALL_SLOTS]
+            if bad:
+                raise BPFError(f"syscall number out of range: {bad[0]}")
+        grows = self._attached and self.entry_plan is not None and (
+            nrs is None or not set(nrs) <= set(self.entry_plan))
+        if grows:
+            self.module.attach_raw_tracepoint("sys_enter", "ccprof_sys_enter")  # idle until switched
+            if self._returns:
+                self.module.attach_raw_tracepoint("sys_exit", "ccprof_sys_exit")
+        self._nrs = nrs
+        if nrs is None:
             self._config.set(0, 1)
-            return
-        nrs = sorted(set(syscalls))
-        bad = [n for n in nrs if not 0 <= n < NR_SYSCALL_SLOTS]
-        if bad:
-            raise BPFError(f"syscall number out of range: {bad[0]}")
-        self._config.set(0, 0)
-        self._syscall_set.clear()
-        self._syscall_set.update_many([(n, 1) for n in nrs])
+        else:
+            self._config.set(0, 0)
+            self._syscall_set.clear()
+            self._syscall_set.update_many([(n, 1) for n in nrs])
+        if grows:
+            assert self.entry_plan is not None
+            self._config.set(CFG_SYSCALL_PATH, PATH_RAW)
+            for event in self.entry_plan.values():
+                self.module.detach_tracepoint(event)
+                self.module.detach_tracepoint(exit_event(event))
+            self.entry_plan = None
 
     def attach_returns(self) -> None:
-        """Also report the return of every reported syscall (``ret`` events, raw_syscalls:sys_exit):
-        one more program run and ring record per syscall, so only when asked."""
-        self.module.attach_raw_tracepoint("sys_exit", "ccprof_sys_exit")
+        """Also report the return of every reported syscall (``ret`` events, raw_syscalls:sys_exit,
+        or the set's own exit events on the per-syscall path): one more program run and ring record
+        per syscall, so only when asked."""
+        self._returns = True
+        if self.entry_plan is None:
+            self.module.attach_raw_tracepoint("sys_exit", "ccprof_sys_exit")
+            return
+        self._config.set(CFG_SYSCALL_PATH, PATH_EVENTS)
+        for event in self.entry_plan.values():
+            self.module.attach_tracepoint(exit_event(event), "ccprof_sys_exit_tp")
 
     def attach(self) -> None:
         """Attach all four programs.  Process tracepoints first, so no child escapes between."""
@@ -210,8 +246,20 @@ class SyscallSampler:
         self.module.attach_tracepoint("sched:sched_process_fork", "ccprof_fork")
         self.module.attach_tracepoint("sched:sched_process_exec", "ccprof_exec")
         self.module.attach_tracepoint("sched:sched_process_exit", "ccprof_exit")
-        self.module.attach_raw_tracepoint("sys_enter", "ccprof_sys_enter")
+        if self.entry_plan is None:
+            self.module.attach_raw_tracepoint("sys_enter", "ccprof_sys_enter")
+        else:
+            self._config.set(CFG_SYSCALL_PATH, PATH_EVENTS)
+            for event in self.entry_plan.values():
+                self.module.attach_tracepoint(event, "ccprof_sys_tp")
         self._attached = True
+
+    def syscall_program_fd(self) -> int:
+        """The program that runs at syscall entry (on raw_syscalls:sys_enter, or on the per-syscall
+        events), -1 before :meth:`attach`: its run count is how many syscalls paid for the sampler."""
+        if not self._attached:
+            return -1
+        return self.module.program_fds["ccprof_sys_enter" if self.entry_plan is None else "ccprof_sys_tp"]
 
     def track(self, tgid: int, *, execs: int = 0) -> None:
         """Track process ``tgid`` (and, from now on, its children).  ``execs``: how many execs keep
@@ -254,6 +302,7 @@ class SyscallSampler:
 
     def detach(self) -> None:
         """Stop sampling (every program detached); what is in the rings stays readable until close()."""
+        self._config.set(CFG_SYSCALL_PATH, PATH_OFF)  # before the events' background close
         self.module.detach()
 
     def close(self) -> None:

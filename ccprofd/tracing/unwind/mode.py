@@ -150,7 +150,9 @@ class UnwindMode(ModeBase[Record, tuple[int, int]]):
                                      cache=analysis_cache, load_early=True,
                                      events_ringbuf_pages=RET_RINGBUF_PAGES if self.options.retval else 16,
                                      enforce_keys=0 if enf is None else max(1, len(enf.allowed)),
-                                     history=self.options.history)
+                                     history=self.options.history,
+                                     # CPU samples need uw_watch_maps to see the next syscall, any
+                                     entry_attach=not self.options.sample_hz)
         if enf is not None:
             self.enforcement_maps = UnwindEnforcementMaps(self.sampler.module)
             self.enforcement_maps.configure(enf.allowed, enf.syscalls, kill=enf.kill,

@@ -14,6 +14,7 @@ from ccprofd.kbpf import rawbpf
 from ccprofd.kbpf.errors import BPFError
 from ccprofd.kbpf.rawmodule import RawModule
 
+BPF_PROG_TYPE_TRACEPOINT = 5
 BPF_PROG_TYPE_PERF_EVENT = 7
 BPF_PROG_TYPE_RAW_TRACEPOINT = 17
 _BPF_CALL = 0x85
@@ -21,6 +22,7 @@ _LD_IMM64 = 0x18
 _MOV64_IMM = 0xB7
 #: the syscall and CPU-sampling unwinders: program type and callback kind
 PROGRAMS = {"uw_sys_enter": (BPF_PROG_TYPE_RAW_TRACEPOINT, "sys"),
+            "uw_sys_tp": (BPF_PROG_TYPE_TRACEPOINT, "sys"),  # per-syscall events (kbpf/syscall_entry.py)
             "uw_cpu_sample": (BPF_PROG_TYPE_PERF_EVENT, "cpu")}
 
 

@@ -73,18 +73,24 @@ from ccprofd.kbpf.bpfmap import RawMap
 from ccprofd.kbpf.errors import BPFError
 from ccprofd.kbpf.objcache import cache_dir_under
 from ccprofd.kbpf.rawmodule import load_module
+from ccprofd.kbpf.syscall_entry import entry_plan, exit_event
 from ccprofd.kbpf.tracefs import tracepoint_field_offset, tracepoint_has_field
 from ccprofd.persist.cache import AnalysisCache
 from ccprofd.proc.maps import DEFAULT_PROC_ROOT
 from ccprofd.tracing.api import RECORDS_PER_POLL
 from ccprofd.tracing.history import configured_length, history_source
 from ccprofd.tracing.syscall_sampler import (
-    KINDS as SAMPLER_KINDS,
-)
-from ccprofd.tracing.syscall_sampler import (
+    CFG_SYSCALL_PATH,
     NR_SYSCALL_SLOTS,
+    PATH_EVENTS,
+    PATH_OFF,
+    SYSCALL_NR_OFFSET,
+    SYSCALL_RET_OFFSET,
     SamplerEvent,
     sampler_source,
+)
+from ccprofd.tracing.syscall_sampler import (
+    KINDS as SAMPLER_KINDS,
 )
 from ccprofd.tracing.syscall_sampler import STATS as SAMPLER_STATS
 from ccprofd.tracing.unwind.constants import (
@@ -102,6 +108,8 @@ from ccprofd.tracing.unwind.constants import (
     MEMO_UNCHECKED,
     REASONS,
     STATS,
+    UW_NR_MMAP,
+    UW_NR_MPROTECT,
 )
 from ccprofd.tracing.unwind.plan import UnwindEncoding
 from ccprofd.tracing.unwind.processes import ProcessTracker, ResolvedPc
@@ -372,6 +380,11 @@ def memo_setting(mode: str) -> int:
     return modes[mode]
 
 
+#: syscalls the unwinder always looks at (unwind.c's uw_watch_maps: mmap, mprotect with PROT_EXEC),
+#: attached on the per-syscall path even when not sampled
+MAPS_WATCHED = (UW_NR_MMAP, UW_NR_MPROTECT)
+
+
 class UnwindSampler:
     """Unwind the user stacks of tracked processes at selected syscalls.
 
@@ -381,6 +394,9 @@ class UnwindSampler:
     encoding in the maps), :class:`~ccprofd.tracing.unwind.processes.ProcessTracker` (processes
     and their mappings), :class:`~ccprofd.tracing.unwind.programs.ProgramLoader` (the unwinders'
     verifier loads); this class owns the BPF module and its attachments and ties them together.
+    Why this class is long: it is the one owner of the module and of every attachment (process
+    tracepoints, the syscall program on raw_syscalls or on per-syscall events, CPU sampling), which
+    are made and closed in an order that matters; splitting it would spread that order over classes.
     """
 
     def __init__(
@@ -406,6 +422,7 @@ class UnwindSampler:
         emit_hits: bool = False,
         load_early: bool = False, enforce_keys: int = 0,  # enforce_keys: UW_ENFORCE, see enforcement.py
         history: int | None = None,  # flight recorder events per thread (history.configured_length)
+        entry_attach: bool = True,  # a small set on its syscalls:sys_enter_* events (kbpf/syscall_entry.py)
     ) -> None:
         if max_depth < 1 or max_depth & (max_depth - 1):
             raise BPFError(f"max_depth must be a power of two, not {max_depth}")
@@ -451,8 +468,13 @@ class UnwindSampler:
         self.module.open_ring_buffer("events", self._on_sampler_event)
         self._m["uw_config"].set(CFG_AGGREGATE, 1 if aggregate else 0)
         self._m["uw_config"].set(CFG_EMIT_HITS, 1 if emit_hits else 0)
+        # The syscalls attached one by one (None: raw_syscalls:sys_enter): the sampled ones and
+        # mmap/mprotect, whose PROT_EXEC calls uw_watch_maps must see.
+        self.entry_plan = entry_plan(syscalls, extra=MAPS_WATCHED, nr_offset=SYSCALL_NR_OFFSET,
+                                     ret_offset=SYSCALL_RET_OFFSET) if entry_attach else None
+        self._sys_fd = -1  # the syscall program's fd once attached
         if load_early:  # the verifier runs while the maps are filled and the modules loaded
-            self.programs.start("uw_sys_enter")
+            self.programs.start("uw_sys_enter" if self.entry_plan is None else "uw_sys_tp")
         if encoding is not None:
             try:
                 self.tables.upload_encoding(encoding)
@@ -484,12 +506,29 @@ class UnwindSampler:
                        ("sched:sched_process_exec", "uw_exec"), ("sched:sched_process_exec", "ccprof_exec"),
                        ("sched:sched_process_exit", "uw_exit"), ("sched:sched_process_exit", "ccprof_exit")):
             self.module.attach_tracepoint(tp, fn)
-        self._links.append(attach_raw_tracepoint_fd(self.programs.load("uw_sys_enter"), "sys_enter"))
+        if self.entry_plan is None:
+            self._sys_fd = self.programs.load("uw_sys_enter")
+            self._links.append(attach_raw_tracepoint_fd(self._sys_fd, "sys_enter"))
+        else:
+            self._sys_fd = self.programs.load("uw_sys_tp")
+            self._m["config"].set(CFG_SYSCALL_PATH, PATH_EVENTS)  # ccprof_sys_exit_tp's, for returns
+            for event in self.entry_plan.values():
+                self.module.attach_tracepoint_prog(event, self._sys_fd)
         self._attached = True
 
+    def syscall_program_fd(self) -> int:
+        """The program that runs at syscall entry (on raw_syscalls:sys_enter, or on the per-syscall
+        events), -1 before :meth:`attach`: its run count is how many syscalls paid for the sampler."""
+        return self._sys_fd
+
     def attach_returns(self) -> None:
-        """Report each sampled syscall's return too (the shared sampler's sys_exit program)."""
-        self.module.attach_raw_tracepoint("sys_exit", "ccprof_sys_exit")
+        """Report each sampled syscall's return too (the shared sampler's sys_exit program, or its
+        per-syscall exit events' program)."""
+        if self.entry_plan is None:
+            self.module.attach_raw_tracepoint("sys_exit", "ccprof_sys_exit")
+            return
+        for event in self.entry_plan.values():
+            self.module.attach_tracepoint(exit_event(event), "ccprof_sys_exit_tp")
 
     def _on_sampler_event(self, raw: bytes) -> None:
         if _KIND.unpack_from(raw, 8)[0] == _EV_RET:
@@ -647,6 +686,8 @@ class UnwindSampler:
         # (rawmodule.BACKGROUND_TRACEPOINT_CLOSE) and uw_exec runs until then.
         with contextlib.suppress(BPFError):
             self._m["uw_stop"].clear()
+        with contextlib.suppress(BPFError):  # no sample from here on, before the events' background close
+            self._m["config"].set(CFG_SYSCALL_PATH, PATH_OFF)
         for fd in self._perf_fds + self._links:
             with contextlib.suppress(OSError):
                 os.close(fd)

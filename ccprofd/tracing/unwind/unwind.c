@@ -1496,11 +1496,14 @@ static __always_inline void uw_inherit(struct ccprof_tracked *t, u32 tgid) {
 }
 
 // mmap/mprotect with PROT_EXEC: the mapping exists once the call returns, i.e. at the process's
-// next syscall; tell userspace then so it re-reads the maps.
+// next syscall; tell userspace then so it re-reads the maps.  (On the per-syscall attach path these
+// two are attached whatever the set, and "next syscall" is the next attached one: constants.py.)
 // The count of such calls is UW_TB_MAPS (an atomic add: calls of two threads both count); a syscall
 // that finds it differing from UW_TB_MAPS_SEEN stores the count it read there, then tells userspace.
 // Two threads may both tell it (as with a map entry that both found); none is missed, as the
 // count stored is always one an event is sent for.
+#define UW_NR_MMAP 9
+#define UW_NR_MPROTECT 10
 static __always_inline void uw_watch_maps(struct ccprof_tracked *t, u32 tgid, long nr, struct pt_regs *regs) {
     u8 maps = *uw_tbyte(t, UW_TB_MAPS);
     if (maps != *uw_tbyte(t, UW_TB_MAPS_SEEN)) {
@@ -1517,7 +1520,7 @@ static __always_inline void uw_watch_maps(struct ccprof_tracked *t, u32 tgid, lo
             uw_stat(UW_STAT_MAPS_LOST, 1);
         }
     }
-    if (nr == 9 || nr == 10) {  // mmap, mprotect: prot is the third argument (rdx)
+    if (nr == UW_NR_MMAP || nr == UW_NR_MPROTECT) {  // prot is the third argument (rdx)
         u64 prot = 0;
         bpf_probe_read_kernel(&prot, sizeof(prot), &regs->dx);
         if (prot & 4)  // PROT_EXEC
@@ -1680,14 +1683,13 @@ static __always_inline void uw_enforce(u32 slot, u32 tgid, u32 tid, long nr) {
 #define UW_ENFORCE_SYS(tgid, tid, nr)
 #endif
 
-int uw_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
+// One syscall entry (shared by the raw_syscalls:sys_enter and the per-syscall attach paths below).
+static __always_inline int uw_sys_sample(struct pt_regs *regs, long nr) {
     u64 pid_tgid = bpf_get_current_pid_tgid();
     u32 tgid = pid_tgid >> 32;
     struct ccprof_tracked *t = tracked.lookup(&tgid);
     if (!t || t->execs_left)
         return 0;  // not tracked, or a launcher that has not exec'd the target yet
-    long nr = (long)ctx->args[1];
-    struct pt_regs *regs = (struct pt_regs *)ctx->args[0];
     uw_inherit(t, tgid);
     if (uw_held.lookup(&tgid)) {
         // Running although we still hold it: a SIGCONT that was not ours -- another instance's
@@ -1706,6 +1708,19 @@ int uw_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
               uw_arena_sys, 1, 1, 1 UE_CALLBACKS_SYS);
     UW_ENFORCE_SYS(tgid, (u32)pid_tgid, nr);
     return 0;
+}
+
+int uw_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
+    return uw_sys_sample((struct pt_regs *)ctx->args[0], (long)ctx->args[1]);
+}
+
+// A syscalls:sys_enter_<name> event (per-syscall attach path; syscall_sampler.c's ccprof_sys_tp
+// says what the record holds).  Only the sampled syscalls and mmap/mprotect (uw_watch_maps) are
+// attached.
+int uw_sys_tp(void *ctx) {
+    if (!ccprof_path_is(PATH_EVENTS))
+        return 0;  // detached (the events' fds may still be closing in the background)
+    return uw_sys_sample(ccprof_task_regs(), (long)*(int *)((char *)ctx + SYSCALL_NR_OFFSET));
 }
 
 // CPU-clock sample of a tracked process: unwind from its user registers.  The task's pt_regs (top
