@@ -64,3 +64,14 @@ def test_a_cold_analysis_does_not_import_the_capstone_package(tmp_path: object) 
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          env={**os.environ, "PYTHONPATH": ROOT}).stdout
     assert out.strip() == "[]"
+
+
+def test_without_the_library_the_package_is_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where libcapstone cannot be loaded alone, capstone.Cs does the same work, and the compiled
+    sweep gets the package's entry points."""
+    monkeypatch.setattr(x86dis, "library", lambda: None)
+    md = x86dis.x86_64(skipdata=True)
+    assert isinstance(md, capstone.Cs) and md.skipdata
+    assert list(md.disasm_lite(b"\xe8\x00\x00\x00\x00", 0x10)) == [(0x10, 5, "call", "0x15")]
+    assert x86dis.entry_points() == tuple(ctypes.cast(getattr(capstone._cs, n), ctypes.c_void_p).value
+                                          for n in ("cs_disasm_iter", "cs_malloc", "cs_free"))
