@@ -6,6 +6,8 @@ must not depend on which loop ran."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from conftest import skip_or_fail
 from programs.build import build
@@ -256,3 +258,102 @@ def test_section_lookup_by_bisection_equals_the_loop(path: str) -> None:
     probes |= {sym.value for sym in table.image.symbols()}
     for addr in probes:
         assert table.section_of(addr) is by_loop(addr), hex(addr)
+
+
+def _eh_frame(path: str) -> tuple[bytes, int]:
+    image = ElfImage(path)
+    eh = image.sections[".eh_frame"]
+    return image.section_bytes(eh), eh.vaddr
+
+
+def _python_ranges(data: bytes, vaddr: int) -> list[tuple[int, int, bool, bool]]:
+    from ccprofd.elf.cfi import fde_ranges
+
+    return [(r.start, r.end, r.entry, r.signal_frame) for r in fde_ranges(data, vaddr)]
+
+
+@pytest.mark.parametrize("path", [*SYSTEM, "/usr/bin/node", "calls", "tailcall", "recursion"])
+def test_compiled_fde_ranges_equal_python_fde_ranges(path: str, compiled: None) -> None:
+    """csweep.fde_ranges reads real .eh_frame sections whole (no fall-back to Python) and finds every
+    FDE's range, entry flag and signal flag as cfi.fde_ranges (the reference) does, in order."""
+    from ccprofd.callgraph import functions
+
+    if "/" not in path:
+        path = build(path, opt="O2", pie=True, strip=False)
+    data, vaddr = _eh_frame(path)
+    got = functions.csweep.fde_ranges(data, vaddr)
+    assert got is not None
+    reference = _python_ranges(data, vaddr)
+    assert got == reference
+    assert any(not r[2] for r in reference) or "/" not in path  # system binaries have .cold fragments
+    assert [type(x) for r in got[:50] for x in r] == [type(x) for r in reference[:50] for x in r]
+
+
+def _section(cie_insns: bytes, fde_insns: bytes, data_align: int = 0x78, aug: bytes = b"zR") -> bytes:
+    """A one-CIE, one-FDE .eh_frame (pc-relative sdata4 pointers) with the given instructions: its
+    FDE covers [x, x + 0x40) where x = 0x1000 + where the FDE's pc_begin field is."""
+    import struct
+
+    cie_body = b"\x00\x00\x00\x00\x01" + aug + b"\x00\x01" + bytes([data_align]) + b"\x10"
+    if aug.startswith(b"z"):
+        cie_body += b"\x01\x1b"
+    cie_body += cie_insns
+    cie_body += b"\x00" * (-len(cie_body) % 4)
+    cie = struct.pack("<I", len(cie_body)) + cie_body
+    fde_id_at = len(cie) + 4
+    fde_body = struct.pack("<Ii", fde_id_at, 0x1000) + struct.pack("<I", 0x40)
+    if aug.startswith(b"z"):
+        fde_body += b"\x00"
+    fde_body += fde_insns
+    fde_body += b"\x00" * (-len(fde_body) % 4)
+    return cie + struct.pack("<I", len(fde_body)) + fde_body + b"\x00" * 4
+
+
+@pytest.mark.parametrize(("cie_insns", "fde_insns", "entry"), [
+    (b"\x0c\x07\x08\x90\x01", b"", True),  # def_cfa rsp+8, offset rip: an entry
+    (b"\x0c\x07\x08\x90\x01", b"\x0e\x10", False),  # def_cfa_offset 16 before any advance: a fragment
+    (b"\x0c\x07\x08\x90\x01", b"\x41\x0e\x10", True),  # advance first: an entry
+    (b"\x0c\x07\x08", b"\x13\x7f", True),  # def_cfa_offset_sf -1 * data_align(-8) = 8: an entry
+    (b"\x0c\x07\x08", b"\x13\x7e", False),  # ... -2 * -8 = 16: a fragment
+    (b"\x0c\x07\x08", b"\x0a\x0e\x20\x0b", True),  # remember, cfa 32, restore: rsp+8 again
+    (b"\x0c\x07\x10", b"\x0f\x02\x77\x08\x0e\x08", False),  # an expression outlives def_cfa_offset
+    (b"\x0c\x07\x10", b"\x0f\x02\x77\x08\x0c\x07\x08", True),  # def_cfa ends it
+    (b"\x0c\x06\x08", b"\x2e\x10\x05\x06\x02", False),  # CFA from rbp; args_size, offset_ext skipped
+    (b"\x0c\x06\x08", b"\x2e\x10\x05\x06\x02\x0d\x07", True),  # ... then rsp: rsp+8
+])
+def test_compiled_fde_ranges_on_hand_made_sections(cie_insns: bytes, fde_insns: bytes, entry: bool,
+                                                   compiled: None) -> None:
+    """Hand-made CFI (the opcodes that decide an entry): the compiled walk finds the entry flag worked
+    out by hand, as the reference does."""
+    from ccprofd.callgraph import functions
+
+    data = _section(cie_insns, fde_insns)
+    got = functions.csweep.fde_ranges(data, 0x2000)
+    assert got is not None
+    assert got == _python_ranges(data, 0x2000)
+    assert got[0][2:] == (entry, False)
+    field = 0x2000 + 4 + int.from_bytes(data[:4], "little") + 8  # vaddr + CIE + FDE length and CIE id
+    assert got[0][:2] == (field + 0x1000, field + 0x1040)
+
+
+@pytest.mark.parametrize(("cie_insns", "fde_insns", "aug"), [
+    (b"\x0c\x07\x08", b"\x3f", b"zR"),  # an unknown opcode: Python keeps the state read so far
+    (b"\x0c\x07\x08\x3f", b"", b"zR"),  # ... in the CIE: Python reports the corrupt section
+    (b"\x0c\x07\x08", b"", b"zRB"),  # an augmentation the compiled walk does not know
+])
+def test_compiled_fde_ranges_leave_the_unusual_to_python(cie_insns: bytes, fde_insns: bytes, aug: bytes,
+                                                         compiled: None) -> None:
+    """What the compiled walk does not cover returns None, and eh_frame_ranges then answers as
+    cfi.fde_ranges does (its ranges, or its error as a BinaryError)."""
+    from ccprofd.callgraph import functions
+    from ccprofd.elf.errors import BinaryError, CfiError
+
+    data = _section(cie_insns, fde_insns, aug=aug)
+    assert functions.csweep.fde_ranges(data, 0x2000) is None
+    try:
+        reference = _python_ranges(data, 0x2000)
+    except CfiError as exc:
+        with pytest.raises(BinaryError, match=re.escape(str(exc))):
+            functions.eh_frame_ranges(data, 0x2000, "x")
+    else:
+        assert functions.eh_frame_ranges(data, 0x2000, "x") == reference

@@ -11,10 +11,9 @@ from bisect import bisect_left
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-from capstone import Cs
 from elftools.elf.relocation import RelocationSection
 
-from ccprofd.callgraph.disasm import Branch, SweepResult, csweep, first_non_padding, make_disassembler
+from ccprofd.callgraph.disasm import Branch, Cs, SweepResult, csweep, first_non_padding, make_disassembler
 from ccprofd.callgraph.functions import FunctionInfo, FunctionTable
 from ccprofd.callgraph.model import SITE_KINDS, BinaryInfo, CallGraph, GraphRows
 from ccprofd.callgraph.parallel import sweep_functions

@@ -14,10 +14,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import cache
 from sys import intern
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
-from capstone import CS_ARCH_X86, CS_ERR_OK, CS_MODE_64, Cs, CsError, _cs, _cs_insn
-from capstone.x86_const import X86_INS_CALL, X86_INS_ENDING, X86_INS_JMP
+from ccprofd.elf.x86dis import CsInsn as _cs_insn
+from ccprofd.elf.x86dis import entry_points, x86_64
 
 try:  # sweep()'s compiled loop (csweep.c, built by scripts/build_ext.sh); the Python one is the reference
     import ccprofd.callgraph.csweep as csweep  # type: ignore[import-not-found, unused-ignore]
@@ -50,10 +50,24 @@ class SweepResult:
     instructions: int
 
 
+Cs = Any  # ccprofd.elf.x86dis.X86_64, or capstone.Cs where libcapstone cannot be loaded alone
+
+
 def make_disassembler() -> Cs:
-    md = Cs(CS_ARCH_X86, CS_MODE_64)
-    md.skipdata = True
-    return md
+    return x86_64(skipdata=True)
+
+
+@cache
+def _insn_ids() -> tuple[int, int, int]:
+    """capstone's X86_INS_CALL, X86_INS_JMP and X86_INS_ENDING (the first id without a name), read
+    from the library: capstone.x86_const cannot be imported without all of capstone's bindings."""
+    md = x86_64()
+    names = {}
+    i = 1
+    while (name := md.insn_name(i)) is not None:
+        names[name] = i
+        i += 1
+    return names["call"], names["jmp"], i
 
 
 # capstone's cs_insn array is read straight from its memory: decoding every instruction's mnemonic and
@@ -73,9 +87,11 @@ def _looked_at_ids() -> tuple[frozenset[int], frozenset[int], frozenset[int], fr
     """Ids of the instructions whose mnemonic the sweep may act on: (branches, of which conditional
     jumps, ``mov``/``movabs``, the rest).  A superset: the mnemonic (its first letter for the common
     branches) still decides; prefixed forms such as ``bnd jmp`` keep their instruction's id."""
-    md = Cs(CS_ARCH_X86, CS_MODE_64)
+    md = x86_64()
+    _, x86_ins_jmp, x86_ins_ending = _insn_ids()
+    assert x86_ins_ending < 1 << 16  # an id's two low bytes are the whole id
     branches, moves, other = set(), set(), set()
-    for i in range(1, X86_INS_ENDING):
+    for i in range(1, x86_ins_ending):
         name = md.insn_name(i) or ""
         if name[:1] == "j" or name.endswith(("call", "jmp")):
             branches.add(i)
@@ -83,7 +99,7 @@ def _looked_at_ids() -> tuple[frozenset[int], frozenset[int], frozenset[int], fr
             moves.add(i)
         elif name in ("lea", "push"):
             other.add(i)
-    jcc = {i for i in branches if (md.insn_name(i) or "")[:1] == "j" and i != X86_INS_JMP}
+    jcc = {i for i in branches if (md.insn_name(i) or "")[:1] == "j" and i != x86_ins_jmp}
     return frozenset(branches), frozenset(jcc), frozenset(moves), frozenset(other)
 
 
@@ -93,7 +109,6 @@ _MOV_RM = bytes(0xFF if 0x88 <= b <= 0x8B else 0 for b in range(256))
 _REX = bytes(0xFF if 0x40 <= b <= 0x4F else 0 for b in range(256))
 _BRANCH, _MOVE, _OTHER = 1, 2, 4  # record classes
 _LOOKED_AT = re.compile(rb"[^\x00]")
-assert X86_INS_ENDING < 1 << 16  # an id's two low bytes are the whole id
 
 
 @cache
@@ -115,10 +130,9 @@ def _scan_tables() -> tuple[bytes, bytes, tuple[int, ...]]:
     """csweep.scan's tables: each id's record class, whether it is a jcc, and cs_insn's layout."""
     branch, jcc, moves, other = _looked_at_ids()
     classes = bytes(_BRANCH if i in branch else _MOVE if i in moves else _OTHER if i in other else 0
-                    for i in range(X86_INS_ENDING))
-    jccs = bytes(1 if i in jcc else 0 for i in range(X86_INS_ENDING))
-    layout = (_INSN, _MNEM, _OPS, _BYTES, _cs_insn.mnemonic.size, _cs_insn.op_str.size, X86_INS_CALL,
-              X86_INS_JMP)
+                    for i in range(_insn_ids()[2]))
+    jccs = bytes(1 if i in jcc else 0 for i in range(_insn_ids()[2]))
+    layout = (_INSN, _MNEM, _OPS, _BYTES, _cs_insn.mnemonic.size, _cs_insn.op_str.size, *_insn_ids()[:2])
     return classes, jccs, layout
 
 
@@ -141,6 +155,8 @@ def _classes(buf: bytes, n: int) -> bytes:
 
 def _raw_insns(md: Cs, code: bytes, base: int) -> tuple[bytes, int]:
     """The cs_insn records of ``code`` as one bytes object, and their count."""
+    from capstone import CS_ERR_OK, CsError, _cs, _cs_insn  # the fall-back without csweep.sweep only
+
     insns = ctypes.POINTER(_cs_insn)()
     n = _cs.cs_disasm(md.csh, code, len(code), base, 0, ctypes.byref(insns))
     if n <= 0:
@@ -156,10 +172,9 @@ def _raw_insns(md: Cs, code: bytes, base: int) -> tuple[bytes, int]:
 
 @cache
 def _iter_entry_points() -> tuple[int, int, int]:
-    """Addresses of cs_disasm_iter, cs_malloc and cs_free in the capstone library the binding loaded
-    (csweep.sweep calls them: one reused record per instruction instead of cs_disasm's array)."""
-    return tuple(ctypes.cast(getattr(_cs, name), ctypes.c_void_p).value or 0  # type: ignore[return-value]
-                 for name in ("cs_disasm_iter", "cs_malloc", "cs_free"))
+    """Addresses of cs_disasm_iter, cs_malloc and cs_free in libcapstone (csweep.sweep calls them: one
+    reused record per instruction instead of cs_disasm's array)."""
+    return entry_points()
 
 
 def sweep(md: Cs, code: bytes, base: int, result: SweepResult, *, local_jumps: bool = True) -> None:
@@ -191,6 +206,7 @@ def sweep(md: Cs, code: bytes, base: int, result: SweepResult, *, local_jumps: b
             refs += got[1]
             return
     jcc_ids = _looked_at_ids()[1]
+    x86_ins_call, x86_ins_jmp, _ = _insn_ids()
     cls = _classes(buf, n)
     unpack = _ADDR_SIZE.unpack_from
     find = buf.index
@@ -204,10 +220,10 @@ def sweep(md: Cs, code: bytes, base: int, result: SweepResult, *, local_jumps: b
         c = cls[i]
         if c == _BRANCH:
             x = buf[rec] | buf[rec + 1] << 8
-            if x in (X86_INS_CALL, X86_INS_JMP):
+            if x in (x86_ins_call, x86_ins_jmp):
                 if first[i] not in b"jcbn":  # a prefix capstone spells out other than bnd/notrack
                     continue
-                is_call = x == X86_INS_CALL
+                is_call = x == x86_ins_call
                 is_jmp = not is_call
             elif x in jcc_ids:
                 if first[i] != 0x6A:  # "j"

@@ -16,6 +16,11 @@ from ccprofd.elf.cfi import fde_ranges
 from ccprofd.elf.errors import BinaryError, CfiError
 from ccprofd.elf.image import PLT_SECTIONS, ElfImage, Section
 
+try:  # csweep.fde_ranges: the compiled walk of common .eh_frame sections (None: cfi.fde_ranges reads it)
+    import ccprofd.callgraph.csweep as csweep  # type: ignore[import-not-found, unused-ignore]
+except ImportError:
+    csweep = None
+
 _FUNC_TYPES = ("STT_FUNC", "STT_GNU_IFUNC")
 
 
@@ -29,6 +34,20 @@ class FunctionInfo:
     exported: bool = False  # defined in .dynsym: callable from other objects
     signal_trampoline: bool = False
     weak: bool = False  # found only by sweeping uncovered code: references may split it
+
+
+def eh_frame_ranges(data: bytes, vaddr: int, path: str) -> list[tuple[int, int, bool, bool]]:
+    """:func:`ccprofd.elf.cfi.fde_ranges` as (start, end, entry, signal frame) tuples: from csweep.c
+    when it reads the whole section (~30x faster: node's 76k FDEs took ~1.3 s in Python), else from
+    the Python walk, which also names what is wrong with a corrupt section (:class:`BinaryError`)."""
+    if csweep is not None and hasattr(csweep, "fde_ranges"):
+        got: list[tuple[int, int, bool, bool]] | None = csweep.fde_ranges(data, vaddr)
+        if got is not None:
+            return got
+    try:
+        return [(r.start, r.end, r.entry, r.signal_frame) for r in fde_ranges(data, vaddr)]
+    except CfiError as exc:
+        raise BinaryError(path, str(exc)) from None
 
 
 def sub_name(addr: int) -> str:
@@ -82,13 +101,10 @@ class FunctionTable:
         fdes: dict[int, tuple[int, bool, bool]] = {}
         eh = self.image.sections.get(".eh_frame")
         if eh is not None and eh.type != "SHT_NOBITS" and eh.size:
-            try:
-                ranges = fde_ranges(self.image.section_bytes(eh), eh.vaddr)
-            except CfiError as exc:
-                raise BinaryError(self.image.path, str(exc)) from None
-            for r in ranges:
-                if self.section_of(r.start) is not None:
-                    fdes.setdefault(r.start, (r.end, r.entry, r.signal_frame))
+            for start, end, entry, signal in eh_frame_ranges(self.image.section_bytes(eh), eh.vaddr,
+                                                             self.image.path):
+                if self.section_of(start) is not None:
+                    fdes.setdefault(start, (end, entry, signal))
         extra = {self.image.entry}
         tags = self.image.dynamic_tags()
         for t in ("DT_INIT", "DT_FINI"):

@@ -9,9 +9,7 @@ import os
 import threading
 from collections.abc import Callable
 
-from capstone import Cs
-
-from ccprofd.callgraph.disasm import Branch, SweepResult, csweep, sweep
+from ccprofd.callgraph.disasm import Branch, Cs, SweepResult, csweep, sweep
 
 Progress = Callable[[str, int, int], None]
 #: Below this much code a fork, and marshalling the results back, costs more than it saves.

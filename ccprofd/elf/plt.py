@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import re
 
-from capstone import CS_ARCH_X86, CS_MODE_64, Cs
 from elftools.elf.relocation import RelocationSection
 
 from ccprofd.elf.image import ElfImage, Section
+from ccprofd.elf.x86dis import x86_64
 
 _RIP_MEM = re.compile(r"\[rip(?: ([+-]) (0x[0-9a-f]+|\d+))?\]")  # "[rip]" when disp == 0
 
@@ -23,7 +23,7 @@ class PltResolver:
         self.sections: list[Section] = image.plt_sections()
         self._slot_names = self._read_slots()
         self._cache: dict[int, str | None] = {}
-        self._md = Cs(CS_ARCH_X86, CS_MODE_64)
+        self._md = x86_64()
         self._ranges = [(s.vaddr, s.vaddr + s.size) for s in self.sections]
         # the span of all PLT sections: most addresses asked about (every call target) lie outside it
         self._lo = min((lo for lo, _ in self._ranges), default=0)
