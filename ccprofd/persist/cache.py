@@ -19,7 +19,6 @@ import hashlib
 import itertools
 import marshal
 import os
-import struct
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -111,7 +110,7 @@ class AnalysisCache:
 # (three levels; one level inside a long container's slices) is itself long.
 CHUNK = 4096
 _LEAF, _SEQ, _MAP, _MIXED = 0, 1, 2, 3
-_LEN = struct.Struct("<Q")
+_LEN = 8  # bytes of a frame's little-endian length field
 _END = object()
 
 
@@ -169,7 +168,7 @@ def _stream(value: Any) -> Iterator[bytes]:
     yield MAGIC
     for piece in itertools.chain([("ccprofd-cache", CACHE_FORMAT)], _pieces(value)):
         data = marshal.dumps(piece)
-        size = _LEN.pack(len(data))
+        size = len(data).to_bytes(_LEN, "little")
         digest.update(size)
         digest.update(data)
         yield size
@@ -181,8 +180,10 @@ def _stream(value: Any) -> Iterator[bytes]:
 def _read_pieces(body: memoryview) -> Iterator[Any]:
     pos, end = 0, len(body)
     while pos < end:
-        (size,) = _LEN.unpack_from(body, pos)
-        pos += _LEN.size
+        size = int.from_bytes(body[pos:pos + _LEN], "little")
+        pos += _LEN
+        if pos > end:
+            raise ValueError("length field runs past the end")
         if size > end - pos:
             raise ValueError("piece runs past the end")
         yield marshal.loads(body[pos:pos + size])
