@@ -17,8 +17,8 @@ from ccprofd.persist.cache import MAGIC, AnalysisCache
 
 
 def same(a: Any, b: Any) -> bool:
-    """Equal *and* of the same types all the way down (``==`` takes (1,) for [1]? no, but 1 == 1.0
-    and True == 1: compare types too)."""
+    """Equal *and* of the same types all the way down (``==`` alone takes True for 1 and 1.0 for 1,
+    and would not tell a rebuilt list from the tuple it should be inside a dict key order check)."""
     if type(a) is not type(b):
         return False
     if isinstance(a, (list, tuple)):
