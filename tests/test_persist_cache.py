@@ -17,8 +17,8 @@ from ccprofd.persist.cache import MAGIC, AnalysisCache
 
 
 def same(a: Any, b: Any) -> bool:
-    """Equal *and* of the same types all the way down (``==`` alone takes True for 1 and 1.0 for 1,
-    and would not tell a rebuilt list from the tuple it should be inside a dict key order check)."""
+    """Equal *and* of the same types all the way down: ``==`` alone accepts True for 1 and 1.0
+    for 1; dict key order is compared too."""
     if type(a) is not type(b):
         return False
     if isinstance(a, (list, tuple)):
