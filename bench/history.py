@@ -36,6 +36,12 @@ from ccprofd.tracing.api import TraceOptions
 from ccprofd.tracing.history import DEFAULT_HISTORY_LEN, ENV_LENGTH, history_source
 from ccprofd.tracing.session import open_session
 
+# This bench measures the sample program on raw_syscalls:sys_enter (`uw_sys_enter`/`ccprof_sys_enter`),
+# the path of `syscalls = "all"` and of large sets: its one-syscall sets would otherwise go on their
+# own syscalls:sys_enter_<name> event (ccprofd/kbpf/syscall_entry.py), which bench/syscall_attach.py
+# measures against the raw path.
+os.environ.setdefault("CCPROFD_SYSCALL_ATTACH", "raw")
+
 PROG_C = r"""
 #include <stdlib.h>
 #include <unistd.h>

@@ -41,6 +41,12 @@ from ccprofd.kbpf.rawmodule import load_module
 from ccprofd.persist.cache import AnalysisCache
 from ccprofd.tracing.unwind.sampler import UnwindSampler
 
+# This bench measures the sample program on raw_syscalls:sys_enter (`uw_sys_enter`/`ccprof_sys_enter`),
+# the path of `syscalls = "all"` and of large sets: its one-syscall sets would otherwise go on their
+# own syscalls:sys_enter_<name> event (ccprofd/kbpf/syscall_entry.py), which bench/syscall_attach.py
+# measures against the raw path.
+os.environ.setdefault("CCPROFD_SYSCALL_ATTACH", "raw")
+
 NR_GETPPID = 110
 DEPTHS = (6, 32, 104, 127, 1000, 4000)
 OUTSIDE_FRAMES = 5  # getppid wrapper, main, __libc_start_call_main, __libc_start_main, _start

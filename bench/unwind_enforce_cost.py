@@ -37,6 +37,12 @@ from ccprofd.anomaly.unwind_enforce import enforcement_options  # noqa: E402
 from ccprofd.tracing import session as tracer  # noqa: E402
 from ccprofd.tracing.api import TraceOptions  # noqa: E402
 
+# This bench measures the sample program on raw_syscalls:sys_enter (`uw_sys_enter`/`ccprof_sys_enter`),
+# the path of `syscalls = "all"` and of large sets: its one-syscall sets would otherwise go on their
+# own syscalls:sys_enter_<name> event (ccprofd/kbpf/syscall_entry.py), which bench/syscall_attach.py
+# measures against the raw path.
+os.environ.setdefault("CCPROFD_SYSCALL_ATTACH", "raw")
+
 PROG = "uw_sys_enter"
 
 
