@@ -10,11 +10,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from conftest import require_tool
 
 if TYPE_CHECKING:
+    from ccprofd.tracing.syscall_sampler import SyscallSampler
     from ccprofd.tracing.unwind.sampler import UnwindSampler, UnwoundSample
 
 
@@ -100,11 +101,16 @@ def run_released(s: UnwindSampler, argv: list[str],
     p.stdin.write(b"x")
     p.stdin.close()
     assert p.wait(timeout=60) == 0
-    out: list[UnwoundSample] = []
-    quiet = time.monotonic()
-    while time.monotonic() - quiet < 0.3:
+    return drain(s, p.pid), p.pid
+
+
+def drain(s: UnwindSampler | SyscallSampler, tgid: int) -> list[Any]:
+    """What ``s`` delivers for process ``tgid`` until its rings stay quiet for 0.3 s."""
+    out: list[Any] = []
+    quiet_since = time.monotonic()
+    while time.monotonic() - quiet_since < 0.3:
         got = s.poll(50)
         if got:
-            quiet = time.monotonic()
-            out.extend(x for x in got if x.tgid == p.pid)
-    return out, p.pid
+            quiet_since = time.monotonic()
+            out.extend(x for x in got if x.tgid == tgid)
+    return out

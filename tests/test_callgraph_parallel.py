@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from conftest import skip_or_fail
 
 from ccprofd.callgraph import analyze_binary, parallel
 
@@ -83,7 +84,7 @@ def test_references_are_looked_up_region_by_region(compiled: bool, monkeypatch: 
     from ccprofd.callgraph.analysis import _refs_in
 
     if compiled and analysis.csweep is None:
-        pytest.skip("csweep.c is not built")
+        skip_or_fail("ccprofd/callgraph/csweep.c is not built (bash scripts/build_ext.sh)")
     if not compiled:
         monkeypatch.setattr(analysis, "csweep", None)
 

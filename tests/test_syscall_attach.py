@@ -18,11 +18,11 @@ import os
 import pathlib
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from bpf_helpers import drain
 from conftest import require_bpf, require_tool
 from fidelity import compare
 from programs.build import build
@@ -126,14 +126,7 @@ def _released(s: UnwindSampler | SyscallSampler) -> tuple[int, int, list[Any]]:
     p.stdin.close()
     assert p.wait(timeout=300) == 0
     gained = _run_cnt(s.syscall_program_fd()) - before
-    samples: list[Any] = []
-    quiet = time.monotonic()
-    while time.monotonic() - quiet < 0.3:
-        got = s.poll(50)
-        if got:
-            quiet = time.monotonic()
-            samples.extend(x for x in got if x.tgid == p.pid and x.syscall is not None)
-    return gained, p.pid, samples
+    return gained, p.pid, [x for x in drain(s, p.pid) if x.syscall is not None]
 
 
 @pytest.mark.bpf

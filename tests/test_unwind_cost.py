@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from bpf_helpers import run_released
+from bpf_helpers import drain, run_released
 
 from ccprofd.tracing.unwind.sampler import UnwindSampler, UnwoundSample
 
@@ -183,13 +182,7 @@ def test_kept_caches_follow_the_upload_of_the_mappings(sampler: UnwindSampler, t
         if p.poll() is None:
             p.kill()
             p.wait()
-    got: list[UnwoundSample] = []
-    quiet = time.monotonic()
-    while time.monotonic() - quiet < 0.3:
-        batch = sampler.poll(50)
-        if batch:
-            quiet = time.monotonic()
-            got.extend(x for x in batch if x.tgid == p.pid)
+    got: list[UnwoundSample] = drain(sampler, p.pid)
     ours = [x for x in got if x.syscall == NR_WRITE and x.sargs is not None and x.sargs[0] == (1 << 64) - 1]
     before = [x for x in ours if x.sargs is not None and x.sargs[2] < n]
     after = [x for x in ours if x.sargs is not None and x.sargs[2] >= n]

@@ -13,12 +13,11 @@ stripped, -O0 and -O2.
 from __future__ import annotations
 
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from bpf_helpers import compile_c, direct_call_sites
+from bpf_helpers import compile_c, direct_call_sites, drain
 from programs.build import build
 from test_unwind_gdb import GdbStop, run_with_gdb
 
@@ -37,17 +36,6 @@ def sampler() -> Iterator[UnwindSampler]:
     with UnwindSampler(syscalls=[NR_GETPPID, NR_WRITE], max_depth=4096) as s:
         s.attach()
         yield s
-
-
-def drain(s: UnwindSampler, tgid: int) -> list[UnwoundSample]:
-    out: list[UnwoundSample] = []
-    quiet_since = time.monotonic()
-    while time.monotonic() - quiet_since < 0.3:
-        got = s.poll(50)
-        if got:
-            quiet_since = time.monotonic()
-            out.extend(x for x in got if x.tgid == tgid)
-    return out
 
 
 def unwind_vs_gdb(s: UnwindSampler, argv: list[str], tmp: Path) -> tuple[list[UnwoundSample], list[GdbStop]]:
