@@ -333,12 +333,26 @@ def call_scope(svc: Service) -> None:
 BPF_ENABLE_STATS = 32  # bpf(2) command: run-time stats on while the returned fd is open
 
 
-def bpf_run_stats(ids: set[int]) -> tuple[int, int]:
-    """(run_time_ns, run_cnt) summed over the BPF programs ``ids`` (bpftool; counted only while
-    run-time stats are on)."""
+def bpf_run_stats(ids: set[int]) -> dict[str, tuple[int, int]]:
+    """(run_time_ns, run_cnt) of the BPF programs ``ids`` by program name, summed over programs of
+    one name (bpftool; counted only while run-time stats are on)."""
     out = subprocess.run(["bpftool", "-j", "prog", "show"], capture_output=True, text=True, check=True).stdout
-    progs = [p for p in json.loads(out or "[]") if int(p["id"]) in ids]
-    return sum(int(p.get("run_time_ns", 0)) for p in progs), sum(int(p.get("run_cnt", 0)) for p in progs)
+    stats: dict[str, tuple[int, int]] = {}
+    for p in json.loads(out or "[]"):
+        if int(p["id"]) in ids:
+            ns, cnt = stats.get(str(p.get("name", p["id"])), (0, 0))
+            stats[str(p.get("name", p["id"]))] = (ns + int(p.get("run_time_ns", 0)),
+                                                  cnt + int(p.get("run_cnt", 0)))
+    return stats
+
+
+def stats_delta(before: dict[str, tuple[int, int]],
+                after: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """Per program, what ran between two :func:`bpf_run_stats` readings (programs that did not run
+    left out)."""
+    delta = {name: (ns - before.get(name, (0, 0))[0], cnt - before.get(name, (0, 0))[1])
+             for name, (ns, cnt) in after.items()}
+    return {name: v for name, v in delta.items() if v[1] > 0}
 
 
 @contextlib.contextmanager
@@ -388,14 +402,14 @@ def run_daemon(workdir: Path, svc: Service, syscalls: list[str] | str, requests:
         wait_tracked(daemon, svc.pids(), timeout=120)
         progs = daemon.bpf_objects().all_progs
         with bpf_stats_on(bpf_stats):
-            bpf0 = bpf_run_stats(progs) if bpf_stats else (0, 0)
+            bpf0 = bpf_run_stats(progs) if bpf_stats else {}
             cpu0 = cpu_seconds(daemon.proc.pid)
             svc_cpu0 = sum(cpu_seconds(p) for p in svc.pids())
             t0 = time.perf_counter()
             result = svc.load(requests)
             wall = time.perf_counter() - t0
             svc_cpu = sum(cpu_seconds(p) for p in svc.pids()) - svc_cpu0
-            bpf1 = bpf_run_stats(progs) if bpf_stats else (0, 0)
+            bpf1 = bpf_run_stats(progs) if bpf_stats else {}
         time.sleep(1.5)  # the daemon drains what the load left in the rings
         cpu = cpu_seconds(daemon.proc.pid) - cpu0
         if mode == "instrumented":
@@ -420,7 +434,22 @@ def run_daemon(workdir: Path, svc: Service, syscalls: list[str] | str, requests:
             "dropped": dropped, "probe_hits": probe_hits, "contexts": contexts, "samples": samples,
             "hot": hot,
             "mean_depth": depth, "mean_program_frames": program, "wall": wall, "service_cpu_s": svc_cpu,
-            "daemon_cpu_s": cpu, "bpf_ns": bpf1[0] - bpf0[0], "bpf_runs": bpf1[1] - bpf0[1]}
+            "daemon_cpu_s": cpu, "bpf_progs": (per := stats_delta(bpf0, bpf1)),
+            "bpf_ns": sum(ns for ns, _ in per.values()), "bpf_runs": sum(cnt for _, cnt in per.values())}
+
+
+def program_table(prof: list[dict[str, Any]]) -> list[str]:
+    """Markdown rows: per BPF program of the daemon, median runs/s, ns per run and share of the BPF
+    time over ``--bpf-stats`` rounds (which program the time is spent in)."""
+    def one(x: dict[str, Any], name: str) -> tuple[float, float, float]:
+        ns, cnt = x["bpf_progs"].get(name, (0, 0))
+        return cnt / x["wall"], ns / max(1, cnt), 100 * ns / max(1, x["bpf_ns"])
+
+    names = {n for x in prof for n in x["bpf_progs"]}
+    rows = {n: [statistics.median(one(x, n)[i] for x in prof) for i in range(3)] for n in names}
+    return ["| BPF program | runs/s | ns per run | share of the BPF time |", "|---|---:|---:|---:|",
+            *(f"| `{n}` | {r[0]:,.0f} | {r[1]:,.0f} | {r[2]:.0f}% |"
+              for n, r in sorted(rows.items(), key=lambda kv: -kv[1][2]))]
 
 
 def run_perf(workdir: Path, svc: Service, requests: int) -> dict[str, Any]:
@@ -693,6 +722,7 @@ def render_service(name: str, version: str, results: dict[str, list[dict[str, An
                   f"the service's own CPU {med(lambda x: x['service_cpu_s'] / x['wall']) * 100:.0f}% "
                   f"(which includes the BPF time: it runs in the service's syscalls) and the daemon's "
                   f"{med(lambda x: x['daemon_cpu_s'] / x['wall']) * 100:.0f}%."]
+        lines += ["", *program_table(prof)]
     if results.get("instrumented-scope"):
         r = results["instrumented-scope"]
         per = requests if name != "postgres" else None
