@@ -60,7 +60,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import csv
-import ctypes
 import io
 import json
 import os
@@ -79,7 +78,7 @@ from typing import Any, ClassVar
 
 import exactness
 import scope_hits
-from common import ROOT, cpu_seconds, machine_line, publish, status_mb
+from common import CLK_TCK, ROOT, cpu_seconds, machine_line, publish, run_time_stats, status_mb
 
 sys.path.insert(0, str(ROOT / "tests"))  # the daemon harness the end-to-end tests use
 from daemon_fakes import config_text, wait_for
@@ -309,6 +308,38 @@ def wait_tracked(daemon: RunningDaemon, pids: list[int] | set[int], timeout: flo
 Service = Redis | Nginx | Postgres
 
 
+def service_cpu(svc: Service) -> float:
+    """CPU seconds the service has used: its live processes' user + system time, plus what its main
+    process reaped of exited children (cutime + cstime: postgres' per-connection backends).  BPF
+    programs run inside the service's syscalls, so their time is in it."""
+    total = 0.0
+    for pid in svc.pids():
+        with contextlib.suppress(OSError):
+            total += cpu_seconds(pid)
+    with open(f"/proc/{svc.proc.pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return total + (int(fields[13]) + int(fields[14])) / CLK_TCK
+
+
+def timed_load(svc: Service, requests: int) -> tuple[dict[str, dict[str, float]], float, float]:
+    """``svc.load`` with the service's CPU seconds over it (:func:`service_cpu`; measured 0.3 s after
+    the load, so that postgres' backends have exited and been reaped) and the load's wall time."""
+    c0 = service_cpu(svc)
+    t0 = time.perf_counter()
+    result = svc.load(requests)
+    wall = time.perf_counter() - t0
+    time.sleep(0.3)
+    return result, service_cpu(svc) - c0, wall
+
+
+def work_units(name: str, tests: dict[str, dict[str, float]], requests: int, seconds: int) -> float:
+    """Requests (transactions for postgres) a load made: the fixed count per test, or for pgbench's
+    timed scripts their rate times the duration."""
+    if name == "postgres":
+        return sum(t["rps"] for t in tests.values()) * seconds
+    return float(requests * len(tests))
+
+
 #: ``instrumented-scope``: a subsystem the load never calls, per service (instrumented mode probes
 #: only the call graph below it), and how the bench calls it once after the load
 SCOPES = {"redis": "^(saveCommand|bgsaveCommand|configSetCommand)$",
@@ -328,9 +359,6 @@ def call_scope(svc: Service) -> None:
         subprocess.run(["psql", "-h", "127.0.0.1", "-p", str(svc.port), "-U", "postgres", "-Atc",
                         "SELECT pg_reload_conf()", "postgres"], capture_output=True, check=True,
                        cwd=svc.dir)
-
-
-BPF_ENABLE_STATS = 32  # bpf(2) command: run-time stats on while the returned fd is open
 
 
 def bpf_run_stats(ids: set[int]) -> dict[str, tuple[int, int]]:
@@ -357,22 +385,13 @@ def stats_delta(before: dict[str, tuple[int, int]],
 
 @contextlib.contextmanager
 def bpf_stats_on(on: bool) -> Iterator[None]:
-    """BPF run-time stats on while the block runs (a ``BPF_ENABLE_STATS`` fd, not the shared
-    ``kernel.bpf_stats_enabled`` sysctl); they add two clock reads per program run, so only
-    ``--bpf-stats`` runs use them."""
+    """BPF run-time stats on while the block runs (common.run_time_stats); they add two clock reads
+    per program run, so only ``--bpf-stats`` runs use them."""
     if not on:
         yield
         return
-    from ccprofd.kbpf import rawbpf
-
-    class Attr(ctypes.Structure):
-        _fields_: ClassVar = [("type", ctypes.c_uint32)]  # BPF_STATS_RUN_TIME = 0
-
-    fd = rawbpf.bpf(BPF_ENABLE_STATS, Attr(0), "BPF_ENABLE_STATS")
-    try:
+    with run_time_stats():
         yield
-    finally:
-        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -404,13 +423,9 @@ def run_daemon(workdir: Path, svc: Service, syscalls: list[str] | str, requests:
         with bpf_stats_on(bpf_stats):
             bpf0 = bpf_run_stats(progs) if bpf_stats else {}
             cpu0 = cpu_seconds(daemon.proc.pid)
-            svc_cpu0 = sum(cpu_seconds(p) for p in svc.pids())
-            t0 = time.perf_counter()
-            result = svc.load(requests)
-            wall = time.perf_counter() - t0
-            svc_cpu = sum(cpu_seconds(p) for p in svc.pids()) - svc_cpu0
+            result, svc_cpu, wall = timed_load(svc, requests)
             bpf1 = bpf_run_stats(progs) if bpf_stats else {}
-        time.sleep(1.5)  # the daemon drains what the load left in the rings
+        time.sleep(1.2)  # the daemon drains what the load left in the rings (0.3 s more in timed_load)
         cpu = cpu_seconds(daemon.proc.pid) - cpu0
         if mode == "instrumented":
             call_scope(svc)
@@ -459,16 +474,15 @@ def run_perf(workdir: Path, svc: Service, requests: int) -> dict[str, Any]:
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(1.0)  # perf attaches
     cpu0 = cpu_seconds(perf.pid)
-    t0 = time.perf_counter()
-    result = svc.load(requests)
-    wall = time.perf_counter() - t0
+    result, svc_cpu, wall = timed_load(svc, requests)
     cpu = cpu_seconds(perf.pid) - cpu0
     perf.send_signal(signal.SIGINT)
     perf.wait(timeout=300)
     size = data.stat().st_size if data.exists() else 0
     data.unlink(missing_ok=True)
     os.sync()  # its GBs of perf.data written back now, not during the next configuration's load
-    return {"tests": result, "perf_cpu_pct": 100 * cpu / wall, "perf_data_mb": size / 2**20}
+    return {"tests": result, "perf_cpu_pct": 100 * cpu / wall, "perf_data_mb": size / 2**20,
+            "service_cpu_s": svc_cpu}
 
 
 def run_fpstacks(workdir: Path, svc: Service, requests: int) -> dict[str, Any]:
@@ -483,9 +497,7 @@ def run_fpstacks(workdir: Path, svc: Service, requests: int) -> dict[str, Any]:
     if proc.stdout.readline().strip() != "attached":
         raise RuntimeError(f"fpstacks did not attach: {proc.communicate(timeout=60)[1][-800:]}")
     cpu0 = cpu_seconds(proc.pid)
-    t0 = time.perf_counter()
-    result = svc.load(requests)
-    wall = time.perf_counter() - t0
+    result, svc_cpu, wall = timed_load(svc, requests)
     cpu = cpu_seconds(proc.pid) - cpu0
     proc.send_signal(signal.SIGINT)
     _, err = proc.communicate(timeout=300)
@@ -493,7 +505,7 @@ def run_fpstacks(workdir: Path, svc: Service, requests: int) -> dict[str, Any]:
         raise RuntimeError(f"fpstacks failed ({proc.returncode}): {err[-800:]}")
     stats = json.loads(out.read_text())
     out.unlink()
-    return {"tests": result, "fp_cpu_pct": 100 * cpu / wall, **stats}
+    return {"tests": result, "fp_cpu_pct": 100 * cpu / wall, "service_cpu_s": svc_cpu, **stats}
 
 
 def perf_events_open(pid: int) -> bool:
@@ -652,6 +664,36 @@ def targets(results: dict[str, list[dict[str, Any]]]) -> list[str]:
     return out
 
 
+def cpu_table(name: str, results: dict[str, list[dict[str, Any]]], requests: int, seconds: int) -> list[str]:
+    """The service's own CPU per request by configuration (its processes' user + system time over the
+    whole load, the BPF programs that run in its syscalls included), and the paired change against
+    the same round's untraced load: the tracer's cost to the service itself, which the throughput
+    of a load generator sharing the 2 CPUs (slowed too by the syscall-tracing slow path every
+    tracepoint turns on for all tasks, and competing with the tracer for the CPUs) shows only
+    mixed with the noise of the machine."""
+    def per_unit(r: dict[str, Any]) -> float:
+        return 1e6 * r["service_cpu_s"] / max(1.0, work_units(name, r["tests"], requests, seconds))
+
+    base = [r for r in results["untraced"] if "service_cpu_s" in r]
+    if not base:
+        return []
+    unit = "transaction" if name == "postgres" else "request"
+    out = ["", f"The service's own CPU per {unit} (user + system time of its processes over the whole "
+           "load, the BPF programs run in its syscalls included; median over the rounds, and the median "
+           "of the change against the same round's untraced load):", "",
+           f"| configuration | CPU µs per {unit} | vs untraced |", "|---|---:|---:|"]
+    for cfg, rs in results.items():
+        runs = [r for r in rs if "service_cpu_s" in r]
+        if not runs:
+            continue
+        med = statistics.median(per_unit(r) for r in runs)
+        pairs = zip(base, runs, strict=False)
+        change = "" if cfg == "untraced" else \
+            f"{statistics.median(100 * (per_unit(c) / per_unit(u) - 1) for u, c in pairs):+.1f}%"
+        out.append(f"| {cfg} | {med:,.1f} | {change} |")
+    return out
+
+
 def render_service(name: str, version: str, results: dict[str, list[dict[str, Any]]], rounds: int,
                    requests: int, seconds: int = 0) -> list[str]:
     base = median_tests(results["untraced"])
@@ -669,6 +711,7 @@ def render_service(name: str, version: str, results: dict[str, list[dict[str, An
             lines.append(f"| {cfg} | {t} | {m['rps']:,.0f} | {change:+.0f}% | {m['p50']:.3f} | "
                          f"{m['p99']:.3f} |")
     lines += targets(results)
+    lines += cpu_table(name, results, requests, seconds)
     if any(results.get(c) for c in ("unwind-all", "unwind-security", "instrumented-scope", "perf-dwarf",
                                     "bpf-fp")):  # a tracer's own cost: none for scope-probes alone
         lines += ["", "| configuration | tracer CPU % of a core | tracer peak RSS MB | samples | dropped "
@@ -830,7 +873,8 @@ def main() -> int:
                     # each round starts one configuration later: none always follows the same one
                     for cfg in configs[rnd % len(configs):] + configs[:rnd % len(configs)]:
                         if cfg == "untraced":
-                            r: dict[str, Any] = {"tests": svc.load(args.requests)}
+                            tests, svc_cpu, _ = timed_load(svc, args.requests)
+                            r: dict[str, Any] = {"tests": tests, "service_cpu_s": svc_cpu}
                         elif cfg == "unwind-all":
                             r = run_daemon(work, svc, "all", args.requests, bpf_stats=args.bpf_stats)
                         elif cfg == "unwind-security":

@@ -36,3 +36,25 @@ def test_loss_smaller_than_perf_is_required() -> None:
     # -8% is within 10% but perf lost only 5%: not met
     results = {"untraced": [run(100)], "unwind-all": [run(92)], "perf-dwarf": [run(95)]}
     assert "| GET | -8.0% | -5.0% | – | **not met** | – |" in "\n".join(services.targets(results))
+
+
+def test_service_cpu_per_request_is_paired_like_throughput() -> None:
+    # redis-style load: 1 test of 1,000 requests per round.  untraced 1.0 s and 2.0 s of the
+    # service's CPU (1,000 and 2,000 µs per request); traced 1.1 s and 2.0 s -> +10%, 0% -> median
+    # +5%; per-request medians: untraced (1000, 2000) -> 1,500.0, traced (1100, 2000) -> 1,550.0.
+    def cpu(rps: float, s: float) -> dict[str, Any]:
+        return {**run(rps), "service_cpu_s": s}
+
+    results = {"untraced": [cpu(100, 1.0), cpu(100, 2.0)], "unwind-all": [cpu(90, 1.1), cpu(90, 2.0)],
+               "perf-dwarf": []}
+    text = "\n".join(services.cpu_table("redis", results, 1000, 0))
+    assert "| untraced | 1,500.0 |  |" in text
+    assert "| unwind-all | 1,550.0 | +5.0% |" in text
+    assert "perf-dwarf" not in text  # not measured: no row
+
+
+def test_postgres_work_is_its_transaction_rate_times_the_duration() -> None:
+    # two scripts at 100 and 50 transactions/s for 10 s each: 1,500 transactions
+    tests = {"a": {"rps": 100.0, "p50": 1, "p99": 2}, "b": {"rps": 50.0, "p50": 1, "p99": 2}}
+    assert services.work_units("postgres", tests, 0, 10) == 1500
+    assert services.work_units("redis", tests, 1000, 10) == 2000  # a fixed count per test
