@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from bpf_helpers import compile_c, run_released
+from bpf_helpers import compile_c, drain, run_released
 from conftest import require_tool
 
 from ccprofd.tracing.unwind.sampler import UnwindSampler, UnwoundSample
@@ -170,8 +170,10 @@ def test_memo_off_is_every_frame_afresh(sampler: UnwindSampler, program: Path) -
 
 def test_encoded_contexts_of_alternating_paths_stay_apart(program: Path, tmp_path: Path) -> None:
     """Encoded and aggregated in the kernel (as ``trace`` and the daemon run it): a sample whose
-    pcs equal the previous one's reuses its encoding and skips the arena compare, any other is
-    encoded afresh.  The two paths are two contexts of N/2 samples each, whichever way they came."""
+    pcs equal the previous one's reuses its encoding and skips the arena compare, one whose pcs equal
+    one of the CPU's recent chains (the chain cache) is counted at that chain's verified entry, any
+    other is encoded afresh.  The two paths are two contexts of N/2 samples each, whichever way
+    they came."""
     from conftest import require_bpf
 
     from ccprofd.callgraph import analyze_binary
@@ -190,5 +192,67 @@ def test_encoded_contexts_of_alternating_paths_stay_apart(program: Path, tmp_pat
         after = s.stats()
         counts = sorted(s.counts().values())
     same = after["same_as_previous"] - before["same_as_previous"]
+    cached = after["chain_cache_hits"] - before["chain_cache_hits"]
     assert counts == [N // 2, N // 2], counts
-    assert N // 2 - 1 <= same <= N // 2, same  # every second sample repeats its predecessor's stack
+    # A A B B A A ...: the first A and the first B are encoded, their repeats reuse the previous
+    # sample's encoding, and from the second A on every sample is the chain cache's
+    assert N - 4 <= same + cached <= N - 2, (same, cached)
+    assert cached >= N - 8, cached
+
+
+PHASES_SOURCE = SOURCE.replace("""    for (long i = 0; i < n; i++) {""",
+                               """    for (long i = 0; i < 2 * n; i++) {
+        if (i == n) {  /* between the phases: wait while the test removes the counts entries */
+            write(1, "mid\\n", 4);
+            if (read(0, &c, 1) != 1)
+                return 1;
+        }""")
+
+
+def test_chain_cache_counts_only_at_the_entry_it_verified(tmp_path: Path) -> None:
+    """The chain cache counts a repeated chain at the counts entry its context was verified at, and
+    only while that entry is still there at the same arena offset.  Mid-run, with the process's
+    chains in the cache, every counts entry is removed (nothing in ccprofd removes one; this is
+    what the check guards): the second phase's samples must be counted afresh -- two new entries of
+    N/2 each, none counted at (or lost with) the entries that are gone."""
+    from conftest import require_bpf
+
+    from ccprofd.callgraph import analyze_binary
+    from ccprofd.encode import get_plan
+    from ccprofd.persist.cache import AnalysisCache
+    from ccprofd.tracing.unwind.plan import cached_unwind_encoding
+
+    require_bpf()
+    assert PHASES_SOURCE != SOURCE
+    binary = compile_c(tmp_path, "phases", PHASES_SOURCE, "-O1", "-fno-omit-frame-pointer", "-fno-inline")
+    graph = analyze_binary(str(binary), cache_dir=tmp_path)
+    plan = get_plan(graph, "valence", cache_dir=tmp_path)
+    enc = cached_unwind_encoding(graph, plan, AnalysisCache(tmp_path))
+    with UnwindSampler(syscalls=[NR_WRITE], aggregate=True, encoding=enc, cache=AnalysisCache(tmp_path)) as s:
+        s.attach()
+        p = subprocess.Popen([str(binary), str(N)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert p.stdin is not None and p.stdout is not None
+        try:
+            assert p.stdout.readline() == b"ready\n"
+            s.track(p.pid)
+            p.stdin.write(b"x")
+            p.stdin.flush()
+            assert p.stdout.readline() == b"mid\n"
+            drain(s, p.pid)
+            phase1 = sorted(s.counts().values())
+            mid = s.stats()
+            s.module.map("uw_counts").clear()
+            p.stdin.write(b"x")
+            p.stdin.close()
+            assert p.wait(timeout=60) == 0
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        drain(s, p.pid)
+        after = s.stats()
+        counts = sorted(s.counts().values())
+    assert phase1 == [1, N // 2, N // 2], phase1  # A, B and the "mid" line
+    assert after["chain_cache_hits"] - mid["chain_cache_hits"] >= N - 8  # the cache was in use after
+    assert counts == [N // 2, N // 2], counts
+    assert after["new_contexts"] - mid["new_contexts"] == 2

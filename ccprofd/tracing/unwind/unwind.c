@@ -84,6 +84,7 @@
 #define UW_STAT_MEMO_FRAMES 16
 #define UW_STAT_MEMO_REJECTS 17
 #define UW_STAT_SAME_AS_PREVIOUS 18  // pcs equal to the previous sample of the thread on this CPU: its encoding reused
+#define UW_STAT_CHAIN_CACHE_HITS 19  // pcs equal to a recent chain of this CPU's (uw_kc): counted without encoding
 #define UW_NR_STATS 20
 
 #define UW_CFG_AGGREGATE 0
@@ -280,6 +281,35 @@ struct uw_cmap {
     u32 info;
 };
 
+// A recent distinct chain of a slot's syscall samples and the counts entry its context was last
+// verified at (issue #18): a service alternates a few chains (redis: read, write, epoll_wait; nginx:
+// seven per request), which defeats the "same as the previous sample" shortcut, so every sample was
+// encoded, hashed and compared against the stored context again.  A sample whose pcs equal such a
+// chain's, word for word (the pcs hash only picks the way), in the same process and upload of its
+// mappings, with the same reason, is counted at that entry when the entry is still the one verified
+// (key, arena offset, length, syscall): exactly what the arena compare would have concluded, as the
+// encoding is a function of those.  Chains deeper than UW_KC_DEPTH frames are not kept.
+#define UW_KC_WAYS 8    // power of two
+#define UW_KC_DEPTH 32  // power of two
+struct uw_kc {
+    u64 ph1;   // pcs hash
+    u64 ph2;
+    u64 eh1;   // the encoding's hash state (as p_eh1)
+    u64 eh2;
+    u64 kh1;   // the counts key it was verified under
+    u64 kh2;
+    u64 off;   // that entry's arena offset
+    u32 n;
+    u32 reason;
+    u32 gen;
+    u32 tgid;
+    u32 alen;
+    s32 nr;
+    u32 valid;
+    u32 pad;
+    u64 pcs[UW_KC_DEPTH];
+};
+
 struct uw_state {
     u64 pc;
     u64 sp;
@@ -344,6 +374,13 @@ struct uw_state {
     u64 win_base;  // stack window: the user page at win_base is copied into win (odd: none)
     u64 win[UW_WIN_WORDS];
     struct uw_mframe mf[2][UW_MEMO_DEPTH];
+#ifdef UE_ENABLED
+    struct uw_kc kc[UW_KC_WAYS];
+    u64 kc_ph1;    // this sample's pcs hash (the unwind's uw_mix state, before the encoding's)
+    u64 kc_ph2;
+    u32 kc_next;   // the way the next new chain replaces
+    u32 kc_pad;
+#endif
     struct uw_sample s;
 };
 
@@ -1270,6 +1307,92 @@ static __always_inline void uw_aggregate(struct uw_state *st, void *arena_cb) {
     st->p_off = off;
 }
 
+#ifdef UE_ENABLED
+// A syscall sample whose chain is one of the slot's recent ones (struct uw_kc): count it at the
+// entry that chain's context was verified at and return 1, or return 0 to take the encoding path
+// (which re-initialises the hash state this one changed).
+static __always_inline int uw_kc_hit(struct uw_state *st) {
+    u32 n = st->s.n;
+    if (n == 0 || n > UW_KC_DEPTH || st->gen == 0 || st->gen_mixed)
+        return 0;
+    u32 ka = UW_CFG_AGGREGATE;
+    u64 *agg = uw_config.lookup(&ka);
+    if (!agg || !*agg)
+        return 0;  // every sample is sent: nothing is counted in the kernel
+    u32 w = UW_KC_WAYS;
+#pragma unroll
+    for (u32 i = 0; i < UW_KC_WAYS; i++) {
+        struct uw_kc *k = &st->kc[i];
+        if (k->valid && k->ph1 == st->kc_ph1 && k->ph2 == st->kc_ph2 && k->n == n && k->reason == st->s.reason &&
+            k->gen == st->gen && k->tgid == st->s.tgid && k->nr == st->s.nr) {
+            w = i;
+            break;
+        }
+    }
+    if (w >= UW_KC_WAYS)
+        return 0;
+    struct uw_kc *k = &st->kc[w & (UW_KC_WAYS - 1)];
+    // the pcs themselves, not their hash; branch-free over all UW_KC_DEPTH words (constant offsets:
+    // a loop bounded by n was compiled into one the verifier could not bound)
+    u64 diff = 0;
+#pragma unroll
+    for (u32 i = 0; i < UW_KC_DEPTH; i++)
+        diff |= (i < n) ? (k->pcs[i] ^ st->s.pcs[i & (UW_MAX_DEPTH - 1)]) : 0;
+    if (diff)
+        return 0;
+    st->s.h1 = k->eh1;
+    st->s.h2 = k->eh2;
+    uw_mix(st, ((u64)st->s.reason << 32) | (u32)st->s.nr);
+    uw_mix(st, k->alen);
+    if (st->s.h1 != k->kh1 || st->s.h2 != k->kh2)
+        return 0;
+    struct uw_key key = {k->kh1, k->kh2};
+    struct uw_count *c = uw_counts.lookup(&key);
+    if (!c || c->arena_off != k->off || c->len != k->alen || c->nr != st->s.nr || c->reason != st->s.reason)
+        return 0;  // the entry is gone or another one (userspace cleared the counts): verify afresh
+    __sync_fetch_and_add(&c->count, 1);
+    st->alen = k->alen;
+    return 1;
+}
+
+// After the encoding path verified or stored this sample's context (p_agg): remember its chain.
+static __always_inline void uw_kc_put(struct uw_state *st) {
+    u32 n = st->s.n;
+    if (!st->p_agg || n == 0 || n > UW_KC_DEPTH || st->gen == 0 || st->gen_mixed)
+        return;
+    u32 w = st->kc_next & (UW_KC_WAYS - 1);
+#pragma unroll
+    for (u32 i = 0; i < UW_KC_WAYS; i++) {  // a way of the same chain (another syscall through it) is replaced
+        struct uw_kc *o = &st->kc[i];
+        if (o->valid && o->ph1 == st->kc_ph1 && o->ph2 == st->kc_ph2 && o->n == n) {
+            w = i;
+            break;
+        }
+    }
+    if (w == (st->kc_next & (UW_KC_WAYS - 1)))
+        st->kc_next++;
+    struct uw_kc *k = &st->kc[w & (UW_KC_WAYS - 1)];
+    k->valid = 0;
+#pragma unroll
+    for (u32 i = 0; i < UW_KC_DEPTH; i++)  // all of them (words past n are never compared)
+        k->pcs[i] = st->s.pcs[i & (UW_MAX_DEPTH - 1)];
+    k->ph1 = st->kc_ph1;
+    k->ph2 = st->kc_ph2;
+    k->eh1 = st->p_eh1;
+    k->eh2 = st->p_eh2;
+    k->kh1 = st->p_h1;
+    k->kh2 = st->p_h2;
+    k->off = st->p_off;
+    k->n = n;
+    k->reason = st->s.reason;
+    k->gen = st->gen;
+    k->tgid = st->s.tgid;
+    k->alen = st->alen;
+    k->nr = st->s.nr;
+    k->valid = 1;
+}
+#endif
+
 #define UW_UNWIND_LOOPS (UW_MAX_DEPTH + 1)
 
 // The user registers a sample needs, pt_regs from bp to sp (ip, sp, bp and the six argument
@@ -1410,10 +1533,19 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, const u64 
         st->p_reason = st->s.reason;
     }
 #ifdef UE_ENABLED
+    int counted = 0;  // by the chain cache: no encoding, no aggregation below
+    st->kc_ph1 = st->s.h1;
+    st->kc_ph2 = st->s.h2;
     if (memo && st->same) {
         // the previous sample's pcs: st->s.e and alen still hold its encoding, which is this one's
         st->s.h1 = st->p_eh1;
         st->s.h2 = st->p_eh2;
+    } else if (can_aggregate && memo && uw_kc_hit(st)) {
+        counted = 1;
+        uw_stat(UW_STAT_CHAIN_CACHE_HITS, 1);
+        // st->s.e is not this sample's encoding: the next sample may not reuse it as "same"
+        st->p_valid = 0;
+        st->p_agg = 0;
     } else {
         ue_reset(st);
         bpf_loop(UE_ENC_LOOPS, enc_cb, 0, 0);
@@ -1429,8 +1561,10 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, const u64 
         st->p_eh1 = st->s.h1;
         st->p_eh2 = st->s.h2;
     }
-    uw_mix(st, ((u64)st->s.reason << 32) | (u32)nr);
-    uw_mix(st, st->alen);
+    if (!counted) {
+        uw_mix(st, ((u64)st->s.reason << 32) | (u32)nr);
+        uw_mix(st, st->alen);
+    }
 #else
     uw_mix(st, ((u64)tgid << 32) | (u32)nr);
     uw_mix(st, ((u64)st->s.reason << 32) | st->s.n);
@@ -1448,9 +1582,20 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, const u64 
     u64 *agg = uw_config.lookup(&k);
     if (!st->same)
         st->p_agg = 0;
+#ifdef UE_ENABLED
+    if (counted) {
+        uw_emit_hit(st);
+    } else if (can_aggregate && agg && *agg) {
+        int was_same = st->same;
+        uw_aggregate(st, arena_cb);
+        if (memo && !was_same)
+            uw_kc_put(st);
+    } else {
+#else
     if (can_aggregate && agg && *agg) {
         uw_aggregate(st, arena_cb);
     } else {
+#endif
         st->p_agg = 0;
         uw_emit(st);
     }
