@@ -4,10 +4,11 @@ layer against the toolchain rather than against itself."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -102,6 +103,29 @@ def run_released(s: UnwindSampler, argv: list[str],
     p.stdin.close()
     assert p.wait(timeout=60) == 0
     return drain(s, p.pid), p.pid
+
+
+@contextlib.contextmanager
+def between_phases(s: UnwindSampler, argv: list[str]) -> Iterator[subprocess.Popen[bytes]]:
+    """Run ``argv`` (a program that prints ``ready``, waits for a byte, runs its first phase, prints
+    ``mid`` and waits for another byte before its second phase) tracked by ``s``: the block runs
+    between the two phases, then the second one runs to the program's successful end."""
+    p = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    assert p.stdin is not None and p.stdout is not None
+    try:
+        assert p.stdout.readline() == b"ready\n"
+        s.track(p.pid)
+        p.stdin.write(b"x")
+        p.stdin.flush()
+        assert p.stdout.readline() == b"mid\n"
+        yield p
+        p.stdin.write(b"x")
+        p.stdin.close()
+        assert p.wait(timeout=60) == 0
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
 
 
 def drain(s: UnwindSampler | SyscallSampler, tgid: int) -> list[Any]:

@@ -13,12 +13,11 @@
 from __future__ import annotations
 
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from bpf_helpers import drain, run_released
+from bpf_helpers import between_phases, drain, run_released
 
 from ccprofd.tracing.unwind.sampler import UnwindSampler, UnwoundSample
 
@@ -161,27 +160,13 @@ def test_kept_caches_follow_the_upload_of_the_mappings(sampler: UnwindSampler, t
 
     n = 200
     binary = compile_c(tmp_path, "phases", PHASES_SOURCE, "-O1")
-    p = subprocess.Popen([str(binary), str(n)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-    assert p.stdin is not None and p.stdout is not None
-    try:
-        assert p.stdout.readline() == b"ready\n"
-        sampler.track(p.pid)
-        p.stdin.write(b"x")
-        p.stdin.flush()
-        assert p.stdout.readline() == b"mid\n"
+    with between_phases(sampler, [str(binary), str(n)]) as p:
         procs = sampler.module.map("uw_procs")
         entry = procs.get(p.pid)
         assert entry is not None and entry.n > 0 and entry.gen != 0
         entry.n = 0
         entry.gen = (entry.gen + 0x10000) % 0xFFFFFFFF + 1  # an upload number the tracker never gave
         procs.set(p.pid, entry)
-        p.stdin.write(b"x")
-        p.stdin.close()
-        assert p.wait(timeout=60) == 0
-    finally:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
     got: list[UnwoundSample] = drain(sampler, p.pid)
     ours = [x for x in got if x.syscall == NR_WRITE and x.sargs is not None and x.sargs[0] == (1 << 64) - 1]
     before = [x for x in ours if x.sargs is not None and x.sargs[2] < n]

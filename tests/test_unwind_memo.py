@@ -19,7 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from bpf_helpers import compile_c, drain, run_released
+from bpf_helpers import between_phases, compile_c, drain, run_released
 from conftest import require_tool
 
 from ccprofd.tracing.unwind.sampler import UnwindSampler, UnwoundSample
@@ -230,25 +230,11 @@ def test_chain_cache_counts_only_at_the_entry_it_verified(tmp_path: Path) -> Non
     enc = cached_unwind_encoding(graph, plan, AnalysisCache(tmp_path))
     with UnwindSampler(syscalls=[NR_WRITE], aggregate=True, encoding=enc, cache=AnalysisCache(tmp_path)) as s:
         s.attach()
-        p = subprocess.Popen([str(binary), str(N)], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        assert p.stdin is not None and p.stdout is not None
-        try:
-            assert p.stdout.readline() == b"ready\n"
-            s.track(p.pid)
-            p.stdin.write(b"x")
-            p.stdin.flush()
-            assert p.stdout.readline() == b"mid\n"
+        with between_phases(s, [str(binary), str(N)]) as p:
             drain(s, p.pid)
             phase1 = sorted(s.counts().values())
             mid = s.stats()
             s.module.map("uw_counts").clear()
-            p.stdin.write(b"x")
-            p.stdin.close()
-            assert p.wait(timeout=60) == 0
-        finally:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
         drain(s, p.pid)
         after = s.stats()
         counts = sorted(s.counts().values())
