@@ -59,11 +59,22 @@ def update_readme_section(name: str, body: str) -> bool:
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
+def _stat_fields(pid: int) -> list[str]:
+    """/proc/PID/stat's fields after the command name (field 3, the state, first)."""
+    with open(f"/proc/{pid}/stat") as fh:
+        return fh.read().rsplit(")", 1)[1].split()
+
+
 def cpu_seconds(pid: int) -> float:
     """utime + stime of ``pid`` (all its threads) in seconds."""
-    with open(f"/proc/{pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
+    fields = _stat_fields(pid)
     return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+def reaped_cpu_seconds(pid: int) -> float:
+    """cutime + cstime of ``pid`` in seconds: the CPU time of the children it has waited for."""
+    fields = _stat_fields(pid)
+    return (int(fields[13]) + int(fields[14])) / CLK_TCK
 
 
 def status_mb(pid: int, key: str) -> float:

@@ -392,17 +392,22 @@ def _owned_prog_ids() -> set[int]:
     return ids
 
 
-def owned_prog_stats() -> dict[str, tuple[int, int]]:
-    """name -> (run_time_ns, run_cnt) summed over the BPF programs this process holds."""
-    ids = _owned_prog_ids()
+def prog_stats(ids: set[int]) -> dict[str, tuple[int, int]]:
+    """name -> (run_time_ns, run_cnt) summed over the BPF programs ``ids`` of one name (bpftool;
+    counted only while run-time stats are on)."""
     out = subprocess.run(["bpftool", "-j", "prog", "show"], check=True, capture_output=True, text=True).stdout
     stats: dict[str, tuple[int, int]] = {}
-    for p in json.loads(out):
+    for p in json.loads(out or "[]"):
         if int(p.get("id", -1)) in ids:
             name = str(p.get("name", ""))
             t, c = stats.get(name, (0, 0))
             stats[name] = (t + int(p.get("run_time_ns", 0)), c + int(p.get("run_cnt", 0)))
     return stats
+
+
+def owned_prog_stats() -> dict[str, tuple[int, int]]:
+    """name -> (run_time_ns, run_cnt) summed over the BPF programs this process holds."""
+    return prog_stats(_owned_prog_ids())
 
 
 @contextlib.contextmanager

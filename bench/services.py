@@ -78,7 +78,8 @@ from typing import Any, ClassVar
 
 import exactness
 import scope_hits
-from common import CLK_TCK, ROOT, cpu_seconds, machine_line, publish, run_time_stats, status_mb
+from common import ROOT, cpu_seconds, machine_line, publish, reaped_cpu_seconds, run_time_stats, status_mb
+from report_bpf import prog_stats
 
 sys.path.insert(0, str(ROOT / "tests"))  # the daemon harness the end-to-end tests use
 from daemon_fakes import config_text, wait_for
@@ -316,9 +317,7 @@ def service_cpu(svc: Service) -> float:
     for pid in svc.pids():
         with contextlib.suppress(OSError):
             total += cpu_seconds(pid)
-    with open(f"/proc/{svc.proc.pid}/stat") as fh:
-        fields = fh.read().rsplit(")", 1)[1].split()
-    return total + (int(fields[13]) + int(fields[14])) / CLK_TCK
+    return total + reaped_cpu_seconds(svc.proc.pid)
 
 
 def timed_load(svc: Service, requests: int) -> tuple[dict[str, dict[str, float]], float, float]:
@@ -361,23 +360,10 @@ def call_scope(svc: Service) -> None:
                        cwd=svc.dir)
 
 
-def bpf_run_stats(ids: set[int]) -> dict[str, tuple[int, int]]:
-    """(run_time_ns, run_cnt) of the BPF programs ``ids`` by program name, summed over programs of
-    one name (bpftool; counted only while run-time stats are on)."""
-    out = subprocess.run(["bpftool", "-j", "prog", "show"], capture_output=True, text=True, check=True).stdout
-    stats: dict[str, tuple[int, int]] = {}
-    for p in json.loads(out or "[]"):
-        if int(p["id"]) in ids:
-            ns, cnt = stats.get(str(p.get("name", p["id"])), (0, 0))
-            stats[str(p.get("name", p["id"]))] = (ns + int(p.get("run_time_ns", 0)),
-                                                  cnt + int(p.get("run_cnt", 0)))
-    return stats
-
-
 def stats_delta(before: dict[str, tuple[int, int]],
                 after: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
-    """Per program, what ran between two :func:`bpf_run_stats` readings (programs that did not run
-    left out)."""
+    """Per program, what ran between two :func:`report_bpf.prog_stats` readings (programs that did not
+    run left out)."""
     delta = {name: (ns - before.get(name, (0, 0))[0], cnt - before.get(name, (0, 0))[1])
              for name, (ns, cnt) in after.items()}
     return {name: v for name, v in delta.items() if v[1] > 0}
@@ -421,10 +407,10 @@ def run_daemon(workdir: Path, svc: Service, syscalls: list[str] | str, requests:
         wait_tracked(daemon, svc.pids(), timeout=120)
         progs = daemon.bpf_objects().all_progs
         with bpf_stats_on(bpf_stats):
-            bpf0 = bpf_run_stats(progs) if bpf_stats else {}
+            bpf0 = prog_stats(progs) if bpf_stats else {}
             cpu0 = cpu_seconds(daemon.proc.pid)
             result, svc_cpu, wall = timed_load(svc, requests)
-            bpf1 = bpf_run_stats(progs) if bpf_stats else {}
+            bpf1 = prog_stats(progs) if bpf_stats else {}
         time.sleep(1.2)  # the daemon drains what the load left in the rings (0.3 s more in timed_load)
         cpu = cpu_seconds(daemon.proc.pid) - cpu0
         if mode == "instrumented":
