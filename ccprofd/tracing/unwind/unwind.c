@@ -294,9 +294,7 @@ struct uw_cmap {
 struct uw_kc {
     u64 ph1;   // pcs hash
     u64 ph2;
-    u64 eh1;   // the encoding's hash state (as p_eh1)
-    u64 eh2;
-    u64 kh1;   // the counts key it was verified under
+    u64 kh1;   // the counts key it was verified under (its nr, reason and alen below made it)
     u64 kh2;
     u64 off;   // that entry's arena offset
     u32 n;
@@ -1308,17 +1306,13 @@ static __always_inline void uw_aggregate(struct uw_state *st, void *arena_cb) {
 }
 
 #ifdef UE_ENABLED
-// A syscall sample whose chain is one of the slot's recent ones (struct uw_kc): count it at the
-// entry that chain's context was verified at and return 1, or return 0 to take the encoding path
-// (which re-initialises the hash state this one changed).
+// A syscall sample whose chain is one of the slot's recent ones (struct uw_kc), when aggregating:
+// count it at the entry that chain's context was verified at and return 1, or return 0 to take
+// the encoding path.
 static __always_inline int uw_kc_hit(struct uw_state *st) {
     u32 n = st->s.n;
     if (n == 0 || n > UW_KC_DEPTH || st->gen == 0 || st->gen_mixed)
         return 0;
-    u32 ka = UW_CFG_AGGREGATE;
-    u64 *agg = uw_config.lookup(&ka);
-    if (!agg || !*agg)
-        return 0;  // every sample is sent: nothing is counted in the kernel
     u32 w = UW_KC_WAYS;
 #pragma unroll
     for (u32 i = 0; i < UW_KC_WAYS; i++) {
@@ -1340,17 +1334,13 @@ static __always_inline int uw_kc_hit(struct uw_state *st) {
         diff |= (i < n) ? (k->pcs[i] ^ st->s.pcs[i & (UW_MAX_DEPTH - 1)]) : 0;
     if (diff)
         return 0;
-    st->s.h1 = k->eh1;
-    st->s.h2 = k->eh2;
-    uw_mix(st, ((u64)st->s.reason << 32) | (u32)st->s.nr);
-    uw_mix(st, k->alen);
-    if (st->s.h1 != k->kh1 || st->s.h2 != k->kh2)
-        return 0;
     struct uw_key key = {k->kh1, k->kh2};
     struct uw_count *c = uw_counts.lookup(&key);
     if (!c || c->arena_off != k->off || c->len != k->alen || c->nr != st->s.nr || c->reason != st->s.reason)
         return 0;  // the entry is gone or another one (userspace cleared the counts): verify afresh
     __sync_fetch_and_add(&c->count, 1);
+    st->s.h1 = k->kh1;  // the context hash, as the encoding path would have made it
+    st->s.h2 = k->kh2;
     st->alen = k->alen;
     return 1;
 }
@@ -1378,8 +1368,6 @@ static __always_inline void uw_kc_put(struct uw_state *st) {
         k->pcs[i] = st->s.pcs[i & (UW_MAX_DEPTH - 1)];
     k->ph1 = st->kc_ph1;
     k->ph2 = st->kc_ph2;
-    k->eh1 = st->p_eh1;
-    k->eh2 = st->p_eh2;
     k->kh1 = st->p_h1;
     k->kh2 = st->p_h2;
     k->off = st->p_off;
@@ -1532,6 +1520,9 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, const u64 
         st->p_n = st->s.n;
         st->p_reason = st->s.reason;
     }
+    u32 k = UW_CFG_AGGREGATE;
+    u64 *agg = uw_config.lookup(&k);
+    int aggregating = can_aggregate && agg && *agg;  // else every sample is sent
 #ifdef UE_ENABLED
     int counted = 0;  // by the chain cache: no encoding, no aggregation below
     st->kc_ph1 = st->s.h1;
@@ -1540,7 +1531,7 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, const u64 
         // the previous sample's pcs: st->s.e and alen still hold its encoding, which is this one's
         st->s.h1 = st->p_eh1;
         st->s.h2 = st->p_eh2;
-    } else if (can_aggregate && memo && uw_kc_hit(st)) {
+    } else if (aggregating && memo && uw_kc_hit(st)) {
         counted = 1;
         uw_stat(UW_STAT_CHAIN_CACHE_HITS, 1);
         // st->s.e is not this sample's encoding: the next sample may not reuse it as "same"
@@ -1578,21 +1569,19 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, const u64 
     uw_stat(UW_STAT_MAP_SEARCHES, st->n_maps);
     if (st->s.reason)
         uw_stat(UW_STAT_INCOMPLETE, 1);
-    u32 k = UW_CFG_AGGREGATE;
-    u64 *agg = uw_config.lookup(&k);
     if (!st->same)
         st->p_agg = 0;
 #ifdef UE_ENABLED
     if (counted) {
         uw_emit_hit(st);
-    } else if (can_aggregate && agg && *agg) {
+    } else if (aggregating) {
         int was_same = st->same;
         uw_aggregate(st, arena_cb);
         if (memo && !was_same)
             uw_kc_put(st);
     } else {
 #else
-    if (can_aggregate && agg && *agg) {
+    if (aggregating) {
         uw_aggregate(st, arena_cb);
     } else {
 #endif
