@@ -482,14 +482,21 @@ def test_attachments_fire_and_cleanup_leaves_nothing_of_ours(bpf: None, tmp_path
     finally:
         mod.cleanup()
     mod.cleanup()  # idempotent
-    # the kernel frees programs and maps after an RCU grace period: wait for that, not a fixed time
-    for _ in range(100):
-        if not prog_ids & {p["id"] for p in _bpftool("prog", "show")}:
+    # the kernel frees programs after an RCU grace period and their maps later still, from a
+    # workqueue once the last program holding them is gone: wait for all three, not a fixed time
+
+    def left() -> tuple[set[int], set[int], set[int]]:
+        return (
+            prog_ids & {p["id"] for p in _bpftool("prog", "show")},
+            link_ids & {lk["id"] for lk in _bpftool("link", "show")},
+            map_ids & {m["id"] for m in _bpftool("map", "show")},
+        )
+
+    for _ in range(300):
+        if left() == (set(), set(), set()):
             break
         time.sleep(0.1)
-    assert not prog_ids & {p["id"] for p in _bpftool("prog", "show")}
-    assert not link_ids & {lk["id"] for lk in _bpftool("link", "show")}
-    assert not map_ids & {m["id"] for m in _bpftool("map", "show")}
+    assert left() == (set(), set(), set())
     assert _perf_lines(prog_ids) == []
 
 
