@@ -1,4 +1,4 @@
-"""Issue #18: the per-thread memo of outer frames (unwind.c, uw_memo_step) is sound.
+"""Issue #18: the per-thread memo of outer frames (unwind.c, uw_memo_step and uw_memo_chain) is sound.
 
 A thread's consecutive syscalls alternate between two call paths whose inner frames are identical
 (same pc, CFA and rbp at every frame up to the one whose return address differs): main -> A -> mid
@@ -135,18 +135,35 @@ def test_memo_reuses_outer_frames_only_when_every_slot_rereads_equal(sampler: Un
     before = sampler.stats()
     samples, bias = run(sampler, program)
     after = sampler.stats()
-    d = {k: after[k] - before[k] for k in ("samples", "memo_hits", "memo_frames", "memo_rejects")}
+    d = {k: after[k] - before[k]
+         for k in ("samples", "memo_hits", "memo_frames", "memo_rejects", "memo_chains")}
     assert wrong_chains(samples, bias, syms) == []
     # the memo was used (libc's start-up frames above main) and refused where the chain changed
     # (mid's return address into A / B): both paths of the check ran
     assert d["memo_hits"] >= N - 1, d
     assert d["memo_rejects"] >= N // 2 - 1, d
+    # the second sample of each pair (A A, B B) is the first one's whole chain (uw_memo_chain); the
+    # first of a pair starts in the same state at leaf but mid's return slot differs: not whole
+    assert N // 2 - 2 <= d["memo_chains"] <= N // 2, d
 
 
 def test_without_the_reread_the_memo_reports_wrong_chains(sampler: UnwindSampler, program: Path) -> None:
     """The check above fails when reused slots are not re-read: the test can see the bug it guards."""
     syms = symbols(program)
     sampler.set_memo("unchecked")
+    try:
+        samples, bias = run(sampler, program)
+    finally:
+        sampler.set_memo("on")
+    bad = wrong_chains(samples, bias, syms)
+    assert len(bad) >= N // 4, bad[:5]
+
+
+def test_without_the_reread_whole_chains_are_wrong(sampler: UnwindSampler, program: Path) -> None:
+    """The same for the whole-chain reuse alone (frame by frame reuse still re-reads): B's samples
+    after A's start in A's state at leaf, and only the re-read of mid's return slot tells them apart."""
+    syms = symbols(program)
+    sampler.set_memo("chain unchecked")
     try:
         samples, bias = run(sampler, program)
     finally:

@@ -103,6 +103,7 @@ from ccprofd.tracing.unwind.constants import (
     EV_MAPS,
     EXACT_BIT,
     FLAG_HIT,
+    MEMO_CHAIN_UNCHECKED,
     MEMO_OFF,
     MEMO_ON,
     MEMO_UNCHECKED,
@@ -373,8 +374,10 @@ def memo_setting(mode: str) -> int:
     """``uw_config[UW_CFG_MEMO]`` for ``mode``: ``"on"`` (the default), ``"off"`` (every frame
     unwound afresh: the reference for tests and benchmarks), ``"unchecked"`` (reuse without
     re-reading the reused stack slots: unsound, only for the test that shows the re-read is what
-    makes the memo correct)."""
-    modes = {"on": MEMO_ON, "off": MEMO_OFF, "unchecked": MEMO_UNCHECKED}
+    makes the memo correct), ``"chain unchecked"`` (whole chains reused without the re-read, frame by
+    frame reuse still checked: unsound, for the test of uw_memo_chain's re-read)."""
+    modes = {"on": MEMO_ON, "off": MEMO_OFF, "unchecked": MEMO_UNCHECKED,
+             "chain unchecked": MEMO_CHAIN_UNCHECKED}
     if mode not in modes:
         raise ValueError(f"memo mode {mode!r}: one of {', '.join(modes)}")
     return modes[mode]

@@ -85,7 +85,8 @@
 #define UW_STAT_MEMO_REJECTS 17
 #define UW_STAT_SAME_AS_PREVIOUS 18  // pcs equal to the previous sample of the thread on this CPU: its encoding reused
 #define UW_STAT_CHAIN_CACHE_HITS 19  // pcs equal to a recent chain of this CPU's (uw_kc): counted without encoding
-#define UW_NR_STATS 20
+#define UW_STAT_MEMO_CHAINS 20  // samples whose whole chain, frame 0 included, was the memo's (uw_memo_chain)
+#define UW_NR_STATS 21
 
 #define UW_CFG_AGGREGATE 0
 #define UW_CFG_SAMPLE_CPU_ALL 1
@@ -94,6 +95,7 @@
 #define UW_MEMO_ON 0
 #define UW_MEMO_OFF 1
 #define UW_MEMO_UNCHECKED 2  // tests only: reuse without re-reading the slots (unsound; shows the check matters)
+#define UW_MEMO_CHAIN_UNCHECKED 3  // tests only: whole chains (uw_memo_chain) reused without the re-read
 
 // Per-thread memo of the last complete chain (syscall samples only): the outer frames of a thread's
 // stack rarely change between two syscalls.  Each frame of the chain keeps its entry state (pc,
@@ -349,6 +351,12 @@ struct uw_state {
     u32 m_on;      // the current frame is m_c's: it is checked, not unwound
     u32 m_cut;     // this sample's m_lo
     u32 m_hit;     // frames this sample reused
+    u32 m_whole;   // this sample's chain is the memo's, every frame (uw_memo_chain): the memo stays as it is
+    u32 m_try;     // uw_memo_chain is checking the memo's frames (m_chk: the next one)
+    u32 m_chk;
+    u32 m_fp;      // the memoised chain's fp_frames
+    u64 m_h1;      // the memoised chain's pcs hash (uw_mix over its pcs)
+    u64 m_h2;
     u32 k_tgid;    // the process and uw_proc.gen the mapping and rule caches hold (see uw_sample)
     u32 k_gen;
     // The previous sample of this slot, when this one's pcs turn out to be the same (same process,
@@ -712,12 +720,70 @@ static __always_inline long uw_memo_step(struct uw_state *st, u32 n) {
     return 0;
 }
 
+// The whole memoised chain at once, frame 0 included (issue #18): a thread making the same call
+// from the same place again starts in the state the memo's frame 0 was entered in, and when every
+// slot every frame's step read re-reads unchanged, each step's result is the memo's (uw_memo_step's
+// argument, frame after frame), so the chain is the memo's without a step per frame: no rule or
+// mapping work, no frame records (the memo is kept as it is), UW_CHAIN_STEP frames per bpf_loop
+// callback.  Tried only when uw_sample found the sample eligible (m_try; see there).  The pcs are
+// written as the frames are checked, so a changed slot leaves some of them the memo's: the sample
+// is then not "same as previous" (which compares against pcs), and is unwound from frame 0 as usual
+// (the unwind's state is untouched until the chain is done).  0: go on; 1: the chain is the memo's;
+// -1: unwind as usual.
+#define UW_CHAIN_STEP 16
+static __always_inline long uw_memo_chain(struct uw_state *st) {
+    u32 prev = st->m_cur & 1;
+    u32 m = st->m_n;
+    u32 i = st->m_chk;
+#pragma unroll
+    for (int t = 0; t < UW_CHAIN_STEP; t++) {
+        if (i >= m)
+            break;
+        u32 j = i;
+        asm volatile("" : "+r"(j));  // the masks below stay: a pointer stepped by clang has no bound
+        struct uw_mframe *f = &st->mf[prev][j & (UW_MEMO_DEPTH - 1)];
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            if (k >= f->nread)
+                break;
+            u64 v = 0;
+            if (st->memo_mode == UW_MEMO_CHAIN_UNCHECKED)
+                break;
+            if (uw_read(st, f->addr[k], &v) || v != f->val[k]) {
+                st->m_try = 0;
+                st->same = 0;
+                return -1;
+            }
+        }
+        u64 tagged = f->pc | ((f->flags & UW_MF_EXACT) ? UW_EXACT_BIT : 0);
+        if (st->s.pcs[j & (UW_MAX_DEPTH - 1)] != tagged)
+            st->same = 0;
+        st->s.pcs[j & (UW_MAX_DEPTH - 1)] = tagged;
+        i++;
+    }
+    st->m_chk = i;
+    if (i < m)
+        return 0;
+    st->s.n = m;
+    st->s.fp_frames = st->m_fp;
+    st->s.h1 = st->m_h1;
+    st->s.h2 = st->m_h2;
+    st->m_hit = m;
+    st->m_whole = 1;
+    return uw_finish(st, 0);
+}
+
 static __always_inline long uw_unwind_step(struct uw_state *st, int memo) {
     if (st->done)
         return 1;
     u32 n = st->s.n;
     if (n >= UW_MAX_DEPTH)
         return uw_finish(st, UW_WHY_MAX_DEPTH);
+    if (memo && st->m_try) {
+        long r = uw_memo_chain(st);
+        if (r >= 0)
+            return r;
+    }
     if (memo) {
         long r = uw_memo_step(st, n);
         if (r >= 0)
@@ -1450,6 +1516,18 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, const u64 
         st->m_on = 0;
         st->m_cut = 1;
         st->m_hit = 0;
+        st->m_whole = 0;
+        st->m_chk = 0;
+        // The whole chain may be the memo's (uw_memo_chain) when the sample starts in the state its
+        // frame 0 did, with the same upload of the mappings, and every slot of every frame's step
+        // was kept: not when frame 0's step read rdi (RA_REG, nread 0) or a frame read a third slot
+        // (a signal frame: m_lo above 1, or frame 0's own nread 3); not in the tests' unchecked mode.
+        struct uw_mframe *f0 = &st->mf[st->m_cur & 1][0];
+        st->m_try = st->m_n > 0 && st->m_n <= UW_MEMO_DEPTH && st->m_lo == 1 &&
+                    (st->memo_mode == UW_MEMO_ON || st->memo_mode == UW_MEMO_CHAIN_UNCHECKED) &&
+                    st->gen != 0 && st->gen == st->m_gen && f0->pc == ip && f0->sp == sp && f0->bp == bp &&
+                    f0->nread >= 1 && f0->nread <= 2 &&
+                    (f0->flags & (UW_MF_BP_VALID | UW_MF_EXACT)) == (UW_MF_BP_VALID | UW_MF_EXACT);
         st->same = st->p_valid && st->p_tgid == tgid && st->memo_mode != UW_MEMO_OFF;
     } else {
         st->same = 0;
@@ -1498,15 +1576,21 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, const u64 
             uw_stat(UW_STAT_MEMO_FRAMES, st->m_hit);
         }
         // keep this chain for the thread's next sample: complete, every frame recorded, one
-        // generation of mappings
-        if (st->memo_mode != UW_MEMO_OFF && st->s.reason == 0 && st->s.n > 0 && st->s.n <= UW_MEMO_DEPTH &&
-            st->gen != 0 && !st->gen_mixed) {
+        // generation of mappings (a chain that was the memo's whole leaves it as it is: its frames
+        // were not recorded again)
+        if (st->m_whole) {
+            uw_stat(UW_STAT_MEMO_CHAINS, 1);
+        } else if (st->memo_mode != UW_MEMO_OFF && st->s.reason == 0 && st->s.n > 0 &&
+                   st->s.n <= UW_MEMO_DEPTH && st->gen != 0 && !st->gen_mixed) {
             st->m_cur ^= 1;
             st->m_n = st->s.n;
             st->m_tid = (u32)pid_tgid;
             st->m_tgid = tgid;
             st->m_gen = st->gen;
             st->m_lo = st->m_cut;
+            st->m_fp = st->s.fp_frames;
+            st->m_h1 = st->s.h1;
+            st->m_h2 = st->s.h2;
         } else {
             st->m_n = 0;
         }
