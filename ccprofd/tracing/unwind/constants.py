@@ -42,4 +42,4 @@ CFG_AGGREGATE, CFG_EMIT_HITS, CFG_MEMO = _C["UW_CFG_AGGREGATE"], _C["UW_CFG_EMIT
 #: uw_config[CFG_MEMO] values: the per-thread memo of outer frames on (default), off, or on without
 #: re-reading the reused slots (unsound: only for the test that shows the re-read matters)
 MEMO_ON, MEMO_OFF, MEMO_UNCHECKED = _C["UW_MEMO_ON"], _C["UW_MEMO_OFF"], _C["UW_MEMO_UNCHECKED"]
-MEMO_CHAIN_UNCHECKED = _C["UW_MEMO_CHAIN_UNCHECKED"]
+MEMO_CHAIN_UNCHECKED, MEMO_RBP_UNCHECKED = _C["UW_MEMO_CHAIN_UNCHECKED"], _C["UW_MEMO_RBP_UNCHECKED"]

@@ -106,6 +106,7 @@ from ccprofd.tracing.unwind.constants import (
     MEMO_CHAIN_UNCHECKED,
     MEMO_OFF,
     MEMO_ON,
+    MEMO_RBP_UNCHECKED,
     MEMO_UNCHECKED,
     REASONS,
     STATS,
@@ -375,9 +376,11 @@ def memo_setting(mode: str) -> int:
     unwound afresh: the reference for tests and benchmarks), ``"unchecked"`` (reuse without
     re-reading the reused stack slots: unsound, only for the test that shows the re-read is what
     makes the memo correct), ``"chain unchecked"`` (whole chains reused without the re-read, frame by
-    frame reuse still checked: unsound, for the test of uw_memo_chain's re-read)."""
+    frame reuse still checked: unsound, for the test of uw_memo_chain's re-read), ``"rbp unchecked"``
+    (whole chains reused without re-reading saved rbp slots, even those a later step used: unsound,
+    for the test that shows which rbp slots uw_memo_chain must re-read)."""
     modes = {"on": MEMO_ON, "off": MEMO_OFF, "unchecked": MEMO_UNCHECKED,
-             "chain unchecked": MEMO_CHAIN_UNCHECKED}
+             "chain unchecked": MEMO_CHAIN_UNCHECKED, "rbp unchecked": MEMO_RBP_UNCHECKED}
     if mode not in modes:
         raise ValueError(f"memo mode {mode!r}: one of {', '.join(modes)}")
     return modes[mode]

@@ -96,6 +96,7 @@
 #define UW_MEMO_OFF 1
 #define UW_MEMO_UNCHECKED 2  // tests only: reuse without re-reading the slots (unsound; shows the check matters)
 #define UW_MEMO_CHAIN_UNCHECKED 3  // tests only: whole chains (uw_memo_chain) reused without the re-read
+#define UW_MEMO_RBP_UNCHECKED 4    // tests only: ... without re-reading any saved rbp (live or not)
 
 // Per-thread memo of the last complete chain (syscall samples only): the outer frames of a thread's
 // stack rarely change between two syscalls.  Each frame of the chain keeps its entry state (pc,
@@ -109,9 +110,22 @@
 #ifndef UW_MEMO_DEPTH
 #define UW_MEMO_DEPTH 128  // frames a memoised chain may have (power of two); deeper stacks: no memo
 #endif
+// Each syscall slot keeps up to UW_MEMO_WAYS chains (struct uw_mway), each a thread's last one that
+// started in its frame-0 state (pc, rsp, rbp): a service's thread alternates between a few syscalls
+// (redis: epoll_wait, read, write), each of which repeats its chain, and one memo per thread would
+// only ever hold the previous one.  Chains live in UW_MEMO_BUFS frame buffers: one per way and the
+// spare the sample being unwound is recorded into, swapped with the way it replaces.
+#ifndef UW_MEMO_WAYS
+#define UW_MEMO_WAYS 7
+#endif
+#define UW_MEMO_BUFS 8  // a power of two, UW_MEMO_WAYS + 1
 #define UW_MF_BP_VALID 1
 #define UW_MF_EXACT 2
 #define UW_MF_FP 4
+#define UW_MF_USES_BP 8   // its step took the CFA from rbp (an rbp rule, or the frame-pointer rule)
+#define UW_MF_RBP_SLOT 16  // its second slot (addr[1]) is the saved rbp its step restored
+#define UW_MF_BP_LIVE 32   // ... and a later step used that rbp (before another restored one)
+#define UW_BP_ENTRY 0xffffffffU  // bp_src: rbp is still the sample's frame-0 value
 #define UW_MEMO_SCAN 4  // cached frames skipped at most per step looking for the new frame's CFA
 
 struct uw_rule {
@@ -266,6 +280,20 @@ struct uw_mframe {
     u32 nread;  // slots read by this frame's step (addr/val); 3 (a signal frame's rbp): not cached
 };
 
+// one memoised chain (see UW_MEMO_WAYS)
+struct uw_mway {
+    u32 buf;   // mf[buf] holds its frames
+    u32 n;     // frames (0: none)
+    u32 tid;   // whose chain it is
+    u32 tgid;
+    u32 gen;   // the upload of the mappings it was unwound with
+    u32 lo;    // its first frame that may be reused (frames below an uncached one may not)
+    u32 fp;    // its fp_frames
+    u32 bp_dep;  // a step used rbp before any restored it: the chain depends on frame 0's rbp
+    u64 h1;    // its pcs hash (uw_mix over its pcs)
+    u64 h2;
+};
+
 // a mapping as uw_state caches it (uw_state.c): the second most recent one is kept in uw_state.alt,
 // since stacks alternate between two modules (an interpreter and libc) and each switch would
 // otherwise search the process's mappings again (issue #18)
@@ -341,12 +369,15 @@ struct uw_state {
     u32 gen;       // uw_proc.gen of the mappings this sample used (0: none yet)
     u32 gen_mixed; // the sample saw two generations: not memoised
     u32 memo_mode; // uw_config[UW_CFG_MEMO]
-    u32 m_cur;     // mf[m_cur]: the memoised chain; mf[m_cur ^ 1]: this sample's, being recorded
-    u32 m_n;       // frames of the memoised chain (0: none)
-    u32 m_tid;     // whose chain it is
-    u32 m_tgid;
+    u32 m_buf;     // mf[m_buf]: the memoised chain this sample uses (a way's, see uw_memo_pick)
+    u32 m_rec;     // mf[m_rec]: the spare buffer, this sample's chain being recorded
+    u32 m_way;     // the way whose frame 0 this sample starts in (UW_MEMO_WAYS: none)
+    u32 m_last;    // the way kept last (the thread's previous chain, when it is this thread's)
+    u32 m_next;    // the way a chain with no way of its own replaces next
+    u32 m_init;    // the ways' buffers are assigned
+    u32 m_n;       // frames of the memoised chain (0: none); m_gen, m_lo, m_fp, m_h1/2: its way's
     u32 m_gen;
-    u32 m_lo;      // its first frame that may be reused (frames below an uncached one may not)
+    u32 m_lo;
     u32 m_c;       // cursor: the cached frame the unwind is at (or looking for)
     u32 m_on;      // the current frame is m_c's: it is checked, not unwound
     u32 m_cut;     // this sample's m_lo
@@ -354,9 +385,14 @@ struct uw_state {
     u32 m_whole;   // this sample's chain is the memo's, every frame (uw_memo_chain): the memo stays as it is
     u32 m_try;     // uw_memo_chain is checking the memo's frames (m_chk: the next one)
     u32 m_chk;
-    u32 m_fp;      // the memoised chain's fp_frames
-    u64 m_h1;      // the memoised chain's pcs hash (uw_mix over its pcs)
+    u32 m_fp;
+    u32 m_bp_dep;  // the memoised chain depends on frame 0's rbp (uw_mway.bp_dep)
+    u32 bp_src;    // the frame whose step restored the current rbp from a slot (UW_BP_ENTRY: none yet)
+    u32 bp_dep;    // a step used rbp while it was frame 0's (this sample's uw_mway.bp_dep)
+    u32 bp_pad;
+    u64 m_h1;
     u64 m_h2;
+    struct uw_mway ways[UW_MEMO_WAYS];
     u32 k_tgid;    // the process and uw_proc.gen the mapping and rule caches hold (see uw_sample)
     u32 k_gen;
     // The previous sample of this slot, when this one's pcs turn out to be the same (same process,
@@ -379,7 +415,7 @@ struct uw_state {
     u64 start_stack;
     u64 win_base;  // stack window: the user page at win_base is copied into win (odd: none)
     u64 win[UW_WIN_WORDS];
-    struct uw_mframe mf[2][UW_MEMO_DEPTH];
+    struct uw_mframe mf[UW_MEMO_BUFS][UW_MEMO_DEPTH];
 #ifdef UE_ENABLED
     struct uw_kc kc[UW_KC_WAYS];
     u64 kc_ph1;    // this sample's pcs hash (the unwind's uw_mix state, before the encoding's)
@@ -634,12 +670,29 @@ static __always_inline long uw_finish(struct uw_state *st, u32 reason) {
     return 1;
 }
 
+// Which rbp values a chain depends on (uw_memo_chain re-reads only those of the saved-rbp slots):
+// frame n's step used rbp (uses) and/or restored it from its second slot (restores).  A use marks
+// the frame that restored the rbp used (its record, UW_MF_BP_LIVE), or the chain as depending on
+// frame 0's rbp (bp_dep).  Code built without frame pointers keeps data in rbp, saved and restored
+// by every function that uses it and read by no step: slots that differ at every call.
+static __always_inline void uw_bp_flow(struct uw_state *st, u32 n, int uses, int restores, int memo) {
+    if (uses) {
+        u32 src = st->bp_src;
+        if (src == UW_BP_ENTRY)
+            st->bp_dep = 1;
+        else if (memo && src < UW_MEMO_DEPTH)
+            st->mf[st->m_rec & (UW_MEMO_BUFS - 1)][src & (UW_MEMO_DEPTH - 1)].flags |= UW_MF_BP_LIVE;
+    }
+    if (restores)
+        st->bp_src = n;
+}
+
 // Record frame n of this sample for the next one's memo (see UW_MEMO_DEPTH).
 static __always_inline void uw_memo_rec(struct uw_state *st, u32 n, u64 pc, u64 sp, u64 bp, u32 flags, u32 nread,
                                         u64 *addr, u64 *val) {
     if (n >= UW_MEMO_DEPTH)
         return;
-    struct uw_mframe *f = &st->mf[(st->m_cur ^ 1) & 1][n & (UW_MEMO_DEPTH - 1)];
+    struct uw_mframe *f = &st->mf[st->m_rec & (UW_MEMO_BUFS - 1)][n & (UW_MEMO_DEPTH - 1)];
     f->pc = pc;
     f->sp = sp;
     f->bp = bp;
@@ -658,7 +711,7 @@ static __always_inline void uw_memo_rec(struct uw_state *st, u32 n, u64 pc, u64 
 static __always_inline long uw_memo_step(struct uw_state *st, u32 n) {
     if (st->m_n == 0 || n == 0)
         return -1;
-    u32 prev = st->m_cur & 1;
+    u32 prev = st->m_buf & (UW_MEMO_BUFS - 1);
     u32 c = st->m_c;
     if (!st->m_on) {
         // the sample's mappings (looked up at frame 0) must be those the chain was unwound with
@@ -696,6 +749,7 @@ static __always_inline long uw_memo_step(struct uw_state *st, u32 n) {
             }
         }
     }
+    uw_bp_flow(st, n, f->flags & UW_MF_USES_BP, f->nread >= 2, 1);
     u64 pc = f->pc;
     u64 tagged = pc | ((f->flags & UW_MF_EXACT) ? UW_EXACT_BIT : 0);
     if (st->s.pcs[n & (UW_MAX_DEPTH - 1)] != tagged)
@@ -705,8 +759,11 @@ static __always_inline long uw_memo_step(struct uw_state *st, u32 n) {
     uw_mix(st, pc);
     if (f->flags & UW_MF_FP)
         st->s.fp_frames++;
-    if (n < UW_MEMO_DEPTH)
-        st->mf[prev ^ 1][n & (UW_MEMO_DEPTH - 1)] = *f;
+    if (n < UW_MEMO_DEPTH) {
+        struct uw_mframe *g = &st->mf[st->m_rec & (UW_MEMO_BUFS - 1)][n & (UW_MEMO_DEPTH - 1)];
+        *g = *f;
+        g->flags &= ~UW_MF_BP_LIVE;  // this chain's later steps say whether its rbp is used
+    }
     st->m_hit++;
     if (c + 1 >= st->m_n)
         return uw_finish(st, 0);  // the chain's last frame: it ended there (only complete chains are kept)
@@ -732,7 +789,7 @@ static __always_inline long uw_memo_step(struct uw_state *st, u32 n) {
 // -1: unwind as usual.
 #define UW_CHAIN_STEP 16
 static __always_inline long uw_memo_chain(struct uw_state *st) {
-    u32 prev = st->m_cur & 1;
+    u32 prev = st->m_buf & (UW_MEMO_BUFS - 1);
     u32 m = st->m_n;
     u32 i = st->m_chk;
 #pragma unroll
@@ -748,6 +805,10 @@ static __always_inline long uw_memo_chain(struct uw_state *st) {
                 break;
             u64 v = 0;
             if (st->memo_mode == UW_MEMO_CHAIN_UNCHECKED)
+                break;
+            if (k == 1 && (f->flags & (UW_MF_RBP_SLOT | UW_MF_BP_LIVE)) == UW_MF_RBP_SLOT)
+                break;  // a saved rbp no later step used: any value gives the same chain
+            if (k == 1 && (f->flags & UW_MF_RBP_SLOT) && st->memo_mode == UW_MEMO_RBP_UNCHECKED)
                 break;
             if (uw_read(st, f->addr[k], &v) || v != f->val[k]) {
                 st->m_try = 0;
@@ -876,8 +937,14 @@ static __always_inline long uw_unwind_step(struct uw_state *st, int memo) {
         if (uw_read(st, addr[k], &val[k]))
             return uw_finish(st, UW_WHY_READ_FAULT);
     }
+    int uses_bp = fp || kind == UW_KIND_RBP;
+    int rbp_slot = kind != UW_KIND_SIGNAL && nread == 2;  // fp, or an rbp saved at the CFA
     if (memo)
-        uw_memo_rec(st, n, pc, sp, bp, eflags | (fp ? UW_MF_FP : 0), nread, addr, val);
+        uw_memo_rec(st, n, pc, sp, bp,
+                    eflags | (fp ? UW_MF_FP : 0) | (uses_bp ? UW_MF_USES_BP : 0) | (rbp_slot ? UW_MF_RBP_SLOT : 0),
+                    nread, addr, val);
+    // (a signal frame sets rbp from its third slot or to unknown: restored, either way)
+    uw_bp_flow(st, n, uses_bp, nread >= 2 || kind == UW_KIND_SIGNAL, memo);
     if (kind == UW_KIND_SIGNAL) {
         st->pc = val[0];
         st->sp = val[1];
@@ -1460,6 +1527,84 @@ static __always_inline void uw_read_regs(u64 *rw, struct pt_regs *regs) {
         __builtin_memset(rw, 0, UW_REGS_WORDS * 8);
 }
 
+// The memo this sample uses (m_buf, m_n, ...): the way of this thread's whose chain started in the
+// state this sample starts in (its whole chain may be reused: uw_memo_chain), else the thread's
+// previous chain (its outer frames may be: uw_memo_step), else none.
+static __always_inline void uw_memo_pick(struct uw_state *st, u64 pid_tgid, u64 ip, u64 sp, u64 bp) {
+    if (!st->m_init) {
+#pragma unroll
+        for (int w = 0; w < UW_MEMO_WAYS; w++) {
+            st->ways[w].buf = w;
+            st->ways[w].n = 0;
+        }
+        st->m_rec = UW_MEMO_WAYS;
+        st->m_last = 0;
+        st->m_next = 0;
+        st->m_init = 1;
+    }
+    u32 tid = (u32)pid_tgid, tgid = pid_tgid >> 32;
+    u32 pick = UW_MEMO_WAYS;
+    st->m_n = 0;
+    st->m_way = UW_MEMO_WAYS;
+    if (st->memo_mode == UW_MEMO_OFF)
+        return;
+#pragma unroll
+    for (int w = 0; w < UW_MEMO_WAYS; w++) {
+        struct uw_mway *y = &st->ways[w];
+        if (y->n && y->tid == tid && y->tgid == tgid) {
+            struct uw_mframe *f0 = &st->mf[y->buf & (UW_MEMO_BUFS - 1)][0];
+            if (f0->pc == ip && f0->sp == sp && (f0->bp == bp || !y->bp_dep)) {
+                pick = w;
+                break;
+            }
+        }
+    }
+    if (pick < UW_MEMO_WAYS) {
+        st->m_way = pick;
+    } else {
+        pick = st->m_last;
+        if (pick >= UW_MEMO_WAYS)
+            return;
+    }
+    struct uw_mway *y = &st->ways[pick];
+    if (!y->n || y->tid != tid || y->tgid != tgid)
+        return;
+    st->m_buf = y->buf;
+    st->m_n = y->n;
+    st->m_gen = y->gen;
+    st->m_lo = y->lo;
+    st->m_fp = y->fp;
+    st->m_bp_dep = y->bp_dep;
+    st->m_h1 = y->h1;
+    st->m_h2 = y->h2;
+}
+
+// Keep this sample's chain (recorded in the spare buffer, m_rec) in the way it started in, or else
+// in the next way round; the buffer that way had becomes the spare.
+static __always_inline void uw_memo_keep(struct uw_state *st, u64 pid_tgid) {
+    u32 w = st->m_way;
+    if (w >= UW_MEMO_WAYS) {
+        w = st->m_next;
+        if (w >= UW_MEMO_WAYS)
+            w = 0;
+        st->m_next = w + 1 < UW_MEMO_WAYS ? w + 1 : 0;
+    }
+    struct uw_mway *y = &st->ways[w];
+    u32 old = y->buf;
+    y->buf = st->m_rec;
+    y->n = st->s.n;
+    y->tid = (u32)pid_tgid;
+    y->tgid = pid_tgid >> 32;
+    y->gen = st->gen;
+    y->lo = st->m_cut;
+    y->fp = st->s.fp_frames;
+    y->bp_dep = st->bp_dep;
+    y->h1 = st->s.h1;
+    y->h2 = st->s.h2;
+    st->m_rec = old;
+    st->m_last = w;
+}
+
 // `can_aggregate` is a constant per program: the CPU sampler sends every sample (the aggregation
 // code would double its verification cost past the verifier's limit; CPU samples are few).
 // `syscall_sample` too (1: from uw_sys_enter, whose argument registers `rw` holds, and the flight
@@ -1477,6 +1622,8 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, const u64 
     st->sp = sp;
     st->bp = bp;
     st->bp_valid = 1;
+    st->bp_src = UW_BP_ENTRY;
+    st->bp_dep = 0;
     st->exact = 1;
     st->done = 0;
     st->op = UW_OP_UNWIND;
@@ -1509,9 +1656,8 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, const u64 
         u32 km = UW_CFG_MEMO;
         u64 *mm = uw_config.lookup(&km);
         st->memo_mode = mm ? (u32)*mm : UW_MEMO_ON;
-        // the memo is this thread's only (tid and process; uw_memo_step checks the mappings)
-        if (st->m_tid != (u32)pid_tgid || st->m_tgid != tgid || st->memo_mode == UW_MEMO_OFF)
-            st->m_n = 0;
+        // a way of this thread's (tid and process; uw_memo_step and the check below look at the mappings)
+        uw_memo_pick(st, pid_tgid, ip, sp, bp);
         st->m_c = 0;
         st->m_on = 0;
         st->m_cut = 1;
@@ -1519,14 +1665,17 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, const u64 
         st->m_whole = 0;
         st->m_chk = 0;
         // The whole chain may be the memo's (uw_memo_chain) when the sample starts in the state its
-        // frame 0 did, with the same upload of the mappings, and every slot of every frame's step
-        // was kept: not when frame 0's step read rdi (RA_REG, nread 0) or a frame read a third slot
-        // (a signal frame: m_lo above 1, or frame 0's own nread 3); not in the tests' unchecked mode.
-        struct uw_mframe *f0 = &st->mf[st->m_cur & 1][0];
+        // frame 0 did (rbp only when a step used it before one restored it from a slot: code built
+        // without frame pointers keeps data in rbp, different at every call, that no step reads),
+        // with the same upload of the mappings, and every slot of every frame's step was kept: not
+        // when frame 0's step read rdi (RA_REG, nread 0) or a frame read a third slot (a signal
+        // frame: m_lo above 1, or frame 0's own nread 3); not in the tests' unchecked mode.
+        struct uw_mframe *f0 = &st->mf[st->m_buf & (UW_MEMO_BUFS - 1)][0];
         st->m_try = st->m_n > 0 && st->m_n <= UW_MEMO_DEPTH && st->m_lo == 1 &&
-                    (st->memo_mode == UW_MEMO_ON || st->memo_mode == UW_MEMO_CHAIN_UNCHECKED) &&
-                    st->gen != 0 && st->gen == st->m_gen && f0->pc == ip && f0->sp == sp && f0->bp == bp &&
-                    f0->nread >= 1 && f0->nread <= 2 &&
+                    (st->memo_mode == UW_MEMO_ON || st->memo_mode == UW_MEMO_CHAIN_UNCHECKED ||
+                     st->memo_mode == UW_MEMO_RBP_UNCHECKED) &&
+                    st->gen != 0 && st->gen == st->m_gen && f0->pc == ip && f0->sp == sp &&
+                    (f0->bp == bp || !st->m_bp_dep) && f0->nread >= 1 && f0->nread <= 2 &&
                     (f0->flags & (UW_MF_BP_VALID | UW_MF_EXACT)) == (UW_MF_BP_VALID | UW_MF_EXACT);
         st->same = st->p_valid && st->p_tgid == tgid && st->memo_mode != UW_MEMO_OFF;
     } else {
@@ -1580,19 +1729,10 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, const u64 
         // were not recorded again)
         if (st->m_whole) {
             uw_stat(UW_STAT_MEMO_CHAINS, 1);
+            st->m_last = st->m_way;
         } else if (st->memo_mode != UW_MEMO_OFF && st->s.reason == 0 && st->s.n > 0 &&
                    st->s.n <= UW_MEMO_DEPTH && st->gen != 0 && !st->gen_mixed) {
-            st->m_cur ^= 1;
-            st->m_n = st->s.n;
-            st->m_tid = (u32)pid_tgid;
-            st->m_tgid = tgid;
-            st->m_gen = st->gen;
-            st->m_lo = st->m_cut;
-            st->m_fp = st->s.fp_frames;
-            st->m_h1 = st->s.h1;
-            st->m_h2 = st->s.h2;
-        } else {
-            st->m_n = 0;
+            uw_memo_keep(st, pid_tgid);
         }
         st->same = st->same && st->s.n == st->p_n && st->s.reason == st->p_reason && st->gen == st->p_gen &&
                    st->gen != 0 && !st->gen_mixed;
