@@ -292,6 +292,8 @@ struct uw_mway {
     u32 bp_dep;  // a step used rbp before any restored it: the chain depends on frame 0's rbp
     u64 h1;    // its pcs hash (uw_mix over its pcs)
     u64 h2;
+    u64 slo;   // the lowest and highest slot its steps read (uw_memo_chain copies that span at once)
+    u64 shi;
 };
 
 // a mapping as uw_state caches it (uw_state.c): the second most recent one is kept in uw_state.alt,
@@ -392,6 +394,8 @@ struct uw_state {
     u32 bp_pad;
     u64 m_h1;
     u64 m_h2;
+    u64 m_slo;
+    u64 m_shi;
     struct uw_mway ways[UW_MEMO_WAYS];
     u32 k_tgid;    // the process and uw_proc.gen the mapping and rule caches hold (see uw_sample)
     u32 k_gen;
@@ -413,7 +417,10 @@ struct uw_state {
     u64 p_eh1;     // hash state after the previous sample's hashing pass (before nr, reason, length)
     u64 p_eh2;
     u64 start_stack;
-    u64 win_base;  // stack window: the user page at win_base is copied into win (odd: none)
+    u64 win_base;  // stack window: win_len bytes of user memory at win_base are copied into win (odd: none)
+    u64 win_len;   // a page, or a memoised chain's slot span (uw_memo_chain)
+    u64 r_slo;     // this sample's recorded slots span [r_slo, r_shi] (uw_mway.slo, shi)
+    u64 r_shi;
     u64 win[UW_WIN_WORDS];
     struct uw_mframe mf[UW_MEMO_BUFS][UW_MEMO_DEPTH];
 #ifdef UE_ENABLED
@@ -523,12 +530,14 @@ static __always_inline int uw_find_mapping(struct uw_state *st, u64 pc) {
         if (lo >= hi)
             break;
         u32 mid = (lo + hi) / 2;
+        asm volatile("" : "+r"(mid));  // checked as itself: clang may test lo + hi, which bounds no index
         if (mid >= UW_MAX_MAPS)
             break;
         if (p->m[mid].start <= pc)
             lo = mid + 1;
         else
-            hi = mid;        lo = uw_opaque(&st->bs_lo, lo);
+            hi = mid;
+        lo = uw_opaque(&st->bs_lo, lo);
         hi = uw_opaque(&st->bs_hi, hi);
     }
     if (lo == 0)
@@ -649,16 +658,19 @@ static __always_inline struct uw_rule *uw_find_rule(struct uw_state *st, u64 v) 
 // addr (a constant size, never crossing into a page that may be unmapped), and the frames above
 // usually lie in the same page, so most frames cost no user copy at all.
 static __always_inline int uw_read(struct uw_state *st, u64 addr, u64 *out) {
-    if (addr - st->win_base >= UW_WIN_BYTES || (addr & 7)) {
+    // (addr and win_base are 8-aligned and win_len a multiple of 8: an offset below it is a whole word)
+    if (addr - st->win_base >= st->win_len || (addr & 7)) {
         if (addr & 7)
             return bpf_probe_read_user(out, 8, (void *)addr);
         u64 page = addr & ~(u64)(UW_WIN_BYTES - 1);
         st->n_copies++;
         if (bpf_probe_read_user(st->win, UW_WIN_BYTES, (void *)page) != 0) {
             st->win_base = 1;  // nothing cached (an odd base never matches an aligned addr)
+            st->win_len = UW_WIN_BYTES;
             return bpf_probe_read_user(out, 8, (void *)addr);
         }
         st->win_base = page;
+        st->win_len = UW_WIN_BYTES;
     }
     *out = st->win[((addr - st->win_base) >> 3) & (UW_WIN_WORDS - 1)];
     return 0;
@@ -687,6 +699,20 @@ static __always_inline void uw_bp_flow(struct uw_state *st, u32 n, int uses, int
         st->bp_src = n;
 }
 
+// The recorded slots' span (uw_memo_chain reads it in one copy): the lowest and highest of the
+// (at most two kept) slots of each frame.
+static __always_inline void uw_span(struct uw_state *st, u32 nread, u64 *addr) {
+#pragma unroll
+    for (int k = 0; k < 2; k++) {
+        if (k >= nread)
+            break;
+        if (addr[k] < st->r_slo)
+            st->r_slo = addr[k];
+        if (addr[k] > st->r_shi)
+            st->r_shi = addr[k];
+    }
+}
+
 // Record frame n of this sample for the next one's memo (see UW_MEMO_DEPTH).
 static __always_inline void uw_memo_rec(struct uw_state *st, u32 n, u64 pc, u64 sp, u64 bp, u32 flags, u32 nread,
                                         u64 *addr, u64 *val) {
@@ -702,6 +728,7 @@ static __always_inline void uw_memo_rec(struct uw_state *st, u32 n, u64 pc, u64 
     f->addr[1] = addr[1];
     f->val[0] = val[0];
     f->val[1] = val[1];
+    uw_span(st, nread, addr);
     if (nread > 2)
         st->m_cut = n + 1;  // its third slot is not kept: the next sample may reuse only frames above it
 }
@@ -763,6 +790,7 @@ static __always_inline long uw_memo_step(struct uw_state *st, u32 n) {
         struct uw_mframe *g = &st->mf[st->m_rec & (UW_MEMO_BUFS - 1)][n & (UW_MEMO_DEPTH - 1)];
         *g = *f;
         g->flags &= ~UW_MF_BP_LIVE;  // this chain's later steps say whether its rbp is used
+        uw_span(st, f->nread, f->addr);
     }
     st->m_hit++;
     if (c + 1 >= st->m_n)
@@ -792,6 +820,18 @@ static __always_inline long uw_memo_chain(struct uw_state *st) {
     u32 prev = st->m_buf & (UW_MEMO_BUFS - 1);
     u32 m = st->m_n;
     u32 i = st->m_chk;
+    if (i == 0) {
+        // every slot the chain's steps read, in one copy when they lie within a window's size
+        // (a page copy would take two where they cross a page); else page by page as uw_read goes
+        u64 lo = st->m_slo, len = st->m_shi - st->m_slo + 8;
+        if (st->m_shi >= lo && !(lo & 7) && len <= UW_WIN_BYTES) {
+            st->n_copies++;
+            if (bpf_probe_read_user(st->win, len, (void *)lo) == 0) {
+                st->win_base = lo;
+                st->win_len = len;
+            }
+        }
+    }
 #pragma unroll
     for (int t = 0; t < UW_CHAIN_STEP; t++) {
         if (i >= m)
@@ -1577,6 +1617,8 @@ static __always_inline void uw_memo_pick(struct uw_state *st, u64 pid_tgid, u64 
     st->m_bp_dep = y->bp_dep;
     st->m_h1 = y->h1;
     st->m_h2 = y->h2;
+    st->m_slo = y->slo;
+    st->m_shi = y->shi;
 }
 
 // Keep this sample's chain (recorded in the spare buffer, m_rec) in the way it started in, or else
@@ -1601,6 +1643,8 @@ static __always_inline void uw_memo_keep(struct uw_state *st, u64 pid_tgid) {
     y->bp_dep = st->bp_dep;
     y->h1 = st->s.h1;
     y->h2 = st->s.h2;
+    y->slo = st->r_slo;
+    y->shi = st->r_shi;
     st->m_rec = old;
     st->m_last = w;
 }
@@ -1628,6 +1672,9 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, const u64 
     st->done = 0;
     st->op = UW_OP_UNWIND;
     st->win_base = 1;
+    st->win_len = UW_WIN_BYTES;
+    st->r_slo = ~0ULL;
+    st->r_shi = 0;
     st->n_steps = 0;
     st->n_copies = 0;
     st->n_maps = 0;
