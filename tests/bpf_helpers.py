@@ -88,6 +88,30 @@ def file_offset(binary: Path, vaddr: int) -> int:
     raise AssertionError(f"{vaddr:#x} not in a PT_LOAD of {binary}")
 
 
+def nm_functions(binary: Path) -> dict[str, tuple[int, int]]:
+    """Function name -> (start, end) ELF vaddrs of ``binary``'s defined text symbols, from nm
+    (binutils, not ccprofd): the oracle the memo tests check unwound frames against."""
+    out = subprocess.run([require_tool("nm"), "-S", "--defined-only", str(binary)], check=True,
+                         capture_output=True, text=True).stdout
+    syms: dict[str, tuple[int, int]] = {}
+    for line in out.splitlines():
+        parts = line.split()
+        if len(parts) == 4 and parts[2] in "tT":
+            start, size = int(parts[0], 16), int(parts[1], 16)
+            syms[parts[3]] = (start, start + size)
+    return syms
+
+
+def load_bias(pid: int, binary: Path) -> int:
+    """Runtime minus ELF vaddr of ``binary``'s first mapping in process ``pid`` (PIE), from
+    /proc/PID/maps."""
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        fields = line.split()
+        if len(fields) >= 6 and fields[5] == str(binary) and int(fields[2], 16) == 0:
+            return int(fields[0].split("-")[0], 16)
+    raise AssertionError(f"{binary} not mapped in {pid}")
+
+
 def run_released(s: UnwindSampler, argv: list[str],
                  on_ready: Callable[[int], None] | None = None) -> tuple[list[UnwoundSample], int]:
     """Run ``argv`` (a program that prints ``ready`` and waits for one byte on stdin), track it once

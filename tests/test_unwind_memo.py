@@ -14,13 +14,11 @@ find wrong chains: the re-read is what makes the reuse correct.
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from bpf_helpers import between_phases, compile_c, drain, run_released
-from conftest import require_tool
+from bpf_helpers import between_phases, compile_c, drain, load_bias, nm_functions, run_released
 
 from ccprofd.tracing.unwind.sampler import UnwindSampler, UnwoundSample
 
@@ -79,28 +77,6 @@ def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return compile_c(tmp, "alternate", SOURCE, "-O1", "-fno-omit-frame-pointer", "-fno-inline")
 
 
-def symbols(binary: Path) -> dict[str, tuple[int, int]]:
-    """Function name -> (start, end) ELF vaddrs, from nm (binutils, not ccprofd)."""
-    out = subprocess.run([require_tool("nm"), "-S", "--defined-only", str(binary)], check=True,
-                         capture_output=True, text=True).stdout
-    syms: dict[str, tuple[int, int]] = {}
-    for line in out.splitlines():
-        parts = line.split()
-        if len(parts) == 4 and parts[2] in "tT":
-            start, size = int(parts[0], 16), int(parts[1], 16)
-            syms[parts[3]] = (start, start + size)
-    return syms
-
-
-def load_bias(pid: int, binary: Path) -> int:
-    """Runtime minus ELF vaddr of the binary's first mapping (PIE), from /proc/PID/maps."""
-    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-        fields = line.split()
-        if len(fields) >= 6 and fields[5] == str(binary) and int(fields[2], 16) == 0:
-            return int(fields[0].split("-")[0], 16)
-    raise AssertionError(f"{binary} not mapped in {pid}")
-
-
 def run(s: UnwindSampler, binary: Path) -> tuple[list[UnwoundSample], int]:
     biases: list[int] = []
     got, _pid = run_released(s, [str(binary), str(N)], lambda pid: biases.append(load_bias(pid, binary)))
@@ -130,7 +106,7 @@ def wrong_chains(samples: list[UnwoundSample], bias: int, syms: dict[str, tuple[
 
 def test_memo_reuses_outer_frames_only_when_every_slot_rereads_equal(sampler: UnwindSampler,
                                                                       program: Path) -> None:
-    syms = symbols(program)
+    syms = nm_functions(program)
     sampler.set_memo("on")
     before = sampler.stats()
     samples, bias = run(sampler, program)
@@ -147,23 +123,15 @@ def test_memo_reuses_outer_frames_only_when_every_slot_rereads_equal(sampler: Un
     assert N // 2 - 2 <= d["memo_chains"] <= N // 2, d
 
 
-def test_without_the_reread_the_memo_reports_wrong_chains(sampler: UnwindSampler, program: Path) -> None:
-    """The check above fails when reused slots are not re-read: the test can see the bug it guards."""
-    syms = symbols(program)
-    sampler.set_memo("unchecked")
-    try:
-        samples, bias = run(sampler, program)
-    finally:
-        sampler.set_memo("on")
-    bad = wrong_chains(samples, bias, syms)
-    assert len(bad) >= N // 4, bad[:5]
-
-
-def test_without_the_reread_whole_chains_are_wrong(sampler: UnwindSampler, program: Path) -> None:
-    """The same for the whole-chain reuse alone (frame by frame reuse still re-reads): B's samples
-    after A's start in A's state at leaf, and only the re-read of mid's return slot tells them apart."""
-    syms = symbols(program)
-    sampler.set_memo("chain unchecked")
+@pytest.mark.parametrize("mode", ["unchecked", "chain unchecked"])
+def test_without_the_reread_the_memo_reports_wrong_chains(sampler: UnwindSampler, program: Path,
+                                                         mode: str) -> None:
+    """The check above fails when reused slots are not re-read: the test can see the bug it guards.
+    ``unchecked``: no re-read at all; ``chain unchecked``: the whole-chain reuse alone (frame by
+    frame reuse still re-reads) -- B's samples after A's start in A's state at leaf, and only the
+    re-read of mid's return slot tells them apart."""
+    syms = nm_functions(program)
+    sampler.set_memo(mode)
     try:
         samples, bias = run(sampler, program)
     finally:
@@ -173,7 +141,7 @@ def test_without_the_reread_whole_chains_are_wrong(sampler: UnwindSampler, progr
 
 
 def test_memo_off_is_every_frame_afresh(sampler: UnwindSampler, program: Path) -> None:
-    syms = symbols(program)
+    syms = nm_functions(program)
     sampler.set_memo("off")
     try:
         before = sampler.stats()

@@ -22,13 +22,11 @@ frames 0..3 in leaf/leaf2, mid/mid2, T and A; frame 4 in main unless main was sk
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from bpf_helpers import compile_c, run_released
-from conftest import require_tool
+from bpf_helpers import compile_c, load_bias, nm_functions, run_released
 
 from ccprofd.tracing.unwind.sampler import UnwindSampler, UnwoundSample
 
@@ -158,26 +156,10 @@ def program(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def symbols(binary: Path) -> dict[str, tuple[int, int]]:
-    """Function name -> (start, end) ELF vaddrs, from nm (binutils, not ccprofd)."""
-    out = subprocess.run([require_tool("nm"), "-S", "--defined-only", str(binary)], check=True,
-                         capture_output=True, text=True).stdout
-    syms: dict[str, tuple[int, int]] = {}
-    for line in out.splitlines():
-        parts = line.split()
-        if len(parts) == 4 and parts[2] in "tT":
-            syms[parts[3]] = (int(parts[0], 16), int(parts[0], 16) + int(parts[1], 16))
-    # the asm functions have sizes from .size; main from gcc
-    for name in ("leaf", "leaf2", "mid", "mid2", "T", "A", "main"):
-        assert name in syms, (name, out)
+    syms = nm_functions(binary)
+    for name in ("leaf", "leaf2", "mid", "mid2", "T", "A", "main"):  # the asm ones sized by .size
+        assert name in syms, (name, sorted(syms))
     return syms
-
-
-def load_bias(pid: int, binary: Path) -> int:
-    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
-        fields = line.split()
-        if len(fields) >= 6 and fields[5] == str(binary) and int(fields[2], 16) == 0:
-            return int(fields[0].split("-")[0], 16)
-    raise AssertionError(f"{binary} not mapped in {pid}")
 
 
 def run(s: UnwindSampler, binary: Path, case: str) -> tuple[list[UnwoundSample], int]:

@@ -371,31 +371,22 @@ struct uw_state {
     u32 gen;       // uw_proc.gen of the mappings this sample used (0: none yet)
     u32 gen_mixed; // the sample saw two generations: not memoised
     u32 memo_mode; // uw_config[UW_CFG_MEMO]
-    u32 m_buf;     // mf[m_buf]: the memoised chain this sample uses (a way's, see uw_memo_pick)
     u32 m_rec;     // mf[m_rec]: the spare buffer, this sample's chain being recorded
     u32 m_way;     // the way whose frame 0 this sample starts in (UW_MEMO_WAYS: none)
     u32 m_last;    // the way kept last (the thread's previous chain, when it is this thread's)
     u32 m_next;    // the way a chain with no way of its own replaces next
     u32 m_init;    // the ways' buffers are assigned
-    u32 m_n;       // frames of the memoised chain (0: none); m_gen, m_lo, m_fp, m_h1/2: its way's
-    u32 m_gen;
-    u32 m_lo;
     u32 m_c;       // cursor: the cached frame the unwind is at (or looking for)
     u32 m_on;      // the current frame is m_c's: it is checked, not unwound
-    u32 m_cut;     // this sample's m_lo
+    u32 m_cut;     // this sample's m.lo
     u32 m_hit;     // frames this sample reused
     u32 m_whole;   // this sample's chain is the memo's, every frame (uw_memo_chain): the memo stays as it is
     u32 m_try;     // uw_memo_chain is checking the memo's frames (m_chk: the next one)
     u32 m_chk;
-    u32 m_fp;
-    u32 m_bp_dep;  // the memoised chain depends on frame 0's rbp (uw_mway.bp_dep)
     u32 bp_src;    // the frame whose step restored the current rbp from a slot (UW_BP_ENTRY: none yet)
     u32 bp_dep;    // a step used rbp while it was frame 0's (this sample's uw_mway.bp_dep)
     u32 bp_pad;
-    u64 m_h1;
-    u64 m_h2;
-    u64 m_slo;
-    u64 m_shi;
+    struct uw_mway m;  // the memoised chain this sample uses: a copy of a way's (see uw_memo_pick; m.n 0: none)
     struct uw_mway ways[UW_MEMO_WAYS];
     u32 k_tgid;    // the process and uw_proc.gen the mapping and rule caches hold (see uw_sample)
     u32 k_gen;
@@ -734,25 +725,25 @@ static __always_inline void uw_memo_rec(struct uw_state *st, u32 n, u64 pc, u64 
 }
 
 // Frame n (>= 1) from the memo: 1/0 as a step returns, -1 to unwind it afresh.  Frame 0 is never
-// reused (its step may read rdi at the syscall entry, RA_REG), nor is a frame below m_lo.
+// reused (its step may read rdi at the syscall entry, RA_REG), nor is a frame below m.lo.
 static __always_inline long uw_memo_step(struct uw_state *st, u32 n) {
-    if (st->m_n == 0 || n == 0)
+    if (st->m.n == 0 || n == 0)
         return -1;
-    u32 prev = st->m_buf & (UW_MEMO_BUFS - 1);
+    u32 prev = st->m.buf & (UW_MEMO_BUFS - 1);
     u32 c = st->m_c;
     if (!st->m_on) {
         // the sample's mappings (looked up at frame 0) must be those the chain was unwound with
-        if (st->gen == 0 || st->gen != st->m_gen || st->gen_mixed)
+        if (st->gen == 0 || st->gen != st->m.gen || st->gen_mixed)
             return -1;
         // CFAs grow outwards: skip the cached frames below this one's (a few per step)
 #pragma unroll
         for (int i = 0; i < UW_MEMO_SCAN; i++) {
-            if (c >= st->m_n || st->mf[prev][c & (UW_MEMO_DEPTH - 1)].sp >= st->sp)
+            if (c >= st->m.n || st->mf[prev][c & (UW_MEMO_DEPTH - 1)].sp >= st->sp)
                 break;
             c++;
         }
         st->m_c = c;
-        if (c >= st->m_n || c < st->m_lo)
+        if (c >= st->m.n || c < st->m.lo)
             return -1;
         struct uw_mframe *f = &st->mf[prev][c & (UW_MEMO_DEPTH - 1)];
         u32 fl = (st->bp_valid ? UW_MF_BP_VALID : 0) | (st->exact ? UW_MF_EXACT : 0);
@@ -793,7 +784,7 @@ static __always_inline long uw_memo_step(struct uw_state *st, u32 n) {
         uw_span(st, f->nread, f->addr);
     }
     st->m_hit++;
-    if (c + 1 >= st->m_n)
+    if (c + 1 >= st->m.n)
         return uw_finish(st, 0);  // the chain's last frame: it ended there (only complete chains are kept)
     struct uw_mframe *g = &st->mf[prev][(c + 1) & (UW_MEMO_DEPTH - 1)];
     st->pc = g->pc;
@@ -817,14 +808,14 @@ static __always_inline long uw_memo_step(struct uw_state *st, u32 n) {
 // -1: unwind as usual.
 #define UW_CHAIN_STEP 16
 static __always_inline long uw_memo_chain(struct uw_state *st) {
-    u32 prev = st->m_buf & (UW_MEMO_BUFS - 1);
-    u32 m = st->m_n;
+    u32 prev = st->m.buf & (UW_MEMO_BUFS - 1);
+    u32 m = st->m.n;
     u32 i = st->m_chk;
     if (i == 0) {
         // every slot the chain's steps read, in one copy when they lie within a window's size
         // (a page copy would take two where they cross a page); else page by page as uw_read goes
-        u64 lo = st->m_slo, len = st->m_shi - st->m_slo + 8;
-        if (st->m_shi >= lo && !(lo & 7) && len <= UW_WIN_BYTES) {
+        u64 lo = st->m.slo, len = st->m.shi - st->m.slo + 8;
+        if (st->m.shi >= lo && !(lo & 7) && len <= UW_WIN_BYTES) {
             st->n_copies++;
             if (bpf_probe_read_user(st->win, len, (void *)lo) == 0) {
                 st->win_base = lo;
@@ -866,9 +857,9 @@ static __always_inline long uw_memo_chain(struct uw_state *st) {
     if (i < m)
         return 0;
     st->s.n = m;
-    st->s.fp_frames = st->m_fp;
-    st->s.h1 = st->m_h1;
-    st->s.h2 = st->m_h2;
+    st->s.fp_frames = st->m.fp;
+    st->s.h1 = st->m.h1;
+    st->s.h2 = st->m.h2;
     st->m_hit = m;
     st->m_whole = 1;
     return uw_finish(st, 0);
@@ -1567,9 +1558,9 @@ static __always_inline void uw_read_regs(u64 *rw, struct pt_regs *regs) {
         __builtin_memset(rw, 0, UW_REGS_WORDS * 8);
 }
 
-// The memo this sample uses (m_buf, m_n, ...): the way of this thread's whose chain started in the
-// state this sample starts in (its whole chain may be reused: uw_memo_chain), else the thread's
-// previous chain (its outer frames may be: uw_memo_step), else none.
+// The memo this sample uses (m: a copy of a way): the way of this thread's whose chain started in
+// the state this sample starts in (its whole chain may be reused: uw_memo_chain), else the
+// thread's previous chain (its outer frames may be: uw_memo_step), else none.
 static __always_inline void uw_memo_pick(struct uw_state *st, u64 pid_tgid, u64 ip, u64 sp, u64 bp) {
     if (!st->m_init) {
 #pragma unroll
@@ -1584,7 +1575,7 @@ static __always_inline void uw_memo_pick(struct uw_state *st, u64 pid_tgid, u64 
     }
     u32 tid = (u32)pid_tgid, tgid = pid_tgid >> 32;
     u32 pick = UW_MEMO_WAYS;
-    st->m_n = 0;
+    st->m.n = 0;
     st->m_way = UW_MEMO_WAYS;
     if (st->memo_mode == UW_MEMO_OFF)
         return;
@@ -1609,16 +1600,7 @@ static __always_inline void uw_memo_pick(struct uw_state *st, u64 pid_tgid, u64 
     struct uw_mway *y = &st->ways[pick];
     if (!y->n || y->tid != tid || y->tgid != tgid)
         return;
-    st->m_buf = y->buf;
-    st->m_n = y->n;
-    st->m_gen = y->gen;
-    st->m_lo = y->lo;
-    st->m_fp = y->fp;
-    st->m_bp_dep = y->bp_dep;
-    st->m_h1 = y->h1;
-    st->m_h2 = y->h2;
-    st->m_slo = y->slo;
-    st->m_shi = y->shi;
+    st->m = *y;
 }
 
 // Keep this sample's chain (recorded in the spare buffer, m_rec) in the way it started in, or else
@@ -1716,13 +1698,13 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, const u64 
         // without frame pointers keeps data in rbp, different at every call, that no step reads),
         // with the same upload of the mappings, and every slot of every frame's step was kept: not
         // when frame 0's step read rdi (RA_REG, nread 0) or a frame read a third slot (a signal
-        // frame: m_lo above 1, or frame 0's own nread 3); not in the tests' unchecked mode.
-        struct uw_mframe *f0 = &st->mf[st->m_buf & (UW_MEMO_BUFS - 1)][0];
-        st->m_try = st->m_n > 0 && st->m_n <= UW_MEMO_DEPTH && st->m_lo == 1 &&
+        // frame: m.lo above 1, or frame 0's own nread 3); not in the tests' unchecked mode.
+        struct uw_mframe *f0 = &st->mf[st->m.buf & (UW_MEMO_BUFS - 1)][0];
+        st->m_try = st->m.n > 0 && st->m.n <= UW_MEMO_DEPTH && st->m.lo == 1 &&
                     (st->memo_mode == UW_MEMO_ON || st->memo_mode == UW_MEMO_CHAIN_UNCHECKED ||
                      st->memo_mode == UW_MEMO_RBP_UNCHECKED) &&
-                    st->gen != 0 && st->gen == st->m_gen && f0->pc == ip && f0->sp == sp &&
-                    (f0->bp == bp || !st->m_bp_dep) && f0->nread >= 1 && f0->nread <= 2 &&
+                    st->gen != 0 && st->gen == st->m.gen && f0->pc == ip && f0->sp == sp &&
+                    (f0->bp == bp || !st->m.bp_dep) && f0->nread >= 1 && f0->nread <= 2 &&
                     (f0->flags & (UW_MF_BP_VALID | UW_MF_EXACT)) == (UW_MF_BP_VALID | UW_MF_EXACT);
         st->same = st->p_valid && st->p_tgid == tgid && st->memo_mode != UW_MEMO_OFF;
     } else {
