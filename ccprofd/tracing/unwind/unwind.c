@@ -1694,17 +1694,17 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, const u64 
         st->m_whole = 0;
         st->m_chk = 0;
         // The whole chain may be the memo's (uw_memo_chain) when the sample starts in the state its
-        // frame 0 did (rbp only when a step used it before one restored it from a slot: code built
-        // without frame pointers keeps data in rbp, different at every call, that no step reads),
-        // with the same upload of the mappings, and every slot of every frame's step was kept: not
-        // when frame 0's step read rdi (RA_REG, nread 0) or a frame read a third slot (a signal
-        // frame: m.lo above 1, or frame 0's own nread 3); not in the tests' unchecked mode.
+        // frame 0 did -- the way uw_memo_pick matched it by (m_way; rbp only when a step used it
+        // before one restored it from a slot: code built without frame pointers keeps data in rbp,
+        // different at every call, that no step reads) -- with the same upload of the mappings, and
+        // every slot of every frame's step was kept: not when frame 0's step read rdi (RA_REG,
+        // nread 0) or a frame read a third slot (a signal frame: m.lo above 1, or frame 0's own
+        // nread 3); not in the tests' unchecked mode.
         struct uw_mframe *f0 = &st->mf[st->m.buf & (UW_MEMO_BUFS - 1)][0];
-        st->m_try = st->m.n > 0 && st->m.n <= UW_MEMO_DEPTH && st->m.lo == 1 &&
+        st->m_try = st->m_way < UW_MEMO_WAYS && st->m.n > 0 && st->m.n <= UW_MEMO_DEPTH && st->m.lo == 1 &&
                     (st->memo_mode == UW_MEMO_ON || st->memo_mode == UW_MEMO_CHAIN_UNCHECKED ||
                      st->memo_mode == UW_MEMO_RBP_UNCHECKED) &&
-                    st->gen != 0 && st->gen == st->m.gen && f0->pc == ip && f0->sp == sp &&
-                    (f0->bp == bp || !st->m.bp_dep) && f0->nread >= 1 && f0->nread <= 2 &&
+                    st->gen != 0 && st->gen == st->m.gen && f0->nread >= 1 && f0->nread <= 2 &&
                     (f0->flags & (UW_MF_BP_VALID | UW_MF_EXACT)) == (UW_MF_BP_VALID | UW_MF_EXACT);
         st->same = st->p_valid && st->p_tgid == tgid && st->memo_mode != UW_MEMO_OFF;
     } else {
