@@ -40,53 +40,35 @@ SOURCE = r"""
 long skipmask, altmask;  /* which bits of i make A skip main's frame, make T take mid2 */
 long A(long i);
 
+/* leaf and leaf2, mid and mid2: the same code at two addresses each */
+#define LEAF(name) \
+        ".globl " name "\n.type " name ", @function\n" name ":\n" \
+        "  .cfi_startproc\n" \
+        "  notq %rdi\n"             /* write(-1 - i, NULL, 0): EBADF, i recoverable from fd */ \
+        "  movl $1, %eax\n" \
+        "  xorl %esi, %esi\n" \
+        "  xorl %edx, %edx\n" \
+        "  syscall\n" \
+        "  ret\n" \
+        "  .cfi_endproc\n" \
+        ".size " name ", .-" name "\n"
+#define MID(name, callee) \
+        ".globl " name "\n.type " name ", @function\n" name ":\n" \
+        "  .cfi_startproc\n" \
+        "  pushq %rbp\n" \
+        "  .cfi_def_cfa_offset 16\n" \
+        "  .cfi_offset %rbp, -16\n" \
+        "  xorl %ebp, %ebp\n" \
+        "  call " callee "\n" \
+        "  popq %rbp\n" \
+        "  .cfi_restore %rbp\n" \
+        "  .cfi_def_cfa_offset 8\n" \
+        "  ret\n" \
+        "  .cfi_endproc\n" \
+        ".size " name ", .-" name "\n"
+
 __asm__(".text\n"
-        ".globl leaf\n.type leaf, @function\nleaf:\n"
-        "  .cfi_startproc\n"
-        "  notq %rdi\n"             /* write(-1 - i, NULL, 0): EBADF, i recoverable from fd */
-        "  movl $1, %eax\n"
-        "  xorl %esi, %esi\n"
-        "  xorl %edx, %edx\n"
-        "  syscall\n"
-        "  ret\n"
-        "  .cfi_endproc\n"
-        ".size leaf, .-leaf\n"
-        ".globl leaf2\n.type leaf2, @function\nleaf2:\n"
-        "  .cfi_startproc\n"
-        "  notq %rdi\n"
-        "  movl $1, %eax\n"
-        "  xorl %esi, %esi\n"
-        "  xorl %edx, %edx\n"
-        "  syscall\n"
-        "  ret\n"
-        "  .cfi_endproc\n"
-        ".size leaf2, .-leaf2\n"
-        ".globl mid\n.type mid, @function\nmid:\n"
-        "  .cfi_startproc\n"
-        "  pushq %rbp\n"
-        "  .cfi_def_cfa_offset 16\n"
-        "  .cfi_offset %rbp, -16\n"
-        "  xorl %ebp, %ebp\n"
-        "  call leaf\n"
-        "  popq %rbp\n"
-        "  .cfi_restore %rbp\n"
-        "  .cfi_def_cfa_offset 8\n"
-        "  ret\n"
-        "  .cfi_endproc\n"
-        ".size mid, .-mid\n"
-        ".globl mid2\n.type mid2, @function\nmid2:\n"
-        "  .cfi_startproc\n"
-        "  pushq %rbp\n"
-        "  .cfi_def_cfa_offset 16\n"
-        "  .cfi_offset %rbp, -16\n"
-        "  xorl %ebp, %ebp\n"
-        "  call leaf2\n"
-        "  popq %rbp\n"
-        "  .cfi_restore %rbp\n"
-        "  .cfi_def_cfa_offset 8\n"
-        "  ret\n"
-        "  .cfi_endproc\n"
-        ".size mid2, .-mid2\n"
+        LEAF("leaf") LEAF("leaf2") MID("mid", "leaf") MID("mid2", "leaf2")
         ".globl T\n.type T, @function\nT:\n"
         "  .cfi_startproc\n"
         "  subq $8, %rsp\n"
