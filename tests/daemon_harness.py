@@ -201,6 +201,24 @@ class RunningDaemon:
         if self.proc.poll() is not None:
             raise AssertionError(f"daemon exited ({self.proc.returncode}): {self.log()}")
 
+    def wait(self, predicate: Any, timeout: float, what: str) -> Any:
+        """:func:`wait_for` ``predicate`` while the daemon runs (its exit fails at once, with its
+        log).  On timeout the failure shows the end of the log after the daemon's SIGUSR1 stack
+        dump of every thread, so a hang in CI says where it hung."""
+
+        def running_and() -> Any:
+            self.check_running()
+            return predicate()
+
+        try:
+            return wait_for(running_and, timeout=timeout, interval=0.1, what=what)
+        except AssertionError as exc:
+            if self.proc.poll() is None:
+                with contextlib.suppress(OSError):
+                    self.proc.send_signal(signal.SIGUSR1)
+                time.sleep(2)
+            raise AssertionError(f"{exc}\n--- daemon log (end) ---\n{self.log()[-12000:]}") from None
+
     def targets(self) -> Any:
         """ListTargets, or None while the socket does not answer (yet)."""
         self.check_running()

@@ -24,7 +24,7 @@ from typing import Any
 
 import grpc
 import pytest
-from daemon_fakes import config_text, wait_for
+from daemon_fakes import config_text
 from daemon_harness import ROOT, RunningDaemon, target_toml
 
 from ccprofd.anomaly.modelstore import load_models
@@ -118,9 +118,9 @@ def test_daemon_learn_kill_restart_detect_upgrade(bpf: None, workdir: str, tmp_p
         # -- learn, then kill -9 while learning ---------------------------------------------
         d = Daemon(workdir, anomaly_config(workdir, binary, model, "learn"))
         daemons.append(d)
-        wait_for(lambda: d.follows(server.proc.pid), timeout=300)
+        d.wait(lambda: d.follows(server.proc.pid), 300, "following the server")
         assert server.run("cat", str(data)) == "done 5\n"
-        wait_for(lambda: model.exists() and cat_chain in openat_chains(model), timeout=60)
+        d.wait(lambda: model.exists() and cat_chain in openat_chains(model), 60, "cat chain learned")
         os.kill(d.proc.pid, signal.SIGKILL)
         d.kill()
         models = load_models(model)  # valid after the kill
@@ -131,15 +131,15 @@ def test_daemon_learn_kill_restart_detect_upgrade(bpf: None, workdir: str, tmp_p
         # -- a new daemon continues learning into the same file ------------------------------
         d = Daemon(workdir, anomaly_config(workdir, binary, model, "learn"))
         daemons.append(d)
-        wait_for(lambda: d.follows(server.proc.pid), timeout=300)
+        d.wait(lambda: d.follows(server.proc.pid), 300, "following the server")
         assert server.run("count", str(data)) == "done 1005\n"
-        wait_for(lambda: count_chain in openat_chains(model), timeout=60)
+        d.wait(lambda: count_chain in openat_chains(model), 60, "count chain learned")
 
         # -- SIGHUP into detect ------------------------------------------------------------
         d.write_config(anomaly_config(workdir, binary, model, "detect"))
         d.proc.send_signal(signal.SIGHUP)
-        wait_for(lambda: d.logged("reloaded"), timeout=300)
-        wait_for(lambda: d.follows(server.proc.pid), timeout=300)
+        d.wait(lambda: d.logged("reloaded"), 300, "reloaded")
+        d.wait(lambda: d.follows(server.proc.pid), 300, "following the server")
         assert load_models(model).targets[learned.build_id].runs == 2
         assert openat_chains(model) == {cat_chain, count_chain}
         alerts: list[dict[str, Any]] = []
@@ -161,7 +161,7 @@ def test_daemon_learn_kill_restart_detect_upgrade(bpf: None, workdir: str, tmp_p
         assert subscribed.wait(60)
         assert server.run("cat", str(data)) == "done 5\n"
         assert server.run("debug", str(data)) == "done 7\n"
-        wait_for(lambda: alerts, timeout=60)
+        d.wait(lambda: alerts, 60, "an alert")
         assert server.run("count", str(data)) == "done 1005\n"
         assert server.run("debug", str(data)) == "done 7\n"  # the same alert again: rate-limited
         assert server.run("cat", str(data)) == "done 5\n"
@@ -169,7 +169,7 @@ def test_daemon_learn_kill_restart_detect_upgrade(bpf: None, workdir: str, tmp_p
         def counted() -> float:
             return sum(d.metrics("ccprofd_alerts_total").values())
 
-        wait_for(counted, timeout=30)
+        d.wait(counted, 30, "alert counted")
         [alert] = alerts
         assert alert["kind"] == "unseen_context" and alert["syscall"] == "openat" and alert["target"] == "srv"
         assert tuple(f["function"] for f in alert["frames"]) == HIDDEN
@@ -187,13 +187,13 @@ def test_daemon_learn_kill_restart_detect_upgrade(bpf: None, workdir: str, tmp_p
         os.replace(new, binary)
         upgraded = Server(binary)
         try:
-            wait_for(lambda: d.follows(upgraded.proc.pid), timeout=300)
+            d.wait(lambda: d.follows(upgraded.proc.pid), 300, "following the upgraded server")
             assert upgraded.run("debug", str(data)) == "done 7\n"  # not checked: no model applies
 
             def reported() -> dict[Any, float]:
                 return d.metrics("ccprofd_anomaly_needs_learning")
 
-            [labels] = wait_for(reported, timeout=60)
+            [labels] = d.wait(reported, 60, "needs_learning reported")
             assert dict(labels)["reason"] == "upgraded" and dict(labels)["build_id"] != learned.build_id
             # ListTargets says the same through the real gRPC channel, with the running build's id
             # as readelf reads it, and ccprofctl targets prints it
@@ -237,19 +237,19 @@ def test_daemon_enforce_kills_at_the_hidden_open(bpf: None, workdir: str, tmp_pa
     d: Daemon | None = None
     try:
         d = Daemon(workdir, anomaly_config(workdir, binary, None, "learn"))
-        wait_for(lambda: d is not None and d.follows(server.proc.pid), timeout=300)
+        d.wait(lambda: d is not None and d.follows(server.proc.pid), 300, "following the server")
         assert server.run("cat", str(data)) == "done 5\n"
         assert server.run("count", str(data)) == "done 1005\n"
-        wait_for(lambda: model.exists() and len(openat_chains(model)) == 2, timeout=60)
+        d.wait(lambda: model.exists() and len(openat_chains(model)) == 2, 60, "two chains learned")
         d.write_config(anomaly_config(workdir, binary, None, "enforce"))
         d.proc.send_signal(signal.SIGHUP)
-        wait_for(lambda: d is not None and d.logged("reloaded"), timeout=300)
-        wait_for(lambda: d is not None and d.logged("enforcing the model"), timeout=120)
+        d.wait(lambda: d is not None and d.logged("reloaded"), 300, "reloaded")
+        d.wait(lambda: d is not None and d.logged("enforcing the model"), 120, "enforcing")
         assert server.run("count", str(data)) == "done 1005\n"
         assert server.run("cat", str(data)) == "done 5\n"
         assert server.run("debug", str(data)) == ""  # killed: EOF on its stdout
         assert server.proc.wait(timeout=30) == -signal.SIGKILL
-        wait_for(lambda: d is not None and d.logged("verdict=killed syscall=openat"), timeout=60)
+        d.wait(lambda: d is not None and d.logged("verdict=killed syscall=openat"), 60, "killed at openat")
         err = d.stop_clean()
         assert "ccprofd alert kind=unseen_context syscall=openat" in err and "action=enforce" in err
         assert "Traceback" not in err
@@ -273,20 +273,20 @@ def test_daemon_unwind_enforce_without_frame_pointers(bpf: None, workdir: str, t
     d: Daemon | None = None
     try:
         d = Daemon(workdir, anomaly_config(workdir, binary, None, "learn", "unwind"))
-        wait_for(lambda: d is not None and d.follows(server.proc.pid), timeout=300)
+        d.wait(lambda: d is not None and d.follows(server.proc.pid), 300, "following the server")
         assert server.run("cat", str(data)) == "done 5\n"
         assert server.run("count", str(data)) == "done 1005\n"
-        wait_for(lambda: model.exists() and len(openat_chains(model)) == 2, timeout=60)
+        d.wait(lambda: model.exists() and len(openat_chains(model)) == 2, 60, "two chains learned")
         d.write_config(anomaly_config(workdir, binary, None, "enforce", "unwind"))
         d.proc.send_signal(signal.SIGHUP)
-        wait_for(lambda: d is not None and d.logged("reloaded"), timeout=300)
-        wait_for(lambda: d is not None and d.logged("from the unwinder"), timeout=120)
-        wait_for(lambda: d is not None and d.follows(server.proc.pid), timeout=300)
+        d.wait(lambda: d is not None and d.logged("reloaded"), 300, "reloaded")
+        d.wait(lambda: d is not None and d.logged("from the unwinder"), 120, "enforcing from the unwinder")
+        d.wait(lambda: d is not None and d.follows(server.proc.pid), 300, "following the server")
         assert server.run("count", str(data)) == "done 1005\n"
         assert server.run("cat", str(data)) == "done 5\n"
         assert server.run("debug", str(data)) == ""  # killed: EOF on its stdout
         assert server.proc.wait(timeout=30) == -signal.SIGKILL
-        wait_for(lambda: d is not None and d.logged("verdict=killed syscall=openat"), timeout=60)
+        d.wait(lambda: d is not None and d.logged("verdict=killed syscall=openat"), 60, "killed at openat")
         err = d.stop_clean()
         assert "enforcing the model of" in err and "frame-pointer" not in err
         assert "ccprofd alert kind=unseen_context syscall=openat" in err and "action=enforce" in err

@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -160,6 +161,9 @@ def test_daemon_process_notify_reload_and_shutdown(workdir: str) -> None:
         listener.wait("RELOADING", count=2)
         listener.wait("READY", count=3)
         assert grpc_targets(sock) == {"app": "attached", "db": "attached"}
+        # SIGUSR1: every thread's stack to the log (the main loop's too); the daemon runs on.
+        proc.send_signal(signal.SIGUSR1)
+        wait_for(lambda: grpc_targets(sock) == {"app": "attached", "db": "attached"})
 
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=60)
@@ -169,6 +173,8 @@ def test_daemon_process_notify_reload_and_shutdown(workdir: str) -> None:
             proc.wait()
     assert proc.returncode == 0, err
     assert f"{config}:" in err and "target[1].mode" in err and "keeping the running configuration" in err
+    dump = err[err.index("(most recent call first)"):]
+    assert re.search(r'File ".*/ccprofd/daemon/service\.py", line \d+ in run_daemon', dump), err
     assert "Traceback" not in err
     listener.drain()
     assert "STOPPING" in listener.messages[-1]
@@ -373,6 +379,41 @@ def test_stop_closes_every_source_even_after_a_source_failure(workdir: str) -> N
     daemon.stop()
     assert all(s.closed for s in factory.built)
     time.sleep(0)  # no background thread left to touch the sources
+
+
+def test_detach_never_closes_a_source_its_pump_still_polls(workdir: str,
+                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pump stuck in its poll past the detach's wait: the source is closed by the pump's
+    return, not under it (closing frees the buffers the poll reads); the detach goes on."""
+    import ccprofd.daemon.service as service
+
+    monkeypatch.setattr(service, "PUMP_STOP_SECONDS", 0.2)
+    factory = FakeFactory()
+    daemon = Daemon(parse_config(config_text(workdir, TARGET_APP)), factory, servers=standard_servers())
+    daemon.start()
+    source = factory.sources["app"]
+    in_poll, release = threading.Event(), threading.Event()
+    closed_in_poll: list[bool] = []
+    close = source.close
+
+    def stuck(timeout_ms: int) -> list[dict[str, object]]:
+        in_poll.set()
+        release.wait(60)
+        return []
+
+    def recording_close() -> None:
+        closed_in_poll.append(in_poll.is_set() and not release.is_set())
+        close()
+
+    source.poll = stuck  # type: ignore[method-assign]
+    source.close = recording_close  # type: ignore[method-assign]
+    assert in_poll.wait(30)
+    daemon.stop_target("app")  # returns after PUMP_STOP_SECONDS with the pump still in its poll
+    assert not source.closed and "app" not in daemon.targets
+    release.set()
+    wait_for(lambda: source.closed)
+    assert closed_in_poll == [False]
+    daemon.stop()
 
 
 def test_started_daemon_serves_then_stops_and_cleans_up(tmp_path: Path) -> None:

@@ -26,7 +26,8 @@ def add_daemon_commands(sub: Any) -> None:
         "run", help="run the daemon in the foreground (systemd supervises it)",
         description="Follow the configured targets, aggregate hot calling contexts, serve gRPC (ccprofctl) "
                     "and Prometheus /metrics. SIGHUP reloads the configuration (a bad one is rejected and "
-                    "the running one kept), SIGTERM/SIGINT detach every probe and exit. Speaks systemd's "
+                    "the running one kept), SIGUSR1 writes every thread's stack to the log, SIGTERM/SIGINT "
+                    "detach every probe and exit. Speaks systemd's "
                     "notify protocol when $NOTIFY_SOCKET is set.")
     run.add_argument("--config", default=DEFAULT_CONFIG_PATH, metavar="FILE",
                      help=f"TOML configuration (default {DEFAULT_CONFIG_PATH})")

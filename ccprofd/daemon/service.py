@@ -20,9 +20,11 @@ mode (log line + metric).
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -45,6 +47,8 @@ log = logging.getLogger("ccprofd")
 
 SampleObserver = Callable[[str, dict[str, Any]], None]
 POLL_MS = 200
+#: How long a detach waits for the target's pump thread to return from its poll.
+PUMP_STOP_SECONDS = 5
 #: A failed target (analysis or BPF error, a source that failed) is retried after 10 s, then after
 #: twice the previous wait, at most 10 minutes apart; a reload retries it at once.
 RETRY_FIRST_SECONDS = 10.0
@@ -294,14 +298,17 @@ class Daemon:
             thread, source = rt._thread, rt.source
             rt._thread, rt.source = None, None
         if thread is not None and thread is not threading.current_thread():
-            thread.join(timeout=5)
+            thread.join(timeout=PUMP_STOP_SECONDS)
+            if thread.is_alive() and source is not None:
+                # Closing a source its pump is still polling frees buffers under it: the pump's
+                # thread closes it once it returns, and this detach goes on without waiting.
+                log.warning("target %s: its sample pump did not stop within %d s; the source is "
+                            "closed when it does", rt.name, PUMP_STOP_SECONDS)
+                threading.Thread(target=close_source, args=(rt, source, thread),
+                                 name=f"close-{rt.name}", daemon=True).start()
+                return
         if source is not None:
-            with contextlib.suppress(Exception):
-                rt.carried.add(source.counters())
-            try:
-                source.close()
-            except Exception as exc:
-                log.error("target %s: detach failed: %s", rt.name, _one_line(exc))
+            close_source(rt, source)
 
     def stop_target(self, name: str) -> None:
         with self._lock:
@@ -529,6 +536,19 @@ class Daemon:
         log.info("stopped: every probe detached")
 
 
+def close_source(rt: TargetRuntime, source: SampleSource, after: threading.Thread | None = None) -> None:
+    """Close a detached target's source (after its pump thread ``after`` returned), keeping its
+    counters in the target's totals."""
+    if after is not None:
+        after.join()
+    with contextlib.suppress(Exception):
+        rt.carried.add(source.counters())
+    try:
+        source.close()
+    except Exception as exc:
+        log.error("target %s: detach failed: %s", rt.name, _one_line(exc))
+
+
 def _retune(stores: list[TargetStore], d: DaemonConfig) -> None:
     """A reload's daemon-level bounds apply to the stores of targets kept running too."""
     for store in stores:
@@ -601,6 +621,9 @@ class _Signals:
         signal.signal(signal.SIGTERM, self._on_stop)
         signal.signal(signal.SIGINT, self._on_stop)
         signal.signal(signal.SIGHUP, self._on_hup)
+        # SIGUSR1: every thread's Python stack to stderr (the journal), written by faulthandler's
+        # C handler, so a daemon whose main loop is stuck still answers it.
+        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
 
     def _on_stop(self, signum: int, _frame: FrameType | None) -> None:
         self.stop = signum
