@@ -296,3 +296,57 @@ def test_daemon_unwind_enforce_without_frame_pointers(bpf: None, workdir: str, t
             d.kill()
         if server.proc.poll() is None:
             server.close()
+
+
+@pytest.mark.bpf
+def test_daemon_learns_calls_from_cpu_samples_for_routines(bpf: None, workdir: str) -> None:
+    """Issue 14: a learning target with ``perf_sample_hz`` adds the calls its CPU samples show running
+    to the model; detection with granularity "routines" then accepts a write through a shared routine
+    from a path that only ran in training (tests/programs/anomaly_cpu.c: main > crunch computes, then,
+    held out, writes through say), and still alerts on one that never ran (main > evil > say)."""
+    sys.path.insert(0, str(ROOT / "tests"))
+    from programs.build import build
+
+    prog = build("anomaly_cpu", opt="O2")
+    model = Path(workdir) / "cpu.model.json"
+
+    def config(action: str) -> str:
+        extra = f"""perf_sample_hz = 997
+[target.anomaly]
+action = "{action}"
+model = "{model}"
+granularity = "routines"
+flush_seconds = 1
+alert_interval_seconds = 3600
+"""
+        return config_text(workdir, target_toml("cpu", f'path = "{prog}"', ["write"], "unwind", extra))
+
+    def run(*argv: str) -> str:
+        done = subprocess.run([str(prog), *argv], capture_output=True, text=True, timeout=120, check=True)
+        return done.stdout
+
+    def crunch_calls() -> int:
+        if not model.exists():
+            return 0
+        [m] = load_models(model).targets.values()
+        return sum(n for (caller, callee), n in m.calls.items()
+                   if caller is not None and caller[1] == "main" and callee == (caller[0], "crunch"))
+
+    d = Daemon(workdir, config("learn"))
+    try:
+        d.wait_attached()
+        assert run("train") == "a\nb\n"  # a new process of the target's path: followed from exec
+        d.wait(lambda: crunch_calls() >= 10, 120, "main -> crunch learned from CPU samples")
+        d.write_config(config("detect"))
+        d.proc.send_signal(signal.SIGHUP)
+        d.wait(lambda: d.logged("reloaded"), 300, "reloaded")
+        d.wait_attached()
+        assert run("held", "1000") == "crunched\n"
+        assert run("evil") == "evil\n"
+        d.wait(lambda: d.logged("context=main>evil>say"), 60, "the alert on evil's write")
+        err = d.stop_clean()
+        alerts = [line for line in err.splitlines() if "ccprofd alert" in line]
+        assert len(alerts) == 1 and "kind=unseen_context syscall=write" in alerts[0], alerts
+        assert "unseen_edge=main@" in alerts[0] and ">evil " in alerts[0]
+    finally:
+        d.kill()

@@ -297,3 +297,53 @@ def test_edges_granularity_accepts_new_combinations_and_catches_the_unseen_edge(
     r = ccprofd("detect", "--model", str(model), "--granularity", "edges", "--enforce", "--", prog, "a", "1",
                 "plain")
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "cannot be enforced" in r.stderr
+
+
+# Issue 14, granularity "routines" with CPU samples while learning, on tests/programs/anomaly_cpu.c:
+# training runs crunch (no syscall under it) and writes through say from cmd_a and cmd_b; the
+# held-out run writes through say from crunch; the attack writes through say from evil.
+@pytest.mark.bpf
+def test_routines_accepts_a_path_cpu_samples_saw_running(tmp_path: Path) -> None:
+    require_bpf()
+    require_tool("strace")
+    require_tool("objdump")
+    prog = str(build("anomaly_cpu", opt="O2"))
+    # The premise, by strace -k: the held-out write's chain is new, and main never wrote through crunch.
+    learned_chains = strace_chains([prog, "train", "1000"])
+    assert ("write", ("main", "crunch", "say")) in strace_chains([prog, "held", "1000"]) - learned_chains
+    assert not any("crunch" in fns for _, fns in learned_chains)
+    [crunch_site] = call_sites_of(prog, "main", "crunch")
+
+    def detect(model: Path, granularity: str, argv: list[str]) -> list[dict[str, Any]]:
+        out = tmp_path / "alerts.jsonl"
+        out.unlink(missing_ok=True)
+        r = ccprofd("detect", "--model", str(model), "--syscalls", "write", "--granularity", granularity,
+                    "--alert-interval", "0", "--output", str(out), "--", prog, *argv)
+        assert r.returncode == 0, r.stderr
+        return alerts_of(out)
+
+    for hz in (0, 997):
+        model = tmp_path / f"model-{hz}.json"
+        r = ccprofd("learn", "--model", str(model), "--syscalls", "write", "--sample-hz", str(hz), "--",
+                    prog, "train")
+        assert r.returncode == 0 and r.stdout == "a\nb\n", r.stderr
+        [target] = json.loads(model.read_text())["targets"]
+        mods = [m["path"] for m in target["modules"]]
+        calls = {(fn, site, callee): n for cm, fn, site, m, callee, n in target["calls"]
+                 if cm >= 0 and Path(mods[cm]).resolve() == Path(prog).resolve()}
+        # ~300 ms in crunch: at 997 Hz, many samples through main's one call of crunch (objdump's)
+        assert calls.get(("main", crunch_site, "crunch"), 0) >= (10 if hz else 0)
+        held = detect(model, "routines", ["held", "1000"])
+        attack = detect(model, "routines", ["evil"])
+        if hz:
+            assert held == []  # main -> crunch ran; the one new edge is crunch -> say, a shared routine
+            assert len(detect(model, "edges", ["held", "1000"])) == 1  # evidence for routines only
+        else:
+            assert [chain(a["syscall"], a["frames"]) for a in held] == [("write", ("main", "crunch", "say"))]
+        # evil never ran: alerted either way, naming main's call of evil
+        [alert] = attack
+        assert chain(alert["syscall"], alert["frames"]) == ("write", ("main", "evil", "say"))
+        assert (alert["unseen_edge"]["caller"]["function"], alert["unseen_edge"]["callee"]["function"]) == (
+            "main", "evil")
+    r = ccprofd("learn", "--model", str(tmp_path / "m.json"), "--sample-hz", "99", "--samples", os.devnull)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--sample-hz" in r.stderr

@@ -223,3 +223,68 @@ def test_unnamed_allocator_frames_as_in_redis_jemalloc() -> None:
     assert det(model, "routines").check(held) == []
     # The same purge under a function never seen making a syscall still alerts.
     assert len(det(model, "routines").check(chain(*top, ("evil", "0x1"), inner=7))) == 1
+
+
+def cpu_sample(chain: list[tuple[str, str]], *, complete: bool = True) -> dict[str, Any]:
+    """A CPU sample as the tracer writes it: ``"event": "cpu"``, no syscall, the innermost frame's
+    ``call_site`` is the sampled pc and it has no return address."""
+    s = sample("futex", chain, complete=complete)
+    s["event"], s["syscall"] = "cpu", None
+    s["frames"][-1]["return_address"] = None
+    return s
+
+
+def test_cpu_samples_show_a_path_running_for_routines_only() -> None:
+    # cmd_c never made a syscall in training, so main@0x18 -> cmd_c is unseen for every syscall and
+    # its contended lock alerts (test_prefix_must_be_learned_for_some_syscall).  A CPU sample caught
+    # cmd_c running (at pc 0x2a, under main@0x18): the path ran, so "routines" accepts the lock's
+    # futex at cmd_c@0x28; "edges" and "exact" judge syscall contexts only and still alert.
+    running = cpu_sample([("main", "0x18"), ("cmd_c", "0x2a")])
+    model = learned(("futex", CMD_A_LOCK), ("futex", CMD_B_LOCK))
+    Learner(model).observe(running)
+    assert model.calls == {(None, (BID, "main")): 1, ((BID, "main", "0x18"), (BID, "cmd_c")): 1}
+    assert len(model.contexts) == 2  # no context learned from it
+    assert det(model, "routines").check(sample("futex", CMD_C_LOCK)) == []
+    assert len(det(model, "edges").check(sample("futex", CMD_C_LOCK))) == 1
+    assert len(det(model, "exact").check(sample("futex", CMD_C_LOCK))) == 1
+    # evil was never seen running: still alerted, naming main@0x1c -> evil.
+    [alert] = det(model, "routines").check(sample("futex", EVIL_LOCK))
+    assert alert.unseen_edge is not None and alert.unseen_edge["callee"]["function"] == "evil"
+    # The sampled pc is no call: a CPU sample in main at 0x1c does not make main@0x1c -> evil seen.
+    Learner(model).observe(cpu_sample([("main", "0x1c")]))
+    assert len(det(model, "routines").check(sample("futex", EVIL_LOCK))) == 1
+
+
+def test_cpu_sample_evidence_needs_complete_samples_and_min_count() -> None:
+    lock_twice = (("futex", CMD_A_LOCK), ("futex", CMD_B_LOCK)) * 2  # every lock edge learned twice
+    model = learned(*lock_twice)
+    running = [("main", "0x18"), ("cmd_c", "0x2a")]
+    Learner(model).observe(cpu_sample(running, complete=False))  # an unknown prefix shows nothing
+    assert model.calls == {}
+    assert len(det(model, "routines").check(sample("futex", CMD_C_LOCK))) == 1
+    Learner(model).observe(cpu_sample(running))
+    assert det(model, "routines").check(sample("futex", CMD_C_LOCK)) == []
+    # min_count 2 asks for 2 CPU samples through main@0x18 -> cmd_c as for 2 of every learned edge
+    assert len(det(model, "routines", min_count=2).check(sample("futex", CMD_C_LOCK))) == 1
+    Learner(model).observe(cpu_sample(running))
+    assert det(model, "routines", min_count=2).check(sample("futex", CMD_C_LOCK)) == []
+
+
+def test_cpu_calls_survive_the_model_file_and_merge() -> None:
+    model = learned(("futex", CMD_A_LOCK), ("futex", CMD_B_LOCK))
+    Learner(model).observe(cpu_sample([("main", "0x18"), ("cmd_c", "0x2a")]))
+    models = ModelSet()
+    models.targets[BID] = model
+    doc = json.loads(json.dumps(models.to_dict()))
+    assert doc["targets"][0]["calls"] == [[-1, None, None, 0, "main", 1],
+                                          [0, "main", "0x18", 0, "cmd_c", 1]]
+    back = ModelSet.from_dict(doc).targets[BID]
+    assert back.calls == model.calls
+    back.merge(model)
+    assert back.calls[((BID, "main", "0x18"), (BID, "cmd_c"))] == 2
+    assert det(back, "routines").check(sample("futex", CMD_C_LOCK)) == []
+    # A caller without a call site (a libc frame's) sorts beside one with a site, and round-trips.
+    back.calls[((BID, "lib", None), (BID, "x"))] = 1
+    back.calls[((BID, "lib", "0x1"), (BID, "x"))] = 1
+    again = ModelSet.from_dict(json.loads(json.dumps(ModelSet({BID: back}).to_dict()))).targets[BID]
+    assert again.calls == back.calls

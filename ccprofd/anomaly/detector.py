@@ -9,7 +9,8 @@ Alert kinds:
   the first such edge (``unseen_edge``), because that edge, not the whole chain, is what is new.
   With ``granularity="routines"``: as ``edges``, but a context is also accepted when its one
   unseen part is a call into a routine shared for the syscall from a path learned for any syscall
-  (:func:`~ccprofd.anomaly.model.routine_junction`); the alert names the first unseen edge too;
+  or seen running by CPU samples while learning (:func:`~ccprofd.anomaly.model.routine_junction`);
+  the alert names the first unseen edge too;
 * ``unseen_transition`` — both contexts are known, but this thread never went from the previous
   one to this one (only when asked for and the model recorded transitions in every run);
 * ``incomplete_context`` — the tracer flagged the sample ``complete: false``: the model cannot
@@ -186,6 +187,8 @@ class Detector:
         self._shared: set[tuple[str, tuple[str, str]]] = set()
         if self.options.granularity == "routines":
             for (_, e), n in self._edges.items():
+                self._any_edge[e] = self._any_edge.get(e, 0) + n
+            for e, n in self.model.calls.items():  # calls CPU samples saw executing
                 self._any_edge[e] = self._any_edge.get(e, 0) + n
             self._shared = shared_routines(self._edges, need)
         for key, st in self.model.contexts.items():

@@ -17,9 +17,10 @@ a model are those of its stored contexts (a removed context takes its edges with
 The ``routines`` granularity (:func:`routine_junction`) is ``edges`` plus one generalisation: a
 *shared routine* of a syscall is a function learned making that syscall when called from at least
 :data:`SHARED_ROUTINE_CALLERS` different call sites (a lock, an allocator, a file-open helper);
-a context is also accepted when it is a prefix whose every edge was learned (for any syscall: the
-program was seen going that way), one call into a shared routine of the syscall (the only edge
-allowed to be new), and a tail whose every edge was learned for the syscall.  A routine that makes
+a context is also accepted when it is a prefix whose every edge was learned (for any syscall, or
+shown running by a CPU sample while learning, :attr:`TargetModel.calls`: the program was seen going
+that way), one call into a shared routine of the syscall (the only edge allowed to be new), and a
+tail whose every edge was learned for the syscall.  A routine that makes
 its syscall only sometimes (a lock's ``futex`` under contention, an allocator's ``madvise`` purge)
 is then not new behaviour at a known call path; a function that never made a syscall before
 (``BeginCopyTo``, ``saveCommand``) still puts an edge unseen for every syscall before the junction.
@@ -165,6 +166,27 @@ def context_edges(frames: Sequence[FrameKey]) -> tuple[EdgeKey, ...]:
     return tuple(dict.fromkeys(context_edge_path(frames)))
 
 
+def cpu_call_edges(sample: Mapping[str, Any]) -> tuple[EdgeKey, ...]:
+    """The call edges a CPU sample shows executing, outermost first, without repeats: the edges of
+    its chain (:func:`context_edge_path`, frames keyed as :func:`context_key` keys them) but the
+    last, as the innermost frame was running, not calling."""
+    frames = sample.get("frames") or []
+    last = len(frames) - 1
+    keys = tuple(frame_key(f, i < last and interrupted_by_signal(f)) for i, f in enumerate(frames))
+    return tuple(dict.fromkeys(context_edge_path(keys)[:-1])) if keys else ()
+
+
+def _call_row(mod_index: Mapping[str, int], caller: FrameKey | None, callee: tuple[str, str],
+              n: int) -> list[Any]:
+    if caller is None:
+        return [-1, None, None, mod_index[callee[0]], callee[1], n]
+    return [mod_index[caller[0]], caller[1], caller[2], mod_index[callee[0]], callee[1], n]
+
+
+def _edge_modules(caller: FrameKey | None, callee: tuple[str, str] | None) -> list[str]:
+    return [x[0] for x in (caller, callee) if x is not None]
+
+
 def shared_routines(edges: Mapping[tuple[str, EdgeKey], int], need: int = 1,
                     callers: int = SHARED_ROUTINE_CALLERS) -> set[tuple[str, tuple[str, str]]]:
     """(syscall, (module id, function)) of every function learned (``need`` samples or more per
@@ -181,7 +203,8 @@ def routine_junction(syscall: str, path: Sequence[EdgeKey], learned: Callable[[E
                      learned_any: Callable[[EdgeKey], bool],
                      shared: Callable[[str, tuple[str, str]], bool]) -> int | None:
     """Granularity ``routines``: the index in ``path`` (:func:`context_edge_path`) of a call into a
-    shared routine of ``syscall`` such that every edge before it was learned for some syscall
+    shared routine of ``syscall`` such that every edge before it was learned for some syscall or
+    seen running in a CPU sample
     (``learned_any``) and every edge after it for this one (``learned``); None when there is none.
 
     Why this accepts: the program was seen taking every call before the junction, and the routine
@@ -295,6 +318,9 @@ class TargetModel:
     modules: dict[str, str] = field(default_factory=dict)
     #: (module id, call site) -> return address (vaddr hex) or TAIL_CALL, for enforcement keys.
     return_addresses: dict[tuple[str, str], str] = field(default_factory=dict)
+    #: Call edge -> CPU samples through it (:func:`cpu_call_edges`): calls seen executing, whether
+    #: or not a syscall was made under them.  Evidence for granularity "routines" only.
+    calls: dict[EdgeKey, int] = field(default_factory=dict)
 
     # -- learning ----------------------------------------------------------------------------
     def add_context(self, key: ContextKey, time_ns: int, n: int = 1) -> None:
@@ -352,6 +378,12 @@ class TargetModel:
             self.modules.setdefault(mid, path)
         for rkey, ret in other.return_addresses.items():
             self.return_addresses.setdefault(rkey, ret)
+        for edge, n in other.calls.items():
+            self.calls[edge] = self.calls.get(edge, 0) + n
+
+    def add_calls(self, edges: Iterable[EdgeKey]) -> None:
+        for edge in edges:
+            self.calls[edge] = self.calls.get(edge, 0) + 1
 
     def edges(self, view: Callable[[str, Sequence[FrameKey]], Sequence[FrameKey]] | None = None
               ) -> dict[tuple[str, EdgeKey], int]:
@@ -389,7 +421,8 @@ class TargetModel:
     def to_dict(self) -> dict[str, Any]:
         ordered = self.ordered_contexts()
         index = {k: i for i, k in enumerate(ordered)}
-        mods = sorted({f[0] for _, frames in ordered for f in frames} | set(self.modules))
+        mods = sorted({f[0] for _, frames in ordered for f in frames} | set(self.modules)
+                      | {m for caller, callee in self.calls for m in _edge_modules(caller, callee)})
         mod_index = {m: i for i, m in enumerate(mods)}
         contexts = []
         for key in ordered:
@@ -417,6 +450,11 @@ class TargetModel:
             "allow_rules": [r.to_dict() for r in self.allow_rules],
             "return_addresses": sorted([mod_index[m], site, ret]
                                        for (m, site), ret in self.return_addresses.items() if m in mod_index),
+            # [caller module (-1: the entry), caller function, call site, callee module, callee
+            # function, CPU samples]
+            "calls": sorted((_call_row(mod_index, caller, callee, n)
+                             for (caller, callee), n in self.calls.items() if callee is not None),
+                            key=lambda r: [x if x is not None else "" for x in r]),
         }
 
     @classmethod
@@ -443,6 +481,10 @@ class TargetModel:
             model.allow_rules = [AllowRule.from_dict(r) for r in d.get("allow_rules", [])]
             for mi, site, ret in d.get("return_addresses", []):
                 model.return_addresses[(mods[int(mi)], str(site))] = str(ret)
+            for cmi, cfn, csite, mi, fn, n in d.get("calls", []):
+                site = None if csite is None else str(csite)
+                caller = None if int(cmi) < 0 else (mods[int(cmi)], str(cfn), site)
+                model.calls[(caller, (mods[int(mi)], str(fn)))] = int(n)
         except (KeyError, TypeError, ValueError, IndexError) as exc:
             raise ModelError(f"malformed target model: {type(exc).__name__}: {exc}") from None
         return model
@@ -525,8 +567,13 @@ class Learner:
             model.runs_with_transitions += 1
 
     def observe(self, sample: Mapping[str, Any]) -> ContextKey | None:
-        """Learn one sample; returns its key (None when skipped)."""
-        if sample.get("event", "syscall") != "syscall":
+        """Learn one sample; returns its key (None when skipped).  A CPU sample (``"event":
+        "cpu"``, complete) adds the calls it shows executing (:attr:`TargetModel.calls`)."""
+        event = sample.get("event", "syscall")
+        if event == "cpu" and sample.get("complete", True):
+            self.model.add_calls(cpu_call_edges(sample))
+            self.model.note_frames(sample.get("frames") or [])
+        if event != "syscall":
             return None
         tid = int(sample.get("tid", 0))
         if not sample.get("complete", True):

@@ -112,7 +112,8 @@ def _open_traced(args: argparse.Namespace, syscalls: list[str] | None,
 
     try:
         opts = tracer.TraceOptions(mode=args.mode, syscalls=",".join(syscalls) if syscalls else None,
-                                   cache_dir=args.cache_dir, enforce=enforce, history=history)
+                                   cache_dir=args.cache_dir, enforce=enforce, history=history,
+                                   sample_hz=getattr(args, "sample_hz", 0))
         return tracer.open_session(list(args.command), options=opts, on_launch=on_launch)
     except tracer.TraceError as exc:
         raise _Usage(str(exc)) from None
@@ -191,6 +192,8 @@ class _LearnSink:
 
 
 def cmd_learn(args: argparse.Namespace) -> int:
+    if args.samples is not None and args.sample_hz:
+        raise _Usage("--sample-hz samples -- CMD; with --samples the file's CPU samples are learned")
     syscalls = _parse_syscalls(args.syscalls)
     _check_model_readable(args.model)
     sink = _LearnSink(args, syscalls)
@@ -208,7 +211,8 @@ def cmd_learn(args: argparse.Namespace) -> int:
             sink.finish()
         return status
     for target_, s in _by_target([s for s in _read_jsonl(args.samples)
-                                  if syscalls is None or s.get("syscall") in syscalls]):
+                                  if syscalls is None or s.get("syscall") in syscalls
+                                  or s.get("event") == "cpu"]):
         sink.add(target_, s)
     sink.finish()
     return 0
@@ -523,6 +527,22 @@ def _positive_float(text: str) -> float:
     return v
 
 
+def _sample_hz(text: str) -> int:
+    from ccprofd.kbpf.features import max_sample_hz
+
+    try:
+        hz = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
+    ceiling = max_sample_hz()
+    if hz < 0:
+        raise argparse.ArgumentTypeError("must be 0 or more")
+    if ceiling is not None and hz > ceiling:
+        raise argparse.ArgumentTypeError(f"{hz} exceeds the kernel's limit "
+                                         f"(kernel.perf_event_max_sample_rate = {ceiling})")
+    return hz
+
+
 def _source_args(p: argparse.ArgumentParser) -> None:
     from ccprofd.tracing.api import DEFAULT_MODE, MODES
 
@@ -574,6 +594,10 @@ def add_commands(sub: Any) -> None:
                     help="also learn per-thread transitions between consecutive (syscall, context) pairs")
     le.add_argument("--flush-interval", type=_positive_float, default=5.0, metavar="SECONDS",
                     help="merge into FILE at least this often while learning (default 5)")
+    le.add_argument("--sample-hz", type=_sample_hz, default=0, metavar="N",
+                    help="also take CPU samples at N Hz while tracing -- CMD: the calls they show "
+                         "executing are evidence for `detect --granularity routines` (a path seen "
+                         "running, not only seen making syscalls); default 0, none")
     _source_args(le)
     le.set_defaults(func=_run(cmd_learn))
 
@@ -591,7 +615,8 @@ def add_commands(sub: Any) -> None:
                          "whose every call edge (caller function at a call site -> callee) was learned "
                          "for the syscall, and name the unseen edge otherwise; routines: as edges, and "
                          "also accept one new call into a routine learned making the syscall from 2 or "
-                         "more call sites, from a call path learned for any syscall [exact]")
+                         "more call sites, from a call path learned for any syscall (or seen running by "
+                         "`learn --sample-hz` CPU samples) [exact]")
     de.add_argument("--transitions", action="store_true",
                     help="also alert on unseen transitions (model must be learned with --transitions)")
     de.add_argument("--min-count", type=int, default=1, metavar="N",

@@ -46,6 +46,8 @@ targets.  Schema (defaults in brackets)::
     collapse_recursion = false, transitions = false
     granularity = "exact" | "edges" | "routines"      "edges": new combinations of learned call edges pass;
                                                       "routines": also one new call into a shared routine
+                                                      (perf_sample_hz while learning: the calls CPU
+                                                      samples show running count as seen for it)
     alert_history = 16                                the thread's syscalls before an alert it carries
 """
 
