@@ -27,7 +27,11 @@ file (nginx reads and discards a body no normal client sends); postgres ``COPY (
 
 Writes docs/services-anomaly.md and docs/services-anomaly-learning-curve.png.
 Usage (root): python bench/services_anomaly.py [--services redis,nginx,postgres] [--train 8]
-[--held-out 4] [--seed 3] [--pg-seconds 12] [--keep-samples DIR]
+[--held-out 4] [--seed 3] [--pg-seconds 12] [--sample-hz N] [--keep-samples DIR]
+
+With ``--sample-hz N`` the tracer also takes CPU samples; learning adds the calls they show running
+to the model (evidence for granularity ``routines``: a path seen running, not only seen making a
+syscall); detection ignores them.
 
 The training mixes, together, ask for every request of the service's vocabulary at least once
 (:func:`vocabulary`, :func:`deal`): a request no training mix made is new behaviour, not a false
@@ -46,7 +50,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -73,10 +77,13 @@ def ccprofd(*args: str) -> subprocess.CompletedProcess[str]:
 class Attached:
     """``ccprofd trace -p`` on a running service's processes, writing jsonl samples to ``out``."""
 
-    def __init__(self, pids: list[int], out: Path, poke: Callable[[], None], mode: str = "unwind") -> None:
+    def __init__(self, pids: list[int], out: Path, poke: Callable[[], None], mode: str = "unwind",
+                 sample_hz: int = 0) -> None:
         self.out = out
         self.err = open(out.with_suffix(".err"), "w")  # noqa: SIM115 - open while tracing
         argv = [*CCPROFD, "trace", "--mode", mode, "--format", "jsonl", "--output", str(out)]
+        if sample_hz:
+            argv += ["--sample-hz", str(sample_hz)]
         for pid in pids:
             argv += ["-p", str(pid)]
         self.proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=self.err)
@@ -102,21 +109,19 @@ class Window:
     start_ns: int
     end_ns: int = 0
     what: str = ""
-    lines: list[str] = field(default_factory=list)
     lost: int = 0  # samples the tracer reported lost in this window (its ring was full)
-    path: Path | None = None  # the samples kept in a file instead of ``lines``
+    path: Path | None = None  # the window's samples, one JSON line each (written by :func:`split`)
+    samples: int | None = None  # lines in ``path``, when known
 
-    def file(self, work: Path) -> Path:
-        """A file of the window's samples (written to ``work`` unless kept in one)."""
-        if self.path is None:
-            self.path = write(self, work / f"{self.name}.jsonl")
+    def file(self) -> Path:
+        assert self.path is not None, f"window {self.name}: no samples split into it"
         return self.path
 
     def count(self) -> int:
-        if self.path is None:
-            return len(self.lines)
-        with self.path.open("rb") as fh:
-            return sum(1 for _ in fh)
+        if self.samples is None:
+            with self.file().open("rb") as fh:
+                self.samples = sum(1 for _ in fh)
+        return self.samples
 
 
 def timed(name: str, what: str, run: Callable[[], None]) -> Window:
@@ -127,19 +132,30 @@ def timed(name: str, what: str, run: Callable[[], None]) -> Window:
     return w
 
 
-def split(samples: Path, windows: list[Window]) -> None:
-    """Each sample line into the window its time falls in (others dropped); the tracer's
+def split(samples: Path, windows: list[Window], out: Path) -> None:
+    """Each sample line into the file ``out/WINDOW.jsonl`` of the window its time falls in (others
+    dropped), read and written as streams (a postgres run's trace is several GB); the tracer's
     ``{"event": "lost", "samples": N}`` records are counted, not kept (learn/detect read samples)."""
-    for line in samples.read_text().splitlines():
-        doc = json.loads(line)
-        t = doc.get("time_ns", 0)
+    out.mkdir(parents=True, exist_ok=True)
+    files = {w.name: (out / f"{w.name}.jsonl").open("w") for w in windows}
+    try:
         for w in windows:
-            if w.start_ns <= t <= w.end_ns:
-                if "syscall" in doc and "frames" in doc:
-                    w.lines.append(line)
-                elif doc.get("event") == "lost":
-                    w.lost += int(doc.get("samples", 0))
-                break
+            w.path, w.samples = out / f"{w.name}.jsonl", 0
+        with samples.open() as fh:
+            for line in fh:
+                doc = json.loads(line)
+                t = doc.get("time_ns", 0)
+                for w in windows:
+                    if w.start_ns <= t <= w.end_ns:
+                        if "syscall" in doc and "frames" in doc:
+                            files[w.name].write(line if line.endswith("\n") else line + "\n")
+                            w.samples = (w.samples or 0) + 1
+                        elif doc.get("event") == "lost":
+                            w.lost += int(doc.get("samples", 0))
+                        break
+    finally:
+        for f in files.values():
+            f.close()
 
 
 # ------------------------------------------------------------------------------------ mixes
@@ -324,11 +340,6 @@ SERVICES: dict[str, tuple[type, Callable[..., Any], Callable[..., Any]]] = {
 
 
 # ------------------------------------------------------------------------------------ judging
-def write(w: Window, path: Path) -> Path:
-    path.write_text("".join(line + "\n" for line in w.lines))
-    return path
-
-
 def targeted(paths: list[Path]) -> Iterator[tuple[tuple[str, str], dict[str, Any]]]:
     """Each sample of the files (one after the other, as one file) with its target, as
     ``ccprofd learn/detect --samples`` tell them apart (the outermost frame's module; a sample without
@@ -418,7 +429,8 @@ def run_service(name: str, opts: argparse.Namespace, work: Path) -> dict[str, An
         t0 = time.monotonic()
         for attempt in range(5):  # a postgres child (autovacuum worker, ...) may exit before the attach
             try:
-                tracer = Attached([p for p in svc.pids() if os.path.exists(f"/proc/{p}")], samples, poke)
+                tracer = Attached([p for p in svc.pids() if os.path.exists(f"/proc/{p}")], samples, poke,
+                                  sample_hz=opts.sample_hz)
                 break
             except RuntimeError as exc:
                 if "no process" not in str(exc) or attempt == 4:
@@ -447,22 +459,20 @@ def run_service(name: str, opts: argparse.Namespace, work: Path) -> dict[str, An
         version = svc.version()
     finally:
         svc.stop()
-    split(samples, windows + [w for w, _ in attack_windows])
+    kept = Path(opts.keep_samples) / name if opts.keep_samples else None
+    split(samples, windows + [w for w, _ in attack_windows], kept or work / name / "windows")
     meta = {"name": name, "version": version, "measured": f"{machine_line()}, load average {loadavg()}",
-            "mixes": [(w.name, w.what, len(w.lines), w.lost) for w in windows], "attach_s": attach_s,
+            "mixes": [(w.name, w.what, w.count(), w.lost) for w in windows], "attach_s": attach_s,
+            "sample_hz": opts.sample_hz,
             "trace_err": trace_err.strip()[-400:], "train": opts.train, "held": opts.held_out}
-    if opts.keep_samples:  # every window's samples and the whole trace, to judge again offline
-        kept = Path(opts.keep_samples) / name
-        kept.mkdir(parents=True, exist_ok=True)
-        for w in windows + [w for w, _ in attack_windows]:
-            write(w, kept / f"{w.name}.jsonl")
+    if kept is not None:  # every window's samples are split there: what judging again offline needs
         (kept / "windows.json").write_text(json.dumps(
             [{"name": w.name, "what": w.what, "start_ns": w.start_ns, "end_ns": w.end_ns,
               "train": i < opts.train} for i, w in enumerate(windows)]
             + [{"name": w.name, "what": w.what, "start_ns": w.start_ns, "end_ns": w.end_ns, "attack": True,
                 "names": list(n)} for w, n in attack_windows]))
         (kept / "meta.json").write_text(json.dumps(meta))
-        samples.replace(kept / "all.jsonl")
+    samples.unlink()  # every sample judged is in a window's file: the whole trace would double the disk
     return {**meta, **judge(name, windows, attack_windows, opts.train, work)}
 
 
@@ -505,12 +515,12 @@ def judge(name: str, windows: list[Window], attack_windows: list[tuple[Window, t
 
     (work / name).mkdir(parents=True, exist_ok=True)
     train, held = windows[:n_train], windows[n_train:]
-    held_files = [w.file(work / name) for w in held]  # one detect per step; alerts told apart by time
+    held_files = [w.file() for w in held]  # one detect per step; alerts told apart by time
     model = ModelSet()
     curve: list[dict[str, Any]] = []
     residual: dict[str, dict[tuple[str, str, str], int]] = {g: {} for g in GRANULARITIES}
     for k, w in enumerate(train, start=1):
-        learn(model, w.file(work / name))
+        learn(model, w.file())
         row: dict[str, Any] = {"k": k, "contexts": sum(len(t.contexts) for t in model.targets.values())}
         alerts = detect(model, held_files)
         for g in GRANULARITIES:
@@ -528,7 +538,7 @@ def judge(name: str, windows: list[Window], attack_windows: list[tuple[Window, t
         print(f"{name} k={k}: {row}", file=sys.stderr, flush=True)
     attacked: list[dict[str, Any]] = []
     for w, names in attack_windows:
-        alerts = detect(model, [w.file(work / name)])
+        alerts = detect(model, [w.file()])
         for g in GRANULARITIES:
             found = alerts[g]
             hits = [a for a in found if names_any(a, names)]
@@ -578,6 +588,7 @@ def markdown(results: list[dict[str, Any]], opts: argparse.Namespace, load: str)
     lines = ["# Anomaly detection on real services: learning curves and injected attacks", "",
              f"Generated by `python bench/services_anomaly.py --services {opts.services} --train "
              f"{opts.train} --held-out {opts.held_out} --seed {opts.seed} --pg-seconds {opts.pg_seconds}"
+             f"{f' --sample-hz {opts.sample_hz}' if opts.sample_hz else ''}"
              f"{' --keep-samples DIR' if opts.keep_samples else ''}"
              f"{'`, then judged again by `--judge-kept DIR' if opts.judge_kept else ''}` "
              f"(rendered on {machine_line()}, "
@@ -601,8 +612,10 @@ def markdown(results: list[dict[str, Any]], opts: argparse.Namespace, load: str)
         grans = [g for g in GRANULARITIES if f"mixes_{g}" in last]
         judged = f" Judged again from the kept samples on {r['judged']}." if r.get("judged") else ""
         attach = f"{r['attach_s']:.0f} s" if r.get("attach_s") is not None else "? s, not recorded"
-        lines += [f"## {r['name']} {r['version']}", "", f"Measured on {r.get('measured', '?')}.{judged}", "",
-                  f"Mixes (samples in the mix's window; training first, then held-out; attached in "
+        cpu = (f" CPU samples at {r['sample_hz']} Hz too (counted in each mix's samples; learning adds "
+               "the calls they show running, detection ignores them)." if r.get("sample_hz") else "")
+        lines += [f"## {r['name']} {r['version']}", "", f"Measured on {r.get('measured', '?')}.{judged}{cpu}",
+                  "", f"Mixes (samples in the mix's window; training first, then held-out; attached in "
                   f"{attach}):",
                   ""]
         lines += [f"* {n}{' (held-out)' if i >= r['train'] else ''}: {what} — {count:,} samples"
@@ -667,13 +680,16 @@ def main() -> int:
                     help="each service's results are kept in DIR/NAME.json and reused by the next run "
                     "(delete them to measure again)")
     ap.add_argument("--keep-samples", default="", metavar="DIR",
-                    help="also keep each window's samples (DIR/NAME/WINDOW.jsonl) and the whole trace")
+                    help="also keep each window's samples (DIR/NAME/WINDOW.jsonl)")
     ap.add_argument("--judge-kept", default="", metavar="DIR",
                     help="trace nothing: judge again, with this ccprofd, the samples an earlier "
                     "--keep-samples DIR run kept (its description from DIR/NAME/meta.json, else from the "
                     "--keep result file)")
     ap.add_argument("--pg-seconds", type=int, default=PG_SECONDS,
                     help="seconds of pgbench per script of a postgres mix")
+    ap.add_argument("--sample-hz", type=int, default=0, metavar="N",
+                    help="also take CPU samples at N Hz: learning adds the calls they show running "
+                         "(evidence for granularity routines; detection ignores them)")
     opts = ap.parse_args()
     globals()["PG_SECONDS"] = opts.pg_seconds
     if os.geteuid() != 0:
@@ -690,11 +706,17 @@ def main() -> int:
             if opts.judge_kept:
                 results.append(judge_kept(name, Path(opts.judge_kept) / name, kept, Path(d)))
                 continue
+            settings = {"train": opts.train, "held": opts.held_out, "seed": opts.seed,
+                        "pg_seconds": opts.pg_seconds, "sample_hz": opts.sample_hz}
             if kept.exists():
-                results.append(json.loads(kept.read_text()))
-                continue
+                earlier = json.loads(kept.read_text())
+                if earlier.get("settings") == settings:
+                    results.append(earlier)
+                    continue
+                print(f"services_anomaly: {kept} was measured with other settings "
+                      f"({earlier.get('settings')}): measuring again", file=sys.stderr)
             (Path(d) / name).mkdir()
-            results.append(run_service(name, opts, Path(d)))
+            results.append({**run_service(name, opts, Path(d)), "settings": settings})
             kept.write_text(json.dumps(results[-1]))
     out = Path(opts.output)
     plot(results, out.with_name("services-anomaly-learning-curve.png"))
