@@ -102,7 +102,8 @@ def test_path_on_untouched_rodata_page_matches_strace(mode: str, pie: bool, fmt:
         for g, e in zip(got, want, strict=True):
             if e == DATA_PATH and g.startswith("0x"):
                 continue
-            assert g == e
+            # a pointer where a path was due: the whole samples say whether the context was known
+            assert g == e, [line for line in out.splitlines() if '"event":"syscall"' in line.replace(" ", "")]
 
 
 def _nm_address(binary: str, symbol: str) -> int:
