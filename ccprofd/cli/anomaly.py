@@ -528,18 +528,17 @@ def _positive_float(text: str) -> float:
 
 
 def _sample_hz(text: str) -> int:
-    from ccprofd.kbpf.features import max_sample_hz
+    from ccprofd.kbpf.features import sample_hz_over_limit
 
     try:
         hz = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"not a whole number: {text!r}") from None
-    ceiling = max_sample_hz()
     if hz < 0:
         raise argparse.ArgumentTypeError("must be 0 or more")
-    if ceiling is not None and hz > ceiling:
-        raise argparse.ArgumentTypeError(f"{hz} exceeds the kernel's limit "
-                                         f"(kernel.perf_event_max_sample_rate = {ceiling})")
+    over = sample_hz_over_limit(hz)
+    if over is not None:
+        raise argparse.ArgumentTypeError(over)
     return hz
 
 

@@ -85,12 +85,11 @@ def cmd_trace(args: argparse.Namespace) -> int:
         raise UsageError("give exactly one of -p PID (repeatable) and -- CMD [ARGS...]")
     if args.sample_hz < 0:
         raise UsageError("--sample-hz must be positive")
-    from ccprofd.kbpf.features import max_sample_hz, privileges_problem
+    from ccprofd.kbpf.features import privileges_problem, sample_hz_over_limit
 
-    ceiling = max_sample_hz()
-    if ceiling is not None and args.sample_hz > ceiling:
-        raise UsageError(f"--sample-hz {args.sample_hz} exceeds the kernel's limit "
-                         f"(kernel.perf_event_max_sample_rate = {ceiling})")
+    over = sample_hz_over_limit(args.sample_hz)
+    if over is not None:
+        raise UsageError(f"--sample-hz {over}")
     if args.duration is not None and args.duration <= 0:
         raise UsageError("--duration must be a positive number of seconds")
     syscalls = _trace_expression(args.expr, args.syscalls)

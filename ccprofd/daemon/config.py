@@ -64,7 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from ccprofd.kbpf.features import max_sample_hz
+from ccprofd.kbpf.features import sample_hz_over_limit
 from ccprofd.kbpf.tracefs import tracefs_syscalls
 from ccprofd.tracing.api import MODES
 
@@ -526,10 +526,9 @@ def _parse_target(chk: _Checker, raw: Any, index: int, syscall_table: frozenset[
             raise chk.fail((*w, "scope"), f"not a valid regular expression: {exc}") from None
     anomaly = _parse_anomaly(chk, (*w, "anomaly"), tbl.get("anomaly", {}))
     sample_hz = chk.positive(tbl, w, "perf_sample_hz", 0, minimum=0)
-    ceiling = max_sample_hz()
-    if ceiling is not None and sample_hz > ceiling:
-        raise chk.fail((*w, "perf_sample_hz"), f"{sample_hz} exceeds the kernel's limit "
-                       f"(kernel.perf_event_max_sample_rate = {ceiling})")
+    over = sample_hz_over_limit(sample_hz)
+    if over is not None:
+        raise chk.fail((*w, "perf_sample_hz"), over)
     return TargetConfig(
         name=name, path=path, pid=pid, cgroup=cgroup, syscalls=syscalls, perf_sample_hz=sample_hz,
         encoding=chk.choice(tbl, w, "encoding", ENCODINGS, "valence"), mode=mode, scope=scope,

@@ -73,6 +73,15 @@ def max_sample_hz() -> int | None:
         return None
 
 
+def sample_hz_over_limit(hz: int) -> str | None:
+    """Why CPU sampling at ``hz`` cannot be asked of this kernel (None: it can), as the CLI options
+    and the daemon's ``perf_sample_hz`` say it."""
+    ceiling = max_sample_hz()
+    if ceiling is not None and hz > ceiling:
+        return f"{hz} exceeds the kernel's limit (kernel.perf_event_max_sample_rate = {ceiling})"
+    return None
+
+
 def probe_bcc() -> None:
     """bcc's Python module imports (it loads libbcc.so)."""
     from ccprofd.kbpf.bcc_adapter import bcc_available
