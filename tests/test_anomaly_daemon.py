@@ -26,6 +26,7 @@ import grpc
 import pytest
 from daemon_fakes import config_text
 from daemon_harness import ROOT, RunningDaemon, target_toml
+from programs.build import build
 
 from ccprofd.anomaly.modelstore import load_models
 from ccprofd.export import messages
@@ -304,9 +305,6 @@ def test_daemon_learns_calls_from_cpu_samples_for_routines(bpf: None, workdir: s
     to the model; detection with granularity "routines" then accepts a write through a shared routine
     from a path that only ran in training (tests/programs/anomaly_cpu.c: main > crunch computes, then,
     held out, writes through say), and still alerts on one that never ran (main > evil > say)."""
-    sys.path.insert(0, str(ROOT / "tests"))
-    from programs.build import build
-
     prog = build("anomaly_cpu", opt="O2")
     model = Path(workdir) / "cpu.model.json"
 
