@@ -14,7 +14,8 @@ read as a stream once per step for every granularity, not once per command):
 
 * learning curve: the model learns training mixes one at a time; after k mixes, the held-out
   mixes (other random mixes of the same service) are checked, in every granularity (``exact``,
-  ``--granularity edges``, ``--granularity routines``).  A false alert is any alert on a held-out
+  ``--granularity edges``, ``--granularity routines``, and ``routines-functions``: routines with
+  ``--prefix-match functions``).  A false alert is any alert on a held-out
   mix (``incomplete_context`` alerts included, counted apart).
 * attacks: each attack's window is checked with the model of all training mixes; the alerts whose
   frames name the attack's code (e.g. ``rdbSave``) are reported with their call chains.
@@ -59,7 +60,17 @@ from services import Nginx, Postgres, Redis
 
 DOCS = ROOT / "docs"
 CCPROFD = [sys.executable, "-c", "from ccprofd.cli.main import main; raise SystemExit(main())"]
-GRANULARITIES = ("exact", "edges", "routines")
+#: the ways each held-out mix is judged: a granularity, or ``routines-functions``: granularity
+#: routines with ``--prefix-match functions``
+GRANULARITIES = ("exact", "edges", "routines", "routines-functions")
+
+
+def detector_options(judged: str) -> Any:
+    """The DetectorOptions of one of :data:`GRANULARITIES` (every alert counted: interval 0)."""
+    from ccprofd.anomaly.detector import DetectorOptions
+
+    granularity, _, match = judged.partition("-")
+    return DetectorOptions(granularity=granularity, prefix_match=match or "sites", alert_interval_seconds=0)
 
 
 def loadavg() -> str:
@@ -380,7 +391,7 @@ def learn(models: Any, path: Path) -> None:
 def detect(models: Any, paths: list[Path]) -> dict[str, list[dict[str, Any]]]:
     """Per granularity, the alerts ``ccprofd detect --samples S --granularity G --alert-interval 0``
     writes for the files (same Detector; the model through its file format and back; one pass)."""
-    from ccprofd.anomaly.detector import Detector, DetectorOptions
+    from ccprofd.anomaly.detector import Detector
     from ccprofd.anomaly.model import ModelSet
 
     loaded = ModelSet.from_dict(json.loads(json.dumps(models.to_dict())))
@@ -390,8 +401,7 @@ def detect(models: Any, paths: list[Path]) -> dict[str, list[dict[str, Any]]]:
         for g in GRANULARITIES:
             det = detectors.get((bid, g))
             if det is None:
-                det = detectors[(bid, g)] = Detector(
-                    loaded.targets[bid], DetectorOptions(granularity=g, alert_interval_seconds=0))
+                det = detectors[(bid, g)] = Detector(loaded.targets[bid], detector_options(g))
             out[g] += [json.loads(a.to_json()) for a in det.check(s)]
     return out
 
@@ -559,7 +569,8 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.8), squeeze=False)
     for ax, r in zip(axes[0], results, strict=True):
         ks = [row["k"] for row in r["curve"]]
-        for g, style in (("exact", "o-"), ("edges", "D--"), ("routines", "s:")):
+        styles = (("exact", "o-"), ("edges", "D--"), ("routines", "s:"), ("routines-functions", "^-."))
+        for g, style in styles:
             if f"mixes_{g}" not in r["curve"][0]:
                 continue
             ax.plot(ks, [100 * row[f"mixes_{g}"] for row in r["curve"]], style,
@@ -597,9 +608,9 @@ def markdown(results: list[dict[str, Any]], opts: argparse.Namespace, load: str)
              "`ccprofd trace -p` attached to the running service for all its mixes, the samples split by "
              "time into one file per mix, judged as `ccprofd learn --samples` and `ccprofd detect "
              "--samples --alert-interval 0` judge them (the same Learner and Detector, in the bench's "
-             "process) in each granularity (`exact`, `edges`, `routines`: see "
-             "docs/anomaly.md). A false alert is any alert on a "
-             "held-out mix (another random mix of the same service); `incomplete_context` alerts "
+             "process) in each granularity (`exact`, `edges`, `routines`, and `routines-functions`: "
+             "`routines` with `--prefix-match functions`; see docs/anomaly.md). A false alert is any "
+             "alert on a held-out mix (another random mix of the same service); `incomplete_context` alerts "
              "(the unwinder could not finish a chain) count too and are shown apart. The training mixes, "
              "together, ask for every request of the service's vocabulary at least once (redis' tests "
              "and redis-cli commands, nginx's files and the 404, postgres' pgbench scripts and psql "

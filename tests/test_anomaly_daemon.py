@@ -304,7 +304,9 @@ def test_daemon_learns_calls_from_cpu_samples_for_routines(bpf: None, workdir: s
     """Issue 14: a learning target with ``perf_sample_hz`` adds the calls its CPU samples show running
     to the model; detection with granularity "routines" then accepts a write through a shared routine
     from a path that only ran in training (tests/programs/anomaly_cpu.c: main > crunch computes, then,
-    held out, writes through say), and still alerts on one that never ran (main > evil > say)."""
+    held out, writes through say), and still alerts on one that never ran (main > evil > say).  With
+    ``prefix_match = "functions"`` it also accepts main's call of cmd_a at the call site that never
+    ran (``again``; by call site it alerts: tests/test_anomaly_e2e.py)."""
     prog = build("anomaly_cpu", opt="O2")
     model = Path(workdir) / "cpu.model.json"
 
@@ -314,6 +316,7 @@ def test_daemon_learns_calls_from_cpu_samples_for_routines(bpf: None, workdir: s
 action = "{action}"
 model = "{model}"
 granularity = "routines"
+prefix_match = "functions"
 flush_seconds = 1
 alert_interval_seconds = 3600
 """
@@ -340,6 +343,7 @@ alert_interval_seconds = 3600
         d.wait(lambda: d.logged("reloaded"), 300, "reloaded")
         d.wait_attached()
         assert run("held", "1000") == "crunched\n"
+        assert run("again") == "a\n"
         assert run("evil") == "evil\n"
         d.wait(lambda: d.logged("context=main>evil>say"), 60, "the alert on evil's write")
         err = d.stop_clean()

@@ -347,3 +347,46 @@ def test_routines_accepts_a_path_cpu_samples_saw_running(tmp_path: Path) -> None
             "main", "evil")
     r = ccprofd("learn", "--model", str(tmp_path / "m.json"), "--sample-hz", "99", "--samples", os.devnull)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "--sample-hz" in r.stderr
+
+
+# Issue 14, routines with prefix_match "functions", on tests/programs/anomaly_cpu.c: training calls
+# cmd_a (which writes through the shared say) from one call site of main; `again` calls it from
+# main's other call site, which never ran in training.
+@pytest.mark.bpf
+def test_routines_prefix_match_functions_accepts_a_known_call_at_a_new_site(tmp_path: Path) -> None:
+    require_bpf()
+    require_tool("strace")
+    require_tool("objdump")
+    prog = str(build("anomaly_cpu", opt="O2"))
+    cmd_a_sites = call_sites_of(prog, "main", "cmd_a")
+    assert len(cmd_a_sites) == 2, cmd_a_sites  # objdump: main calls cmd_a at two call sites
+    # The premise, by strace -k: the same function chain in training and in `again`.
+    assert ("write", ("main", "cmd_a", "say")) in strace_chains([prog, "again"]) & strace_chains(
+        [prog, "train", "1000"])
+    model = tmp_path / "model.json"
+    r = ccprofd("learn", "--model", str(model), "--syscalls", "write", "--", prog, "train", "1000")
+    assert r.returncode == 0 and r.stdout == "a\nb\n", r.stderr
+    [target] = json.loads(model.read_text())["targets"]
+    [trained_site] = {c["frames"][0][2] for c in target["contexts"]
+                      if [f[1] for f in c["frames"][:2]] == ["main", "cmd_a"]}
+    [again_site] = cmd_a_sites - {trained_site}
+
+    def detect(argv: list[str], *extra: str) -> list[dict[str, Any]]:
+        out = tmp_path / "alerts.jsonl"
+        out.unlink(missing_ok=True)
+        r = ccprofd("detect", "--model", str(model), "--syscalls", "write", "--granularity", "routines",
+                    "--alert-interval", "0", "--output", str(out), *extra, "--", prog, *argv)
+        assert r.returncode == 0, r.stderr
+        return alerts_of(out)
+
+    # By call site (the default): main's call of cmd_a at the other site is new.
+    [alert] = detect(["again"])
+    assert chain(alert["syscall"], alert["frames"]) == ("write", ("main", "cmd_a", "say"))
+    edge = alert["unseen_edge"]
+    assert (edge["caller"]["function"], edge["caller"]["call_site"], edge["callee"]["function"]) == (
+        "main", again_site, "cmd_a")
+    # By function: main called cmd_a in training, cmd_a -> say -> write is learned, say is shared.
+    assert detect(["again"], "--prefix-match", "functions") == []
+    # A function never called in training is alerted either way.
+    [attack] = detect(["evil"], "--prefix-match", "functions")
+    assert chain(attack["syscall"], attack["frames"]) == ("write", ("main", "evil", "say"))

@@ -288,3 +288,85 @@ def test_cpu_calls_survive_the_model_file_and_merge() -> None:
     back.calls[((BID, "lib", "0x1"), (BID, "x"))] = 1
     again = ModelSet.from_dict(json.loads(json.dumps(ModelSet({BID: back}).to_dict()))).targets[BID]
     assert again.calls == back.calls
+
+
+# prefix_match = "functions" (the postgres shape left with CPU samples: a known caller -> callee pair
+# at a call site that neither made a syscall nor was sampled running in training).
+# cmd_c calls the lock from 0x28 in training (contention there); held out, its *other* call site
+# of cmd_c by main, 0x1a (a rare branch), leads to the same lock: main@0x1a -> cmd_c was never seen.
+CMD_C_OTHER_SITE = [("main", "0x1a"), ("cmd_c", "0x28"), *LOCK]
+TRAINED_SITES = (("futex", CMD_A_LOCK), ("futex", CMD_B_LOCK), ("read", CMD_C_READ))
+
+
+def test_prefix_match_functions_accepts_a_known_call_at_another_site() -> None:
+    model = learned(*TRAINED_SITES)
+    # main@0x1a -> cmd_c: not learned for any syscall at that site (main@0x18 -> cmd_c was, for read).
+    assert len(det(model, "routines").check(sample("futex", CMD_C_OTHER_SITE))) == 1
+    functions = det(model, "routines", prefix_match="functions")
+    assert functions.check(sample("futex", CMD_C_OTHER_SITE)) == []
+    # The junction is still the call into the shared lock (edge 3); the prefix edge is the relaxed one.
+    assert functions.junction(context_key(sample("futex", CMD_C_OTHER_SITE))) == (
+        (BID, "cmd_c", "0x28"), (BID, "lock_acquire"))
+    # "edges" and "exact" ignore prefix matching: both alert (prefix_match is refused with them).
+    assert len(det(model, "edges").check(sample("futex", CMD_C_OTHER_SITE))) == 1
+
+
+def test_prefix_match_functions_still_alerts_new_functions_and_new_tails() -> None:
+    model = learned(*TRAINED_SITES)
+    functions = det(model, "routines", prefix_match="functions")
+    # evil never called by main at any site: main -> evil unseen as a function pair too.
+    [alert] = functions.check(sample("futex", EVIL_LOCK))
+    assert (alert.unseen_edge["caller"]["function"], alert.unseen_edge["callee"]["function"]) == (  # type: ignore[index]
+        "main", "evil")
+    # The tail after the junction is matched by call site, as before: lock_acquire@0x54 -> sem_wait
+    # was never learned for futex (lock_acquire@0x50 -> sem_wait was).
+    assert len(functions.check(sample("futex", NEW_TAIL))) == 1
+    # Two new function pairs in a row (cmd_c -> helper, helper -> lock_acquire): still alerted.
+    assert len(functions.check(sample("futex", TWO_NEW))) == 1
+    # The pair, not the caller alone: main -> cmd_b exists, cmd_b -> read_helper was never seen.
+    cmd_b_read = [("main", "0x14"), ("cmd_b", "0x2c"), ("read_helper", "0x70")]
+    assert len(functions.check(sample("read", cmd_b_read))) == 1
+
+
+def test_prefix_match_functions_counts_every_site_of_the_pair_for_min_count() -> None:
+    # The lock's chains learned 3 times (shared and its tail at min_count 3); main -> cmd_c learned
+    # twice at 0x18 (read) and, in one model, once more at 0x19 (write): 2 or 3 sightings of the pair.
+    futex = [("futex", CMD_A_LOCK), ("futex", CMD_B_LOCK)] * 3
+    reads = [("read", CMD_C_READ)] * 2
+    other = ("write", [("main", "0x19"), ("cmd_c", "0x2e"), ("write_helper", "0x74")])
+    with_other = learned(*futex, *reads, other)
+    without = learned(*futex, *reads)
+    assert det(with_other, "routines", prefix_match="functions", min_count=3).check(
+        sample("futex", CMD_C_OTHER_SITE)) == []
+    assert len(det(without, "routines", prefix_match="functions", min_count=3).check(
+        sample("futex", CMD_C_OTHER_SITE))) == 1
+    assert det(without, "routines", prefix_match="functions", min_count=2).check(
+        sample("futex", CMD_C_OTHER_SITE)) == []
+    # By site, 0x1a was never seen at all.
+    assert len(det(with_other, "routines", min_count=1).check(sample("futex", CMD_C_OTHER_SITE))) == 1
+
+
+def test_prefix_match_refused_outside_routines_and_unknown_values(tmp_path: Any) -> None:
+    model = learned(*TRAINED_SITES)
+    for g in ("exact", "edges"):
+        with pytest.raises(ValueError, match='applies to granularity "routines" only'):
+            Detector(model, DetectorOptions(granularity=g, prefix_match="functions"))
+    with pytest.raises(ValueError, match="expected one of sites, functions"):
+        Detector(model, DetectorOptions(granularity="routines", prefix_match="calls"))
+    from ccprofd.anomaly.modelstore import save_models
+    models = ModelSet()
+    models.targets[BID] = model
+    path = tmp_path / "m.json"
+    save_models(str(path), models)
+    samples = tmp_path / "s.jsonl"
+    samples.write_text(json.dumps(sample("futex", CMD_C_OTHER_SITE, t=1)) + "\n")
+    base = [sys.executable, "-m", "ccprofd.cli", "detect", "--model", str(path), "--alert-interval", "0",
+            "--samples", str(samples)]
+    r = subprocess.run([*base, "--granularity", "edges", "--prefix-match", "functions"],
+                       capture_output=True, text=True)
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "applies to --granularity routines" in r.stderr
+    for match, alerts in (("sites", 1), ("functions", 0)):
+        r = subprocess.run([*base, "--granularity", "routines", "--prefix-match", match],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        assert sum(x.startswith("{") for x in r.stderr.splitlines()) == alerts, (match, r.stderr)

@@ -367,3 +367,18 @@ def test_anomaly_granularity() -> None:
         assert f'"{g}" cannot be combined with transitions' in error_of(
             base + f'granularity = "{g}"\ntransitions = true\n')
         assert f'"{g}" cannot be enforced' in error_of(enforce + f'granularity = "{g}"\n')
+
+
+def test_anomaly_prefix_match() -> None:
+    base = '[[target]]\nname = "a"\npid = 1\n[target.anomaly]\naction = "detect"\n'
+    assert parse(base).targets[0].anomaly.prefix_match == "sites"  # type: ignore[attr-defined]
+    cfg = parse(base + 'granularity = "routines"\nprefix_match = "functions"\n')
+    assert cfg.targets[0].anomaly.prefix_match == "functions"  # type: ignore[attr-defined]
+    assert error_of(base + 'granularity = "routines"\nprefix_match = "function"\n').endswith(
+        "expected one of sites, functions; got 'function'")
+    for g in ("exact", "edges"):
+        assert error_of(base + f'granularity = "{g}"\nprefix_match = "functions"\n') == (
+            '/etc/ccprofd/test.toml:7: target[0].anomaly.prefix_match: "functions" applies to '
+            'granularity = "routines" only')
+    # "sites" (the default) is valid with every granularity.
+    assert parse(base + 'prefix_match = "sites"\n').targets[0].anomaly.prefix_match == "sites"  # type: ignore[attr-defined]

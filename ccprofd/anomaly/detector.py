@@ -9,8 +9,9 @@ Alert kinds:
   the first such edge (``unseen_edge``), because that edge, not the whole chain, is what is new.
   With ``granularity="routines"``: as ``edges``, but a context is also accepted when its one
   unseen part is a call into a routine shared for the syscall from a path learned for any syscall
-  or seen running by CPU samples while learning (:func:`~ccprofd.anomaly.model.routine_junction`);
-  the alert names the first unseen edge too;
+  or seen running by CPU samples while learning (:func:`~ccprofd.anomaly.model.routine_junction`;
+  with ``prefix_match="functions"`` a call on that path counts as seen when the same caller called
+  the same callee at any call site); the alert names the first unseen edge too;
 * ``unseen_transition`` — both contexts are known, but this thread never went from the previous
   one to this one (only when asked for and the model recorded transitions in every run);
 * ``incomplete_context`` — the tracer flagged the sample ``complete: false``: the model cannot
@@ -36,6 +37,7 @@ from typing import IO, Any
 from ccprofd.anomaly.model import (
     DEFAULT_MAX_CYCLE,
     GRANULARITIES,
+    PREFIX_MATCHES,
     ContextKey,
     EdgeKey,
     FrameKey,
@@ -45,6 +47,7 @@ from ccprofd.anomaly.model import (
     context_edge_path,
     context_edges,
     context_key,
+    function_edge,
     routine_junction,
     shared_routines,
     signal_handler_part,
@@ -63,6 +66,10 @@ class DetectorOptions:
     #: been learned for the syscall (generalises over prefixes and recursion depths); "routines":
     #: "edges" or one new call into a routine shared for the syscall from a known path.
     granularity: str = "exact"
+    #: Granularity "routines": the edges before the shared-routine call must have been seen at their
+    #: call sites ("sites"), or the same caller calling the same callee at any site ("functions":
+    #: accepts a rarely run call site of a known call; gives away attacks that only change a site).
+    prefix_match: str = "sites"
     max_cycle: int = DEFAULT_MAX_CYCLE
     transitions: bool = False
     #: Judge a syscall made under a signal handler by the handler's part of its context only (the
@@ -154,6 +161,12 @@ class Detector:
         if self.options.granularity not in GRANULARITIES:
             raise ValueError(f"granularity {self.options.granularity!r}: expected one of "
                              f"{', '.join(GRANULARITIES)}")
+        if self.options.prefix_match not in PREFIX_MATCHES:
+            raise ValueError(f"prefix_match {self.options.prefix_match!r}: expected one of "
+                             f"{', '.join(PREFIX_MATCHES)}")
+        if self.options.prefix_match != "sites" and self.options.granularity != "routines":
+            raise ValueError(f"prefix_match \"{self.options.prefix_match}\" applies to granularity "
+                             "\"routines\" only")
         if self.options.transitions and self.options.granularity != "exact":
             # Transitions are learned between exact contexts: an edge-accepted context has none.
             raise ValueError("transitions are checked between exact contexts: use granularity \"exact\" "
@@ -191,6 +204,11 @@ class Detector:
             for e, n in self.model.calls.items():  # calls CPU samples saw executing
                 self._any_edge[e] = self._any_edge.get(e, 0) + n
             self._shared = shared_routines(self._edges, need)
+        self._any_function_edge: dict[tuple[Any, Any], int] = {}
+        if self.options.prefix_match == "functions":
+            for e, n in self._any_edge.items():
+                fe = function_edge(e)
+                self._any_function_edge[fe] = self._any_function_edge.get(fe, 0) + n
         for key, st in self.model.contexts.items():
             view = (key[0], self._view(*key))
             self._known[view] = self._known.get(view, 0) + st.count
@@ -223,8 +241,12 @@ class Detector:
         syscall = key[0]
         need = max(1, self.options.min_count)
         path = context_edge_path(self._signal_view(*key))
-        j = routine_junction(syscall, path, lambda e: self._edges.get((syscall, e), 0) >= need,
-                             lambda e: self._any_edge.get(e, 0) >= need,
+
+        def learned_any(e: EdgeKey) -> bool:  # seen for any syscall or running; by site, else by function
+            return (self._any_edge.get(e, 0) >= need
+                    or self._any_function_edge.get(function_edge(e), 0) >= need)
+
+        j = routine_junction(syscall, path, lambda e: self._edges.get((syscall, e), 0) >= need, learned_any,
                              lambda sc, fn: (sc, fn) in self._shared)
         return None if j is None else path[j]
 

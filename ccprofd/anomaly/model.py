@@ -58,6 +58,10 @@ EdgeKey = tuple[FrameKey | None, tuple[str, str] | None]
 #: Model granularities: exact contexts, every call edge seen for the syscall, or that plus one new
 #: call into a routine shared for the syscall (:func:`routine_junction`).
 GRANULARITIES = ("exact", "edges", "routines")
+#: How granularity "routines" matches the edges before the shared-routine call: by call site (the
+#: caller called the callee at this call site) or by function (the caller called the callee at some
+#: call site; :func:`function_edge`).
+PREFIX_MATCHES = ("sites", "functions")
 #: A function is a shared routine of a syscall when it was learned making it from this many
 #: different call sites (one caller is one context's habit, not a routine others call).
 SHARED_ROUTINE_CALLERS = 2
@@ -197,6 +201,14 @@ def shared_routines(edges: Mapping[tuple[str, EdgeKey], int], need: int = 1,
         if n >= need and caller is not None and callee is not None and (caller[0], caller[1]) != callee:
             seen.setdefault((syscall, callee), set()).add(caller)
     return {k for k, sites in seen.items() if len(sites) >= callers}
+
+
+def function_edge(edge: EdgeKey) -> tuple[tuple[str, str] | None, tuple[str, str] | None]:
+    """A call edge without its call site: (caller (module id, function), callee).  Prefix matching
+    by function (``prefix_match = "functions"``) counts an edge seen when any call site of the same
+    caller called the same callee."""
+    caller, callee = edge
+    return (None if caller is None else (caller[0], caller[1])), callee
 
 
 def routine_junction(syscall: str, path: Sequence[EdgeKey], learned: Callable[[EdgeKey], bool],

@@ -19,6 +19,7 @@ from typing import IO, Any
 from ccprofd.anomaly.detector import AlertWriter, Detector, DetectorOptions
 from ccprofd.anomaly.model import (
     GRANULARITIES,
+    PREFIX_MATCHES,
     AllowRule,
     EdgeKey,
     FramePattern,
@@ -331,8 +332,10 @@ def cmd_detect(args: argparse.Namespace) -> int:
     if args.granularity != "exact" and args.enforce:
         raise _Usage(f"--granularity {args.granularity} cannot be enforced (the kernel-side enforcer "
                      "checks exact contexts): drop --enforce or use --granularity exact")
+    if args.prefix_match != "sites" and args.granularity != "routines":
+        raise _Usage(f"--prefix-match {args.prefix_match} applies to --granularity routines only")
     opts = DetectorOptions(collapse_recursion=args.collapse_recursion, transitions=args.transitions,
-                           granularity=args.granularity,
+                           granularity=args.granularity, prefix_match=args.prefix_match,
                            min_count=args.min_count, alert_interval_seconds=args.alert_interval)
     with _alert_stream(args.output) as stream:
         if args.samples is not None:
@@ -616,6 +619,12 @@ def add_commands(sub: Any) -> None:
                          "also accept one new call into a routine learned making the syscall from 2 or "
                          "more call sites, from a call path learned for any syscall (or seen running by "
                          "`learn --sample-hz` CPU samples) [exact]")
+    de.add_argument("--prefix-match", choices=PREFIX_MATCHES, default="sites",
+                    help="--granularity routines: a call before the shared routine's counts as seen when "
+                         "the caller called the callee at this call site (sites), or at any call site "
+                         "(functions: accepts a rarely run site of a known call, which CPU samples may "
+                         "miss; an attack that only changes the call site of a known call is accepted "
+                         "too) [sites]")
     de.add_argument("--transitions", action="store_true",
                     help="also alert on unseen transitions (model must be learned with --transitions)")
     de.add_argument("--min-count", type=int, default=1, metavar="N",

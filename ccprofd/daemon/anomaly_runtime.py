@@ -249,7 +249,7 @@ class AnomalyMonitor:
                             "learn first (action = \"learn\")", t.name, path, bid, t.model_path)
             return b
         opts = DetectorOptions(collapse_recursion=cfg.collapse_recursion, transitions=cfg.transitions,
-                               granularity=cfg.granularity,
+                               granularity=cfg.granularity, prefix_match=cfg.prefix_match,
                                alert_interval_seconds=cfg.alert_interval_seconds)
         try:
             b.detector = Detector(model, opts)

@@ -48,6 +48,8 @@ targets.  Schema (defaults in brackets)::
                                                       "routines": also one new call into a shared routine
                                                       (perf_sample_hz while learning: the calls CPU
                                                       samples show running count as seen for it)
+    prefix_match = "sites" | "functions"              "routines": the calls before the routine's were seen
+                                                      at their call sites, or (functions) at any call site
     alert_history = 16                                the thread's syscalls before an alert it carries
 """
 
@@ -72,6 +74,7 @@ DEFAULT_CONFIG_PATH = "/etc/ccprofd/ccprofd.toml"
 ENCODINGS = ("valence", "pcce", "hcce")
 ANOMALY_ACTIONS = ("off", "learn", "detect", "enforce")
 ANOMALY_GRANULARITIES = ("exact", "edges", "routines")  # anomaly.model.GRANULARITIES
+ANOMALY_PREFIX_MATCHES = ("sites", "functions")  # anomaly.model.PREFIX_MATCHES
 
 
 class ConfigError(Exception):
@@ -106,6 +109,7 @@ class AnomalyConfig:
     collapse_recursion: bool = False
     transitions: bool = False
     granularity: str = "exact"  # anomaly.detector.DetectorOptions.granularity
+    prefix_match: str = "sites"  # anomaly.detector.DetectorOptions.prefix_match
     flush_seconds: float = 30.0
     model: str | None = None  # model file; None: STATE_DIR/anomaly/TARGET.model.json
     alert_history: int = 16  # flight-recorder events before the alert's syscall each alert carries
@@ -316,7 +320,7 @@ _TARGET_KEYS: dict[str, Any] = {k: None for k in (
     "max_probe_hits_per_sec", "verify", "anomaly", "source_lines", "persist_history_seconds")}
 _ANOMALY_KEYS: dict[str, Any] = {k: None for k in (
     "action", "alert_interval_seconds", "collapse_recursion", "transitions", "granularity", "flush_seconds",
-    "model", "alert_history")}
+    "model", "alert_history", "prefix_match")}
 _SYSCALL_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
 
 
@@ -629,11 +633,15 @@ def _parse_anomaly(chk: _Checker, where: tuple[Any, ...], raw: Any) -> AnomalyCo
     if granularity != "exact" and action == "enforce":
         raise chk.fail((*where, "granularity"), f"\"{granularity}\" cannot be enforced (the kernel-side "
                        "enforcer checks exact contexts): use action = \"detect\"")
+    prefix_match = chk.choice(tbl, where, "prefix_match", ANOMALY_PREFIX_MATCHES, d.prefix_match)
+    if prefix_match != "sites" and granularity != "routines":
+        raise chk.fail((*where, "prefix_match"), f"\"{prefix_match}\" applies to granularity = "
+                       "\"routines\" only")
     alert_history = chk.get(tbl, where, "alert_history", int, d.alert_history)
     if isinstance(alert_history, bool) or not 0 <= alert_history <= 4096:
         raise chk.fail((*where, "alert_history"), f"must be an integer from 0 to 4096, got {alert_history!r}")
     return AnomalyConfig(
-        model=model, granularity=granularity, alert_history=alert_history,
+        model=model, granularity=granularity, prefix_match=prefix_match, alert_history=alert_history,
         action=action,
         alert_interval_seconds=seconds("alert_interval_seconds", d.alert_interval_seconds),
         collapse_recursion=bool(chk.get(tbl, where, "collapse_recursion", bool, d.collapse_recursion)),

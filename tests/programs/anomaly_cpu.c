@@ -7,6 +7,8 @@
  *   held   main > crunch: ROUNDS rounds, then crunch > say > write (the new edge: crunch -> say;
  *          main -> crunch, the same call site, only ran in training)
  *   evil   main > evil > say > write (evil never runs in training)
+ *   again  main > cmd_a > say > write through main's *second* call site of cmd_a, which never runs
+ *          in training (prefix_match "functions": the call main -> cmd_a is known at another site)
  * Every call is followed by a volatile store: no tail calls.  No stdio and no malloc: the only
  * write calls are say's.
  */
@@ -56,6 +58,11 @@ int main(int argc, char **argv) {
         cmd_b();
     } else if (strcmp(mode, "evil") == 0) {
         evil();
+        return (int)(sink & 0);
+    } else if (strcmp(mode, "again") == 0) {
+        sink = 5;
+        cmd_a();  /* main's second call site of cmd_a */
+        sink = 6;
         return (int)(sink & 0);
     }
     crunch(strcmp(mode, "held") == 0, rounds);  /* one call site for train and held */
