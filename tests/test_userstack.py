@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -199,6 +200,7 @@ def test_threads_stopped_in_the_vdso_unwind_through_its_own_eh_frame() -> None:
     try:
         assert proc.stdout is not None and proc.stdout.readline() == b"vdso_loop: start\n"
         modules = ModuleCache()
+        landed: Counter[str] = Counter()  # where the stops landed instead (a failure says where)
         for _ in range(500):
             os.kill(proc.pid, signal.SIGSTOP)
             while Path(f"/proc/{proc.pid}/stat").read_text().rpartition(")")[2].split()[0] != "T":
@@ -210,9 +212,13 @@ def test_threads_stopped_in_the_vdso_unwind_through_its_own_eh_frame() -> None:
             inner = th.stack.frames[-1]
             if inner.module is not None and inner.module.path == "[vdso]":
                 break
+            landed[f"{inner.module.path if inner.module else None}:{hex(inner.vaddr or inner.pc)}"] += 1
             os.kill(proc.pid, signal.SIGCONT)
         else:
-            pytest.fail("no stop landed in the vDSO in 500 tries")
+            maps = [line for line in Path(f"/proc/{proc.pid}/maps").read_text().splitlines() if "[v" in line]
+            clock = Path("/sys/devices/system/clocksource/clocksource0/current_clocksource").read_text()
+            pytest.fail(f"no stop landed in the vDSO in 500 tries; innermost frames: "
+                        f"{landed.most_common(5)}; {maps}; clocksource {clock}")
         # back in its group stop after our detach (woken only to re-enter it, it runs no user code:
         # gdb attached now sees the very stack the snapshot saw)
         while Path(f"/proc/{proc.pid}/stat").read_text().rpartition(")")[2].split()[0] != "T":
