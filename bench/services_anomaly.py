@@ -314,7 +314,7 @@ def postgres_mix(svc: Postgres, rng: random.Random, must: list[tuple[str, Any]]
     queries = with_required(rng.sample(PG_QUERIES, rng.randint(1, 3)), must, "query")
     seconds = PG_SECONDS
     rate = ["-R", str(PG_RATE)] if PG_RATE else []
-    what = "; ".join(f"pgbench {s or '(tpcb-like)'} -c {c} -T {seconds}{' ' + ' '.join(rate) if rate else ''}"
+    what = "; ".join(" ".join(["pgbench", s or "(tpcb-like)", "-c", str(c), "-T", str(seconds), *rate])
                      for s in scripts) + "; psql: " + "; ".join(queries)
 
     def run() -> None:

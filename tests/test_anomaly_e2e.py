@@ -299,15 +299,21 @@ def test_edges_granularity_accepts_new_combinations_and_catches_the_unseen_edge(
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "cannot be enforced" in r.stderr
 
 
+def anomaly_cpu_program() -> str:
+    """tests/programs/anomaly_cpu.c built -O2, for a test that traces it and checks its premises with
+    strace -k and objdump."""
+    require_bpf()
+    require_tool("strace")
+    require_tool("objdump")
+    return str(build("anomaly_cpu", opt="O2"))
+
+
 # Issue 14, granularity "routines" with CPU samples while learning, on tests/programs/anomaly_cpu.c:
 # training runs crunch (no syscall under it) and writes through say from cmd_a and cmd_b; the
 # held-out run writes through say from crunch; the attack writes through say from evil.
 @pytest.mark.bpf
 def test_routines_accepts_a_path_cpu_samples_saw_running(tmp_path: Path) -> None:
-    require_bpf()
-    require_tool("strace")
-    require_tool("objdump")
-    prog = str(build("anomaly_cpu", opt="O2"))
+    prog = anomaly_cpu_program()
     # The premise, by strace -k: the held-out write's chain is new, and main never wrote through crunch.
     learned_chains = strace_chains([prog, "train", "1000"])
     assert ("write", ("main", "crunch", "say")) in strace_chains([prog, "held", "1000"]) - learned_chains
@@ -354,10 +360,7 @@ def test_routines_accepts_a_path_cpu_samples_saw_running(tmp_path: Path) -> None
 # main's other call site, which never ran in training.
 @pytest.mark.bpf
 def test_routines_prefix_match_functions_accepts_a_known_call_at_a_new_site(tmp_path: Path) -> None:
-    require_bpf()
-    require_tool("strace")
-    require_tool("objdump")
-    prog = str(build("anomaly_cpu", opt="O2"))
+    prog = anomaly_cpu_program()
     cmd_a_sites = call_sites_of(prog, "main", "cmd_a")
     assert len(cmd_a_sites) == 2, cmd_a_sites  # objdump: main calls cmd_a at two call sites
     # The premise, by strace -k: the same function chain in training and in `again`.

@@ -242,9 +242,12 @@ class Detector:
         need = max(1, self.options.min_count)
         path = context_edge_path(self._signal_view(*key))
 
+        by_function = self._any_function_edge  # empty unless prefix_match = "functions"
+
         def learned_any(e: EdgeKey) -> bool:  # seen for any syscall or running; by site, else by function
-            return (self._any_edge.get(e, 0) >= need
-                    or self._any_function_edge.get(function_edge(e), 0) >= need)
+            if self._any_edge.get(e, 0) >= need:
+                return True
+            return bool(by_function) and by_function.get(function_edge(e), 0) >= need
 
         j = routine_junction(syscall, path, lambda e: self._edges.get((syscall, e), 0) >= need, learned_any,
                              lambda sc, fn: (sc, fn) in self._shared)
