@@ -178,11 +178,15 @@ def test_encoded_contexts_of_alternating_paths_stay_apart(program: Path, tmp_pat
         counts = sorted(s.counts().values())
     same = after["same_as_previous"] - before["same_as_previous"]
     cached = after["chain_cache_hits"] - before["chain_cache_hits"]
+    by_way = after["memo_counted"] - before["memo_counted"]
     assert counts == [N // 2, N // 2], counts
     # A A B B A A ...: the first A and the first B are encoded, their repeats reuse the previous
-    # sample's encoding, and from the second A on every sample is the chain cache's
-    assert N - 4 <= same + cached <= N - 2, (same, cached)
-    assert cached >= N - 8, cached
+    # sample's encoding.  From the second A on, the first of each pair starts where the other path's
+    # chain (kept in the same memo way: both start in leaf's state) did, is unwound afresh and found
+    # in the chain cache; its repeat's whole chain is then that way's, counted at the entry the way
+    # remembers from the first.
+    assert N - 4 <= same + cached + by_way <= N - 2, (same, cached, by_way)
+    assert N // 2 - 4 <= cached <= N // 2 and N // 2 - 4 <= by_way <= N // 2, (cached, by_way)
 
 
 PHASES_SOURCE = SOURCE.replace("""    for (long i = 0; i < n; i++) {""",
@@ -224,6 +228,76 @@ def test_chain_cache_counts_only_at_the_entry_it_verified(tmp_path: Path) -> Non
         after = s.stats()
         counts = sorted(s.counts().values())
     assert phase1 == [1, N // 2, N // 2], phase1  # A, B and the "mid" line
-    assert after["chain_cache_hits"] - mid["chain_cache_hits"] >= N - 8  # the cache was in use after
+    # both caches were in use after (see test_encoded_contexts_of_alternating_paths_stay_apart)
+    assert after["chain_cache_hits"] - mid["chain_cache_hits"] >= N // 2 - 4
+    assert after["memo_counted"] - mid["memo_counted"] >= N // 2 - 4
     assert counts == [N // 2, N // 2], counts
     assert after["new_contexts"] - mid["new_contexts"] == 2
+
+
+TWO_CALLS_SOURCE = r"""
+#include <stdlib.h>
+#include <unistd.h>
+#include <sys/syscall.h>
+#define NOI __attribute__((noinline, noclone))
+
+/* one syscall instruction, two syscalls: W W G G W W ... (write to fd -1, getppid), each followed
+   by a write from libc's wrapper (another chain, so no sample is the same as the one before it) */
+NOI long leaf(long nr) {
+    long ret;
+    asm volatile("syscall" : "=a"(ret) : "0"(nr), "D"(-1L) : "rcx", "r11", "memory");
+    return ret;
+}
+NOI long mid(long nr) { long r = leaf(nr); asm volatile("" ::: "memory"); return r + 1; }
+
+int main(int argc, char **argv) {
+    long n = atol(argv[1]);
+    char c;
+    write(1, "ready\n", 6);
+    if (read(0, &c, 1) != 1)
+        return 1;
+    for (long i = 0; i < n; i++) {
+        mid(((i >> 1) & 1) ? SYS_getppid : SYS_write);
+        if (write(-1, "", 0) != -1)
+            return 1;
+    }
+    return 0;
+}
+"""
+
+
+def test_a_memo_way_counts_only_the_syscall_it_verified(tmp_path: Path) -> None:
+    """Two syscalls made from one instruction with the whole chain unchanged: the second starts in
+    the state the first's memo way did and its whole chain is that way's, but its context is another
+    (the syscall is part of it).  The way's remembered entry is for the first syscall only, so each
+    syscall's samples are counted under its own context: N/2 each, and the libc write between them
+    N; the repeats counted by their ways."""
+    from conftest import require_bpf
+
+    from ccprofd.callgraph import analyze_binary
+    from ccprofd.encode import get_plan
+    from ccprofd.persist.cache import AnalysisCache
+    from ccprofd.tracing.unwind.plan import cached_unwind_encoding
+
+    require_bpf()
+    nr_getppid = 110
+    binary = compile_c(tmp_path, "two_calls", TWO_CALLS_SOURCE, "-O1", "-fno-omit-frame-pointer",
+                       "-fno-inline")
+    graph = analyze_binary(str(binary), cache_dir=tmp_path)
+    plan = get_plan(graph, "valence", cache_dir=tmp_path)
+    enc = cached_unwind_encoding(graph, plan, AnalysisCache(tmp_path))
+    with UnwindSampler(syscalls=[NR_WRITE, nr_getppid], aggregate=True, encoding=enc,
+                       cache=AnalysisCache(tmp_path)) as s:
+        s.attach()
+        before = s.stats()
+        run_released(s, [str(binary), str(N)], lambda pid: None)
+        after = s.stats()
+        counts = sorted(s.counts().values())
+    d = {k: after[k] - before[k] for k in ("memo_chains", "memo_counted", "same_as_previous")}
+    # every sample of the loop but the first of each path is its way's whole chain; the first W or
+    # G after the other syscall is not counted by the way (it remembers the other's entry)
+    assert d["memo_chains"] >= 2 * N - 4, d
+    assert N + N // 2 - 4 <= d["memo_counted"] <= N + N // 2, d
+    assert d["same_as_previous"] <= 2, d
+    # the loop's two syscalls from mid (N/2 each) and the libc write (N)
+    assert counts == [N // 2, N // 2, N], counts

@@ -27,12 +27,12 @@ UE_ANALYSED = _C["UE_ANALYSED"]
 STATS = ("samples", "incomplete", "frames", "fp_frames", "collisions", "arena_full", "counts_full",
          "ringbuf_full", "new_contexts", "procs_inherited", "maps_lost", "restopped", "lookup_steps",
          "stack_copies", "map_searches", "memo_hits", "memo_frames", "memo_rejects",
-         "same_as_previous", "chain_cache_hits", "memo_chains")
+         "same_as_previous", "chain_cache_hits", "memo_chains", "memo_counted")
 # the UW_STAT_ names of STATS, same order
 STAT_NAMES = ("SAMPLES", "INCOMPLETE", "FRAMES", "FP_FRAMES", "COLLISIONS", "ARENA_FULL", "COUNTS_FULL",
               "RINGBUF_FULL", "NEW", "PROC_COPIED", "MAPS_LOST", "RESTOPPED", "LOOKUP_STEPS",
               "STACK_COPIES", "MAP_SEARCHES", "MEMO_HITS", "MEMO_FRAMES", "MEMO_REJECTS",
-              "SAME_AS_PREVIOUS", "CHAIN_CACHE_HITS", "MEMO_CHAINS")
+              "SAME_AS_PREVIOUS", "CHAIN_CACHE_HITS", "MEMO_CHAINS", "MEMO_COUNTED")
 EV_SAMPLE, EV_MAPS, EV_HIT = _C["UW_EV_SAMPLE"], _C["UW_EV_MAPS"], _C["UW_EV_HIT"]
 ARG_LEN = _C["UW_ARG_LEN"]  # the path argument's buffer (PATH_MAX)
 #: the syscalls uw_watch_maps looks at (PROT_EXEC mappings), attached on the per-syscall path even

@@ -86,7 +86,8 @@
 #define UW_STAT_SAME_AS_PREVIOUS 18  // pcs equal to the previous sample of the thread on this CPU: its encoding reused
 #define UW_STAT_CHAIN_CACHE_HITS 19  // pcs equal to a recent chain of this CPU's (uw_kc): counted without encoding
 #define UW_STAT_MEMO_CHAINS 20  // samples whose whole chain, frame 0 included, was the memo's (uw_memo_chain)
-#define UW_NR_STATS 21
+#define UW_STAT_MEMO_COUNTED 21  // ... counted at the entry their memo way's context was verified at (uw_way_hit)
+#define UW_NR_STATS 22
 
 #define UW_CFG_AGGREGATE 0
 #define UW_CFG_SAMPLE_CPU_ALL 1
@@ -294,6 +295,16 @@ struct uw_mway {
     u64 h2;
     u64 slo;   // the lowest and highest slot its steps read (uw_memo_chain copies that span at once)
     u64 shi;
+    // The counts entry this chain's context was last verified or stored at, for syscall k_nr (k_ok:
+    // valid; a chain kept anew clears it): a sample whose whole chain is this way's (uw_memo_chain)
+    // is counted there without looking its pcs up in the chain cache (uw_way_hit).
+    u64 kh1;
+    u64 kh2;
+    u64 k_off;
+    u32 k_alen;
+    s32 k_nr;
+    u32 k_ok;
+    u32 k_pad;
 };
 
 // a mapping as uw_state caches it (uw_state.c): the second most recent one is kept in uw_state.alt,
@@ -381,6 +392,8 @@ struct uw_state {
     u32 m_cut;     // this sample's m.lo
     u32 m_hit;     // frames this sample reused
     u32 m_whole;   // this sample's chain is the memo's, every frame (uw_memo_chain): the memo stays as it is
+    u32 m_hold;    // the way that holds exactly this sample's chain once it is done (UW_MEMO_WAYS: none)
+    u32 m_hold_pad;
     u32 m_try;     // uw_memo_chain is checking the memo's frames (m_chk: the next one)
     u32 m_chk;
     u32 bp_src;    // the frame whose step restored the current rbp from a slot (UW_BP_ENTRY: none yet)
@@ -418,6 +431,7 @@ struct uw_state {
     struct uw_kc kc[UW_KC_WAYS];
     u64 kc_ph1;    // this sample's pcs hash (the unwind's uw_mix state, before the encoding's)
     u64 kc_ph2;
+    u64 kc_off;    // the arena offset of the entry uw_kc_hit counted this sample at
     u32 kc_next;   // the way the next new chain replaces
     u32 kc_pad;
 #endif
@@ -1506,7 +1520,43 @@ static __always_inline int uw_kc_hit(struct uw_state *st) {
     st->s.h1 = k->kh1;  // the context hash, as the encoding path would have made it
     st->s.h2 = k->kh2;
     st->alen = k->alen;
+    st->kc_off = k->off;
     return 1;
+}
+
+// A syscall sample whose whole chain is its memo way's (m_whole: uw_memo_chain proved its pcs the
+// way's, in the same process and upload of the mappings), when aggregating: count it at the entry
+// the way's context was verified at for this syscall while that entry is still the one verified --
+// what uw_kc_hit concludes for the same pcs, without looking them up and comparing them word by
+// word (most of a repeated syscall's cost on nginx, whose workers alternate on each CPU).  1: counted.
+static __always_inline int uw_way_hit(struct uw_state *st) {
+    if (!st->m_whole || !st->m.k_ok || st->m.k_nr != st->s.nr || st->s.reason != 0 || st->gen == 0 ||
+        st->gen_mixed)
+        return 0;
+    struct uw_key key = {st->m.kh1, st->m.kh2};
+    struct uw_count *c = uw_counts.lookup(&key);
+    if (!c || c->arena_off != st->m.k_off || c->len != st->m.k_alen || c->nr != st->s.nr || c->reason != 0)
+        return 0;  // the entry is gone or another one (userspace cleared the counts): look further
+    __sync_fetch_and_add(&c->count, 1);
+    st->s.h1 = key.h1;
+    st->s.h2 = key.h2;
+    st->alen = st->m.k_alen;
+    return 1;
+}
+
+// This sample's context is the arena's at `off` under key (h1, h2): the way that holds its chain
+// (m_hold; a way kept anew starts without) remembers that for this syscall (uw_way_hit).
+static __always_inline void uw_way_put(struct uw_state *st, u64 h1, u64 h2, u64 off) {
+    u32 w = st->m_hold;
+    if (w >= UW_MEMO_WAYS || st->s.reason != 0 || st->gen == 0 || st->gen_mixed)
+        return;
+    struct uw_mway *y = &st->ways[w];
+    y->kh1 = h1;
+    y->kh2 = h2;
+    y->k_off = off;
+    y->k_alen = st->alen;
+    y->k_nr = st->s.nr;
+    y->k_ok = 1;
 }
 
 // After the encoding path verified or stored this sample's context (p_agg): remember its chain.
@@ -1627,8 +1677,10 @@ static __always_inline void uw_memo_keep(struct uw_state *st, u64 pid_tgid) {
     y->h2 = st->s.h2;
     y->slo = st->r_slo;
     y->shi = st->r_shi;
+    y->k_ok = 0;
     st->m_rec = old;
     st->m_last = w;
+    st->m_hold = w;
 }
 
 // `can_aggregate` is a constant per program: the CPU sampler sends every sample (the aggregation
@@ -1681,6 +1733,7 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, const u64 
         st->k_tgid = tgid;
         st->k_gen = st->gen;
     }
+    st->m_hold = UW_MEMO_WAYS;
     if (memo) {
         u32 km = UW_CFG_MEMO;
         u64 *mm = uw_config.lookup(&km);
@@ -1759,6 +1812,7 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, const u64 
         if (st->m_whole) {
             uw_stat(UW_STAT_MEMO_CHAINS, 1);
             st->m_last = st->m_way;
+            st->m_hold = st->m_way;
         } else if (st->memo_mode != UW_MEMO_OFF && st->s.reason == 0 && st->s.n > 0 &&
                    st->s.n <= UW_MEMO_DEPTH && st->gen != 0 && !st->gen_mixed) {
             uw_memo_keep(st, pid_tgid);
@@ -1784,9 +1838,15 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, const u64 
         // the previous sample's pcs: st->s.e and alen still hold its encoding, which is this one's
         st->s.h1 = st->p_eh1;
         st->s.h2 = st->p_eh2;
+    } else if (aggregating && memo && uw_way_hit(st)) {
+        counted = 1;
+        uw_stat(UW_STAT_MEMO_COUNTED, 1);
+        st->p_valid = 0;  // as below
+        st->p_agg = 0;
     } else if (aggregating && memo && uw_kc_hit(st)) {
         counted = 1;
         uw_stat(UW_STAT_CHAIN_CACHE_HITS, 1);
+        uw_way_put(st, st->s.h1, st->s.h2, st->kc_off);
         // st->s.e is not this sample's encoding: the next sample may not reuse it as "same"
         st->p_valid = 0;
         st->p_agg = 0;
@@ -1832,6 +1892,8 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, const u64 
         uw_aggregate(st, arena_cb);
         if (memo && !was_same)
             uw_kc_put(st);
+        if (memo && st->p_agg)
+            uw_way_put(st, st->p_h1, st->p_h2, st->p_off);
     } else {
 #else
     if (aggregating) {
