@@ -160,6 +160,12 @@ SIGALTSTACK_FIELDS = (("task_struct", "sas_ss_sp"), ("task_struct", "sas_ss_size
 SIGALTSTACK_NAMES = ("CCPROF_OFF_TASK_SAS_SS_SP", "CCPROF_OFF_TASK_SAS_SS_SIZE")
 
 
+#: The current task's thread_info.status (its TS_COMPAT bit is the kernel's in_ia32_syscall()): the
+#: raw-path syscall programs mark a compat syscall's number (kbpf/syscalls.py, IA32_BIT).
+COMPAT_FIELDS = (("task_struct", "thread_info"), ("thread_info", "status"))
+COMPAT_NAMES = ("CCPROF_OFF_TASK_THREAD_INFO", "CCPROF_OFF_THREAD_INFO_STATUS")
+
+
 def exe_inode_offsets(cache_dir: str | os.PathLike[str] | None = None) -> dict[str, int]:
     """``#define`` values for reading the current executable's inode number in BPF: from the
     analysis cache under ``cache_dir`` (default: the user's cache directory) when this very BTF blob
@@ -171,6 +177,18 @@ def sigaltstack_offsets(cache_dir: str | os.PathLike[str] | None = None) -> dict
     """``#define`` values for reading the current task's sigaltstack range in BPF (cached as
     :func:`exe_inode_offsets` is, under an identity of its own)."""
     return dict(_cached_sas_offsets(os.fspath(cache_dir) if cache_dir is not None else None))
+
+
+def compat_offsets(cache_dir: str | os.PathLike[str] | None = None) -> dict[str, int]:
+    """``#define`` values for reading the current task's thread_info.status in BPF (cached as
+    :func:`exe_inode_offsets` is, under an identity of its own)."""
+    return dict(_cached_compat_offsets(os.fspath(cache_dir) if cache_dir is not None else None))
+
+
+@lru_cache(maxsize=4)
+def _cached_compat_offsets(cache_dir: str | None) -> tuple[tuple[str, int], ...]:
+    return tuple(offsets_via_cache(_read_vmlinux(), cache_dir, COMPAT_NAMES, COMPAT_FIELDS,
+                                   "-compat").items())
 
 
 @lru_cache(maxsize=4)

@@ -15,10 +15,11 @@ Same samples as on ``raw_syscalls``: the perf handler passes a BPF program a rec
 word is the user ``pt_regs`` pointer (the one ``sys_enter`` passes; the kernel puts it there so
 that ``bpf_get_stack`` works) and whose ``__syscall_nr`` (offset 8) is the number; the samplers'
 syscall-set filter stays in BPF, so the attached set may be a superset of the sampled one.
-Not the same: a 32-bit (ia32 compat) syscall is not reported by these events at all (the kernel
-ignores compat syscalls in syscall events); on ``raw_syscalls`` it is reported with its ia32
-number, which the samplers misread as an x86-64 number.  x32 is not built into this kernel
-(CONFIG_X86_X32_ABI), and its numbers (bit 30 set) are outside every set on both paths.
+Not the same: an ia32 (compat) syscall is not reported by these events at all (the kernel
+ignores compat syscalls in syscall events); on ``raw_syscalls`` it arrives with its ia32 number,
+which the raw-path programs mark (``syscalls.IA32_BIT``), so it is named ``ia32:<name>`` and is in
+no set.  x32 is not built into this kernel (CONFIG_X86_X32_ABI), and its numbers (bit 30 set) are
+outside every set on both paths.
 
 ``CCPROFD_SYSCALL_ATTACH=raw`` in the environment keeps every set on ``raw_syscalls`` (for
 benchmarks and tests that compare the two).

@@ -10,6 +10,16 @@ import functools
 import re
 
 HEADERS = ("/usr/include/x86_64-linux-gnu/asm/unistd_64.h", "/usr/include/asm/unistd_64.h")
+HEADERS_IA32 = ("/usr/include/x86_64-linux-gnu/asm/unistd_32.h", "/usr/include/asm/unistd_32.h")
+
+#: An ia32 (compat) syscall, ``int $0x80`` in a 64-bit process, as a sample's number: this bit or'ed
+#: into its ia32 number.  raw_syscalls reports such a call with its ia32 number, which names another
+#: call in the x86-64 table (ia32 20, getpid, is x86-64 writev); the samplers' raw-path programs mark
+#: it (the value reaches them in their #define prelude: :func:`compat_defines`), which puts it outside
+#: every syscall set, and :func:`syscall_name` names it ``ia32:<name>``.
+IA32_BIT = 0x20000000
+#: thread_info.status's "a 32-bit syscall is in progress" flag (arch/x86/include/asm/thread_info.h)
+TS_COMPAT = 0x0002
 _DEFINE = re.compile(r"^#define __NR_(\w+)\s+(\d+)\s*$")
 
 # The common ones, in case no header is installed (numbers are the x86-64 ABI, which never changes).
@@ -50,11 +60,34 @@ def syscall_table() -> dict[int, str]:
 
 
 @functools.cache
+def ia32_syscall_table() -> dict[int, str]:
+    """ia32 number -> name, from ``asm/unistd_32.h`` (empty without it: ``ia32:syscall_N``)."""
+    for path in HEADERS_IA32:
+        try:
+            with open(path, encoding="ascii", errors="replace") as fh:
+                table = {int(m.group(2)): m.group(1) for line in fh if (m := _DEFINE.match(line))}
+        except OSError:
+            continue
+        if table:
+            return table
+    return {}
+
+
+@functools.cache
 def syscall_name(nr: int | None) -> str | None:
-    """The name of syscall ``nr`` (``syscall_N`` when unknown); memoised: called once per sample."""
+    """The name of syscall ``nr`` (``syscall_N`` when unknown; ``ia32:<name>`` for a compat call
+    marked with :data:`IA32_BIT`); memoised: called once per sample."""
     if nr is None:
         return None
+    if nr >= 0 and nr & IA32_BIT:
+        n = nr & ~IA32_BIT
+        return "ia32:" + ia32_syscall_table().get(n, f"syscall_{n}")
     return syscall_table().get(nr, f"syscall_{nr}")
+
+
+def compat_defines() -> str:
+    """The ``#define`` lines the raw-path programs mark compat syscalls with (:data:`IA32_BIT`)."""
+    return f"#define CCPROF_IA32_BIT {IA32_BIT:#x}\n#define CCPROF_TS_COMPAT {TS_COMPAT:#x}\n"
 
 
 # strace's syscall classes (``-e trace=%file`` ...), as strace 6 defines them for x86-64: %file
@@ -137,5 +170,9 @@ SYSCALL_ARGS: dict[str, str] = {
 
 
 def syscall_arg_kinds(name: str | None) -> str | None:
-    """The argument letters of syscall ``name`` (:data:`SYSCALL_ARGS`); None when not in the table."""
+    """The argument letters of syscall ``name`` (:data:`SYSCALL_ARGS`); None when not in the table.
+    A compat call (``ia32:...``) has none: the samplers read the x86-64 argument registers, and an
+    ia32 call passes its arguments in others."""
+    if name and name.startswith("ia32:"):
+        return ""
     return SYSCALL_ARGS.get(name) if name else None

@@ -117,13 +117,33 @@ static __always_inline void ccprof_submit(struct ccprof_event *e) {
     ccprof_stat(STAT_EVENTS);
 }
 
+// An ia32 (compat) syscall -- `int $0x80` in a 64-bit process -- reaches raw_syscalls with its ia32
+// number, which names another call in the x86-64 table (ia32 20, getpid, is x86-64 writev): a raw-path
+// program marks it CCPROF_IA32_BIT | that number (kbpf/syscalls.py says what userspace makes of it),
+// outside every syscall set as on the per-syscall path, whose events leave compat calls out.  The
+// kernel's in_ia32_syscall() is TS_COMPAT in the task's thread_info.status (offsets from the running
+// kernel's BTF; without them nothing is marked).  Tracked processes only: one read per syscall.
+static __always_inline long ccprof_mark_compat(long nr) {
+#ifdef CCPROF_OFF_THREAD_INFO_STATUS
+    char *task = (char *)bpf_get_current_task();
+    u32 status = 0;
+    if (bpf_probe_read_kernel(&status, sizeof(status),
+                              task + CCPROF_OFF_TASK_THREAD_INFO + CCPROF_OFF_THREAD_INFO_STATUS) == 0 &&
+        (status & CCPROF_TS_COMPAT))
+        return CCPROF_IA32_BIT | nr;
+#endif
+    return nr;
+}
+
 // One syscall entry of the current task: the user registers and the number (shared by the two
-// attach paths below).
-static __always_inline int ccprof_sys_sample(void *ctx, struct pt_regs *regs, long nr) {
+// attach paths below; `raw`, a constant per caller: from raw_syscalls, where compat calls arrive).
+static __always_inline int ccprof_sys_sample(void *ctx, struct pt_regs *regs, long nr, int raw) {
     u64 pid_tgid = bpf_get_current_pid_tgid();
     u32 tgid = pid_tgid >> 32;
     if (!tracked.lookup(&tgid))
         return 0;
+    if (raw)
+        nr = ccprof_mark_compat(nr);
     if (!ccprof_syscall_wanted(nr))
         return 0;
 #ifdef CCPROF_HOOK_SENDS_SYSCALLS
@@ -164,7 +184,7 @@ static __always_inline int ccprof_path_is(u64 path) {
 int ccprof_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
     if (!ccprof_path_is(PATH_RAW))
         return 0;
-    return ccprof_sys_sample(ctx, (struct pt_regs *)ctx->args[0], (long)ctx->args[1]);
+    return ccprof_sys_sample(ctx, (struct pt_regs *)ctx->args[0], (long)ctx->args[1], 1);
 }
 
 // A syscalls:sys_enter_<name> event (the per-syscall attach path, kbpf/syscall_entry.py, which says
@@ -178,7 +198,7 @@ static __always_inline struct pt_regs *ccprof_task_regs(void) {
 int ccprof_sys_tp(void *ctx) {
     if (!ccprof_path_is(PATH_EVENTS))
         return 0;
-    return ccprof_sys_sample(ctx, ccprof_task_regs(), (long)*(int *)((char *)ctx + SYSCALL_NR_OFFSET));
+    return ccprof_sys_sample(ctx, ccprof_task_regs(), (long)*(int *)((char *)ctx + SYSCALL_NR_OFFSET), 0);
 }
 
 static __always_inline void ccprof_send_ret(u64 pid_tgid, long nr, u64 ret) {
@@ -204,6 +224,7 @@ int ccprof_sys_exit(struct bpf_raw_tracepoint_args *ctx) {
     struct pt_regs *regs = (struct pt_regs *)ctx->args[0];
     long nr = -1;
     bpf_probe_read_kernel(&nr, sizeof(nr), &regs->orig_ax);
+    nr = ccprof_mark_compat(nr);  // as its entry was (still in the compat syscall here)
     if (!ccprof_syscall_wanted(nr))
         return 0;
     ccprof_send_ret(pid_tgid, nr, (u64)ctx->args[1]);

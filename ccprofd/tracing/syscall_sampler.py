@@ -101,20 +101,23 @@ def monotonic_to_realtime_ns(mono_ns: int) -> int:
 
 
 def exec_target_source(cache_dir: str | os.PathLike[str] | None = None) -> str:
-    """exec_target.c with the kernel struct offsets it needs (from the running kernel's BTF, cached
-    beside the compiled BPF objects, ``<cache_dir>/bpf``: like them they depend on the kernel only,
-    and the object cache key needs this text, so a fresh analysis cache with the objects kept
-    does not walk the BTF again, ~0.8 s); without BTF the offsets are left out and no exec matches
-    (processes are then found by rescans only)."""
-    from ccprofd.kbpf.btf import BTFError, exe_inode_offsets
+    """exec_target.c with the kernel struct offsets it and the raw-path compat check need (from the
+    running kernel's BTF, cached beside the compiled BPF objects, ``<cache_dir>/bpf``: like them they
+    depend on the kernel only, and the object cache key needs this text, so a fresh analysis cache
+    with the objects kept does not walk the BTF again, ~0.8 s); without BTF the offsets are left out:
+    no exec matches (processes are then found by rescans only) and compat syscalls are not marked."""
+    from ccprofd.kbpf.btf import BTFError, compat_offsets, exe_inode_offsets
     from ccprofd.kbpf.objcache import default_cache_dir
+    from ccprofd.kbpf.syscalls import compat_defines
 
     bpf_dir = cache_dir_under(cache_dir) if cache_dir is not None else default_cache_dir()
     try:
-        defines = "".join(f"#define {k} {v}\n" for k, v in exe_inode_offsets(bpf_dir).items())
+        offsets = {**exe_inode_offsets(bpf_dir), **compat_offsets(bpf_dir)}
+        defines = "".join(f"#define {k} {v}\n" for k, v in offsets.items())
     except BTFError:
         defines = ""
-    return defines + Path(__file__).with_name(EXEC_TARGET_SOURCE).read_text(encoding="utf-8")
+    own = Path(__file__).with_name(EXEC_TARGET_SOURCE).read_text(encoding="utf-8")
+    return defines + compat_defines() + own
 
 
 def sampler_source(cache_dir: str | os.PathLike[str] | None = None) -> str:

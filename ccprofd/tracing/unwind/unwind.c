@@ -2132,13 +2132,16 @@ static __always_inline void uw_enforce(u32 slot, u32 tgid, u32 tid, long nr) {
 #define UW_ENFORCE_SYS(tgid, tid, nr)
 #endif
 
-// One syscall entry (shared by the raw_syscalls:sys_enter and the per-syscall attach paths below).
-static __always_inline int uw_sys_sample(struct pt_regs *regs, long nr) {
+// One syscall entry (shared by the raw_syscalls:sys_enter and the per-syscall attach paths below;
+// `raw`, a constant per caller: compat calls arrive only there, ccprof_mark_compat).
+static __always_inline int uw_sys_sample(struct pt_regs *regs, long nr, int raw) {
     u64 pid_tgid = bpf_get_current_pid_tgid();
     u32 tgid = pid_tgid >> 32;
     struct ccprof_tracked *t = tracked.lookup(&tgid);
     if (!t || t->execs_left)
         return 0;  // not tracked, or a launcher that has not exec'd the target yet
+    if (raw)
+        nr = ccprof_mark_compat(nr);
     uw_inherit(t, tgid);
     if (uw_held.lookup(&tgid)) {
         // Running although we still hold it: a SIGCONT that was not ours -- another instance's
@@ -2160,7 +2163,7 @@ static __always_inline int uw_sys_sample(struct pt_regs *regs, long nr) {
 }
 
 int uw_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
-    return uw_sys_sample((struct pt_regs *)ctx->args[0], (long)ctx->args[1]);
+    return uw_sys_sample((struct pt_regs *)ctx->args[0], (long)ctx->args[1], 1);
 }
 
 // A syscalls:sys_enter_<name> event (per-syscall attach path; syscall_sampler.c's ccprof_sys_tp
@@ -2169,7 +2172,7 @@ int uw_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
 int uw_sys_tp(void *ctx) {
     if (!ccprof_path_is(PATH_EVENTS))
         return 0;  // detached (the events' fds may still be closing in the background)
-    return uw_sys_sample(ccprof_task_regs(), (long)*(int *)((char *)ctx + SYSCALL_NR_OFFSET));
+    return uw_sys_sample(ccprof_task_regs(), (long)*(int *)((char *)ctx + SYSCALL_NR_OFFSET), 0);
 }
 
 // CPU-clock sample of a tracked process: unwind from its user registers.  The task's pt_regs (top
