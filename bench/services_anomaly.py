@@ -15,7 +15,10 @@ read as a stream once per step for every granularity, not once per command):
 * learning curve: the model learns training mixes one at a time; after k mixes, the held-out
   mixes (other random mixes of the same service) are checked, in every granularity (``exact``,
   ``--granularity edges``, ``--granularity routines``, and ``routines-functions``: routines with
-  ``--prefix-match functions``).  A false alert is any alert on a held-out
+  ``--prefix-match functions``), and twice more as a daemon sampling only the security set
+  (bench/services.py's ``SECURITY``) would judge them: ``exact@security`` and
+  ``routines-functions@security``, a model learned from those syscalls' samples and the CPU
+  samples only, checking only those syscalls' samples.  A false alert is any alert on a held-out
   mix (``incomplete_context`` alerts included, counted apart).
 * attacks: each attack's window is checked with the model of all training mixes; the alerts whose
   frames name the attack's code (e.g. ``rdbSave``) are reported with their call chains.
@@ -56,21 +59,32 @@ from pathlib import Path
 from typing import Any
 
 from common import ROOT, machine_line
-from services import Nginx, Postgres, Redis
+from services import SECURITY, Nginx, Postgres, Redis
 
 DOCS = ROOT / "docs"
 CCPROFD = [sys.executable, "-c", "from ccprofd.cli.main import main; raise SystemExit(main())"]
 #: the ways each held-out mix is judged: a granularity, or ``routines-functions``: granularity
 #: routines with ``--prefix-match functions``
 GRANULARITIES = ("exact", "edges", "routines", "routines-functions")
+#: ... and as a daemon target with ``syscalls`` = bench/services.py's security set would see the
+#: service (the deployment whose cost issue 14's 2% target is about): a model learned from those
+#: syscalls' samples (and the CPU samples) only, judging only those syscalls' samples
+SECURITY_SUFFIX = "@security"
+JUDGINGS = (*GRANULARITIES, "exact" + SECURITY_SUFFIX, "routines-functions" + SECURITY_SUFFIX)
+SECURITY_NAMES = frozenset(SECURITY)
 
 
 def detector_options(judged: str) -> Any:
-    """The DetectorOptions of one of :data:`GRANULARITIES` (every alert counted: interval 0)."""
+    """The DetectorOptions of one of :data:`JUDGINGS` (every alert counted: interval 0)."""
     from ccprofd.anomaly.detector import DetectorOptions
 
-    granularity, _, match = judged.partition("-")
+    granularity, _, match = judged.removesuffix(SECURITY_SUFFIX).partition("-")
     return DetectorOptions(granularity=granularity, prefix_match=match or "sites", alert_interval_seconds=0)
+
+
+def in_security_set(s: dict[str, Any]) -> bool:
+    """Whether a daemon sampling the security set would have sample ``s`` (CPU samples: kept)."""
+    return s.get("event") == "cpu" or s.get("syscall") in SECURITY_NAMES
 
 
 def loadavg() -> str:
@@ -380,34 +394,46 @@ def targeted(paths: list[Path]) -> Iterator[tuple[tuple[str, str], dict[str, Any
         yield from ((only, s) for s in frameless)
 
 
-def learn(models: Any, path: Path) -> None:
+def learn(models: Any, path: Path, secure: Any = None) -> None:
     """What ``ccprofd learn --model FILE --samples PATH`` does to FILE's models: one learning run per
-    target (the same Learner), merged into ``models``."""
+    target (the same Learner), merged into ``models``; and, in the same pass, into ``secure`` from
+    the samples :func:`in_security_set` keeps (as ``learn`` would on a security-set daemon's)."""
     from ccprofd.anomaly.model import Learner, TargetModel
 
-    learners: dict[str, Learner] = {}
+    learners: dict[tuple[str, bool], Learner] = {}
     for (bid, tpath), s in targeted([path]):
-        if bid not in learners:
-            learners[bid] = Learner(TargetModel(bid, tpath))
-        learners[bid].observe(s)
-    for learner in learners.values():
-        models.target(learner.model.build_id, learner.model.path).merge(learner.model)
+        for sec in (False, True) if secure is not None and in_security_set(s) else (False,):
+            if (bid, sec) not in learners:
+                learners[(bid, sec)] = Learner(TargetModel(bid, tpath))
+            learners[(bid, sec)].observe(s)
+    for (_, sec), learner in learners.items():
+        (secure if sec else models).target(learner.model.build_id, learner.model.path).merge(learner.model)
 
 
-def detect(models: Any, paths: list[Path]) -> dict[str, list[dict[str, Any]]]:
-    """Per granularity, the alerts ``ccprofd detect --samples S --granularity G --alert-interval 0``
-    writes for the files (same Detector; the model through its file format and back; one pass)."""
+def detect(models: Any, paths: list[Path], secure: Any = None) -> dict[str, list[dict[str, Any]]]:
+    """Per judging, the alerts ``ccprofd detect --samples S --granularity G --alert-interval 0``
+    writes for the files (same Detector; the model through its file format and back; one pass):
+    :data:`GRANULARITIES` with ``models``, the security-set ones with ``secure`` on the samples
+    :func:`in_security_set` keeps (none without ``secure``)."""
     from ccprofd.anomaly.detector import Detector
-    from ccprofd.anomaly.model import ModelSet
+    from ccprofd.anomaly.model import ModelSet, TargetModel
 
     loaded = ModelSet.from_dict(json.loads(json.dumps(models.to_dict())))
+    loaded_sec = ModelSet.from_dict(json.loads(json.dumps(secure.to_dict()))) if secure is not None else None
+    judgings = JUDGINGS if secure is not None else GRANULARITIES
     detectors: dict[tuple[str, str], Detector] = {}
-    out: dict[str, list[dict[str, Any]]] = {g: [] for g in GRANULARITIES}
-    for (bid, _), s in targeted(paths):
-        for g in GRANULARITIES:
+    out: dict[str, list[dict[str, Any]]] = {g: [] for g in judgings}
+    for (bid, tpath), s in targeted(paths):
+        sec_sample = in_security_set(s)
+        for g in judgings:
+            sec = g.endswith(SECURITY_SUFFIX)
+            if sec and not sec_sample:
+                continue
             det = detectors.get((bid, g))
-            if det is None:
-                det = detectors[(bid, g)] = Detector(loaded.targets[bid], detector_options(g))
+            if det is None:  # (a security-set model may have learned nothing of a target: empty)
+                src = loaded_sec if sec and loaded_sec is not None else loaded
+                model = src.targets.get(bid) or TargetModel(bid, tpath)
+                det = detectors[(bid, g)] = Detector(model, detector_options(g))
             out[g] += [json.loads(a.to_json()) for a in det.check(s)]
     return out
 
@@ -532,14 +558,15 @@ def judge(name: str, windows: list[Window], attack_windows: list[tuple[Window, t
     (work / name).mkdir(parents=True, exist_ok=True)
     train, held = windows[:n_train], windows[n_train:]
     held_files = [w.file() for w in held]  # one detect per step; alerts told apart by time
-    model = ModelSet()
+    model, secure = ModelSet(), ModelSet()
     curve: list[dict[str, Any]] = []
-    residual: dict[str, dict[tuple[str, str, str], int]] = {g: {} for g in GRANULARITIES}
+    residual: dict[str, dict[tuple[str, str, str], int]] = {g: {} for g in JUDGINGS}
     for k, w in enumerate(train, start=1):
-        learn(model, w.file())
-        row: dict[str, Any] = {"k": k, "contexts": sum(len(t.contexts) for t in model.targets.values())}
-        alerts = detect(model, held_files)
-        for g in GRANULARITIES:
+        learn(model, w.file(), secure)
+        row: dict[str, Any] = {"k": k, "contexts": sum(len(t.contexts) for t in model.targets.values()),
+                               "contexts_security": sum(len(t.contexts) for t in secure.targets.values())}
+        alerts = detect(model, held_files, secure)
+        for g in JUDGINGS:
             every = alerts[g]
             found = [[a for a in every if w.start_ns <= a["time_ns"] <= w.end_ns] for w in held]
             assert sum(map(len, found)) == len(every), "an alert outside every held-out window"
@@ -554,8 +581,8 @@ def judge(name: str, windows: list[Window], attack_windows: list[tuple[Window, t
         print(f"{name} k={k}: {row}", file=sys.stderr, flush=True)
     attacked: list[dict[str, Any]] = []
     for w, names in attack_windows:
-        alerts = detect(model, [w.file()])
-        for g in GRANULARITIES:
+        alerts = detect(model, [w.file()], secure)
+        for g in JUDGINGS:
             found = alerts[g]
             hits = [a for a in found if names_any(a, names)]
             attacked.append({"attack": w.name, "what": w.what, "granularity": g, "alerts": len(found),
@@ -575,7 +602,8 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.8), squeeze=False)
     for ax, r in zip(axes[0], results, strict=True):
         ks = [row["k"] for row in r["curve"]]
-        styles = (("exact", "o-"), ("edges", "D--"), ("routines", "s:"), ("routines-functions", "^-."))
+        styles = (("exact", "o-"), ("edges", "D--"), ("routines", "s:"), ("routines-functions", "^-."),
+                  ("exact@security", "v-"), ("routines-functions@security", "x--"))
         for g, style in styles:
             if f"mixes_{g}" not in r["curve"][0]:
                 continue
@@ -616,7 +644,10 @@ def markdown(results: list[dict[str, Any]], opts: argparse.Namespace, load: str)
              "time into one file per mix, judged as `ccprofd learn --samples` and `ccprofd detect "
              "--samples --alert-interval 0` judge them (the same Learner and Detector, in the bench's "
              "process) in each granularity (`exact`, `edges`, `routines`, and `routines-functions`: "
-             "`routines` with `--prefix-match functions`; see docs/anomaly.md). A false alert is any "
+             "`routines` with `--prefix-match functions`; see docs/anomaly.md), and as a daemon sampling "
+             f"only the security set ({', '.join(SECURITY)}) would judge them: `exact@security` and "
+             "`routines-functions@security`, a model learned from those syscalls' samples and the CPU "
+             "samples only, checking only those syscalls' samples. A false alert is any "
              "alert on a held-out mix (another random mix of the same service); `incomplete_context` alerts "
              "(the unwinder could not finish a chain) count too and are shown apart. The training mixes, "
              "together, ask for every request of the service's vocabulary at least once (redis' tests "
@@ -627,7 +658,7 @@ def markdown(results: list[dict[str, Any]], opts: argparse.Namespace, load: str)
              "![services learning curves](services-anomaly-learning-curve.png)", ""]
     for r in results:
         last = r["curve"][-1]
-        grans = [g for g in GRANULARITIES if f"mixes_{g}" in last]
+        grans = [g for g in JUDGINGS if f"mixes_{g}" in last]
         judged = f" Judged again from the kept samples on {r['judged']}." if r.get("judged") else ""
         attach = f"{r['attach_s']:.0f} s" if r.get("attach_s") is not None else "? s, not recorded"
         cpu = (f" CPU samples at {r['sample_hz']} Hz too (counted in each mix's samples; learning adds "
