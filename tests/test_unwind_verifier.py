@@ -85,4 +85,5 @@ def test_the_flight_recorder_adds_little_verification(shape: tuple[int, int, int
             counts[length] = s.verified_insns()["uw_sys_enter"]
     if not counts[0]:
         skip_or_fail("kernel does not report verified_insns (before 5.16)")
-    assert counts[0] < counts[256] < counts[0] * 1.1, counts
+    # (not strictly more: state pruning may even save a few, 64,796 without and 64,785 with it once)
+    assert counts[0] * 0.95 < counts[256] < counts[0] * 1.1, counts
