@@ -112,6 +112,16 @@ def load_bias(pid: int, binary: Path) -> int:
     raise AssertionError(f"{binary} not mapped in {pid}")
 
 
+#: The start of main in the C programs :func:`run_released` drives: n from argv[1], then "ready" and
+#: the wait for the release byte (before it the program makes no syscall worth sampling).
+WAIT_FOR_RELEASE = r"""    long n = atol(argv[1]);
+    char c;
+    write(1, "ready\n", 6);
+    if (read(0, &c, 1) != 1)
+        return 1;
+"""
+
+
 def run_released(s: UnwindSampler, argv: list[str],
                  on_ready: Callable[[int], None] | None = None) -> tuple[list[UnwoundSample], int]:
     """Run ``argv`` (a program that prints ``ready`` and waits for one byte on stdin), track it once

@@ -18,7 +18,15 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from bpf_helpers import between_phases, compile_c, drain, load_bias, nm_functions, run_released
+from bpf_helpers import (
+    WAIT_FOR_RELEASE,
+    between_phases,
+    compile_c,
+    drain,
+    load_bias,
+    nm_functions,
+    run_released,
+)
 
 from ccprofd.tracing.unwind.sampler import UnwindSampler, UnwoundSample
 
@@ -251,12 +259,7 @@ NOI long leaf(long nr) {
 NOI long mid(long nr) { long r = leaf(nr); asm volatile("" ::: "memory"); return r + 1; }
 
 int main(int argc, char **argv) {
-    long n = atol(argv[1]);
-    char c;
-    write(1, "ready\n", 6);
-    if (read(0, &c, 1) != 1)
-        return 1;
-    for (long i = 0; i < n; i++) {
+""" + WAIT_FOR_RELEASE + r"""    for (long i = 0; i < n; i++) {
         mid(((i >> 1) & 1) ? SYS_getppid : SYS_write);
         if (write(-1, "", 0) != -1)
             return 1;
