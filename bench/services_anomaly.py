@@ -599,7 +599,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 3.8), squeeze=False)
+    fig, axes = plt.subplots(1, len(results), figsize=(4.2 * len(results), 4.4), squeeze=False)
     for ax, r in zip(axes[0], results, strict=True):
         ks = [row["k"] for row in r["curve"]]
         styles = (("exact", "o-"), ("edges", "D--"), ("routines", "s:"), ("routines-functions", "^-."),
@@ -614,8 +614,10 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         ax.set_ylabel("false alerts (% of held-out mixes)")
         ax.set_ylim(-3, 103)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+    # one legend for all panels, below them: inside a panel it covered the curves (six judgings)
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=3, fontsize=8)
+    fig.tight_layout(rect=(0, 0.14, 1, 1))
     fig.savefig(path, dpi=100)
 
 
