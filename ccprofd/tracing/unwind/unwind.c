@@ -1484,6 +1484,23 @@ static __always_inline void uw_aggregate(struct uw_state *st, void *arena_cb) {
 }
 
 #ifdef UE_ENABLED
+// Count this sample at the counts entry under key (h1, h2) that its context was verified at (arena
+// offset `off`, `alen` words), while that entry is still the one verified: 1, with the sample's
+// context hash and length set as the encoding path would have made them; 0 when the entry is gone
+// or another one (userspace cleared the counts), for the caller to verify afresh.  The chain cache
+// (uw_kc_hit) and the memo ways (uw_way_hit) count through it.
+static __always_inline int uw_count_at(struct uw_state *st, u64 h1, u64 h2, u64 off, u32 alen) {
+    struct uw_key key = {h1, h2};
+    struct uw_count *c = uw_counts.lookup(&key);
+    if (!c || c->arena_off != off || c->len != alen || c->nr != st->s.nr || c->reason != st->s.reason)
+        return 0;
+    __sync_fetch_and_add(&c->count, 1);
+    st->s.h1 = h1;
+    st->s.h2 = h2;
+    st->alen = alen;
+    return 1;
+}
+
 // A syscall sample whose chain is one of the slot's recent ones (struct uw_kc), when aggregating:
 // count it at the entry that chain's context was verified at and return 1, or return 0 to take
 // the encoding path.
@@ -1510,16 +1527,8 @@ static __always_inline int uw_kc_hit(struct uw_state *st) {
 #pragma unroll
     for (u32 i = 0; i < UW_KC_DEPTH; i++)
         diff |= (i < n) ? (k->pcs[i] ^ st->s.pcs[i & (UW_MAX_DEPTH - 1)]) : 0;
-    if (diff)
+    if (diff || !uw_count_at(st, k->kh1, k->kh2, k->off, k->alen))
         return 0;
-    struct uw_key key = {k->kh1, k->kh2};
-    struct uw_count *c = uw_counts.lookup(&key);
-    if (!c || c->arena_off != k->off || c->len != k->alen || c->nr != st->s.nr || c->reason != st->s.reason)
-        return 0;  // the entry is gone or another one (userspace cleared the counts): verify afresh
-    __sync_fetch_and_add(&c->count, 1);
-    st->s.h1 = k->kh1;  // the context hash, as the encoding path would have made it
-    st->s.h2 = k->kh2;
-    st->alen = k->alen;
     st->kc_off = k->off;
     return 1;
 }
@@ -1533,15 +1542,7 @@ static __always_inline int uw_way_hit(struct uw_state *st) {
     if (!st->m_whole || !st->m.k_ok || st->m.k_nr != st->s.nr || st->s.reason != 0 || st->gen == 0 ||
         st->gen_mixed)
         return 0;
-    struct uw_key key = {st->m.kh1, st->m.kh2};
-    struct uw_count *c = uw_counts.lookup(&key);
-    if (!c || c->arena_off != st->m.k_off || c->len != st->m.k_alen || c->nr != st->s.nr || c->reason != 0)
-        return 0;  // the entry is gone or another one (userspace cleared the counts): look further
-    __sync_fetch_and_add(&c->count, 1);
-    st->s.h1 = key.h1;
-    st->s.h2 = key.h2;
-    st->alen = st->m.k_alen;
-    return 1;
+    return uw_count_at(st, st->m.kh1, st->m.kh2, st->m.k_off, st->m.k_alen);
 }
 
 // This sample's context is the arena's at `off` under key (h1, h2): the way that holds its chain
