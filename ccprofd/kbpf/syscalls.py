@@ -39,10 +39,9 @@ _FALLBACK = {
 }
 
 
-@functools.cache
-def syscall_numbers() -> dict[str, int]:
-    """name -> number."""
-    for path in HEADERS:
+def _read_header(paths: tuple[str, ...]) -> dict[str, int]:
+    """name -> number from the first of ``paths`` that defines any ``__NR_<name>`` (empty: none)."""
+    for path in paths:
         try:
             with open(path, encoding="ascii", errors="replace") as fh:
                 table = {m.group(1): int(m.group(2)) for line in fh if (m := _DEFINE.match(line))}
@@ -50,7 +49,13 @@ def syscall_numbers() -> dict[str, int]:
             continue
         if table:
             return table
-    return dict(_FALLBACK)
+    return {}
+
+
+@functools.cache
+def syscall_numbers() -> dict[str, int]:
+    """name -> number."""
+    return _read_header(HEADERS) or dict(_FALLBACK)
 
 
 @functools.cache
@@ -62,15 +67,7 @@ def syscall_table() -> dict[int, str]:
 @functools.cache
 def ia32_syscall_table() -> dict[int, str]:
     """ia32 number -> name, from ``asm/unistd_32.h`` (empty without it: ``ia32:syscall_N``)."""
-    for path in HEADERS_IA32:
-        try:
-            with open(path, encoding="ascii", errors="replace") as fh:
-                table = {int(m.group(2)): m.group(1) for line in fh if (m := _DEFINE.match(line))}
-        except OSError:
-            continue
-        if table:
-            return table
-    return {}
+    return {nr: name for name, nr in _read_header(HEADERS_IA32).items()}
 
 
 @functools.cache
