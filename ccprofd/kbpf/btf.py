@@ -165,35 +165,35 @@ SIGALTSTACK_NAMES = ("CCPROF_OFF_TASK_SAS_SS_SP", "CCPROF_OFF_TASK_SAS_SS_SIZE")
 COMPAT_FIELDS = (("task_struct", "thread_info"), ("thread_info", "status"))
 COMPAT_NAMES = ("CCPROF_OFF_TASK_THREAD_INFO", "CCPROF_OFF_THREAD_INFO_STATUS")
 
+#: Everything the shared sampler's text reads (exec_target.c's inode chain, syscall_sampler.c's
+#: compat flag), kept as one cache entry: a start reads and hashes the BTF blob once for both.
+SAMPLER_NAMES = EXE_INODE_NAMES + COMPAT_NAMES
+SAMPLER_FIELDS = EXE_INODE_CHAIN + COMPAT_FIELDS
+
+
+def sampler_offsets(cache_dir: str | os.PathLike[str] | None = None) -> dict[str, int]:
+    """``#define`` values for reading the current executable's inode number and the current task's
+    thread_info.status in BPF: from the analysis cache under ``cache_dir`` (default: the user's
+    cache directory) when this very BTF blob was parsed before, else parsed and stored.  A damaged
+    entry is parsed again."""
+    return dict(_cached_offsets(os.fspath(cache_dir) if cache_dir is not None else None))
+
 
 def exe_inode_offsets(cache_dir: str | os.PathLike[str] | None = None) -> dict[str, int]:
-    """``#define`` values for reading the current executable's inode number in BPF: from the
-    analysis cache under ``cache_dir`` (default: the user's cache directory) when this very BTF blob
-    was parsed before, else parsed and stored.  A damaged entry is parsed again."""
-    return dict(_cached_offsets(os.fspath(cache_dir) if cache_dir is not None else None))
+    """The inode chain's part of :func:`sampler_offsets`."""
+    return {n: v for n, v in sampler_offsets(cache_dir).items() if n in EXE_INODE_NAMES}
 
 
 def sigaltstack_offsets(cache_dir: str | os.PathLike[str] | None = None) -> dict[str, int]:
     """``#define`` values for reading the current task's sigaltstack range in BPF (cached as
-    :func:`exe_inode_offsets` is, under an identity of its own)."""
+    :func:`sampler_offsets` are, under an identity of its own)."""
     return dict(_cached_sas_offsets(os.fspath(cache_dir) if cache_dir is not None else None))
-
-
-def compat_offsets(cache_dir: str | os.PathLike[str] | None = None) -> dict[str, int]:
-    """``#define`` values for reading the current task's thread_info.status in BPF (cached as
-    :func:`exe_inode_offsets` is, under an identity of its own)."""
-    return dict(_cached_compat_offsets(os.fspath(cache_dir) if cache_dir is not None else None))
-
-
-@lru_cache(maxsize=4)
-def _cached_compat_offsets(cache_dir: str | None) -> tuple[tuple[str, int], ...]:
-    return tuple(offsets_via_cache(_read_vmlinux(), cache_dir, COMPAT_NAMES, COMPAT_FIELDS,
-                                   "-compat").items())
 
 
 @lru_cache(maxsize=4)
 def _cached_offsets(cache_dir: str | None) -> tuple[tuple[str, int], ...]:
-    return tuple(offsets_via_cache(_read_vmlinux(), cache_dir).items())
+    return tuple(offsets_via_cache(_read_vmlinux(), cache_dir, SAMPLER_NAMES, SAMPLER_FIELDS,
+                                   "-sampler").items())
 
 
 @lru_cache(maxsize=4)

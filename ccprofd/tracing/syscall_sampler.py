@@ -106,14 +106,13 @@ def exec_target_source(cache_dir: str | os.PathLike[str] | None = None) -> str:
     depend on the kernel only, and the object cache key needs this text, so a fresh analysis cache
     with the objects kept does not walk the BTF again, ~0.8 s); without BTF the offsets are left out:
     no exec matches (processes are then found by rescans only) and compat syscalls are not marked."""
-    from ccprofd.kbpf.btf import BTFError, compat_offsets, exe_inode_offsets
+    from ccprofd.kbpf.btf import BTFError, sampler_offsets
     from ccprofd.kbpf.objcache import default_cache_dir
     from ccprofd.kbpf.syscalls import compat_defines
 
     bpf_dir = cache_dir_under(cache_dir) if cache_dir is not None else default_cache_dir()
     try:
-        offsets = {**exe_inode_offsets(bpf_dir), **compat_offsets(bpf_dir)}
-        defines = "".join(f"#define {k} {v}\n" for k, v in offsets.items())
+        defines = "".join(f"#define {k} {v}\n" for k, v in sampler_offsets(bpf_dir).items())
     except BTFError:
         defines = ""
     own = Path(__file__).with_name(EXEC_TARGET_SOURCE).read_text(encoding="utf-8")
