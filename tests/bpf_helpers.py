@@ -112,6 +112,22 @@ def load_bias(pid: int, binary: Path) -> int:
     raise AssertionError(f"{binary} not mapped in {pid}")
 
 
+def encoded_sampler(binary: str | Path, cache_dir: Path, syscalls: list[int]) -> UnwindSampler:
+    """An unwind sampler of ``syscalls`` that encodes and aggregates in the kernel, as ``trace`` and
+    the daemon run it, with ``binary``'s Valence unwind encoding (analysed under ``cache_dir``); for
+    a ``with`` block."""
+    from ccprofd.callgraph import analyze_binary
+    from ccprofd.encode import get_plan
+    from ccprofd.persist.cache import AnalysisCache
+    from ccprofd.tracing.unwind.plan import cached_unwind_encoding
+    from ccprofd.tracing.unwind.sampler import UnwindSampler
+
+    graph = analyze_binary(str(binary), cache_dir=cache_dir)
+    plan = get_plan(graph, "valence", cache_dir=cache_dir)
+    enc = cached_unwind_encoding(graph, plan, AnalysisCache(cache_dir))
+    return UnwindSampler(syscalls=syscalls, aggregate=True, encoding=enc, cache=AnalysisCache(cache_dir))
+
+
 #: The start of main in the C programs :func:`run_released` drives: n from argv[1], then "ready" and
 #: the wait for the release byte (before it the program makes no syscall worth sampling).
 WAIT_FOR_RELEASE = r"""    long n = atol(argv[1]);

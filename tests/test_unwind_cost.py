@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from bpf_helpers import between_phases, drain, run_released
+from bpf_helpers import between_phases, drain, encoded_sampler, run_released
 
 from ccprofd.tracing.unwind.sampler import UnwindSampler, UnwoundSample
 
@@ -106,16 +106,8 @@ def test_encoding_pass_searches_a_bucket_of_functions(tmp_path: Path) -> None:
     first sample only."""
     from conftest import require_bpf
 
-    from ccprofd.callgraph import analyze_binary
-    from ccprofd.encode import get_plan
-    from ccprofd.persist.cache import AnalysisCache
-    from ccprofd.tracing.unwind.plan import cached_unwind_encoding
-
     require_bpf()
-    graph = analyze_binary(PYTHON, cache_dir=tmp_path)
-    plan = get_plan(graph, "valence", cache_dir=tmp_path)
-    enc = cached_unwind_encoding(graph, plan, AnalysisCache(tmp_path))
-    with UnwindSampler(syscalls=[NR_WRITE], aggregate=True, encoding=enc, cache=AnalysisCache(tmp_path)) as s:
+    with encoded_sampler(PYTHON, tmp_path, [NR_WRITE]) as s:
         s.attach()
         s.set_memo("off")  # the encoding pass's own searches, over every frame
         before = s.stats()

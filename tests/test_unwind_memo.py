@@ -23,6 +23,7 @@ from bpf_helpers import (
     between_phases,
     compile_c,
     drain,
+    encoded_sampler,
     load_bias,
     nm_functions,
     run_released,
@@ -169,16 +170,8 @@ def test_encoded_contexts_of_alternating_paths_stay_apart(program: Path, tmp_pat
     they came."""
     from conftest import require_bpf
 
-    from ccprofd.callgraph import analyze_binary
-    from ccprofd.encode import get_plan
-    from ccprofd.persist.cache import AnalysisCache
-    from ccprofd.tracing.unwind.plan import cached_unwind_encoding
-
     require_bpf()
-    graph = analyze_binary(str(program), cache_dir=tmp_path)
-    plan = get_plan(graph, "valence", cache_dir=tmp_path)
-    enc = cached_unwind_encoding(graph, plan, AnalysisCache(tmp_path))
-    with UnwindSampler(syscalls=[NR_WRITE], aggregate=True, encoding=enc, cache=AnalysisCache(tmp_path)) as s:
+    with encoded_sampler(program, tmp_path, [NR_WRITE]) as s:
         s.attach()
         before = s.stats()
         run(s, program)
@@ -214,18 +207,10 @@ def test_chain_cache_counts_only_at_the_entry_it_verified(tmp_path: Path) -> Non
     N/2 each, none counted at (or lost with) the entries that are gone."""
     from conftest import require_bpf
 
-    from ccprofd.callgraph import analyze_binary
-    from ccprofd.encode import get_plan
-    from ccprofd.persist.cache import AnalysisCache
-    from ccprofd.tracing.unwind.plan import cached_unwind_encoding
-
     require_bpf()
     assert PHASES_SOURCE != SOURCE
     binary = compile_c(tmp_path, "phases", PHASES_SOURCE, "-O1", "-fno-omit-frame-pointer", "-fno-inline")
-    graph = analyze_binary(str(binary), cache_dir=tmp_path)
-    plan = get_plan(graph, "valence", cache_dir=tmp_path)
-    enc = cached_unwind_encoding(graph, plan, AnalysisCache(tmp_path))
-    with UnwindSampler(syscalls=[NR_WRITE], aggregate=True, encoding=enc, cache=AnalysisCache(tmp_path)) as s:
+    with encoded_sampler(binary, tmp_path, [NR_WRITE]) as s:
         s.attach()
         with between_phases(s, [str(binary), str(N)]) as p:
             drain(s, p.pid)
@@ -277,20 +262,11 @@ def test_a_memo_way_counts_only_the_syscall_it_verified(tmp_path: Path) -> None:
     N; the repeats counted by their ways."""
     from conftest import require_bpf
 
-    from ccprofd.callgraph import analyze_binary
-    from ccprofd.encode import get_plan
-    from ccprofd.persist.cache import AnalysisCache
-    from ccprofd.tracing.unwind.plan import cached_unwind_encoding
-
     require_bpf()
     nr_getppid = 110
     binary = compile_c(tmp_path, "two_calls", TWO_CALLS_SOURCE, "-O1", "-fno-omit-frame-pointer",
                        "-fno-inline")
-    graph = analyze_binary(str(binary), cache_dir=tmp_path)
-    plan = get_plan(graph, "valence", cache_dir=tmp_path)
-    enc = cached_unwind_encoding(graph, plan, AnalysisCache(tmp_path))
-    with UnwindSampler(syscalls=[NR_WRITE, nr_getppid], aggregate=True, encoding=enc,
-                       cache=AnalysisCache(tmp_path)) as s:
+    with encoded_sampler(binary, tmp_path, [NR_WRITE, nr_getppid]) as s:
         s.attach()
         before = s.stats()
         run_released(s, [str(binary), str(N)], lambda pid: None)
