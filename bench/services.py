@@ -255,7 +255,9 @@ class Postgres:
         self.proc = subprocess.Popen(
             [self.binary, "-D", str(self.dir / "data"), "-p", str(self.port), "-k", str(self.dir),
              "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off", "-c", "synchronous_commit=off",
-             "-c", "full_page_writes=off", "-c", "max_connections=50"],
+             "-c", "full_page_writes=off", "-c", "max_connections=50",
+             # epoch times in the log: checkpoints() places the checkpoints in a bench's windows
+             "-c", "log_line_prefix=%n [%p] ", "-c", "log_checkpoints=on"],
             stdout=self.log, stderr=subprocess.STDOUT, cwd=self.dir, **self.user)  # type: ignore[arg-type]
         wait_for(self._answers, timeout=60, interval=0.2)
         self.pgbench(["-i", "-s", "2", "-q"])
@@ -268,6 +270,14 @@ class Postgres:
     def pgbench(self, args: list[str]) -> str:
         return subprocess.run(["pgbench", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", *args,
                                "postgres"], capture_output=True, text=True, check=True, cwd=self.dir).stdout
+
+    def checkpoints(self) -> list[int]:
+        """When each checkpoint the server logged so far ended (epoch ns): a checkpoint's last steps
+        (WAL segments removed or recycled, commit-log and subtransaction segments truncated, files
+        fsynced) run then, once per cycle (``checkpoint_timeout``, 5 min by default)."""
+        return [int(float(line.split()[0]) * 1e9)
+                for line in (self.dir / "postgres.log").read_text(errors="replace").splitlines()
+                if "checkpoint complete:" in line and line[:1].isdigit()]
 
     def version(self) -> str:
         # "postgres (PostgreSQL) 15.18 (Debian 15.18-0+deb12u1)"
