@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from bpf_helpers import between_phases, drain, encoded_sampler, run_released
+from bpf_helpers import WAIT_FOR_RELEASE, between_phases, drain, encoded_sampler, run_released
 
 from ccprofd.tracing.unwind.sampler import UnwindSampler, UnwoundSample
 
@@ -124,12 +124,7 @@ PHASES_SOURCE = r"""
 #include <unistd.h>
 #include <sys/syscall.h>
 int main(int argc, char **argv) {
-    long n = atol(argv[1]);
-    char c;
-    write(1, "ready\n", 6);
-    if (read(0, &c, 1) != 1)
-        return 1;
-    for (long i = 0; i < 2 * n; i++) {
+""" + WAIT_FOR_RELEASE + r"""    for (long i = 0; i < 2 * n; i++) {
         if (i == n) {  /* between the phases: wait while the test replaces the mappings */
             write(1, "mid\n", 4);
             if (read(0, &c, 1) != 1)

@@ -54,12 +54,7 @@ NOI long A(long i) { long r = mid(i); asm volatile("" ::: "memory"); return r + 
 NOI long B(long i) { long r = mid(i); asm volatile("" ::: "memory"); return r + 2; }
 
 int main(int argc, char **argv) {
-    long n = atol(argv[1]);
-    char c;
-    write(1, "ready\n", 6);
-    if (read(0, &c, 1) != 1)
-        return 1;
-    for (long i = 0; i < n; i++) {
+""" + WAIT_FOR_RELEASE + r"""    for (long i = 0; i < n; i++) {
         if ((i >> 1) & 1)  /* A A B B A A ...: repeated stacks and changed ones */
             B(i);
         else
