@@ -644,7 +644,15 @@ NOTES = {"nginx": (
     "index module's strings `open index \"%V\"` and `\"%s\" is not found`). Its alerts are the "
     "attack: `newfstatat` of `private/index.html` through `ngx_http_core_content_phase > sub_b24c0 > "
     "ngx_open_cached_file` (the file does not exist, so nginx never opens it) and the error log "
-    "`write` of the 403 (`ngx_log_error_core` from `ngx_http_core_content_phase`).")}
+    "`write` of the 403 (`ngx_log_error_core` from `ngx_http_core_content_phase`)."),
+    "postgres": (
+    "A checkpoint's last steps depend on what happened since the previous one started, not on the "
+    "mix it ends in. One of them is the `unlink` in `SyncPostCheckpoint`: every pgbench run without "
+    "`-n` starts with `TRUNCATE pgbench_history` (a new file for the table), and the next checkpoint "
+    "to end unlinks the old one. Checked with `strace -e unlink -p CHECKPOINTER` around `pgbench -T 2` "
+    "and a `CHECKPOINT` (2026-11-27): one `base/5/NNNNN` unlink after each pgbench run of any script, "
+    "none with `-n`. A training period learns that path only if a checkpoint ends in it after a "
+    "pgbench run that started after that checkpoint's own start.")}
 
 
 def markdown(results: list[dict[str, Any]], opts: argparse.Namespace, load: str) -> str:
