@@ -648,11 +648,11 @@ NOTES = {"nginx": (
     "postgres": (
     "A checkpoint's last steps depend on what happened since the previous one started, not on the "
     "mix it ends in. One of them is the `unlink` in `SyncPostCheckpoint`: every pgbench run without "
-    "`-n` starts with `TRUNCATE pgbench_history` (a new file for the table), and the next checkpoint "
-    "to end unlinks the old one. Checked with `strace -e unlink -p CHECKPOINTER` around `pgbench -T 2` "
-    "and a `CHECKPOINT` (2026-11-27): one `base/5/NNNNN` unlink after each pgbench run of any script, "
-    "none with `-n`. A training period learns that path only if a checkpoint ends in it after a "
-    "pgbench run that started after that checkpoint's own start.")}
+    "`-n` starts with `TRUNCATE pgbench_history` (a new file for the table), and the first checkpoint "
+    "to start after it unlinks the old file when it ends. Checked with `strace -e unlink -p CHECKPOINTER` "
+    "around `pgbench -T 2` and a `CHECKPOINT` (2026-11-27): one `base/5/NNNNN` unlink after each pgbench "
+    "run of any script, none with `-n`. A training period learns that path only if a checkpoint ends in "
+    "it that started after a pgbench run.")}
 
 
 def markdown(results: list[dict[str, Any]], opts: argparse.Namespace, load: str) -> str:
