@@ -271,13 +271,14 @@ class Postgres:
         return subprocess.run(["pgbench", "-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", *args,
                                "postgres"], capture_output=True, text=True, check=True, cwd=self.dir).stdout
 
-    def checkpoints(self) -> list[int]:
-        """When each checkpoint the server logged so far ended (epoch ns): a checkpoint's last steps
-        (WAL segments removed or recycled, commit-log and subtransaction segments truncated, files
-        fsynced) run then, once per cycle (``checkpoint_timeout``, 5 min by default)."""
+    def checkpoints(self, what: str = "complete") -> list[int]:
+        """When each checkpoint the server logged so far ended (epoch ns; ``what="starting"``: began).
+        A checkpoint's last steps (WAL segments removed or recycled, commit-log and subtransaction
+        segments truncated, files of truncated or dropped relations unlinked) run when it ends, once
+        per cycle (``checkpoint_timeout``, 5 min by default), on what happened before it began."""
         return [int(float(line.split()[0]) * 1e9)
                 for line in (self.dir / "postgres.log").read_text(errors="replace").splitlines()
-                if "checkpoint complete:" in line and line[:1].isdigit()]
+                if f"checkpoint {what}:" in line and line[:1].isdigit()]
 
     def version(self) -> str:
         # "postgres (PostgreSQL) 15.18 (Debian 15.18-0+deb12u1)"

@@ -511,6 +511,7 @@ def run_service(name: str, opts: argparse.Namespace, work: Path) -> dict[str, An
         trace_err = tracer.stop()
         version = svc.version()
         ended = svc.checkpoints() if cls is Postgres else None
+        began = svc.checkpoints("starting") if cls is Postgres else []
     finally:
         svc.stop()
     kept = Path(opts.keep_samples) / name if opts.keep_samples else None
@@ -523,6 +524,8 @@ def run_service(name: str, opts: argparse.Namespace, work: Path) -> dict[str, An
         meta["warmup_s"] = opts.pg_warmup
         meta["checkpoints_before"] = sum(1 for t in ended if t < windows[0].start_ns)
         meta["checkpoints_per_mix"] = [sum(1 for t in ended if w.start_ns <= t <= w.end_ns) for w in windows]
+        meta["checkpoint_starts_per_mix"] = [sum(1 for t in began if w.start_ns <= t <= w.end_ns)
+                                             for w in windows]
     if kept is not None:  # every window's samples are split there: what judging again offline needs
         (kept / "windows.json").write_text(json.dumps(
             [{"name": w.name, "what": w.what, "start_ns": w.start_ns, "end_ns": w.end_ns,
@@ -695,12 +698,14 @@ def markdown(results: list[dict[str, Any]], opts: argparse.Namespace, load: str)
                   f"{attach}):",
                   ""]
         ended = r.get("checkpoints_per_mix")
+        began = r.get("checkpoint_starts_per_mix")  # (not recorded before 2026-11-27 01:20)
         if ended is not None:
             lines[-2:-2] = [f"The server ran {r.get('warmup_s', 0)} s of untraced pgbench before the attach; "
                             f"{r['checkpoints_before']} checkpoint(s) ended before the first mix (from the "
                             "server's log; each mix says how many ended in its window).", ""]
         lines += [f"* {n}{' (held-out)' if i >= r['train'] else ''}: {what} — {count:,} samples"
                   + (f", {lost:,} lost by the tracer (ring full)" if lost else "")
+                  + (f"; {began[i]} checkpoint(s) started" if began is not None else "")
                   + (f"; {ended[i]} checkpoint(s) ended" if ended is not None else "")
                   for i, (n, what, count, lost) in enumerate(r["mixes"])]
         lines += ["", "| training mixes | contexts | "
