@@ -276,9 +276,12 @@ class Postgres:
         A checkpoint's last steps (WAL segments removed or recycled, commit-log and subtransaction
         segments truncated, files of truncated or dropped relations unlinked) run when it ends, once
         per cycle (``checkpoint_timeout``, 5 min by default), on what happened before it began."""
-        return [int(float(line.split()[0]) * 1e9)
-                for line in (self.dir / "postgres.log").read_text(errors="replace").splitlines()
-                if f"checkpoint {what}:" in line and line[:1].isdigit()]
+        out = []
+        for line in (self.dir / "postgres.log").read_text(errors="replace").splitlines():
+            if f"checkpoint {what}:" in line and line[:1].isdigit():
+                sec, _, ms = line.split()[0].partition(".")  # %n: "1795737506.797" (exact, not a float)
+                out.append(int(sec) * 10**9 + int(ms.ljust(9, "0")[:9]))
+        return out
 
     def version(self) -> str:
         # "postgres (PostgreSQL) 15.18 (Debian 15.18-0+deb12u1)"

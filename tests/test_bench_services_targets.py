@@ -58,3 +58,19 @@ def test_postgres_work_is_its_transaction_rate_times_the_duration() -> None:
     tests = {"a": {"rps": 100.0, "p50": 1, "p99": 2}, "b": {"rps": 50.0, "p50": 1, "p99": 2}}
     assert services.work_units("postgres", tests, 0, 10) == 1500
     assert services.work_units("redis", tests, 1000, 10) == 2000  # a fixed count per test
+
+
+def test_postgres_checkpoint_times_come_from_its_log(tmp_path: Path) -> None:
+    # the server logs with log_line_prefix "%n [%p] " (epoch seconds, milliseconds); other lines,
+    # continuation lines (no timestamp) and other checkpoint messages are not a checkpoint's end
+    pg = object.__new__(services.Postgres)  # no server: only the log is read
+    pg.dir = tmp_path
+    (tmp_path / "postgres.log").write_text(
+        "1795737506.560 [14720] LOG:  database system is ready to accept connections\n"
+        "1795737506.797 [14722] LOG:  checkpoint starting: time\n"
+        "1795737506.806 [14722] LOG:  checkpoint complete: wrote 2115 buffers (12.9%); 0 WAL file(s) added\n"
+        "\tcheckpoint complete: (a continuation line of another message)\n"
+        "1795737807.010 [14722] LOG:  checkpoint starting: immediate force wait\n"
+        "1795737807.5 [14722] LOG:  checkpoint complete: wrote 3 buffers\n")
+    assert pg.checkpoints() == [1_795_737_506_806_000_000, 1_795_737_807_500_000_000]
+    assert pg.checkpoints("starting") == [1_795_737_506_797_000_000, 1_795_737_807_010_000_000]
