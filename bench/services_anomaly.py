@@ -328,6 +328,11 @@ PG_RATE = 0
 PG_WARMUP = 0
 
 
+def pg_rate_args() -> list[str]:
+    """pgbench's ``-R PG_RATE``, or nothing at PG_RATE 0 (as fast as it can)."""
+    return ["-R", str(PG_RATE)] if PG_RATE else []
+
+
 def postgres_mix(svc: Postgres, rng: random.Random, must: list[tuple[str, Any]]
                  ) -> tuple[str, Callable[[], None]]:
     scripts = with_required([rng.choice(PG_SCRIPTS)] if not any(k == "script" for k, _ in must) else [],
@@ -335,7 +340,7 @@ def postgres_mix(svc: Postgres, rng: random.Random, must: list[tuple[str, Any]]
     c = rng.choice((1, 2, 4))
     queries = with_required(rng.sample(PG_QUERIES, rng.randint(1, 3)), must, "query")
     seconds = PG_SECONDS
-    rate = ["-R", str(PG_RATE)] if PG_RATE else []
+    rate = pg_rate_args()
     what = "; ".join(" ".join(["pgbench", s or "(tpcb-like)", "-c", str(c), "-T", str(seconds), *rate])
                      for s in scripts) + "; psql: " + "; ".join(queries)
 
@@ -472,8 +477,7 @@ def run_service(name: str, opts: argparse.Namespace, work: Path) -> dict[str, An
             nginx_setup(svc)
         if cls is Postgres and opts.pg_warmup:
             print(f"postgres: {opts.pg_warmup} s of untraced pgbench before the attach", file=sys.stderr)
-            svc.pgbench(["-c", "2", "-j", "2", "-T", str(opts.pg_warmup),
-                         *(["-R", str(PG_RATE)] if PG_RATE else [])])
+            svc.pgbench(["-c", "2", "-j", "2", "-T", str(opts.pg_warmup), *pg_rate_args()])
         poke = {"redis": lambda: subprocess.run(["redis-cli", "-p", str(svc.port), "ping"],
                                                 capture_output=True),
                 "nginx": lambda: subprocess.run(["curl", "-s", "-o", "/dev/null",
@@ -511,8 +515,7 @@ def run_service(name: str, opts: argparse.Namespace, work: Path) -> dict[str, An
             print(f"{name} attack {tag}", file=sys.stderr)
         trace_err = tracer.stop()
         version = svc.version()
-        ended = svc.checkpoints() if cls is Postgres else None
-        began = svc.checkpoints("starting") if cls is Postgres else []
+        checkpoints = (svc.checkpoints("starting"), svc.checkpoints()) if cls is Postgres else None
     finally:
         svc.stop()
     kept = Path(opts.keep_samples) / name if opts.keep_samples else None
@@ -521,12 +524,15 @@ def run_service(name: str, opts: argparse.Namespace, work: Path) -> dict[str, An
             "mixes": [(w.name, w.what, w.count(), w.lost) for w in windows], "attach_s": attach_s,
             "sample_hz": opts.sample_hz,
             "trace_err": trace_err.strip()[-400:], "train": opts.train, "held": opts.held_out}
-    if ended is not None:  # where the checkpoints ended: in the warm-up, in which mix, in a gap
+    if checkpoints is not None:  # where the checkpoints began and ended: warm-up, which mix, a gap
+        began, ended = checkpoints
+
+        def per_mix(times: list[int]) -> list[int]:
+            return [sum(1 for t in times if w.start_ns <= t <= w.end_ns) for w in windows]
         meta["warmup_s"] = opts.pg_warmup
         meta["checkpoints_before"] = sum(1 for t in ended if t < windows[0].start_ns)
-        meta["checkpoints_per_mix"] = [sum(1 for t in ended if w.start_ns <= t <= w.end_ns) for w in windows]
-        meta["checkpoint_starts_per_mix"] = [sum(1 for t in began if w.start_ns <= t <= w.end_ns)
-                                             for w in windows]
+        meta["checkpoints_per_mix"] = per_mix(ended)
+        meta["checkpoint_starts_per_mix"] = per_mix(began)
     if kept is not None:  # every window's samples are split there: what judging again offline needs
         (kept / "windows.json").write_text(json.dumps(
             [{"name": w.name, "what": w.what, "start_ns": w.start_ns, "end_ns": w.end_ns,
@@ -788,7 +794,6 @@ def main() -> int:
     opts = ap.parse_args()
     globals()["PG_SECONDS"] = opts.pg_seconds
     globals()["PG_RATE"] = opts.pg_rate
-    globals()["PG_WARMUP"] = opts.pg_warmup
     if os.geteuid() != 0:
         print("services_anomaly: needs root (BPF)", file=sys.stderr)
         return 2
