@@ -15,7 +15,10 @@ configuration after another, rotating the order every round:
   *in* the set pays on the events path for the dispatch, against ``empty-raw``);
 * ``trace-raw`` / ``trace-tp``: the unwinder (``UnwindSampler``, no encoding: the programs
   ``ccprofd trace``/``run`` use) in this process with the security set, tracking the service, on
-  ``raw_syscalls:sys_enter`` or on the per-syscall events (the default for a set this small).
+  ``raw_syscalls:sys_enter`` or on the per-syscall events (the default for a set this small);
+* ``trace-tp-ia32``: ``trace-tp`` with the compat watch (``--watch-ia32``, daemon ``watch_ia32``):
+  the unwinder's raw_syscalls program beside the events, returning at its TS_COMPAT test for every
+  syscall that is not an ia32 one -- what the watch costs every syscall of the machine.
 
 Prints per configuration the median change against the same round's untraced run and the spread
 (min..max) of those changes, per test.  ``--loop``: instead of redis, a C loop of ``getppid()``
@@ -45,7 +48,7 @@ from ccprofd.kbpf.attach import attach_raw_tracepoint_fd, attach_tracepoint_fd
 
 SECURITY_SET = ("execve", "openat", "connect", "accept4", "mprotect", "mmap", "clone3", "unlinkat",
                 "renameat2")
-CONFIGS = ("untraced", "empty-raw", "empty-tp", "empty-tp-in", "trace-raw", "trace-tp")
+CONFIGS = ("untraced", "empty-raw", "empty-tp", "empty-tp-in", "trace-raw", "trace-tp", "trace-tp-ia32")
 _EMPTY = rawbpf.mov64_imm(0, 0) + rawbpf.exit_insn()
 
 
@@ -115,14 +118,14 @@ class Loop:
 
 
 @contextlib.contextmanager
-def unwind_sampler(pid: int, per_syscall: bool) -> Iterator[None]:
+def unwind_sampler(pid: int, per_syscall: bool, watch_ia32: bool = False) -> Iterator[None]:
     """The unwinder (no encoding) with the security set, tracking ``pid``, on raw_syscalls or on
-    the per-syscall events."""
+    the per-syscall events (with the compat watch: also raw_syscalls, for ia32 calls only)."""
     from ccprofd.kbpf.syscalls import syscall_numbers
     from ccprofd.tracing.unwind.sampler import UnwindSampler
 
     nrs = [syscall_numbers()[n] for n in SECURITY_SET]
-    with UnwindSampler(syscalls=nrs, entry_attach=per_syscall) as s:
+    with UnwindSampler(syscalls=nrs, entry_attach=per_syscall, compat_watch=watch_ia32) as s:
         assert (s.entry_plan is not None) == per_syscall
         s.attach()
         s.track(pid)
@@ -170,7 +173,7 @@ def main() -> None:
                     elif cfg.startswith("empty-"):
                         ctx = empty_program(cfg.split("-", 1)[1])
                     else:
-                        ctx = unwind_sampler(redis.proc.pid, cfg == "trace-tp")
+                        ctx = unwind_sampler(redis.proc.pid, cfg != "trace-raw", cfg == "trace-tp-ia32")
                     with ctx:
                         got = load(redis.port, args.requests)
                     results[cfg].append(got)
@@ -203,7 +206,7 @@ def run_loop(args: argparse.Namespace) -> None:
                     elif cfg.startswith("empty-"):
                         ctx = empty_program(cfg.split("-", 1)[1])
                     else:
-                        ctx = unwind_sampler(loop.proc.pid, cfg == "trace-tp")
+                        ctx = unwind_sampler(loop.proc.pid, cfg != "trace-raw", cfg == "trace-tp-ia32")
                     with ctx:
                         got = {"getppid ns": statistics.median(loop.burst() for _ in range(args.bursts))}
                     results[cfg].append(got)
@@ -217,7 +220,8 @@ def run_loop(args: argparse.Namespace) -> None:
 #: pairs compared round by round (the configurations measured next to each other in time)
 PAIRS = (("trace-raw", "trace-tp"), ("empty-raw", "empty-tp"), ("empty-tp-in", "empty-raw"),
          ("empty-raw", "untraced"),
-         ("empty-tp", "untraced"), ("trace-raw", "untraced"), ("trace-tp", "untraced"))
+         ("empty-tp", "untraced"), ("trace-raw", "untraced"), ("trace-tp", "untraced"),
+         ("trace-tp-ia32", "trace-tp"), ("trace-tp-ia32", "untraced"))
 
 
 def paired(results: dict[str, list[dict[str, float]]]) -> None:

@@ -352,3 +352,78 @@ alert_interval_seconds = 3600
         assert "unseen_edge=main@" in alerts[0] and ">evil " in alerts[0]
     finally:
         d.kill()
+
+
+IA32_SWITCHED = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+__attribute__((noinline)) long ia32_getpid(void) {
+    long r;
+    asm volatile("int $0x80" : "=a"(r) : "0"(20L) : "memory");  /* ia32 getpid */
+    return r;
+}
+__attribute__((noinline)) long work(int evil) { return evil ? ia32_getpid() : getpid(); }
+int main(int argc, char **argv) {
+    char buf[32];
+    int n = snprintf(buf, sizeof buf, "%ld\n", work(argc > 1 && atoi(argv[1])));
+    write(1, buf, n);
+    return 0;
+}
+"""
+
+
+@pytest.mark.bpf
+def test_daemon_watch_ia32_alerts_and_enforces_under_a_set(bpf: None, workdir: str) -> None:
+    """``watch_ia32 = true`` on a target with a syscall set (getpid, write: on the per-syscall
+    events): learned from the program's x86-64 getpid path, its ``int $0x80`` path is alerted as
+    ``ia32:getpid`` with the chain main > work > ia32_getpid, then killed under "enforce"; the
+    x86-64 path keeps running."""
+    from bpf_helpers import compile_c
+
+    prog = compile_c(Path(workdir), "switched", IA32_SWITCHED, "-O1")
+    model = Path(workdir) / "switched.model.json"
+
+    def config(action: str) -> str:
+        extra = f"""watch_ia32 = true
+[target.anomaly]
+action = "{action}"
+model = "{model}"
+flush_seconds = 1
+alert_interval_seconds = 3600
+"""
+        return config_text(workdir, target_toml("switched", f'path = "{prog}"', ["getpid", "write"], "unwind",
+                                                extra))
+
+    def run(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(prog), *argv], capture_output=True, text=True, timeout=120)
+
+    d = Daemon(workdir, config("learn"))
+    try:
+        d.wait_attached()
+        assert run("0").returncode == 0
+        d.wait(lambda: model.exists() and len(next(iter(load_models(model).targets.values())).contexts) >= 2,
+               120, "getpid and write learned")
+        d.write_config(config("detect"))
+        d.proc.send_signal(signal.SIGHUP)
+        d.wait(lambda: d.logged("reloaded"), 300, "reloaded")
+        d.wait_attached()
+        assert run("0").returncode == 0
+        evil = run("1")
+        assert evil.returncode == 0 and evil.stdout.strip().isdigit()
+        d.wait(lambda: d.logged("syscall=ia32:getpid"), 60, "the alert on the int $0x80 getpid")
+        d.write_config(config("enforce"))
+        d.proc.send_signal(signal.SIGHUP)
+        d.wait(lambda: d.log().count("reloaded") >= 2, 300, "reloaded again")
+        d.wait(lambda: d.logged("from the unwinder"), 120, "enforcing from the unwinder")
+        d.wait_attached()
+        assert run("0").returncode == 0
+        assert run("1").returncode == -signal.SIGKILL
+        err = d.stop_clean()
+        alerts = [line for line in err.splitlines() if "ccprofd alert" in line]
+        assert alerts and all("kind=unseen_context syscall=ia32:getpid" in a for a in alerts), alerts
+        assert "context=main>work>ia32_getpid" in alerts[0], alerts[0]
+        assert any("action=enforce" in a for a in alerts), alerts
+        assert "Traceback" not in err
+    finally:
+        d.kill()

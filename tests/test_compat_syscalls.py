@@ -109,3 +109,97 @@ def test_a_syscall_set_reports_no_compat_call(program: Path, attach: str, tmp_pa
     names = [s.get("syscall") for s in samples if s.get("event") == "syscall"]
     assert names == ["write"], names
     assert stdout.strip().isdigit()
+
+
+# ------------------------------------------------------------------------------ the compat watch
+@pytest.mark.parametrize("attach", ["raw", "per-syscall"])
+def test_watch_ia32_samples_the_compat_call_under_a_set(program: Path, attach: str, tmp_path: Path) -> None:
+    """``--watch-ia32``: under the same set, the compat call is sampled on either attach path (on
+    the per-syscall one by the raw_syscalls program beside the events), named ``ia32:getpid``, its
+    return value joined (the program printed it), the innermost frame at objdump's ``int $0x80``."""
+    require_bpf()
+    env = {"CCPROFD_SYSCALL_ATTACH": "raw"} if attach == "raw" else {}
+    out = tmp_path / "watch.jsonl"
+    argv = [sys.executable, "-m", "ccprofd.cli", "trace", "--watch-ia32", "--format", "jsonl", "--retval",
+            "--syscalls", "getpid,writev,write", "--output", str(out), "--", str(program)]
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=600,
+                          env={**os.environ, **env})
+    assert proc.returncode == 0, proc.stderr
+    samples = [json.loads(line) for line in out.read_text().splitlines()]
+    names = [s.get("syscall") for s in samples if s.get("event") == "syscall"]
+    assert names == ["ia32:getpid", "write"], names
+    s = samples[[s.get("syscall") for s in samples].index("ia32:getpid")]
+    assert s["ret"] == int(proc.stdout) == s["pid"] and s["complete"], (s, proc.stdout)
+    inner = s["frames"][-1]
+    assert inner["function"] == "ia32_getpid" and int(inner["call_site"], 16) == int80_address(program) + 2
+    assert "lost" not in proc.stderr, proc.stderr  # the return came: none counted lost
+
+
+SWITCHED = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+__attribute__((noinline)) long ia32_getpid(void) {
+    long r;
+    asm volatile("int $0x80" : "=a"(r) : "0"(20L) : "memory");  /* ia32 getpid */
+    return r;
+}
+__attribute__((noinline)) long work(int evil) { return evil ? ia32_getpid() : getpid(); }
+int main(int argc, char **argv) {
+    char buf[32];
+    int n = snprintf(buf, sizeof buf, "%ld\n", work(argc > 1 && atoi(argv[1])));
+    write(1, buf, n);
+    return 0;
+}
+"""
+
+
+def _anomaly(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "ccprofd.cli", *args], capture_output=True, text=True,
+                          cwd=cwd, timeout=600)
+
+
+def test_watch_ia32_detect_alerts_and_enforce_kills(tmp_path: Path) -> None:
+    """A model learned from the x86-64 ``getpid`` path (set getpid,write), then the same binary
+    taking its ``int $0x80`` path: ``detect`` without the watch is blind to it (the gap the watch
+    closes); with it, one ``unseen_context`` alert names ``ia32:getpid`` and the chain main > work >
+    ia32_getpid (the program's own structure); ``--enforce`` kills the process; a model that learned
+    that very context (learned with the watch) lets it run."""
+    require_bpf()
+    binary = compile_c(tmp_path, "switched", SWITCHED, "-O1")
+    model = tmp_path / "m.json"
+    sets = ["--syscalls", "getpid,write"]
+    learned = _anomaly("learn", "--model", str(model), *sets, "--", str(binary), "0", cwd=REPO)
+    assert learned.returncode == 0, learned.stderr
+
+    blind = _anomaly("detect", "--model", str(model), *sets, "--", str(binary), "1", cwd=REPO)
+    assert blind.returncode == 0 and '"kind"' not in blind.stderr, blind.stderr
+
+    seen = _anomaly("detect", "--watch-ia32", "--model", str(model), *sets, "--", str(binary), "1", cwd=REPO)
+    assert seen.returncode == 0, seen.stderr
+    alerts = [json.loads(line) for line in seen.stderr.splitlines() if line.startswith("{")]
+    assert [(a["kind"], a["syscall"]) for a in alerts] == [("unseen_context", "ia32:getpid")], seen.stderr
+    frames = [f["function"] for f in alerts[0]["frames"] if f["analysed"]]
+    assert frames == ["main", "work", "ia32_getpid"], alerts[0]["frames"]
+    assert int(alerts[0]["frames"][-1]["call_site"], 16) == int80_address(binary) + 2
+
+    watched = ["--watch-ia32", "--model", str(model), *sets, "--", str(binary), "1"]
+    killed = _anomaly("detect", "--enforce", *watched, cwd=REPO)
+    assert killed.returncode == 128 + 9 and killed.stdout == "", (killed.returncode, killed.stderr)
+    denials = [json.loads(line) for line in killed.stderr.splitlines() if line.startswith("{")]
+    assert [(d["syscall"], d.get("verdict")) for d in denials] == [("ia32:getpid", "killed")], killed.stderr
+
+    relearned = _anomaly("learn", *watched, cwd=REPO)
+    assert relearned.returncode == 0, relearned.stderr
+    allowed = _anomaly("detect", "--enforce", *watched, cwd=REPO)
+    assert allowed.returncode == 0 and allowed.stdout.strip().isdigit(), (allowed.returncode, allowed.stderr)
+    assert '"kind"' not in allowed.stderr and "enforcement killed" not in allowed.stderr, allowed.stderr
+
+
+def test_watch_ia32_is_unwind_mode_only(program: Path, tmp_path: Path) -> None:
+    """A clear usage error, not a silently ignored flag."""
+    argv = [sys.executable, "-m", "ccprofd.cli", "trace", "--mode", "instrumented", "--watch-ia32", "--",
+            str(program)]
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert proc.returncode == 2 and "--watch-ia32 needs --mode unwind" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -90,6 +90,8 @@ def test_defaults_are_the_documented_ones() -> None:
     assert parse("[daemon]\npromotion_window_seconds = 60\nretire_after_seconds = 60\n"
                  ).daemon.retire_after_seconds == 60  # type: ignore[attr-defined]
     assert d.source_lines is True
+    assert parse('[[target]]\npath = "/a"\n').targets[0].watch_ia32 is False  # type: ignore[attr-defined]
+    assert parse('[[target]]\npath = "/a"\nwatch_ia32 = true\n').targets[0].watch_ia32  # type: ignore[attr-defined]
 
 
 def test_source_lines_default_from_daemon_and_per_target_override() -> None:
@@ -140,6 +142,10 @@ def test_source_lines_default_from_daemon_and_per_target_override() -> None:
          "expected a boolean, got a string"),
         ('[daemon]\nsource_lines = 0\n', "source_lines", "daemon.source_lines", "expected a boolean"),
         ('[[target]]\npath = "/a"\nscope = "main"\n', "scope", "target[0].scope", "instrumented"),
+        ('[[target]]\npath = "/a"\nwatch_ia32 = "yes"\n', "watch_ia32", "target[0].watch_ia32",
+         "expected a boolean"),
+        ('[[target]]\npath = "/a"\nmode = "instrumented"\nwatch_ia32 = true\n', "watch_ia32",
+         "target[0].watch_ia32", 'applies to mode = "unwind" only'),
         (
             '[[target]]\npath = "/a"\nmode = "instrumented"\nscope = "(("\n',
             "scope",

@@ -26,7 +26,7 @@ from ccprofd.elf.image import ElfImage
 from ccprofd.encode import build_plan
 from ccprofd.encode.plan import COL
 from ccprofd.export.jsonl import format_text, write_jsonl
-from ccprofd.kbpf.syscalls import parse_syscalls, syscall_name
+from ccprofd.kbpf.syscalls import IA32_BIT, parse_syscalls, syscall_name, syscall_number
 from ccprofd.tracing.instrumented.probeplan import (
     PCOL,
     R_ACYC,
@@ -201,6 +201,11 @@ def test_syscall_names() -> None:
     assert syscall_name(59) == "execve" and syscall_name(None) is None
     with pytest.raises(ValueError, match="unknown syscall 'nope'"):
         parse_syscalls("write,nope")
+    # syscall_number inverts syscall_name, compat calls too (the ia32 numbers of asm/unistd_32.h:
+    # getpid 20, execve 11; the samplers mark them with IA32_BIT)
+    assert syscall_number("execve") == 59 and syscall_number("syscall_999") == 999
+    assert syscall_number("ia32:getpid") == IA32_BIT | 20 and syscall_name(IA32_BIT | 11) == "ia32:execve"
+    assert syscall_number("ia32:execve") == IA32_BIT | 11 and syscall_number("nope") is None
 
 
 def test_probe_plan_round_trips_through_json() -> None:

@@ -75,6 +75,8 @@ SIGNAL_SITE = "signal"
 #: The "return address" of a call site reached by a tail jump: none on the machine stack.
 TAIL_CALL = "tail"
 _BROKEN = ("", ())  # a thread's previous sample was incomplete: no transition from it
+#: How samples name an ia32 (compat) syscall: ``ia32:getpid`` (kbpf/syscalls.py's syscall_name).
+IA32_PREFIX = "ia32:"
 
 
 class ModelError(ValueError):
@@ -354,8 +356,11 @@ class TargetModel:
                 self.return_addresses.setdefault((mid, str(site)), str(ret))
 
     def learned_syscall(self, syscall: str) -> bool:
-        """Whether this model has an opinion about ``syscall`` (it was traced while learning)."""
-        return self.syscalls is None or syscall in self.syscalls
+        """Whether this model has an opinion about ``syscall``: it was traced while learning, or it is
+        an ia32 call (``ia32:<name>``, `int $0x80` in a 64-bit process), which every model judges --
+        a set's sampling sees one only under the compat watch, and the model allows one only where
+        it learned that very context (as the unwinder's enforcement does)."""
+        return self.syscalls is None or syscall in self.syscalls or syscall.startswith(IA32_PREFIX)
 
     def transitions_usable(self) -> bool:
         """Transitions alert only if every learning run recorded them."""

@@ -114,7 +114,8 @@ def _open_traced(args: argparse.Namespace, syscalls: list[str] | None,
     try:
         opts = tracer.TraceOptions(mode=args.mode, syscalls=",".join(syscalls) if syscalls else None,
                                    cache_dir=args.cache_dir, enforce=enforce, history=history,
-                                   sample_hz=getattr(args, "sample_hz", 0))
+                                   sample_hz=getattr(args, "sample_hz", 0),
+                                   watch_ia32=getattr(args, "watch_ia32", False))
         return tracer.open_session(list(args.command), options=opts, on_launch=on_launch)
     except tracer.TraceError as exc:
         raise _Usage(str(exc)) from None
@@ -553,6 +554,11 @@ def _source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=MODES, default=DEFAULT_MODE,
                    help=f"tracer mode for -- CMD (default {DEFAULT_MODE}); contexts are the same in both")
     p.add_argument("--cache-dir", default=None, metavar="DIR", help="analysis cache directory")
+    p.add_argument("--watch-ia32", action="store_true",
+                   help="unwind mode, with --syscalls: also sample every ia32 syscall (int $0x80 in a "
+                        "64-bit process) as ia32:NAME, which a set's per-syscall events never see; "
+                        "detect judges them like any call (a model allows one only if it learned that "
+                        "context). Every syscall of the machine pays a short raw_syscalls program")
     p.add_argument("--samples", metavar="FILE", default=None,
                    help="read decoded samples from a `ccprofd trace --format jsonl` file ('-': stdin) "
                         "instead of tracing a command")
@@ -567,6 +573,8 @@ def _check_source(args: argparse.Namespace) -> None:
     args.command = cmd
     if bool(cmd) == (args.samples is not None):
         raise _Usage("give either -- CMD [ARGS...] or --samples FILE")
+    if getattr(args, "watch_ia32", False) and (args.samples is not None or args.mode != "unwind"):
+        raise _Usage("--watch-ia32 needs -- CMD in --mode unwind")
 
 
 def _run(func: Any) -> Any:

@@ -98,6 +98,8 @@ def cmd_trace(args: argparse.Namespace) -> int:
         raise UsageError("--scope needs --mode instrumented (unwind mode always sees the whole stack)")
     if (args.edge_weights or args.save_edge_weights) and mode != "instrumented":
         raise UsageError("--edge-weights and --save-edge-weights need --mode instrumented")
+    if args.watch_ia32 and mode != "unwind":
+        raise UsageError("--watch-ia32 needs --mode unwind")
     options = TraceOptions(mode=mode, syscalls=syscalls, encoding=args.encoding, scope=args.scope,
                            sample_hz=args.sample_hz, verify=args.verify,
                            cache_dir=str(args.cache_dir) if args.cache_dir else None,
@@ -105,6 +107,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
                            retval=args.format == "text" if args.retval is None else args.retval,
                            source_lines=(args.format == "text" if args.source_lines is None
                                          else args.source_lines),
+                           watch_ia32=args.watch_ia32,
                            # nothing in `trace` reads the flight recorder (GetHistory, alerts): not
                            # built, which saves its map and half the unwinder's verification
                            history=0)
@@ -232,6 +235,11 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
                          "or its separate debug file's, e.g. libc6-dbg's), read as frames first appear: "
                          "~0.2 s at libc's first frame, ~40 ms per further compile unit (default: on in "
                          "text format, off in jsonl)")
+    tr.add_argument("--watch-ia32", action="store_true",
+                    help="unwind mode: also sample every ia32 syscall (int $0x80 in a 64-bit process) "
+                         "whatever --syscalls says, as ia32:NAME; a set's per-syscall events never see "
+                         "them. Adds a program on raw_syscalls:sys_enter that every syscall of the "
+                         "machine runs (README, \"How the syscalls are attached\")")
     tr.add_argument("--encoding", choices=["valence", "pcce", "hcce"], default="valence",
                     help="calling-context encoding of instrumented mode (unwind mode: valence only)")
     tr.add_argument("--scope", metavar="FUNCTION_REGEX",

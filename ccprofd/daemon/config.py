@@ -39,6 +39,9 @@ targets.  Schema (defaults in brackets)::
     max_probe_hits_per_sec = 0                        instrumented-mode ceiling; 0 = none
     verify = false                                    frame-pointer cross-check (instrumented)
     source_lines = true                               [daemon.source_lines] DWARF file/line per frame
+    watch_ia32 = false                                unwind mode: also sample every ia32 syscall
+                                                      (int $0x80), whatever syscalls says; a raw
+                                                      program every syscall of the machine runs
     persist_history_seconds = 0                       save the flight recorder to STATE_DIR/history; 0 = off
     [target.anomaly]                                  (issue 7) action = "off"|"learn"|"detect"|"enforce"
     model = PATH                                      [STATE_DIR/anomaly/NAME.model.json]
@@ -132,6 +135,7 @@ class TargetConfig:
     verify: bool = False
     source_lines: bool = True  # frames get DWARF file/line/inlined calls (TraceOptions.source_lines)
     persist_history_seconds: int = 0  # save the flight recorder's rings to state_dir this often; 0: never
+    watch_ia32: bool = False  # unwind mode: sample ia32 syscalls whatever the set (TraceOptions.watch_ia32)
     anomaly: AnomalyConfig = field(default_factory=AnomalyConfig)
 
     @property
@@ -317,7 +321,7 @@ _DAEMON_KEYS: dict[str, Any] = {k: None for k in (
     "insecure_remote", "source_lines")}
 _TARGET_KEYS: dict[str, Any] = {k: None for k in (
     "name", "path", "pid", "cgroup", "syscalls", "perf_sample_hz", "encoding", "mode", "scope",
-    "max_probe_hits_per_sec", "verify", "anomaly", "source_lines", "persist_history_seconds")}
+    "max_probe_hits_per_sec", "verify", "anomaly", "source_lines", "persist_history_seconds", "watch_ia32")}
 _ANOMALY_KEYS: dict[str, Any] = {k: None for k in (
     "action", "alert_interval_seconds", "collapse_recursion", "transitions", "granularity", "flush_seconds",
     "model", "alert_history", "prefix_match")}
@@ -529,6 +533,9 @@ def _parse_target(chk: _Checker, raw: Any, index: int, syscall_table: frozenset[
         except re.error as exc:
             raise chk.fail((*w, "scope"), f"not a valid regular expression: {exc}") from None
     anomaly = _parse_anomaly(chk, (*w, "anomaly"), tbl.get("anomaly", {}))
+    watch_ia32 = bool(chk.get(tbl, w, "watch_ia32", bool, False))
+    if watch_ia32 and mode != "unwind":
+        raise chk.fail((*w, "watch_ia32"), 'applies to mode = "unwind" only')
     sample_hz = chk.positive(tbl, w, "perf_sample_hz", 0, minimum=0)
     over = sample_hz_over_limit(sample_hz)
     if over is not None:
@@ -539,7 +546,8 @@ def _parse_target(chk: _Checker, raw: Any, index: int, syscall_table: frozenset[
         max_probe_hits_per_sec=chk.positive(tbl, w, "max_probe_hits_per_sec", 0, minimum=0),
         verify=bool(chk.get(tbl, w, "verify", bool, False)), anomaly=anomaly,
         source_lines=bool(chk.get(tbl, w, "source_lines", bool, source_lines)),
-        persist_history_seconds=chk.positive(tbl, w, "persist_history_seconds", 0, minimum=0))
+        persist_history_seconds=chk.positive(tbl, w, "persist_history_seconds", 0, minimum=0),
+        watch_ia32=watch_ia32)
 
 
 class Problem(str):

@@ -117,7 +117,7 @@ class TracerSource:
             mode=target.mode, syscalls=",".join(target.syscalls) if target.syscalls else None,
             encoding=target.encoding, scope=target.scope, sample_hz=target.perf_sample_hz,
             verify=target.verify, cache_dir=str(daemon.state_dir / "cache"),
-            source_lines=target.source_lines)
+            source_lines=target.source_lines, watch_ia32=target.watch_ia32)
         self.binaries_by_inode: dict[Inode, _Binary] = {}
         self.tracked: dict[int, Inode] = {}
         self.self_pid = os.getpid()

@@ -70,6 +70,20 @@ def ia32_syscall_table() -> dict[int, str]:
     return {nr: name for name, nr in _read_header(HEADERS_IA32).items()}
 
 
+def syscall_number(name: str) -> int | None:
+    """The inverse of :func:`syscall_name`: ``ia32:<name>`` (and ``ia32:syscall_N``) gives the marked
+    ia32 number, ``syscall_N`` N; None for a name neither table has."""
+    ia32 = name.startswith("ia32:")
+    bare = name[5:] if ia32 else name
+    names = {n: k for k, n in ia32_syscall_table().items()} if ia32 else syscall_numbers()
+    nr = names.get(bare)
+    if nr is None and bare.startswith("syscall_") and bare[8:].isdigit():
+        nr = int(bare[8:])
+    if nr is None:
+        return None
+    return nr | IA32_BIT if ia32 else nr
+
+
 @functools.cache
 def syscall_name(nr: int | None) -> str | None:
     """The name of syscall ``nr`` (``syscall_N`` when unknown; ``ia32:<name>`` for a compat call

@@ -82,6 +82,10 @@ class TraceOptions:
     # reads a compile unit in ~40 ms (libc's first ~0.2 s), paid in the poll loop at a frame's first use
     source_lines: bool = False
     enforce: UnwindEnforcement | None = None  # unwind mode: kill (syscall, context) pairs outside a model
+    # unwind mode: also sample every ia32 syscall (`int $0x80` in a 64-bit process), whatever the
+    # set, as ``ia32:<name>`` -- a raw_syscalls program beside the per-syscall events, paid on every
+    # syscall of the machine (kbpf/syscall_entry.py, "the compat watch")
+    watch_ia32: bool = False
     # The flight recorder's events per thread (tracing/history.c): None = CCPROFD_HISTORY or its
     # default (256); 0 = compiled out, no map.  `ccprofd trace` and `learn` pass 0: nothing they do
     # reads it, and it doubles the unwinder's verification (~+80 ms) and creates a 14 MB map.

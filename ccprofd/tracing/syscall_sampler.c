@@ -49,6 +49,10 @@
 #define PATH_RAW 0
 #define PATH_EVENTS 1
 #define PATH_OFF 2
+// The compat watch (unwind mode; kbpf/syscall_entry.py): ia32 syscalls -- `int $0x80` in a 64-bit
+// process -- are sampled whatever the set, as `ia32:<name>`.  Under a set they are otherwise in no
+// set (their numbers are marked CCPROF_IA32_BIT), and on the per-syscall path never seen at all.
+#define CFG_COMPAT_WATCH 2
 
 struct ccprof_tracked {
     u32 execs_left;  // execs that keep tracking (a launcher's exec of the target)
@@ -90,6 +94,11 @@ static __always_inline int ccprof_syscall_wanted(long nr) {
     u64 *all = config.lookup(&k);
     if (all && *all)
         return 1;
+    if (nr >= 0 && (nr & CCPROF_IA32_BIT)) {
+        k = CFG_COMPAT_WATCH;
+        u64 *watch = config.lookup(&k);
+        return watch && *watch;
+    }
     if (nr < 0 || nr >= NR_SYSCALL_SLOTS)
         return 0;
     k = (u32)nr;
@@ -214,8 +223,14 @@ static __always_inline void ccprof_send_ret(u64 pid_tgid, long nr, u64 ret) {
 // is the user pt_regs, args[1] the return value.  Same filter as the samples (a launcher that has
 // not exec'd the target yet sends none); userspace joins it to the thread's pending sample.
 int ccprof_sys_exit(struct bpf_raw_tracepoint_args *ctx) {
-    if (!ccprof_path_is(PATH_RAW))
-        return 0;
+    u32 kp = CFG_SYSCALL_PATH;
+    u64 *path = config.lookup(&kp);
+    if (path && *path != PATH_RAW) {
+        // Beside the per-syscall exit events only for the compat watch (CFG_COMPAT_WATCH): the
+        // returns of ia32 calls, which those events leave out; every other call returns here.
+        if (*path != PATH_EVENTS || !(ccprof_mark_compat(0) & CCPROF_IA32_BIT))
+            return 0;
+    }
     u64 pid_tgid = bpf_get_current_pid_tgid();
     u32 tgid = pid_tgid >> 32;
     struct ccprof_tracked *t = tracked.lookup(&tgid);

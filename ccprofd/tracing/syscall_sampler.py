@@ -39,6 +39,7 @@ SYSCALL_NR_OFFSET = _C["SYSCALL_NR_OFFSET"]  # where ccprof_sys_tp (and uw_sys_t
 SYSCALL_RET_OFFSET = _C["SYSCALL_RET_OFFSET"]  # where ccprof_sys_exit_tp reads the return value
 CFG_SYSCALL_PATH, PATH_RAW, PATH_EVENTS, PATH_OFF = (_C[n] for n in ("CFG_SYSCALL_PATH", "PATH_RAW",
                                                                      "PATH_EVENTS", "PATH_OFF"))
+CFG_COMPAT_WATCH = _C["CFG_COMPAT_WATCH"]
 
 KINDS = {_C["EV_SYSCALL"]: "syscall", _C["EV_FORK"]: "fork", _C["EV_EXEC"]: "exec", _C["EV_EXIT"]: "exit",
          _C["EV_RET"]: "ret"}

@@ -78,6 +78,8 @@ class InstrumentedMode(ModeBase[Event, int]):
             nrs = parse_syscalls(self.options.syscalls)
         except ValueError as exc:
             raise TraceError(str(exc)) from None
+        if self.options.watch_ia32:
+            raise TraceError("watching ia32 syscalls is implemented in unwind mode only")
         if self.options.encoding not in ("valence", "pcce", "hcce"):
             raise TraceError(f"--encoding {self.options.encoding}: instrumented mode implements valence, "
                              "pcce and hcce (stack tags cannot be decoded exactly)")

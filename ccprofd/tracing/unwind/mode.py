@@ -152,7 +152,8 @@ class UnwindMode(ModeBase[Record, tuple[int, int]]):
                                      enforce_keys=0 if enf is None else max(1, len(enf.allowed)),
                                      history=self.options.history,
                                      # CPU samples need uw_watch_maps to see the next syscall, any
-                                     entry_attach=not self.options.sample_hz)
+                                     entry_attach=not self.options.sample_hz,
+                                     compat_watch=self.options.watch_ia32)
         if enf is not None:
             self.enforcement_maps = UnwindEnforcementMaps(self.sampler.module)
             self.enforcement_maps.configure(enf.allowed, enf.syscalls, kill=enf.kill,

@@ -80,6 +80,7 @@ from ccprofd.proc.maps import DEFAULT_PROC_ROOT
 from ccprofd.tracing.api import RECORDS_PER_POLL
 from ccprofd.tracing.history import configured_length, history_source
 from ccprofd.tracing.syscall_sampler import (
+    CFG_COMPAT_WATCH,
     CFG_SYSCALL_PATH,
     NR_SYSCALL_SLOTS,
     PATH_EVENTS,
@@ -429,6 +430,7 @@ class UnwindSampler:
         load_early: bool = False, enforce_keys: int = 0,  # enforce_keys: UW_ENFORCE, see enforcement.py
         history: int | None = None,  # flight recorder events per thread (history.configured_length)
         entry_attach: bool = True,  # a small set on its syscalls:sys_enter_* events (kbpf/syscall_entry.py)
+        compat_watch: bool = False,  # also sample every ia32 syscall (kbpf/syscall_entry.py, compat watch)
     ) -> None:
         if max_depth < 1 or max_depth & (max_depth - 1):
             raise BPFError(f"max_depth must be a power of two, not {max_depth}")
@@ -479,8 +481,13 @@ class UnwindSampler:
         self.entry_plan = entry_plan(syscalls, extra=MAPS_WATCHED, nr_offset=SYSCALL_NR_OFFSET,
                                      ret_offset=SYSCALL_RET_OFFSET) if entry_attach else None
         self._sys_fd = -1  # the syscall program's fd once attached
+        self._compat_fd = -1  # the compat watch's raw_syscalls program beside the events
+        self.compat_watch = compat_watch
+        self._m["config"].set(CFG_COMPAT_WATCH, 1 if compat_watch else 0)
         if load_early:  # the verifier runs while the maps are filled and the modules loaded
             self.programs.start("uw_sys_enter" if self.entry_plan is None else "uw_sys_tp")
+            if self.entry_plan is not None and compat_watch:
+                self.programs.start("uw_sys_enter")
         if encoding is not None:
             try:
                 self.tables.upload_encoding(encoding)
@@ -520,6 +527,11 @@ class UnwindSampler:
             self._m["config"].set(CFG_SYSCALL_PATH, PATH_EVENTS)  # ccprof_sys_exit_tp's, for returns
             for event in self.entry_plan.values():
                 self.module.attach_tracepoint_prog(event, self._sys_fd)
+            if self.compat_watch:
+                # the events leave ia32 calls out: uw_sys_enter on raw_syscalls takes only those
+                # (with the path set to the events, it returns for every other call)
+                self._compat_fd = self.programs.load("uw_sys_enter")
+                self._links.append(attach_raw_tracepoint_fd(self._compat_fd, "sys_enter"))
         self._attached = True
 
     def syscall_program_fd(self) -> int:
@@ -535,6 +547,8 @@ class UnwindSampler:
             return
         for event in self.entry_plan.values():
             self.module.attach_tracepoint(exit_event(event), "ccprof_sys_exit_tp")
+        if self.compat_watch:  # the exit events leave ia32 calls out too
+            self.module.attach_raw_tracepoint("sys_exit", "ccprof_sys_exit")
 
     def _on_sampler_event(self, raw: bytes) -> None:
         if _KIND.unpack_from(raw, 8)[0] == _EV_RET:

@@ -2080,7 +2080,9 @@ long uw_enf_sys(u64 i) { return uw_enf_step(bpf_get_smp_processor_id() * 2, (u32
 static __always_inline void uw_enforce(u32 slot, u32 tgid, u32 tid, long nr) {
     u32 inr = (u32)nr;
     u8 *judged = uw_enf_nrs.lookup(&inr);
-    if (!judged || !*judged)
+    // an ia32 call (sampled under the compat watch or "all") is always judged: a model allows one
+    // only if it learned that very context
+    if (!(inr & CCPROF_IA32_BIT) && (!judged || !*judged))
         return;
     struct uw_state *st = uw_state.lookup(&slot);
     u64 *h = uw_enf_acc.lookup(&slot);
@@ -2164,7 +2166,18 @@ static __always_inline int uw_sys_sample(struct pt_regs *regs, long nr, int raw)
 }
 
 int uw_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
-    return uw_sys_sample((struct pt_regs *)ctx->args[0], (long)ctx->args[1], 1);
+    long nr = (long)ctx->args[1];
+    u32 k = CFG_SYSCALL_PATH;
+    u64 *path = config.lookup(&k);
+    if (path && *path != PATH_RAW) {
+        // Attached beside the per-syscall events only for the compat watch (CFG_COMPAT_WATCH): the
+        // events leave ia32 calls out, so this program takes those and returns for the rest, before
+        // any lookup of the tracked process (it runs on every syscall of the machine).  Detached
+        // (PATH_OFF): nothing.
+        if (*path != PATH_EVENTS || !(ccprof_mark_compat(nr) & CCPROF_IA32_BIT))
+            return 0;
+    }
+    return uw_sys_sample((struct pt_regs *)ctx->args[0], nr, 1);
 }
 
 // A syscalls:sys_enter_<name> event (per-syscall attach path; syscall_sampler.c's ccprof_sys_tp
