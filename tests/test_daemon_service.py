@@ -199,8 +199,8 @@ def _documented_target_keys() -> set[str]:
     doc = config_module.__doc__ or ""
     block = doc.split("[[target]]", 1)[1].split("[target.anomaly]", 1)[0]
     first, _, rest = block.partition("\n")
-    keys = set(re.findall(r"[a-z_]+", first.split("one of", 1)[1]))
-    keys |= {m.group(1) for m in re.finditer(r"^ {4}([a-z_]+) = ", rest, re.M)}
+    keys = set(re.findall(r"[a-z_][a-z0-9_]*", first.split("one of", 1)[1]))
+    keys |= {m.group(1) for m in re.finditer(r"^ {4}([a-z_][a-z0-9_]*) = ", rest, re.M)}
     return keys | {"anomaly"}
 
 
