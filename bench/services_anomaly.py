@@ -24,9 +24,11 @@ read as a stream once per step for every granularity, not once per command):
   frames name the attack's code (e.g. ``rdbSave``) are reported with their call chains.
 
 Attacks: redis ``CONFIG SET dir`` + ``CONFIG SET dbfilename`` + ``SAVE`` (writes an RDB file where
-the attacker chose); nginx a directory probe (``GET /private/``: the index module opens
-``private/index.html``, a file outside the served set) and a ``POST`` with a 64 KB body to a static
-file (nginx reads and discards a body no normal client sends); postgres ``COPY (SELECT ...) TO
+the attacker chose); nginx a directory probe (``GET /private/``, a directory without an index
+file: the index module looks for ``private/index.html``), an index probe (``GET /admin/``, a
+directory whose ``index.html`` no client asks for: nginx opens it after the index module's internal
+redirect, an ``openat`` through a path no normal request takes) and a ``POST`` with a 64 KB body to
+a static file (nginx reads and discards a body no normal client sends); postgres ``COPY (SELECT ...) TO
 '/file'`` and ``SELECT lo_export(...)`` (server-side file writes by a superuser session).
 
 Writes docs/services-anomaly.md and docs/services-anomaly-learning-curve.png (``--output X.md``: X.md
@@ -265,6 +267,10 @@ def nginx_setup(svc: Nginx) -> None:
         p.chmod(0o644)
     (www / "private").mkdir()  # a directory without an index file: only the attack asks for it
     (www / "private").chmod(0o755)
+    (www / "admin").mkdir()  # a directory with an index file: only the attack asks for it
+    (www / "admin").chmod(0o755)
+    (www / "admin" / "index.html").write_text("admin\n")
+    (www / "admin" / "index.html").chmod(0o644)
 
 
 def nginx_mix(svc: Nginx, rng: random.Random, must: list[tuple[str, Any]]) -> tuple[str, Callable[[], None]]:
@@ -290,6 +296,9 @@ def nginx_attacks(svc: Nginx, work: Path) -> list[tuple[str, str, Callable[[], N
     def probe() -> None:
         subprocess.run(["curl", "-s", "-o", "/dev/null", f"{base}/private/"], check=True)
 
+    def index() -> None:
+        subprocess.run(["curl", "-s", "-o", "/dev/null", f"{base}/admin/"], check=True)
+
     def post() -> None:
         body = work / "body.bin"
         body.write_bytes(b"x" * 65536)
@@ -297,6 +306,8 @@ def nginx_attacks(svc: Nginx, work: Path) -> list[tuple[str, str, Callable[[], N
                         f"{base}/small.html"], check=True)
     return [("directory-probe", "`GET /private/` (a directory without an index file)", probe,
              ("ngx_http_index_handler", "path:/private/")),
+            ("index-probe", "`GET /admin/` (a directory whose `index.html` no client asks for)", index,
+             ("ngx_http_internal_redirect", "path:admin/index.html")),
             ("post-body", "`POST /small.html` with a 64 KB body", post,
              ("ngx_http_discard_request_body", "ngx_http_read_discarded_request_body",
               "ngx_http_discarded_request_body_handler"))]
@@ -654,7 +665,13 @@ NOTES = {"nginx": (
     "index module's strings `open index \"%V\"` and `\"%s\" is not found`). Its alerts are the "
     "attack: `newfstatat` of `private/index.html` through `ngx_http_core_content_phase > sub_b24c0 > "
     "ngx_open_cached_file` (the file does not exist, so nginx never opens it) and the error log "
-    "`write` of the 403 (`ngx_log_error_core` from `ngx_http_core_content_phase`)."),
+    "`write` of the 403 (`ngx_log_error_core` from `ngx_http_core_content_phase`). `GET /admin/`: "
+    "the same `sub_b24c0` finds `admin/index.html` (`newfstatat`) and hands the request to "
+    "`ngx_http_internal_redirect`, under which the static module opens the file: `openat` through "
+    "`sub_b24c0 > ngx_http_internal_redirect > ngx_http_handler > ngx_http_core_run_phases > ... > "
+    "ngx_open_cached_file`, where every normal request's `openat` comes straight from the first "
+    "`ngx_http_core_run_phases` (checked by hand with `ccprofd trace -p WORKER` on this build, "
+    "2026-11-27)."),
     "postgres": (
     "A checkpoint's last steps depend on what happened since the previous one started, not on the "
     "mix it ends in. One of them is the `unlink` in `SyncPostCheckpoint`: every pgbench run without "
