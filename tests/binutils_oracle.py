@@ -305,8 +305,8 @@ def parse_symbols(text: str) -> list[Symbol]:
     return out
 
 
-def parse_fdes(text: str) -> list[int]:
-    """FDE start addresses of ``.eh_frame`` from ``readelf --debug-dump=frames``."""
+def parse_fde_ranges(text: str) -> list[tuple[int, int]]:
+    """FDE pc ranges ``(start, end)`` of ``.eh_frame`` from ``readelf --debug-dump=frames``, sorted."""
     out = []
     in_eh = False
     for line in text.splitlines():
@@ -316,8 +316,13 @@ def parse_fdes(text: str) -> list[int]:
             continue
         m = re.search(r"\bFDE cie=[0-9a-f]+ pc=([0-9a-f]+)\.\.([0-9a-f]+)", line)
         if m and in_eh:
-            out.append(int(m.group(1), 16))
+            out.append((int(m.group(1), 16), int(m.group(2), 16)))
     return sorted(set(out))
+
+
+def parse_fdes(text: str) -> list[int]:
+    """FDE start addresses of ``.eh_frame`` from ``readelf --debug-dump=frames``."""
+    return sorted({start for start, _end in parse_fde_ranges(text)})
 
 
 def cfi_fragment_starts(path: str | pathlib.Path) -> set[int]:

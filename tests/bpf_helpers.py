@@ -188,3 +188,25 @@ def drain(s: UnwindSampler | SyscallSampler, tgid: int) -> list[Any]:
             quiet_since = time.monotonic()
             out.extend(x for x in got if x.tgid == tgid)
     return out
+
+
+#: A program whose ``work(1)`` makes an ia32 ``getpid`` (``int $0x80``; x86-64 20 would be writev) and
+#: ``work(0)`` the x86-64 one: learned on ``0``, the compat call of ``1`` is a context never seen
+#: (tests/test_compat_syscalls.py, tests/test_anomaly_daemon.py; the compat watch).
+IA32_SWITCHED = r"""
+#include <stdio.h>
+#include <stdlib.h>
+#include <unistd.h>
+__attribute__((noinline)) long ia32_getpid(void) {
+    long r;
+    asm volatile("int $0x80" : "=a"(r) : "0"(20L) : "memory");  /* ia32 getpid */
+    return r;
+}
+__attribute__((noinline)) long work(int evil) { return evil ? ia32_getpid() : getpid(); }
+int main(int argc, char **argv) {
+    char buf[32];
+    int n = snprintf(buf, sizeof buf, "%ld\n", work(argc > 1 && atoi(argv[1])));
+    write(1, buf, n);
+    return 0;
+}
+"""

@@ -24,6 +24,8 @@ import re
 import subprocess
 from dataclasses import dataclass, field
 
+from binutils_oracle import parse_fde_ranges
+
 _COLD = re.compile(r"^(.+)\.cold(?:\.\d+)?$")
 
 
@@ -123,14 +125,5 @@ def object_symbols(path: str) -> ObjectSymbols:
     if dbg:
         _symbols(_run("nm", "-S", "--defined-only", dbg), obj)
     obj.starts = sorted(obj.sizes)
-    in_eh = False
-    for line in _run("readelf", "--debug-dump=frames", path).splitlines():
-        h = re.match(r"^Contents of the (\S+) section", line)
-        if h:
-            in_eh = h.group(1).rstrip(":") == ".eh_frame"
-            continue
-        m = re.search(r"\bFDE cie=[0-9a-f]+ pc=([0-9a-f]+)\.\.([0-9a-f]+)", line)
-        if m and in_eh:
-            obj.fdes.append((int(m.group(1), 16), int(m.group(2), 16)))
-    obj.fdes.sort()
+    obj.fdes = parse_fde_ranges(_run("readelf", "--debug-dump=frames", path))
     return obj

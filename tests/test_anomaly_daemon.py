@@ -354,23 +354,6 @@ alert_interval_seconds = 3600
         d.kill()
 
 
-IA32_SWITCHED = r"""
-#include <stdio.h>
-#include <stdlib.h>
-#include <unistd.h>
-__attribute__((noinline)) long ia32_getpid(void) {
-    long r;
-    asm volatile("int $0x80" : "=a"(r) : "0"(20L) : "memory");  /* ia32 getpid */
-    return r;
-}
-__attribute__((noinline)) long work(int evil) { return evil ? ia32_getpid() : getpid(); }
-int main(int argc, char **argv) {
-    char buf[32];
-    int n = snprintf(buf, sizeof buf, "%ld\n", work(argc > 1 && atoi(argv[1])));
-    write(1, buf, n);
-    return 0;
-}
-"""
 
 
 @pytest.mark.bpf
@@ -379,7 +362,7 @@ def test_daemon_watch_ia32_alerts_and_enforces_under_a_set(bpf: None, workdir: s
     events): learned from the program's x86-64 getpid path, its ``int $0x80`` path is alerted as
     ``ia32:getpid`` with the chain main > work > ia32_getpid, then killed under "enforce"; the
     x86-64 path keeps running."""
-    from bpf_helpers import compile_c
+    from bpf_helpers import IA32_SWITCHED, compile_c
 
     prog = compile_c(Path(workdir), "switched", IA32_SWITCHED, "-O1")
     model = Path(workdir) / "switched.model.json"

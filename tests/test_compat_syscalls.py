@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bpf_helpers import compile_c
+from bpf_helpers import IA32_SWITCHED, compile_c
 from conftest import require_bpf, require_tool, skip_or_fail
 
 REPO = Path(__file__).resolve().parent.parent
@@ -135,23 +135,6 @@ def test_watch_ia32_samples_the_compat_call_under_a_set(program: Path, attach: s
     assert "lost" not in proc.stderr, proc.stderr  # the return came: none counted lost
 
 
-SWITCHED = r"""
-#include <stdio.h>
-#include <stdlib.h>
-#include <unistd.h>
-__attribute__((noinline)) long ia32_getpid(void) {
-    long r;
-    asm volatile("int $0x80" : "=a"(r) : "0"(20L) : "memory");  /* ia32 getpid */
-    return r;
-}
-__attribute__((noinline)) long work(int evil) { return evil ? ia32_getpid() : getpid(); }
-int main(int argc, char **argv) {
-    char buf[32];
-    int n = snprintf(buf, sizeof buf, "%ld\n", work(argc > 1 && atoi(argv[1])));
-    write(1, buf, n);
-    return 0;
-}
-"""
 
 
 def _anomaly(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -166,7 +149,7 @@ def test_watch_ia32_detect_alerts_and_enforce_kills(tmp_path: Path) -> None:
     ia32_getpid (the program's own structure); ``--enforce`` kills the process; a model that learned
     that very context (learned with the watch) lets it run."""
     require_bpf()
-    binary = compile_c(tmp_path, "switched", SWITCHED, "-O1")
+    binary = compile_c(tmp_path, "switched", IA32_SWITCHED, "-O1")
     model = tmp_path / "m.json"
     sets = ["--syscalls", "getpid,write"]
     learned = _anomaly("learn", "--model", str(model), *sets, "--", str(binary), "0", cwd=REPO)
