@@ -189,6 +189,11 @@ def test_errors_are_one_line_values() -> None:
         assert release(proc) == (EXPECTED_OUTPUT, 0)
 
 
+def _cpu_ns(pid: int) -> int:
+    """The process's time on a CPU so far (its schedstat, ns): grows only while it runs."""
+    return int(Path(f"/proc/{pid}/schedstat").read_text().split()[0])
+
+
 def test_threads_stopped_in_the_vdso_unwind_through_its_own_eh_frame() -> None:
     """A thread spinning in clock_gettime (answered inside the vDSO): the process is group-stopped
     (SIGSTOP) at arbitrary moments until one snapshot finds the thread's pc in [vdso]; that snapshot
@@ -214,7 +219,14 @@ def test_threads_stopped_in_the_vdso_unwind_through_its_own_eh_frame() -> None:
             if inner.module is not None and inner.module.path == "[vdso]":
                 break
             landed[f"{inner.module.path if inner.module else None}:{hex(inner.vaddr or inner.pc)}"] += 1
+            ran = _cpu_ns(proc.pid)
             os.kill(proc.pid, signal.SIGCONT)
+            # Let it run before the next stop: a SIGSTOP sent at once can stop it again before it was
+            # ever scheduled, at the same pc -- on a busy machine (a CI run) 493 of 500 stops then
+            # "landed" on the one pc where the first stop happened to be (__clock_gettime's entry).
+            deadline = time.monotonic() + 5
+            while _cpu_ns(proc.pid) < ran + 100_000 and time.monotonic() < deadline:
+                time.sleep(0.0005)
         else:
             maps = [line for line in Path(f"/proc/{proc.pid}/maps").read_text().splitlines() if "[v" in line]
             clock = Path("/sys/devices/system/clocksource/clocksource0/current_clocksource").read_text()
