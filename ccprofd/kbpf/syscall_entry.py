@@ -18,8 +18,12 @@ syscall-set filter stays in BPF, so the attached set may be a superset of the sa
 Not the same: an ia32 (compat) syscall is not reported by these events at all (the kernel
 ignores compat syscalls in syscall events); on ``raw_syscalls`` it arrives with its ia32 number,
 which the raw-path programs mark (``syscalls.IA32_BIT``), so it is named ``ia32:<name>`` and is in
-no set.  x32 is not built into this kernel (CONFIG_X86_X32_ABI), and its numbers (bit 30 set) are
-outside every set on both paths.
+no set.  *The compat watch* (unwind mode, ``TraceOptions.watch_ia32``; tracing/unwind/sampler.py)
+closes that gap: the unwinder's raw_syscalls program is attached beside the events too, returns at
+its ``TS_COMPAT`` test for every call that is not an ia32 one, and samples the ia32 ones whatever
+the set (config ``CFG_COMPAT_WATCH``); ~11 ns on every syscall of the machine (README,
+"Per-syscall attachment"), so it is opt-in.  x32 is not built into this kernel
+(CONFIG_X86_X32_ABI), and its numbers (bit 30 set) are outside every set on both paths.
 
 ``CCPROFD_SYSCALL_ATTACH=raw`` in the environment keeps every set on ``raw_syscalls`` (for
 benchmarks and tests that compare the two).
