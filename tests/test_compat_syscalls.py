@@ -135,8 +135,6 @@ def test_watch_ia32_samples_the_compat_call_under_a_set(program: Path, attach: s
     assert "lost" not in proc.stderr, proc.stderr  # the return came: none counted lost
 
 
-
-
 def _anomaly(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "ccprofd.cli", *args], capture_output=True, text=True,
                           cwd=cwd, timeout=600)

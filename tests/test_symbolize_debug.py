@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 from conftest import require_bpf, require_tool, skip_or_fail
+from library_oracle import debug_file
 from programs.build import build
 
 from ccprofd.elf.debugfile import DebugFileLocator
@@ -33,10 +34,10 @@ def build_id_of(path: str) -> str:
 
 def system_debug_file(module: str) -> str:
     """The libc6-dbg file of ``module``, by the build-id readelf reports."""
-    bid = build_id_of(module)
-    path = f"/usr/lib/debug/.build-id/{bid[:2]}/{bid[2:]}.debug"
-    if not os.path.exists(path):
+    path = debug_file(module)
+    if path is None:
         skip_or_fail(f"no debug file for {module} (libc6-dbg not installed?)")
+    assert path is not None
     return path
 
 

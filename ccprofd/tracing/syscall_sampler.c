@@ -144,6 +144,19 @@ static __always_inline long ccprof_mark_compat(long nr) {
     return nr;
 }
 
+// Whether a program on raw_syscalls (sys_enter or sys_exit) goes on with the current call: always
+// on the raw path; beside the per-syscall events only for an ia32 call -- the compat watch
+// (CFG_COMPAT_WATCH) attaches it there for those, which the events leave out, so the test comes
+// before any lookup of the tracked process (the program runs on every syscall of the machine);
+// never once detached (PATH_OFF).
+static __always_inline int ccprof_raw_takes_call(void) {
+    u32 k = CFG_SYSCALL_PATH;
+    u64 *path = config.lookup(&k);
+    if (!path || *path == PATH_RAW)
+        return 1;
+    return *path == PATH_EVENTS && (ccprof_mark_compat(0) & CCPROF_IA32_BIT);
+}
+
 // One syscall entry of the current task: the user registers and the number (shared by the two
 // attach paths below; `raw`, a constant per caller: from raw_syscalls, where compat calls arrive).
 static __always_inline int ccprof_sys_sample(void *ctx, struct pt_regs *regs, long nr, int raw) {
@@ -223,14 +236,8 @@ static __always_inline void ccprof_send_ret(u64 pid_tgid, long nr, u64 ret) {
 // is the user pt_regs, args[1] the return value.  Same filter as the samples (a launcher that has
 // not exec'd the target yet sends none); userspace joins it to the thread's pending sample.
 int ccprof_sys_exit(struct bpf_raw_tracepoint_args *ctx) {
-    u32 kp = CFG_SYSCALL_PATH;
-    u64 *path = config.lookup(&kp);
-    if (path && *path != PATH_RAW) {
-        // Beside the per-syscall exit events only for the compat watch (CFG_COMPAT_WATCH): the
-        // returns of ia32 calls, which those events leave out; every other call returns here.
-        if (*path != PATH_EVENTS || !(ccprof_mark_compat(0) & CCPROF_IA32_BIT))
-            return 0;
-    }
+    if (!ccprof_raw_takes_call())  // (beside the exit events: an ia32 call's return, compat watch)
+        return 0;
     u64 pid_tgid = bpf_get_current_pid_tgid();
     u32 tgid = pid_tgid >> 32;
     struct ccprof_tracked *t = tracked.lookup(&tgid);

@@ -481,7 +481,6 @@ class UnwindSampler:
         self.entry_plan = entry_plan(syscalls, extra=MAPS_WATCHED, nr_offset=SYSCALL_NR_OFFSET,
                                      ret_offset=SYSCALL_RET_OFFSET) if entry_attach else None
         self._sys_fd = -1  # the syscall program's fd once attached
-        self._compat_fd = -1  # the compat watch's raw_syscalls program beside the events
         self.compat_watch = compat_watch
         self._m["config"].set(CFG_COMPAT_WATCH, 1 if compat_watch else 0)
         if load_early:  # the verifier runs while the maps are filled and the modules loaded
@@ -530,8 +529,7 @@ class UnwindSampler:
             if self.compat_watch:
                 # the events leave ia32 calls out: uw_sys_enter on raw_syscalls takes only those
                 # (with the path set to the events, it returns for every other call)
-                self._compat_fd = self.programs.load("uw_sys_enter")
-                self._links.append(attach_raw_tracepoint_fd(self._compat_fd, "sys_enter"))
+                self._links.append(attach_raw_tracepoint_fd(self.programs.load("uw_sys_enter"), "sys_enter"))
         self._attached = True
 
     def syscall_program_fd(self) -> int:

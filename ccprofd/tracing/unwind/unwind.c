@@ -2166,18 +2166,9 @@ static __always_inline int uw_sys_sample(struct pt_regs *regs, long nr, int raw)
 }
 
 int uw_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
-    long nr = (long)ctx->args[1];
-    u32 k = CFG_SYSCALL_PATH;
-    u64 *path = config.lookup(&k);
-    if (path && *path != PATH_RAW) {
-        // Attached beside the per-syscall events only for the compat watch (CFG_COMPAT_WATCH): the
-        // events leave ia32 calls out, so this program takes those and returns for the rest, before
-        // any lookup of the tracked process (it runs on every syscall of the machine).  Detached
-        // (PATH_OFF): nothing.
-        if (*path != PATH_EVENTS || !(ccprof_mark_compat(nr) & CCPROF_IA32_BIT))
-            return 0;
-    }
-    return uw_sys_sample((struct pt_regs *)ctx->args[0], nr, 1);
+    if (!ccprof_raw_takes_call())  // (beside the events: only ia32 calls, the compat watch)
+        return 0;
+    return uw_sys_sample((struct pt_regs *)ctx->args[0], (long)ctx->args[1], 1);
 }
 
 // A syscalls:sys_enter_<name> event (per-syscall attach path; syscall_sampler.c's ccprof_sys_tp
