@@ -64,9 +64,7 @@ class InstrumentedMode(ModeBase[Event, int]):
         self._new_processes: list[int] = []
         self._scope: ScopePrefixes | None = None  # --scope: prefixes above scope entries (scopeprefix.py)
         self._aggregating = False  # aggregate mode (the daemon): on from the first set_per_sample
-        #: The analysed binary's load bias per process, from its context records (SF_BIAS): a repeated
-        #: context's hit record carries none, and its unread path argument needs it (_unread_path).
-        self._biases: dict[int, int] = {}
+        self._biases = ProcessBiases()  # for hits' unread path arguments (_unread_path)
 
     def prepare(self) -> None:
         from pathlib import Path
@@ -205,11 +203,8 @@ class InstrumentedMode(ModeBase[Event, int]):
         return SIDE
 
     def _on_side_event(self, r: Event) -> None:
-        if isinstance(r, ProcessEvent):  # a fork keeps the parent's mappings; an exec or death ends them
-            if r.kind == "fork" and r.pid in self._biases:
-                self._biases[r.aux] = self._biases[r.pid]
-            elif r.kind == "exec" or (r.kind == "exit" and r.aux):
-                self._biases.pop(r.pid, None)
+        if isinstance(r, ProcessEvent):
+            self._biases.process_event(r)
         if isinstance(r, ProcessEvent) and r.kind == "exec" and r.aux & EXEC_TARGET_FLAG:
             assert self._bpf is not None
             verdict = exec_verdict(r.pid, self._exec_targets)
@@ -238,8 +233,7 @@ class InstrumentedMode(ModeBase[Event, int]):
 
     def _sample(self, r: Event, d: Decoded, *, timed: bool = True) -> TraceSample:
         assert isinstance(r, RawContext | RawHit)
-        if isinstance(r, RawContext) and r.flags & SF_BIAS:
-            self._biases[r.pid] = r.bias
+        self._biases.note(r)
         arg = (r.arg or _unread_path(self, r)) if timed else None
         return self.trace_sample(r.time_ns if timed else 0, r.pid, r.tid, r.event, r.syscall, d, arg,
                                  r.sargs if timed else None)
@@ -352,11 +346,30 @@ class InstrumentedMode(ModeBase[Event, int]):
             self._bpf = None
 
 
+class ProcessBiases:
+    """The analysed binary's load bias per process, from its context records (SF_BIAS): a repeated
+    context's hit record carries none, and its unread path argument needs it (_unread_path).  A fork
+    keeps the parent's mappings; an exec or the group's exit ends them."""
+
+    def __init__(self) -> None:
+        self.by_pid: dict[int, int] = {}
+
+    def note(self, r: RawContext | RawHit) -> None:
+        if isinstance(r, RawContext) and r.flags & SF_BIAS:
+            self.by_pid[r.pid] = r.bias
+
+    def process_event(self, r: ProcessEvent) -> None:
+        if r.kind == "fork" and r.pid in self.by_pid:
+            self.by_pid[r.aux] = self.by_pid[r.pid]
+        elif r.kind == "exec" or (r.kind == "exit" and r.aux):
+            self.by_pid.pop(r.pid, None)
+
+
 def _unread_path(mode: InstrumentedMode, r: RawContext | RawHit) -> str | None:
     """A path argument BPF could not read at entry, from the analysed binary's file (only its load
     bias is known here, from the process's context records: a path in a library keeps its pointer,
     and so does a hit of a process that never sent a context record with its bias)."""
-    bias = mode._biases.get(r.pid)
+    bias = mode._biases.by_pid.get(r.pid)
     if bias is None:
         return None
     return binary_path_arg(mode.path, mode.binary_inode, r.syscall, r.sargs, bias, ARG_LEN)
