@@ -416,6 +416,38 @@ def test_detach_never_closes_a_source_its_pump_still_polls(workdir: str,
     daemon.stop()
 
 
+def test_samples_buffered_when_a_target_detaches_are_still_read(workdir: str) -> None:
+    """A sample that reached the kernel's buffer as the stop came (the pump between two polls,
+    its next one never made): the detach reads it once more, so the store counts it and the
+    observers see it with the runtime it was taken under (the target is no longer listed)."""
+    factory = FakeFactory()
+    daemon = Daemon(parse_config(config_text(workdir, TARGET_APP)), factory, servers=None)
+    seen: list[tuple[str, str, str]] = []
+    daemon.observers.append(lambda rt, s: seen.append((rt.name, rt.config.path or "", s["syscall"])))
+    daemon.start()
+    rt = daemon.targets["app"]
+    source = factory.sources["app"]
+    buffered = [sample([frame("main", 0x1100), frame("flush", 0x1400)], "fsync")]
+    polls_after_stop: list[int] = []
+
+    def buffer_visible_only_after_the_stop(timeout_ms: int) -> list[dict[str, object]]:
+        stop = rt._stop
+        if not stop.is_set():
+            stop.wait(timeout_ms / 1000)
+            return []
+        polls_after_stop.append(timeout_ms)
+        out, buffered[:] = list(buffered), []
+        return out
+
+    source.poll = buffer_visible_only_after_the_stop  # type: ignore[method-assign]
+    daemon.stop_target("app")
+    assert polls_after_stop == [0], polls_after_stop  # one read, not a wait
+    assert seen == [("app", "/opt/app/bin", "fsync")]
+    assert rt.store.total() == 1
+    assert source.closed
+    daemon.stop()
+
+
 def test_started_daemon_serves_then_stops_and_cleans_up(tmp_path: Path) -> None:
     """The shared in-process set-up (daemon_fakes.started_daemon): the daemon answers on its socket
     while the block runs, is stopped after it (its socket gone, its sources closed) even when the

@@ -247,9 +247,9 @@ def test_learn_keeps_samples_of_an_unlisted_forked_child(tmp_path: Path) -> None
     daemon = SimpleNamespace(targets={"redis": rt}, config=SimpleNamespace(daemon=SimpleNamespace(
         state_dir=str(tmp_path))), alerts=None)
     monitor = AnomalyMonitor(daemon=daemon)  # type: ignore[arg-type]
-    monitor.observe("redis", sample(11, "bid"))
-    monitor.observe("redis", sample(12, "other"))
-    monitor.observe("redis", sample(13, "bid", analysed=False))
+    monitor.observe(rt, sample(11, "bid"))
+    monitor.observe(rt, sample(12, "other"))
+    monitor.observe(rt, sample(13, "bid", analysed=False))
     t = monitor.targets["redis"]
     assert set(t.binaries) == {"bid"}
     learner = t.binaries["bid"].learner

@@ -169,10 +169,10 @@ class AnomalyMonitor:
             log.error("target %s: anomaly model %s not written: %s", t.name, t.model_path, _one_line(exc))
 
     # -------------------------------------------------------------------------------- samples
-    def observe(self, target: str, sample: dict[str, Any]) -> None:
-        """The daemon's sample observer (called on the target's pump thread)."""
-        rt = self.daemon.targets.get(target)
-        if rt is None or rt.config.anomaly.action == "off":
+    def observe(self, rt: TargetView, sample: dict[str, Any]) -> None:
+        """The daemon's sample observer (called on the target's pump thread, also for the last
+        read of a target that is detaching: judged under the configuration it ran with)."""
+        if rt.config.anomaly.action == "off":
             return
         t = self._target(rt)
         with t.lock:

@@ -45,7 +45,9 @@ from ccprofd.daemon.store import TargetStore
 
 log = logging.getLogger("ccprofd")
 
-SampleObserver = Callable[[str, dict[str, Any]], None]
+#: Called with the runtime the sample came from (not its name: a sample read while its target
+#: detaches is judged under the configuration it was taken under).
+SampleObserver = Callable[["TargetRuntime", dict[str, Any]], None]
 POLL_MS = 200
 #: How long a detach waits for the target's pump thread to return from its poll.
 PUMP_STOP_SECONDS = 5
@@ -338,8 +340,6 @@ class Daemon:
                     switch(True)
 
     def _pump(self, rt: TargetRuntime, source: SampleSource, stop: threading.Event) -> None:
-        split = getattr(source, "poll_counted", None)
-        switch = getattr(source, "set_per_sample", None)
         polled = False
         while not stop.is_set():
             if polled and rt.retries:
@@ -349,21 +349,7 @@ class Daemon:
                 rt.retries = 0
             polled = True
             try:
-                if split is None:
-                    for sample in source.poll(POLL_MS):
-                        self.ingest(rt, sample)
-                    continue
-                if switch is not None:
-                    with self._switch_lock:  # decided and applied as one step (see _every_sample_now)
-                        switch(self.needs_every_sample(rt))
-                # The store counts each sample once: records that are samples of their own, and
-                # the kernel's per-context counts (which include the samples of new and repeated
-                # contexts whether or not their records were sent), never both.
-                records, counts = split(POLL_MS)
-                for sample, counted in records:
-                    self.ingest(rt, sample, counted=counted)
-                for sample, n in counts:
-                    rt.store.add(sample, count=n)
+                self._pump_once(rt, source, POLL_MS)
             except Exception as exc:
                 if stop.is_set():
                     return
@@ -374,6 +360,33 @@ class Daemon:
                 with contextlib.suppress(Exception):
                     source.close()
                 return
+        # Detaching: what the kernel buffered before the stop is still read, once and without
+        # waiting, so a sample taken just before a SIGTERM or a reload (e.g. the one of a process
+        # the enforcer killed) still reaches the store and the detector.
+        try:
+            self._pump_once(rt, source, 0)
+        except Exception as exc:
+            log.error("target %s: last read before detaching failed: %s", rt.name, _one_line(exc))
+
+    def _pump_once(self, rt: TargetRuntime, source: SampleSource, timeout_ms: int) -> None:
+        """One poll of the source (waiting at most ``timeout_ms``), its samples ingested."""
+        split = getattr(source, "poll_counted", None)
+        if split is None:
+            for sample in source.poll(timeout_ms):
+                self.ingest(rt, sample)
+            return
+        switch = getattr(source, "set_per_sample", None)
+        if switch is not None:
+            with self._switch_lock:  # decided and applied as one step (see _every_sample_now)
+                switch(self.needs_every_sample(rt))
+        # The store counts each sample once: records that are samples of their own, and the
+        # kernel's per-context counts (which include the samples of new and repeated contexts
+        # whether or not their records were sent), never both.
+        records, counts = split(timeout_ms)
+        for sample, counted in records:
+            self.ingest(rt, sample, counted=counted)
+        for sample, n in counts:
+            rt.store.add(sample, count=n)
 
     def ingest(self, rt: TargetRuntime, sample: dict[str, Any], counted: bool = True) -> None:
         """One decoded sample: count it (unless the kernel counts it), stream it, show it to the
@@ -385,7 +398,7 @@ class Daemon:
             rt.stream_dropped += self.samples.publish(item)
         for observe in self.observers:
             try:
-                observe(rt.name, sample)
+                observe(rt, sample)
             except Exception as exc:
                 rt.observer_errors += 1
                 log.error("target %s: sample observer failed: %s", rt.name, _one_line(exc))
