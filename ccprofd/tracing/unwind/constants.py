@@ -37,7 +37,8 @@ EV_SAMPLE, EV_MAPS, EV_HIT = _C["UW_EV_SAMPLE"], _C["UW_EV_MAPS"], _C["UW_EV_HIT
 ARG_LEN = _C["UW_ARG_LEN"]  # the path argument's buffer (PATH_MAX)
 #: the syscalls uw_watch_maps looks at (PROT_EXEC mappings), attached on the per-syscall path even
 #: when not sampled (kbpf/syscall_entry.py)
-UW_NR_MMAP, UW_NR_MPROTECT = _C["UW_NR_MMAP"], _C["UW_NR_MPROTECT"]
+UW_NR_MMAP, UW_NR_MPROTECT, UW_NR_PKEY_MPROTECT = (_C[n] for n in ("UW_NR_MMAP", "UW_NR_MPROTECT",
+                                                                 "UW_NR_PKEY_MPROTECT"))
 CFG_AGGREGATE, CFG_EMIT_HITS, CFG_MEMO = _C["UW_CFG_AGGREGATE"], _C["UW_CFG_EMIT_HITS"], _C["UW_CFG_MEMO"]
 #: uw_config[CFG_MEMO] values: the per-thread memo of outer frames on (default), off, or on without
 #: re-reading the reused slots (unsound: only for the test that shows the re-read matters)

@@ -74,7 +74,8 @@ from ccprofd.kbpf.errors import BPFError
 from ccprofd.kbpf.objcache import cache_dir_under
 from ccprofd.kbpf.rawmodule import load_module
 from ccprofd.kbpf.syscall_entry import entry_plan, exit_event
-from ccprofd.kbpf.tracefs import tracepoint_field_offset, tracepoint_has_field
+from ccprofd.kbpf.syscalls import syscall_table
+from ccprofd.kbpf.tracefs import tracefs_syscalls, tracepoint_field_offset, tracepoint_has_field
 from ccprofd.persist.cache import AnalysisCache
 from ccprofd.proc.maps import DEFAULT_PROC_ROOT
 from ccprofd.tracing.api import RECORDS_PER_POLL
@@ -113,6 +114,7 @@ from ccprofd.tracing.unwind.constants import (
     STATS,
     UW_NR_MMAP,
     UW_NR_MPROTECT,
+    UW_NR_PKEY_MPROTECT,
 )
 from ccprofd.tracing.unwind.plan import UnwindEncoding
 from ccprofd.tracing.unwind.processes import ProcessTracker, ResolvedPc
@@ -387,9 +389,9 @@ def memo_setting(mode: str) -> int:
     return modes[mode]
 
 
-#: syscalls the unwinder always looks at (unwind.c's uw_watch_maps: mmap, mprotect with PROT_EXEC),
-#: attached on the per-syscall path even when not sampled
-MAPS_WATCHED = (UW_NR_MMAP, UW_NR_MPROTECT)
+#: syscalls the unwinder always looks at (unwind.c's uw_watch_maps: mmap, mprotect, pkey_mprotect
+#: with PROT_EXEC), attached on the per-syscall path even when not sampled
+MAPS_WATCHED = (UW_NR_MMAP, UW_NR_MPROTECT, UW_NR_PKEY_MPROTECT)
 
 
 class UnwindSampler:
@@ -477,7 +479,7 @@ class UnwindSampler:
         self._m["uw_config"].set(CFG_AGGREGATE, 1 if aggregate else 0)
         self._m["uw_config"].set(CFG_EMIT_HITS, 1 if emit_hits else 0)
         # The syscalls attached one by one (None: raw_syscalls:sys_enter): the sampled ones and
-        # mmap/mprotect, whose PROT_EXEC calls uw_watch_maps must see.
+        # mmap/mprotect/pkey_mprotect, whose PROT_EXEC calls uw_watch_maps must see.
         self.entry_plan = entry_plan(syscalls, extra=MAPS_WATCHED, nr_offset=SYSCALL_NR_OFFSET,
                                      ret_offset=SYSCALL_RET_OFFSET) if entry_attach else None
         self._sys_fd = -1  # the syscall program's fd once attached
@@ -530,7 +532,19 @@ class UnwindSampler:
                 # the events leave ia32 calls out: uw_sys_enter on raw_syscalls takes only those
                 # (with the path set to the events, it returns for every other call)
                 self._links.append(attach_raw_tracepoint_fd(self.programs.load("uw_sys_enter"), "sys_enter"))
+        self._attach_maps_exits()
         self._attached = True
+
+    def _attach_maps_exits(self) -> None:
+        """uw_maps_exit on the returns of the calls that may map code, whatever the entry path (a
+        kernel without their exit events falls back to the next syscall, uw_watch_maps)."""
+        known = tracefs_syscalls() or frozenset()
+        table = syscall_table()
+        for nr in MAPS_WATCHED:
+            if table.get(nr) in known:
+                self.module.attach_tracepoint(f"syscalls:sys_exit_{table[nr]}", "uw_maps_exit_tp")
+        if self.compat_watch:  # the ia32 ones, which the exit events leave out
+            self.module.attach_raw_tracepoint("sys_exit", "uw_maps_exit_raw")
 
     def syscall_program_fd(self) -> int:
         """The program that runs at syscall entry (on raw_syscalls:sys_enter, or on the per-syscall

@@ -1945,16 +1945,26 @@ static __always_inline void uw_inherit(struct ccprof_tracked *t, u32 tgid) {
     *uw_tbyte(t, UW_TB_HAS_PROC) = 1;
 }
 
-// mmap/mprotect with PROT_EXEC: the mapping exists once the call returns, i.e. at the process's
-// next syscall; tell userspace then so it re-reads the maps.  (On the per-syscall attach path these
-// two are attached whatever the set, and "next syscall" is the next attached one: constants.py.)
-// The count of such calls is UW_TB_MAPS (an atomic add: calls of two threads both count); a syscall
-// that finds it differing from UW_TB_MAPS_SEEN stores the count it read there, then tells userspace.
-// Two threads may both tell it (as with a map entry that both found); none is missed, as the
-// count stored is always one an event is sent for.
+// Calls that may map code: mmap, mprotect and pkey_mprotect with PROT_EXEC (prot is their third
+// argument, rdx) and, seen under the compat watch only (marked CCPROF_IA32_BIT), the ia32 mmap2 and
+// mprotect (prot in edx) and old_mmap (its arguments a struct in user memory, prot its third u32;
+// unreadable: counted as exec).  Missing one would leave BPF unwinding through a stale table, e.g.
+// through a library mapped where another was.  The mapping exists once the call returns: userspace
+// is told then (uw_maps_exit, on their exit events) so that it re-reads the maps, and at the
+// process's next syscall if that was missed.  (On the per-syscall attach path these are attached
+// whatever the set: constants.py.)  The count of such calls is UW_TB_MAPS (an atomic add: calls
+// of two threads both count); a check that finds it differing from UW_TB_MAPS_SEEN stores the
+// count it read there, then tells userspace.  Two threads may both tell it (as with a map entry
+// that both found); none is missed, as the count stored is always one an event is sent for.
 #define UW_NR_MMAP 9
 #define UW_NR_MPROTECT 10
-static __always_inline void uw_watch_maps(struct ccprof_tracked *t, u32 tgid, long nr, struct pt_regs *regs) {
+#define UW_NR_PKEY_MPROTECT 329
+#define UW_NR_IA32_OLD_MMAP 90
+#define UW_NR_IA32_MPROTECT 125
+#define UW_NR_IA32_MMAP2 192
+// The counted calls' part: tell userspace if UW_TB_MAPS moved since this process last looked,
+// holding it first if BPF holds it at new executable mappings (uw_stop).
+static __always_inline void uw_maps_moved(struct ccprof_tracked *t, u32 tgid) {
     u8 maps = *uw_tbyte(t, UW_TB_MAPS);
     if (maps != *uw_tbyte(t, UW_TB_MAPS_SEEN)) {
         *uw_tbyte(t, UW_TB_MAPS_SEEN) = maps;
@@ -1970,12 +1980,24 @@ static __always_inline void uw_watch_maps(struct ccprof_tracked *t, u32 tgid, lo
             uw_stat(UW_STAT_MAPS_LOST, 1);
         }
     }
-    if (nr == UW_NR_MMAP || nr == UW_NR_MPROTECT) {  // prot is the third argument (rdx)
-        u64 prot = 0;
-        bpf_probe_read_kernel(&prot, sizeof(prot), &regs->dx);
-        if (prot & 4)  // PROT_EXEC
-            __sync_fetch_and_add(&t->flags, 1U << (8 * UW_TB_MAPS));
+}
+
+static __always_inline void uw_watch_maps(struct ccprof_tracked *t, u32 tgid, long nr, struct pt_regs *regs) {
+    uw_maps_moved(t, tgid);
+    u64 prot = 0;
+    if (nr == UW_NR_MMAP || nr == UW_NR_MPROTECT || nr == UW_NR_PKEY_MPROTECT ||
+        nr == (CCPROF_IA32_BIT | UW_NR_IA32_MMAP2) || nr == (CCPROF_IA32_BIT | UW_NR_IA32_MPROTECT)) {
+        bpf_probe_read_kernel(&prot, sizeof(prot), &regs->dx);  // the third argument
+    } else if (nr == (CCPROF_IA32_BIT | UW_NR_IA32_OLD_MMAP)) {
+        u64 args = 0;
+        u32 p32 = 4;
+        bpf_probe_read_kernel(&args, sizeof(args), &regs->bx);
+        if (bpf_probe_read_user(&p32, sizeof(p32), (void *)((u32)args + 8)) != 0)
+            p32 = 4;
+        prot = p32;
     }
+    if (prot & 4)  // PROT_EXEC
+        __sync_fetch_and_add(&t->flags, 1U << (8 * UW_TB_MAPS));
 }
 
 // The user pointer to the path argument of the syscalls whose path is cheap to report (x86-64:
@@ -2178,6 +2200,33 @@ int uw_sys_tp(void *ctx) {
     if (!ccprof_path_is(PATH_EVENTS))
         return 0;  // detached (the events' fds may still be closing in the background)
     return uw_sys_sample(ccprof_task_regs(), (long)*(int *)((char *)ctx + SYSCALL_NR_OFFSET), 0);
+}
+
+// The return of a call uw_watch_maps counts: its mapping exists now, so userspace is told here
+// and a held process stops here, before its first instruction after the call.  Waiting for its
+// next syscall, as the entry does, is too late when that syscall is made by the code just mapped:
+// it would be unwound with the mappings of before.  On mmap's, mprotect's and pkey_mprotect's exit
+// events (whatever the entry path), and under the compat watch on raw_syscalls:sys_exit for the
+// ia32 calls the events leave out.
+static __always_inline int uw_maps_exit(void) {
+    u32 tgid = bpf_get_current_pid_tgid() >> 32;
+    struct ccprof_tracked *t = tracked.lookup(&tgid);
+    if (!t || t->execs_left)
+        return 0;
+    uw_maps_moved(t, tgid);
+    return 0;
+}
+
+int uw_maps_exit_tp(void *ctx) {
+    if (ccprof_path_is(PATH_OFF))
+        return 0;  // detached: no new hold
+    return uw_maps_exit();
+}
+
+int uw_maps_exit_raw(struct bpf_raw_tracepoint_args *ctx) {
+    if (!ccprof_raw_takes_call())  // beside the events: ia32 calls only; never once detached
+        return 0;
+    return uw_maps_exit();
 }
 
 // CPU-clock sample of a tracked process: unwind from its user registers.  The task's pt_regs (top
