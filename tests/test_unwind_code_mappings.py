@@ -29,7 +29,8 @@ from conftest import require_bpf, require_tool, skip_or_fail
 REPO = Path(__file__).resolve().parent.parent
 
 LIBRARY = r"""
-long mapped_getppid(void) {
+long mapped_getppid(long spins) {
+    for (volatile long i = 0; i < spins; i++) {}  /* CPU time in the mapped code first */
     long r;
     asm volatile("syscall" : "=a"(r) : "0"(110L) : "rcx", "r11", "memory");  /* getppid */
     return r;
@@ -37,7 +38,8 @@ long mapped_getppid(void) {
 """
 
 # argv: object, function vaddr, how ("x" mmap exec, "k" pkey_mprotect, "2" ia32 mmap2, "m" ia32
-# mprotect), segment file offset, segment length (hex).  Every mapping is below 4 GiB (MAP_32BIT;
+# mprotect), segment file offset, segment length (hex), and optionally the spins the function
+# makes before its syscall.  Every mapping is below 4 GiB (MAP_32BIT;
 # an ia32 mmap2 maps there anyway) so the ia32 calls can name it.
 PROGRAM = r"""
 #include <fcntl.h>
@@ -58,10 +60,10 @@ __attribute__((noinline)) long ia32_mprotect(long addr, long len) {
     asm volatile("int $0x80" : "=a"(r) : "0"(125L), "b"(addr), "c"(len), "d"(5L) : "memory");
     return r;
 }
-__attribute__((noinline)) long call_mapped(long (*fn)(void)) { return fn() + 1; }
+__attribute__((noinline)) long call_mapped(long (*fn)(long), long spins) { return fn(spins) + 1; }
 int main(int argc, char **argv) {
     int fd = open(argv[1], O_RDONLY);
-    if (fd < 0 || argc != 6) return 2;
+    if (fd < 0 || argc < 6) return 2;
     long off = strtol(argv[2], 0, 16), segoff = strtol(argv[4], 0, 16), seglen = strtol(argv[5], 0, 16);
     char how = argv[3][0], *base;
     if (how == '2') {
@@ -75,7 +77,7 @@ int main(int argc, char **argv) {
         if (r != 0) return 4;
     }
     if ((unsigned long)base >= 0xfffff000UL) return 5;
-    long r = call_mapped((long (*)(void))(base + off - segoff));
+    long r = call_mapped((long (*)(long))(base + off - segoff), argc > 6 ? atol(argv[6]) : 0);
     printf("%ld\n", r - 1);
     return 0;
 }
@@ -132,17 +134,24 @@ def run(program: Path, args: list[str], how: str) -> subprocess.CompletedProcess
     return subprocess.run(argv, capture_output=True, text=True, timeout=60)
 
 
-def trace(program: Path, args: list[str], how: str, tmp_path: Path,
-          *extra: str) -> tuple[dict[str, Any], str]:
-    """The getppid sample of one traced run, and what the program printed."""
+def trace_all(program: Path, args: list[str], how: str, tmp_path: Path,
+              *extra: str) -> tuple[list[dict[str, Any]], str]:
+    """The samples of one traced run, and what the program printed."""
     out = tmp_path / f"{how}.jsonl"
     argv = [sys.executable, "-m", "ccprofd.cli", "trace", "--mode", "unwind", "--format", "jsonl", *extra,
             "--syscalls", "getppid", "--output", str(out), "--", str(program), *args]
     argv[argv.index("")] = how
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=600, env=dict(os.environ))
     assert proc.returncode == 0, proc.stderr
-    (sample,) = [s for s in map(json.loads, out.read_text().splitlines()) if s.get("syscall") == "getppid"]
-    return sample, proc.stdout
+    return [json.loads(line) for line in out.read_text().splitlines()], proc.stdout
+
+
+def trace(program: Path, args: list[str], how: str, tmp_path: Path,
+          *extra: str) -> tuple[dict[str, Any], str]:
+    """The getppid sample of one traced run, and what the program printed."""
+    samples, stdout = trace_all(program, args, how, tmp_path, *extra)
+    (sample,) = [s for s in samples if s.get("syscall") == "getppid"]
+    return sample, stdout
 
 
 @pytest.mark.parametrize("how, watch", [("x", False), ("k", False), ("2", True), ("m", True)])
@@ -175,3 +184,22 @@ def test_without_the_watch_an_ia32_mapping_is_flagged_not_guessed(built: tuple[P
         skip_or_fail("this kernel runs no int $0x80 syscalls (ia32 emulation off)")
     sample, _ = trace(program, args, "2", tmp_path)
     assert not sample["complete"] and sample["reason"] == "unknown_pc", sample
+
+
+def test_cpu_samples_in_code_just_mapped_are_unwound(built: tuple[Path, Path, list[str]],
+                                                    tmp_path: Path) -> None:
+    """``--sample-hz`` with a syscall set (the per-syscall events): the mapped function spins before
+    any syscall, so its CPU samples need the mappings reloaded at mmap's return -- every one of
+    them is complete, with the chain main > call_mapped > mapped_getppid."""
+    require_bpf()
+    lib, program, args = built
+    samples, stdout = trace_all(program, [*args, "400000000"], "x", tmp_path, "--sample-hz", "499")
+    assert stdout.strip().isdigit()
+    cpu = [s for s in samples if s["event"] == "cpu"]
+    mapped = [s for s in cpu if any(f["module"] == str(lib) for f in s["frames"])]
+    assert len(mapped) >= 10, [(s["complete"], s.get("reason")) for s in cpu]
+    bad = [s for s in mapped if not s["complete"] or [(f["function"], f["module"]) for f in s["frames"]] != [
+        ("main", str(program)), ("call_mapped", str(program)), ("mapped_getppid", str(lib))]]
+    assert not bad, bad[:3]
+    # and no CPU sample at all is lost to a pc the mappings did not have
+    assert not [s for s in cpu if s.get("reason") == "unknown_pc"]

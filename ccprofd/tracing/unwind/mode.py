@@ -151,8 +151,6 @@ class UnwindMode(ModeBase[Record, tuple[int, int]]):
                                      events_ringbuf_pages=RET_RINGBUF_PAGES if self.options.retval else 16,
                                      enforce_keys=0 if enf is None else max(1, len(enf.allowed)),
                                      history=self.options.history,
-                                     # CPU samples need uw_watch_maps to see the next syscall, any
-                                     entry_attach=not self.options.sample_hz,
                                      compat_watch=self.options.watch_ia32)
         if enf is not None:
             self.enforcement_maps = UnwindEnforcementMaps(self.sampler.module)
