@@ -349,7 +349,7 @@ class Daemon:
                 rt.retries = 0
             polled = True
             try:
-                self._pump_once(rt, source, POLL_MS)
+                pump_once(self, rt, source, POLL_MS)
             except Exception as exc:
                 if stop.is_set():
                     return
@@ -364,29 +364,9 @@ class Daemon:
         # waiting, so a sample taken just before a SIGTERM or a reload (e.g. the one of a process
         # the enforcer killed) still reaches the store and the detector.
         try:
-            self._pump_once(rt, source, 0)
+            pump_once(self, rt, source, 0)
         except Exception as exc:
             log.error("target %s: last read before detaching failed: %s", rt.name, _one_line(exc))
-
-    def _pump_once(self, rt: TargetRuntime, source: SampleSource, timeout_ms: int) -> None:
-        """One poll of the source (waiting at most ``timeout_ms``), its samples ingested."""
-        split = getattr(source, "poll_counted", None)
-        if split is None:
-            for sample in source.poll(timeout_ms):
-                self.ingest(rt, sample)
-            return
-        switch = getattr(source, "set_per_sample", None)
-        if switch is not None:
-            with self._switch_lock:  # decided and applied as one step (see _every_sample_now)
-                switch(self.needs_every_sample(rt))
-        # The store counts each sample once: records that are samples of their own, and the
-        # kernel's per-context counts (which include the samples of new and repeated contexts
-        # whether or not their records were sent), never both.
-        records, counts = split(timeout_ms)
-        for sample, counted in records:
-            self.ingest(rt, sample, counted=counted)
-        for sample, n in counts:
-            rt.store.add(sample, count=n)
 
     def ingest(self, rt: TargetRuntime, sample: dict[str, Any], counted: bool = True) -> None:
         """One decoded sample: count it (unless the kernel counts it), stream it, show it to the
@@ -547,6 +527,27 @@ class Daemon:
         self.anomaly.close()  # after the pumps stopped: the final flush has every sample
         self._stop_servers()
         log.info("stopped: every probe detached")
+
+
+def pump_once(daemon: Daemon, rt: TargetRuntime, source: SampleSource, timeout_ms: int) -> None:
+    """One poll of a target's source (waiting at most ``timeout_ms``), its samples ingested."""
+    split = getattr(source, "poll_counted", None)
+    if split is None:
+        for sample in source.poll(timeout_ms):
+            daemon.ingest(rt, sample)
+        return
+    switch = getattr(source, "set_per_sample", None)
+    if switch is not None:
+        with daemon._switch_lock:  # decided and applied as one step (see _every_sample_now)
+            switch(daemon.needs_every_sample(rt))
+    # The store counts each sample once: records that are samples of their own, and the kernel's
+    # per-context counts (which include the samples of new and repeated contexts whether or not
+    # their records were sent), never both.
+    records, counts = split(timeout_ms)
+    for sample, counted in records:
+        daemon.ingest(rt, sample, counted=counted)
+    for sample, n in counts:
+        rt.store.add(sample, count=n)
 
 
 def close_source(rt: TargetRuntime, source: SampleSource, after: threading.Thread | None = None) -> None:
