@@ -3,13 +3,14 @@ unwound with the new mappings.
 
 A program maps the text segment of a small shared object itself -- with x86-64 ``mmap``
 PROT_EXEC, ``mmap`` PROT_READ then ``pkey_mprotect`` PROT_EXEC, or, through ``int $0x80``, ia32
-``mmap2`` or ``mprotect`` -- and calls the function there, whose first act is ``getppid``.  Nothing
-else happens between the mapping and that syscall, so unwind mode must have re-read the mappings
-when the mapping call returned (uw_maps_exit).  It used to wait for the next syscall, which is this
-one: the sample came out ``unknown_pc``.  The ia32 calls are seen only under ``--watch-ia32``;
-without it the sample must be flagged, not wrong.  Oracles: nm (the function's name and address in
-the object), readelf (the segment mapped), objdump (the indirect call the caller frame is at), and
-the program itself (it prints what getppid returned).
+``mmap2``, ``old_mmap`` (its arguments in memory) or ``mprotect`` -- and calls the function there,
+whose first act is ``getppid``.  Nothing else happens between the mapping and that syscall, so
+unwind mode must have re-read the mappings when the mapping call returned (uw_maps_exit).  It used
+to wait for the next syscall, which is this one: the sample came out ``unknown_pc``.  The ia32
+calls are seen only under ``--watch-ia32``; without it the sample must be flagged, not wrong.
+Oracles: nm (the function's name and address in the object), readelf (the segment mapped), objdump
+(the indirect call the caller frame is at), and the program itself (it prints what getppid
+returned).
 """
 
 from __future__ import annotations
@@ -37,10 +38,10 @@ long mapped_getppid(long spins) {
 }
 """
 
-# argv: object, function vaddr, how ("x" mmap exec, "k" pkey_mprotect, "2" ia32 mmap2, "m" ia32
-# mprotect), segment file offset, segment length (hex), and optionally the spins the function
-# makes before its syscall.  Every mapping is below 4 GiB (MAP_32BIT;
-# an ia32 mmap2 maps there anyway) so the ia32 calls can name it.
+# argv: object, function vaddr, how ("x" mmap exec, "k" pkey_mprotect, "2" ia32 mmap2, "o" ia32
+# old_mmap, "m" ia32 mprotect), segment file offset, segment length (hex), and optionally the spins
+# the function makes before its syscall.  Every mapping is below 4 GiB (MAP_32BIT; an ia32 mmap2
+# maps there anyway) so the ia32 calls can name it.
 PROGRAM = r"""
 #include <fcntl.h>
 #include <stdio.h>
@@ -53,6 +54,11 @@ __attribute__((noinline)) long ia32_mmap2(long len, long fd, long segoff) {
     register long pgoff asm("rbp") = segoff >> 12;
     asm volatile("int $0x80" : "=a"(r) : "0"(192L), "b"(0L), "c"(len), "d"(5L), "S"(2L), "D"(fd), "r"(pgoff)
                  : "memory");
+    return r;
+}
+__attribute__((noinline)) long ia32_old_mmap(unsigned *args) {
+    long r;
+    asm volatile("int $0x80" : "=a"(r) : "0"(90L), "b"(args) : "memory");  /* its arguments in memory */
     return r;
 }
 __attribute__((noinline)) long ia32_mprotect(long addr, long len) {
@@ -68,6 +74,11 @@ int main(int argc, char **argv) {
     char how = argv[3][0], *base;
     if (how == '2') {
         base = (char *)ia32_mmap2(seglen, fd, segoff);
+    } else if (how == 'o') {
+        unsigned *a = mmap(0, 4096, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_32BIT, -1, 0);
+        if (a == MAP_FAILED) return 3;
+        a[0] = 0, a[1] = seglen, a[2] = PROT_READ | PROT_EXEC, a[3] = MAP_PRIVATE, a[4] = fd, a[5] = segoff;
+        base = (char *)ia32_old_mmap(a);
     } else {
         int prot = how == 'x' ? PROT_READ | PROT_EXEC : PROT_READ;
         base = mmap(0, seglen, prot, MAP_PRIVATE | MAP_32BIT, fd, segoff);
@@ -154,13 +165,13 @@ def trace(program: Path, args: list[str], how: str, tmp_path: Path,
     return sample, stdout
 
 
-@pytest.mark.parametrize("how, watch", [("x", False), ("k", False), ("2", True), ("m", True)])
+@pytest.mark.parametrize("how, watch", [("x", False), ("k", False), ("2", True), ("o", True), ("m", True)])
 def test_first_syscall_of_code_just_mapped_is_unwound(built: tuple[Path, Path, list[str]], how: str,
                                                      watch: bool, tmp_path: Path) -> None:
     require_bpf()
     lib, program, args = built
     plain = run(program, args, how)
-    if plain.returncode != 0 and how in "2m":
+    if plain.returncode != 0 and how in "2om":
         skip_or_fail(f"this kernel runs no int $0x80 syscalls (ia32 emulation off): {plain.returncode}")
     assert plain.returncode == 0 and plain.stdout.strip().isdigit(), plain
     sample, stdout = trace(program, args, how, tmp_path, *(["--watch-ia32"] if watch else []))
