@@ -12,9 +12,10 @@ same stack give the same frames:
 * the signal trampoline (``__restore_rt``): the interrupted ``rip``/``rsp``/``rbp`` are read from
   the ``ucontext`` at ``rsp``; the next pc is *exact* (the interrupted instruction, looked up as is)
   where a return address is looked up at ``pc - 1``;
-* no CFI row: the frame-pointer rule (``CFA = rbp + 16``) where ``rbp`` looks like a frame pointer
-  (above ``rsp``, within 8 MiB, aligned); the main thread's first frame (``rsp`` = the stack's start
-  from ``/proc/PID/stat``) and a zero pc end the stack;
+* no CFI row: the frame-pointer rule (``CFA = rbp + 16``) at a return address where ``rbp`` looks
+  like a frame pointer (above ``rsp``, within 8 MiB, aligned), never at an exact pc; the main
+  thread's first frame (``rsp`` = the stack's start from ``/proc/PID/stat``) and a zero pc end the
+  stack;
 * ``END`` rows (undefined return address: ``_start``, a thread's ``clone3`` frame) end the stack.
 
 Input: :class:`UserRegs`, a word reader (None = unreadable), the process's module mappings
@@ -118,7 +119,9 @@ def unwind(regs: UserRegs, read_word: WordReader, maps: ProcessMaps, table_of: T
         if rule is None or kind == cfi.NONE:
             if start_stack and sp == start_stack:
                 return done(None)  # the main thread's first frame: the loader's entry, no CFI
-            if not bp_valid or bp < sp or bp - sp > FP_MAX_SPAN or bp & 7:
+            # frame pointers only at a return address: at an exact pc the function may not have set
+            # rbp up (yet, or at all), and the walk would skip its caller (unwind.c says the same)
+            if exact or not bp_valid or bp < sp or bp - sp > FP_MAX_SPAN or bp & 7:
                 if mod is None or tables.get(mod.start) is None:
                     return done("no_table")  # [vdso], JIT code, an object without CFI
                 return done("no_cfi")

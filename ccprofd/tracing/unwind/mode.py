@@ -305,7 +305,7 @@ class UnwindMode(ModeBase[Record, tuple[int, int]]):
 
     def _decode(self, s: Record) -> Decoded:  # new and plain records only: never a HitHeader
         assert self.symbolizer is not None and not isinstance(s, tuple)
-        d = self.symbolizer.decode(s.encoded, s.reason)  # fresh Frame objects for every record
+        d = self.symbolizer.decode(s.encoded, s.reason, s.fp_frames > 0)  # fresh Frames every record
         if self.options.verify:
             self._verify(s)
         return d

@@ -130,13 +130,17 @@ class UnwindSymbolizer:
                              None if s.caller == NO_NODE else nodes[s.caller]) for s in rec.segments)
         return EncodedState(acyc=rec.acyc, rec=rec.rec, rec_len=rec.rec_len, segments=segs)
 
-    def decode(self, rec: EncodedRecord | None, reason: str | None) -> Decoded:
+    def decode(self, rec: EncodedRecord | None, reason: str | None, fp: bool = False) -> Decoded:
+        """``fp``: the unwind used the frame-pointer rule somewhere (no CFI there), so a frame may
+        have been skipped: a call that cannot reach the next frame flags the context."""
         complete = reason is None
         if rec is None:
             return Decoded([], False, reason or "no encoded context")
         if rec.flags & (UE_F_ANCHOR | UE_F_SEG_OVF | UE_F_REC_OVF | UE_F_UNAN_OVF):
             complete = False
             reason = reason or _flag_reason(rec.flags)
+        if fp and complete and rec.segments and self._skipped_frame(rec):
+            complete, reason = False, SKIPPED_FRAME
         if rec.node == NO_NODE:
             return Decoded([], complete, reason)
         node = self.nodes[rec.node]
@@ -200,6 +204,43 @@ class UnwindSymbolizer:
                     out_json.append(lj)
                 frames, jsons = out, out_json
         return Decoded.with_json(frames, jsons, complete, reason)
+
+    def _skipped_frame(self, rec: EncodedRecord) -> bool:
+        """Whether a frame of the record calls, at a direct call site, a function that cannot be
+        the next frame: the call's target, or a function it reaches by tail jumps alone.  Only a
+        frame-pointer walk gives that (rbp was the caller's caller's: a function without a frame
+        of its own was skipped).  Unknown when the way from the target leaves the call graph (an
+        import, which may call back; an indirect jump): not flagged."""
+        direct = self._exit_tables()[0]
+        nodes = self.nodes
+        for seg in rec.segments:
+            if seg.caller == NO_NODE or seg.site <= 0:
+                continue  # the outermost frame, or no call site (a signal frame's caller)
+            target = direct.get(seg.site)
+            if target is None:
+                continue  # an indirect call, or one into an import
+            reach = self._tail_reach(target)
+            if reach is not None and nodes[seg.callee] not in reach:
+                return True
+        return False
+
+    def _tail_reach(self, target: int) -> set[int] | None:
+        """``target`` and the functions it reaches by tail jumps alone; None when a way out of the
+        call graph is on the way (a jump into an import, an indirect jump)."""
+        _direct, tails, other_jumpers = self._exit_tables()
+        reach = {target}
+        todo = [target]
+        while todo:
+            fn = todo.pop()
+            if fn in other_jumpers:
+                return None
+            for nxt, _site in tails.get(fn, ()):
+                if nxt < ROOT:
+                    return None
+                if nxt not in reach:
+                    reach.add(nxt)
+                    todo.append(nxt)
+        return reach
 
     def _inner_frame(self, node: int, inner: int, exact: bool) -> FrameJson:
         """The innermost frame of the binary (in function ``node``, at ``inner``: its exact pc,
@@ -322,6 +363,8 @@ class UnwindSymbolizer:
 
 
 FRAME_CACHE_ENTRIES = 1 << 17
+#: the reason of a context whose frame-pointer walk skipped a frame (UnwindSymbolizer._skipped_frame)
+SKIPPED_FRAME = "frame_skipped"
 
 # A frame and its JSON dict (frames.frame_json), kept together by the caches that share frames.
 FrameJson = tuple[Frame, dict[str, Any]]

@@ -937,8 +937,11 @@ static __always_inline long uw_unwind_step(struct uw_state *st, int memo) {
                 uw_memo_rec(st, n, pc, sp, bp, eflags, 0, addr, val);
             return uw_finish(st, 0);
         }
-        // no CFI: frame-pointer rule, only where rbp looks like a frame pointer
-        if (!st->bp_valid || bp < sp || bp - sp > (8ULL << 20) || (bp & 7))
+        // no CFI: frame-pointer rule, only where rbp looks like a frame pointer, and only at a
+        // return address.  At an exact pc (the sampled instruction, or one a signal interrupted)
+        // the function may not have set rbp up yet, or ever (a leaf, a prologue, an epilogue):
+        // rbp is then its caller's and the walk would silently skip that caller.
+        if (st->exact || !st->bp_valid || bp < sp || bp - sp > (8ULL << 20) || (bp & 7))
             return uw_finish(st, st->c.module == UW_NO_MODULE ? UW_WHY_NO_TABLE : UW_WHY_NO_CFI);
         cfa = bp + 16;
         addr[0] = bp + 8;
