@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 from conftest import require_bpf, require_tool
+from daemon_fakes import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 NO_CFI = ("-fno-asynchronous-unwind-tables", "-fno-unwind-tables")
@@ -154,3 +155,38 @@ def test_frame_pointers_without_cfi_give_whole_chains(tmp_path: Path, opt: str) 
     assert all(s["complete"] and chain_is_direct_calls(s, binary, calls) for s in samples), samples
     chains = sorted(tuple(f["function"] for f in s["frames"] if f["analysed"]) for s in samples)
     assert chains == [("main", "top")] + [("main", "top", "mid", "leaf")] * 3, chains
+
+
+BLOCKING_WITHOUT_FP = r"""
+#include <unistd.h>
+__attribute__((noinline)) long f(long n) { char c; long r = read(0, &c, 1); return r * n + 1; }
+"""
+
+
+def test_a_thread_snapshot_flags_the_same_skip(tmp_path: Path) -> None:
+    """GetThreadContexts' snapshot (ptrace stop, the same rules in Python) of a thread blocked in
+    f's read: the walk gives main > f, and main's call (objdump) is to g, so it is flagged too."""
+    from ccprofd.tracing.threadcontexts import ContextReader
+
+    binary = gcc(tmp_path, "blocking", ("nofp", BLOCKING_WITHOUT_FP, ("-fomit-frame-pointer",)),
+                 ("fp", WITH_FP, ("-fno-omit-frame-pointer",)))
+    calls = direct_calls(binary)
+    proc = subprocess.Popen([str(binary)], stdin=subprocess.PIPE)
+    try:
+        def in_read() -> bool:  # blocked in read(2), syscall 0, on the pipe
+            try:
+                return Path(f"/proc/{proc.pid}/syscall").read_text().split()[0] == "0"
+            except (OSError, IndexError):
+                return False
+
+        wait_for(in_read, timeout=60, what="the program blocked in read")
+        snap = ContextReader(str(binary), cache_dir=str(tmp_path / "cache")).read(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert snap["error"] is None, snap
+    (th,) = snap["threads"]
+    names = [f["function"] for f in th["frames"] if f["analysed"]]
+    assert names == ["main", "f"], th
+    assert calls[int(th["frames"][0]["call_site"], 16)] == "g"
+    assert not th["complete"] and th["reason"] == "frame_skipped", th

@@ -60,6 +60,9 @@ class Frame:
 # their frames), so writers can serialise a frame once; bounded, starts over when full.
 _FRAME_JSON: dict[tuple[Any, ...], dict[str, Any]] = {}
 FRAME_JSON_ENTRIES = 1 << 17
+#: the reason of a stack whose frame-pointer walk skipped a frame: a direct call in it cannot reach
+#: the next frame (unwind/symbolize.py for samples, threadframes.py for thread snapshots)
+SKIPPED_FRAME = "frame_skipped"
 
 
 def frame_json(f: Frame) -> dict[str, Any]:

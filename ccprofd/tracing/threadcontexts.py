@@ -9,6 +9,7 @@ from typing import Any
 from ccprofd.persist.cache import AnalysisCache
 from ccprofd.proc.modules import ModuleCache
 from ccprofd.proc.threadsnap import snapshot
+from ccprofd.tracing.frames import SKIPPED_FRAME
 
 
 class ContextReader:
@@ -59,7 +60,10 @@ class ContextReader:
                                 "frames": []})
                 continue
             frames = [f.to_json() for f in decoder.frames(th.stack.frames)]
-            threads.append({"tid": th.tid, "comm": th.comm, "complete": th.stack.complete,
-                            "reason": th.stack.reason, "frames": frames})
+            complete, reason = th.stack.complete, th.stack.reason
+            if complete and decoder.skipped_frame(th.stack.frames):
+                complete, reason = False, SKIPPED_FRAME  # as a sample of the same stack is flagged
+            threads.append({"tid": th.tid, "comm": th.comm, "complete": complete, "reason": reason,
+                            "frames": frames})
         return {"pid": pid, "error": snap.error, "threads": threads}
 

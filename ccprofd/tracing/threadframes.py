@@ -20,10 +20,11 @@ leave no trace on the stack, so no ``tail_call`` frame appears here; gdb shows n
 
 from __future__ import annotations
 
+import itertools
 import os
 from bisect import bisect_right
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
 
 from ccprofd.proc.maps import ModuleMapping
 from ccprofd.proc.userstack import RawFrame
@@ -40,6 +41,10 @@ class AnalysedBinary:
     starts: tuple[int, ...]
     ranges: tuple[tuple[int, int, str], ...]  # (lo, hi, name), sorted by lo
     callsites: dict[int, int]  # return-address vaddr -> call-instruction vaddr
+    # the direct calls into the binary's functions: return-address vaddr -> the callee's name
+    direct_callee: dict[int, str] = field(default_factory=dict)
+    # each function's jumps out of it: the functions they enter (None: an indirect jump or an import)
+    tail_jumps: dict[str, tuple[str | None, ...]] = field(default_factory=dict)
 
     @classmethod
     def from_graph(cls, graph: object, path: str) -> AnalysedBinary:
@@ -58,8 +63,34 @@ class AnalysedBinary:
         pretty = demangle(name for _, _, name in raw)
         ranges = tuple(sorted((lo, hi, pretty.get(name, name)) for lo, hi, name in raw))
         sites = {s.return_address: s.address for s in graph.sites if not s.is_jump}  # type: ignore[attr-defined]
+        own = {n: pretty.get(str(g.nodes[n]["name"]), str(g.nodes[n]["name"]))
+               for n in graph.functions()}  # type: ignore[attr-defined]
+        direct: dict[int, str] = {}
+        jumps: dict[str, list[str | None]] = {}
+        for s in graph.sites:  # type: ignore[attr-defined]
+            if s.is_jump:
+                caller = own.get(s.function)
+                if caller is not None:
+                    jumps.setdefault(caller, []).append(own.get(s.target) if s.target is not None else None)
+            elif s.kind == "direct" and s.target in own:
+                direct[s.return_address] = own[s.target]
         st = os.stat(path)
-        return cls(path, binary.build_id, (st.st_dev, st.st_ino), tuple(r[0] for r in ranges), ranges, sites)
+        return cls(path, binary.build_id, (st.st_dev, st.st_ino), tuple(r[0] for r in ranges), ranges, sites,
+                   direct, {k: tuple(v) for k, v in jumps.items()})
+
+    def tail_reach(self, name: str) -> set[str] | None:
+        """``name`` and the functions it reaches by tail jumps alone; None when a jump on the way
+        leaves what the graph knows (an indirect jump, an import)."""
+        reach = {name}
+        todo = [name]
+        while todo:
+            for nxt in self.tail_jumps.get(todo.pop(), ()):
+                if nxt is None:
+                    return None
+                if nxt not in reach:
+                    reach.add(nxt)
+                    todo.append(nxt)
+        return reach
 
     def function_at(self, vaddr: int) -> str | None:
         i = bisect_right(self.starts, vaddr) - 1
@@ -118,6 +149,26 @@ class FrameDecoder:
                     return Frame(name, a.path, a.build_id, True, v, None)
                 return Frame(name, a.path, a.build_id, True, a.callsites.get(v), v)
         return Frame(self._name(m, lookup), m.path, self.build_id_of(m), False, None, None if f.exact else v)
+
+    def skipped_frame(self, raw: Sequence[RawFrame]) -> bool:
+        """Whether a walk that used frame pointers (``fp``) skipped a frame: a frame of the binary
+        whose direct call cannot reach the next frame (UnwindSymbolizer._skipped_frame's check)."""
+        a = self.analysed
+        if a is None or not any(f.fp for f in raw):
+            return False
+        for caller, callee in itertools.pairwise(raw):
+            if caller.exact or caller.module is None or caller.vaddr is None or callee.module is None \
+                    or callee.vaddr is None or not self._in_binary(caller.module) \
+                    or not self._in_binary(callee.module):
+                continue
+            target = a.direct_callee.get(caller.vaddr)
+            name = a.function_at(callee.vaddr if callee.exact else callee.vaddr - 1)
+            if target is None or name is None:
+                continue
+            reach = a.tail_reach(target)
+            if reach is not None and name not in reach:
+                return True
+        return False
 
     def frames(self, raw: Iterable[RawFrame]) -> list[Frame]:
         """JSON-able frames of a stack (outermost first), from its outermost analysed frame down, as

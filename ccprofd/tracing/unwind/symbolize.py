@@ -14,7 +14,7 @@ from ccprofd.elf.debugfile import DebugFileLocator
 from ccprofd.encode.plan import COL
 from ccprofd.encode.segments import OUTSIDE, EncodedState, Segment
 from ccprofd.persist.cache import AnalysisCache
-from ccprofd.tracing.frames import Decoded, Frame, demangle, frame_json
+from ccprofd.tracing.frames import SKIPPED_FRAME, Decoded, Frame, demangle, frame_json
 from ccprofd.tracing.symbols import ModuleSource, ModuleSymbols
 from ccprofd.tracing.unwind.constants import (
     UE_F_ANCHOR,
@@ -363,8 +363,6 @@ class UnwindSymbolizer:
 
 
 FRAME_CACHE_ENTRIES = 1 << 17
-#: the reason of a context whose frame-pointer walk skipped a frame (UnwindSymbolizer._skipped_frame)
-SKIPPED_FRAME = "frame_skipped"
 
 # A frame and its JSON dict (frames.frame_json), kept together by the caches that share frames.
 FrameJson = tuple[Frame, dict[str, Any]]
