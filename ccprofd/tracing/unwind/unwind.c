@@ -1987,17 +1987,20 @@ static __always_inline void uw_maps_moved(struct ccprof_tracked *t, u32 tgid) {
 
 static __always_inline void uw_watch_maps(struct ccprof_tracked *t, u32 tgid, long nr, struct pt_regs *regs) {
     uw_maps_moved(t, tgid);
+    // The numbers are tested on an opaque copy (nr + 1, hidden from the compiler): a test of nr
+    // itself would leave the verifier one state per number tested, each verified again through
+    // the whole unwinder after this (nr is used there).
+    u64 key = (u64)nr + 1;
+    asm volatile("" : "+r"(key));
     u64 prot = 0;
-    if (nr == UW_NR_MMAP || nr == UW_NR_MPROTECT || nr == UW_NR_PKEY_MPROTECT ||
-        nr == (CCPROF_IA32_BIT | UW_NR_IA32_MMAP2) || nr == (CCPROF_IA32_BIT | UW_NR_IA32_MPROTECT)) {
+    if (key == UW_NR_MMAP + 1 || key == UW_NR_MPROTECT + 1 || key == UW_NR_PKEY_MPROTECT + 1 ||
+        key == (CCPROF_IA32_BIT | UW_NR_IA32_MMAP2) + 1 || key == (CCPROF_IA32_BIT | UW_NR_IA32_MPROTECT) + 1) {
         bpf_probe_read_kernel(&prot, sizeof(prot), &regs->dx);  // the third argument
-    } else if (nr == (CCPROF_IA32_BIT | UW_NR_IA32_OLD_MMAP)) {
+    } else if (key == (CCPROF_IA32_BIT | UW_NR_IA32_OLD_MMAP) + 1) {
         u64 args = 0;
-        u32 p32 = 4;
         bpf_probe_read_kernel(&args, sizeof(args), &regs->bx);
-        if (bpf_probe_read_user(&p32, sizeof(p32), (void *)((u32)args + 8)) != 0)
-            p32 = 4;
-        prot = p32;
+        if (bpf_probe_read_user(&prot, 4, (void *)((u32)args + 8)) != 0)
+            prot = 4;
     }
     if (prot & 4)  // PROT_EXEC
         __sync_fetch_and_add(&t->flags, 1U << (8 * UW_TB_MAPS));
