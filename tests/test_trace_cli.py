@@ -174,6 +174,26 @@ def test_killed_command_reports_128_plus_signal(tmp_path: pathlib.Path) -> None:
 
 
 @pytest.mark.bpf
+@pytest.mark.parametrize("mode", ["unwind", "instrumented"])
+def test_a_child_that_execs_another_program_is_said_not_followed(mode: str, tmp_path: pathlib.Path) -> None:
+    """``-- sh -c``: the shell's own writes are traced; the child that execs ls is not followed (one
+    executable per trace), and the trace says so at the end instead of staying silent."""
+    require_bpf()
+    out = tmp_path / "out.jsonl"
+    proc = ccprofd("trace", "--mode", mode, "--syscalls", "write", "--format", "jsonl", "-o", str(out), "--",
+                   "/bin/sh", "-c", "echo one; /bin/ls / >/dev/null; echo two")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "one\ntwo\n"
+    samples = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [s["syscall"] for s in samples if s.get("event") == "syscall"] == ["write", "write"]
+    note = "ccprofd: 1 traced process exec'd another program and was not traced further"
+    assert note in proc.stderr, proc.stderr
+    quiet = ccprofd("trace", "--mode", mode, "--syscalls", "write", "-o", str(tmp_path / "q.txt"), "--",
+                    "/bin/sh", "-c", "echo one")
+    assert quiet.returncode == 0 and "exec'd another program" not in quiet.stderr, quiet.stderr
+
+
+@pytest.mark.bpf
 def test_attach_to_running_process_is_seeded(tmp_path: pathlib.Path) -> None:
     """-p PID: the thread is seeded by one unwind at attach (ccprofd/tracing/instrumented/seed.py),
     so every sample is complete and equal to the true stack (tests/test_instrumented_seeding.py

@@ -326,6 +326,15 @@ class DropTally:
         return [f"ccprofd: {n} {DROPS[r][2] if r in DROPS else r}" for r, n in self.seen.items() if n]
 
 
+def not_followed(session: Session) -> int:
+    """Processes the trace stopped following when they exec'd another program (the shared syscall
+    sampler's ``execs_stopped``), or 0 when the mode does not say."""
+    try:
+        return int(session.summary().get("bpf", {}).get("sampler_execs_stopped", 0))
+    except (BPFError, OSError, AttributeError):
+        return 0
+
+
 def run(session: Session, writer: Writer, *, launched: bool, duration: float | None = None) -> int:
     """Stream the session's samples to ``writer`` (flushed once per batch, with a ``lost`` record
     whenever the kernel side dropped samples since the previous batch); returns the exit status
@@ -372,6 +381,11 @@ def run(session: Session, writer: Writer, *, launched: bool, duration: float | N
             return 125
         for line in drops.lines():
             print(line, file=sys.stderr)
+        left = not_followed(session)
+        if left:
+            print(f"ccprofd: {left} traced process{'es' if left > 1 else ''} exec'd another program and "
+                  f"{'were' if left > 1 else 'was'} not traced further (a trace follows one executable: "
+                  "trace that program itself)", file=sys.stderr)
         if session.unread:
             print(f"ccprofd: stopped with {session.unread} recorded samples not yet decoded "
                   f"(drained for {STOP_DRAIN_S:g} s)", file=sys.stderr)

@@ -687,6 +687,8 @@ class UnwindSampler:
     # ------------------------------------------------------------------------------- reporting
     def stats(self) -> dict[str, int]:
         out = {name: int(self._m["uw_stats"].get(i) or 0) for i, name in enumerate(STATS)}
+        m = self.module.map("stats")  # the shared syscall sampler's, as instrumented mode reports them
+        out.update({f"sampler_{name}": int(m.get(i) or 0) for i, name in enumerate(SAMPLER_STATS)})
         out["exec_mismatches"] = self.processes.exec_mismatches
         out["malformed"] = self.malformed
         out["refresh_failures"] = self.processes.refresh_failures
