@@ -139,7 +139,7 @@ class UnwindSymbolizer:
         if rec.flags & (UE_F_ANCHOR | UE_F_SEG_OVF | UE_F_REC_OVF | UE_F_UNAN_OVF):
             complete = False
             reason = reason or _flag_reason(rec.flags)
-        if fp and complete and rec.segments and self._skipped_frame(rec):
+        if fp and complete and rec.segments and skipped_frame(rec, self.nodes, self._exit_tables()):
             complete, reason = False, SKIPPED_FRAME
         if rec.node == NO_NODE:
             return Decoded([], complete, reason)
@@ -204,43 +204,6 @@ class UnwindSymbolizer:
                     out_json.append(lj)
                 frames, jsons = out, out_json
         return Decoded.with_json(frames, jsons, complete, reason)
-
-    def _skipped_frame(self, rec: EncodedRecord) -> bool:
-        """Whether a frame of the record calls, at a direct call site, a function that cannot be
-        the next frame: the call's target, or a function it reaches by tail jumps alone.  Only a
-        frame-pointer walk gives that (rbp was the caller's caller's: a function without a frame
-        of its own was skipped).  Unknown when the way from the target leaves the call graph (an
-        import, which may call back; an indirect jump): not flagged."""
-        direct = self._exit_tables()[0]
-        nodes = self.nodes
-        for seg in rec.segments:
-            if seg.caller == NO_NODE or seg.site <= 0:
-                continue  # the outermost frame, or no call site (a signal frame's caller)
-            target = direct.get(seg.site)
-            if target is None:
-                continue  # an indirect call, or one into an import
-            reach = self._tail_reach(target)
-            if reach is not None and nodes[seg.callee] not in reach:
-                return True
-        return False
-
-    def _tail_reach(self, target: int) -> set[int] | None:
-        """``target`` and the functions it reaches by tail jumps alone; None when a way out of the
-        call graph is on the way (a jump into an import, an indirect jump)."""
-        _direct, tails, other_jumpers = self._exit_tables()
-        reach = {target}
-        todo = [target]
-        while todo:
-            fn = todo.pop()
-            if fn in other_jumpers:
-                return None
-            for nxt, _site in tails.get(fn, ()):
-                if nxt < ROOT:
-                    return None
-                if nxt not in reach:
-                    reach.add(nxt)
-                    todo.append(nxt)
-        return reach
 
     def _inner_frame(self, node: int, inner: int, exact: bool) -> FrameJson:
         """The innermost frame of the binary (in function ``node``, at ``inner``: its exact pc,
@@ -372,6 +335,46 @@ _FIRST, _SECOND, _THIRD = itemgetter(0), itemgetter(1), itemgetter(2)
 _NO_RETS: dict[tuple[int, int, int], int] = {}
 _INNER = Frame(None, None, None, True)  # the innermost frame's place until decode() fills it
 _PENDING: dict[str, Any] = {}  # the innermost frame's JSON slot until decode() fills it
+
+
+def skipped_frame(rec: EncodedRecord, nodes: Sequence[int],
+                  exits: tuple[dict[int, int], dict[int, list[tuple[int, int]]], set[int]]) -> bool:
+    """Whether a frame of the record calls, at a direct call site, a function that cannot be the
+    next frame: the call's target, or a function it reaches by tail jumps alone (``exits``:
+    :func:`_tail_exit_tables`).  Only a frame-pointer walk gives that (rbp was the caller's
+    caller's: a function without a frame of its own was skipped).  Unknown when the way from the
+    target leaves the call graph (an import, which may call back; an indirect jump): not flagged."""
+    direct = exits[0]
+    for seg in rec.segments:
+        if seg.caller == NO_NODE or seg.site <= 0:
+            continue  # the outermost frame, or no call site (a signal frame's caller)
+        target = direct.get(seg.site)
+        if target is None:
+            continue  # an indirect call, or one into an import
+        reach = _tail_reach(target, exits)
+        if reach is not None and nodes[seg.callee] not in reach:
+            return True
+    return False
+
+
+def _tail_reach(target: int, exits: tuple[dict[int, int], dict[int, list[tuple[int, int]]], set[int]]
+                ) -> set[int] | None:
+    """``target`` and the functions it reaches by tail jumps alone; None when a way out of the
+    call graph is on the way (a jump into an import, an indirect jump)."""
+    _direct, tails, other_jumpers = exits
+    reach = {target}
+    todo = [target]
+    while todo:
+        fn = todo.pop()
+        if fn in other_jumpers:
+            return None
+        for nxt, _site in tails.get(fn, ()):
+            if nxt < ROOT:
+                return None
+            if nxt not in reach:
+                reach.add(nxt)
+                todo.append(nxt)
+    return reach
 
 
 def _tail_exit_tables(enc: UnwindEncoding, plan: Mapping[str, Any], nodes: Sequence[int]
