@@ -152,7 +152,7 @@ class FrameDecoder:
 
     def skipped_frame(self, raw: Sequence[RawFrame]) -> bool:
         """Whether a walk that used frame pointers (``fp``) skipped a frame: a frame of the binary
-        whose direct call cannot reach the next frame (UnwindSymbolizer._skipped_frame's check)."""
+        whose direct call cannot reach the next frame (unwind/symbolize.py's skipped_frame check)."""
         a = self.analysed
         if a is None or not any(f.fp for f in raw):
             return False
