@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import shutil
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from ccprofd.elf.dwarflines import InlinedCall, SourceLocation
+
+T = TypeVar("T")
 
 
 @dataclass(slots=True)
@@ -60,9 +62,6 @@ class Frame:
 # their frames), so writers can serialise a frame once; bounded, starts over when full.
 _FRAME_JSON: dict[tuple[Any, ...], dict[str, Any]] = {}
 FRAME_JSON_ENTRIES = 1 << 17
-#: the reason of a stack whose frame-pointer walk skipped a frame: a direct call in it cannot reach
-#: the next frame (unwind/symbolize.py for samples, threadframes.py for thread snapshots)
-SKIPPED_FRAME = "frame_skipped"
 
 
 def frame_json(f: Frame) -> dict[str, Any]:
@@ -125,3 +124,24 @@ class Decoded:
         object.__setattr__(d, "_json", json)
         return d
 
+
+# ------------------------------------------------------------------- the skipped-frame check
+#: the reason of a stack whose frame-pointer walk skipped a frame: a direct call in it cannot reach
+#: the next frame (unwind/symbolize.py for samples, threadframes.py for thread snapshots)
+SKIPPED_FRAME = "frame_skipped"
+
+
+def tail_reach(start: T, jumps: Mapping[T, Sequence[T | None]]) -> set[T] | None:
+    """``start`` and the functions it reaches by tail jumps alone (``jumps``: each function's jump
+    targets); None when a jump on the way leaves what the call graph knows (a target None: an
+    indirect jump, an import)."""
+    reach = {start}
+    todo = [start]
+    while todo:
+        for nxt in jumps.get(todo.pop(), ()):
+            if nxt is None:
+                return None
+            if nxt not in reach:
+                reach.add(nxt)
+                todo.append(nxt)
+    return reach

@@ -301,7 +301,7 @@ class SyscallSampler:
 
     def stats(self) -> dict[str, int]:
         """Counters summed over CPUs: events, ringbuf_full (dropped), tracked_full, forks, execs_stopped."""
-        return {name: int(self._stats.get(i) or 0) for i, name in enumerate(STATS)}
+        return read_stats(self._stats)
 
     def detach(self) -> None:
         """Stop sampling (every program detached); what is in the rings stays readable until close()."""
@@ -316,3 +316,8 @@ class SyscallSampler:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def read_stats(stats: RawMap) -> dict[str, int]:
+    """The sampler's ``stats`` map (of whichever module compiled it in) as counters by name."""
+    return {name: int(stats.get(i) or 0) for i, name in enumerate(STATS)}

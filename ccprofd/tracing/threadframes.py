@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from ccprofd.proc.maps import ModuleMapping
 from ccprofd.proc.userstack import RawFrame
-from ccprofd.tracing.frames import Frame, demangle
+from ccprofd.tracing.frames import Frame, demangle, tail_reach
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,20 +77,6 @@ class AnalysedBinary:
         st = os.stat(path)
         return cls(path, binary.build_id, (st.st_dev, st.st_ino), tuple(r[0] for r in ranges), ranges, sites,
                    direct, {k: tuple(v) for k, v in jumps.items()})
-
-    def tail_reach(self, name: str) -> set[str] | None:
-        """``name`` and the functions it reaches by tail jumps alone; None when a jump on the way
-        leaves what the graph knows (an indirect jump, an import)."""
-        reach = {name}
-        todo = [name]
-        while todo:
-            for nxt in self.tail_jumps.get(todo.pop(), ()):
-                if nxt is None:
-                    return None
-                if nxt not in reach:
-                    reach.add(nxt)
-                    todo.append(nxt)
-        return reach
 
     def function_at(self, vaddr: int) -> str | None:
         i = bisect_right(self.starts, vaddr) - 1
@@ -165,7 +151,7 @@ class FrameDecoder:
             name = a.function_at(callee.vaddr if callee.exact else callee.vaddr - 1)
             if target is None or name is None:
                 continue
-            reach = a.tail_reach(target)
+            reach = tail_reach(target, a.tail_jumps)
             if reach is not None and name not in reach:
                 return True
         return False

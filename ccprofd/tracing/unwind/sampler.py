@@ -94,7 +94,7 @@ from ccprofd.tracing.syscall_sampler import (
 from ccprofd.tracing.syscall_sampler import (
     KINDS as SAMPLER_KINDS,
 )
-from ccprofd.tracing.syscall_sampler import STATS as SAMPLER_STATS
+from ccprofd.tracing.syscall_sampler import read_stats as read_sampler_stats
 from ccprofd.tracing.unwind.constants import (
     ARG_LEN,
     C_SOURCE,
@@ -687,8 +687,8 @@ class UnwindSampler:
     # ------------------------------------------------------------------------------- reporting
     def stats(self) -> dict[str, int]:
         out = {name: int(self._m["uw_stats"].get(i) or 0) for i, name in enumerate(STATS)}
-        m = self.module.map("stats")  # the shared syscall sampler's, as instrumented mode reports them
-        out.update({f"sampler_{name}": int(m.get(i) or 0) for i, name in enumerate(SAMPLER_STATS)})
+        # the shared syscall sampler's, as instrumented mode reports them
+        out.update({f"sampler_{name}": n for name, n in read_sampler_stats(self.module.map("stats")).items()})
         out["exec_mismatches"] = self.processes.exec_mismatches
         out["malformed"] = self.malformed
         out["refresh_failures"] = self.processes.refresh_failures
@@ -697,8 +697,7 @@ class UnwindSampler:
     def drops(self) -> dict[str, int]:
         """What the kernel side could not do, by reason (api.DROPS): samples the ring refused, and
         the syscall sampler's own losses (processes not followed, process events lost)."""
-        m = self.module.map("stats")
-        sampler = {name: int(m.get(i) or 0) for i, name in enumerate(SAMPLER_STATS)}
+        sampler = read_sampler_stats(self.module.map("stats"))
         uw = self._m["uw_stats"]
         return {"ringbuf_full": int(uw.get(STATS.index("ringbuf_full")) or 0),
                 "maps_ringbuf_full": int(uw.get(STATS.index("maps_lost")) or 0),

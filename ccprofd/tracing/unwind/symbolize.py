@@ -6,7 +6,7 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from operator import itemgetter
-from typing import Any
+from typing import Any, NamedTuple
 
 from ccprofd.callgraph.model import ROOT
 from ccprofd.decode import CachingDecoder, DecodeError, UnknownCaller, decoder_for
@@ -14,7 +14,7 @@ from ccprofd.elf.debugfile import DebugFileLocator
 from ccprofd.encode.plan import COL
 from ccprofd.encode.segments import OUTSIDE, EncodedState, Segment
 from ccprofd.persist.cache import AnalysisCache
-from ccprofd.tracing.frames import SKIPPED_FRAME, Decoded, Frame, demangle, frame_json
+from ccprofd.tracing.frames import SKIPPED_FRAME, Decoded, Frame, demangle, frame_json, tail_reach
 from ccprofd.tracing.symbols import ModuleSource, ModuleSymbols
 from ccprofd.tracing.unwind.constants import (
     UE_F_ANCHOR,
@@ -68,7 +68,7 @@ class UnwindSymbolizer:
         self.locator = DebugFileLocator.from_env(cache.directory if cache is not None else None)
         self._own_source = ModuleSource(real, self.build_id, self.locator, cache)
         # (direct callee by call site, tail edges by caller, functions with other jumps): made at first use
-        self._exits: tuple[dict[int, int], dict[int, list[tuple[int, int]]], set[int]] | None = None
+        self._exits: ExitTables | None = None
         self.errors = 0
 
     def _name(self, node: int) -> str:
@@ -220,7 +220,7 @@ class UnwindSymbolizer:
         got = self._inner_frames[(node, inner, exact)] = (f, frame_json(self._own_lines(f)))
         return got
 
-    def _exit_tables(self) -> tuple[dict[int, int], dict[int, list[tuple[int, int]]], set[int]]:
+    def _exit_tables(self) -> ExitTables:
         if self._exits is None:
             self._exits = _tail_exit_tables(self.enc, self.plan, self.nodes)
         return self._exits
@@ -242,7 +242,7 @@ class UnwindSymbolizer:
         them at their tail jumps; here they are the one chain of tail edges from the call's
         target to an import (to ``entered``, the library function below, when there are several).
         None when the chain is not known whole (no direct target, an indirect jump on the way)."""
-        direct, tails, other_jumpers = self._exit_tables()
+        direct, tails, other_jumpers, _jumps = self._exit_tables()
         start = direct.get(call_site)
         if start is None:
             return []
@@ -337,50 +337,37 @@ _INNER = Frame(None, None, None, True)  # the innermost frame's place until deco
 _PENDING: dict[str, Any] = {}  # the innermost frame's JSON slot until decode() fills it
 
 
-def skipped_frame(rec: EncodedRecord, nodes: Sequence[int],
-                  exits: tuple[dict[int, int], dict[int, list[tuple[int, int]]], set[int]]) -> bool:
+def skipped_frame(rec: EncodedRecord, nodes: Sequence[int], exits: ExitTables) -> bool:
     """Whether a frame of the record calls, at a direct call site, a function that cannot be the
-    next frame: the call's target, or a function it reaches by tail jumps alone (``exits``:
-    :func:`_tail_exit_tables`).  Only a frame-pointer walk gives that (rbp was the caller's
-    caller's: a function without a frame of its own was skipped).  Unknown when the way from the
-    target leaves the call graph (an import, which may call back; an indirect jump): not flagged."""
-    direct = exits[0]
+    next frame: the call's target, or a function it reaches by tail jumps alone.  Only a
+    frame-pointer walk gives that (rbp was the caller's caller's: a function without a frame of
+    its own was skipped).  Unknown when the way from the target leaves the call graph (an import,
+    which may call back; an indirect jump): not flagged."""
     for seg in rec.segments:
         if seg.caller == NO_NODE or seg.site <= 0:
             continue  # the outermost frame, or no call site (a signal frame's caller)
-        target = direct.get(seg.site)
+        target = exits.direct.get(seg.site)
         if target is None:
             continue  # an indirect call, or one into an import
-        reach = _tail_reach(target, exits)
+        reach = tail_reach(target, exits.jumps)
         if reach is not None and nodes[seg.callee] not in reach:
             return True
     return False
 
 
-def _tail_reach(target: int, exits: tuple[dict[int, int], dict[int, list[tuple[int, int]]], set[int]]
-                ) -> set[int] | None:
-    """``target`` and the functions it reaches by tail jumps alone; None when a way out of the
-    call graph is on the way (a jump into an import, an indirect jump)."""
-    _direct, tails, other_jumpers = exits
-    reach = {target}
-    todo = [target]
-    while todo:
-        fn = todo.pop()
-        if fn in other_jumpers:
-            return None
-        for nxt, _site in tails.get(fn, ()):
-            if nxt < ROOT:
-                return None
-            if nxt not in reach:
-                reach.add(nxt)
-                todo.append(nxt)
-    return reach
+class ExitTables(NamedTuple):
+    """What the plan says about how calls and jumps leave functions (:func:`_tail_exit_tables`)."""
+
+    direct: dict[int, int]  # direct call site -> callee
+    tails: dict[int, list[tuple[int, int]]]  # caller -> [(callee, jump site)]
+    other_jumpers: set[int]  # functions with a jump that is no known tail edge
+    jumps: dict[int, list[int | None]]  # tail_reach's table: None for an import or an unknown jump
 
 
-def _tail_exit_tables(enc: UnwindEncoding, plan: Mapping[str, Any], nodes: Sequence[int]
-                      ) -> tuple[dict[int, int], dict[int, list[tuple[int, int]]], set[int]]:
+def _tail_exit_tables(enc: UnwindEncoding, plan: Mapping[str, Any], nodes: Sequence[int]) -> ExitTables:
     """The plan's direct call sites (site -> callee), tail edges (caller -> [(callee, jump site)])
-    and the functions with a jump that is no known tail edge, for the tail-exit frames."""
+    and the functions with a jump that is no known tail edge, for the tail-exit frames; and the
+    same jumps as :func:`tail_reach` takes them, for the skipped-frame check."""
     si, ci, ki, kd = COL["site"], COL["caller"], COL["callee"], COL["kind"]
     jumps = enc.jump_sites
     direct: dict[int, int] = {}
@@ -403,7 +390,12 @@ def _tail_exit_tables(enc: UnwindEncoding, plan: Mapping[str, Any], nodes: Seque
             fn = enc.function_at(site)
             if fn is not None:
                 other_jumpers.add(nodes[fn[0]])
-    return direct, tails, other_jumpers
+    reach_jumps: dict[int, list[int | None]] = {  # an import (callee < ROOT) leaves the graph
+        caller: [None if callee < ROOT else callee for callee, _site in edges]
+        for caller, edges in tails.items()}
+    for jumper in other_jumpers:
+        reach_jumps.setdefault(jumper, []).append(None)
+    return ExitTables(direct, tails, other_jumpers, reach_jumps)
 
 
 def _plain(m: Mapping[int, int]) -> dict[int, int]:
