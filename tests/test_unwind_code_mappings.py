@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from bpf_helpers import compile_c
+from bpf_helpers import compile_c, nm_functions, pt_loads
 from conftest import require_bpf, require_tool, skip_or_fail
 
 REPO = Path(__file__).resolve().parent.parent
@@ -95,22 +95,10 @@ int main(int argc, char **argv) {
 """
 
 
-def text_segment(lib: Path) -> tuple[int, int, int]:
-    """(file offset, vaddr, file size) of the object's one executable PT_LOAD, per readelf."""
-    out = subprocess.run([require_tool("readelf"), "-lW", str(lib)], capture_output=True, text=True,
-                         check=True).stdout
-    loads = [m.groups() for m in re.finditer(
-        r"^\s*LOAD\s+0x([0-9a-f]+)\s+0x([0-9a-f]+)\s+0x[0-9a-f]+\s+0x([0-9a-f]+)\s+0x[0-9a-f]+\s+(.+?)\s+0x",
-        out, re.M)]
-    ((offset, vaddr, size),) = [(int(o, 16), int(v, 16), int(s, 16))
-                                for o, v, s, flags in loads if "E" in flags]
-    return offset, vaddr, size
-
-
-def nm_address(obj: Path, name: str) -> int:
-    out = subprocess.run([require_tool("nm"), str(obj)], capture_output=True, text=True, check=True).stdout
-    (addr,) = [int(line.split()[0], 16) for line in out.splitlines() if line.endswith(f" {name}")]
-    return addr
+def segment_of(lib: Path, vaddr: int) -> tuple[int, int, int]:
+    """(file offset, vaddr, file size) of the one PT_LOAD holding ``vaddr``, per readelf."""
+    (seg,) = [(off, start, size) for start, size, off in pt_loads(lib) if start <= vaddr < start + size]
+    return seg
 
 
 def indirect_call(binary: Path, function: str) -> int:
@@ -130,8 +118,8 @@ def built(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, list[st
     subprocess.run([require_tool("gcc"), "-O2", "-fomit-frame-pointer", "-shared", "-fPIC", "-o", str(lib),
                     str(tmp / "lib.c")], check=True)
     program = compile_c(tmp, "mapper", PROGRAM, "-O1", "-fomit-frame-pointer")
-    offset, vaddr, size = text_segment(lib)
-    func = nm_address(lib, "mapped_getppid")
+    func = nm_functions(lib)["mapped_getppid"][0]
+    offset, vaddr, size = segment_of(lib, func)
     assert offset <= func - vaddr + offset < offset + size
     # the function's file offset (the program maps file offsets); the segment is page aligned
     args = [str(lib), hex(func - vaddr + offset), "", hex(offset), hex(size)]

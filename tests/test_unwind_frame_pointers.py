@@ -19,13 +19,13 @@ from __future__ import annotations
 import itertools
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from bpf_helpers import direct_call_sites
 from conftest import require_bpf, require_tool
 from daemon_fakes import wait_for
 
@@ -76,11 +76,8 @@ def gcc(tmp: Path, out: str, *units: tuple[str, str, tuple[str, ...]]) -> Path:
 
 
 def direct_calls(binary: Path) -> dict[int, str]:
-    """Call-instruction address -> the function it calls, per objdump."""
-    out = subprocess.run([require_tool("objdump"), "-d", "--no-show-raw-insn", str(binary)],
-                         capture_output=True, text=True, check=True).stdout
-    return {int(m.group(1), 16): m.group(2) for m in
-            re.finditer(r"^\s*([0-9a-f]+):\s+call\s+[0-9a-f]+ <([^>@+]+)(?:@plt)?>", out, re.M)}
+    """Call-instruction address -> what it calls, per objdump (bpf_helpers.direct_call_sites)."""
+    return {c.vaddr: c.target for c in direct_call_sites(binary)}
 
 
 def trace(binary: Path, tmp: Path, *args: str, extra: tuple[str, ...] = ()) -> list[dict[str, Any]]:
