@@ -294,14 +294,14 @@ def test_tail_exit_frames_only_where_the_call_graph_has_one_chain(tmp_path: Path
     assert chain(notail, "getppid") == []  # notail calls finish: no tail jump out of the binary
     # A second way out of tail_plt (as `return x ? getppid() : puts(...)` would have): ambiguous
     # unless the library function entered names it.
-    direct, tails, jumpers = sym._exit_tables()
-    tail_plt = direct[call]
-    tails[tail_plt].append((puts, jump + 2))
+    tables = sym._exit_tables()
+    tail_plt = tables.direct[call]
+    tables.tails[tail_plt].append((puts, jump + 2))
     assert chain(call, None) == [] and chain(call, "write") == []
     assert chain(call, "getppid") == [("tail_plt", jump, True)]
     assert chain(call, "puts") == [("tail_plt", jump + 2, True)]
     # An indirect jump in tail_plt: it may leave the binary some other way.
-    jumpers.add(tail_plt)
+    tables.other_jumpers.add(tail_plt)
     assert chain(call, "getppid") == []
 
 
