@@ -374,6 +374,7 @@ struct uw_state {
     u32 n_copies;
     u32 n_maps;
     u32 n_pad;
+    u64 argp;      // the sample's path argument (user address; 0: none), read by uw_read_arg
 #ifdef UE_ENABLED
     struct ue_work w;
     u32 alen;      // words of the context (hash, arena)
@@ -1375,7 +1376,20 @@ long ue_hash_cpu(u64 i) { return ue_hash_slot(bpf_get_smp_processor_id() * 2 + 1
 #define UE_CALLBACK_PARAMS
 #endif
 
+// The sample's path argument, read only when a record will carry it: in aggregate mode a counted
+// repeat sends nothing, and the read (a helper call, ending in a costly kernel `ret` on this CPU) was
+// paid on every sample.  Still at the syscall's entry, before the kernel reads the same string (a
+// page not resident makes the read fail: the record goes without its argument).
+static __always_inline void uw_read_arg(struct uw_state *st) {
+    if (!st->argp)
+        return;
+    long got = bpf_probe_read_user_str(st->s.arg, UW_ARG_LEN, (void *)st->argp);
+    if (got > 0)
+        st->s.arg_len = (u32)got;
+}
+
 static __always_inline int uw_emit(struct uw_state *st) {
+    uw_read_arg(st);
     u32 n = st->s.n;
     if (n > UW_MAX_DEPTH)
         n = UW_MAX_DEPTH;
@@ -1396,6 +1410,7 @@ static __always_inline void uw_emit_hit(struct uw_state *st) {
     u64 *on = uw_config.lookup(&k);
     if (!on || !*on)
         return;
+    uw_read_arg(st);
     st->s.kind = UW_EV_HIT;
     u64 size = UW_SAMPLE_HDR_BYTES + (u64)st->s.arg_len;
     if (size > UW_SAMPLE_HDR_BYTES + UW_ARG_LEN)
@@ -1789,13 +1804,7 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, const u64 
     } else {
         __builtin_memset(st->s.sargs, 0, sizeof(st->s.sargs));
     }
-    if (argp) {
-        // read before the unwind, as the kernel will read it (a page not resident makes the
-        // read fail: the sample is reported without its argument)
-        long got = bpf_probe_read_user_str(st->s.arg, UW_ARG_LEN, (void *)argp);
-        if (got > 0)
-            st->s.arg_len = (u32)got;
-    }
+    st->argp = argp;  // read only for a record that carries it (uw_read_arg)
     if (ip == 0 && sp == 0) {
         st->s.reason = UW_WHY_NO_REGS;
     } else {
