@@ -32,13 +32,15 @@ from dataclasses import dataclass
 from itertools import pairwise
 from typing import NamedTuple, TypeVar
 
+from ccprofd.elf.compressed import CompressedSectionError
 from ccprofd.elf.ehframe import MALFORMED, Cie, FdeHeader, cfi_errors, iter_fdes, read_encoded, sleb, uleb
 from ccprofd.elf.errors import BinaryError, CfiError
 from ccprofd.elf.image import ElfImage
 from ccprofd.persist.cache import AnalysisCache
 
 CACHE_KIND = "cfi"
-TABLE_FORMAT = 3  # 2: code an FDE falls through into keeps its last row (_fallthrough_gaps); 3: RA_REG
+TABLE_FORMAT = 4  # 2: code an FDE falls through into keeps its last row (_fallthrough_gaps); 3: RA_REG;
+# 4: a compressed .debug_frame (.zdebug_frame) is read
 
 # Rule kinds.
 NONE = 0  # no CFI covers the address: the unwinder may try frame pointers
@@ -538,9 +540,17 @@ def _build_table(image: ElfImage) -> UnwindTable:
         fdes.extend(got)
         count += c
         sources.append(".eh_frame")
-    dbg = image.sections.get(".debug_frame")
+    dbg = image.sections.get(".debug_frame") or image.sections.get(".zdebug_frame")
+    dbg_bytes = b""
     if dbg is not None and dbg.type != "SHT_NOBITS" and dbg.size:
-        got, c = parse_frames(image.section_bytes(dbg), 0, False)
+        try:
+            dbg_bytes = image.section_bytes(dbg)  # compressed in Go binaries and -gz builds
+        except CompressedSectionError as exc:
+            if not exc.unsupported:
+                raise BinaryError(image.path, str(exc)) from None
+            # (a zstd section without the module: its code unwinds as if it had no CFI, flagged)
+    if dbg_bytes:
+        got, c = parse_frames(dbg_bytes, 0, False)
         # .eh_frame wins where both describe an address: append after, and _compact keeps the first.
         eh_ranges = sorted((lo, hi) for lo, hi, _ in fdes)
         fdes.extend(f for f in got if not _overlaps(eh_ranges, f[0], f[1]))

@@ -21,6 +21,7 @@ from elftools.elf.elffile import ELFFile
 from elftools.elf.sections import StringTableSection
 
 from ccprofd.elf.addrspace import AddressSpace, Segment
+from ccprofd.elf.compressed import inflate
 from ccprofd.elf.errors import BinaryError
 from ccprofd.elf.identity import read_elf_file
 
@@ -176,7 +177,12 @@ class ElfImage:
         return self.data[off:off + size]
 
     def section_bytes(self, section: Section) -> bytes:
-        return self.data[section.offset:section.offset + section.size]
+        """The section's bytes, inflated when it is compressed (debug sections only; see
+        :mod:`ccprofd.elf.compressed`, whose :class:`CompressedSectionError` this may raise)."""
+        raw = self.data[section.offset:section.offset + section.size]
+        if section.flags & SHF_ALLOC:
+            return raw  # a loaded section is never compressed: its bytes are what the process maps
+        return inflate(section.name, section.flags, raw)
 
     def dynamic_tags(self) -> dict[str, int]:
         tags: dict[str, int] = {}
