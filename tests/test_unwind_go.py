@@ -16,6 +16,7 @@ import sys
 import pytest
 from conftest import require_bpf, require_tool
 from fidelity import compare
+from strace_oracle import OracleError, Trace
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SOURCE = REPO / "tests" / "programs" / "gocalls.go"
@@ -44,16 +45,30 @@ def section_flags(binary: pathlib.Path) -> dict[str, str]:
     return out
 
 
+def gdb_trace(binary: pathlib.Path) -> Trace:
+    """gdb's stacks of the program's getppid and write calls.  gdb sometimes fails its last
+    ``continue`` with "Couldn't get registers: No such process" when the Go runtime's threads die
+    in ``exit_group`` (1 run in 4 here): such a run is repeated.  (A run that lost syscalls another
+    way would fail the comparison, never pass it.)"""
+    from gdb_oracle import run_gdb
+
+    for attempt in range(8):
+        try:
+            return run_gdb([str(binary)], ["getppid", "write"], timeout=600)[0]
+        except OracleError as exc:
+            if "No such process" not in str(exc) or attempt == 7:
+                raise
+    raise AssertionError("unreachable")
+
+
 @pytest.mark.bpf
 def test_go_binary_chains_are_whole_and_gdbs(tmp_path: pathlib.Path) -> None:
     require_bpf()
     require_tool("gdb")
-    from gdb_oracle import run_gdb
-
     binary = build_go(tmp_path)
     flags = section_flags(binary)
     assert ".eh_frame" not in flags and "C" in flags[".debug_frame"], flags  # the case this test is about
-    oracle, _ = run_gdb([str(binary)], ["getppid", "write"], timeout=600)
+    oracle = gdb_trace(binary)
     out = tmp_path / "samples.jsonl"
     argv = [sys.executable, "-m", "ccprofd.cli", "trace", "--mode", "unwind", "--format", "jsonl",
             "--syscalls", "getppid,write", "--output", str(out), "--", str(binary)]
