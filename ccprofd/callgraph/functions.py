@@ -14,6 +14,7 @@ from itertools import pairwise
 
 from ccprofd.elf.cfi import fde_ranges
 from ccprofd.elf.errors import BinaryError, CfiError
+from ccprofd.elf.gopclntab import GoTableError, read_go_functions
 from ccprofd.elf.image import PLT_SECTIONS, ElfImage, Section
 
 try:  # csweep.fde_ranges: the compiled walk of common .eh_frame sections (None: cfi.fde_ranges reads it)
@@ -98,6 +99,15 @@ class FunctionTable:
             # Rank: .symtab GLOBAL first, then .symtab others, then .dynsym.
             rank = (0 if sym.table == ".symtab" else 2) + (0 if sym.bind == "STB_GLOBAL" else 1)
             names.setdefault(sym.value, []).append((rank, sym.name, sym.size, sym.table == ".dynsym"))
+        # Go's own function table names every Go function, also in a stripped binary (Debian's):
+        # ranked after both symbol tables (its names lack the linker's ".abi0" suffixes)
+        try:
+            go_functions = read_go_functions(self.image)
+        except (GoTableError, ValueError):
+            go_functions = []
+        for fn in go_functions:
+            if fn.name and fn.end > fn.entry and self.section_of(fn.entry) is not None:
+                names.setdefault(fn.entry, []).append((4, fn.name, fn.end - fn.entry, False))
         fdes: dict[int, tuple[int, bool, bool]] = {}
         eh = self.image.sections.get(".eh_frame")
         if eh is not None and eh.type != "SHT_NOBITS" and eh.size:

@@ -35,12 +35,13 @@ from typing import NamedTuple, TypeVar
 from ccprofd.elf.compressed import CompressedSectionError
 from ccprofd.elf.ehframe import MALFORMED, Cie, FdeHeader, cfi_errors, iter_fdes, read_encoded, sleb, uleb
 from ccprofd.elf.errors import BinaryError, CfiError
+from ccprofd.elf.gopclntab import FUNC_FLAG_SPWRITE, FUNC_FLAG_TOPFRAME, GoTableError, read_go_functions
 from ccprofd.elf.image import ElfImage
 from ccprofd.persist.cache import AnalysisCache
 
 CACHE_KIND = "cfi"
-TABLE_FORMAT = 4  # 2: code an FDE falls through into keeps its last row (_fallthrough_gaps); 3: RA_REG;
-# 4: a compressed .debug_frame (.zdebug_frame) is read
+TABLE_FORMAT = 5  # 2: code an FDE falls through into keeps its last row (_fallthrough_gaps); 3: RA_REG;
+# 4: a compressed .debug_frame (.zdebug_frame) is read; 5: Go functions from .gopclntab
 
 # Rule kinds.
 NONE = 0  # no CFI covers the address: the unwinder may try frame pointers
@@ -65,6 +66,7 @@ WHY_CFA_EXPR = 1
 WHY_CFA_REG = 2
 WHY_RA_RULE = 3
 WHY_BAD_CFI = 4
+WHY_STACK_SWITCH = 5  # a Go stack switch (go_fdes)
 
 RSP, RBP, RDI, _RIP = 7, 6, 5, 16  # DWARF register numbers
 T = TypeVar("T")
@@ -540,6 +542,14 @@ def _build_table(image: ElfImage) -> UnwindTable:
         fdes.extend(got)
         count += c
         sources.append(".eh_frame")
+    # Go's functions from .gopclntab (the tables its linker derives .debug_frame from, present even
+    # in stripped binaries) before .debug_frame, which for Go code says rbp is unchanged where it is not
+    eh_ranges = sorted((lo, hi) for lo, hi, _ in fdes)
+    go = [f for f in go_fdes(image) if not _overlaps(eh_ranges, f[0], f[1])]
+    if go:
+        fdes.extend(go)
+        count += len(go)
+        sources.append(".gopclntab")
     dbg = image.sections.get(".debug_frame") or image.sections.get(".zdebug_frame")
     dbg_bytes = b""
     if dbg is not None and dbg.type != "SHT_NOBITS" and dbg.size:
@@ -551,14 +561,67 @@ def _build_table(image: ElfImage) -> UnwindTable:
             # (a zstd section without the module: its code unwinds as if it had no CFI, flagged)
     if dbg_bytes:
         got, c = parse_frames(dbg_bytes, 0, False)
-        # .eh_frame wins where both describe an address: append after, and _compact keeps the first.
-        eh_ranges = sorted((lo, hi) for lo, hi, _ in fdes)
-        fdes.extend(f for f in got if not _overlaps(eh_ranges, f[0], f[1]))
+        # .eh_frame (and .gopclntab) win where both describe an address: append after, and _compact
+        # keeps the first.
+        known = sorted((lo, hi) for lo, hi, _ in fdes)
+        fdes.extend(f for f in got if not _overlaps(known, f[0], f[1]))
         count += c
         sources.append(".debug_frame")
     fdes.extend(_fallthrough_gaps(image, fdes))
     starts, ids, rules = _compact(fdes)
     return UnwindTable(image.build_id(), image.path, starts, ids, rules, count, tuple(sources))
+
+
+#: a return address in a Go function that switches stacks (SPWRITE): what the stack holds above it
+#: is not its caller's (Go's own traceback stops there too)
+STACK_SWITCH = Rule(UNSUPPORTED, aux=WHY_STACK_SWITCH)
+
+
+def go_fdes(image: ElfImage) -> list[Fde]:
+    """One FDE per Go function of ``.gopclntab`` (none when the object has no readable one).
+
+    Per pc, from its ``pcsp`` offset d: CFA = rsp + d + 8, the return address at CFA - 8 -- what
+    the Go linker writes into ``.debug_frame`` -- and rbp unchanged while d is 0 but *lost* once the
+    function has a frame (Go saves and re-points rbp in its frames, which its ``.debug_frame`` does
+    not say: only a C frame above Go frames needs rbp, and it is then flagged, not walked wrongly).
+    A function Go marks as a stack's outermost (TOPFRAME: ``runtime.goexit``, ``mstart``,
+    ``rt0_go``, ``sigtramp``) ends the chain there, as Go's tracebacks do.  A return address in a
+    function that switches stacks (SPWRITE: ``systemstack``, ``mcall``, ``morestack``,
+    ``asmcgocall``, ...) is :data:`STACK_SWITCH`: beyond it is another stack."""
+    try:
+        funcs = read_go_functions(image)
+    except (GoTableError, struct.error, BinaryError, ValueError):
+        return []
+    out: list[Fde] = []
+    for fn in funcs:
+        if not fn.sp_offsets or fn.end <= fn.entry:
+            continue
+        if fn.flag & FUNC_FLAG_TOPFRAME:
+            out.append((fn.entry, fn.end, [(fn.entry, Rule(END, 0, RBP_SAME, 0, 0, 0))]))
+            continue
+        rows = {lo: (Rule(CFA_RSP, d + 8, RBP_SAME if d == 0 else RBP_UNDEF, 0, -8, 0) if d >= 0
+                     else Rule(UNSUPPORTED, aux=WHY_BAD_CFI)) for lo, _, d in fn.sp_offsets}
+        if fn.flag & FUNC_FLAG_SPWRITE:
+            starts = sorted(rows)
+            for ra in _call_returns(image, fn.entry, fn.end):
+                after = rows.get(ra + 1) or rows[starts[bisect_right(starts, ra + 1) - 1]]
+                rows[ra] = STACK_SWITCH
+                if ra + 1 < fn.end:
+                    rows.setdefault(ra + 1, after)
+        out.append((fn.entry, fn.end, sorted(rows.items())))
+    return out
+
+
+def _call_returns(image: ElfImage, lo: int, hi: int) -> list[int]:
+    """The return addresses of the call instructions in [lo, hi) (capstone, linear: Go's assembly
+    functions hold no data in their code)."""
+    from capstone import CS_ARCH_X86, CS_MODE_64, Cs, CsError
+
+    try:
+        code = image.bytes_at(lo, hi - lo)
+        return [a + n for a, n, m, _ in Cs(CS_ARCH_X86, CS_MODE_64).disasm_lite(code, lo) if m == "call"]
+    except (CsError, BinaryError, ValueError, KeyError):
+        return []
 
 
 _GAP_MAX = 256  # bytes of code without an FDE that _fallthrough_gaps considers

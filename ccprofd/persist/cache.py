@@ -23,7 +23,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-CACHE_FORMAT = 5  # bump whenever the analysis output changes meaning
+CACHE_FORMAT = 6  # bump whenever the analysis output changes meaning (6: Go functions from .gopclntab)
 MAGIC = b"ccprofd-cache\n"
 _DIGEST = 32  # SHA-256 of the pieces, at the end of the file
 

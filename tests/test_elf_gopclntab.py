@@ -1,0 +1,154 @@
+"""Go's function table (ccprofd/elf/gopclntab.py) and the unwind rows made from it (cfi.go_fdes).
+
+Oracles, all independent of ccprofd: the Go linker's own ``.debug_frame`` (generated from the same
+``pcsp`` tables) as ``readelf -wF`` interprets it, row by row; ``nm``'s symbols of the unstripped
+binary for the functions' names and entries; and ``strip``, which must not change the rows (the
+reason to read ``.gopclntab``: Debian strips its Go binaries, ``.debug_frame`` included)."""
+
+from __future__ import annotations
+
+import pathlib
+import re
+import shutil
+import subprocess
+
+import pytest
+from conftest import require_tool
+from test_unwind_go import build_go
+
+from ccprofd.elf import cfi
+from ccprofd.elf.gopclntab import (
+    FUNC_FLAG_SPWRITE,
+    FUNC_FLAG_TOPFRAME,
+    GoTableError,
+    parse_go_functions,
+    read_go_functions,
+)
+from ccprofd.elf.image import ElfImage
+
+
+@pytest.fixture(scope="module")
+def go_binaries(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, pathlib.Path]:
+    """gocalls as built (with DWARF) and its ``strip``ped copy (same addresses)."""
+    d = tmp_path_factory.mktemp("go")
+    full = build_go(d)
+    stripped = d / "gocalls.stripped"
+    subprocess.run(["strip", "-o", str(stripped), str(full)], check=True)
+    return full, stripped
+
+
+def readelf_cfa_rows(binary: pathlib.Path) -> list[tuple[int, int, list[tuple[int, str]]]]:
+    """Per FDE of .debug_frame: (lo, hi, [(loc, "rsp+N"), ...]) as readelf -wF interprets it."""
+    text = subprocess.run(["readelf", "-wF", str(binary)], capture_output=True, text=True, check=True).stdout
+    text = text.split("Contents of the .debug_frame section:", 1)[1]
+    out: list[tuple[int, int, list[tuple[int, str]]]] = []
+    fde = r"FDE cie=\w+ pc=([0-9a-f]+)\.\.([0-9a-f]+)\n\s+LOC\s+CFA\s+ra\s*\n((?:[0-9a-f]{16} .*\n)*)"
+    for m in re.finditer(fde, text):
+        rows = [(int(r.split()[0], 16), r.split()[1]) for r in m.group(3).splitlines()]
+        out.append((int(m.group(1), 16), int(m.group(2), 16), rows))
+    return out
+
+
+def test_rows_are_the_go_linkers_debug_frame(go_binaries: tuple[pathlib.Path, pathlib.Path]) -> None:
+    require_tool("readelf")
+    full, _ = go_binaries
+    image = ElfImage(str(full))
+    table = cfi.build_table(image)
+    assert table.sources[0] == ".gopclntab"
+    fdes = readelf_cfa_rows(full)
+    assert len(fdes) > 1000
+    special = {f.entry for f in read_go_functions(image) if f.flag & (FUNC_FLAG_TOPFRAME | FUNC_FLAG_SPWRITE)}
+    checked = 0
+    for lo, hi, rows in fdes:
+        if lo in special:
+            continue  # their rows are the chain's end or a stack switch by design (below)
+        for i, (loc, cfa) in enumerate(rows):
+            end = rows[i + 1][0] if i + 1 < len(rows) else hi
+            if end <= loc:
+                continue  # readelf prints a row the next one replaces at the same address
+            for pc in (loc, end - 1):
+                rule = table.lookup(pc)
+                assert (cfi.KIND_NAMES[rule.kind], rule.cfa_off, rule.ra_off) == ("rsp", int(cfa[4:]), -8), \
+                    (hex(pc), cfa, rule.describe())
+                checked += 1
+    assert checked > 5000
+
+
+def test_stripping_keeps_every_row(go_binaries: tuple[pathlib.Path, pathlib.Path]) -> None:
+    full, stripped = go_binaries
+    a, b = ElfImage(str(full)), ElfImage(str(stripped))
+    assert ".debug_frame" not in b.sections and ".symtab" not in b.sections
+    ta, tb = cfi.build_table(a), cfi.build_table(b)
+    assert tb.sources == (".gopclntab",)
+    go = [(f.entry, f.end) for f in read_go_functions(b)]
+    assert go == [(f.entry, f.end) for f in read_go_functions(a)]
+    for lo, hi in go:
+        for pc in range(lo, hi):
+            assert ta.lookup(pc) == tb.lookup(pc), hex(pc)
+
+
+def test_names_and_entries_are_nms(go_binaries: tuple[pathlib.Path, pathlib.Path]) -> None:
+    full, stripped = go_binaries
+    nm = subprocess.run(["nm", str(full)], capture_output=True, text=True, check=True).stdout
+    at: dict[int, set[str]] = {}
+    for line in nm.splitlines():
+        parts = line.split(maxsplit=2)  # (names may hold spaces: "type..eq.struct { ... }")
+        if len(parts) == 3 and parts[1] in "Tt":
+            at.setdefault(int(parts[0], 16), set()).add(parts[2])
+    funcs = read_go_functions(ElfImage(str(stripped)))
+    assert {"main.main", "main.mid", "main.leaf", "runtime.goexit"} <= {f.name for f in funcs}
+    for f in funcs:
+        names = at.get(f.entry, set())
+        # the linker's symbols add ".abi0" to assembly functions; Go's table writes array lengths
+        # in type names as "[...]"
+        pattern = re.compile(re.escape(f.name).replace(r"\[\.\.\.\]", r"\[\d+\]") + r"(\.abi0)?")
+        assert any(pattern.fullmatch(n) for n in names), (f.name, hex(f.entry), names)
+    tops = {f.name for f in funcs if f.flag & FUNC_FLAG_TOPFRAME}
+    assert {"runtime.goexit", "runtime.mstart", "runtime.rt0_go"} <= tops  # runtime/symtab.go's list
+
+
+def test_stack_switches_stop_at_their_return_addresses(
+        go_binaries: tuple[pathlib.Path, pathlib.Path]) -> None:
+    """``runtime.systemstack`` calls its function on the system stack: the return address after
+    that call (objdump) is a stop, not a frame whose caller is read from the other stack."""
+    require_tool("objdump")
+    full, _ = go_binaries
+    image = ElfImage(str(full))
+    fn = next(f for f in read_go_functions(image) if f.name == "runtime.systemstack")
+    assert fn.flag & FUNC_FLAG_SPWRITE
+    dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", f"--start-address={fn.entry:#x}",
+                          f"--stop-address={fn.end:#x}", str(full)], capture_output=True, text=True,
+                         check=True).stdout
+    lines = [ln for ln in dis.splitlines() if re.match(r"\s+[0-9a-f]+:\t", ln)]
+    returns = [int(lines[i + 1].split(":")[0], 16) for i, ln in enumerate(lines[:-1]) if "\tcall" in ln]
+    assert returns
+    table = cfi.build_table(image)
+    for ra in returns:
+        assert table.lookup(ra) == cfi.STACK_SWITCH
+        assert table.lookup(ra + 1).kind == cfi.CFA_RSP  # the instruction's other bytes keep pcsp's row
+    top = next(f for f in read_go_functions(image) if f.name == "runtime.goexit")
+    assert table.lookup(top.entry + 1).kind == cfi.END
+
+
+def test_bad_tables_are_refused_not_guessed(tmp_path: pathlib.Path) -> None:
+    with pytest.raises(GoTableError, match="magic"):
+        parse_go_functions(b"\xfa\xff\xff\xff" + bytes(80))  # Go 1.16's layout
+    with pytest.raises(GoTableError):
+        parse_go_functions(b"\xf0\xff\xff\xff")
+    true = shutil.which("true") or "/bin/true"
+    assert read_go_functions(ElfImage(true)) == []  # not Go
+
+
+def test_a_corrupt_gopclntab_leaves_go_code_without_rows(go_binaries: tuple[pathlib.Path, pathlib.Path],
+                                                        tmp_path: pathlib.Path) -> None:
+    _, stripped = go_binaries
+    image = ElfImage(str(stripped))
+    sec = image.sections[".gopclntab"]
+    data = bytearray(stripped.read_bytes())
+    data[sec.offset:sec.offset + 4] = b"\x00\x00\x00\x00"
+    bad = tmp_path / "bad"
+    bad.write_bytes(bytes(data))
+    table = cfi.build_table(ElfImage(str(bad)))
+    assert ".gopclntab" not in table.sources
+    main = next(f for f in read_go_functions(image) if f.name == "main.main")
+    assert table.lookup(main.entry) == cfi.NO_CFI
