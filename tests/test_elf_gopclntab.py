@@ -109,23 +109,32 @@ def test_names_and_entries_are_nms(go_binaries: tuple[pathlib.Path, pathlib.Path
 
 def test_stack_switches_stop_at_their_return_addresses(
         go_binaries: tuple[pathlib.Path, pathlib.Path]) -> None:
-    """``runtime.systemstack`` calls its function on the system stack: the return address after
-    that call (objdump) is a stop, not a frame whose caller is read from the other stack."""
+    """``runtime.systemstack`` loads rsp with the system stack, calls its function there and loads
+    the goroutine's rsp back (objdump, Intel syntax: ``mov rsp,...`` twice): the code between is a
+    stop at every byte, and so is each call's last byte (where a return address is looked up); the
+    code after the switch back, its ``ret``, keeps pcsp's row."""
     require_tool("objdump")
     full, _ = go_binaries
     image = ElfImage(str(full))
     fn = next(f for f in read_go_functions(image) if f.name == "runtime.systemstack")
     assert fn.flag & FUNC_FLAG_SPWRITE
-    dis = subprocess.run(["objdump", "-d", "--no-show-raw-insn", f"--start-address={fn.entry:#x}",
-                          f"--stop-address={fn.end:#x}", str(full)], capture_output=True, text=True,
-                         check=True).stdout
-    lines = [ln for ln in dis.splitlines() if re.match(r"\s+[0-9a-f]+:\t", ln)]
-    returns = [int(lines[i + 1].split(":")[0], 16) for i, ln in enumerate(lines[:-1]) if "\tcall" in ln]
-    assert returns
+    dis = subprocess.run(["objdump", "-d", "-M", "intel", "--no-show-raw-insn",
+                          f"--start-address={fn.entry:#x}", f"--stop-address={fn.end:#x}", str(full)],
+                         capture_output=True, text=True, check=True).stdout
+    insns = [(int(m.group(1), 16), [*m.group(2).split(None, 1), ""])
+             for m in re.finditer(r"^\s+([0-9a-f]+):\t(.*)$", dis, re.M)]
+    switches = [a for a, words in insns if words[0] == "mov" and words[1].startswith("rsp,")]
+    assert len(switches) == 2, insns  # onto the system stack, and back
     table = cfi.build_table(image)
-    for ra in returns:
-        assert table.lookup(ra) == cfi.STACK_SWITCH
-        assert table.lookup(ra + 1).kind == cfi.CFA_RSP  # the instruction's other bytes keep pcsp's row
+    for (a, words), nxt in zip(insns, [*insns[1:], (fn.end, [])], strict=True):
+        ra = nxt[0]
+        if words[0] == "call":
+            assert table.lookup(ra - 1) == cfi.STACK_SWITCH, hex(a)
+        if switches[0] < a < switches[1]:
+            assert table.lookup(a) == cfi.STACK_SWITCH, hex(a)
+        elif a <= switches[0] or a >= switches[1]:
+            assert table.lookup(a).kind == cfi.CFA_RSP, hex(a)
+    assert any(w[0] == "ret" and a > switches[1] for a, w in insns)
     top = next(f for f in read_go_functions(image) if f.name == "runtime.goexit")
     assert table.lookup(top.entry + 1).kind == cfi.END
 

@@ -102,3 +102,45 @@ def test_go_binary_chains_are_whole_and_gdbs(tmp_path: pathlib.Path, variant: st
     result = compare(samples, oracle, binary, check_names=False, symbols_path=twin)
     assert result.ok, result.report()
     assert result.stats.incomplete_samples == 0
+
+
+@pytest.mark.bpf
+def test_go_runtime_chains_end_where_go_says_a_stack_ends(tmp_path: pathlib.Path) -> None:
+    """Every syscall of the program, the Go runtime's threads included: a complete chain starts at
+    a function Go marks as a stack's top (TOPFRAME in .gopclntab: ``runtime.goexit``, ``mstart``,
+    ``rt0_go``); a chain through a stack switch (SPWRITE: ``systemstack``, ``mcall``, ...) ends at
+    it, flagged ``unsupported_cfi``, with nothing of the other stack above it.  Before, such chains
+    went on through whatever return address the system stack held (``runtime.newproc`` above
+    ``systemstack``, as gdb shows it).  runtime.main starts sysmon through ``systemstack`` (its
+    ``rt_sigprocmask`` and ``clone`` in ``newosproc``), so at least one such chain is certain."""
+    require_bpf()
+    from ccprofd.elf.gopclntab import FUNC_FLAG_SPWRITE, FUNC_FLAG_TOPFRAME, read_go_functions
+    from ccprofd.elf.image import ElfImage
+
+    binary = build_go(tmp_path)
+    funcs = read_go_functions(ElfImage(str(binary)))
+    tops = {f.name for f in funcs if f.flag & FUNC_FLAG_TOPFRAME}
+    switches = {f.name for f in funcs if f.flag & FUNC_FLAG_SPWRITE} - tops
+    assert {"runtime.goexit", "runtime.mstart"} <= tops
+    assert {"runtime.systemstack", "runtime.mcall"} <= switches
+    out = tmp_path / "samples.jsonl"
+    argv = [sys.executable, "-m", "ccprofd.cli", "trace", "--mode", "unwind", "--format", "jsonl",
+            "--syscalls", "all", "--output", str(out), "--", str(binary)]
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, stdin=subprocess.DEVNULL,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    samples = [s for s in map(json.loads, out.read_text().splitlines()) if s.get("event") == "syscall"]
+    through_switch = 0
+    for s in samples:
+        names = [f["function"].removesuffix(".abi0") for f in s["frames"]]
+        if s["complete"]:
+            assert names and names[0] in tops, s
+        hit = [i for i, n in enumerate(names[:-1]) if n in switches]  # a switch below the innermost frame
+        if hit:
+            through_switch += 1
+            assert hit == [0] and not s["complete"] and s["reason"] == "unsupported_cfi", s
+    assert through_switch >= 1
+    newm = [s for s in samples if s["syscall"] == "rt_sigprocmask"
+            and [f["function"].removesuffix(".abi0") for f in s["frames"]][:3] ==
+            ["runtime.systemstack", "runtime.main.func1", "runtime.newm"]]
+    assert newm, "runtime.main's systemstack(newm(sysmon)) was not seen ending at the switch"

@@ -40,8 +40,9 @@ from ccprofd.elf.image import ElfImage
 from ccprofd.persist.cache import AnalysisCache
 
 CACHE_KIND = "cfi"
-TABLE_FORMAT = 5  # 2: code an FDE falls through into keeps its last row (_fallthrough_gaps); 3: RA_REG;
-# 4: a compressed .debug_frame (.zdebug_frame) is read; 5: Go functions from .gopclntab
+TABLE_FORMAT = 7  # 2: code an FDE falls through into keeps its last row (_fallthrough_gaps); 3: RA_REG;
+# 4: a compressed .debug_frame (.zdebug_frame) is read; 5: Go functions from .gopclntab; 6: their stack
+# switches at the call's last byte; 7: and over the switched code
 
 # Rule kinds.
 NONE = 0  # no CFI covers the address: the unwinder may try frame pointers
@@ -587,7 +588,8 @@ def go_fdes(image: ElfImage) -> list[Fde]:
     A function Go marks as a stack's outermost (TOPFRAME: ``runtime.goexit``, ``mstart``,
     ``rt0_go``, ``sigtramp``) ends the chain there, as Go's tracebacks do.  A return address in a
     function that switches stacks (SPWRITE: ``systemstack``, ``mcall``, ``morestack``,
-    ``asmcgocall``, ...) is :data:`STACK_SWITCH`: beyond it is another stack."""
+    ``asmcgocall``, ...) is :data:`STACK_SWITCH` (at the call's last byte, where the unwinders look
+    a return address up): beyond it is another stack."""
     try:
         funcs = read_go_functions(image)
     except (GoTableError, struct.error, BinaryError, ValueError):
@@ -602,26 +604,40 @@ def go_fdes(image: ElfImage) -> list[Fde]:
         rows = {lo: (Rule(CFA_RSP, d + 8, RBP_SAME if d == 0 else RBP_UNDEF, 0, -8, 0) if d >= 0
                      else Rule(UNSUPPORTED, aux=WHY_BAD_CFI)) for lo, _, d in fn.sp_offsets}
         if fn.flag & FUNC_FLAG_SPWRITE:
-            starts = sorted(rows)
-            for ra in _call_returns(image, fn.entry, fn.end):
-                after = rows.get(ra + 1) or rows[starts[bisect_right(starts, ra + 1) - 1]]
-                rows[ra] = STACK_SWITCH
-                if ra + 1 < fn.end:
-                    rows.setdefault(ra + 1, after)
+            rows = _with_stack_switches(image, fn.entry, fn.end, rows)
         out.append((fn.entry, fn.end, sorted(rows.items())))
     return out
 
 
-def _call_returns(image: ElfImage, lo: int, hi: int) -> list[int]:
-    """The return addresses of the call instructions in [lo, hi) (capstone, linear: Go's assembly
-    functions hold no data in their code)."""
+def _with_stack_switches(image: ElfImage, lo: int, hi: int, rows: dict[int, Rule]) -> dict[int, Rule]:
+    """The rows of a stack-switching Go function [lo, hi) with :data:`STACK_SWITCH` where pcsp's
+    rows do not hold: every byte from an instruction that loads rsp from elsewhere (``mov rsp,
+    ...``: onto the other stack) to the next one (back), in address order (Go's assembly places a
+    branch's other path after it: ``clone``'s child after the parent's ``ret``); and the last byte of
+    every call, where the unwinders look its return address up (the call's target runs on the other
+    stack, or is a helper such as ``gosave_systemstack_switch``: flagged, never walked past).  The
+    decoding is linear (capstone): Go's assembly holds no data in its code."""
     from capstone import CS_ARCH_X86, CS_MODE_64, Cs, CsError
 
+    starts = sorted(rows)
+    per_byte = [rows[starts[bisect_right(starts, pc) - 1]] for pc in range(lo, hi)]
+    switched = False
     try:
         code = image.bytes_at(lo, hi - lo)
-        return [a + n for a, n, m, _ in Cs(CS_ARCH_X86, CS_MODE_64).disasm_lite(code, lo) if m == "call"]
-    except (CsError, BinaryError, ValueError, KeyError):
-        return []
+        for addr, size, mnemonic, ops in Cs(CS_ARCH_X86, CS_MODE_64).disasm_lite(code, lo):
+            if mnemonic == "mov" and ops.startswith("rsp,"):
+                switched = not switched
+            elif switched:
+                per_byte[addr - lo:addr - lo + size] = [STACK_SWITCH] * size
+            if mnemonic == "call":
+                per_byte[addr + size - 1 - lo] = STACK_SWITCH
+    except (CsError, BinaryError, ValueError, KeyError, IndexError):
+        return {lo: STACK_SWITCH}  # not decodable: nothing of it is trusted
+    out: dict[int, Rule] = {}
+    for i, rule in enumerate(per_byte):
+        if i == 0 or rule != per_byte[i - 1]:
+            out[lo + i] = rule
+    return out
 
 
 _GAP_MAX = 256  # bytes of code without an FDE that _fallthrough_gaps considers
