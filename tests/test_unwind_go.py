@@ -13,6 +13,7 @@ import pathlib
 import shutil
 import subprocess
 import sys
+from typing import Any
 
 import pytest
 from conftest import require_bpf, require_tool
@@ -62,6 +63,19 @@ def gdb_trace(binary: pathlib.Path) -> Trace:
     raise AssertionError("unreachable")
 
 
+def trace_go(binary: pathlib.Path, syscalls: str, out_dir: pathlib.Path) -> list[dict[str, Any]]:
+    """``ccprofd trace --mode unwind`` of the program: its JSONL records (the program's own output
+    checked: it ran to its end)."""
+    out = out_dir / "samples.jsonl"
+    argv = [sys.executable, "-m", "ccprofd.cli", "trace", "--mode", "unwind", "--format", "jsonl",
+            "--syscalls", syscalls, "--output", str(out), "--", str(binary)]
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, stdin=subprocess.DEVNULL,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "gocalls: done\n"
+    return [json.loads(line) for line in out.read_text().splitlines()]
+
+
 @pytest.mark.bpf
 @pytest.mark.parametrize("variant", ["as-built", "stripped"])
 def test_go_binary_chains_are_whole_and_gdbs(tmp_path: pathlib.Path, variant: str) -> None:
@@ -80,14 +94,7 @@ def test_go_binary_chains_are_whole_and_gdbs(tmp_path: pathlib.Path, variant: st
         shutil.copy2(binary, twin)
         subprocess.run(["strip", str(binary)], check=True)
         assert ".debug_frame" not in section_flags(binary) and ".symtab" not in section_flags(binary)
-    out = tmp_path / "samples.jsonl"
-    argv = [sys.executable, "-m", "ccprofd.cli", "trace", "--mode", "unwind", "--format", "jsonl",
-            "--syscalls", "getppid,write", "--output", str(out), "--", str(binary)]
-    proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, stdin=subprocess.DEVNULL,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == "gocalls: done\n"
-    samples = [json.loads(line) for line in out.read_text().splitlines()]
+    samples = trace_go(binary, "getppid,write", tmp_path)
     mine = [s for s in samples if s.get("syscall") == "getppid"]
     assert len(mine) == 4, samples
     assert all(s["complete"] for s in mine), mine
@@ -123,13 +130,7 @@ def test_go_runtime_chains_end_where_go_says_a_stack_ends(tmp_path: pathlib.Path
     switches = {f.name for f in funcs if f.flag & FUNC_FLAG_SPWRITE} - tops
     assert {"runtime.goexit", "runtime.mstart"} <= tops
     assert {"runtime.systemstack", "runtime.mcall"} <= switches
-    out = tmp_path / "samples.jsonl"
-    argv = [sys.executable, "-m", "ccprofd.cli", "trace", "--mode", "unwind", "--format", "jsonl",
-            "--syscalls", "all", "--output", str(out), "--", str(binary)]
-    proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, stdin=subprocess.DEVNULL,
-                          timeout=600)
-    assert proc.returncode == 0, proc.stderr
-    samples = [s for s in map(json.loads, out.read_text().splitlines()) if s.get("event") == "syscall"]
+    samples = [s for s in trace_go(binary, "all", tmp_path) if s.get("event") == "syscall"]
     through_switch = 0
     for s in samples:
         names = [f["function"].removesuffix(".abi0") for f in s["frames"]]
