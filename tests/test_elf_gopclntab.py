@@ -20,6 +20,7 @@ from ccprofd.elf import cfi
 from ccprofd.elf.gopclntab import (
     FUNC_FLAG_SPWRITE,
     FUNC_FLAG_TOPFRAME,
+    SECTIONS,
     GoTableError,
     parse_go_functions,
     read_go_functions,
@@ -27,11 +28,13 @@ from ccprofd.elf.gopclntab import (
 from ccprofd.elf.image import ElfImage
 
 
-@pytest.fixture(scope="module")
-def go_binaries(tmp_path_factory: pytest.TempPathFactory) -> tuple[pathlib.Path, pathlib.Path]:
-    """gocalls as built (with DWARF) and its ``strip``ped copy (same addresses)."""
+@pytest.fixture(scope="module", params=["exe", "pie"])
+def go_binaries(tmp_path_factory: pytest.TempPathFactory,
+                request: pytest.FixtureRequest) -> tuple[pathlib.Path, pathlib.Path]:
+    """gocalls as built (with DWARF) and its ``strip``ped copy (same addresses); as an executable
+    and as ``-buildmode=pie`` (the table in ``.data.rel.ro.gopclntab``, its text start relocated)."""
     d = tmp_path_factory.mktemp("go")
-    full = build_go(d)
+    full = build_go(d, pie=request.param == "pie")
     stripped = d / "gocalls.stripped"
     subprocess.run(["strip", "-o", str(stripped), str(full)], check=True)
     return full, stripped
@@ -152,7 +155,7 @@ def test_a_corrupt_gopclntab_leaves_go_code_without_rows(go_binaries: tuple[path
                                                         tmp_path: pathlib.Path) -> None:
     _, stripped = go_binaries
     image = ElfImage(str(stripped))
-    sec = image.sections[".gopclntab"]
+    sec = next(image.sections[n] for n in SECTIONS if n in image.sections)
     data = bytearray(stripped.read_bytes())
     data[sec.offset:sec.offset + 4] = b"\x00\x00\x00\x00"
     bad = tmp_path / "bad"

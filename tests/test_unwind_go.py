@@ -24,14 +24,16 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 SOURCE = REPO / "tests" / "programs" / "gocalls.go"
 
 
-def build_go(out_dir: pathlib.Path) -> pathlib.Path:
-    """gocalls.go built with ``go build`` (a single file outside any module)."""
+def build_go(out_dir: pathlib.Path, *, pie: bool = False) -> pathlib.Path:
+    """gocalls.go built with ``go build`` (a single file outside any module); ``pie``:
+    ``-buildmode=pie`` (its function table is then ``.data.rel.ro.gopclntab``)."""
     go = require_tool("go")
     binary = out_dir / "gocalls"
     # its own build cache: go needs one, and a CI runner may have no $HOME to put the default in
     env = {**os.environ, "GO111MODULE": "off", "CGO_ENABLED": "0", "GOCACHE": str(out_dir / "gocache")}
-    got = subprocess.run([go, "build", "-o", str(binary), str(SOURCE)], capture_output=True, text=True,
-                         cwd=out_dir, env=env, timeout=600)
+    mode = ["-buildmode=pie"] if pie else []
+    got = subprocess.run([go, "build", *mode, "-o", str(binary), str(SOURCE)], capture_output=True,
+                         text=True, cwd=out_dir, env=env, timeout=600)
     assert got.returncode == 0, got.stderr
     return binary
 
@@ -77,19 +79,20 @@ def trace_go(binary: pathlib.Path, syscalls: str, out_dir: pathlib.Path) -> list
 
 
 @pytest.mark.bpf
-@pytest.mark.parametrize("variant", ["as-built", "stripped"])
+@pytest.mark.parametrize("variant", ["as-built", "stripped", "pie-stripped"])
 def test_go_binary_chains_are_whole_and_gdbs(tmp_path: pathlib.Path, variant: str) -> None:
     """``stripped``: gdb runs the binary as built; then ``strip`` (as Debian strips its Go
     packages: no ``.symtab``, no ``.debug_frame``; the same addresses) and ccprofd traces that. The
-    rows and names come from ``.gopclntab``; before, such a binary stopped after its first frame."""
+    rows and names come from ``.gopclntab``; before, such a binary stopped after its first frame.
+    ``pie-stripped``: the same for ``-buildmode=pie``, loaded at a random base."""
     require_bpf()
     require_tool("gdb")
-    binary = build_go(tmp_path)
+    binary = build_go(tmp_path, pie=variant.startswith("pie"))
     flags = section_flags(binary)
     assert ".eh_frame" not in flags and "C" in flags[".debug_frame"], flags  # the case this test is about
     oracle = gdb_trace(binary)
     twin = None
-    if variant == "stripped":
+    if variant.endswith("stripped"):
         twin = tmp_path / "gocalls.full"
         shutil.copy2(binary, twin)
         subprocess.run(["strip", str(binary)], check=True)

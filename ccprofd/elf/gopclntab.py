@@ -77,19 +77,29 @@ def pc_values(table: bytes, pos: int, entry: int, quantum: int) -> list[tuple[in
             raise GoTableError("pc-value table without an end")
 
 
+#: where the table lives: its own section, or (position-independent builds) inside .data.rel.ro
+SECTIONS = (".gopclntab", ".data.rel.ro.gopclntab")
+
+
 def read_go_functions(image: ElfImage) -> list[GoFunction]:
-    """Every function of the image's ``.gopclntab`` (empty when it has none)."""
-    sec = image.sections.get(".gopclntab")
+    """Every function of the image's Go function table (empty when it has none)."""
+    sec = next((image.sections[n] for n in SECTIONS if n in image.sections), None)
     if sec is None or sec.type == "SHT_NOBITS" or not sec.size:
         return []
+    text = image.sections.get(".text")
     try:
-        return parse_go_functions(image.section_bytes(sec))
+        funcs = parse_go_functions(image.section_bytes(sec), text.vaddr if text is not None else 0)
     except struct.error as exc:
         raise GoTableError(f".gopclntab cannot be read ({exc})") from None
+    if funcs and not any(s.executable and s.contains(funcs[0].entry) for s in image.sections.values()):
+        raise GoTableError(f".gopclntab's first function {funcs[0].entry:#x} is in no code section")
+    return funcs
 
 
-def parse_go_functions(data: bytes) -> list[GoFunction]:
-    """Every function of a ``.gopclntab`` section's bytes."""
+def parse_go_functions(data: bytes, text_vaddr: int = 0) -> list[GoFunction]:
+    """Every function of a ``.gopclntab`` section's bytes.  The header's text start is a link-time
+    address a position-independent binary relocates at load; ``text_vaddr`` (the ``.text``
+    section's) stands in when the file holds 0 there (the value left to the relocation)."""
     if len(data) < _HEADER.size:
         raise GoTableError(".gopclntab shorter than its header")
     magic, _, _, quantum, ptr_size, *words = _HEADER.unpack_from(data, 0)
@@ -98,6 +108,7 @@ def parse_go_functions(data: bytes) -> list[GoFunction]:
     if ptr_size != 8 or quantum not in (1, 2, 4):
         raise GoTableError(f".gopclntab for {ptr_size}-byte pointers, pc quantum {quantum}")
     nfunc, _nfiles, text_start, name_off, _cu_off, _file_off, pctab_off, func_off = words
+    text_start = text_start or text_vaddr
     # runtime/symtab.go's _func: entryOff, nameOff, args, deferreturn, pcsp, pcfile, pcln, npcdata,
     # cuOffset, [startLine (1.20+)], funcID, flag, _, nfuncdata
     rec = struct.Struct("<IiiIIIIII" + ("i" if magic == MAGIC_GO120 else "") + "BBBB")
