@@ -8,7 +8,6 @@ the uncompressed twin's table, and readelf's reading of the compressed file's FD
 from __future__ import annotations
 
 import pathlib
-import re
 import shutil
 import struct
 import subprocess
@@ -16,6 +15,7 @@ import zlib
 
 import pytest
 from conftest import require_tool
+from test_cfi_readelf import readelf_frames
 
 from ccprofd.elf import cfi
 from ccprofd.elf.compressed import SHF_COMPRESSED, CompressedSectionError, inflate
@@ -43,11 +43,8 @@ def build(tmp: pathlib.Path, gz: str) -> pathlib.Path:
 
 def readelf_fde_ranges(binary: pathlib.Path) -> list[tuple[int, int]]:
     """The .debug_frame FDEs' pc ranges as readelf reads them (it inflates the section itself)."""
-    text = subprocess.run(["readelf", "-W", "--debug-dump=frames", str(binary)], capture_output=True,
-                          text=True, check=True).stdout
-    part = re.split(r"Contents of the \.z?debug_frame section:", text, maxsplit=1)[1]
-    found = re.findall(r"FDE cie=\w+ pc=([0-9a-f]+)\.\.([0-9a-f]+)", part)
-    return [(int(a, 16), int(b, 16)) for a, b in found]
+    return [(f.lo, f.hi) for f in readelf_frames(str(binary))
+            if f.section in (".debug_frame", ".zdebug_frame")]
 
 
 def rows(table: cfi.UnwindTable) -> list[tuple[int, cfi.Rule]]:

@@ -14,6 +14,7 @@ import subprocess
 
 import pytest
 from conftest import require_tool
+from test_cfi_readelf import readelf_frames
 from test_unwind_go import build_go
 
 from ccprofd.elf import cfi
@@ -40,39 +41,28 @@ def go_binaries(tmp_path_factory: pytest.TempPathFactory,
     return full, stripped
 
 
-def readelf_cfa_rows(binary: pathlib.Path) -> list[tuple[int, int, list[tuple[int, str]]]]:
-    """Per FDE of .debug_frame: (lo, hi, [(loc, "rsp+N"), ...]) as readelf -wF interprets it."""
-    text = subprocess.run(["readelf", "-wF", str(binary)], capture_output=True, text=True, check=True).stdout
-    text = text.split("Contents of the .debug_frame section:", 1)[1]
-    out: list[tuple[int, int, list[tuple[int, str]]]] = []
-    fde = r"FDE cie=\w+ pc=([0-9a-f]+)\.\.([0-9a-f]+)\n\s+LOC\s+CFA\s+ra\s*\n((?:[0-9a-f]{16} .*\n)*)"
-    for m in re.finditer(fde, text):
-        rows = [(int(r.split()[0], 16), r.split()[1]) for r in m.group(3).splitlines()]
-        out.append((int(m.group(1), 16), int(m.group(2), 16), rows))
-    return out
-
-
 def test_rows_are_the_go_linkers_debug_frame(go_binaries: tuple[pathlib.Path, pathlib.Path]) -> None:
     require_tool("readelf")
     full, _ = go_binaries
     image = ElfImage(str(full))
     table = cfi.build_table(image)
     assert table.sources[0] == ".gopclntab"
-    fdes = readelf_cfa_rows(full)
+    fdes = [f for f in readelf_frames(str(full)) if f.section == ".debug_frame"]
     assert len(fdes) > 1000
     special = {f.entry for f in read_go_functions(image) if f.flag & (FUNC_FLAG_TOPFRAME | FUNC_FLAG_SPWRITE)}
     checked = 0
-    for lo, hi, rows in fdes:
-        if lo in special:
+    for fde in fdes:
+        if fde.lo in special:
             continue  # their rows are the chain's end or a stack switch by design (below)
-        for i, (loc, cfa) in enumerate(rows):
-            end = rows[i + 1][0] if i + 1 < len(rows) else hi
+        for i, (loc, row) in enumerate(fde.rows):
+            end = fde.rows[i + 1][0] if i + 1 < len(fde.rows) else fde.hi
             if end <= loc:
                 continue  # readelf prints a row the next one replaces at the same address
             for pc in (loc, end - 1):
                 rule = table.lookup(pc)
-                assert (cfi.KIND_NAMES[rule.kind], rule.cfa_off, rule.ra_off) == ("rsp", int(cfa[4:]), -8), \
-                    (hex(pc), cfa, rule.describe())
+                assert (cfi.KIND_NAMES[rule.kind], rule.cfa_off, rule.ra_off) == \
+                    ("rsp", int(row["CFA"].removeprefix("rsp+")), int(row["ra"].removeprefix("c"))), \
+                    (hex(pc), row, rule.describe())
                 checked += 1
     assert checked > 5000
 

@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 import pytest
+from binutils_oracle import parse_sections
 from conftest import require_bpf, require_tool
 from fidelity import compare
 from strace_oracle import OracleError, Trace
@@ -41,12 +42,7 @@ def build_go(out_dir: pathlib.Path, *, pie: bool = False) -> pathlib.Path:
 def section_flags(binary: pathlib.Path) -> dict[str, str]:
     """Section name -> readelf's flag letters (independent of ccprofd's ELF reader)."""
     text = subprocess.run(["readelf", "-SW", str(binary)], capture_output=True, text=True, check=True).stdout
-    out: dict[str, str] = {}
-    for line in text.splitlines():
-        parts = line.replace("[ ", "[").split()
-        if len(parts) >= 8 and parts[0].startswith("[") and parts[1].startswith("."):
-            out[parts[1]] = parts[7] if not parts[7].isdigit() else ""
-    return out
+    return {s.name: s.flags for s in parse_sections(text)}
 
 
 def gdb_trace(binary: pathlib.Path) -> Trace:

@@ -37,6 +37,7 @@ from ccprofd.elf.ehframe import MALFORMED, Cie, FdeHeader, cfi_errors, iter_fdes
 from ccprofd.elf.errors import BinaryError, CfiError
 from ccprofd.elf.gopclntab import FUNC_FLAG_SPWRITE, FUNC_FLAG_TOPFRAME, GoTableError, read_go_functions
 from ccprofd.elf.image import ElfImage
+from ccprofd.elf.x86dis import x86_64
 from ccprofd.persist.cache import AnalysisCache
 
 CACHE_KIND = "cfi"
@@ -617,21 +618,19 @@ def _with_stack_switches(image: ElfImage, lo: int, hi: int, rows: dict[int, Rule
     every call, where the unwinders look its return address up (the call's target runs on the other
     stack, or is a helper such as ``gosave_systemstack_switch``: flagged, never walked past).  The
     decoding is linear (capstone): Go's assembly holds no data in its code."""
-    from capstone import CS_ARCH_X86, CS_MODE_64, Cs, CsError
-
     starts = sorted(rows)
     per_byte = [rows[starts[bisect_right(starts, pc) - 1]] for pc in range(lo, hi)]
     switched = False
     try:
         code = image.bytes_at(lo, hi - lo)
-        for addr, size, mnemonic, ops in Cs(CS_ARCH_X86, CS_MODE_64).disasm_lite(code, lo):
+        for addr, size, mnemonic, ops in x86_64().disasm_lite(code, lo):
             if mnemonic == "mov" and ops.startswith("rsp,"):
                 switched = not switched
             elif switched:
                 per_byte[addr - lo:addr - lo + size] = [STACK_SWITCH] * size
             if mnemonic == "call":
                 per_byte[addr + size - 1 - lo] = STACK_SWITCH
-    except (CsError, BinaryError, ValueError, KeyError, IndexError):
+    except (OSError, BinaryError, ValueError, KeyError, IndexError):
         return {lo: STACK_SWITCH}  # not decodable: nothing of it is trusted
     out: dict[int, Rule] = {}
     for i, rule in enumerate(per_byte):
