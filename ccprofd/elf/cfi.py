@@ -41,9 +41,9 @@ from ccprofd.elf.x86dis import x86_64
 from ccprofd.persist.cache import AnalysisCache
 
 CACHE_KIND = "cfi"
-TABLE_FORMAT = 7  # 2: code an FDE falls through into keeps its last row (_fallthrough_gaps); 3: RA_REG;
+TABLE_FORMAT = 8  # 2: code an FDE falls through into keeps its last row (_fallthrough_gaps); 3: RA_REG;
 # 4: a compressed .debug_frame (.zdebug_frame) is read; 5: Go functions from .gopclntab; 6: their stack
-# switches at the call's last byte; 7: and over the switched code
+# switches at the call's last byte; 7: and over the switched code; 8: mcall's and clone's child's code ends it
 
 # Rule kinds.
 NONE = 0  # no CFI covers the address: the unwinder may try frame pointers
@@ -577,6 +577,19 @@ def _build_table(image: ElfImage) -> UnwindTable:
 #: a return address in a Go function that switches stacks (SPWRITE): what the stack holds above it
 #: is not its caller's (Go's own traceback stops there too)
 STACK_SWITCH = Rule(UNSUPPORTED, aux=WHY_STACK_SWITCH)
+#: Go functions whose code on the other stack is that stack's outermost frame, so a chain that
+#: reaches it there ends, complete (:func:`_with_stack_switches`' ``ends_stack``):
+#: * ``mcall`` switches to g0 at ``g0.sched.sp`` (the base mstart1 left) and calls a function that
+#:   never returns (``park_m``, ``goexit0``, ...: the scheduler).  Delve, Go's debugger, ends a g0
+#:   stack there, as at ``goexit`` and ``rt0_go`` ("top of stack" functions);
+#: * ``clone``'s child: after the syscall returns 0 it moves rsp to the new thread's stack top
+#:   (``newosproc`` passes ``g0.stack.hi``), makes its first syscall (``gettid``) there and calls
+#:   ``mstart``: the new thread has no frame above it, as glibc's clone child (whose CFI says
+#:   "return address undefined").
+#: Other switches (``systemstack``, ``morestack``, ``asmcgocall``) return to, or resume, a
+#: goroutine whose frames are the chain's outer part: flagged.
+GO_STACK_TOP_SWITCHERS = frozenset({"runtime.mcall", "runtime.clone"})  # .gopclntab names
+_GO_END = Rule(END, 0, RBP_SAME, 0, 0, 0)
 
 
 def go_fdes(image: ElfImage) -> list[Fde]:
@@ -590,7 +603,8 @@ def go_fdes(image: ElfImage) -> list[Fde]:
     ``rt0_go``, ``sigtramp``) ends the chain there, as Go's tracebacks do.  A return address in a
     function that switches stacks (SPWRITE: ``systemstack``, ``mcall``, ``morestack``,
     ``asmcgocall``, ...) is :data:`STACK_SWITCH` (at the call's last byte, where the unwinders look
-    a return address up): beyond it is another stack."""
+    a return address up): beyond it is another stack -- except in ``mcall`` and ``clone``, whose
+    code on the other stack is that stack's outermost frame (:data:`GO_STACK_TOP_SWITCHERS`)."""
     try:
         funcs = read_go_functions(image)
     except (GoTableError, struct.error, BinaryError, ValueError):
@@ -600,24 +614,28 @@ def go_fdes(image: ElfImage) -> list[Fde]:
         if not fn.sp_offsets or fn.end <= fn.entry:
             continue
         if fn.flag & FUNC_FLAG_TOPFRAME:
-            out.append((fn.entry, fn.end, [(fn.entry, Rule(END, 0, RBP_SAME, 0, 0, 0))]))
+            out.append((fn.entry, fn.end, [(fn.entry, _GO_END)]))
             continue
         rows = {lo: (Rule(CFA_RSP, d + 8, RBP_SAME if d == 0 else RBP_UNDEF, 0, -8, 0) if d >= 0
                      else Rule(UNSUPPORTED, aux=WHY_BAD_CFI)) for lo, _, d in fn.sp_offsets}
         if fn.flag & FUNC_FLAG_SPWRITE:
-            rows = _with_stack_switches(image, fn.entry, fn.end, rows)
+            rows = _with_stack_switches(image, fn.entry, fn.end, rows,
+                                        ends_stack=fn.name in GO_STACK_TOP_SWITCHERS)
         out.append((fn.entry, fn.end, sorted(rows.items())))
     return out
 
 
-def _with_stack_switches(image: ElfImage, lo: int, hi: int, rows: dict[int, Rule]) -> dict[int, Rule]:
+def _with_stack_switches(image: ElfImage, lo: int, hi: int, rows: dict[int, Rule], *,
+                         ends_stack: bool = False) -> dict[int, Rule]:
     """The rows of a stack-switching Go function [lo, hi) with :data:`STACK_SWITCH` where pcsp's
     rows do not hold: every byte from an instruction that loads rsp from elsewhere (``mov rsp,
     ...``: onto the other stack) to the next one (back), in address order (Go's assembly places a
     branch's other path after it: ``clone``'s child after the parent's ``ret``); and the last byte of
     every call, where the unwinders look its return address up (the call's target runs on the other
-    stack, or is a helper such as ``gosave_systemstack_switch``: flagged, never walked past).  The
-    decoding is linear (capstone): Go's assembly holds no data in its code."""
+    stack, or is a helper such as ``gosave_systemstack_switch``: flagged, never walked past).
+    ``ends_stack``: the code on the other stack, and its calls, end the chain there instead (END:
+    ``mcall``, ``clone``'s child).
+    The decoding is linear (capstone): Go's assembly holds no data in its code."""
     starts = sorted(rows)
     per_byte = [rows[starts[bisect_right(starts, pc) - 1]] for pc in range(lo, hi)]
     switched = False
@@ -627,9 +645,9 @@ def _with_stack_switches(image: ElfImage, lo: int, hi: int, rows: dict[int, Rule
             if mnemonic == "mov" and ops.startswith("rsp,"):
                 switched = not switched
             elif switched:
-                per_byte[addr - lo:addr - lo + size] = [STACK_SWITCH] * size
+                per_byte[addr - lo:addr - lo + size] = [_GO_END if ends_stack else STACK_SWITCH] * size
             if mnemonic == "call":
-                per_byte[addr + size - 1 - lo] = STACK_SWITCH
+                per_byte[addr + size - 1 - lo] = _GO_END if switched and ends_stack else STACK_SWITCH
     except (OSError, BinaryError, ValueError, KeyError, IndexError):
         return {lo: STACK_SWITCH}  # not decodable: nothing of it is trusted
     out: dict[int, Rule] = {}
