@@ -7,6 +7,7 @@ unwinder at ``catch syscall`` stops (tests/gdb_oracle.py), frame by frame."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pathlib
@@ -226,3 +227,45 @@ def test_go_scheduler_chains_end_at_mcall_as_delves(tmp_path: pathlib.Path) -> N
         frames = s["frames"]
         got = [(f["function"], int(f["return_address"], 16)) for f in frames[:3]]
         assert got == expect and frames[3]["function"] == "runtime.stoplockedm", (got, expect, s)
+
+
+def ccprofd_anomaly(verb: str, model: pathlib.Path, binary: pathlib.Path, *extra: str,
+                    env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``ccprofd learn`` or ``detect`` of the program's getppid and write calls, checked: it ran."""
+    argv = [sys.executable, "-m", "ccprofd.cli", verb, "--model", str(model), "--syscalls",
+            "getppid,write", *extra, "--", str(binary)]
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, stdin=subprocess.DEVNULL,
+                          timeout=600, env={**os.environ, **(env or {})})
+    assert proc.returncode == 0 and proc.stdout == f"{binary.name}: done\n", proc.stderr
+    return proc
+
+
+@pytest.mark.bpf
+def test_anomaly_models_key_a_go_binary_by_its_go_build_id(tmp_path: pathlib.Path) -> None:
+    """Go's own linker (every ``CGO_ENABLED=0`` build, as most Go release binaries) writes no GNU
+    build-id note, only a Go build ID, and ``ccprofd learn``/``detect`` refused such a binary (models
+    are keyed by build-id).  Its build-id is now the SHA-1 of that Go build ID; the oracle is ``go
+    tool buildid``.  Learned once, a second run raises nothing, and a run that takes a path the model
+    never saw (``GOCALLS_EXTRA``: getppid from ``main.extra``) raises exactly that."""
+    require_bpf()
+    go = require_tool("go")
+    binary = build_go(tmp_path)
+    notes = subprocess.run(["readelf", "-n", str(binary)], capture_output=True, text=True, check=True).stdout
+    assert "NT_GNU_BUILD_ID" not in notes and "GO BUILDID" in notes, notes  # the case this test is about
+    go_id = subprocess.run([go, "tool", "buildid", str(binary)], capture_output=True, text=True,
+                           check=True).stdout.strip()
+    expect = hashlib.sha1(go_id.encode()).hexdigest()
+    model = tmp_path / "model.json"
+    ccprofd_anomaly("learn", model, binary)
+    targets = json.loads(model.read_text())["targets"]
+    assert [t["build_id"] for t in targets] == [expect]
+    assert sum(c["count"] for c in targets[0]["contexts"]) == 5  # 4 getppid, 1 write
+    quiet, extra = tmp_path / "quiet.jsonl", tmp_path / "extra.jsonl"
+    ccprofd_anomaly("detect", model, binary, "--output", str(quiet))
+    assert quiet.read_text() == ""
+    ccprofd_anomaly("detect", model, binary, "--output", str(extra), env={"GOCALLS_EXTRA": "1"})
+    alerts = [json.loads(line) for line in extra.read_text().splitlines()]
+    got = [(a["kind"], a["syscall"], a["build_id"]) for a in alerts]
+    assert got == [("unseen_context", "getppid", expect)], alerts
+    names = [f["function"].removesuffix(".abi0") for f in alerts[0]["frames"]]
+    assert names == ["runtime.goexit", "runtime.main", "main.main", "main.extra", "syscall.rawSyscallNoError"]

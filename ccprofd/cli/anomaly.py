@@ -137,8 +137,8 @@ def _target_binary(argv: Sequence[str]) -> tuple[str, str]:
     except (OSError, ValueError) as exc:
         raise _Usage(f"{argv[0]}: cannot read the executable: {exc}") from None
     if not bid:
-        raise _Usage(f"{path} has no GNU build-id note; anomaly models are keyed by build-id "
-                     "(link with -Wl,--build-id)")
+        raise _Usage(f"{path} has no build-id (no GNU build-id note, no Go build ID); anomaly models "
+                     "are keyed by build-id (link with -Wl,--build-id)")
     return path, bid
 
 

@@ -25,6 +25,8 @@ from ccprofd.elf.compressed import inflate
 from ccprofd.elf.errors import BinaryError
 from ccprofd.elf.identity import read_elf_file
 
+GO_BUILDID_NOTE = 4  # the Go linker's build ID note type (owner "Go", section .note.go.buildid)
+
 SHF_EXECINSTR = 0x4
 SHF_ALLOC = 0x2
 PLT_SECTIONS = (".plt", ".plt.sec", ".plt.got")
@@ -150,19 +152,28 @@ class ElfImage:
         return int(self.elf.header["e_entry"])
 
     def build_id(self) -> str | None:
+        """The GNU build-id (hex), or for a Go binary linked without one (Go's own linker, as every
+        ``CGO_ENABLED=0`` build) the SHA-1 of its Go build ID (``go tool buildid``): like a GNU
+        build-id, a hash of what was built, so the models, caches and frames keyed by build-id hold
+        for such binaries too.  None when the object has neither."""
         if not hasattr(self, "_build_id"):
             with self.parsing("notes"):
                 self._build_id = self._read_build_id()
         return self._build_id
 
     def _read_build_id(self) -> str | None:
+        go_id: bytes | None = None
         for sec in self.elf.iter_sections():
             if sec["sh_type"] != "SHT_NOTE":
                 continue
             for note in sec.iter_notes():  # type: ignore[attr-defined]
                 if note["n_type"] == "NT_GNU_BUILD_ID":
                     return str(note["n_desc"])
-        return None
+                # Go's note: owner "Go", type 4 (which pyelftools names after GNU's type 4)
+                if note["n_name"] == "Go" and note["n_type"] in (GO_BUILDID_NOTE, "NT_GNU_GOLD_VERSION"):
+                    desc = note["n_desc"]
+                    go_id = desc if isinstance(desc, bytes) else str(desc).encode()
+        return hashlib.sha1(go_id.rstrip(b"\0")).hexdigest() if go_id else None
 
     def code_sections(self) -> list[Section]:
         """Executable sections with file bytes, in address order (what objdump -d disassembles)."""

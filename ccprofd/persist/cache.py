@@ -23,7 +23,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-CACHE_FORMAT = 6  # bump whenever the analysis output changes meaning (6: Go functions from .gopclntab)
+CACHE_FORMAT = 7  # bump whenever the analysis output changes meaning (6: Go functions from .gopclntab;
+# 7: a Go build ID stands in for a missing GNU build-id)
 MAGIC = b"ccprofd-cache\n"
 _DIGEST = 32  # SHA-256 of the pieces, at the end of the file
 
