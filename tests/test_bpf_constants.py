@@ -13,6 +13,7 @@ import pytest
 from conftest import require_tool
 
 from ccprofd.anomaly import enforce
+from ccprofd.elf import cfi
 from ccprofd.kbpf.cdefs import parse_defines
 from ccprofd.tracing import syscall_sampler
 from ccprofd.tracing.instrumented import constants as inst
@@ -53,6 +54,11 @@ WHY = {"max_depth": "MAX_DEPTH", "unknown_pc": "UNKNOWN_PC", "no_maps": "NO_MAPS
        "unsupported_cfi": "UNSUPPORTED", "rbp_lost": "RBP_LOST", "read_fault": "READ_FAULT",
        "bad_frame": "BAD_FRAME", "no_table": "NO_TABLE", "no_user_regs": "NO_REGS"}
 
+#: unwind.c's rule kind macros (UW_KIND_...) -> ccprofd/elf/cfi.py's names
+UW_KINDS = {"NONE": "NONE", "RSP": "CFA_RSP", "RBP": "CFA_RBP", "PLT": "PLT", "SIGNAL": "SIGNAL",
+            "END": "END", "UNSUPPORTED": "UNSUPPORTED", "RA_REG": "RA_REG", "GO_SWITCH": "GO_SWITCH",
+            "CFA_DEREF": "CFA_DEREF"}
+
 CASES = {
     "instrumented": (PKG / "tracing/instrumented/instrumented.c", lambda: {
         **_same_named(inst, PKG / "tracing/instrumented/instrumented.c"), "CC_ARG_LEN": inst.ARG_LEN}),
@@ -65,7 +71,10 @@ CASES = {
         "UW_CFG_AGGREGATE": uw.CFG_AGGREGATE, "UW_CFG_EMIT_HITS": uw.CFG_EMIT_HITS,
         **_same_named(uw, PKG / "tracing/unwind/unwind.c"),
         **{f"UW_STAT_{n}": i for i, n in enumerate(uw.STAT_NAMES)},
-        **{f"UW_WHY_{WHY[v]}": k for k, v in uw.REASONS.items() if v is not None}}),
+        **{f"UW_WHY_{WHY[v]}": k for k, v in uw.REASONS.items() if v is not None},
+        # the unwind table's rule kinds (ccprofd/elf/cfi.py writes them, unwind.c reads them)
+        **{f"UW_KIND_{n}": getattr(cfi, k) for n, k in UW_KINDS.items()},
+        "UW_AUX_CALLER_EXACT": cfi.CALLER_EXACT}),
     "syscall_sampler": (PKG / "tracing/syscall_sampler.c", lambda: {
         "CCPROF_EXEC_TARGET": syscall_sampler.EXEC_TARGET_FLAG,
         "NR_SYSCALL_SLOTS": syscall_sampler.NR_SYSCALL_SLOTS,

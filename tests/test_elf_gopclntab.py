@@ -13,7 +13,7 @@ import shutil
 import subprocess
 
 import pytest
-from conftest import require_tool
+from conftest import require_tool, skip_or_fail
 from test_cfi_readelf import readelf_frames
 from test_unwind_go import build_go
 
@@ -49,11 +49,12 @@ def test_rows_are_the_go_linkers_debug_frame(go_binaries: tuple[pathlib.Path, pa
     assert table.sources[0] == ".gopclntab"
     fdes = [f for f in readelf_frames(str(full)) if f.section == ".debug_frame"]
     assert len(fdes) > 1000
-    special = {f.entry for f in read_go_functions(image) if f.flag & (FUNC_FLAG_TOPFRAME | FUNC_FLAG_SPWRITE)}
+    special = {f.entry for f in read_go_functions(image) if f.flag & (FUNC_FLAG_TOPFRAME | FUNC_FLAG_SPWRITE)
+               or image.bytes_at(f.entry, len(cfi.SIGRETURN_CODE)) == cfi.SIGRETURN_CODE}
     checked = 0
     for fde in fdes:
         if fde.lo in special:
-            continue  # their rows are the chain's end or a stack switch by design (below)
+            continue  # their rows are the chain's end, a stack switch or a signal frame by design (below)
         for i, (loc, row) in enumerate(fde.rows):
             end = fde.rows[i + 1][0] if i + 1 < len(fde.rows) else fde.hi
             if end <= loc:
@@ -119,17 +120,96 @@ def test_stack_switches_stop_at_their_return_addresses(
     switches = [a for a, words in insns if words[0] == "mov" and words[1].startswith("rsp,")]
     assert len(switches) == 2, insns  # onto the system stack, and back
     table = cfi.build_table(image)
+    crossing = systemstack_crossing(full, dis)
     for (a, words), nxt in zip(insns, [*insns[1:], (fn.end, [])], strict=True):
         ra = nxt[0]
-        if words[0] == "call":
+        if words[0] == "call" and switches[0] < a < switches[1]:
+            assert table.lookup(ra - 1) == crossing, hex(a)  # the call on g0 (test_unwind_go crosses it)
+        elif words[0] == "call":
             assert table.lookup(ra - 1) == cfi.STACK_SWITCH, hex(a)
-        if switches[0] < a < switches[1]:
+        if switches[0] < a < switches[1] and not (words[0] == "call" or a == ra - 1):
             assert table.lookup(a) == cfi.STACK_SWITCH, hex(a)
         elif a <= switches[0] or a >= switches[1]:
             assert table.lookup(a).kind == cfi.CFA_RSP, hex(a)
     assert any(w[0] == "ret" and a > switches[1] for a, w in insns)
     top = next(f for f in read_go_functions(image) if f.name == "runtime.goexit")
     assert table.lookup(top.entry + 1).kind == cfi.END
+
+
+def systemstack_crossing(binary: pathlib.Path, dis: str) -> cfi.Rule:
+    """The GO_SWITCH row systemstack's call on g0 must have, from objdump's reading of its code (Intel
+    syntax): g's TLS slot (``mov rax,QWORD PTR fs:...``), ``g.m`` (``mov rbx,QWORD PTR [rax+...]``),
+    ``m.curg`` (the compare before the call of gosave), ``g.sched.sp`` (the load rsp is set from),
+    and the pc gosave stores: ``runtime.systemstack_switch``'s address (nm)."""
+    tls = re.search(r"mov\s+(\w+),QWORD PTR fs:(?:(0x[0-9a-f]+)|\[(\w+)\])", dis)
+    assert tls, dis
+    if tls.group(2):
+        tls_off = int(tls.group(2), 16) - (1 << 64)
+    else:  # -buildmode=pie: mov rcx,0xfffffffffffffff8; mov rax,QWORD PTR fs:[rcx]
+        value = re.search(rf"mov\s+{tls.group(3)},(0x[0-9a-f]+)\n", dis)
+        assert value, dis
+        tls_off = int(value.group(1), 16) - (1 << 64)
+    g_m = re.search(rf"mov\s+(\w+),QWORD PTR \[{tls.group(1)}\+(0x[0-9a-f]+)\]", dis)
+    assert g_m, dis
+    before_call = dis.split("\tcall ", 1)[0]
+    curg = re.findall(rf"cmp\s+{tls.group(1)},QWORD PTR \[{g_m.group(1)}\+(0x[0-9a-f]+)\]", before_call)
+    sched = re.search(r"mov\s+(\w+),QWORD PTR \[\w+\+(0x[0-9a-f]+)\]\n.*mov\s+rsp,(\w+)", dis)
+    assert curg and sched and sched.group(1) == sched.group(3), dis
+    nm = subprocess.run(["nm", str(binary)], capture_output=True, text=True, check=True).stdout
+    switch_pc = next(int(a, 16) for a, _, n in (line.split() for line in nm.splitlines()
+                                                if line.count(" ") == 2)
+                     if n.removesuffix(".abi0") == "runtime.systemstack_switch")
+    return cfi.Rule(cfi.GO_SWITCH, tls_off, int(sched.group(2), 16), int(curg[-1], 16), switch_pc,
+                    int(g_m.group(2), 16))
+
+
+def test_sigreturn_is_a_signal_frame_as_glibcs_and_async_preempt_returns_exactly(
+        go_binaries: tuple[pathlib.Path, pathlib.Path]) -> None:
+    """Go's runtime.sigreturn is written to be byte for byte glibc's __restore_rt (``mov $15, %rax;
+    syscall``: gdb and libgcc recognise signal frames by it), so its row is what glibc's own CFI says
+    for __restore_rt (libc's table, at the address of libc6-dbg's symbol): the ucontext at rsp.  And
+    asyncPreempt, which Go's signal handler injects as if the interrupted function had called it,
+    returns to the interrupted instruction itself: its rows say the caller's pc is exact."""
+    full, _ = go_binaries
+    image = ElfImage(str(full))
+    table = cfi.build_table(image)
+    funcs = {f.name: f for f in read_go_functions(image)}
+    sigreturn = funcs["runtime.sigreturn"]
+    libc = "/lib/x86_64-linux-gnu/libc.so.6"
+    bid = ElfImage(libc).build_id()
+    debug = pathlib.Path(f"/usr/lib/debug/.build-id/{bid[:2]}/{bid[2:]}.debug")
+    if not debug.exists():
+        skip_or_fail("libc6-dbg's debug file for this libc is not installed")
+    nm = subprocess.run(["nm", str(debug)], capture_output=True, text=True, check=True).stdout
+    restore_rt = next(int(line.split()[0], 16) for line in nm.splitlines() if line.endswith(" __restore_rt"))
+    glibc = cfi.load_table(libc).lookup(restore_rt)
+    assert glibc.kind == cfi.SIGNAL
+    for pc in range(sigreturn.entry, sigreturn.end):
+        assert table.lookup(pc) == glibc, hex(pc)
+    preempt = funcs["runtime.asyncPreempt"]
+    rows = {table.lookup(pc) for pc in range(preempt.entry, preempt.end)}
+    assert rows and all(r.kind == cfi.CFA_RSP and r.aux == cfi.CALLER_EXACT for r in rows), rows
+
+
+def test_systemstack_reader_refuses_code_of_another_shape(
+        go_binaries: tuple[pathlib.Path, pathlib.Path]) -> None:
+    """ccprofd/elf/gostack.py reads the offsets from systemstack's own instructions; code of another
+    shape (here: its way back, which loads rsp from m.curg.sched.sp too, taken away) gives no
+    crossing, so the switch stays flagged rather than crossed on a guess."""
+    from ccprofd.elf.gostack import _parse_systemstack, read_systemstack
+    from ccprofd.elf.x86dis import x86_64
+
+    full, _ = go_binaries
+    image = ElfImage(str(full))
+    funcs = read_go_functions(image)
+    by_name, by_entry = {f.name: f for f in funcs}, {f.entry: f for f in funcs}
+    assert read_systemstack(image, by_name, by_entry) is not None
+    fn = by_name["runtime.systemstack"]
+    insns = list(x86_64().disasm_lite(image.bytes_at(fn.entry, fn.end - fn.entry), fn.entry))
+    assert _parse_systemstack(insns) is not None
+    back = max(i for i, (_, _, mnem, ops) in enumerate(insns) if mnem == "mov" and ops.startswith("rsp,"))
+    assert _parse_systemstack(insns[:back] + insns[back + 1:]) is None
+    assert read_systemstack(image, {}, by_entry) is None  # no systemstack at all
 
 
 def test_bad_tables_are_refused_not_guessed(tmp_path: pathlib.Path) -> None:

@@ -7,7 +7,9 @@ unwinder at ``catch syscall`` stops (tests/gdb_oracle.py), frame by frame."""
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 import json
 import os
 import pathlib
@@ -15,6 +17,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from typing import Any
 
 import pytest
@@ -26,15 +29,20 @@ from strace_oracle import OracleError, Trace
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SOURCE = REPO / "tests" / "programs" / "gocalls.go"
 SLEEP_SOURCE = REPO / "tests" / "programs" / "gosleep.go"
+STW_SOURCE = REPO / "tests" / "programs" / "gostw.go"
+CGO_SOURCE = REPO / "tests" / "programs" / "gocgo.go"
 
 
-def build_go(out_dir: pathlib.Path, *, pie: bool = False, source: pathlib.Path = SOURCE) -> pathlib.Path:
+def build_go(out_dir: pathlib.Path, *, pie: bool = False, source: pathlib.Path = SOURCE,
+             cgo: bool = False) -> pathlib.Path:
     """A Go program (gocalls.go unless ``source``) built with ``go build`` (a single file outside
-    any module); ``pie``: ``-buildmode=pie`` (its function table is then ``.data.rel.ro.gopclntab``)."""
+    any module); ``pie``: ``-buildmode=pie`` (its function table is then ``.data.rel.ro.gopclntab``);
+    ``cgo``: with cgo (gcc; linked by the system linker, as Debian's Go packages are)."""
     go = require_tool("go")
     binary = out_dir / source.stem
     # its own build cache: go needs one, and a CI runner may have no $HOME to put the default in
-    env = {**os.environ, "GO111MODULE": "off", "CGO_ENABLED": "0", "GOCACHE": str(out_dir / "gocache")}
+    env = {**os.environ, "GO111MODULE": "off", "CGO_ENABLED": "1" if cgo else "0",
+           "GOCACHE": str(out_dir / "gocache")}
     mode = ["-buildmode=pie"] if pie else []
     got = subprocess.run([go, "build", *mode, "-o", str(binary), str(source)], capture_output=True,
                          text=True, cwd=out_dir, env=env, timeout=600)
@@ -73,7 +81,7 @@ def trace_go(binary: pathlib.Path, syscalls: str, out_dir: pathlib.Path) -> list
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, stdin=subprocess.DEVNULL,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr
-    assert proc.stdout == f"{binary.name}: done\n"
+    assert proc.stdout.endswith(f"{binary.name}: done\n"), proc.stdout  # (gostw says "gc" first)
     return [json.loads(line) for line in out.read_text().splitlines()]
 
 
@@ -119,11 +127,14 @@ def test_go_runtime_chains_end_where_go_says_a_stack_ends(tmp_path: pathlib.Path
     a function Go marks as a stack's top (TOPFRAME in .gopclntab: ``runtime.goexit``, ``mstart``,
     ``rt0_go``), at ``runtime.mcall`` (the scheduler on g0: test_go_scheduler_chains_end_at_mcall_
     as_delves), or is a new thread's first syscall in ``runtime.clone``'s child, on the new stack.
-    A chain through another stack switch (SPWRITE: ``systemstack``, ``morestack``, ...) ends at
-    it, flagged ``unsupported_cfi``, with nothing of the other stack above it.  Before, such chains
-    went on through whatever return address the system stack held (``runtime.newproc`` above
-    ``systemstack``, as gdb shows it).  runtime.main starts sysmon through ``systemstack`` (its
-    ``rt_sigprocmask`` and ``clone`` in ``newosproc``), so at least one such chain is certain, and
+    A chain through ``systemstack`` crosses from g0 onto the goroutine that called it (its
+    ``m.curg.sched``; test_go_systemstack_crossing_as_delves): the goroutine's frame above it must
+    be at a call of ``runtime.systemstack`` (objdump).  A chain through another stack switch
+    (SPWRITE: ``morestack``, ``asmcgocall``, ...) ends at it, flagged ``unsupported_cfi``, with
+    nothing of the other stack above it.  Before, chains went on through whatever return address
+    the system stack held (``runtime.newproc`` above ``systemstack``, as gdb shows it), and then
+    stopped at every switch.  runtime.main starts sysmon through ``systemstack`` (its
+    ``rt_sigprocmask`` and ``clone`` in ``newosproc``), so at least one crossing is certain, and
     sysmon's thread is a clone child."""
     require_bpf()
     from ccprofd.elf.gopclntab import FUNC_FLAG_SPWRITE, FUNC_FLAG_TOPFRAME, read_go_functions
@@ -136,8 +147,9 @@ def test_go_runtime_chains_end_where_go_says_a_stack_ends(tmp_path: pathlib.Path
     assert {"runtime.goexit", "runtime.mstart"} <= tops
     assert {"runtime.systemstack", "runtime.mcall", "runtime.clone"} <= switches
     child_start = clone_child_start(binary)
+    systemstack_calls = calls_of(binary, "runtime.systemstack.abi0")
     samples = [s for s in trace_go(binary, "all", tmp_path) if s.get("event") == "syscall"]
-    through_switch = children = clones = 0
+    crossed = flagged = children = clones = 0
     for s in samples:
         names = [f["function"].removesuffix(".abi0") for f in s["frames"]]
         if names[-1:] == ["runtime.clone"] and int(s["frames"][-1]["call_site"], 16) >= child_start:
@@ -148,19 +160,34 @@ def test_go_runtime_chains_end_where_go_says_a_stack_ends(tmp_path: pathlib.Path
         clones += s["syscall"] == "clone"
         if s["complete"]:
             assert names and (names[0] in tops or names[0] == "runtime.mcall"), s
-        hit = [i for i, n in enumerate(names[:-1]) if n in switches]  # a switch below the innermost frame
+        for i, n in enumerate(names[:-1]):
+            if n == "runtime.systemstack" and i > 0:
+                crossed += 1
+                assert int(s["frames"][i - 1]["call_site"], 16) in systemstack_calls, s
+        hit = [i for i, n in enumerate(names[:-1]) if n in switches - {"runtime.systemstack"}]
         if hit and names[0] == "runtime.mcall":
             assert hit == [0] and s["complete"], s
         elif hit:
-            through_switch += 1
+            flagged += 1
             assert hit == [0] and not s["complete"] and s["reason"] == "unsupported_cfi", s
-    assert through_switch >= 1
+        if names[:1] == ["runtime.systemstack"]:
+            flagged += 1
+            assert not s["complete"] and s["reason"] == "unsupported_cfi", s
+    assert crossed >= 1
     # the threads the runtime made, seen starting (one may be killed by exit_group before its first)
     assert 1 <= children <= clones, (children, clones)
     newm = [s for s in samples if s["syscall"] == "rt_sigprocmask"
-            and [f["function"].removesuffix(".abi0") for f in s["frames"]][:3] ==
-            ["runtime.systemstack", "runtime.main.func1", "runtime.newm"]]
-    assert newm, "runtime.main's systemstack(newm(sysmon)) was not seen ending at the switch"
+            and [f["function"].removesuffix(".abi0") for f in s["frames"]][:5] ==
+            ["runtime.goexit", "runtime.main", "runtime.systemstack", "runtime.main.func1", "runtime.newm"]]
+    assert newm and all(s["complete"] for s in newm), "runtime.main's systemstack(newm(sysmon)) not crossed"
+
+
+def calls_of(binary: pathlib.Path, symbol: str) -> set[int]:
+    """The addresses of the direct calls of ``symbol`` (objdump)."""
+    text = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(binary)], capture_output=True,
+                          text=True, check=True).stdout
+    pat = re.compile(rf"^\s*([0-9a-f]+):\s+call\s+[0-9a-f]+ <{re.escape(symbol)}>$")
+    return {int(m.group(1), 16) for line in text.splitlines() if (m := pat.match(line))}
 
 
 def clone_child_start(binary: pathlib.Path) -> int:
@@ -269,3 +296,214 @@ def test_anomaly_models_key_a_go_binary_by_its_go_build_id(tmp_path: pathlib.Pat
     assert got == [("unseen_context", "getppid", expect)], alerts
     names = [f["function"].removesuffix(".abi0") for f in alerts[0]["frames"]]
     assert names == ["runtime.goexit", "runtime.main", "main.main", "main.extra", "syscall.rawSyscallNoError"]
+
+
+@pytest.mark.bpf
+def test_go_systemstack_crossing_as_delves(tmp_path: pathlib.Path) -> None:
+    """A syscall made on g0 under ``systemstack`` (runtime.main's ``newm(sysmon)``: ``clone`` in
+    ``newosproc``) goes on past ``systemstack`` on the goroutine that called it, from its
+    ``m.curg.sched`` (read through the thread's TLS; the offsets from the binary's own code,
+    ccprofd/elf/gostack.py), as Go's traceback crosses it.  The oracle is Delve's stack at
+    ``runtime.newosproc`` (another run: the first clone is deterministic), whose goroutine part
+    follows its ``systemstack_switch`` frame: every frame's function and return address."""
+    require_bpf()
+    binary = build_go(tmp_path)
+    oracle = delve_stacks(binary, "runtime.newosproc", 1)[0]
+    names = [fn for fn, _ in oracle]
+    assert names[:2] == ["runtime.newosproc", "runtime.systemstack_switch"], oracle
+    assert names[-1] == "runtime.goexit", oracle
+    expect = [(fn, pc) for fn, pc in reversed(oracle[2:])]
+    samples = [s for s in trace_go(binary, "clone", tmp_path) if s.get("event") == "syscall"]
+    assert samples, "no clone"
+    first = samples[0]
+    frames = first["frames"]
+    fns = [f["function"].removesuffix(".abi0") for f in frames]
+    assert first["complete"] and "runtime.systemstack" in fns, json.dumps(first)
+    k = fns.index("runtime.systemstack")
+    got = [(fns[i], int(frames[i]["return_address"], 16)) for i in range(k)]
+    assert got == expect, (got, expect)
+    assert fns[k + 1:] == ["runtime.main.func1", "runtime.newm", "runtime.newm1", "runtime.newosproc",
+                           "runtime.clone"], fns
+
+
+def call_sites(binary: pathlib.Path) -> dict[int, str | None]:
+    """Return address -> the function its call instruction calls (objdump; None: an indirect call)."""
+    text = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(binary)], capture_output=True,
+                          text=True, check=True).stdout
+    insn = re.compile(r"^\s*([0-9a-f]+):\s+(\S+)\s*(.*)$")
+    out: dict[int, str | None] = {}
+    prev: tuple[int, str, str] | None = None
+    for line in text.splitlines():
+        m = insn.match(line)
+        if not m:
+            continue
+        addr = int(m.group(1), 16)
+        if prev is not None and prev[1] == "call":
+            target = re.search(r"<([^>+]+)>$", prev[2])
+            out[addr] = target.group(1) if target and "*" not in prev[2] else None
+        prev = (addr, m.group(2), m.group(3))
+    return out
+
+
+def test_go_thread_snapshot_crosses_systemstack(tmp_path: pathlib.Path) -> None:
+    """The ptrace snapshot's walker (ccprofd/proc/userstack.py: GetThreadContexts, ``trace -p``'s
+    first contexts) crosses systemstack as the BPF unwinder does, from the thread's ``fs_base``.
+    gostw.go's runtime.GC waits for a stop-the-world on g0 under ``systemstack`` while another
+    goroutine spins unpreemptibly (GODEBUG=asyncpreemptoff=1).  The stopped thread's stack: the
+    goroutine's ``goexit > runtime.main > main.main > runtime.GC > runtime.gcStart``, then
+    ``systemstack``, then ``stopTheWorldWithSema``'s waits; every frame's return address is checked
+    with objdump to follow a call of the next frame's function (or an indirect call).  Before, the
+    walk stopped at ``systemstack``, flagged."""
+    from ccprofd.proc.modules import ModuleCache
+    from ccprofd.proc.threadsnap import snapshot
+
+    binary = build_go(tmp_path, source=STW_SOURCE)
+    names = SymbolNames(binary)
+    calls = call_sites(binary)
+    proc = subprocess.Popen([str(binary)], stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "GODEBUG": "asyncpreemptoff=1"})
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "gc\n"
+        time.sleep(0.3)  # the stop-the-world waits for the spinner (a second or two)
+        snap = snapshot(proc.pid, ModuleCache())
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert out == "gostw: done\n" and proc.returncode == 0
+    assert snap.error is None, snap.error
+    waiting = []
+    for t in snap.threads:
+        assert t.stack is not None, t.error
+        fns = [names(f.vaddr if f.exact else f.vaddr - 1) if f.vaddr is not None else "?"
+               for f in t.stack.frames]
+        if "runtime.systemstack.abi0" in fns:
+            waiting.append((t, fns))
+    assert len(waiting) == 1, [fns for _, fns in waiting]
+    thread, fns = waiting[0]
+    assert thread.stack is not None and thread.stack.complete, (thread.stack.reason, fns)
+    k = fns.index("runtime.systemstack.abi0")
+    assert fns[:k] == ["runtime.goexit.abi0", "runtime.main", "main.main", "runtime.GC",
+                       "runtime.gcStart"], fns
+    assert fns[k + 1] == "runtime.stopTheWorldWithSema", fns
+    frames = thread.stack.frames
+    # (the outermost, goexit, "returns" to goexit+1: Go's newproc puts that there as its caller)
+    assert frames[0].vaddr == min(a for a, n in names.table if n == "runtime.goexit.abi0") + 1
+    for outer, callee in zip(frames[1:], fns[2:], strict=False):
+        assert not outer.exact and outer.vaddr is not None
+        assert outer.vaddr in calls, (hex(outer.vaddr), fns)  # a return address: after a call
+        target = calls[outer.vaddr]
+        assert target is None or target == callee, (hex(outer.vaddr), target, callee, fns)
+
+
+class SymbolNames:
+    """vaddr -> the function symbol (nm) containing it; ``table``: (address, name) in order."""
+
+    def __init__(self, binary: pathlib.Path) -> None:
+        text = subprocess.run(["nm", "-n", str(binary)], capture_output=True, text=True, check=True).stdout
+        self.table = [(int(p[0], 16), p[2]) for p in (line.split() for line in text.splitlines())
+                      if len(p) == 3 and p[1] in "tT"]
+        self._starts = [a for a, _ in self.table]
+
+    def __call__(self, vaddr: int) -> str:
+        i = bisect.bisect_right(self._starts, vaddr) - 1
+        return self.table[i][1] if i >= 0 else "?"
+
+
+@pytest.mark.bpf
+def test_go_cgo_call_crosses_asmcgocall_as_delves(tmp_path: pathlib.Path) -> None:
+    """A cgo call runs its C function on the thread's g0 stack (``runtime.cgocall > asmcgocall``),
+    which saves the goroutine's state as systemstack does (gosave_systemstack_switch): a syscall in
+    the C code goes on past ``asmcgocall`` on the goroutine (before, it stopped there, flagged; gdb
+    walks on into g0's stale words).  gocgo.go: ``main.parent`` calls C's ``c_parent``, which calls
+    ``getppid``.  The oracle is Delve's stack at ``c_parent`` (another run): every frame at a return
+    address, function and address (Delve also lists an extra frame at the cgo wrapper's entry
+    where it switches stacks: an entry is no return address, so entries are left out)."""
+    require_bpf()
+    require_tool("gcc")
+    binary = build_go(tmp_path, source=CGO_SOURCE, cgo=True)
+    entries = {a for a, _ in SymbolNames(binary).table}
+    oracle = [(fn.removeprefix("C."), pc) for fn, pc in delve_stacks(binary, "c_parent", 1)[0][1:]
+              if pc not in entries]
+    assert oracle[0][0].startswith("_cgo_") and oracle[1][0] == "runtime.asmcgocall", oracle
+    assert oracle[-1][0] == "runtime.goexit", oracle
+    samples = [s for s in trace_go(binary, "getppid", tmp_path) if s.get("event") == "syscall"]
+    assert len(samples) == 1 and samples[0]["complete"], samples
+    frames = samples[0]["frames"]
+    got = [(f["function"].removesuffix(".abi0"), int(f["return_address"], 16)) for f in frames
+           if f["return_address"] is not None]
+    assert got == list(reversed(oracle)), (got, oracle)
+    names = [f["function"].removesuffix(".abi0") for f in frames]
+    assert names[-2:] == ["c_parent", "getppid"], names  # the C frames (libc's getppid: its own CFI)
+
+
+@pytest.mark.bpf
+def test_go_cgo_runtime_calls_on_a_realigned_stack_unwind(tmp_path: pathlib.Path) -> None:
+    """In a cgo binary the runtime also calls C on the stack it runs on, after realigning rsp:
+    ``asmcgocall`` on g0 (``newm1 > asmcgocall > _cgo_thread_start``: every new thread) and
+    ``callCgoMmap`` (every mmap of the heap).  Each keeps the rsp from before in a slot (``mov rdx,
+    rsp`` ... ``and rsp, -16``, ``mov [rsp + 40], rdx``), so the caller's frame is found through it
+    (CFA_DEREF, ccprofd/elf/gostack.py); before, such chains stopped there, flagged.  Every chain
+    through them must be complete, start where Go says a stack starts, and each of its return
+    addresses in the binary must follow a call of the next frame's function (objdump; an indirect
+    call: any).  gdb is no oracle here: Go's ``.debug_frame`` there says CFA = rsp + 32."""
+    require_bpf()
+    require_tool("gcc")
+    binary = build_go(tmp_path, source=CGO_SOURCE, cgo=True)
+    calls = call_sites(binary)
+    samples = [s for s in trace_go(binary, "clone3,mmap", tmp_path) if s.get("event") == "syscall"]
+    seen = {"runtime.asmcgocall": 0, "runtime.callCgoMmap": 0}
+    for s in samples:
+        names = [f["function"].removesuffix(".abi0") for f in s["frames"]]
+        hit = [n for n in names[:-1] if n in seen]
+        if not hit:
+            continue
+        for n in hit:
+            seen[n] += 1
+        assert s["complete"], json.dumps(s)
+        assert names[0] in ("runtime.goexit", "runtime.mstart", "runtime.rt0_go", "runtime.mcall"), names
+        frames = s["frames"]
+        for outer, inner in itertools.pairwise(frames):
+            if outer["module"] != str(binary) or outer["return_address"] is None:
+                continue
+            ra = int(outer["return_address"], 16)
+            if outer["function"] == "runtime.goexit.abi0":
+                continue  # (goexit "returns" to goexit+1: Go's newproc puts that there)
+            assert ra in calls, (hex(ra), names)
+            # (systemstack called on g0 already jumps to its function: no frame of its own; a call
+            # through the PLT reaches another object's function)
+            plt = (calls[ra] or "").endswith("@plt") and inner["module"] != str(binary)
+            assert plt or calls[ra] in (None, inner["function"], "runtime.systemstack.abi0"), \
+                (hex(ra), calls[ra], inner["function"], names)
+    assert seen["runtime.asmcgocall"] >= 1 and seen["runtime.callCgoMmap"] >= 1, seen
+
+
+@pytest.mark.bpf
+def test_go_async_preemption_unwinds_through_the_signal_frame(tmp_path: pathlib.Path) -> None:
+    """Go preempts a goroutine that runs without preemption points (gostw.go's ``main.spin``, when
+    runtime.GC stops the world) with a signal whose handler makes the goroutine "call"
+    ``runtime.asyncPreempt`` at the interrupted instruction.  The handler returns through
+    ``runtime.sigreturn`` (``rt_sigreturn``), whose code is byte for byte glibc's ``__restore_rt``: a
+    signal frame, the ucontext at rsp.  Its chains now go on through the ucontext to
+    ``asyncPreempt`` and the interrupted ``main.spin`` (both exact pcs: looked up as they are, not
+    as return addresses) and on to ``runtime.goexit``; before, they stopped at sigreturn (its
+    "return address" was the ucontext's first word: ``unknown_pc``).  The return address above
+    ``main.spin`` must follow a call of it (objdump)."""
+    require_bpf()
+    binary = build_go(tmp_path, source=STW_SOURCE)
+    calls = call_sites(binary)
+    samples = [s for s in trace_go(binary, "rt_sigreturn", tmp_path) if s.get("event") == "syscall"]
+    injected = 0
+    for s in samples:
+        names = [f["function"].removesuffix(".abi0") for f in s["frames"]]
+        assert s["complete"] and names[-1] == "runtime.sigreturn", json.dumps(s)
+        if "main.spin" in names:
+            k = names.index("main.spin")
+            assert names[:k + 1] == ["runtime.goexit", "main.main.func1", "main.spin"], names
+            assert names[k + 1:] in (["runtime.asyncPreempt", "runtime.sigreturn"],
+                                     ["runtime.sigreturn"]), names
+            injected += names[k + 1] == "runtime.asyncPreempt"
+            ra = int(s["frames"][k - 1]["return_address"], 16)
+            assert calls.get(ra) == "main.spin", (hex(ra), calls.get(ra))
+    assert injected >= 1, [s["frames"] for s in samples]

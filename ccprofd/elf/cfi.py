@@ -36,14 +36,17 @@ from ccprofd.elf.compressed import CompressedSectionError
 from ccprofd.elf.ehframe import MALFORMED, Cie, FdeHeader, cfi_errors, iter_fdes, read_encoded, sleb, uleb
 from ccprofd.elf.errors import BinaryError, CfiError
 from ccprofd.elf.gopclntab import FUNC_FLAG_SPWRITE, FUNC_FLAG_TOPFRAME, GoTableError, read_go_functions
+from ccprofd.elf.gostack import GoSystemStack, read_systemstack, saved_sp_calls, switch_call_end
 from ccprofd.elf.image import ElfImage
 from ccprofd.elf.x86dis import x86_64
 from ccprofd.persist.cache import AnalysisCache
 
 CACHE_KIND = "cfi"
-TABLE_FORMAT = 8  # 2: code an FDE falls through into keeps its last row (_fallthrough_gaps); 3: RA_REG;
+TABLE_FORMAT = 9  # 2: code an FDE falls through into keeps its last row (_fallthrough_gaps); 3: RA_REG;
 # 4: a compressed .debug_frame (.zdebug_frame) is read; 5: Go functions from .gopclntab; 6: their stack
-# switches at the call's last byte; 7: and over the switched code; 8: mcall's and clone's child's code ends it
+# switches at the call's last byte; 7: and over the switched code; 8: mcall's and clone's child's code
+# ends the chain; 9: systemstack's call on g0 is GO_SWITCH, asmcgocall's on the same stack CFA_DEREF,
+# Go's sigreturn a signal frame, asyncPreempt's caller exact
 
 # Rule kinds.
 NONE = 0  # no CFI covers the address: the unwinder may try frame pointers
@@ -54,8 +57,20 @@ SIGNAL = 4  # signal trampoline: rsp'=*(rsp+cfa_off), rip'=*(rsp+ra_off), rbp'=*
 END = 5  # return address undefined: outermost frame
 UNSUPPORTED = 6  # anything else; aux says why
 RA_REG = 7  # CFA = rsp + cfa_off, return address in register aux (rdi only: glibc's vfork)
+# Go's systemstack, at its call on g0: the caller's frames go on from the goroutine's saved state,
+# m.curg.sched (elf/gostack.py), through the thread's TLS slot of g.  The fields carry the binary's
+# offsets: cfa_off g's slot from the fs base, aux g.m, rbp_off m.curg, rbp_kind g.sched.sp (pc at +8,
+# bp at +48), ra_off the pc gosave_systemstack_switch stores in g.sched.pc (a vaddr: a sched holding
+# another pc, or sp 0, is not this switch's, and the chain is flagged)
+GO_SWITCH = 8
+CFA_DEREF = 9  # CFA = *(rsp + cfa_off) + aux: an rsp kept in a slot (Go's asmcgocall on g0, callCgoMmap)
+#: CFA_RSP's aux flag: the return address is the caller's *interrupted* instruction, not a call's
+#: return (Go's asyncPreempt, which a signal handler injects as if the function had called it): the
+#: caller's pc is looked up as is, not at pc - 1
+CALLER_EXACT = 1
 KIND_NAMES = {NONE: "none", CFA_RSP: "rsp", CFA_RBP: "rbp", PLT: "plt", SIGNAL: "signal", END: "end",
-              UNSUPPORTED: "unsupported", RA_REG: "ra-in-reg"}
+              UNSUPPORTED: "unsupported", RA_REG: "ra-in-reg", GO_SWITCH: "go-systemstack",
+              CFA_DEREF: "deref-rsp"}
 
 # rbp rules.
 RBP_SAME = 0  # unchanged in the caller
@@ -574,6 +589,15 @@ def _build_table(image: ElfImage) -> UnwindTable:
     return UnwindTable(image.build_id(), image.path, starts, ids, rules, count, tuple(sources))
 
 
+#: the signal return trampoline's code, ``mov $15, %rax; syscall`` (rt_sigreturn): Go's
+#: runtime.sigreturn is written to look exactly like glibc's __restore_rt, which gdb and libgcc
+#: recognise by these bytes; at it, rsp points at the kernel's ucontext
+SIGRETURN_CODE = bytes.fromhex("48c7c00f0000000f05")
+#: the kernel's x86-64 rt_sigframe, ucontext at rsp: uc_mcontext at +40, its rbp +80, rsp +120, rip
+#: +128 (what glibc's __restore_rt's CFI says, tests/test_elf_gopclntab.py)
+KERNEL_SIGFRAME = Rule(SIGNAL, 160, RBP_AT_SP, 120, 168, 0)
+GO_ASYNC_PREEMPT = "runtime.asyncPreempt"
+
 #: a return address in a Go function that switches stacks (SPWRITE): what the stack holds above it
 #: is not its caller's (Go's own traceback stops there too)
 STACK_SWITCH = Rule(UNSUPPORTED, aux=WHY_STACK_SWITCH)
@@ -609,6 +633,7 @@ def go_fdes(image: ElfImage) -> list[Fde]:
         funcs = read_go_functions(image)
     except (GoTableError, struct.error, BinaryError, ValueError):
         return []
+    switch = read_systemstack(image, {f.name: f for f in funcs}, {f.entry: f for f in funcs})
     out: list[Fde] = []
     for fn in funcs:
         if not fn.sp_offsets or fn.end <= fn.entry:
@@ -616,17 +641,31 @@ def go_fdes(image: ElfImage) -> list[Fde]:
         if fn.flag & FUNC_FLAG_TOPFRAME:
             out.append((fn.entry, fn.end, [(fn.entry, _GO_END)]))
             continue
-        rows = {lo: (Rule(CFA_RSP, d + 8, RBP_SAME if d == 0 else RBP_UNDEF, 0, -8, 0) if d >= 0
+        if image.bytes_at(fn.entry, len(SIGRETURN_CODE)) == SIGRETURN_CODE:
+            out.append((fn.entry, fn.end, [(fn.entry, KERNEL_SIGFRAME)]))
+            continue
+        exact = CALLER_EXACT if fn.name == GO_ASYNC_PREEMPT else 0
+        rows = {lo: (Rule(CFA_RSP, d + 8, RBP_SAME if d == 0 else RBP_UNDEF, 0, -8, exact) if d >= 0
                      else Rule(UNSUPPORTED, aux=WHY_BAD_CFI)) for lo, _, d in fn.sp_offsets}
         if fn.flag & FUNC_FLAG_SPWRITE:
+            call_end = None if switch is None else switch_call_end(image, fn, switch)
+            calls = {end: Rule(CFA_DEREF, k, RBP_SAME if addend == 8 else RBP_UNDEF, 0, -8, addend)
+                     for end, (k, addend) in saved_sp_calls(image, fn).items() if addend < 256}
+            if switch is not None and call_end is not None:
+                calls[call_end] = go_switch_rule(switch)
             rows = _with_stack_switches(image, fn.entry, fn.end, rows,
-                                        ends_stack=fn.name in GO_STACK_TOP_SWITCHERS)
+                                        ends_stack=fn.name in GO_STACK_TOP_SWITCHERS, calls=calls)
         out.append((fn.entry, fn.end, sorted(rows.items())))
     return out
 
 
+def go_switch_rule(switch: GoSystemStack) -> Rule:
+    """The :data:`GO_SWITCH` row of systemstack's call on g0 (see there for the fields)."""
+    return Rule(GO_SWITCH, switch.tls_g, switch.sched_sp, switch.m_curg, switch.switch_pc, switch.g_m)
+
+
 def _with_stack_switches(image: ElfImage, lo: int, hi: int, rows: dict[int, Rule], *,
-                         ends_stack: bool = False) -> dict[int, Rule]:
+                         ends_stack: bool = False, calls: dict[int, Rule] | None = None) -> dict[int, Rule]:
     """The rows of a stack-switching Go function [lo, hi) with :data:`STACK_SWITCH` where pcsp's
     rows do not hold: every byte from an instruction that loads rsp from elsewhere (``mov rsp,
     ...``: onto the other stack) to the next one (back), in address order (Go's assembly places a
@@ -634,7 +673,9 @@ def _with_stack_switches(image: ElfImage, lo: int, hi: int, rows: dict[int, Rule
     every call, where the unwinders look its return address up (the call's target runs on the other
     stack, or is a helper such as ``gosave_systemstack_switch``: flagged, never walked past).
     ``ends_stack``: the code on the other stack, and its calls, end the chain there instead (END:
-    ``mcall``, ``clone``'s child).
+    ``mcall``, ``clone``'s child).  ``calls``: a call's last byte -> its rule, where the call is
+    understood: systemstack's (and asmcgocall's) call on g0, which :data:`GO_SWITCH` crosses, and
+    asmcgocall's call on the same stack after realigning it (:data:`CFA_DEREF`).
     The decoding is linear (capstone): Go's assembly holds no data in its code."""
     starts = sorted(rows)
     per_byte = [rows[starts[bisect_right(starts, pc) - 1]] for pc in range(lo, hi)]
@@ -647,7 +688,9 @@ def _with_stack_switches(image: ElfImage, lo: int, hi: int, rows: dict[int, Rule
             elif switched:
                 per_byte[addr - lo:addr - lo + size] = [_GO_END if ends_stack else STACK_SWITCH] * size
             if mnemonic == "call":
-                per_byte[addr + size - 1 - lo] = _GO_END if switched and ends_stack else STACK_SWITCH
+                last = addr + size - 1
+                per_byte[last - lo] = calls[last] if calls and last in calls else \
+                    _GO_END if switched and ends_stack else STACK_SWITCH
     except (OSError, BinaryError, ValueError, KeyError, IndexError):
         return {lo: STACK_SWITCH}  # not decodable: nothing of it is trusted
     out: dict[int, Rule] = {}

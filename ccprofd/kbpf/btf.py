@@ -165,10 +165,15 @@ SIGALTSTACK_NAMES = ("CCPROF_OFF_TASK_SAS_SS_SP", "CCPROF_OFF_TASK_SAS_SS_SIZE")
 COMPAT_FIELDS = (("task_struct", "thread_info"), ("thread_info", "status"))
 COMPAT_NAMES = ("CCPROF_OFF_TASK_THREAD_INFO", "CCPROF_OFF_THREAD_INFO_STATUS")
 
+#: The current task's fs base (x86-64 thread_struct.fsbase: user TLS): the unwinder crosses Go's
+#: systemstack through the thread's TLS slot of g (unwind.c, uw_go_switch).
+FSBASE_FIELDS = (("task_struct", "thread"), ("thread_struct", "fsbase"))
+FSBASE_NAMES = ("CCPROF_OFF_TASK_THREAD", "CCPROF_OFF_THREAD_FSBASE")
+
 #: Everything the shared sampler's text reads (exec_target.c's inode chain, syscall_sampler.c's
-#: compat flag), kept as one cache entry: a start reads and hashes the BTF blob once for both.
-SAMPLER_NAMES = EXE_INODE_NAMES + COMPAT_NAMES
-SAMPLER_FIELDS = EXE_INODE_CHAIN + COMPAT_FIELDS
+#: compat flag) and the fs base, kept as one cache entry: a start reads and hashes the BTF blob once.
+SAMPLER_NAMES = EXE_INODE_NAMES + COMPAT_NAMES + FSBASE_NAMES
+SAMPLER_FIELDS = EXE_INODE_CHAIN + COMPAT_FIELDS + FSBASE_FIELDS
 
 
 def sampler_offsets(cache_dir: str | os.PathLike[str] | None = None) -> dict[str, int]:

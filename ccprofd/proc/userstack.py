@@ -16,7 +16,10 @@ same stack give the same frames:
   like a frame pointer (above ``rsp``, within 8 MiB, aligned), never at an exact pc; the main
   thread's first frame (``rsp`` = the stack's start from ``/proc/PID/stat``) and a zero pc end the
   stack;
-* ``END`` rows (undefined return address: ``_start``, a thread's ``clone3`` frame) end the stack.
+* ``END`` rows (undefined return address: ``_start``, a thread's ``clone3`` frame) end the stack;
+* Go's systemstack on g0 (``GO_SWITCH``): the caller goes on from ``m.curg.sched``, reached through
+  the thread's TLS slot of ``g`` (``fs_base``; :mod:`ccprofd.elf.gostack`); Go's asmcgocall on the
+  stack it was called on (``CFA_DEREF``): the CFA is an rsp it kept in a slot, plus a constant.
 
 Input: :class:`UserRegs`, a word reader (None = unreadable), the process's module mappings
 (:class:`ccprofd.proc.maps.ProcessMaps`) and a table per mapping.  Output:
@@ -47,6 +50,7 @@ class UserRegs:
     rip: int
     rsp: int
     rbp: int
+    fs_base: int = 0  # (0: unknown; only Go's systemstack crossing reads it)
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +117,34 @@ def unwind(regs: UserRegs, read_word: WordReader, maps: ProcessMaps, table_of: T
         kind = rule.kind if rule is not None else cfi.NONE
         if kind == cfi.END or (kind == cfi.NONE and pc == 0):
             return done(None)
+        if kind == cfi.GO_SWITCH:
+            assert rule is not None and mod is not None
+            crossed = _go_switch(rule, mod, regs.fs_base, read_word)
+            if isinstance(crossed, str):
+                return done(crossed)
+            inner_first[frame_at] = RawFrame(pc, exact, mod, vaddr, crossed[0])
+            if crossed[1] == 0:
+                return done(None)
+            sp, pc, bp, bp_valid, exact = crossed[0], crossed[1], crossed[2], True, False
+            continue
+        if kind == cfi.CFA_DEREF:
+            assert rule is not None
+            slot = read_word(sp + rule.cfa_off)
+            if slot is None:
+                return done("read_fault")
+            cfa = slot + rule.aux
+            if cfa <= sp:
+                return done("bad_frame")
+            dra = read_word(cfa - 8) if not cfa & 7 else None
+            if dra is None:
+                return done("read_fault")
+            if rule.rbp_kind != cfi.RBP_SAME:
+                bp_valid = False
+            inner_first[frame_at] = RawFrame(pc, exact, mod, vaddr, cfa)
+            if dra == 0:
+                return done(None)
+            sp, pc, exact = cfa, dra, False
+            continue
         fp = False
         reads: list[int]
         cfa = 0
@@ -170,7 +202,29 @@ def unwind(regs: UserRegs, read_word: WordReader, maps: ProcessMaps, table_of: T
             return done(None)  # the conventional end of the stack
         if cfa <= sp:
             return done("bad_frame")
-        sp, pc, exact = cfa, ra, False
+        sp, pc = cfa, ra
+        exact = kind == cfi.CFA_RSP and rule is not None and bool(rule.aux & cfi.CALLER_EXACT)
+
+
+def _go_switch(rule: cfi.Rule, mod: ModuleMapping, fs_base: int,
+               read_word: WordReader) -> tuple[int, int, int] | str:
+    """(rsp, pc, rbp) of the goroutine that called Go's systemstack, from ``m.curg.sched`` (the
+    fields of :data:`ccprofd.elf.cfi.GO_SWITCH`), or the reason the walk stops (as unwind.c's
+    ``uw_go_switch``)."""
+    if not fs_base:
+        return "unsupported_cfi"
+    g = read_word(fs_base + rule.cfa_off)
+    m = read_word(g + rule.aux) if g else None
+    curg = read_word(m + rule.rbp_off) if m else None
+    if not curg:
+        return "unsupported_cfi"
+    ssp, spc, sbp = (read_word(curg + rule.rbp_kind + k) for k in (0, 8, 48))
+    if not ssp or spc is None or sbp is None or mod.vaddr(spc) != rule.ra_off:
+        return "unsupported_cfi"
+    ra = read_word(ssp)
+    if ra is None:
+        return "read_fault"
+    return ssp + 8, ra, sbp
 
 
 class StackMemory:

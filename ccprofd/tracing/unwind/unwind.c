@@ -22,6 +22,9 @@
 #define UW_KIND_END 5
 #define UW_KIND_UNSUPPORTED 6
 #define UW_KIND_RA_REG 7  // return address in rdi (glibc's vfork), CFA = rsp + cfa_off
+#define UW_KIND_GO_SWITCH 8  // Go's systemstack on g0: the caller goes on from m.curg.sched (uw_go_switch)
+#define UW_KIND_CFA_DEREF 9  // CFA = *(rsp + cfa_off) + aux, return address at CFA - 8 (Go's asmcgocall)
+#define UW_AUX_CALLER_EXACT 1  // UW_KIND_RSP: the return address is an interrupted pc (Go's asyncPreempt)
 
 #define UW_RBP_SAME 0
 #define UW_RBP_AT_CFA 1
@@ -880,6 +883,41 @@ static __always_inline long uw_memo_chain(struct uw_state *st) {
     return uw_finish(st, 0);
 }
 
+// Go's systemstack called a function on the thread's g0 stack (the rule is at its call's last
+// byte): the goroutine that called systemstack is the thread's m.curg, and gosave_systemstack_switch
+// saved in its g.sched the rsp at that call (pointing at systemstack's return address into its
+// caller) and rbp.  Go's own traceback crosses the switch the same way.  The rule carries the
+// binary's offsets (elf/gostack.py): cfa_off g's TLS slot from the fs base, aux g.m, rbp_off m.curg,
+// rbp_kind g.sched.sp (pc at +8, bp at +48), ra_off the pc gosave stores (a vaddr).  A sched with
+// another pc, or sp 0 (systemstack returned), is not this switch's: flagged, never followed.
+static __always_inline u32 uw_go_switch(struct uw_state *st, struct uw_rule *r, u64 *gsp, u64 *gbp, u64 *gra) {
+#ifdef CCPROF_OFF_THREAD_FSBASE
+    char *task = (char *)bpf_get_current_task();
+    u64 fsbase = 0, g = 0, m = 0, curg = 0, ssp = 0, spc = 0, sbp = 0;
+    if (bpf_probe_read_kernel(&fsbase, 8, task + CCPROF_OFF_TASK_THREAD + CCPROF_OFF_THREAD_FSBASE) || !fsbase)
+        return UW_WHY_UNSUPPORTED;
+    if (bpf_probe_read_user(&g, 8, (void *)(fsbase + (s64)r->cfa_off)) || !g)
+        return UW_WHY_UNSUPPORTED;
+    if (bpf_probe_read_user(&m, 8, (void *)(g + r->aux)) || !m)
+        return UW_WHY_UNSUPPORTED;
+    if (bpf_probe_read_user(&curg, 8, (void *)(m + (u32)r->rbp_off)) || !curg)
+        return UW_WHY_UNSUPPORTED;
+    u64 sched = curg + r->rbp_kind;
+    if (bpf_probe_read_user(&ssp, 8, (void *)sched) || bpf_probe_read_user(&spc, 8, (void *)(sched + 8)) ||
+        bpf_probe_read_user(&sbp, 8, (void *)(sched + 48)))
+        return UW_WHY_UNSUPPORTED;
+    if (!ssp || spc - st->c.bias != (u64)(u32)r->ra_off)
+        return UW_WHY_UNSUPPORTED;
+    if (uw_read(st, ssp, gra))
+        return UW_WHY_READ_FAULT;
+    *gsp = ssp + 8;
+    *gbp = sbp;
+    return 0;
+#else
+    return UW_WHY_UNSUPPORTED;  // no BTF: the fs base cannot be read
+#endif
+}
+
 static __always_inline long uw_unwind_step(struct uw_state *st, int memo) {
     if (st->done)
         return 1;
@@ -925,6 +963,53 @@ static __always_inline long uw_unwind_step(struct uw_state *st, int memo) {
         if (memo)
             uw_memo_rec(st, n, pc, sp, bp, eflags, 0, addr, val);
         return uw_finish(st, 0);
+    }
+
+    if (kind == UW_KIND_GO_SWITCH) {
+        u64 gsp = 0, gbp = 0, gra = 0;
+        u32 why = uw_go_switch(st, r, &gsp, &gbp, &gra);
+        if (why)
+            return uw_finish(st, why);
+        if (memo) {
+            // its step read Go's structures, not stack slots a re-read could check: the next
+            // sample may reuse only frames above it (as above a frame with a third slot)
+            uw_memo_rec(st, n, pc, sp, bp, eflags, 0, addr, val);
+            st->m_cut = n + 1;
+        }
+        uw_bp_flow(st, n, 0, 1, memo);
+        if (gra == 0)
+            return uw_finish(st, 0);
+        st->sp = gsp;
+        st->bp = gbp;
+        st->bp_valid = 1;
+        st->pc = gra;
+        st->exact = 0;
+        return 0;
+    }
+
+    if (kind == UW_KIND_CFA_DEREF) {
+        // an rsp was kept in a slot before rsp was realigned (asmcgocall on g0, callCgoMmap)
+        u64 base = 0, dra = 0;
+        if (uw_read(st, sp + r->cfa_off, &base))
+            return uw_finish(st, UW_WHY_READ_FAULT);
+        base += r->aux;  // the CFA
+        if (base <= sp || (base & 7) || uw_read(st, base - 8, &dra))
+            return uw_finish(st, base <= sp ? UW_WHY_BAD_FRAME : UW_WHY_READ_FAULT);
+        if (memo) {
+            // the return address's slot depends on the first slot's value: not re-read frame by
+            // frame, so (as above) the next sample may reuse only frames above it
+            uw_memo_rec(st, n, pc, sp, bp, eflags, 0, addr, val);
+            st->m_cut = n + 1;
+        }
+        uw_bp_flow(st, n, 0, 0, memo);
+        if (r->rbp_kind != UW_RBP_SAME)
+            st->bp_valid = 0;
+        if (dra == 0)
+            return uw_finish(st, 0);
+        st->sp = base;
+        st->pc = dra;
+        st->exact = 0;
+        return 0;
     }
 
     // Decide which stack words to read (return address, saved rbp, signal frame's rsp), then read
@@ -1019,7 +1104,7 @@ static __always_inline long uw_unwind_step(struct uw_state *st, int memo) {
     st->sp = cfa;
     st->bp = bp;
     st->pc = ra;
-    st->exact = 0;
+    st->exact = (kind == UW_KIND_RSP && r && (r->aux & UW_AUX_CALLER_EXACT)) ? 1 : 0;
     return 0;
 }
 

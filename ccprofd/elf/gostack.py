@@ -1,0 +1,302 @@
+"""How Go's ``runtime.systemstack`` switches stacks, read from the binary's own code.
+
+``systemstack(fn)``, called on a goroutine, saves the goroutine's state in its ``g.sched`` (by
+calling ``gosave_systemstack_switch``), moves rsp to the thread's g0 stack (``g0.sched.sp``) and
+calls ``fn`` there.  While ``fn`` runs the goroutine is the thread's ``m.curg``, and its frames go on
+from ``curg.sched``: ``sp`` points at systemstack's return address into its caller, ``bp`` is the
+caller's rbp, and ``pc`` is the marker gosave stores (``runtime.systemstack_switch``).  Go's own
+traceback crosses the switch that way (runtime/traceback.go: ``funcID_systemstack``, ``gp =
+gp.m.curg``), and so can an unwinder that reads the thread's TLS slot of ``g``.
+
+The offsets (g's TLS slot, ``g.m``, ``m.curg``, ``g.sched``'s fields) are Go's and may change
+between versions; rather than a table per version they are read from the instructions of
+systemstack and gosave_systemstack_switch themselves, and checked against systemstack's way back
+(which loads rsp from ``m.curg.sched.sp`` too).  Any other instruction shape gives None: the switch
+then stays flagged, never crossed on a guess.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from ccprofd.elf.errors import BinaryError
+from ccprofd.elf.gopclntab import GoFunction
+from ccprofd.elf.image import ElfImage
+from ccprofd.elf.x86dis import x86_64
+
+SYSTEMSTACK = "runtime.systemstack"
+_SCHED_PC = 8  # gobuf: sp, pc, g, ctxt, ret, lr, bp
+_SCHED_BP = 48
+
+_MEM = r"qword ptr \[(\w+)(?: \+ (0x[0-9a-f]+|\d+))?\]"
+_TLS_LOAD = re.compile(r"^(\w+), qword ptr fs:\[(0x[0-9a-f]+|[a-z]\w*)\]$")
+_LOAD = re.compile(rf"^(\w+), {_MEM}$")
+_CMP = re.compile(rf"^(\w+), {_MEM}$")
+_STORE = re.compile(rf"^{_MEM}, (\w+)$")
+_LEA_RIP = re.compile(r"^(\w+), \[rip \+ (0x[0-9a-f]+|\d+)\]$")
+_LEA_RSP8 = re.compile(r"^(\w+), \[rsp \+ 8\]$")
+_MOV_IMM = re.compile(r"^(\w+), (0x[0-9a-f]+|\d+)$")
+
+
+@dataclass(frozen=True, slots=True)
+class GoSystemStack:
+    """What an unwinder needs to cross one binary's systemstack (all ELF vaddrs and byte offsets)."""
+
+    call_end: int  # the last byte of systemstack's call on g0 (where unwinders look a return address up)
+    tls_g: int  # g's slot relative to the fs base (signed)
+    g_m: int  # offset of g.m
+    m_curg: int  # offset of m.curg
+    sched_sp: int  # offset of g.sched.sp (g.sched.pc at +8, g.sched.bp at +48)
+    switch_pc: int  # the pc gosave_systemstack_switch stores in g.sched.pc
+    gosave: int = 0  # gosave_systemstack_switch's entry
+
+
+def _num(text: str | None) -> int:
+    return int(text, 0) if text else 0
+
+
+def _signed64(v: int) -> int:
+    return v - (1 << 64) if v >= 1 << 63 else v
+
+
+def _insns(image: ElfImage, fn: GoFunction) -> list[tuple[int, int, str, str]]:
+    return list(x86_64().disasm_lite(image.bytes_at(fn.entry, fn.end - fn.entry), fn.entry))
+
+
+def read_systemstack(image: ElfImage, funcs: Mapping[str, GoFunction],
+                     by_entry: Mapping[int, GoFunction]) -> GoSystemStack | None:
+    """The switch of ``funcs[SYSTEMSTACK]`` (None when the binary has none, or its code is not the
+    shape this reader knows)."""
+    fn = funcs.get(SYSTEMSTACK)
+    if fn is None:
+        return None
+    try:
+        ss = _insns(image, fn)
+        got = _parse_systemstack(ss)
+        if got is None:
+            return None
+        gosave_at, partial = got
+        gosave = by_entry.get(gosave_at)
+        if gosave is None:
+            return None
+        switch_pc = _parse_gosave(_insns(image, gosave), partial.sched_sp)
+    except (OSError, BinaryError, ValueError, KeyError, IndexError):
+        return None
+    if switch_pc is None or not 0 < switch_pc < 1 << 31 or partial.call_end >= 1 << 32:
+        return None
+    if not (0 <= partial.g_m < 256 and 0 <= partial.sched_sp < 256 and 0 <= partial.m_curg < 1 << 31
+            and -(1 << 31) <= partial.tls_g < 1 << 31):
+        return None  # (what the packed rule can carry; Go's offsets are far smaller)
+    return GoSystemStack(partial.call_end, partial.tls_g, partial.g_m, partial.m_curg, partial.sched_sp,
+                         switch_pc, gosave_at)
+
+
+def switch_call_end(image: ElfImage, fn: GoFunction, switch: GoSystemStack) -> int | None:
+    """The last byte of ``fn``'s call on g0 that ``switch`` crosses, if ``fn`` makes one as
+    systemstack does: a call of gosave_systemstack_switch (the goroutine's state saved in
+    ``g.sched``), rsp then loaded from g0's ``sched.sp`` (directly or through a register), and the
+    next call through a register (``systemstack``'s ``fn``; ``asmcgocall``'s C function, whose
+    goroutine is ``m.curg`` too: it has excluded g0 and gsignal).  None for any other shape."""
+    try:
+        insns = _insns(image, fn)
+    except (OSError, BinaryError, ValueError, KeyError, IndexError):
+        return None
+    saved = switched = False
+    loaded: dict[str, int] = {}
+    for addr, size, mnem, ops in insns:
+        if not saved:
+            saved = mnem == "call" and ops.startswith("0x") and int(ops, 16) == switch.gosave
+            continue
+        if not switched:
+            if mnem == "mov" and (m := _LOAD.match(ops)):
+                if m.group(1) == "rsp":
+                    if _num(m.group(3)) != switch.sched_sp:
+                        return None
+                    switched = True
+                else:
+                    loaded[m.group(1)] = _num(m.group(3))
+            elif mnem == "mov" and ops.startswith("rsp, "):
+                if loaded.get(ops[5:]) != switch.sched_sp:
+                    return None
+                switched = True
+            elif mnem in ("call", "jmp", "ret") or mnem.startswith("j"):
+                return None
+            continue
+        if mnem == "call":
+            if ops.startswith("0x") or ops.startswith("qword"):
+                return None
+            return addr + size - 1
+        if mnem in ("jmp", "ret") or mnem.startswith("j") or (mnem == "mov" and ops.startswith("rsp,")):
+            return None
+    return None
+
+
+def _parse_systemstack(ss: list[tuple[int, int, str, str]]) -> tuple[int, GoSystemStack] | None:
+    """(gosave's entry, the switch with switch_pc 0) from systemstack's instructions, in order:
+    ``mov G, fs:[tls]`` (or ``mov R, tls; mov G, fs:[R]``, as -buildmode=pie builds have it);
+    ``mov M, [G + g_m]``; ``cmp G, [M + m_curg]`` (the last compare before the call: "is this
+    goroutine m.curg?"); ``call gosave``; ``mov rsp, [X + sched_sp]`` (directly or
+    through a register); ``call REG`` (fn, on g0); and on the way back ``mov rsp, [C + sched_sp]``
+    after a load of ``[.. + m_curg]``."""
+    g_reg = m_reg = None
+    tls_g = g_m = m_curg = sched_sp = -1
+    gosave = call_end = -1
+    loaded: dict[str, int] = {}  # register -> the [base + disp] displacement it was last loaded from
+    consts: dict[str, int] = {}  # register -> the constant moved into it (-buildmode=pie: the TLS offset)
+    back_curg = False
+    for addr, size, mnem, ops in ss:
+        if g_reg is None:
+            if mnem == "mov" and (m := _MOV_IMM.match(ops)):
+                consts[m.group(1)] = int(m.group(2), 0)
+            elif mnem == "mov" and (m := _TLS_LOAD.match(ops)):
+                where = m.group(2)
+                if where.startswith("0x"):
+                    tls_g = _signed64(int(where, 16))
+                elif where in consts:
+                    tls_g = _signed64(consts[where])
+                else:
+                    return None
+                g_reg = m.group(1)
+            continue
+        if gosave < 0:
+            if mnem == "mov" and m_reg is None and (m := _LOAD.match(ops)) and m.group(2) == g_reg:
+                m_reg, g_m = m.group(1), _num(m.group(3))
+            elif mnem == "cmp" and m_reg and (m := _CMP.match(ops)) and m.group(1) == g_reg \
+                    and m.group(2) == m_reg:
+                m_curg = _num(m.group(3))
+            elif mnem == "call" and ops.startswith("0x"):
+                gosave = int(ops, 16)
+            continue
+        if sched_sp < 0:
+            if mnem == "mov" and (m := _LOAD.match(ops)):
+                if m.group(1) == "rsp":
+                    sched_sp = _num(m.group(3))
+                else:
+                    loaded[m.group(1)] = _num(m.group(3))
+            elif mnem == "mov" and ops.startswith("rsp, ") and ops[5:] in loaded:
+                sched_sp = loaded[ops[5:]]
+            continue
+        if call_end < 0:
+            if mnem == "call":
+                if ops.startswith("0x") or ops.startswith("qword"):
+                    return None  # fn is called through a register
+                call_end = addr + size - 1
+            continue
+        if mnem == "mov" and (m := _LOAD.match(ops)):
+            if m.group(1) != "rsp" and _num(m.group(3)) == m_curg:
+                back_curg = True
+            elif m.group(1) == "rsp":
+                if not back_curg or _num(m.group(3)) != sched_sp:
+                    return None
+                break
+    else:
+        return None
+    if min(g_m, m_curg, sched_sp, gosave, call_end) < 0:
+        return None
+    return gosave, GoSystemStack(call_end, tls_g, g_m, m_curg, sched_sp, 0)
+
+
+def _parse_gosave(gs: list[tuple[int, int, str, str]], sched_sp: int) -> int | None:
+    """The pc gosave_systemstack_switch stores in g.sched.pc, when it also stores ``rsp + 8`` (its
+    caller's rsp: systemstack's return address slot) in g.sched.sp and rbp in g.sched.bp at the
+    offsets the unwinder uses; else None."""
+    consts: dict[str, int] = {}
+    sp_regs: set[str] = set()
+    pc = None
+    sp_ok = bp_ok = False
+    for addr, size, mnem, ops in gs:
+        if mnem == "lea" and (m := _LEA_RIP.match(ops)):
+            consts[m.group(1)] = addr + size + _num(m.group(2))
+            sp_regs.discard(m.group(1))
+        elif mnem == "lea" and (m := _LEA_RSP8.match(ops)):
+            sp_regs.add(m.group(1))
+            consts.pop(m.group(1), None)
+        elif mnem == "mov" and (m := _MOV_IMM.match(ops)):
+            consts[m.group(1)] = _num(m.group(2))
+            sp_regs.discard(m.group(1))
+        elif mnem == "mov" and (m := _STORE.match(ops)):
+            off, src = _num(m.group(2)), m.group(3)
+            if off == sched_sp + _SCHED_PC and src in consts:
+                pc = consts[src]
+            elif off == sched_sp and src in sp_regs:
+                sp_ok = True
+            elif off == sched_sp + _SCHED_BP and src == "rbp":
+                bp_ok = True
+        elif mnem in ("ret", "call"):
+            break
+    return pc if pc is not None and sp_ok and bp_ok else None
+
+
+_JCC = re.compile(r"^j(?!mp)\w+$")
+_NO_WRITE = frozenset({"cmp", "test", "push", "call", "bt", "jmp"})
+
+
+def saved_sp_calls(image: ElfImage, fn: GoFunction, max_steps: int = 4096) -> dict[int, tuple[int, int]]:
+    """Calls ``fn`` makes after realigning rsp, with its rsp from before kept in a stack slot:
+    {the call's last byte: (the slot's offset from rsp, what to add to the slot's value for the
+    CFA)}.  ``asmcgocall`` called on g0 or gsignal runs its C function on the same stack (no switch),
+    but first does ``mov rdx, rsp`` (at the entry: the CFA is rsp + 8), ``sub rsp, 64; and rsp,
+    -16`` and ``mov [rsp + 40], rdx``; ``callCgoMmap`` keeps rsp after its prologue (``pcsp``: 24,
+    the CFA rsp + 32) at ``[rsp]``.  At such a call the CFA is ``*(rsp + slot) + addend`` -- a row no
+    pc-offset table can hold.  Found on every path from the entry (a conditional branch forks the
+    scan): the register must still hold that rsp when stored, rsp must have changed before only as
+    ``pcsp`` describes it (``sub``/``add`` of a constant, push, pop), and not at all between the
+    store and the call.  (Only calls after rsp was realigned are reported.)"""
+    try:
+        insns = _insns(image, fn)
+    except (OSError, BinaryError, ValueError, KeyError, IndexError):
+        return {}
+    at = {addr: i for i, (addr, _, _, _) in enumerate(insns)}
+
+    def sp_offset(pc: int) -> int | None:
+        return next((d for lo, hi, d in fn.sp_offsets if lo <= pc < hi), None)
+
+    found: dict[int, tuple[int, int]] = {}
+    refuted: set[int] = set()
+    # state: (register holding a known rsp, its CFA addend, the slot it is kept in, rsp changed unknowably)
+    State = tuple[int, str | None, int, int | None, bool]
+    work: list[State] = [(0, None, 0, None, False)]
+    seen: set[State] = set()
+    steps = 0
+    while work and steps < max_steps:
+        i, reg, addend, slot, moved = work.pop()
+        while 0 <= i < len(insns) and steps < max_steps:
+            steps += 1
+            if (i, reg, addend, slot, moved) in seen:
+                break
+            seen.add((i, reg, addend, slot, moved))
+            addr, size, mnem, ops = insns[i]
+            dst = ops.split(",", 1)[0].strip()
+            if mnem == "mov" and ops.endswith(", rsp") and " " not in dst:
+                d = None if moved else sp_offset(addr)
+                reg, addend = (dst, d + 8) if d is not None and d >= 0 else (None, 0)
+            elif mnem == "mov" and reg and ops.endswith(f", {reg}") and (m := _STORE.match(ops)) \
+                    and m.group(1) == "rsp":
+                slot = _num(m.group(2))
+            elif mnem == "call":
+                end = addr + size - 1
+                # (a call before rsp was realigned needs no slot: pcsp's row holds there)
+                if moved and (slot is None or found.setdefault(end, (slot, addend)) != (slot, addend)):
+                    refuted.add(end)
+            elif mnem in ("push", "pop") or (dst == "rsp" and mnem in ("sub", "add") and _MOV_IMM.match(ops)):
+                slot = None  # (pcsp follows these)
+            elif dst == "rsp":
+                moved, slot = True, None
+            if reg and dst == reg and mnem not in _NO_WRITE and not ops.endswith(", rsp"):
+                reg = None
+            if mnem in ("ret", "int3", "ud2", "hlt") or (mnem == "jmp" and not ops.startswith("0x")):
+                break
+            if mnem == "jmp" or _JCC.match(mnem):
+                target = int(ops, 16) if ops.startswith("0x") else -1
+                if target not in at:
+                    break
+                if mnem == "jmp":
+                    i = at[target]
+                    continue
+                work.append((at[target], reg, addend, slot, moved))
+            i += 1
+    if steps >= max_steps:
+        return {}
+    return {end: v for end, v in found.items() if end not in refuted}
