@@ -288,3 +288,26 @@ def test_same_contexts_as_instrumented_mode(name: str, args: list[str], tmp_path
             assert fa[:-1] == fb[:-1]
             compared += 1
     assert compared >= 3
+
+
+@pytest.mark.bpf
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_signal_return_against_gdb(variant: dict[str, Any], tmp_path: pathlib.Path) -> None:
+    """The ``rt_sigreturn`` that ends every signal handler is made by glibc's ``__restore_rt``,
+    whose FDE covers exactly its two instructions, so the pc after the syscall lies past it: the
+    sample was flagged ``no_cfi`` (every handled signal an ``incomplete_context``).  A syscall
+    sample's own pc is now looked up inside the syscall instruction.  The chain goes on through the
+    signal frame into the interrupted ``main > trigger > raise``, frame by frame as gdb has it."""
+    require_tool("gdb")
+    from gdb_oracle import run_gdb
+
+    binary = pathlib.Path(build("sighandler", **variant))
+    cmd = [str(binary)]
+    oracle, _ = run_gdb(cmd, ["rt_sigreturn", "getppid"], timeout=600)
+    samples, _ = trace(cmd, ["rt_sigreturn", "getppid"], tmp_path)
+    stats = check_against(oracle, samples, binary)
+    returns = [s for s in samples if s["syscall"] == "rt_sigreturn"]
+    assert len(returns) == 1 and returns[0]["complete"], returns
+    assert stats.incomplete_samples == 0
+    names = [f["function"] for f in returns[0]["frames"] if f["analysed"]]
+    assert names == ["main", "trigger"], names

@@ -948,7 +948,11 @@ static __always_inline long uw_unwind_step(struct uw_state *st, int memo) {
         if (err < 0)
             return uw_finish(st, -err);
     }
-    u64 lookup = st->exact ? pc : pc - 1;
+    // A return address is looked up at pc - 1 (inside its call), an interrupted instruction as it
+    // is -- except a syscall sample's own pc: it follows the syscall instruction, which changes no
+    // stack state, and may lie past the end of its FDE (glibc's __restore_rt: the 9 bytes of
+    // "mov $15, %rax; syscall" and no more), so it is looked up inside that instruction too.
+    u64 lookup = (st->exact && !(n == 0 && st->s.nr >= 0)) ? pc : pc - 1;
     u8 kind = UW_KIND_NONE;
     struct uw_rule *r = 0;
     if (st->c.module != UW_NO_MODULE) {
