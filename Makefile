@@ -4,7 +4,8 @@
 PYTHON ?= .venv/bin/python
 BENCH_OUT ?= docs
 
-.PHONY: bench bench-setup bench-ci bench-daemon bench-unwind bench-trace bench-services bench-services-anomaly
+.PHONY: bench bench-setup bench-ci bench-daemon bench-unwind bench-trace bench-services bench-services-anomaly \
+	bench-go-service
 
 bench-setup:
 	bash bench/setup.sh
@@ -41,6 +42,11 @@ bench-services: bench-setup
 # docs/services-anomaly.md and docs/services-anomaly-learning-curve.png.
 bench-services-anomaly: bench-setup
 	$(PYTHON) bench/services_anomaly.py --keep "$$(mktemp -d)"
+
+# A Go service (Debian's prometheus) under ccprofd trace -p: complete chains, where the others stop,
+# and anomaly alerts on a held-out window; rewrites the README's bench:go_service section (~3 minutes).
+bench-go-service: bench-setup
+	$(PYTHON) bench/go_service.py --update-readme
 
 bench-ci:
 	out=$$(mktemp -d /tmp/ccprofd-bench-ci-XXXXXX) && $(PYTHON) bench/report.py --reduced --out "$$out" && \

@@ -33,7 +33,6 @@ _SCHED_BP = 48
 _MEM = r"qword ptr \[(\w+)(?: \+ (0x[0-9a-f]+|\d+))?\]"
 _TLS_LOAD = re.compile(r"^(\w+), qword ptr fs:\[(0x[0-9a-f]+|[a-z]\w*)\]$")
 _LOAD = re.compile(rf"^(\w+), {_MEM}$")
-_CMP = re.compile(rf"^(\w+), {_MEM}$")
 _STORE = re.compile(rf"^{_MEM}, (\w+)$")
 _LEA_RIP = re.compile(r"^(\w+), \[rip \+ (0x[0-9a-f]+|\d+)\]$")
 _LEA_RSP8 = re.compile(r"^(\w+), \[rsp \+ 8\]$")
@@ -163,7 +162,7 @@ def _parse_systemstack(ss: list[tuple[int, int, str, str]]) -> tuple[int, GoSyst
         if gosave < 0:
             if mnem == "mov" and m_reg is None and (m := _LOAD.match(ops)) and m.group(2) == g_reg:
                 m_reg, g_m = m.group(1), _num(m.group(3))
-            elif mnem == "cmp" and m_reg and (m := _CMP.match(ops)) and m.group(1) == g_reg \
+            elif mnem == "cmp" and m_reg and (m := _LOAD.match(ops)) and m.group(1) == g_reg \
                     and m.group(2) == m_reg:
                 m_curg = _num(m.group(3))
             elif mnem == "call" and ops.startswith("0x"):
