@@ -41,15 +41,14 @@ _MOV_IMM = re.compile(r"^(\w+), (0x[0-9a-f]+|\d+)$")
 
 @dataclass(frozen=True, slots=True)
 class GoSystemStack:
-    """What an unwinder needs to cross one binary's systemstack (all ELF vaddrs and byte offsets)."""
+    """What an unwinder needs to cross one binary's systemstack (byte offsets, and ELF vaddrs)."""
 
-    call_end: int  # the last byte of systemstack's call on g0 (where unwinders look a return address up)
     tls_g: int  # g's slot relative to the fs base (signed)
     g_m: int  # offset of g.m
     m_curg: int  # offset of m.curg
     sched_sp: int  # offset of g.sched.sp (g.sched.pc at +8, g.sched.bp at +48)
     switch_pc: int  # the pc gosave_systemstack_switch stores in g.sched.pc
-    gosave: int = 0  # gosave_systemstack_switch's entry
+    gosave: int  # gosave_systemstack_switch's entry
 
 
 def _num(text: str | None) -> int:
@@ -60,7 +59,10 @@ def _signed64(v: int) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
-def _insns(image: ElfImage, fn: GoFunction) -> list[tuple[int, int, str, str]]:
+Insn = tuple[int, int, str, str]  # address, size, mnemonic, operands (capstone, Intel syntax)
+
+
+def _insns(image: ElfImage, fn: GoFunction) -> list[Insn]:
     return list(x86_64().disasm_lite(image.bytes_at(fn.entry, fn.end - fn.entry), fn.entry))
 
 
@@ -72,24 +74,51 @@ def read_systemstack(image: ElfImage, funcs: Mapping[str, GoFunction],
     if fn is None:
         return None
     try:
-        ss = _insns(image, fn)
-        got = _parse_systemstack(ss)
+        got = _parse_systemstack(_insns(image, fn))
         if got is None:
             return None
-        gosave_at, partial = got
+        tls_g, g_m, m_curg, sched_sp, gosave_at = got
         gosave = by_entry.get(gosave_at)
         if gosave is None:
             return None
-        switch_pc = _parse_gosave(_insns(image, gosave), partial.sched_sp)
+        switch_pc = _parse_gosave(_insns(image, gosave), sched_sp)
     except (OSError, BinaryError, ValueError, KeyError, IndexError):
         return None
-    if switch_pc is None or not 0 < switch_pc < 1 << 31 or partial.call_end >= 1 << 32:
+    if switch_pc is None or not 0 < switch_pc < 1 << 31:
         return None
-    if not (0 <= partial.g_m < 256 and 0 <= partial.sched_sp < 256 and 0 <= partial.m_curg < 1 << 31
-            and -(1 << 31) <= partial.tls_g < 1 << 31):
+    if not (0 <= g_m < 256 and 0 <= sched_sp < 256 and 0 <= m_curg < 1 << 31
+            and -(1 << 31) <= tls_g < 1 << 31):
         return None  # (what the packed rule can carry; Go's offsets are far smaller)
-    return GoSystemStack(partial.call_end, partial.tls_g, partial.g_m, partial.m_curg, partial.sched_sp,
-                         switch_pc, gosave_at)
+    return GoSystemStack(tls_g, g_m, m_curg, sched_sp, switch_pc, gosave_at)
+
+
+def _call_on_g0(insns: list[Insn], after: int) -> tuple[int, int] | None:
+    """(the displacement rsp is loaded from, the index of the call) for the code after a call of
+    gosave_systemstack_switch (``insns[after:]``): rsp loaded from ``[X + disp]`` (g0's
+    ``sched.sp``), directly or through a register, then a call through a register, with no branch
+    before it; None for any other shape."""
+    loaded: dict[str, int] = {}  # register -> the [base + disp] displacement it was last loaded from
+    disp = None
+    for i in range(after, len(insns)):
+        _, _, mnem, ops = insns[i]
+        if disp is None:
+            if mnem == "mov" and (m := _LOAD.match(ops)):
+                if m.group(1) == "rsp":
+                    disp = _num(m.group(3))
+                else:
+                    loaded[m.group(1)] = _num(m.group(3))
+            elif mnem == "mov" and ops.startswith("rsp, "):
+                if ops[5:] not in loaded:
+                    return None
+                disp = loaded[ops[5:]]
+            elif mnem in ("call", "ret") or mnem.startswith("j"):
+                return None
+            continue
+        if mnem == "call":
+            return None if ops.startswith("0x") or ops.startswith("qword") else (disp, i)
+        if mnem == "ret" or mnem.startswith("j") or (mnem == "mov" and ops.startswith("rsp,")):
+            return None
+    return None
 
 
 def switch_call_end(image: ElfImage, fn: GoFunction, switch: GoSystemStack) -> int | None:
@@ -102,50 +131,26 @@ def switch_call_end(image: ElfImage, fn: GoFunction, switch: GoSystemStack) -> i
         insns = _insns(image, fn)
     except (OSError, BinaryError, ValueError, KeyError, IndexError):
         return None
-    saved = switched = False
-    loaded: dict[str, int] = {}
-    for addr, size, mnem, ops in insns:
-        if not saved:
-            saved = mnem == "call" and ops.startswith("0x") and int(ops, 16) == switch.gosave
-            continue
-        if not switched:
-            if mnem == "mov" and (m := _LOAD.match(ops)):
-                if m.group(1) == "rsp":
-                    if _num(m.group(3)) != switch.sched_sp:
-                        return None
-                    switched = True
-                else:
-                    loaded[m.group(1)] = _num(m.group(3))
-            elif mnem == "mov" and ops.startswith("rsp, "):
-                if loaded.get(ops[5:]) != switch.sched_sp:
-                    return None
-                switched = True
-            elif mnem in ("call", "jmp", "ret") or mnem.startswith("j"):
-                return None
-            continue
-        if mnem == "call":
-            if ops.startswith("0x") or ops.startswith("qword"):
-                return None
-            return addr + size - 1
-        if mnem in ("jmp", "ret") or mnem.startswith("j") or (mnem == "mov" and ops.startswith("rsp,")):
-            return None
-    return None
+    saved = next((i for i, (_, _, mnem, ops) in enumerate(insns)
+                  if mnem == "call" and ops.startswith("0x") and int(ops, 16) == switch.gosave), None)
+    got = None if saved is None else _call_on_g0(insns, saved + 1)
+    if got is None or got[0] != switch.sched_sp:
+        return None
+    addr, size, _, _ = insns[got[1]]
+    return addr + size - 1
 
 
-def _parse_systemstack(ss: list[tuple[int, int, str, str]]) -> tuple[int, GoSystemStack] | None:
-    """(gosave's entry, the switch with switch_pc 0) from systemstack's instructions, in order:
-    ``mov G, fs:[tls]`` (or ``mov R, tls; mov G, fs:[R]``, as -buildmode=pie builds have it);
+def _parse_systemstack(ss: list[Insn]) -> tuple[int, int, int, int, int] | None:
+    """(g's TLS slot, g.m, m.curg, g.sched.sp, gosave's entry) from systemstack's instructions, in
+    order: ``mov G, fs:[tls]`` (or ``mov R, tls; mov G, fs:[R]``, as -buildmode=pie builds have it);
     ``mov M, [G + g_m]``; ``cmp G, [M + m_curg]`` (the last compare before the call: "is this
-    goroutine m.curg?"); ``call gosave``; ``mov rsp, [X + sched_sp]`` (directly or
-    through a register); ``call REG`` (fn, on g0); and on the way back ``mov rsp, [C + sched_sp]``
-    after a load of ``[.. + m_curg]``."""
+    goroutine m.curg?"); ``call gosave``; its call on g0 (:func:`_call_on_g0`, which gives
+    ``sched_sp``); and on the way back ``mov rsp, [C + sched_sp]`` after a load of ``[.. +
+    m_curg]``."""
     g_reg = m_reg = None
-    tls_g = g_m = m_curg = sched_sp = -1
-    gosave = call_end = -1
-    loaded: dict[str, int] = {}  # register -> the [base + disp] displacement it was last loaded from
+    tls_g = g_m = m_curg = -1
     consts: dict[str, int] = {}  # register -> the constant moved into it (-buildmode=pie: the TLS offset)
-    back_curg = False
-    for addr, size, mnem, ops in ss:
+    for i, (_, _, mnem, ops) in enumerate(ss):
         if g_reg is None:
             if mnem == "mov" and (m := _MOV_IMM.match(ops)):
                 consts[m.group(1)] = int(m.group(2), 0)
@@ -158,46 +163,32 @@ def _parse_systemstack(ss: list[tuple[int, int, str, str]]) -> tuple[int, GoSyst
                 else:
                     return None
                 g_reg = m.group(1)
-            continue
-        if gosave < 0:
-            if mnem == "mov" and m_reg is None and (m := _LOAD.match(ops)) and m.group(2) == g_reg:
-                m_reg, g_m = m.group(1), _num(m.group(3))
-            elif mnem == "cmp" and m_reg and (m := _LOAD.match(ops)) and m.group(1) == g_reg \
-                    and m.group(2) == m_reg:
-                m_curg = _num(m.group(3))
-            elif mnem == "call" and ops.startswith("0x"):
-                gosave = int(ops, 16)
-            continue
-        if sched_sp < 0:
-            if mnem == "mov" and (m := _LOAD.match(ops)):
-                if m.group(1) == "rsp":
-                    sched_sp = _num(m.group(3))
-                else:
-                    loaded[m.group(1)] = _num(m.group(3))
-            elif mnem == "mov" and ops.startswith("rsp, ") and ops[5:] in loaded:
-                sched_sp = loaded[ops[5:]]
-            continue
-        if call_end < 0:
-            if mnem == "call":
-                if ops.startswith("0x") or ops.startswith("qword"):
-                    return None  # fn is called through a register
-                call_end = addr + size - 1
-            continue
+        elif mnem == "mov" and m_reg is None and (m := _LOAD.match(ops)) and m.group(2) == g_reg:
+            m_reg, g_m = m.group(1), _num(m.group(3))
+        elif mnem == "cmp" and m_reg and (m := _LOAD.match(ops)) and m.group(1) == g_reg \
+                and m.group(2) == m_reg:
+            m_curg = _num(m.group(3))
+        elif mnem == "call" and ops.startswith("0x"):
+            gosave, after = int(ops, 16), i + 1
+            break
+    else:
+        return None
+    got = _call_on_g0(ss, after)
+    if got is None or min(g_m, m_curg) < 0:
+        return None
+    sched_sp, call = got
+    back_curg = False
+    for _, _, mnem, ops in ss[call + 1:]:
         if mnem == "mov" and (m := _LOAD.match(ops)):
             if m.group(1) != "rsp" and _num(m.group(3)) == m_curg:
                 back_curg = True
             elif m.group(1) == "rsp":
-                if not back_curg or _num(m.group(3)) != sched_sp:
-                    return None
-                break
-    else:
-        return None
-    if min(g_m, m_curg, sched_sp, gosave, call_end) < 0:
-        return None
-    return gosave, GoSystemStack(call_end, tls_g, g_m, m_curg, sched_sp, 0)
+                return (tls_g, g_m, m_curg, sched_sp, gosave) if back_curg and _num(m.group(3)) == sched_sp \
+                    else None
+    return None
 
 
-def _parse_gosave(gs: list[tuple[int, int, str, str]], sched_sp: int) -> int | None:
+def _parse_gosave(gs: list[Insn], sched_sp: int) -> int | None:
     """The pc gosave_systemstack_switch stores in g.sched.pc, when it also stores ``rsp + 8`` (its
     caller's rsp: systemstack's return address slot) in g.sched.sp and rbp in g.sched.bp at the
     offsets the unwinder uses; else None."""
