@@ -24,7 +24,6 @@ import collections
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -35,18 +34,14 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))  # as bench/services.py does
 from common import machine_line, python, report_main
+from ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 PROMETHEUS = "/usr/bin/prometheus"
 QUERIES = ("/api/v1/query?query=up", "/api/v1/query?query=rate(prometheus_http_requests_total%5B1m%5D)",
            "/metrics", "/api/v1/labels", "/api/v1/series?match%5B%5D=up")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_prometheus(work: Path) -> tuple[subprocess.Popen[bytes], int]:

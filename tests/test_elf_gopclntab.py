@@ -13,6 +13,7 @@ import shutil
 import subprocess
 
 import pytest
+from binutils_oracle import nm_defined_sizes
 from conftest import require_tool, skip_or_fail
 from test_cfi_readelf import readelf_frames
 from test_unwind_go import build_go
@@ -155,9 +156,7 @@ def systemstack_crossing(binary: pathlib.Path, dis: str) -> cfi.Rule:
     curg = re.findall(rf"cmp\s+{tls.group(1)},QWORD PTR \[{g_m.group(1)}\+(0x[0-9a-f]+)\]", before_call)
     sched = re.search(r"mov\s+(\w+),QWORD PTR \[\w+\+(0x[0-9a-f]+)\]\n.*mov\s+rsp,(\w+)", dis)
     assert curg and sched and sched.group(1) == sched.group(3), dis
-    nm = subprocess.run(["nm", str(binary)], capture_output=True, text=True, check=True).stdout
-    switch_pc = next(int(a, 16) for a, _, n in (line.split() for line in nm.splitlines()
-                                                if line.count(" ") == 2)
+    switch_pc = next(a for n, (a, _) in nm_defined_sizes(binary).items()
                      if n.removesuffix(".abi0") == "runtime.systemstack_switch")
     return cfi.Rule(cfi.GO_SWITCH, tls_off, int(sched.group(2), 16), int(curg[-1], 16), switch_pc,
                     int(g_m.group(2), 16))
@@ -180,8 +179,7 @@ def test_sigreturn_is_a_signal_frame_as_glibcs_and_async_preempt_returns_exactly
     debug = pathlib.Path(f"/usr/lib/debug/.build-id/{bid[:2]}/{bid[2:]}.debug")
     if not debug.exists():
         skip_or_fail("libc6-dbg's debug file for this libc is not installed")
-    nm = subprocess.run(["nm", str(debug)], capture_output=True, text=True, check=True).stdout
-    restore_rt = next(int(line.split()[0], 16) for line in nm.splitlines() if line.endswith(" __restore_rt"))
+    restore_rt = nm_defined_sizes(debug)["__restore_rt"][0]
     glibc = cfi.load_table(libc).lookup(restore_rt)
     assert glibc.kind == cfi.SIGNAL
     for pc in range(sigreturn.entry, sigreturn.end):

@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 import pytest
-from binutils_oracle import parse_sections
+from binutils_oracle import Insn, nm_defined_sizes, parse_objdump, parse_sections
 from conftest import require_bpf, require_tool
 from fidelity import compare
 from strace_oracle import OracleError, Trace
@@ -147,7 +147,7 @@ def test_go_runtime_chains_end_where_go_says_a_stack_ends(tmp_path: pathlib.Path
     assert {"runtime.goexit", "runtime.mstart"} <= tops
     assert {"runtime.systemstack", "runtime.mcall", "runtime.clone"} <= switches
     child_start = clone_child_start(binary)
-    systemstack_calls = calls_of(binary, "runtime.systemstack.abi0")
+    calls = call_sites(binary)
     samples = [s for s in trace_go(binary, "all", tmp_path) if s.get("event") == "syscall"]
     crossed = flagged = children = clones = 0
     for s in samples:
@@ -163,7 +163,8 @@ def test_go_runtime_chains_end_where_go_says_a_stack_ends(tmp_path: pathlib.Path
         for i, n in enumerate(names[:-1]):
             if n == "runtime.systemstack" and i > 0:
                 crossed += 1
-                assert int(s["frames"][i - 1]["call_site"], 16) in systemstack_calls, s
+                ra = int(s["frames"][i - 1]["return_address"], 16)
+                assert calls.get(ra) == "runtime.systemstack.abi0", s
         hit = [i for i, n in enumerate(names[:-1]) if n in switches - {"runtime.systemstack"}]
         if hit and names[0] == "runtime.mcall":
             assert hit == [0] and s["complete"], s
@@ -182,24 +183,21 @@ def test_go_runtime_chains_end_where_go_says_a_stack_ends(tmp_path: pathlib.Path
     assert newm and all(s["complete"] for s in newm), "runtime.main's systemstack(newm(sysmon)) not crossed"
 
 
-def calls_of(binary: pathlib.Path, symbol: str) -> set[int]:
-    """The addresses of the direct calls of ``symbol`` (objdump)."""
-    text = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(binary)], capture_output=True,
-                          text=True, check=True).stdout
-    pat = re.compile(rf"^\s*([0-9a-f]+):\s+call\s+[0-9a-f]+ <{re.escape(symbol)}>$")
-    return {int(m.group(1), 16) for line in text.splitlines() if (m := pat.match(line))}
-
-
 def clone_child_start(binary: pathlib.Path) -> int:
     """The address after ``runtime.clone``'s ``mov %rsi,%rsp`` (objdump: the child moving onto the
     stack newosproc gave it), where the child's code on the new stack starts."""
-    text = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "--disassemble=runtime.clone.abi0",
-                           str(binary)], capture_output=True, text=True, check=True).stdout
-    insns = [line.split("\t") for line in text.splitlines() if line.startswith("  ") and ":\t" in line]
-    for i, insn in enumerate(insns[:-1]):
-        if len(insn) >= 2 and insn[1].split() == ["mov", "%rsi,%rsp"]:
-            return int(insns[i + 1][0].strip().rstrip(":"), 16)
-    raise AssertionError(f"no mov %rsi,%rsp in runtime.clone:\n{text}")
+    insns = objdump_insns(binary, "--disassemble=runtime.clone.abi0")
+    for insn, after in itertools.pairwise(insns):
+        if insn.mnemonic == "mov" and insn.operands == "%rsi,%rsp":
+            return after.address
+    raise AssertionError(f"no mov %rsi,%rsp in runtime.clone: {insns}")
+
+
+def objdump_insns(binary: pathlib.Path, *options: str) -> list[Insn]:
+    """``objdump -d -w`` of the binary, parsed by tests/binutils_oracle.py."""
+    text = subprocess.run(["objdump", "-d", "-w", *options, str(binary)], capture_output=True, text=True,
+                          check=True).stdout
+    return parse_objdump(text)[0]
 
 
 def delve_stacks(binary: pathlib.Path, function: str, hits: int) -> list[list[tuple[str, int]]]:
@@ -328,20 +326,11 @@ def test_go_systemstack_crossing_as_delves(tmp_path: pathlib.Path) -> None:
 
 def call_sites(binary: pathlib.Path) -> dict[int, str | None]:
     """Return address -> the function its call instruction calls (objdump; None: an indirect call)."""
-    text = subprocess.run(["objdump", "-d", "--no-show-raw-insn", str(binary)], capture_output=True,
-                          text=True, check=True).stdout
-    insn = re.compile(r"^\s*([0-9a-f]+):\s+(\S+)\s*(.*)$")
     out: dict[int, str | None] = {}
-    prev: tuple[int, str, str] | None = None
-    for line in text.splitlines():
-        m = insn.match(line)
-        if not m:
-            continue
-        addr = int(m.group(1), 16)
-        if prev is not None and prev[1] == "call":
-            target = re.search(r"<([^>+]+)>$", prev[2])
-            out[addr] = target.group(1) if target and "*" not in prev[2] else None
-        prev = (addr, m.group(2), m.group(3))
+    for insn in objdump_insns(binary):
+        if insn.mnemonic == "call":
+            target = re.search(r"<([^>+]+)>$", insn.operands)
+            out[insn.address + len(insn.raw)] = target.group(1) if target and insn.direct_target else None
     return out
 
 
@@ -401,9 +390,7 @@ class SymbolNames:
     """vaddr -> the function symbol (nm) containing it; ``table``: (address, name) in order."""
 
     def __init__(self, binary: pathlib.Path) -> None:
-        text = subprocess.run(["nm", "-n", str(binary)], capture_output=True, text=True, check=True).stdout
-        self.table = [(int(p[0], 16), p[2]) for p in (line.split() for line in text.splitlines())
-                      if len(p) == 3 and p[1] in "tT"]
+        self.table = sorted((addr, name) for name, (addr, _) in nm_defined_sizes(binary).items())
         self._starts = [a for a, _ in self.table]
 
     def __call__(self, vaddr: int) -> str:
