@@ -474,8 +474,9 @@ def test_go_async_preemption_unwinds_through_the_signal_frame(tmp_path: pathlib.
     ``runtime.sigreturn`` (``rt_sigreturn``), whose code is byte for byte glibc's ``__restore_rt``: a
     signal frame, the ucontext at rsp.  Its chains now go on through the ucontext to
     ``asyncPreempt`` and the interrupted ``main.spin`` (both exact pcs: looked up as they are, not
-    as return addresses) and on to ``runtime.goexit``; before, they stopped at sigreturn (its
-    "return address" was the ucontext's first word: ``unknown_pc``).  The return address above
+    as return addresses) and on to ``runtime.goexit`` (or, for code interrupted under
+    ``morestack``, to that switch, flagged as every chain there is); before, they stopped at
+    sigreturn (its "return address" was the ucontext's first word: ``unknown_pc``).  The return address above
     ``main.spin`` must follow a call of it (objdump)."""
     require_bpf()
     binary = build_go(tmp_path, source=STW_SOURCE)
@@ -484,7 +485,11 @@ def test_go_async_preemption_unwinds_through_the_signal_frame(tmp_path: pathlib.
     injected = 0
     for s in samples:
         names = [f["function"].removesuffix(".abi0") for f in s["frames"]]
-        assert s["complete"] and names[-1] == "runtime.sigreturn", json.dumps(s)
+        assert names[-1] == "runtime.sigreturn", json.dumps(s)
+        # complete; or, where the interrupted code ran under morestack (a switch not crossed, as
+        # every chain there), stopped flagged at morestack: through the signal frame either way
+        assert s["complete"] or (names[0] == "runtime.morestack" and s["reason"] == "unsupported_cfi"), \
+            json.dumps(s)
         if "main.spin" in names:
             k = names.index("main.spin")
             assert names[:k + 1] == ["runtime.goexit", "main.main.func1", "main.spin"], names
