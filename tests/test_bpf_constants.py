@@ -128,13 +128,16 @@ def test_path_argument_registers_equal_the_bpf_readers(c_file: str, function: st
     m = re.search(rf"^static __always_inline u64 {function}\(.*?^}}\n", text, re.M | re.S)
     assert m, function
     src = tmp_path / "reader.c"
+    # a reader takes the tracepoint's pt_regs, or (uw_path_arg) the words uw_read_regs read from it
+    arg = "(u64 *)&r" if "const u64 *rw" in m.group(0).split("\n")[0] else "&r"
     src.write_text(
         "#include <stdio.h>\n#include <string.h>\ntypedef unsigned long long u64;\n"
         "struct pt_regs { u64 di, si; };\n#define __always_inline inline\n"
+        "#define UW_RW(r) (__builtin_offsetof(struct pt_regs, r) / 8)\n"
         "static long bpf_probe_read_kernel(void *dst, unsigned n, const void *src) "
         "{ memcpy(dst, src, n); return 0; }\n" + m.group(0) +
         f"int main(void) {{\n    struct pt_regs r = {{1, 2}};\n    for (long nr = 0; nr < 1024; nr++)\n"
-        f'        if ({function}(&r, nr))\n            printf("%ld %llu\\n", nr, {function}(&r, nr));\n'
+        f'        if ({function}({arg}, nr))\n            printf("%ld %llu\\n", nr, {function}({arg}, nr));\n'
         "    return 0;\n}\n")
     exe = tmp_path / "reader"
     subprocess.run(["gcc", "-w", "-o", str(exe), str(src)], check=True, capture_output=True, text=True)
