@@ -57,7 +57,7 @@ WHY = {"max_depth": "MAX_DEPTH", "unknown_pc": "UNKNOWN_PC", "no_maps": "NO_MAPS
 #: unwind.c's rule kind macros (UW_KIND_...) -> ccprofd/elf/cfi.py's names
 UW_KINDS = {"NONE": "NONE", "RSP": "CFA_RSP", "RBP": "CFA_RBP", "PLT": "PLT", "SIGNAL": "SIGNAL",
             "END": "END", "UNSUPPORTED": "UNSUPPORTED", "RA_REG": "RA_REG", "GO_SWITCH": "GO_SWITCH",
-            "CFA_DEREF": "CFA_DEREF"}
+            "CFA_DEREF": "CFA_DEREF", "GO_MORESTACK": "GO_MORESTACK"}
 
 CASES = {
     "instrumented": (PKG / "tracing/instrumented/instrumented.c", lambda: {
@@ -74,7 +74,7 @@ CASES = {
         **{f"UW_WHY_{WHY[v]}": k for k, v in uw.REASONS.items() if v is not None},
         # the unwind table's rule kinds (ccprofd/elf/cfi.py writes them, unwind.c reads them)
         **{f"UW_KIND_{n}": getattr(cfi, k) for n, k in UW_KINDS.items()},
-        "UW_AUX_CALLER_EXACT": cfi.CALLER_EXACT}),
+        "UW_AUX_CALLER_EXACT": cfi.CALLER_EXACT, "UW_AUX_GO_CURG_SET": cfi.GO_CURG_SET}),
     "syscall_sampler": (PKG / "tracing/syscall_sampler.c", lambda: {
         "CCPROF_EXEC_TARGET": syscall_sampler.EXEC_TARGET_FLAG,
         "NR_SYSCALL_SLOTS": syscall_sampler.NR_SYSCALL_SLOTS,

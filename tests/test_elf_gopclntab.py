@@ -210,6 +210,75 @@ def test_systemstack_reader_refuses_code_of_another_shape(
     assert read_systemstack(image, {}, by_entry) is None  # no systemstack at all
 
 
+def objdump_function(binary: pathlib.Path, entry: int, end: int) -> str:
+    return subprocess.run(["objdump", "-d", "-M", "intel", "--no-show-raw-insn",
+                           f"--start-address={entry:#x}", f"--stop-address={end:#x}", str(binary)],
+                          capture_output=True, text=True, check=True).stdout
+
+
+def test_morestack_row_is_objdumps_reading(go_binaries: tuple[pathlib.Path, pathlib.Path]) -> None:
+    """morestack's call of newstack on g0 (objdump: the call right after ``mov rsp,QWORD PTR
+    [reg+sched.sp]``) is GO_MORESTACK at its last byte, with systemstack's offsets (objdump's
+    reading, :func:`systemstack_crossing`) and the entries of morestack and morestack_noctxt (nm);
+    every call of either in the binary has the plain pcsp row CFA = rsp + 8 at its last byte (where
+    a goroutine's frame at its ``sched.pc`` is looked up); and Go's execute and schedule, and no
+    other function, have rows flagged GO_CURG_SET."""
+    require_tool("objdump")
+    full, _ = go_binaries
+    image = ElfImage(str(full))
+    funcs = {f.name: f for f in read_go_functions(image)}
+    entry = {n.removesuffix(".abi0"): a for n, (a, _) in nm_defined_sizes(full).items()}
+    ss = funcs["runtime.systemstack"]
+    crossing = systemstack_crossing(full, objdump_function(full, ss.entry, ss.end))
+    ms = funcs["runtime.morestack"]
+    dis = objdump_function(full, ms.entry, ms.end)
+    got = re.search(r"mov\s+rsp,QWORD PTR \[\w+\+(0x[0-9a-f]+)\]\n\s+[0-9a-f]+:\s+call\s+[0-9a-f]+ "
+                    r"<runtime\.newstack[^>]*>\n\s+([0-9a-f]+):", dis)
+    assert got and int(got.group(1), 16) == crossing.rbp_kind, dis
+    table = cfi.build_table(image)
+    expect = cfi.Rule(cfi.GO_MORESTACK, crossing.cfa_off, crossing.rbp_kind, entry["runtime.morestack"],
+                      entry["runtime.morestack_noctxt"], crossing.aux | crossing.rbp_off << 8)
+    assert table.lookup(int(got.group(2), 16) - 1) == expect
+    text = subprocess.run(["objdump", "-d", "-M", "intel", "--no-show-raw-insn", str(full)],
+                          capture_output=True, text=True, check=True).stdout
+    calls = re.findall(r"call\s+[0-9a-f]+ <runtime\.morestack(?:_noctxt)?(?:\.abi0)?>\n\s+([0-9a-f]+):", text)
+    assert len(calls) > 100
+    # (execute's and schedule's own calls carry their functions' flag)
+    rows = {table.lookup(int(a, 16) - 1) for a in calls}
+    assert {r._replace(aux=r.aux & ~cfi.GO_CURG_SET) for r in rows} == {cfi.Rule(cfi.CFA_RSP, 8)}
+    flagged = {name for name, f in funcs.items()
+               if any(table.lookup(pc).aux & cfi.GO_CURG_SET for pc in range(f.entry, f.end)
+                      if table.lookup(pc).kind == cfi.CFA_RSP)}
+    assert flagged == {"runtime.execute", "runtime.schedule"}
+
+
+def test_morestack_reader_refuses_code_of_another_shape(
+        go_binaries: tuple[pathlib.Path, pathlib.Path]) -> None:
+    """morestack's store of the calling function's pc in ``g.sched.pc`` taken away, or its call on
+    g0 made indirect: no crossing (the switch stays flagged)."""
+    from ccprofd.elf.gostack import _parse_morestack, read_morestack, read_systemstack
+    from ccprofd.elf.x86dis import x86_64
+
+    full, _ = go_binaries
+    image = ElfImage(str(full))
+    funcs = read_go_functions(image)
+    by_name, by_entry = {f.name: f for f in funcs}, {f.entry: f for f in funcs}
+    switch = read_systemstack(image, by_name, by_entry)
+    assert switch is not None and read_morestack(image, by_name, switch) is not None
+    fn = by_name["runtime.morestack"]
+    insns = list(x86_64().disasm_lite(image.bytes_at(fn.entry, fn.end - fn.entry), fn.entry))
+    assert _parse_morestack(insns, switch) is not None
+    pc_slot = f"+ {hex(switch.sched_sp + 8)}]"
+    pc_store = [i for i, (_, _, mnem, ops) in enumerate(insns)
+                if mnem == "mov" and ops.startswith("qword ptr [") and pc_slot in ops]
+    assert len(pc_store) == 1, insns
+    assert _parse_morestack(insns[:pc_store[0]] + insns[pc_store[0] + 1:], switch) is None
+    call = next(i for i, (_, _, mnem, _) in enumerate(insns) if mnem == "call" and i > pc_store[0])
+    indirect = (*insns[call][:3], "rax")
+    assert _parse_morestack([*insns[:call], indirect, *insns[call + 1:]], switch) is None
+    assert read_morestack(image, {}, switch) is None
+
+
 def test_bad_tables_are_refused_not_guessed(tmp_path: pathlib.Path) -> None:
     with pytest.raises(GoTableError, match="magic"):
         parse_go_functions(b"\xfa\xff\xff\xff" + bytes(80))  # Go 1.16's layout

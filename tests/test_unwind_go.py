@@ -31,6 +31,7 @@ SOURCE = REPO / "tests" / "programs" / "gocalls.go"
 SLEEP_SOURCE = REPO / "tests" / "programs" / "gosleep.go"
 STW_SOURCE = REPO / "tests" / "programs" / "gostw.go"
 CGO_SOURCE = REPO / "tests" / "programs" / "gocgo.go"
+GROW_SOURCE = REPO / "tests" / "programs" / "gogrow.go"
 
 
 def build_go(out_dir: pathlib.Path, *, pie: bool = False, source: pathlib.Path = SOURCE,
@@ -499,3 +500,99 @@ def test_go_async_preemption_unwinds_through_the_signal_frame(tmp_path: pathlib.
             ra = int(s["frames"][k - 1]["return_address"], 16)
             assert calls.get(ra) == "main.spin", (hex(ra), calls.get(ra))
     assert injected >= 1, [s["frames"] for s in samples]
+
+
+def check_morestack_chain(fns: list[str], ras: list[int | None], calls: dict[int, str | None]) -> None:
+    """A chain through morestack (outermost first: function names without ``.abi0``, and each frame's
+    return address, None where it has none or is outside the binary): it starts at goexit, and every
+    return address follows a call of the next frame's function (objdump; an indirect call: any) --
+    the function that called morestack called it through ``morestack_noctxt``'s jump, or directly."""
+    assert fns[0] == "runtime.goexit", fns
+    for k in range(1, len(fns) - 1):
+        ra = ras[k]
+        if ra is None:
+            continue
+        assert ra in calls, (hex(ra), fns)
+        target = (calls[ra] or "").removesuffix(".abi0")
+        if fns[k + 1] == "runtime.morestack":
+            assert target in ("runtime.morestack", "runtime.morestack_noctxt"), (hex(ra), target, fns)
+        else:
+            assert calls[ra] is None or target == fns[k + 1], (hex(ra), target, fns[k + 1], fns)
+
+
+@pytest.mark.bpf
+def test_go_stack_growth_crosses_morestack(tmp_path: pathlib.Path) -> None:
+    """CPU samples of gogrow.go, whose goroutines' stacks grow again and again: in ``morestack >
+    newstack > copystack > ...`` on g0, the chain goes on at the goroutine's ``m.curg.sched`` -- the
+    function that called morestack from its prologue, then its callers -- as Go's traceback resumes
+    there (``funcID_morestack``).  Every such chain must be complete and pass :func:`check_morestack_chain`
+    (objdump); before, each stopped at morestack, flagged (``unsupported_cfi``), a third or more of a
+    Go service's CPU samples when its goroutines grow.  A chain that passed Go's ``execute`` or
+    ``schedule`` on g0 below morestack (a growth preempted: m.curg may be another goroutine by then)
+    must stay flagged."""
+    require_bpf()
+    binary = build_go(tmp_path, source=GROW_SOURCE)
+    calls = call_sites(binary)
+    out = tmp_path / "samples.jsonl"
+    argv = [sys.executable, "-m", "ccprofd.cli", "trace", "--mode", "unwind", "--format", "jsonl",
+            "--syscalls", "getppid", "--sample-hz", "997", "--output", str(out), "--", str(binary), "3000"]
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, stdin=subprocess.DEVNULL,
+                          timeout=600)
+    assert proc.returncode == 0 and proc.stdout == "gogrow: done\n", proc.stderr
+    crossed = 0
+    for s in (json.loads(line) for line in out.read_text().splitlines()):
+        if s.get("event") != "cpu":
+            continue
+        fns = [f["function"].removesuffix(".abi0") for f in s["frames"]]
+        if "runtime.morestack" not in fns[:-1]:
+            continue
+        below = fns[fns.index("runtime.morestack") + 1:]
+        if "runtime.execute" in below or "runtime.schedule" in below:
+            assert not s["complete"], json.dumps(s)
+            continue
+        assert s["complete"], json.dumps(s)
+        ras = [int(f["return_address"], 16) if f["return_address"] and f["module"] == str(binary) else None
+               for f in s["frames"]]
+        check_morestack_chain(fns, ras, calls)
+        assert "main.deep" in fns[:fns.index("runtime.morestack")], fns
+        crossed += 1
+    assert crossed >= 20, crossed
+
+
+def test_go_thread_snapshot_crosses_morestack(tmp_path: pathlib.Path) -> None:
+    """The ptrace snapshot's walker crosses morestack as the BPF unwinder does: snapshots of gogrow
+    while it runs, until three threads were caught under morestack; each such stack must be complete
+    and pass :func:`check_morestack_chain`."""
+    from ccprofd.proc.modules import ModuleCache
+    from ccprofd.proc.threadsnap import snapshot
+
+    binary = build_go(tmp_path, source=GROW_SOURCE)
+    names = SymbolNames(binary)
+    calls = call_sites(binary)
+    proc = subprocess.Popen([str(binary), "100000"], stdout=subprocess.DEVNULL)
+    caught = 0
+    try:
+        for _ in range(400):
+            snap = snapshot(proc.pid, ModuleCache())
+            assert snap.error is None, snap.error
+            for t in snap.threads:
+                if t.stack is None:
+                    continue
+                fns = [names(f.vaddr if f.exact else f.vaddr - 1).removesuffix(".abi0") if f.vaddr is not None
+                       else "?" for f in t.stack.frames]
+                if "runtime.morestack" not in fns[:-1]:
+                    continue
+                below = fns[fns.index("runtime.morestack") + 1:]
+                if "runtime.execute" in below or "runtime.schedule" in below:
+                    assert not t.stack.complete, fns
+                    continue
+                assert t.stack.complete, (t.stack.reason, fns)
+                check_morestack_chain(fns, [None if f.exact else f.vaddr for f in t.stack.frames], calls)
+                caught += 1
+            if caught >= 3:
+                break
+            time.sleep(0.01)
+    finally:
+        proc.kill()
+        proc.wait()
+    assert caught >= 3, caught

@@ -36,17 +36,25 @@ from ccprofd.elf.compressed import CompressedSectionError
 from ccprofd.elf.ehframe import MALFORMED, Cie, FdeHeader, cfi_errors, iter_fdes, read_encoded, sleb, uleb
 from ccprofd.elf.errors import BinaryError, CfiError
 from ccprofd.elf.gopclntab import FUNC_FLAG_SPWRITE, FUNC_FLAG_TOPFRAME, GoTableError, read_go_functions
-from ccprofd.elf.gostack import GoSystemStack, read_systemstack, saved_sp_calls, switch_call_end
+from ccprofd.elf.gostack import (
+    GoMorestack,
+    GoSystemStack,
+    read_morestack,
+    read_systemstack,
+    saved_sp_calls,
+    switch_call_end,
+)
 from ccprofd.elf.image import ElfImage
 from ccprofd.elf.x86dis import x86_64
 from ccprofd.persist.cache import AnalysisCache
 
 CACHE_KIND = "cfi"
-TABLE_FORMAT = 9  # 2: code an FDE falls through into keeps its last row (_fallthrough_gaps); 3: RA_REG;
+TABLE_FORMAT = 10  # 2: code an FDE falls through into keeps its last row (_fallthrough_gaps); 3: RA_REG;
 # 4: a compressed .debug_frame (.zdebug_frame) is read; 5: Go functions from .gopclntab; 6: their stack
 # switches at the call's last byte; 7: and over the switched code; 8: mcall's and clone's child's code
 # ends the chain; 9: systemstack's call on g0 is GO_SWITCH, asmcgocall's on the same stack CFA_DEREF,
-# Go's sigreturn a signal frame, asyncPreempt's caller exact
+# Go's sigreturn a signal frame, asyncPreempt's caller exact; 10: morestack's call on g0 is
+# GO_MORESTACK, execute's and schedule's rows GO_CURG_SET
 
 # Rule kinds.
 NONE = 0  # no CFI covers the address: the unwinder may try frame pointers
@@ -64,13 +72,25 @@ RA_REG = 7  # CFA = rsp + cfa_off, return address in register aux (rdi only: gli
 # another pc, or sp 0, is not this switch's, and the chain is flagged)
 GO_SWITCH = 8
 CFA_DEREF = 9  # CFA = *(rsp + cfa_off) + aux: an rsp kept in a slot (Go's asmcgocall on g0, callCgoMmap)
+# Go's morestack, at its call of newstack on g0: the goroutine goes on *at* m.curg.sched -- pc (a
+# return address into the function that called morestack), sp, bp -- as Go's traceback resumes
+# there (elf/gostack.py).  cfa_off g's TLS slot, rbp_kind g.sched.sp, aux g.m | m.curg << 8 (the
+# rule's 16-bit aux: both offsets below 256), rbp_off morestack's entry and ra_off morestack_noctxt's
+# (vaddrs: the instruction before sched.pc must be a direct call of one of them, else the sched is
+# not a morestack's and the chain is flagged)
+GO_MORESTACK = 10
 #: CFA_RSP's aux flag: the return address is the caller's *interrupted* instruction, not a call's
 #: return (Go's asyncPreempt, which a signal handler injects as if the function had called it): the
 #: caller's pc is looked up as is, not at pc - 1
 CALLER_EXACT = 1
+#: CFA_RSP's aux flag: the function may set the thread's ``m.curg`` (Go's ``execute``, and
+#: ``schedule``, which calls it): on a g0 chain through such a frame, the goroutine in m.curg may no
+#: longer be the one that switched to g0, so a GO_SWITCH or GO_MORESTACK beyond it is not crossed
+GO_CURG_SET = 2
+GO_CURG_SETTERS = frozenset({"runtime.execute", "runtime.schedule"})  # .gopclntab names
 KIND_NAMES = {NONE: "none", CFA_RSP: "rsp", CFA_RBP: "rbp", PLT: "plt", SIGNAL: "signal", END: "end",
               UNSUPPORTED: "unsupported", RA_REG: "ra-in-reg", GO_SWITCH: "go-systemstack",
-              CFA_DEREF: "deref-rsp"}
+              CFA_DEREF: "deref-rsp", GO_MORESTACK: "go-morestack"}
 
 # rbp rules.
 RBP_SAME = 0  # unchanged in the caller
@@ -633,7 +653,10 @@ def go_fdes(image: ElfImage) -> list[Fde]:
         funcs = read_go_functions(image)
     except (GoTableError, struct.error, BinaryError, ValueError):
         return []
-    switch = read_systemstack(image, {f.name: f for f in funcs}, {f.entry: f for f in funcs})
+    by_name = {f.name: f for f in funcs}
+    switch = read_systemstack(image, by_name, {f.entry: f for f in funcs})
+    morestack = None if switch is None or not switch.g_m < 256 or not switch.m_curg < 256 \
+        else read_morestack(image, by_name, switch)
     out: list[Fde] = []
     for fn in funcs:
         if not fn.sp_offsets or fn.end <= fn.entry:
@@ -644,8 +667,9 @@ def go_fdes(image: ElfImage) -> list[Fde]:
         if image.bytes_at(fn.entry, len(SIGRETURN_CODE)) == SIGRETURN_CODE:
             out.append((fn.entry, fn.end, [(fn.entry, KERNEL_SIGFRAME)]))
             continue
-        exact = CALLER_EXACT if fn.name == GO_ASYNC_PREEMPT else 0
-        rows = {lo: (Rule(CFA_RSP, d + 8, RBP_SAME if d == 0 else RBP_UNDEF, 0, -8, exact) if d >= 0
+        flags = (CALLER_EXACT if fn.name == GO_ASYNC_PREEMPT else 0) | \
+            (GO_CURG_SET if fn.name in GO_CURG_SETTERS else 0)
+        rows = {lo: (Rule(CFA_RSP, d + 8, RBP_SAME if d == 0 else RBP_UNDEF, 0, -8, flags) if d >= 0
                      else Rule(UNSUPPORTED, aux=WHY_BAD_CFI)) for lo, _, d in fn.sp_offsets}
         if fn.flag & FUNC_FLAG_SPWRITE:
             call_end = None if switch is None else switch_call_end(image, fn, switch)
@@ -653,6 +677,8 @@ def go_fdes(image: ElfImage) -> list[Fde]:
                      for end, (k, addend) in saved_sp_calls(image, fn).items() if addend < 256}
             if switch is not None and call_end is not None:
                 calls[call_end] = go_switch_rule(switch)
+            if switch is not None and morestack is not None and fn.entry == morestack.morestack:
+                calls[morestack.call_end] = go_morestack_rule(switch, morestack)
             rows = _with_stack_switches(image, fn.entry, fn.end, rows,
                                         ends_stack=fn.name in GO_STACK_TOP_SWITCHERS, calls=calls)
         out.append((fn.entry, fn.end, sorted(rows.items())))
@@ -662,6 +688,12 @@ def go_fdes(image: ElfImage) -> list[Fde]:
 def go_switch_rule(switch: GoSystemStack) -> Rule:
     """The :data:`GO_SWITCH` row of systemstack's call on g0 (see there for the fields)."""
     return Rule(GO_SWITCH, switch.tls_g, switch.sched_sp, switch.m_curg, switch.switch_pc, switch.g_m)
+
+
+def go_morestack_rule(switch: GoSystemStack, morestack: GoMorestack) -> Rule:
+    """The :data:`GO_MORESTACK` row of morestack's call of newstack on g0 (see there for the fields)."""
+    return Rule(GO_MORESTACK, switch.tls_g, switch.sched_sp, morestack.morestack, morestack.noctxt,
+                switch.g_m | switch.m_curg << 8)
 
 
 def _with_stack_switches(image: ElfImage, lo: int, hi: int, rows: dict[int, Rule], *,

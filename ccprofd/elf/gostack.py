@@ -13,6 +13,12 @@ between versions; rather than a table per version they are read from the instruc
 systemstack and gosave_systemstack_switch themselves, and checked against systemstack's way back
 (which loads rsp from ``m.curg.sched.sp`` too).  Any other instruction shape gives None: the switch
 then stays flagged, never crossed on a guess.
+
+``runtime.morestack`` (called from a function's prologue when its goroutine's stack is too small)
+saves the goroutine's state in ``g.sched`` itself -- ``pc`` the return address into the function
+that called it, ``sp`` that function's rsp at the call (pointing at its own return address) -- and
+calls ``newstack`` on g0.  Go's traceback resumes there at ``m.curg.sched.pc`` (``funcID_morestack``);
+:func:`read_morestack` reads that code's offsets the same way.
 """
 
 from __future__ import annotations
@@ -27,6 +33,8 @@ from ccprofd.elf.image import ElfImage
 from ccprofd.elf.x86dis import x86_64
 
 SYSTEMSTACK = "runtime.systemstack"
+MORESTACK = "runtime.morestack"
+MORESTACK_NOCTXT = "runtime.morestack_noctxt"
 _SCHED_PC = 8  # gobuf: sp, pc, g, ctxt, ret, lr, bp
 _SCHED_BP = 48
 
@@ -37,6 +45,7 @@ _STORE = re.compile(rf"^{_MEM}, (\w+)$")
 _LEA_RIP = re.compile(r"^(\w+), \[rip \+ (0x[0-9a-f]+|\d+)\]$")
 _LEA_RSP8 = re.compile(r"^(\w+), \[rsp \+ 8\]$")
 _MOV_IMM = re.compile(r"^(\w+), (0x[0-9a-f]+|\d+)$")
+_LOAD_RSP0 = re.compile(r"^(\w+), qword ptr \[rsp\]$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +58,16 @@ class GoSystemStack:
     sched_sp: int  # offset of g.sched.sp (g.sched.pc at +8, g.sched.bp at +48)
     switch_pc: int  # the pc gosave_systemstack_switch stores in g.sched.pc
     gosave: int  # gosave_systemstack_switch's entry
+
+
+@dataclass(frozen=True, slots=True)
+class GoMorestack:
+    """Where one binary's morestack calls newstack on g0 (the offsets are its :class:`GoSystemStack`'s),
+    and the entries a function's call of morestack may target (ELF vaddrs)."""
+
+    call_end: int  # the last byte of morestack's call of newstack
+    morestack: int  # morestack's entry (closures call it directly)
+    noctxt: int  # morestack_noctxt's entry (``mov edx, 0; jmp morestack``), 0 if the binary has none
 
 
 def _num(text: str | None) -> int:
@@ -290,3 +309,79 @@ def saved_sp_calls(image: ElfImage, fn: GoFunction, max_steps: int = 4096) -> di
     if steps >= max_steps:
         return {}
     return {end: v for end, v in found.items() if end not in refuted}
+
+
+def read_morestack(image: ElfImage, funcs: Mapping[str, GoFunction],
+                   switch: GoSystemStack) -> GoMorestack | None:
+    """morestack's call on g0, when its code is the shape Go's assembly gives it (runtime/asm_amd64.s)
+    with ``switch``'s offsets: g loaded from its TLS slot, g.m from it; ``g.sched.pc`` stored from
+    ``[rsp]`` (the return address into the function that called morestack), ``g.sched.sp`` from
+    ``rsp + 8`` and ``g.sched.bp`` from rbp, all into the g from the TLS slot; then rsp loaded from
+    ``[X + sched.sp]`` (g0's) and a direct call at once.  None for any other shape."""
+    fn = funcs.get(MORESTACK)
+    if fn is None:
+        return None
+    try:
+        call_end = _parse_morestack(_insns(image, fn), switch)
+        noctxt = _parse_noctxt(image, funcs.get(MORESTACK_NOCTXT), fn.entry)
+    except (OSError, BinaryError, ValueError, KeyError, IndexError):
+        return None
+    return None if call_end is None else GoMorestack(call_end, fn.entry, noctxt)
+
+
+def _parse_morestack(insns: list[Insn], switch: GoSystemStack) -> int | None:
+    """The last byte of morestack's call on g0 (:func:`read_morestack` says what must come before)."""
+    consts: dict[str, int] = {}
+    g_regs: set[str] = set()  # registers holding g (from the TLS slot)
+    f_pc: set[str] = set()  # registers holding [rsp]
+    f_sp: set[str] = set()  # registers holding rsp + 8
+    pc_ok = sp_ok = bp_ok = m_ok = False
+    for i, (_, _, mnem, ops) in enumerate(insns):
+        g_now = set(g_regs)  # (the sources below are read before the destination is written)
+        dst = ops.split(",", 1)[0]
+        for held in (g_regs, f_pc, f_sp):
+            if mnem in ("mov", "lea") and dst in held:
+                held.discard(dst)  # overwritten (a match below adds it back)
+        if mnem == "mov" and (m := _MOV_IMM.match(ops)):
+            consts[m.group(1)] = int(m.group(2), 0)
+        elif mnem == "mov" and (m := _TLS_LOAD.match(ops)):
+            where = m.group(2)
+            tls = _signed64(int(where, 16)) if where.startswith("0x") else \
+                _signed64(consts[where]) if where in consts else None
+            if tls == switch.tls_g:
+                g_regs.add(m.group(1))
+        elif mnem == "mov" and (m := _LOAD_RSP0.match(ops)):
+            f_pc.add(m.group(1))
+        elif mnem == "lea" and (m := _LEA_RSP8.match(ops)):
+            f_sp.add(m.group(1))
+        elif mnem == "mov" and (m := _LOAD.match(ops)) and m.group(1) == "rsp":
+            if not (pc_ok and sp_ok and bp_ok and m_ok) or _num(m.group(3)) != switch.sched_sp \
+                    or i + 1 >= len(insns):
+                return None
+            addr, size, nmnem, nops = insns[i + 1]
+            return addr + size - 1 if nmnem == "call" and nops.startswith("0x") else None
+        elif mnem == "mov" and (m := _LOAD.match(ops)) and m.group(2) in g_now \
+                and _num(m.group(3)) == switch.g_m:
+            m_ok = True
+        elif mnem == "mov" and (m := _STORE.match(ops)) and m.group(1) in g_now:
+            off, src = _num(m.group(2)), m.group(3)
+            if off == switch.sched_sp + _SCHED_PC and src in f_pc:
+                pc_ok = True
+            elif off == switch.sched_sp and src in f_sp:
+                sp_ok = True
+            elif off == switch.sched_sp + _SCHED_BP and src == "rbp":
+                bp_ok = True
+        elif mnem in ("ret", "jmp") or (mnem == "mov" and ops.startswith("rsp,")):
+            return None
+    return None
+
+
+def _parse_noctxt(image: ElfImage, fn: GoFunction | None, morestack: int) -> int:
+    """morestack_noctxt's entry when it is ``mov edx, 0; jmp morestack``, else 0."""
+    if fn is None:
+        return 0
+    insns = _insns(image, fn)
+    if len(insns) >= 2 and insns[0][2:] == ("mov", "edx, 0") and insns[1][2] == "jmp" \
+            and insns[1][3].startswith("0x") and int(insns[1][3], 16) == morestack:
+        return fn.entry
+    return 0

@@ -18,8 +18,11 @@ same stack give the same frames:
   stack;
 * ``END`` rows (undefined return address: ``_start``, a thread's ``clone3`` frame) end the stack;
 * Go's systemstack on g0 (``GO_SWITCH``): the caller goes on from ``m.curg.sched``, reached through
-  the thread's TLS slot of ``g`` (``fs_base``; :mod:`ccprofd.elf.gostack`); Go's asmcgocall on the
-  stack it was called on (``CFA_DEREF``): the CFA is an rsp it kept in a slot, plus a constant.
+  the thread's TLS slot of ``g`` (``fs_base``; :mod:`ccprofd.elf.gostack`); Go's morestack on g0
+  (``GO_MORESTACK``): the goroutine goes on *at* ``m.curg.sched``; neither is crossed past a frame
+  of Go's execute or schedule (``GO_CURG_SET``: m.curg may be another goroutine by then); Go's
+  asmcgocall on the stack it was called on (``CFA_DEREF``): the CFA is an rsp it kept in a slot,
+  plus a constant.
 
 Input: :class:`UserRegs`, a word reader (None = unreadable), the process's module mappings
 (:class:`ccprofd.proc.maps.ProcessMaps`) and a table per mapping.  Output:
@@ -93,6 +96,7 @@ def unwind(regs: UserRegs, read_word: WordReader, maps: ProcessMaps, table_of: T
     def done(reason: str | None) -> UnwoundStack:
         return UnwoundStack(tuple(reversed(inner_first)), reason)
 
+    curg_set = False  # a frame so far is Go's execute or schedule (cfi.GO_CURG_SET)
     while True:
         if len(inner_first) >= max_depth:
             return done("max_depth")
@@ -117,9 +121,9 @@ def unwind(regs: UserRegs, read_word: WordReader, maps: ProcessMaps, table_of: T
         kind = rule.kind if rule is not None else cfi.NONE
         if kind == cfi.END or (kind == cfi.NONE and pc == 0):
             return done(None)
-        if kind == cfi.GO_SWITCH:
+        if kind in (cfi.GO_SWITCH, cfi.GO_MORESTACK):
             assert rule is not None and mod is not None
-            crossed = _go_switch(rule, mod, regs.fs_base, read_word)
+            crossed = "unsupported_cfi" if curg_set else _go_switch(rule, mod, regs.fs_base, read_word)
             if isinstance(crossed, str):
                 return done(crossed)
             inner_first[frame_at] = RawFrame(pc, exact, mod, vaddr, crossed[0])
@@ -204,22 +208,36 @@ def unwind(regs: UserRegs, read_word: WordReader, maps: ProcessMaps, table_of: T
             return done("bad_frame")
         sp, pc = cfa, ra
         exact = kind == cfi.CFA_RSP and rule is not None and bool(rule.aux & cfi.CALLER_EXACT)
+        curg_set = curg_set or (kind == cfi.CFA_RSP and rule is not None and bool(rule.aux & cfi.GO_CURG_SET))
 
 
 def _go_switch(rule: cfi.Rule, mod: ModuleMapping, fs_base: int,
                read_word: WordReader) -> tuple[int, int, int] | str:
-    """(rsp, pc, rbp) of the goroutine that called Go's systemstack, from ``m.curg.sched`` (the
-    fields of :data:`ccprofd.elf.cfi.GO_SWITCH`), or the reason the walk stops (as unwind.c's
-    ``uw_go_switch``)."""
+    """(rsp, pc, rbp) of the goroutine that switched to g0 -- that called Go's systemstack
+    (:data:`ccprofd.elf.cfi.GO_SWITCH`), or morestack (:data:`~ccprofd.elf.cfi.GO_MORESTACK`) -- from
+    ``m.curg.sched``, or the reason the walk stops (as unwind.c's ``uw_go_switch``)."""
     if not fs_base:
         return "unsupported_cfi"
+    morestack = rule.kind == cfi.GO_MORESTACK
     g = read_word(fs_base + rule.cfa_off)
-    m = read_word(g + rule.aux) if g else None
-    curg = read_word(m + rule.rbp_off) if m else None
+    m = read_word(g + (rule.aux & 0xFF)) if g else None
+    curg = read_word(m + (rule.aux >> 8 if morestack else rule.rbp_off)) if m else None
     if not curg:
         return "unsupported_cfi"
     ssp, spc, sbp = (read_word(curg + rule.rbp_kind + k) for k in (0, 8, 48))
-    if not ssp or spc is None or sbp is None or mod.vaddr(spc) != rule.ra_off:
+    if not ssp or spc is None or sbp is None:
+        return "unsupported_cfi"
+    if morestack:
+        # the instruction before sched.pc: a direct call (e8, rel32) of morestack or morestack_noctxt
+        word = read_word(spc - 8) if spc >= 8 else None
+        if word is None or (word >> 24) & 0xFF != 0xE8:
+            return "unsupported_cfi"
+        rel = word >> 32
+        target = mod.vaddr(spc + (rel - (1 << 32) if rel >= 1 << 31 else rel))
+        if target != rule.rbp_off and (rule.ra_off == 0 or target != rule.ra_off):
+            return "unsupported_cfi"
+        return ssp, spc, sbp
+    if mod.vaddr(spc) != rule.ra_off:
         return "unsupported_cfi"
     ra = read_word(ssp)
     if ra is None:

@@ -32,7 +32,7 @@ NO_MODULE = 0xFFFFFFFF
 UNKNOWN_MODULE_KEY = 0xFFFF
 UE_ROW_REC = 4
 
-RULE_STRUCT = struct.Struct("<BBBxiii")  # struct uw_rule
+RULE_STRUCT = struct.Struct("<BBBBiii")  # struct uw_rule (aux's high byte in aux_hi)
 UE_FUNC_STRUCT = struct.Struct("<IIII")  # struct ue_func
 UE_EDGE_KEY_STRUCT = struct.Struct("<QII")  # struct ue_edge_key
 PACK_VERSION = 1  # bump when a layout above (or its packing) changes
@@ -65,8 +65,8 @@ assert array("I").itemsize == 4 and array("Q").itemsize == 8
 
 
 def pack_rule(rule: cfi.Rule) -> bytes:
-    return RULE_STRUCT.pack(rule.kind, rule.rbp_kind, rule.aux & 0xFF, rule.cfa_off, rule.rbp_off,
-                            rule.ra_off)
+    return RULE_STRUCT.pack(rule.kind, rule.rbp_kind, rule.aux & 0xFF, (rule.aux >> 8) & 0xFF, rule.cfa_off,
+                            rule.rbp_off, rule.ra_off)
 
 
 def pack_entries(starts: Sequence[int], rules: Sequence[int]) -> bytes:

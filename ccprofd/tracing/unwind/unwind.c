@@ -24,7 +24,9 @@
 #define UW_KIND_RA_REG 7  // return address in rdi (glibc's vfork), CFA = rsp + cfa_off
 #define UW_KIND_GO_SWITCH 8  // Go's systemstack on g0: the caller goes on from m.curg.sched (uw_go_switch)
 #define UW_KIND_CFA_DEREF 9  // CFA = *(rsp + cfa_off) + aux, return address at CFA - 8 (Go's asmcgocall)
+#define UW_KIND_GO_MORESTACK 10  // Go's morestack on g0: the goroutine goes on at m.curg.sched (uw_go_switch)
 #define UW_AUX_CALLER_EXACT 1  // UW_KIND_RSP: the return address is an interrupted pc (Go's asyncPreempt)
+#define UW_AUX_GO_CURG_SET 2   // UW_KIND_RSP: Go's execute or schedule, which may set m.curg (go_curg_set)
 
 #define UW_RBP_SAME 0
 #define UW_RBP_AT_CFA 1
@@ -136,7 +138,7 @@ struct uw_rule {
     u8 kind;
     u8 rbp_kind;
     u8 aux;
-    u8 pad;
+    u8 aux_hi;  // aux's high byte (GO_MORESTACK: m.curg's offset)
     s32 cfa_off;
     s32 rbp_off;
     s32 ra_off;
@@ -362,6 +364,8 @@ struct uw_state {
     u32 exact;     // pc is not a return address (innermost frame, or interrupted by a signal)
     u32 done;
     u32 op;
+    u32 go_curg_set;  // a frame so far is Go's execute or schedule: m.curg may be another goroutine
+    u32 go_pad;
     struct uw_cmap c;    // cached mapping of the last pc, with its module's rows and page index
     u32 mismatch;
     u32 mismatch_pad;
@@ -890,8 +894,17 @@ static __always_inline long uw_memo_chain(struct uw_state *st) {
 // binary's offsets (elf/gostack.py): cfa_off g's TLS slot from the fs base, aux g.m, rbp_off m.curg,
 // rbp_kind g.sched.sp (pc at +8, bp at +48), ra_off the pc gosave stores (a vaddr).  A sched with
 // another pc, or sp 0 (systemstack returned), is not this switch's: flagged, never followed.
+// GO_MORESTACK (morestack's call of newstack): the goroutine goes on *at* its sched -- pc a return
+// address into the function that called morestack, sp and bp that function's -- when the
+// instruction before that pc is a direct call of morestack (rbp_off) or morestack_noctxt (ra_off);
+// m.curg's offset is in aux_hi.  Either way, a chain that passed Go's execute or schedule on g0
+// (go_curg_set) may find another goroutine in m.curg: flagged.
 static __always_inline u32 uw_go_switch(struct uw_state *st, struct uw_rule *r, u64 *gsp, u64 *gbp, u64 *gra) {
 #ifdef CCPROF_OFF_THREAD_FSBASE
+    if (st->go_curg_set)
+        return UW_WHY_UNSUPPORTED;
+    int morestack = r->kind == UW_KIND_GO_MORESTACK;
+    u64 curg_off = morestack ? r->aux_hi : (u64)(u32)r->rbp_off;
     char *task = (char *)bpf_get_current_task();
     u64 fsbase = 0, g = 0, m = 0, curg = 0, ssp = 0, spc = 0, sbp = 0;
     if (bpf_probe_read_kernel(&fsbase, 8, task + CCPROF_OFF_TASK_THREAD + CCPROF_OFF_THREAD_FSBASE) || !fsbase)
@@ -900,18 +913,33 @@ static __always_inline u32 uw_go_switch(struct uw_state *st, struct uw_rule *r, 
         return UW_WHY_UNSUPPORTED;
     if (bpf_probe_read_user(&m, 8, (void *)(g + r->aux)) || !m)
         return UW_WHY_UNSUPPORTED;
-    if (bpf_probe_read_user(&curg, 8, (void *)(m + (u32)r->rbp_off)) || !curg)
+    if (bpf_probe_read_user(&curg, 8, (void *)(m + curg_off)) || !curg)
         return UW_WHY_UNSUPPORTED;
     u64 sched = curg + r->rbp_kind;
     if (bpf_probe_read_user(&ssp, 8, (void *)sched) || bpf_probe_read_user(&spc, 8, (void *)(sched + 8)) ||
         bpf_probe_read_user(&sbp, 8, (void *)(sched + 48)))
         return UW_WHY_UNSUPPORTED;
-    if (!ssp || spc - st->c.bias != (u64)(u32)r->ra_off)
+    if (!ssp)
+        return UW_WHY_UNSUPPORTED;
+    *gbp = sbp;
+    if (morestack) {
+        // the call before sched.pc: e8 and a 32-bit displacement from sched.pc
+        u8 call[8] = {};
+        if (spc < 5 || bpf_probe_read_user(call, 5, (void *)(spc - 5)) || call[0] != 0xe8)
+            return UW_WHY_UNSUPPORTED;
+        s32 rel = (s32)((u32)call[1] | (u32)call[2] << 8 | (u32)call[3] << 16 | (u32)call[4] << 24);
+        u64 target = spc + (s64)rel - st->c.bias;
+        if (target != (u64)(u32)r->rbp_off && (r->ra_off == 0 || target != (u64)(u32)r->ra_off))
+            return UW_WHY_UNSUPPORTED;
+        *gsp = ssp;
+        *gra = spc;
+        return 0;
+    }
+    if (spc - st->c.bias != (u64)(u32)r->ra_off)
         return UW_WHY_UNSUPPORTED;
     if (uw_read(st, ssp, gra))
         return UW_WHY_READ_FAULT;
     *gsp = ssp + 8;
-    *gbp = sbp;
     return 0;
 #else
     return UW_WHY_UNSUPPORTED;  // no BTF: the fs base cannot be read
@@ -969,7 +997,7 @@ static __always_inline long uw_unwind_step(struct uw_state *st, int memo) {
         return uw_finish(st, 0);
     }
 
-    if (kind == UW_KIND_GO_SWITCH) {
+    if (kind == UW_KIND_GO_SWITCH || kind == UW_KIND_GO_MORESTACK) {
         u64 gsp = 0, gbp = 0, gra = 0;
         u32 why = uw_go_switch(st, r, &gsp, &gbp, &gra);
         if (why)
@@ -1109,6 +1137,8 @@ static __always_inline long uw_unwind_step(struct uw_state *st, int memo) {
     st->bp = bp;
     st->pc = ra;
     st->exact = (kind == UW_KIND_RSP && r && (r->aux & UW_AUX_CALLER_EXACT)) ? 1 : 0;
+    if (kind == UW_KIND_RSP && r && (r->aux & UW_AUX_GO_CURG_SET))
+        st->go_curg_set = 1;
     return 0;
 }
 
@@ -1847,6 +1877,7 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, const u64 
     st->bp_dep = 0;
     st->exact = 1;
     st->done = 0;
+    st->go_curg_set = 0;
     st->op = UW_OP_UNWIND;
     st->win_base = 1;
     st->win_len = UW_WIN_BYTES;
