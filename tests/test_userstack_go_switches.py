@@ -71,13 +71,21 @@ def test_a_sched_pc_after_another_call_is_not_crossed() -> None:
     assert reason == "unsupported_cfi" and pcs == [0x1010, CALL_END + 1]
 
 
-def test_no_crossing_past_a_frame_that_may_set_curg() -> None:
+def test_morestack_ends_complete_past_a_frame_that_may_set_curg() -> None:
     """The same goroutine, but the walk passed ``execute`` on g0 first: m.curg may be a goroutine
-    execute is starting, not the one that called morestack."""
+    execute is starting, not the one that called morestack.  The scheduler then runs on g0 from
+    morestack's call, the g0 stack's start: the chain ends there, complete (as under mcall)."""
     memory = {**goroutine(MORESTACK), G0_STACK: 0x2021, G0_STACK + 8: CALL_END + 1}
     pcs, reason = walk(memory, 0x1010, G0_STACK)
-    assert reason == "unsupported_cfi" and pcs == [0x1010, 0x2021, CALL_END + 1]
+    assert reason is None and pcs == [0x1010, 0x2021, CALL_END + 1]
     # (the same walk with a frame of `inner` there instead crosses: only execute's rows stop it)
     memory[G0_STACK] = 0x1021
     pcs, reason = walk(memory, 0x1010, G0_STACK)
     assert reason is None and pcs == [0x1010, 0x1021, CALL_END + 1, 0x4015, 0x5001]
+
+
+def test_morestack_ends_complete_when_the_goroutine_was_dropped() -> None:
+    """m.curg nil: the scheduler dropped the goroutine (a preempted growth) and runs on g0."""
+    memory = {**goroutine(MORESTACK), G0_STACK: CALL_END + 1, M + M_CURG: 0}
+    pcs, reason = walk(memory, 0x1010, G0_STACK)
+    assert reason is None and pcs == [0x1010, CALL_END + 1]

@@ -86,6 +86,7 @@ CALLER_EXACT = 1
 #: CFA_RSP's aux flag: the function may set the thread's ``m.curg`` (Go's ``execute``, and
 #: ``schedule``, which calls it): on a g0 chain through such a frame, the goroutine in m.curg may no
 #: longer be the one that switched to g0, so a GO_SWITCH or GO_MORESTACK beyond it is not crossed
+#: (GO_MORESTACK's chain ends there complete: the scheduler's g0 stack starts at that call)
 GO_CURG_SET = 2
 GO_CURG_SETTERS = frozenset({"runtime.execute", "runtime.schedule"})  # .gopclntab names
 KIND_NAMES = {NONE: "none", CFA_RSP: "rsp", CFA_RBP: "rbp", PLT: "plt", SIGNAL: "signal", END: "end",

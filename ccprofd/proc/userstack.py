@@ -20,7 +20,8 @@ same stack give the same frames:
 * Go's systemstack on g0 (``GO_SWITCH``): the caller goes on from ``m.curg.sched``, reached through
   the thread's TLS slot of ``g`` (``fs_base``; :mod:`ccprofd.elf.gostack`); Go's morestack on g0
   (``GO_MORESTACK``): the goroutine goes on *at* ``m.curg.sched``; neither is crossed past a frame
-  of Go's execute or schedule (``GO_CURG_SET``: m.curg may be another goroutine by then); Go's
+  of Go's execute or schedule (``GO_CURG_SET``: m.curg may be another goroutine by then): there,
+  and where m.curg is nil, morestack's chain ends complete (the scheduler's g0 stack); Go's
   asmcgocall on the stack it was called on (``CFA_DEREF``): the CFA is an rsp it kept in a slot,
   plus a constant.
 
@@ -123,7 +124,7 @@ def unwind(regs: UserRegs, read_word: WordReader, maps: ProcessMaps, table_of: T
             return done(None)
         if kind in (cfi.GO_SWITCH, cfi.GO_MORESTACK):
             assert rule is not None and mod is not None
-            crossed = "unsupported_cfi" if curg_set else _go_switch(rule, mod, regs.fs_base, read_word)
+            crossed = _go_switch(rule, mod, regs.fs_base, read_word, curg_set)
             if isinstance(crossed, str):
                 return done(crossed)
             inner_first[frame_at] = RawFrame(pc, exact, mod, vaddr, crossed[0])
@@ -211,17 +212,23 @@ def unwind(regs: UserRegs, read_word: WordReader, maps: ProcessMaps, table_of: T
         curg_set = curg_set or (kind == cfi.CFA_RSP and rule is not None and bool(rule.aux & cfi.GO_CURG_SET))
 
 
-def _go_switch(rule: cfi.Rule, mod: ModuleMapping, fs_base: int,
-               read_word: WordReader) -> tuple[int, int, int] | str:
+def _go_switch(rule: cfi.Rule, mod: ModuleMapping, fs_base: int, read_word: WordReader,
+               curg_set: bool) -> tuple[int, int, int] | str:
     """(rsp, pc, rbp) of the goroutine that switched to g0 -- that called Go's systemstack
     (:data:`ccprofd.elf.cfi.GO_SWITCH`), or morestack (:data:`~ccprofd.elf.cfi.GO_MORESTACK`) -- from
-    ``m.curg.sched``, or the reason the walk stops (as unwind.c's ``uw_go_switch``)."""
+    ``m.curg.sched``, or the reason the walk stops (as unwind.c's ``uw_go_switch``).  pc 0: the chain
+    ends here, complete -- morestack's when ``curg_set`` (a frame of Go's execute or schedule was
+    walked: m.curg may be another goroutine) or m.curg is nil (the scheduler runs on g0 from there)."""
+    morestack = rule.kind == cfi.GO_MORESTACK
+    if curg_set:
+        return (0, 0, 0) if morestack else "unsupported_cfi"
     if not fs_base:
         return "unsupported_cfi"
-    morestack = rule.kind == cfi.GO_MORESTACK
     g = read_word(fs_base + rule.cfa_off)
     m = read_word(g + (rule.aux & 0xFF)) if g else None
     curg = read_word(m + (rule.aux >> 8 if morestack else rule.rbp_off)) if m else None
+    if curg == 0 and morestack:
+        return 0, 0, 0
     if not curg:
         return "unsupported_cfi"
     ssp, spc, sbp = (read_word(curg + rule.rbp_kind + k) for k in (0, 8, 48))

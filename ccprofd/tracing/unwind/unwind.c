@@ -897,13 +897,17 @@ static __always_inline long uw_memo_chain(struct uw_state *st) {
 // GO_MORESTACK (morestack's call of newstack): the goroutine goes on *at* its sched -- pc a return
 // address into the function that called morestack, sp and bp that function's -- when the
 // instruction before that pc is a direct call of morestack (rbp_off) or morestack_noctxt (ra_off);
-// m.curg's offset is in aux_hi.  Either way, a chain that passed Go's execute or schedule on g0
-// (go_curg_set) may find another goroutine in m.curg: flagged.
+// m.curg's offset is in aux_hi.  A chain that passed Go's execute or schedule on g0 (go_curg_set)
+// may find another goroutine in m.curg: systemstack's is flagged; morestack's ends there, complete,
+// as does one whose m.curg is nil (the goroutine dropped: a growth preempted inside newstack runs
+// the scheduler on g0, whose stack starts at morestack's call -- as under mcall, END).  *gra = 0:
+// the chain ends here.
 static __always_inline u32 uw_go_switch(struct uw_state *st, struct uw_rule *r, u64 *gsp, u64 *gbp, u64 *gra) {
 #ifdef CCPROF_OFF_THREAD_FSBASE
-    if (st->go_curg_set)
-        return UW_WHY_UNSUPPORTED;
     int morestack = r->kind == UW_KIND_GO_MORESTACK;
+    *gra = 0;
+    if (st->go_curg_set)
+        return morestack ? 0 : UW_WHY_UNSUPPORTED;
     u64 curg_off = morestack ? r->aux_hi : (u64)(u32)r->rbp_off;
     char *task = (char *)bpf_get_current_task();
     u64 fsbase = 0, g = 0, m = 0, curg = 0, ssp = 0, spc = 0, sbp = 0;
@@ -913,8 +917,10 @@ static __always_inline u32 uw_go_switch(struct uw_state *st, struct uw_rule *r, 
         return UW_WHY_UNSUPPORTED;
     if (bpf_probe_read_user(&m, 8, (void *)(g + r->aux)) || !m)
         return UW_WHY_UNSUPPORTED;
-    if (bpf_probe_read_user(&curg, 8, (void *)(m + curg_off)) || !curg)
+    if (bpf_probe_read_user(&curg, 8, (void *)(m + curg_off)))
         return UW_WHY_UNSUPPORTED;
+    if (!curg)
+        return morestack ? 0 : UW_WHY_UNSUPPORTED;
     u64 sched = curg + r->rbp_kind;
     if (bpf_probe_read_user(&ssp, 8, (void *)sched) || bpf_probe_read_user(&spc, 8, (void *)(sched + 8)) ||
         bpf_probe_read_user(&sbp, 8, (void *)(sched + 48)))
