@@ -57,7 +57,7 @@ WHY = {"max_depth": "MAX_DEPTH", "unknown_pc": "UNKNOWN_PC", "no_maps": "NO_MAPS
 #: unwind.c's rule kind macros (UW_KIND_...) -> ccprofd/elf/cfi.py's names
 UW_KINDS = {"NONE": "NONE", "RSP": "CFA_RSP", "RBP": "CFA_RBP", "PLT": "PLT", "SIGNAL": "SIGNAL",
             "END": "END", "UNSUPPORTED": "UNSUPPORTED", "RA_REG": "RA_REG", "GO_SWITCH": "GO_SWITCH",
-            "CFA_DEREF": "CFA_DEREF", "GO_MORESTACK": "GO_MORESTACK"}
+            "CFA_DEREF": "CFA_DEREF", "GO_MORESTACK": "GO_MORESTACK", "GO_VDSO": "GO_VDSO"}
 
 CASES = {
     "instrumented": (PKG / "tracing/instrumented/instrumented.c", lambda: {

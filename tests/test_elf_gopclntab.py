@@ -105,9 +105,10 @@ def test_names_and_entries_are_nms(go_binaries: tuple[pathlib.Path, pathlib.Path
 def test_stack_switches_stop_at_their_return_addresses(
         go_binaries: tuple[pathlib.Path, pathlib.Path]) -> None:
     """``runtime.systemstack`` loads rsp with the system stack, calls its function there and loads
-    the goroutine's rsp back (objdump, Intel syntax: ``mov rsp,...`` twice): the code between is a
-    stop at every byte, and so is each call's last byte (where a return address is looked up); the
-    code after the switch back, its ``ret``, keeps pcsp's row."""
+    the goroutine's rsp back (objdump, Intel syntax: ``mov rsp,...`` twice): the code between, and
+    the switch back itself (until it has run, rsp is g0's), is a stop at every byte, and so is each
+    call's last byte (where a return address is looked up); the switch onto g0 (not run yet) and
+    the code after the switch back, its ``ret``, keep pcsp's row."""
     require_tool("objdump")
     full, _ = go_binaries
     image = ElfImage(str(full))
@@ -128,9 +129,9 @@ def test_stack_switches_stop_at_their_return_addresses(
             assert table.lookup(ra - 1) == crossing, hex(a)  # the call on g0 (test_unwind_go crosses it)
         elif words[0] == "call":
             assert table.lookup(ra - 1) == cfi.STACK_SWITCH, hex(a)
-        if switches[0] < a < switches[1] and not (words[0] == "call" or a == ra - 1):
+        if switches[0] < a <= switches[1] and not (words[0] == "call" or a == ra - 1):
             assert table.lookup(a) == cfi.STACK_SWITCH, hex(a)
-        elif a <= switches[0] or a >= switches[1]:
+        elif a <= switches[0] or a > switches[1]:
             assert table.lookup(a).kind == cfi.CFA_RSP, hex(a)
     assert any(w[0] == "ret" and a > switches[1] for a, w in insns)
     top = next(f for f in read_go_functions(image) if f.name == "runtime.goexit")
@@ -277,6 +278,49 @@ def test_morestack_reader_refuses_code_of_another_shape(
     indirect = (*insns[call][:3], "rax")
     assert _parse_morestack([*insns[:call], indirect, *insns[call + 1:]], switch) is None
     assert read_morestack(image, {}, switch) is None
+
+
+def test_vdso_call_rows_are_objdumps_reading(tmp_path: pathlib.Path) -> None:
+    """Go's time.now (gotime.go; objdump, Intel syntax): ``lea D,[rsp+0x20]; mov C,QWORD PTR
+    [D-0x8]`` (its return address), stored in ``m.vdsoPC`` and, D, in ``m.vdsoSP``; from the next
+    instruction to ``mov rsp,r12`` (included: until it has run, rsp is g0's) and in the syscall
+    fallback (from the ``je`` target to its ``jmp`` back), every byte is GO_VDSO with those offsets
+    and systemstack's TLS slot and g.m; before the stores and after the move back, pcsp's rows."""
+    from test_unwind_go import TIME_SOURCE
+
+    require_tool("objdump")
+    binary = build_go(tmp_path, source=TIME_SOURCE)
+    image = ElfImage(str(binary))
+    funcs = {f.name: f for f in read_go_functions(image)}
+    ss = funcs["runtime.systemstack"]
+    crossing = systemstack_crossing(binary, objdump_function(binary, ss.entry, ss.end))
+    fn = funcs["time.now"]
+    dis = objdump_function(binary, fn.entry, fn.end)
+    insns = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"^\s+([0-9a-f]+):\t(.*)$", dis, re.M)]
+    text = "\n".join(t for _, t in insns)
+    got = re.search(r"lea\s+(\w+),\[rsp\+0x20\]\nmov\s+(\w+),QWORD PTR \[\1-0x8\]\n"
+                    r"mov\s+QWORD PTR \[\w+\+(0x[0-9a-f]+)\],\2\n"
+                    r"mov\s+QWORD PTR \[\w+\+(0x[0-9a-f]+)\],\1\n", text)
+    assert got, dis
+    expect = cfi.Rule(cfi.GO_VDSO, crossing.cfa_off, cfi.RBP_UNDEF, int(got.group(4), 16),
+                      int(got.group(3), 16), crossing.aux)
+    lines = [t for _, t in insns]
+    first = lines.index(got.group(0).split("\n")[3]) + 1
+    back = next(i for i, t in enumerate(lines) if re.fullmatch(r"mov\s+rsp,r12", t))
+    je = next(t for t in lines[first:back] if t.startswith("je "))
+    fallback = next(i for i, (a, _) in enumerate(insns) if a == int(je.split()[1], 16))
+    jmp_back = next(i for i in range(fallback, len(insns)) if lines[i].startswith("jmp "))
+    region = set(range(first, back + 1)) | set(range(fallback, jmp_back + 1))
+    table = cfi.build_table(image)
+    ends = [a for a, _ in insns[1:]] + [fn.end]
+    for i, (a, t) in enumerate(insns):
+        if t.startswith("int3"):
+            continue
+        rows = {table.lookup(pc) for pc in range(a, ends[i])}
+        if i in region:
+            assert rows == {expect}, (hex(a), t, rows)
+        elif i < first or back < i < fallback:
+            assert all(r.kind == cfi.CFA_RSP for r in rows), (hex(a), t, rows)
 
 
 def test_bad_tables_are_refused_not_guessed(tmp_path: pathlib.Path) -> None:

@@ -32,6 +32,7 @@ SLEEP_SOURCE = REPO / "tests" / "programs" / "gosleep.go"
 STW_SOURCE = REPO / "tests" / "programs" / "gostw.go"
 CGO_SOURCE = REPO / "tests" / "programs" / "gocgo.go"
 GROW_SOURCE = REPO / "tests" / "programs" / "gogrow.go"
+TIME_SOURCE = REPO / "tests" / "programs" / "gotime.go"
 
 
 def build_go(out_dir: pathlib.Path, *, pie: bool = False, source: pathlib.Path = SOURCE,
@@ -502,9 +503,9 @@ def test_go_async_preemption_unwinds_through_the_signal_frame(tmp_path: pathlib.
     assert injected >= 1, [s["frames"] for s in samples]
 
 
-def check_morestack_chain(fns: list[str], ras: list[int | None], calls: dict[int, str | None]) -> None:
-    """A chain through morestack (outermost first: function names without ``.abi0``, and each frame's
-    return address, None where it has none or is outside the binary): it starts at goexit, and every
+def check_go_chain(fns: list[str], ras: list[int | None], calls: dict[int, str | None]) -> None:
+    """A Go chain through a stack switch (outermost first: function names without ``.abi0``, and each
+    frame's return address, None where it has none or is outside the binary): it starts at goexit, and every
     return address follows a call of the next frame's function (objdump; an indirect call: any) --
     the function that called morestack called it through ``morestack_noctxt``'s jump, or directly;
     systemstack called on g0 jumps to its function, leaving no frame of its own."""
@@ -528,7 +529,7 @@ def test_go_stack_growth_crosses_morestack(tmp_path: pathlib.Path) -> None:
     """CPU samples of gogrow.go, whose goroutines' stacks grow again and again: in ``morestack >
     newstack > copystack > ...`` on g0, the chain goes on at the goroutine's ``m.curg.sched`` -- the
     function that called morestack from its prologue, then its callers -- as Go's traceback resumes
-    there (``funcID_morestack``).  Every such chain must be complete and pass :func:`check_morestack_chain`
+    there (``funcID_morestack``).  Every such chain must be complete and pass :func:`check_go_chain`
     (objdump); before, each stopped at morestack, flagged (``unsupported_cfi``), a third or more of a
     Go service's CPU samples when its goroutines grow.  A chain that passed Go's ``execute`` or
     ``schedule`` on g0 below morestack (a growth preempted: m.curg may be another goroutine by then)
@@ -556,23 +557,60 @@ def test_go_stack_growth_crosses_morestack(tmp_path: pathlib.Path) -> None:
             continue
         ras = [int(f["return_address"], 16) if f["return_address"] and f["module"] == str(binary) else None
                for f in s["frames"]]
-        check_morestack_chain(fns, ras, calls)
+        check_go_chain(fns, ras, calls)
         assert "main.deep" in fns[:fns.index("runtime.morestack")], fns
         crossed += 1
     assert crossed >= 20, crossed
 
 
-def test_go_thread_snapshot_crosses_morestack(tmp_path: pathlib.Path) -> None:
-    """The ptrace snapshot's walker crosses morestack as the BPF unwinder does: snapshots of gogrow
-    while it runs, until three threads were caught under morestack; each such stack must be complete
-    and pass :func:`check_morestack_chain`."""
+@pytest.mark.bpf
+def test_go_vdso_calls_go_on_at_their_callers(tmp_path: pathlib.Path) -> None:
+    """CPU samples of gotime.go, whose goroutines read the clock in a loop: in the vDSO's
+    clock_gettime, called by Go's time.now on the thread's g0 stack, the chain goes on at the
+    caller time.now recorded in ``m.vdsoPC``/``m.vdsoSP`` (its rsp is only in r12), as Go's profiler
+    resumes there.  Every such chain must be complete, end in the vDSO under ``time.now``, and pass
+    :func:`check_go_chain` (objdump); before, each stopped at time.now, flagged."""
+    require_bpf()
+    binary = build_go(tmp_path, source=TIME_SOURCE)
+    calls = call_sites(binary)
+    out = tmp_path / "samples.jsonl"
+    argv = [sys.executable, "-m", "ccprofd.cli", "trace", "--mode", "unwind", "--format", "jsonl",
+            "--syscalls", "getppid", "--sample-hz", "997", "--output", str(out), "--", str(binary),
+            "20000000"]
+    proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, stdin=subprocess.DEVNULL,
+                          timeout=600)
+    assert proc.returncode == 0 and proc.stdout == "gotime: done\n", proc.stderr
+    crossed = 0
+    for s in (json.loads(line) for line in out.read_text().splitlines()):
+        if s.get("event") != "cpu" or not any(f["module"] == "[vdso]" for f in s["frames"]):
+            continue
+        fns = [f["function"].removesuffix(".abi0") for f in s["frames"]]
+        assert s["complete"], json.dumps(s)
+        k = next(i for i, f in enumerate(s["frames"]) if f["module"] == "[vdso]")
+        assert fns[k - 1] in ("time.now", "runtime.nanotime1"), fns
+        ras = [int(f["return_address"], 16) if f["return_address"] and f["module"] == str(binary) else None
+               for f in s["frames"]]
+        check_go_chain(fns[:k], ras[:k], calls)
+        crossed += 1
+    assert crossed >= 20, crossed
+
+
+@pytest.mark.parametrize(("source", "arg", "switcher"), [(GROW_SOURCE, "100000", "runtime.morestack"),
+                                                         (TIME_SOURCE, "500000000", "time.now")],
+                         ids=["morestack", "vdso"])
+def test_go_thread_snapshot_crosses_stack_switches(tmp_path: pathlib.Path, source: pathlib.Path,
+                                                   arg: str, switcher: str) -> None:
+    """The ptrace snapshot's walker crosses morestack and the vDSO calls as the BPF unwinder does:
+    snapshots of gogrow / gotime while it runs, until three threads were caught under the switch
+    (morestack's call of newstack; time.now's code with m.vdsoPC set); each such stack must be
+    complete and pass :func:`check_go_chain` up to the switch's frame."""
     from ccprofd.proc.modules import ModuleCache
     from ccprofd.proc.threadsnap import snapshot
 
-    binary = build_go(tmp_path, source=GROW_SOURCE)
+    binary = build_go(tmp_path, source=source)
     names = SymbolNames(binary)
     calls = call_sites(binary)
-    proc = subprocess.Popen([str(binary), "100000"], stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen([str(binary), arg], stdout=subprocess.DEVNULL)
     caught = 0
     try:
         for _ in range(400):
@@ -581,16 +619,19 @@ def test_go_thread_snapshot_crosses_morestack(tmp_path: pathlib.Path) -> None:
             for t in snap.threads:
                 if t.stack is None:
                     continue
-                fns = [names(f.vaddr if f.exact else f.vaddr - 1).removesuffix(".abi0") if f.vaddr is not None
+                fns = [names(f.vaddr if f.exact else f.vaddr - 1).removesuffix(".abi0")
+                       if f.vaddr is not None and f.module is not None and f.module.path == str(binary)
                        else "?" for f in t.stack.frames]
-                if "runtime.morestack" not in fns[:-1]:
+                if switcher not in fns[:-1]:
                     continue
-                below = fns[fns.index("runtime.morestack") + 1:]
+                k = fns.index(switcher)
+                below = fns[k + 1:]
                 assert t.stack.complete, (t.stack.reason, fns)
                 if "runtime.execute" in below or "runtime.schedule" in below:
                     assert fns[0] == "runtime.morestack", fns
                     continue
-                check_morestack_chain(fns, [None if f.exact else f.vaddr for f in t.stack.frames], calls)
+                ras = [None if f.exact else f.vaddr for f in t.stack.frames]
+                check_go_chain(fns[:k + 2], ras[:k + 2], calls)
                 caught += 1
             if caught >= 3:
                 break

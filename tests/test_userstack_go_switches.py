@@ -7,7 +7,8 @@ that switched to g0 (after Go's ``execute``), and a ``sched.pc`` that follows no
 The module (ELF vaddr = runtime address, bias 0), every function's frame CFA = rsp + 8:
 ``inner`` 0x1000, ``execute`` 0x2000 (its rows flagged GO_CURG_SET), ``morestack`` 0x3000 (the last
 byte of its call of newstack, 0x3050, is the GO_MORESTACK row), ``f`` 0x4000 (a 5-byte call at
-0x4010), ``top`` 0x5000 (END: a goroutine's outermost frame).
+0x4010), ``top`` 0x5000 (END: a goroutine's outermost frame), ``now`` 0x5800 (a vDSO call's code:
+GO_VDSO).
 """
 
 from __future__ import annotations
@@ -26,12 +27,14 @@ G0_STACK, GOROUTINE_STACK = 0x80000, 0x90000
 MORESTACK, NOCTXT, CALL_END = 0x3000, 0x3100, 0x3050
 STEP = cfi.Rule(cfi.CFA_RSP, 8)
 MORESTACK_ROW = cfi.Rule(cfi.GO_MORESTACK, TLS_G, SCHED_SP, MORESTACK, NOCTXT, G_M | M_CURG << 8)
+VDSO_SP, VDSO_PC = 0x320, 0x328
+VDSO_ROW = cfi.Rule(cfi.GO_VDSO, TLS_G, cfi.RBP_UNDEF, VDSO_SP, VDSO_PC, G_M)
 
 
 def table() -> cfi.UnwindTable:
     rows = [(0x1000, STEP), (0x2000, cfi.Rule(cfi.CFA_RSP, 8, aux=cfi.GO_CURG_SET)), (0x3000, STEP),
             (CALL_END, MORESTACK_ROW), (CALL_END + 1, STEP), (0x4000, STEP), (0x5000, cfi.Rule(cfi.END)),
-            (0x6000, cfi.NO_CFI)]
+            (0x5800, VDSO_ROW), (0x6000, cfi.NO_CFI)]
     rules = sorted({r for _, r in rows})
     return cfi.UnwindTable(None, "synthetic", array("Q", [a for a, _ in rows]),
                            array("H", [rules.index(r) for _, r in rows]), rules)
@@ -89,3 +92,18 @@ def test_morestack_ends_complete_when_the_goroutine_was_dropped() -> None:
     memory = {**goroutine(MORESTACK), G0_STACK: CALL_END + 1, M + M_CURG: 0}
     pcs, reason = walk(memory, 0x1010, G0_STACK)
     assert reason is None and pcs == [0x1010, CALL_END + 1]
+
+
+@pytest.mark.parametrize("slot_holds_pc", [True, False], ids=["crossed", "stale-fields"])
+def test_vdso_call_goes_on_at_vdso_pc(slot_holds_pc: bool) -> None:
+    """A sample in a vDSO call's code (exact pc 0x5810, on g0): the caller goes on at m.vdsoPC with
+    rsp m.vdsoSP when the slot below that rsp holds that pc (the call's own return address), rbp
+    unknown; fields that do not agree with the stack are flagged, not followed."""
+    vsp = GOROUTINE_STACK + 8
+    memory = {FS_BASE + TLS_G: G0, G0 + G_M: M, M + VDSO_SP: vsp, M + VDSO_PC: 0x4015,
+              GOROUTINE_STACK: 0x4015 if slot_holds_pc else 0x4099, vsp: 0x5001}
+    pcs, reason = walk(memory, 0x5810, G0_STACK)
+    if slot_holds_pc:
+        assert reason is None and pcs == [0x5810, 0x4015, 0x5001]
+    else:
+        assert reason == "unsupported_cfi" and pcs == [0x5810]

@@ -39,8 +39,10 @@ from ccprofd.elf.gopclntab import FUNC_FLAG_SPWRITE, FUNC_FLAG_TOPFRAME, GoTable
 from ccprofd.elf.gostack import (
     GoMorestack,
     GoSystemStack,
+    GoVdsoSwitch,
     read_morestack,
     read_systemstack,
+    read_vdso_switch,
     saved_sp_calls,
     switch_call_end,
 )
@@ -49,12 +51,13 @@ from ccprofd.elf.x86dis import x86_64
 from ccprofd.persist.cache import AnalysisCache
 
 CACHE_KIND = "cfi"
-TABLE_FORMAT = 10  # 2: code an FDE falls through into keeps its last row (_fallthrough_gaps); 3: RA_REG;
+TABLE_FORMAT = 11  # 2: code an FDE falls through into keeps its last row (_fallthrough_gaps); 3: RA_REG;
 # 4: a compressed .debug_frame (.zdebug_frame) is read; 5: Go functions from .gopclntab; 6: their stack
 # switches at the call's last byte; 7: and over the switched code; 8: mcall's and clone's child's code
 # ends the chain; 9: systemstack's call on g0 is GO_SWITCH, asmcgocall's on the same stack CFA_DEREF,
 # Go's sigreturn a signal frame, asyncPreempt's caller exact; 10: morestack's call on g0 is
-# GO_MORESTACK, execute's and schedule's rows GO_CURG_SET
+# GO_MORESTACK, execute's and schedule's rows GO_CURG_SET; 11: the vDSO calls' code GO_VDSO, a switch
+# back's own instruction runs on the other stack
 
 # Rule kinds.
 NONE = 0  # no CFI covers the address: the unwinder may try frame pointers
@@ -79,6 +82,11 @@ CFA_DEREF = 9  # CFA = *(rsp + cfa_off) + aux: an rsp kept in a slot (Go's asmcg
 # (vaddrs: the instruction before sched.pc must be a direct call of one of them, else the sched is
 # not a morestack's and the chain is flagged)
 GO_MORESTACK = 10
+# Go's vDSO calls (nanotime1, time.now, walltime), over all their code that runs with m.vdsoPC and
+# m.vdsoSP set (elf/gostack.read_vdso_switch): the caller goes on at pc = m.vdsoPC, rsp = m.vdsoSP (a
+# return address, the slot below it holding that very value, else flagged), rbp lost.  cfa_off g's
+# TLS slot, aux g.m, rbp_off m.vdsoSP, ra_off m.vdsoPC.
+GO_VDSO = 11
 #: CFA_RSP's aux flag: the return address is the caller's *interrupted* instruction, not a call's
 #: return (Go's asyncPreempt, which a signal handler injects as if the function had called it): the
 #: caller's pc is looked up as is, not at pc - 1
@@ -91,7 +99,7 @@ GO_CURG_SET = 2
 GO_CURG_SETTERS = frozenset({"runtime.execute", "runtime.schedule"})  # .gopclntab names
 KIND_NAMES = {NONE: "none", CFA_RSP: "rsp", CFA_RBP: "rbp", PLT: "plt", SIGNAL: "signal", END: "end",
               UNSUPPORTED: "unsupported", RA_REG: "ra-in-reg", GO_SWITCH: "go-systemstack",
-              CFA_DEREF: "deref-rsp", GO_MORESTACK: "go-morestack"}
+              CFA_DEREF: "deref-rsp", GO_MORESTACK: "go-morestack", GO_VDSO: "go-vdso"}
 
 # rbp rules.
 RBP_SAME = 0  # unchanged in the caller
@@ -682,6 +690,9 @@ def go_fdes(image: ElfImage) -> list[Fde]:
                 calls[morestack.call_end] = go_morestack_rule(switch, morestack)
             rows = _with_stack_switches(image, fn.entry, fn.end, rows,
                                         ends_stack=fn.name in GO_STACK_TOP_SWITCHERS, calls=calls)
+            vdso = None if switch is None else read_vdso_switch(image, fn, switch)
+            if switch is not None and vdso is not None:
+                rows = _overlay(rows, fn.entry, fn.end, vdso.ranges, go_vdso_rule(switch, vdso))
         out.append((fn.entry, fn.end, sorted(rows.items())))
     return out
 
@@ -697,11 +708,31 @@ def go_morestack_rule(switch: GoSystemStack, morestack: GoMorestack) -> Rule:
                 switch.g_m | switch.m_curg << 8)
 
 
+def go_vdso_rule(switch: GoSystemStack, vdso: GoVdsoSwitch) -> Rule:
+    """The :data:`GO_VDSO` row of a vDSO call's code (see there for the fields)."""
+    return Rule(GO_VDSO, switch.tls_g, RBP_UNDEF, vdso.vdso_sp, vdso.vdso_pc, switch.g_m)
+
+
+def _overlay(rows: dict[int, Rule], lo: int, hi: int, ranges: tuple[tuple[int, int], ...],
+             rule: Rule) -> dict[int, Rule]:
+    """``rows`` of [lo, hi) with ``rule`` over ``ranges`` (within it)."""
+    starts = sorted(rows)
+    per_byte = [rows[starts[bisect_right(starts, pc) - 1]] for pc in range(lo, hi)]
+    for a, b in ranges:
+        per_byte[max(a, lo) - lo:min(b, hi) - lo] = [rule] * (min(b, hi) - max(a, lo))
+    out: dict[int, Rule] = {}
+    for i, r in enumerate(per_byte):
+        if i == 0 or r != per_byte[i - 1]:
+            out[lo + i] = r
+    return out
+
+
 def _with_stack_switches(image: ElfImage, lo: int, hi: int, rows: dict[int, Rule], *,
                          ends_stack: bool = False, calls: dict[int, Rule] | None = None) -> dict[int, Rule]:
     """The rows of a stack-switching Go function [lo, hi) with :data:`STACK_SWITCH` where pcsp's
-    rows do not hold: every byte from an instruction that loads rsp from elsewhere (``mov rsp,
-    ...``: onto the other stack) to the next one (back), in address order (Go's assembly places a
+    rows do not hold: every byte after an instruction that loads rsp from elsewhere (``mov rsp,
+    ...``: onto the other stack) up to the next one (back) included -- until that one has run, rsp is
+    still the other stack's -- in address order (Go's assembly places a
     branch's other path after it: ``clone``'s child after the parent's ``ret``); and the last byte of
     every call, where the unwinders look its return address up (the call's target runs on the other
     stack, or is a helper such as ``gosave_systemstack_switch``: flagged, never walked past).
@@ -717,6 +748,8 @@ def _with_stack_switches(image: ElfImage, lo: int, hi: int, rows: dict[int, Rule
         code = image.bytes_at(lo, hi - lo)
         for addr, size, mnemonic, ops in x86_64().disasm_lite(code, lo):
             if mnemonic == "mov" and ops.startswith("rsp,"):
+                if switched:  # back: until it has run, rsp is still the other stack's
+                    per_byte[addr - lo:addr - lo + size] = [_GO_END if ends_stack else STACK_SWITCH] * size
                 switched = not switched
             elif switched:
                 per_byte[addr - lo:addr - lo + size] = [_GO_END if ends_stack else STACK_SWITCH] * size

@@ -19,6 +19,11 @@ saves the goroutine's state in ``g.sched`` itself -- ``pc`` the return address i
 that called it, ``sp`` that function's rsp at the call (pointing at its own return address) -- and
 calls ``newstack`` on g0.  Go's traceback resumes there at ``m.curg.sched.pc`` (``funcID_morestack``);
 :func:`read_morestack` reads that code's offsets the same way.
+
+The vDSO calls (``nanotime1``, ``time.now``, ``walltime``) keep the goroutine's rsp only in r12 and
+record where they were called from in ``m.vdsoPC``/``m.vdsoSP`` before moving to g0 and calling the
+vDSO; Go's profiler resumes a traceback there (``sigprof``: ``mp.vdsoSP != 0``).
+:func:`read_vdso_switch` reads those offsets and the code that runs with them set.
 """
 
 from __future__ import annotations
@@ -46,6 +51,8 @@ _LEA_RIP = re.compile(r"^(\w+), \[rip \+ (0x[0-9a-f]+|\d+)\]$")
 _LEA_RSP8 = re.compile(r"^(\w+), \[rsp \+ 8\]$")
 _MOV_IMM = re.compile(r"^(\w+), (0x[0-9a-f]+|\d+)$")
 _LOAD_RSP0 = re.compile(r"^(\w+), qword ptr \[rsp\]$")
+_LEA_RSP = re.compile(r"^(\w+), \[rsp \+ (0x[0-9a-f]+|\d+)\]$")
+_LOAD_MINUS8 = re.compile(r"^(\w+), qword ptr \[(\w+) - 8\]$")
 
 
 @dataclass(frozen=True, slots=True)
@@ -385,3 +392,96 @@ def _parse_noctxt(image: ElfImage, fn: GoFunction | None, morestack: int) -> int
             and insns[1][3].startswith("0x") and int(insns[1][3], 16) == morestack:
         return fn.entry
     return 0
+
+
+@dataclass(frozen=True, slots=True)
+class GoVdsoSwitch:
+    """A function that calls the vDSO as Go's ``nanotime1`` does: the offsets of ``m.vdsoPC`` and
+    ``m.vdsoSP``, and the byte ranges [lo, hi) of its code that runs with them set to its own return
+    address and the rsp above it (from their stores to the move of rsp back, that included)."""
+
+    vdso_pc: int
+    vdso_sp: int
+    ranges: tuple[tuple[int, int], ...]
+
+
+def read_vdso_switch(image: ElfImage, fn: GoFunction, switch: GoSystemStack) -> GoVdsoSwitch | None:
+    """``fn``'s vDSO switch when its code has this shape (runtime/sys_linux_amd64.s, time/time_linux_amd64.s),
+    else None: ``mov M, [G + g.m]``; ``lea D, [rsp + k]`` (the caller's rsp: ``ret+0(FP)``); ``mov C,
+    [D - 8]`` (the return address); ``mov [M + pc], C`` and ``mov [M + sp], D``; then, on every path
+    from there, a ``mov rsp, [..]`` or not (already on g0), calls through a register, and ``mov rsp,
+    R`` back before any ``ret``.  The ranges are the code reachable from the stores up to that move
+    back, followed along branches (the syscall fallback lies after the ``ret`` in address order)."""
+    try:
+        insns = _insns(image, fn)
+    except (OSError, BinaryError, ValueError, KeyError, IndexError):
+        return None
+    m_regs: set[str] = set()
+    caller_sp: set[str] = set()
+    ret_addr: set[str] = set()
+    pc_off = sp_off = None
+    start = None
+    for i, (_, _, mnem, ops) in enumerate(insns):
+        m = _LOAD.match(ops) if mnem == "mov" else None
+        if m and m.group(2) != "rsp" and _num(m.group(3)) == switch.g_m:
+            m_regs.add(m.group(1))
+        elif mnem == "lea" and (m := _LEA_RSP.match(ops)):
+            caller_sp.add(m.group(1))
+        elif mnem == "mov" and (m := _LOAD_MINUS8.match(ops)) and m.group(2) in caller_sp:
+            ret_addr.add(m.group(1))
+        elif mnem == "mov" and (m := _STORE.match(ops)) and m.group(1) in m_regs:
+            if m.group(3) in ret_addr:
+                pc_off = _num(m.group(2))
+            elif m.group(3) in caller_sp:
+                sp_off = _num(m.group(2))
+            if pc_off is not None and sp_off is not None:
+                start = i + 1
+                break
+        elif mnem in ("call", "ret", "jmp") or mnem.startswith("j") or \
+                (ops.startswith("rsp,") and not (mnem in ("sub", "add") and _MOV_IMM.match(ops))):
+            return None  # (the prologue's sub of a constant from rsp is pcsp's)
+    if start is None or pc_off is None or sp_off is None or pc_off == sp_off:
+        return None
+    at = {addr: k for k, (addr, _, _, _) in enumerate(insns)}
+    seen: set[int] = set()
+    work = [start]
+    switched = called = False
+    while work:
+        k = work.pop()
+        while k < len(insns) and k not in seen:
+            seen.add(k)
+            addr, _, mnem, ops = insns[k]
+            if mnem == "mov" and ops.startswith("rsp, "):
+                if _LOAD.match(ops):
+                    switched = True  # onto g0
+                else:
+                    break  # back: the last instruction that runs with the fields set (included)
+            elif mnem == "call":
+                if ops.startswith("0x") or ops.startswith("qword"):
+                    return None
+                called = True
+            elif mnem in ("ret", "int3", "ud2", "hlt") or (mnem == "jmp" and not ops.startswith("0x")) \
+                    or (ops.startswith("rsp,") and mnem not in ("sub", "and", "add")):
+                return None  # (rsp is realigned on g0 by sub and and)
+            if mnem == "jmp" or _JCC.match(mnem):
+                target = int(ops, 16) if ops.startswith("0x") else -1
+                if target not in at:
+                    return None
+                if mnem == "jmp":
+                    k = at[target]
+                    continue
+                work.append(at[target])
+            k += 1
+        else:
+            if k >= len(insns):
+                return None  # ran off the function's end
+    if not (switched and called):
+        return None
+    ranges: list[tuple[int, int]] = []
+    for k in sorted(seen):
+        addr, size, _, _ = insns[k]
+        if ranges and ranges[-1][1] == addr:
+            ranges[-1] = (ranges[-1][0], addr + size)
+        else:
+            ranges.append((addr, addr + size))
+    return GoVdsoSwitch(pc_off, sp_off, tuple(ranges))

@@ -19,7 +19,8 @@ same stack give the same frames:
 * ``END`` rows (undefined return address: ``_start``, a thread's ``clone3`` frame) end the stack;
 * Go's systemstack on g0 (``GO_SWITCH``): the caller goes on from ``m.curg.sched``, reached through
   the thread's TLS slot of ``g`` (``fs_base``; :mod:`ccprofd.elf.gostack`); Go's morestack on g0
-  (``GO_MORESTACK``): the goroutine goes on *at* ``m.curg.sched``; neither is crossed past a frame
+  (``GO_MORESTACK``): the goroutine goes on *at* ``m.curg.sched``; Go's vDSO calls (``GO_VDSO``):
+  the caller goes on at ``m.vdsoPC``/``m.vdsoSP``; the first two are not crossed past a frame
   of Go's execute or schedule (``GO_CURG_SET``: m.curg may be another goroutine by then): there,
   and where m.curg is nil, morestack's chain ends complete (the scheduler's g0 stack); Go's
   asmcgocall on the stack it was called on (``CFA_DEREF``): the CFA is an rsp it kept in a slot,
@@ -122,7 +123,7 @@ def unwind(regs: UserRegs, read_word: WordReader, maps: ProcessMaps, table_of: T
         kind = rule.kind if rule is not None else cfi.NONE
         if kind == cfi.END or (kind == cfi.NONE and pc == 0):
             return done(None)
-        if kind in (cfi.GO_SWITCH, cfi.GO_MORESTACK):
+        if kind in (cfi.GO_SWITCH, cfi.GO_MORESTACK, cfi.GO_VDSO):
             assert rule is not None and mod is not None
             crossed = _go_switch(rule, mod, regs.fs_base, read_word, curg_set)
             if isinstance(crossed, str):
@@ -130,7 +131,7 @@ def unwind(regs: UserRegs, read_word: WordReader, maps: ProcessMaps, table_of: T
             inner_first[frame_at] = RawFrame(pc, exact, mod, vaddr, crossed[0])
             if crossed[1] == 0:
                 return done(None)
-            sp, pc, bp, bp_valid, exact = crossed[0], crossed[1], crossed[2], True, False
+            sp, pc, bp, bp_valid, exact = crossed[0], crossed[1], crossed[2], kind != cfi.GO_VDSO, False
             continue
         if kind == cfi.CFA_DEREF:
             assert rule is not None
@@ -220,12 +221,22 @@ def _go_switch(rule: cfi.Rule, mod: ModuleMapping, fs_base: int, read_word: Word
     ends here, complete -- morestack's when ``curg_set`` (a frame of Go's execute or schedule was
     walked: m.curg may be another goroutine) or m.curg is nil (the scheduler runs on g0 from there)."""
     morestack = rule.kind == cfi.GO_MORESTACK
-    if curg_set:
+    if curg_set and rule.kind != cfi.GO_VDSO:
         return (0, 0, 0) if morestack else "unsupported_cfi"
     if not fs_base:
         return "unsupported_cfi"
     g = read_word(fs_base + rule.cfa_off)
     m = read_word(g + (rule.aux & 0xFF)) if g else None
+    if rule.kind == cfi.GO_VDSO:
+        # a vDSO call's caller: pc m.vdsoPC at rsp m.vdsoSP, whose slot below holds that pc
+        vsp = read_word(m + rule.rbp_off) if m else None
+        vpc = read_word(m + rule.ra_off) if m else None
+        if not vsp or not vpc or vsp < 8 or vsp & 7:
+            return "unsupported_cfi"
+        slot = read_word(vsp - 8)
+        if slot is None:
+            return "read_fault"
+        return (vsp, vpc, 0) if slot == vpc else "unsupported_cfi"
     curg = read_word(m + (rule.aux >> 8 if morestack else rule.rbp_off)) if m else None
     if curg == 0 and morestack:
         return 0, 0, 0

@@ -25,6 +25,7 @@
 #define UW_KIND_GO_SWITCH 8  // Go's systemstack on g0: the caller goes on from m.curg.sched (uw_go_switch)
 #define UW_KIND_CFA_DEREF 9  // CFA = *(rsp + cfa_off) + aux, return address at CFA - 8 (Go's asmcgocall)
 #define UW_KIND_GO_MORESTACK 10  // Go's morestack on g0: the goroutine goes on at m.curg.sched (uw_go_switch)
+#define UW_KIND_GO_VDSO 11  // Go's vDSO calls: the caller goes on at m.vdsoPC, m.vdsoSP (uw_go_switch)
 #define UW_AUX_CALLER_EXACT 1  // UW_KIND_RSP: the return address is an interrupted pc (Go's asyncPreempt)
 #define UW_AUX_GO_CURG_SET 2   // UW_KIND_RSP: Go's execute or schedule, which may set m.curg (go_curg_set)
 
@@ -901,12 +902,16 @@ static __always_inline long uw_memo_chain(struct uw_state *st) {
 // may find another goroutine in m.curg: systemstack's is flagged; morestack's ends there, complete,
 // as does one whose m.curg is nil (the goroutine dropped: a growth preempted inside newstack runs
 // the scheduler on g0, whose stack starts at morestack's call -- as under mcall, END).  *gra = 0:
-// the chain ends here.
+// the chain ends here.  GO_VDSO (the code of Go's vDSO calls, nanotime1 and time.now, while they have
+// m.vdsoPC and m.vdsoSP set): the caller goes on at pc m.vdsoPC (a return address), rsp m.vdsoSP, rbp
+// unknown, when the slot below that rsp holds that pc (rbp_off m.vdsoSP, ra_off m.vdsoPC).
 static __always_inline u32 uw_go_switch(struct uw_state *st, struct uw_rule *r, u64 *gsp, u64 *gbp, u64 *gra) {
 #ifdef CCPROF_OFF_THREAD_FSBASE
     int morestack = r->kind == UW_KIND_GO_MORESTACK;
+    int vdso = r->kind == UW_KIND_GO_VDSO;
     *gra = 0;
-    if (st->go_curg_set)
+    *gbp = 0;
+    if (st->go_curg_set && !vdso)
         return morestack ? 0 : UW_WHY_UNSUPPORTED;
     u64 curg_off = morestack ? r->aux_hi : (u64)(u32)r->rbp_off;
     char *task = (char *)bpf_get_current_task();
@@ -917,6 +922,19 @@ static __always_inline u32 uw_go_switch(struct uw_state *st, struct uw_rule *r, 
         return UW_WHY_UNSUPPORTED;
     if (bpf_probe_read_user(&m, 8, (void *)(g + r->aux)) || !m)
         return UW_WHY_UNSUPPORTED;
+    if (vdso) {
+        u64 vsp = 0, vpc = 0, slot = 0;
+        if (bpf_probe_read_user(&vsp, 8, (void *)(m + (u32)r->rbp_off)) ||
+            bpf_probe_read_user(&vpc, 8, (void *)(m + (u32)r->ra_off)) || vsp < 8 || (vsp & 7) || !vpc)
+            return UW_WHY_UNSUPPORTED;
+        if (uw_read(st, vsp - 8, &slot))
+            return UW_WHY_READ_FAULT;
+        if (slot != vpc)
+            return UW_WHY_UNSUPPORTED;
+        *gsp = vsp;
+        *gra = vpc;
+        return 0;
+    }
     if (bpf_probe_read_user(&curg, 8, (void *)(m + curg_off)))
         return UW_WHY_UNSUPPORTED;
     if (!curg)
@@ -1003,7 +1021,7 @@ static __always_inline long uw_unwind_step(struct uw_state *st, int memo) {
         return uw_finish(st, 0);
     }
 
-    if (kind == UW_KIND_GO_SWITCH || kind == UW_KIND_GO_MORESTACK) {
+    if (kind == UW_KIND_GO_SWITCH || kind == UW_KIND_GO_MORESTACK || kind == UW_KIND_GO_VDSO) {
         u64 gsp = 0, gbp = 0, gra = 0;
         u32 why = uw_go_switch(st, r, &gsp, &gbp, &gra);
         if (why)
@@ -1019,7 +1037,7 @@ static __always_inline long uw_unwind_step(struct uw_state *st, int memo) {
             return uw_finish(st, 0);
         st->sp = gsp;
         st->bp = gbp;
-        st->bp_valid = 1;
+        st->bp_valid = kind != UW_KIND_GO_VDSO;  // (a vDSO call's caller's rbp is not kept)
         st->pc = gra;
         st->exact = 0;
         return 0;
