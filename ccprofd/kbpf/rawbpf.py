@@ -9,6 +9,7 @@ the running kernel's BTF).  x86-64 only.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 import platform
 import struct
@@ -111,6 +112,24 @@ def ld_pseudo_func(dst: int, rel: int) -> bytes:
     return insn(0x18, dst=dst, src=4, imm=rel) + insn(0)
 
 
+#: BPF_PROG_LOAD attempts: the verifier gives up with EAGAIN when a signal is pending for the
+#: loading thread (kernel/bpf/verifier.c: ``signal_pending(current)``) -- a daemon's SIGHUP, a
+#: profiler's ptrace stop -- and a load of the unwinder verifies tens of thousands of instructions.
+#: libbpf retries the same way (PROG_LOAD_ATTEMPTS).
+PROG_LOAD_ATTEMPTS = 5
+
+
+def _load_attempts(attr: ctypes.Structure, what: str) -> int:
+    """BPF_PROG_LOAD, again while the verifier was interrupted by a signal (EAGAIN)."""
+    for attempt in range(PROG_LOAD_ATTEMPTS):
+        try:
+            return bpf(BPF_PROG_LOAD, attr, what)
+        except BPFSyscallError as exc:
+            if exc.errno != errno.EAGAIN or attempt == PROG_LOAD_ATTEMPTS - 1:
+                raise
+    raise AssertionError("unreachable")
+
+
 def prog_load(
     prog_type: int,
     insns: bytes,
@@ -143,7 +162,7 @@ def prog_load(
     try:
         # No log first: the verifier formats its log even past the buffer's end, which made the
         # unwinder's load 9 s instead of 2.5 s (and such a log overflows the buffer anyway).
-        return bpf(BPF_PROG_LOAD, attr, f"loading probe program {name}")
+        return _load_attempts(attr, f"loading probe program {name}")
     except BPFSyscallError as exc:
         # Load again with a log, only to say why it failed.
         log = ctypes.create_string_buffer(log_size)
@@ -151,7 +170,7 @@ def prog_load(
         attr.log_size = len(log)
         attr.log_buf = ctypes.addressof(log)
         try:
-            return bpf(BPF_PROG_LOAD, attr, f"loading probe program {name}")
+            return _load_attempts(attr, f"loading probe program {name}")
         except BPFSyscallError:
             lines = log.value.decode(errors="replace").strip().splitlines()
             # the verifier's reason, not the statistics lines it ends with
