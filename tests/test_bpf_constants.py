@@ -74,7 +74,8 @@ CASES = {
         **{f"UW_WHY_{WHY[v]}": k for k, v in uw.REASONS.items() if v is not None},
         # the unwind table's rule kinds (ccprofd/elf/cfi.py writes them, unwind.c reads them)
         **{f"UW_KIND_{n}": getattr(cfi, k) for n, k in UW_KINDS.items()},
-        "UW_AUX_CALLER_EXACT": cfi.CALLER_EXACT, "UW_AUX_GO_CURG_SET": cfi.GO_CURG_SET}),
+        "UW_AUX_CALLER_EXACT": cfi.CALLER_EXACT, "UW_AUX_GO_CURG_SET": cfi.GO_CURG_SET,
+        "UW_AUX_CLONE_CHILD": cfi.CLONE_CHILD}),
     "syscall_sampler": (PKG / "tracing/syscall_sampler.c", lambda: {
         "CCPROF_EXEC_TARGET": syscall_sampler.EXEC_TARGET_FLAG,
         "NR_SYSCALL_SLOTS": syscall_sampler.NR_SYSCALL_SLOTS,

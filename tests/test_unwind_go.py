@@ -131,9 +131,12 @@ def test_go_runtime_chains_end_where_go_says_a_stack_ends(tmp_path: pathlib.Path
     as_delves), or is a new thread's first syscall in ``runtime.clone``'s child, on the new stack.
     A chain through ``systemstack`` crosses from g0 onto the goroutine that called it (its
     ``m.curg.sched``; test_go_systemstack_crossing_as_delves): the goroutine's frame above it must
-    be at a call of ``runtime.systemstack`` (objdump).  A chain through another stack switch
-    (SPWRITE: ``morestack``, ``asmcgocall``, ...) ends at it, flagged ``unsupported_cfi``, with
-    nothing of the other stack above it.  Before, chains went on through whatever return address
+    be at a call of ``runtime.systemstack`` (objdump); one through ``morestack`` goes on at the
+    goroutine that grew its stack (at a call of ``morestack`` or ``morestack_noctxt``), or, when
+    it passed Go's scheduler (a preempted growth), starts complete at ``morestack``
+    (test_go_stack_growth_crosses_morestack).  A chain through another stack switch (SPWRITE:
+    ``asmcgocall``, ...) ends at it, flagged ``unsupported_cfi``, with nothing of the other stack
+    above it.  Before, chains went on through whatever return address
     the system stack held (``runtime.newproc`` above ``systemstack``, as gdb shows it), and then
     stopped at every switch.  runtime.main starts sysmon through ``systemstack`` (its
     ``rt_sigprocmask`` and ``clone`` in ``newosproc``), so at least one crossing is certain, and
@@ -160,20 +163,27 @@ def test_go_runtime_chains_end_where_go_says_a_stack_ends(tmp_path: pathlib.Path
             assert names == ["runtime.clone"] and s["complete"] and s["syscall"] == "gettid", s
             continue
         clones += s["syscall"] == "clone"
+        scheduler = names[:1] == ["runtime.morestack"] and bool({"runtime.schedule", "runtime.execute"} &
+                                                                 set(names))
         if s["complete"]:
-            assert names and (names[0] in tops or names[0] == "runtime.mcall"), s
+            assert names and (names[0] in tops or names[0] == "runtime.mcall" or scheduler), s
         for i, n in enumerate(names[:-1]):
             if n == "runtime.systemstack" and i > 0:
                 crossed += 1
                 ra = int(s["frames"][i - 1]["return_address"], 16)
                 assert calls.get(ra) == "runtime.systemstack.abi0", s
-        hit = [i for i, n in enumerate(names[:-1]) if n in switches - {"runtime.systemstack"}]
+            if n == "runtime.morestack" and i > 0:
+                assert s["complete"], s
+                ra = int(s["frames"][i - 1]["return_address"], 16)
+                assert calls.get(ra) in ("runtime.morestack.abi0", "runtime.morestack_noctxt.abi0"), s
+        crossing = {"runtime.systemstack", "runtime.morestack"}
+        hit = [i for i, n in enumerate(names[:-1]) if n in switches - crossing]
         if hit and names[0] == "runtime.mcall":
             assert hit == [0] and s["complete"], s
         elif hit:
             flagged += 1
             assert hit == [0] and not s["complete"] and s["reason"] == "unsupported_cfi", s
-        if names[:1] == ["runtime.systemstack"]:
+        if names[:1] == ["runtime.systemstack"] or (names[:1] == ["runtime.morestack"] and not scheduler):
             flagged += 1
             assert not s["complete"] and s["reason"] == "unsupported_cfi", s
     assert crossed >= 1
@@ -243,7 +253,7 @@ def test_go_scheduler_chains_end_at_mcall_as_delves(tmp_path: pathlib.Path) -> N
     expect = [(fn, pc) for fn, pc in reversed(oracle[0][1:])]  # mcall, park_m, schedule: return addresses
     samples = [s for s in trace_go(binary, "futex", tmp_path) if s.get("event") == "syscall"]
     # (a wait can also come from a preemption, morestack > newstack > gopreempt_m > ... > stoplockedm:
-    # that chain goes on above morestack on the goroutine's stack, and is flagged at the switch)
+    # that chain starts at morestack, complete: the scheduler's g0 stack)
     waits = [s for s in samples if [f["function"] for f in s["frames"][1:4]] ==
              ["runtime.park_m", "runtime.schedule", "runtime.stoplockedm"]]
     # a sleep whose timer already fired finds its note woken and makes no futex call: not every sleep
@@ -476,8 +486,9 @@ def test_go_async_preemption_unwinds_through_the_signal_frame(tmp_path: pathlib.
     ``runtime.sigreturn`` (``rt_sigreturn``), whose code is byte for byte glibc's ``__restore_rt``: a
     signal frame, the ucontext at rsp.  Its chains now go on through the ucontext to
     ``asyncPreempt`` and the interrupted ``main.spin`` (both exact pcs: looked up as they are, not
-    as return addresses) and on to ``runtime.goexit`` (or, for code interrupted under
-    ``morestack``, to that switch, flagged as every chain there is); before, they stopped at
+    as return addresses) and on to ``runtime.goexit`` (code interrupted under ``morestack`` too,
+    through its crossing; a sched there that fails its check would stop flagged at morestack);
+    before, they stopped at
     sigreturn (its "return address" was the ucontext's first word: ``unknown_pc``).  The return address above
     ``main.spin`` must follow a call of it (objdump)."""
     require_bpf()
@@ -488,8 +499,8 @@ def test_go_async_preemption_unwinds_through_the_signal_frame(tmp_path: pathlib.
     for s in samples:
         names = [f["function"].removesuffix(".abi0") for f in s["frames"]]
         assert names[-1] == "runtime.sigreturn", json.dumps(s)
-        # complete; or, where the interrupted code ran under morestack (a switch not crossed, as
-        # every chain there), stopped flagged at morestack: through the signal frame either way
+        # complete; or, where the interrupted code ran under morestack and its crossing's check
+        # failed, stopped flagged at morestack: through the signal frame either way
         assert s["complete"] or (names[0] == "runtime.morestack" and s["reason"] == "unsupported_cfi"), \
             json.dumps(s)
         if "main.spin" in names:

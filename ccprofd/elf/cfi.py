@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import struct
 from array import array
 from bisect import bisect_right
@@ -51,13 +52,13 @@ from ccprofd.elf.x86dis import x86_64
 from ccprofd.persist.cache import AnalysisCache
 
 CACHE_KIND = "cfi"
-TABLE_FORMAT = 11  # 2: code an FDE falls through into keeps its last row (_fallthrough_gaps); 3: RA_REG;
+TABLE_FORMAT = 12  # 2: code an FDE falls through into keeps its last row (_fallthrough_gaps); 3: RA_REG;
 # 4: a compressed .debug_frame (.zdebug_frame) is read; 5: Go functions from .gopclntab; 6: their stack
 # switches at the call's last byte; 7: and over the switched code; 8: mcall's and clone's child's code
 # ends the chain; 9: systemstack's call on g0 is GO_SWITCH, asmcgocall's on the same stack CFA_DEREF,
 # Go's sigreturn a signal frame, asyncPreempt's caller exact; 10: morestack's call on g0 is
 # GO_MORESTACK, execute's and schedule's rows GO_CURG_SET; 11: the vDSO calls' code GO_VDSO, a switch
-# back's own instruction runs on the other stack
+# back's own instruction runs on the other stack; 12: a clone's child window CLONE_CHILD
 
 # Rule kinds.
 NONE = 0  # no CFI covers the address: the unwinder may try frame pointers
@@ -97,6 +98,14 @@ CALLER_EXACT = 1
 #: (GO_MORESTACK's chain ends there complete: the scheduler's g0 stack starts at that call)
 GO_CURG_SET = 2
 GO_CURG_SETTERS = frozenset({"runtime.execute", "runtime.schedule"})  # .gopclntab names
+#: CFA_RSP's aux flag: the instructions right after a clone/clone3 ``syscall`` up to the parent's
+#: ``ret`` (glibc's ``__clone``/``__clone3`` gap, Go's ``runtime.clone``), which the new thread runs
+#: too, on its new stack, before it branches to its own code: there the row is the parent's only when
+#: rax (the syscall's result) is not 0; in the child (rax 0) the thread has no caller, and a sample
+#: of it at an interrupted instruction (a CPU sample) ends there, complete.  A syscall sample is
+#: looked up inside the syscall instruction, which keeps the plain row.
+CLONE_CHILD = 4
+_CLONE_NRS = (0x38, 0x1B3)  # clone, clone3 (x86-64)
 KIND_NAMES = {NONE: "none", CFA_RSP: "rsp", CFA_RBP: "rbp", PLT: "plt", SIGNAL: "signal", END: "end",
               UNSUPPORTED: "unsupported", RA_REG: "ra-in-reg", GO_SWITCH: "go-systemstack",
               CFA_DEREF: "deref-rsp", GO_MORESTACK: "go-morestack", GO_VDSO: "go-vdso"}
@@ -642,6 +651,7 @@ STACK_SWITCH = Rule(UNSUPPORTED, aux=WHY_STACK_SWITCH)
 #: Other switches (``systemstack``, ``morestack``, ``asmcgocall``) return to, or resume, a
 #: goroutine whose frames are the chain's outer part: flagged.
 GO_STACK_TOP_SWITCHERS = frozenset({"runtime.mcall", "runtime.clone"})  # .gopclntab names
+GO_CLONE = "runtime.clone"
 _GO_END = Rule(END, 0, RBP_SAME, 0, 0, 0)
 
 
@@ -693,6 +703,8 @@ def go_fdes(image: ElfImage) -> list[Fde]:
             vdso = None if switch is None else read_vdso_switch(image, fn, switch)
             if switch is not None and vdso is not None:
                 rows = _overlay(rows, fn.entry, fn.end, vdso.ranges, go_vdso_rule(switch, vdso))
+            if fn.name == GO_CLONE:
+                rows = _flag_clone_child(image, fn.entry, fn.end, rows)
         out.append((fn.entry, fn.end, sorted(rows.items())))
     return out
 
@@ -711,6 +723,40 @@ def go_morestack_rule(switch: GoSystemStack, morestack: GoMorestack) -> Rule:
 def go_vdso_rule(switch: GoSystemStack, vdso: GoVdsoSwitch) -> Rule:
     """The :data:`GO_VDSO` row of a vDSO call's code (see there for the fields)."""
     return Rule(GO_VDSO, switch.tls_g, RBP_UNDEF, vdso.vdso_sp, vdso.vdso_pc, switch.g_m)
+
+
+def _flag_clone_child(image: ElfImage, lo: int, hi: int, rows: dict[int, Rule]) -> dict[int, Rule]:
+    """``rows`` of Go's runtime.clone [lo, hi) with :data:`CLONE_CHILD` on the CFA_RSP rows of its
+    child window (:func:`_clone_child_window`), if its code has one."""
+    try:
+        md = x86_64()
+        insns = list(md.disasm_lite(image.bytes_at(lo, hi - lo), lo))
+        at = next((i for i in range(1, len(insns)) if insns[i][2] == "syscall"
+                   and _clone_child_window(md, image.bytes_at(insns[i][0], hi - insns[i][0]), insns[i][0],
+                                           insns[i - 1]) is not None), None)
+        if at is None:
+            return rows
+        window = _clone_child_window(md, image.bytes_at(insns[at][0], hi - insns[at][0]), insns[at][0],
+                                     insns[at - 1])
+    except (OSError, BinaryError, ValueError, KeyError, IndexError):
+        return rows
+    assert window is not None
+    starts = sorted(rows)
+    per_byte = [rows[starts[bisect_right(starts, pc) - 1]] for pc in range(lo, hi)]
+    for pc in range(window[0], window[1]):
+        r = per_byte[pc - lo]
+        if r.kind == CFA_RSP:
+            per_byte[pc - lo] = r._replace(aux=r.aux | CLONE_CHILD)
+    # the child's own code starts after the parent's ret, with its move of rsp to the stack it
+    # already has (the kernel set it): that instruction is the child's too, and ends the chain
+    child = next((i for i in insns if i[0] == window[1]), None)
+    if child is not None and child[2] == "mov" and child[3].startswith("rsp,"):
+        per_byte[child[0] - lo:child[0] + child[1] - lo] = [_GO_END] * child[1]
+    out: dict[int, Rule] = {}
+    for i, r in enumerate(per_byte):
+        if i == 0 or r != per_byte[i - 1]:
+            out[lo + i] = r
+    return out
 
 
 def _overlay(rows: dict[int, Rule], lo: int, hi: int, ranges: tuple[tuple[int, int], ...],
@@ -813,8 +859,35 @@ def _fallthrough_gaps(image: ElfImage, fdes: list[Fde]) -> list[Fde]:
             continue
         if not prev or prev[-1][0] + prev[-1][1] != hi or prev[-1][2] in _NO_FALLTHROUGH | _PADDING:
             continue
-        out.append((hi, end, [(hi, last)]))
+        rows = [(hi, last)]
+        window = _clone_child_window(md, code, hi, prev[-1])
+        if window is not None:
+            rows.append((window[0], last._replace(aux=last.aux | CLONE_CHILD)))
+            if window[1] < end:
+                rows.append((window[1], last))
+        out.append((hi, end, rows))
     return out
+
+
+def _clone_child_window(md: object, code: bytes, at: int,
+                        before: tuple[int, int, str, str]) -> tuple[int, int] | None:
+    """[lo, hi) of the instructions a clone's child runs with the parent's row, when the code at
+    ``at`` is a ``syscall`` that ``before`` (the instruction preceding it) made a clone or clone3:
+    from after the syscall up to and including the parent's ``ret``, none of them writing rsp or
+    calling (:data:`CLONE_CHILD`); else None."""
+    m = re.fullmatch(r"eax, (0x[0-9a-f]+|\d+)", before[3]) if before[2] == "mov" else None
+    if m is None or int(m.group(1), 0) not in _CLONE_NRS:
+        return None
+    insns = list(md.disasm_lite(code, at))  # type: ignore[attr-defined]
+    if not insns or insns[0][2] != "syscall":
+        return None
+    lo = insns[0][0] + insns[0][1]
+    for addr, size, mnem, ops in insns[1:]:
+        if mnem in ("call", "jmp") or ops.startswith("rsp") or ops.startswith("rbp"):
+            return None
+        if mnem == "ret":
+            return lo, addr + size
+    return None
 
 
 def _gap_code_end(md: object, code: bytes, at: int) -> int | None:

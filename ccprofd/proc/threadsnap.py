@@ -184,7 +184,7 @@ def snapshot(pid: int, modules: ModuleCache, *, proc_root: str = DEFAULT_PROC_RO
             except OSError as exc:
                 out.threads.append(ThreadSnapshot(tid, comm, None, None, f"PTRACE_GETREGS: {exc.strerror}"))
                 continue
-            regs = UserRegs(raw.rip, raw.rsp, raw.rbp, raw.fs_base)
+            regs = UserRegs(raw.rip, raw.rsp, raw.rbp, raw.fs_base, raw.rax)
             stack = unwind(regs, memory.word, maps, lambda m: tables.get(m.start),
                            start_stack=stack_top if tid == pid else 0, max_depth=max_depth)
             out.threads.append(ThreadSnapshot(tid, comm, regs, stack))

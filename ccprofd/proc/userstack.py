@@ -56,6 +56,7 @@ class UserRegs:
     rsp: int
     rbp: int
     fs_base: int = 0  # (0: unknown; only Go's systemstack crossing reads it)
+    rax: int | None = None  # (None: unknown; only a clone's child window reads it, cfi.CLONE_CHILD)
 
 
 @dataclass(frozen=True, slots=True)
@@ -123,6 +124,14 @@ def unwind(regs: UserRegs, read_word: WordReader, maps: ProcessMaps, table_of: T
         kind = rule.kind if rule is not None else cfi.NONE
         if kind == cfi.END or (kind == cfi.NONE and pc == 0):
             return done(None)
+        if frame_at == 0 and exact and kind == cfi.CFA_RSP and rule is not None \
+                and rule.aux & cfi.CLONE_CHILD:
+            # after a clone's syscall: the child (rax 0) has no caller here; the parent's row holds
+            # only for the parent
+            if regs.rax is None:
+                return done("unsupported_cfi")
+            if regs.rax == 0:
+                return done(None)
         if kind in (cfi.GO_SWITCH, cfi.GO_MORESTACK, cfi.GO_VDSO):
             assert rule is not None and mod is not None
             crossed = _go_switch(rule, mod, regs.fs_base, read_word, curg_set)

@@ -28,6 +28,7 @@
 #define UW_KIND_GO_VDSO 11  // Go's vDSO calls: the caller goes on at m.vdsoPC, m.vdsoSP (uw_go_switch)
 #define UW_AUX_CALLER_EXACT 1  // UW_KIND_RSP: the return address is an interrupted pc (Go's asyncPreempt)
 #define UW_AUX_GO_CURG_SET 2   // UW_KIND_RSP: Go's execute or schedule, which may set m.curg (go_curg_set)
+#define UW_AUX_CLONE_CHILD 4   // UW_KIND_RSP: a clone's child window: with rax 0 (the child), the chain ends
 
 #define UW_RBP_SAME 0
 #define UW_RBP_AT_CFA 1
@@ -367,6 +368,7 @@ struct uw_state {
     u32 op;
     u32 go_curg_set;  // a frame so far is Go's execute or schedule: m.curg may be another goroutine
     u32 go_pad;
+    u64 ax0;          // the sample's rax (a clone's child window: 0 in the child)
     struct uw_cmap c;    // cached mapping of the last pc, with its module's rows and page index
     u32 mismatch;
     u32 mismatch_pad;
@@ -1016,6 +1018,15 @@ static __always_inline long uw_unwind_step(struct uw_state *st, int memo) {
     u64 addr[3] = {0, 0, 0};
     u64 val[3] = {0, 0, 0};
     if (kind == UW_KIND_END || (kind == UW_KIND_NONE && pc == 0)) {
+        if (memo)
+            uw_memo_rec(st, n, pc, sp, bp, eflags, 0, addr, val);
+        return uw_finish(st, 0);
+    }
+
+    // A CPU sample in the instructions after a clone's syscall that the child runs too, on its new
+    // stack, with the parent's row: the child (rax 0) has no caller there (cfi.CLONE_CHILD).
+    if (kind == UW_KIND_RSP && n == 0 && st->exact && st->s.nr < 0 && (r->aux & UW_AUX_CLONE_CHILD) &&
+        st->ax0 == 0) {
         if (memo)
             uw_memo_rec(st, n, pc, sp, bp, eflags, 0, addr, val);
         return uw_finish(st, 0);
@@ -1902,6 +1913,7 @@ static __always_inline void uw_sample(u32 slot, u64 pid_tgid, s32 nr, const u64 
     st->exact = 1;
     st->done = 0;
     st->go_curg_set = 0;
+    st->ax0 = rw[UW_RW(ax)];
     st->op = UW_OP_UNWIND;
     st->win_base = 1;
     st->win_len = UW_WIN_BYTES;
