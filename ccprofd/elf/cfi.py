@@ -725,24 +725,32 @@ def go_vdso_rule(switch: GoSystemStack, vdso: GoVdsoSwitch) -> Rule:
     return Rule(GO_VDSO, switch.tls_g, RBP_UNDEF, vdso.vdso_sp, vdso.vdso_pc, switch.g_m)
 
 
+def _bytewise(rows: dict[int, Rule], lo: int, hi: int) -> list[Rule]:
+    """The rule of each byte of [lo, hi) (``rows``: start -> rule, the first at ``lo``)."""
+    starts = sorted(rows)
+    return [rows[starts[bisect_right(starts, pc) - 1]] for pc in range(lo, hi)]
+
+
+def _rows_of(per_byte: list[Rule], lo: int) -> dict[int, Rule]:
+    """:func:`_bytewise`'s inverse: a row where the rule changes."""
+    return {lo + i: r for i, r in enumerate(per_byte) if i == 0 or r != per_byte[i - 1]}
+
+
 def _flag_clone_child(image: ElfImage, lo: int, hi: int, rows: dict[int, Rule]) -> dict[int, Rule]:
     """``rows`` of Go's runtime.clone [lo, hi) with :data:`CLONE_CHILD` on the CFA_RSP rows of its
     child window (:func:`_clone_child_window`), if its code has one."""
     try:
         md = x86_64()
         insns = list(md.disasm_lite(image.bytes_at(lo, hi - lo), lo))
-        at = next((i for i in range(1, len(insns)) if insns[i][2] == "syscall"
-                   and _clone_child_window(md, image.bytes_at(insns[i][0], hi - insns[i][0]), insns[i][0],
-                                           insns[i - 1]) is not None), None)
-        if at is None:
-            return rows
-        window = _clone_child_window(md, image.bytes_at(insns[at][0], hi - insns[at][0]), insns[at][0],
-                                     insns[at - 1])
+        windows = (_clone_child_window(md, image.bytes_at(insns[i][0], hi - insns[i][0]), insns[i][0],
+                                       insns[i - 1])
+                   for i in range(1, len(insns)) if insns[i][2] == "syscall")
+        window = next((w for w in windows if w is not None), None)
     except (OSError, BinaryError, ValueError, KeyError, IndexError):
         return rows
-    assert window is not None
-    starts = sorted(rows)
-    per_byte = [rows[starts[bisect_right(starts, pc) - 1]] for pc in range(lo, hi)]
+    if window is None:
+        return rows
+    per_byte = _bytewise(rows, lo, hi)
     for pc in range(window[0], window[1]):
         r = per_byte[pc - lo]
         if r.kind == CFA_RSP:
@@ -752,25 +760,16 @@ def _flag_clone_child(image: ElfImage, lo: int, hi: int, rows: dict[int, Rule]) 
     child = next((i for i in insns if i[0] == window[1]), None)
     if child is not None and child[2] == "mov" and child[3].startswith("rsp,"):
         per_byte[child[0] - lo:child[0] + child[1] - lo] = [_GO_END] * child[1]
-    out: dict[int, Rule] = {}
-    for i, r in enumerate(per_byte):
-        if i == 0 or r != per_byte[i - 1]:
-            out[lo + i] = r
-    return out
+    return _rows_of(per_byte, lo)
 
 
 def _overlay(rows: dict[int, Rule], lo: int, hi: int, ranges: tuple[tuple[int, int], ...],
              rule: Rule) -> dict[int, Rule]:
     """``rows`` of [lo, hi) with ``rule`` over ``ranges`` (within it)."""
-    starts = sorted(rows)
-    per_byte = [rows[starts[bisect_right(starts, pc) - 1]] for pc in range(lo, hi)]
+    per_byte = _bytewise(rows, lo, hi)
     for a, b in ranges:
         per_byte[max(a, lo) - lo:min(b, hi) - lo] = [rule] * (min(b, hi) - max(a, lo))
-    out: dict[int, Rule] = {}
-    for i, r in enumerate(per_byte):
-        if i == 0 or r != per_byte[i - 1]:
-            out[lo + i] = r
-    return out
+    return _rows_of(per_byte, lo)
 
 
 def _with_stack_switches(image: ElfImage, lo: int, hi: int, rows: dict[int, Rule], *,
@@ -787,8 +786,7 @@ def _with_stack_switches(image: ElfImage, lo: int, hi: int, rows: dict[int, Rule
     understood: systemstack's (and asmcgocall's) call on g0, which :data:`GO_SWITCH` crosses, and
     asmcgocall's call on the same stack after realigning it (:data:`CFA_DEREF`).
     The decoding is linear (capstone): Go's assembly holds no data in its code."""
-    starts = sorted(rows)
-    per_byte = [rows[starts[bisect_right(starts, pc) - 1]] for pc in range(lo, hi)]
+    per_byte = _bytewise(rows, lo, hi)
     switched = False
     try:
         code = image.bytes_at(lo, hi - lo)
@@ -805,11 +803,7 @@ def _with_stack_switches(image: ElfImage, lo: int, hi: int, rows: dict[int, Rule
                     _GO_END if switched and ends_stack else STACK_SWITCH
     except (OSError, BinaryError, ValueError, KeyError, IndexError):
         return {lo: STACK_SWITCH}  # not decodable: nothing of it is trusted
-    out: dict[int, Rule] = {}
-    for i, rule in enumerate(per_byte):
-        if i == 0 or rule != per_byte[i - 1]:
-            out[lo + i] = rule
-    return out
+    return _rows_of(per_byte, lo)
 
 
 _GAP_MAX = 256  # bytes of code without an FDE that _fallthrough_gaps considers
