@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ccprofd.callgraph.model import ROOT, CallGraph
+from ccprofd.encode.bits import word_ops
 from ccprofd.encode.plan import COL, R_CYCLIC
 from ccprofd.persist.cache import AnalysisCache
 
@@ -207,14 +208,11 @@ def _row_of(plan_row: list[Any], words: int) -> Row:
 
 
 def _set_bits(mask: list[int], val: list[int], lo: int, hi: int, code: int) -> None:
-    """Compose "set bits [lo, hi) to code" into a (mask, val) pair of 64-bit words."""
-    for bit in range(lo, hi):
-        w, b = divmod(bit, 64)
-        mask[w] |= 1 << b
-        if (code >> (bit - lo)) & 1:
-            val[w] |= 1 << b
-        else:
-            val[w] &= ~(1 << b)
+    """Compose "set bits [lo, hi) to code" into a (mask, val) pair of 64-bit words (word by word,
+    as BPF does: a bit loop was a fifth of a cold start's time on a 48 MB Go binary)."""
+    for w, m, bits in word_ops(lo, hi, code):
+        mask[w] |= m
+        val[w] = (val[w] & ~m) | bits
 
 
 def _compose(first: Row, then: Row) -> Row:
