@@ -639,6 +639,7 @@ GO_ASYNC_PREEMPT = "runtime.asyncPreempt"
 #: a return address in a Go function that switches stacks (SPWRITE): what the stack holds above it
 #: is not its caller's (Go's own traceback stops there too)
 STACK_SWITCH = Rule(UNSUPPORTED, aux=WHY_STACK_SWITCH)
+GO_CLONE = "runtime.clone"  # .gopclntab name
 #: Go functions whose code on the other stack is that stack's outermost frame, so a chain that
 #: reaches it there ends, complete (:func:`_with_stack_switches`' ``ends_stack``):
 #: * ``mcall`` switches to g0 at ``g0.sched.sp`` (the base mstart1 left) and calls a function that
@@ -648,10 +649,10 @@ STACK_SWITCH = Rule(UNSUPPORTED, aux=WHY_STACK_SWITCH)
 #:   (``newosproc`` passes ``g0.stack.hi``), makes its first syscall (``gettid``) there and calls
 #:   ``mstart``: the new thread has no frame above it, as glibc's clone child (whose CFI says
 #:   "return address undefined").
-#: Other switches (``systemstack``, ``morestack``, ``asmcgocall``) return to, or resume, a
-#: goroutine whose frames are the chain's outer part: flagged.
-GO_STACK_TOP_SWITCHERS = frozenset({"runtime.mcall", "runtime.clone"})  # .gopclntab names
-GO_CLONE = "runtime.clone"
+#: Other switches (``systemstack``, ``morestack``, ``asmcgocall``, the vDSO calls) return to, or
+#: resume, a goroutine whose frames are the chain's outer part: crossed where their code is
+#: understood (GO_SWITCH, GO_MORESTACK, GO_VDSO, CFA_DEREF), else flagged.
+GO_STACK_TOP_SWITCHERS = frozenset({"runtime.mcall", GO_CLONE})
 _GO_END = Rule(END, 0, RBP_SAME, 0, 0, 0)
 
 
@@ -674,8 +675,7 @@ def go_fdes(image: ElfImage) -> list[Fde]:
         return []
     by_name = {f.name: f for f in funcs}
     switch = read_systemstack(image, by_name, {f.entry: f for f in funcs})
-    morestack = None if switch is None or not switch.g_m < 256 or not switch.m_curg < 256 \
-        else read_morestack(image, by_name, switch)
+    morestack = None if switch is None else read_morestack(image, by_name, switch)
     out: list[Fde] = []
     for fn in funcs:
         if not fn.sp_offsets or fn.end <= fn.entry:

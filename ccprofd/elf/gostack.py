@@ -85,6 +85,14 @@ def _signed64(v: int) -> int:
     return v - (1 << 64) if v >= 1 << 63 else v
 
 
+def _tls_slot(where: str, consts: Mapping[str, int]) -> int | None:
+    """The fs-relative slot of a ``mov R, fs:[where]`` (``where`` a constant, or a register a
+    constant was moved into, as -buildmode=pie builds have it); None when not known."""
+    if where.startswith("0x"):
+        return _signed64(int(where, 16))
+    return _signed64(consts[where]) if where in consts else None
+
+
 Insn = tuple[int, int, str, str]  # address, size, mnemonic, operands (capstone, Intel syntax)
 
 
@@ -181,14 +189,10 @@ def _parse_systemstack(ss: list[Insn]) -> tuple[int, int, int, int, int] | None:
             if mnem == "mov" and (m := _MOV_IMM.match(ops)):
                 consts[m.group(1)] = int(m.group(2), 0)
             elif mnem == "mov" and (m := _TLS_LOAD.match(ops)):
-                where = m.group(2)
-                if where.startswith("0x"):
-                    tls_g = _signed64(int(where, 16))
-                elif where in consts:
-                    tls_g = _signed64(consts[where])
-                else:
+                slot = _tls_slot(m.group(2), consts)
+                if slot is None:
                     return None
-                g_reg = m.group(1)
+                tls_g, g_reg = slot, m.group(1)
         elif mnem == "mov" and m_reg is None and (m := _LOAD.match(ops)) and m.group(2) == g_reg:
             m_reg, g_m = m.group(1), _num(m.group(3))
         elif mnem == "cmp" and m_reg and (m := _LOAD.match(ops)) and m.group(1) == g_reg \
@@ -326,8 +330,8 @@ def read_morestack(image: ElfImage, funcs: Mapping[str, GoFunction],
     ``rsp + 8`` and ``g.sched.bp`` from rbp, all into the g from the TLS slot; then rsp loaded from
     ``[X + sched.sp]`` (g0's) and a direct call at once.  None for any other shape."""
     fn = funcs.get(MORESTACK)
-    if fn is None:
-        return None
+    if fn is None or not (switch.g_m < 256 and switch.m_curg < 256):
+        return None  # (GO_MORESTACK's rule carries both in its 16-bit aux)
     try:
         call_end = _parse_morestack(_insns(image, fn), switch)
         noctxt = _parse_noctxt(image, funcs.get(MORESTACK_NOCTXT), fn.entry)
@@ -352,10 +356,7 @@ def _parse_morestack(insns: list[Insn], switch: GoSystemStack) -> int | None:
         if mnem == "mov" and (m := _MOV_IMM.match(ops)):
             consts[m.group(1)] = int(m.group(2), 0)
         elif mnem == "mov" and (m := _TLS_LOAD.match(ops)):
-            where = m.group(2)
-            tls = _signed64(int(where, 16)) if where.startswith("0x") else \
-                _signed64(consts[where]) if where in consts else None
-            if tls == switch.tls_g:
+            if _tls_slot(m.group(2), consts) == switch.tls_g:
                 g_regs.add(m.group(1))
         elif mnem == "mov" and (m := _LOAD_RSP0.match(ops)):
             f_pc.add(m.group(1))

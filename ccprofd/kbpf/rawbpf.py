@@ -112,15 +112,15 @@ def ld_pseudo_func(dst: int, rel: int) -> bytes:
     return insn(0x18, dst=dst, src=4, imm=rel) + insn(0)
 
 
-#: BPF_PROG_LOAD attempts: the verifier gives up with EAGAIN when a signal is pending for the
-#: loading thread (kernel/bpf/verifier.c: ``signal_pending(current)``) -- a daemon's SIGHUP, a
-#: profiler's ptrace stop -- and a load of the unwinder verifies tens of thousands of instructions.
-#: libbpf retries the same way (PROG_LOAD_ATTEMPTS).
+#: BPF_PROG_LOAD attempts: the verifier gives up with EAGAIN when the loading process is stopped in
+#: the middle of a load (SIGSTOP, Ctrl-Z's SIGTSTP, a debugger's or profiler's attach; a handled
+#: signal or a PTRACE_INTERRUPT did not do it on this kernel), and a load of the unwinder verifies
+#: tens of thousands of instructions.  libbpf retries the same way (PROG_LOAD_ATTEMPTS).
 PROG_LOAD_ATTEMPTS = 5
 
 
 def _load_attempts(attr: ctypes.Structure, what: str) -> int:
-    """BPF_PROG_LOAD, again while the verifier was interrupted by a signal (EAGAIN)."""
+    """BPF_PROG_LOAD, again while the verifier was interrupted by a stop (EAGAIN)."""
     for attempt in range(PROG_LOAD_ATTEMPTS):
         try:
             return bpf(BPF_PROG_LOAD, attr, what)
