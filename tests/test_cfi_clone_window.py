@@ -16,6 +16,7 @@ import re
 import subprocess
 from pathlib import Path
 
+from binutils_oracle import parse_objdump
 from conftest import require_tool
 
 from ccprofd.elf import cfi
@@ -25,12 +26,11 @@ LIBC = Path("/lib/x86_64-linux-gnu/libc.so.6").resolve()
 
 
 def objdump_lines(path: Path) -> list[tuple[int, int, str]]:
-    """(address, size, instruction text) of every instruction, in order (Intel syntax)."""
-    text = subprocess.run(["objdump", "-d", "-M", "intel", str(path)], capture_output=True, text=True,
+    """(address, size, instruction text) of every instruction, in order (Intel syntax; parsed by
+    tests/binutils_oracle.py)."""
+    text = subprocess.run(["objdump", "-d", "-w", "-M", "intel", str(path)], capture_output=True, text=True,
                           check=True).stdout
-    rows = [(int(m.group(1), 16), len(m.group(2).split()), m.group(3).strip())
-            for m in re.finditer(r"^\s*([0-9a-f]+):\t((?:[0-9a-f]{2} )+)\s*\t?(.*)$", text, re.M)]
-    return [r for r in rows if r[2]]  # (objdump continues long encodings on a line of their own)
+    return [(i.address, len(i.raw), f"{i.mnemonic} {i.operands}".strip()) for i in parse_objdump(text)[0]]
 
 
 def test_glibc_clone_windows_are_marked_and_fork_is_not() -> None:

@@ -114,9 +114,7 @@ def test_stack_switches_stop_at_their_return_addresses(
     image = ElfImage(str(full))
     fn = next(f for f in read_go_functions(image) if f.name == "runtime.systemstack")
     assert fn.flag & FUNC_FLAG_SPWRITE
-    dis = subprocess.run(["objdump", "-d", "-M", "intel", "--no-show-raw-insn",
-                          f"--start-address={fn.entry:#x}", f"--stop-address={fn.end:#x}", str(full)],
-                         capture_output=True, text=True, check=True).stdout
+    dis = objdump_function(full, fn.entry, fn.end)
     insns = [(int(m.group(1), 16), [*m.group(2).split(None, 1), ""])
              for m in re.finditer(r"^\s+([0-9a-f]+):\t(.*)$", dis, re.M)]
     switches = [a for a, words in insns if words[0] == "mov" and words[1].startswith("rsp,")]
