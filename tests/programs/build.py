@@ -42,6 +42,7 @@ PROGRAMS: dict[str, str] = {
     "vdso_loop": "clock_gettime/gettimeofday loops answered in the vDSO; a syscall made by the vDSO",
     "exithandlers": "syscalls from atexit handlers and a destructor after main returned",
     "spawns": "pthread_create (clone3), fork (clone), posix_spawn (clone3 CLONE_VFORK), vfork",
+    "forkburst": "a fork child's syscalls, then its exec, between two bursts of 20,000 of the parent's",
 }
 
 Opt = Literal["O0", "O2"]

@@ -292,6 +292,21 @@ EXPECTED: dict[str, Expected] = {
         make_vfork -> waitpid 1 plt
         """,
         address_taken="worker"),
+    "forkburst": _prog(
+        "main burst spawn child_work",
+        """
+        main -> burst 2 direct
+        main -> spawn 1 direct
+        main -> puts 1 plt
+        main -> fflush 1 plt
+        burst -> getppid 1 plt
+        spawn -> fork 1 plt
+        spawn -> child_work 1 direct
+        spawn -> execl 1 plt
+        spawn -> _exit 1 plt
+        spawn -> waitpid 1 plt
+        child_work -> close 3 plt
+        """),
     "exithandlers": _prog(
         "main emit flush_chain handler_a handler_b fini_hook deeper work",
         """

@@ -665,6 +665,11 @@ class UnwindSampler:
         unpacked header: no object is made for the bulk of a flood of repeated samples)."""
         if not self.module.ring_buffer_consume(RECORDS_PER_POLL) and timeout_ms != 0:
             self.module.ring_buffer_poll(timeout_ms, RECORDS_PER_POLL)
+        # The process events again, with their own budget: a full budget of samples leaves them
+        # unread, and a fork's child's samples would then be decoded before the fork that gives it
+        # its parent's mappings (--verify's re-encoding, a path argument read from the file).
+        # Every event written before a sample taken above is in the ring by now.
+        self.module.ring_buffer_consume(RECORDS_PER_POLL, rings=("events",))
         self.processes.refresh_stale()
         out, self._pending = self._pending, []
         return out
