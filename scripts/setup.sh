@@ -32,9 +32,10 @@ fi
 # redis-server, redis-tools: a real service in tests/test_services_redis_anomaly.py and test_services_redis_enforce.py (issue 14)
 # nginx-light: a real service in tests/test_services_nginx_exact.py (its frames against gdb, issue 14)
 # delve: Go's debugger, the oracle of Go scheduler stacks in tests/test_unwind_go.py
+# linux-perf: tests/test_perf_coexistence.py (perf still counts the events ccprofd attaches to)
 APT_PACKAGES=(python3-bpfcc linux-headers-amd64 bpftool gcc g++ make binutils strace gdb file
               python3 python3-venv python3-dev systemd prometheus libc6-dbg golang-go man-db groff-base
-              bash-completion redis-server redis-tools nginx-light delve)
+              bash-completion redis-server redis-tools nginx-light delve linux-perf)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q 'install ok installed' || missing+=("$p")

@@ -233,34 +233,42 @@ static __always_inline void enf_syscall_hook(struct pt_regs *regs, long nr, u64 
 
 // Exec: an armed launcher becomes the target (active); an active process that execs another image
 // leaves enforcement (the model is for the target binary only).
-int enf_exec(void *args) {
+static __always_inline void enf_exec_do(void *args) {
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
     u32 *state = enf_procs.lookup(&tgid);
     if (!state)
-        return 0;
+        return;
     if (*state == ENF_ARMED) {
         u32 active = ENF_ACTIVE;
         enf_procs.update(&tgid, &active);
     } else {
         enf_procs.delete(&tgid);
     }
-    return 0;
+}
+
+int enf_exec(void *args) {
+    enf_exec_do(args);
+    return 1;  // the event goes on to perf's own listeners (kbpf/attach.py)
 }
 
 // Fork: children of an active process stay under enforcement (same image, same contexts).
 // (Plain context pointer: the sampler's programs already declare the tracepoint structs; the child
 // pid's offset comes from the tracepoint's format file as FORK_CHILD_PID_OFFSET.)
-int enf_fork(void *args) {
+static __always_inline void enf_fork_do(void *args) {
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
     u32 *state = enf_procs.lookup(&tgid);
     if (!state || *state != ENF_ACTIVE)
-        return 0;
+        return;
     s32 child_pid = 0;
     bpf_probe_read_kernel(&child_pid, sizeof(child_pid), (char *)args + FORK_CHILD_PID_OFFSET);
     u32 child = (u32)child_pid;
     u32 active = ENF_ACTIVE;
     enf_procs.update(&child, &active);
-    return 0;
+}
+
+int enf_fork(void *args) {
+    enf_fork_do(args);
+    return 1;  // the event goes on to perf's own listeners (kbpf/attach.py)
 }
 
 int enf_exit(void *args) {
@@ -271,7 +279,7 @@ int enf_exit(void *args) {
     }
     u32 tid = (u32)pid_tgid;
     enf_pending.delete(&tid);
-    return 0;
+    return 1;  // the event goes on to perf's own listeners (kbpf/attach.py)
 }
 
 #define CCPROF_EVENT_EXTRA u64 enf_key; u32 enf_hook; u32 enf_verdict;

@@ -86,9 +86,16 @@ def online_cpus() -> list[int]:
 
 
 def attach_tracepoint_fd(prog_fd: int, tp: str) -> int:
-    """A tracepoint program on ``category:event``; returns the perf event fd that owns it."""
-    attr = PerfEventAttr(type=PERF_TYPE_TRACEPOINT, config=tracepoint_id(tp), sample_freq=1,
-                         wakeup_events=1)
+    """A tracepoint program on ``category:event``; returns the perf event fd that owns it.
+
+    The kernel records a tracepoint's event for its perf listeners (``perf record``/``stat``/
+    ``trace`` -e that event, on any process) only when every BPF program attached to it returns
+    non-zero; ccprofd's tracepoint programs return 1, so attaching them hides nothing from perf
+    (returning 0, as they did, counted nothing of that event for perf while ccprofd ran).  The
+    perf event that owns the program stays disabled: the program runs all the same (it hangs on
+    the tracepoint, not on the event), and an event passed on then costs nothing more unless
+    another perf listener is there (an enabled event of ours would be one, on every hit)."""
+    attr = PerfEventAttr(type=PERF_TYPE_TRACEPOINT, config=tracepoint_id(tp), flags=PERF_ATTR_DISABLED)
     fd = perf_event_open(attr, -1, 0, f"tracepoint {tp}")
     try:
         perf_event_set_bpf(fd, prog_fd, f"a program to tracepoint {tp}")

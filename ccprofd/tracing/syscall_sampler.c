@@ -218,9 +218,9 @@ static __always_inline struct pt_regs *ccprof_task_regs(void) {
     return (struct pt_regs *)bpf_task_pt_regs((struct task_struct *)bpf_get_current_task_btf());
 }
 int ccprof_sys_tp(void *ctx) {
-    if (!ccprof_path_is(PATH_EVENTS))
-        return 0;
-    return ccprof_sys_sample(ctx, ccprof_task_regs(), (long)*(int *)((char *)ctx + SYSCALL_NR_OFFSET), 0);
+    if (ccprof_path_is(PATH_EVENTS))
+        ccprof_sys_sample(ctx, ccprof_task_regs(), (long)*(int *)((char *)ctx + SYSCALL_NR_OFFSET), 0);
+    return 1;  // the event goes on to perf's own listeners (kbpf/attach.py)
 }
 
 static __always_inline void ccprof_send_ret(u64 pid_tgid, long nr, u64 ret) {
@@ -256,55 +256,61 @@ int ccprof_sys_exit(struct bpf_raw_tracepoint_args *ctx) {
 // A syscalls:sys_exit_<name> event (per-syscall path, with ccprof_sys_tp): the record's
 // __syscall_nr and ret (offsets SYSCALL_NR_OFFSET, SYSCALL_RET_OFFSET).
 #define SYSCALL_RET_OFFSET 16
-int ccprof_sys_exit_tp(void *ctx) {
+static __always_inline void ccprof_sys_exit_tp_do(void *ctx) {
     if (!ccprof_path_is(PATH_EVENTS))
-        return 0;
+        return;
     u64 pid_tgid = bpf_get_current_pid_tgid();
     u32 tgid = pid_tgid >> 32;
     struct ccprof_tracked *t = tracked.lookup(&tgid);
     if (!t || t->execs_left)
-        return 0;
+        return;
     long nr = (long)*(int *)((char *)ctx + SYSCALL_NR_OFFSET);
     if (!ccprof_syscall_wanted(nr))
-        return 0;
+        return;
     ccprof_send_ret(pid_tgid, nr, *(u64 *)((char *)ctx + SYSCALL_RET_OFFSET));
-    return 0;
+}
+
+int ccprof_sys_exit_tp(void *ctx) {
+    ccprof_sys_exit_tp_do(ctx);
+    return 1;  // the event goes on to perf's own listeners (kbpf/attach.py)
 }
 
 // Runs in the parent.  For a new thread child_pid is a tid: its entry is harmless (a live tid is
 // never another process's tgid) and is removed when the thread exits.
-int ccprof_fork(struct tracepoint__sched__sched_process_fork *args) {
+static __always_inline void ccprof_fork_do(u32 child) {
     u64 pid_tgid = bpf_get_current_pid_tgid();
     u32 tgid = pid_tgid >> 32;
     if (!tracked.lookup(&tgid))
-        return 0;
-    u32 child = (u32)args->child_pid;
+        return;
     struct ccprof_tracked c = {};
     c.flags = TRACKED_VIA_FORK;
     if (tracked.update(&child, &c) != 0) {
         ccprof_stat(STAT_TRACKED_FULL);
-        return 0;
+        return;
     }
     ccprof_stat(STAT_FORKS);
     struct ccprof_event *e = ccprof_reserve(EV_FORK, pid_tgid);
     if (!e)
-        return 0;
+        return;
     e->aux = child;
     ccprof_submit(e);
-    return 0;
+}
+
+int ccprof_fork(struct tracepoint__sched__sched_process_fork *args) {
+    ccprof_fork_do((u32)args->child_pid);  // (bcc defines the struct for this function only)
+    return 1;  // the event goes on to perf's own listeners (kbpf/attach.py)
 }
 
 // Runs in the new image after a successful exec, before its first user instruction.  A tracked
 // process stays tracked through the exec it has credit for, or into an exec target; an untracked
 // process that execs an exec target starts being tracked here.  Userspace hears of both (EV_EXEC).
-int ccprof_exec(struct tracepoint__sched__sched_process_exec *args) {
+static __always_inline void ccprof_exec_do(u32 old) {
     u64 pid_tgid = bpf_get_current_pid_tgid();
     u32 tgid = pid_tgid >> 32;
     struct ccprof_tracked *t = tracked.lookup(&tgid);
     int target = ccprof_exec_is_target();
     if (!t && !target)
-        return 0;
-    u32 old = (u32)args->old_pid;
+        return;
     struct ccprof_event *e = ccprof_reserve(EV_EXEC, pid_tgid);
     if (e) {
         e->aux = old | (target ? CCPROF_EXEC_TARGET : 0);
@@ -314,7 +320,7 @@ int ccprof_exec(struct tracepoint__sched__sched_process_exec *args) {
         tracked.delete(&old);  // a non-leader thread exec'd: its tid entry is stale
     if (t && t->execs_left > 0) {
         __sync_fetch_and_add(&t->execs_left, -1);
-        return 0;
+        return;
     }
     if (target) {
         struct ccprof_tracked n = {};
@@ -323,26 +329,29 @@ int ccprof_exec(struct tracepoint__sched__sched_process_exec *args) {
             ccprof_stat(STAT_TRACKED_FULL);
         else
             ccprof_stat(STAT_EXECS_FOUND);
-        return 0;
+        return;
     }
     tracked.delete(&tgid);
     ccprof_stat(STAT_EXECS_STOPPED);
-    return 0;
 }
 
-int ccprof_exit(struct tracepoint__sched__sched_process_exit *args) {
+int ccprof_exec(struct tracepoint__sched__sched_process_exec *args) {
+    ccprof_exec_do((u32)args->old_pid);
+    return 1;  // the event goes on to perf's own listeners (kbpf/attach.py)
+}
+
+// group_dead: the tracepoint's field, or -1 where the kernel has none (the leader's exit is then
+// taken for the group's, an approximation).
+static __always_inline void ccprof_exit_do(int group_dead) {
     u64 pid_tgid = bpf_get_current_pid_tgid();
     u32 tgid = pid_tgid >> 32;
     u32 tid = (u32)pid_tgid;
     if (tid != tgid)
         tracked.delete(&tid);
     if (!tracked.lookup(&tgid))
-        return 0;
-#ifdef HAVE_GROUP_DEAD
-    int group_dead = args->group_dead;
-#else
-    int group_dead = (tid == tgid);  // approximation: the leader's exit ends tracking
-#endif
+        return;
+    if (group_dead < 0)
+        group_dead = (tid == tgid);
     if (group_dead) {
         struct ccprof_event *e = ccprof_reserve(EV_EXIT, pid_tgid);
         if (e) {
@@ -351,5 +360,13 @@ int ccprof_exit(struct tracepoint__sched__sched_process_exit *args) {
         }
         tracked.delete(&tgid);
     }
-    return 0;
+}
+
+int ccprof_exit(struct tracepoint__sched__sched_process_exit *args) {
+#ifdef HAVE_GROUP_DEAD
+    ccprof_exit_do(args->group_dead);
+#else
+    ccprof_exit_do(-1);
+#endif
+    return 1;  // the event goes on to perf's own listeners (kbpf/attach.py)
 }

@@ -18,12 +18,15 @@ int cnt_site(struct pt_regs *ctx) {
     return 0;
 }
 
-int cnt_fork(struct tracepoint__sched__sched_process_fork *args) {
+static __always_inline void cnt_fork_do(u32 child) {
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
     if (!cnt_tracked.lookup(&tgid))
-        return 0;
-    u32 child = (u32)args->child_pid;
+        return;
     u8 one = 1;
     cnt_tracked.update(&child, &one);
-    return 0;
+}
+
+int cnt_fork(struct tracepoint__sched__sched_process_fork *args) {
+    cnt_fork_do((u32)args->child_pid);  // (bcc defines the struct for this function only)
+    return 1;  // the event goes on to perf's own listeners (kbpf/attach.py)
 }

@@ -1181,19 +1181,19 @@ int cc_cpu_sample(struct bpf_perf_event_data *ctx) {
 // decides whether it is a thread (reset) or a process (keeps it).
 // Tracepoint arguments are read at offsets taken from tracefs (CC_FORK_CHILD_PID_OFF,
 // CC_EXEC_OLD_PID_OFF): bcc generates one struct per tracepoint and the sampler already has them.
-int cc_fork(void *args) {
+static __always_inline void cc_fork_do(void *args) {
     struct cc_state *s = cc_state_of_current();
     if (!s)
-        return 0;
+        return;
     u32 child = (u32)*(s32 *)((char *)args + CC_FORK_CHILD_PID_OFF);
     u32 slot = 0;
     if (cc_free.pop(&slot) != 0) {
         cc_stat(S_NO_SLOT);
-        return 0;
+        return;
     }
     struct cc_state *c = (struct cc_state *)cc_states.lookup(&slot);
     if (!c)
-        return 0;
+        return;
     c->n = s->n;
     c->rec_len = s->rec_len;
     c->nsegs = s->nsegs;
@@ -1215,10 +1215,14 @@ int cc_fork(void *args) {
     if (cc_slot_of.update(&child, &slot) != 0) {
         cc_free.push(&slot, 0);
         cc_stat(S_NO_SLOT);
-        return 0;
+        return;
     }
     cc_stat(S_FORK_COPIES);
-    return 0;
+}
+
+int cc_fork(void *args) {
+    cc_fork_do(args);
+    return 1;  // the event goes on to perf's own listeners (kbpf/attach.py)
 }
 
 static __always_inline void cc_release(u32 tid) {
@@ -1248,12 +1252,12 @@ static __always_inline struct cc_state *cc_take_slot(u32 tid) {
 
 int cc_exit(void *args) {
     cc_release((u32)bpf_get_current_pid_tgid());
-    return 0;
+    return 1;  // the event goes on to perf's own listeners (kbpf/attach.py)
 }
 
 // The launch exec (the traced command replacing ccprofd's child) starts a fresh context; any other
 // exec replaces the analysed image: stop keeping state for it.
-int cc_exec(void *args) {
+static __always_inline void cc_exec_do(void *args) {
     u64 pid_tgid = bpf_get_current_pid_tgid();
     u32 tgid = pid_tgid >> 32;
     u32 old = (u32)*(s32 *)((char *)args + CC_EXEC_OLD_PID_OFF);
@@ -1268,7 +1272,7 @@ int cc_exec(void *args) {
         struct cc_state *s = cc_state_of_current();
         if (s)
             cc_reset(s, 0);
-        return 0;
+        return;
     }
     if (ccprof_exec_is_target()) {
         // a new process of the analysed binary (exec_target.c; the sampler tracks it from here):
@@ -1278,8 +1282,12 @@ int cc_exec(void *args) {
             s = cc_take_slot((u32)pid_tgid);
         if (s)
             cc_reset(s, 0);
-        return 0;
+        return;
     }
     cc_release((u32)pid_tgid);
-    return 0;
+}
+
+int cc_exec(void *args) {
+    cc_exec_do(args);
+    return 1;  // the event goes on to perf's own listeners (kbpf/attach.py)
 }

@@ -2407,9 +2407,9 @@ int uw_sys_enter(struct bpf_raw_tracepoint_args *ctx) {
 // says what the record holds).  Only the sampled syscalls and mmap/mprotect (uw_watch_maps) are
 // attached.
 int uw_sys_tp(void *ctx) {
-    if (!ccprof_path_is(PATH_EVENTS))
-        return 0;  // detached (the events' fds may still be closing in the background)
-    return uw_sys_sample(ccprof_task_regs(), (long)*(int *)((char *)ctx + SYSCALL_NR_OFFSET), 0);
+    if (ccprof_path_is(PATH_EVENTS))  // (else detached: the events' fds may still be closing)
+        uw_sys_sample(ccprof_task_regs(), (long)*(int *)((char *)ctx + SYSCALL_NR_OFFSET), 0);
+    return 1;  // the event goes on to perf's own listeners (kbpf/attach.py)
 }
 
 // The return of a call uw_watch_maps counts: its mapping exists now, so userspace is told here
@@ -2428,9 +2428,9 @@ static __always_inline int uw_maps_exit(void) {
 }
 
 int uw_maps_exit_tp(void *ctx) {
-    if (ccprof_path_is(PATH_OFF))
-        return 0;  // detached: no new hold
-    return uw_maps_exit();
+    if (!ccprof_path_is(PATH_OFF))  // (else detached: no new hold)
+        uw_maps_exit();
+    return 1;  // the event goes on to perf's own listeners (kbpf/attach.py)
 }
 
 int uw_maps_exit_raw(struct bpf_raw_tracepoint_args *ctx) {
@@ -2461,13 +2461,17 @@ int uw_cpu_sample(struct bpf_perf_event_data *ctx) {
 
 // Tracepoint programs read their fields at offsets Python takes from the tracefs format (kernels
 // differ; bcc generates one struct per tracepoint and syscall_sampler.c already has those).
-int uw_fork(void *args) {
+static __always_inline void uw_fork_do(void *args) {
     u32 tgid = bpf_get_current_pid_tgid() >> 32;
     if (!uw_procs.lookup(&tgid))
-        return 0;
+        return;
     u32 child = *(u32 *)((char *)args + UW_FORK_CHILD_PID_OFF);
     uw_parent.update(&child, &tgid);
-    return 0;
+}
+
+int uw_fork(void *args) {
+    uw_fork_do(args);
+    return 1;  // the event goes on to perf's own listeners (kbpf/attach.py)
 }
 
 int uw_exec(void *args) {
@@ -2487,7 +2491,7 @@ int uw_exec(void *args) {
     } else if (stop) {
         uw_stop.delete(&tgid);  // exec of another program: not ours any more
     }
-    return 0;
+    return 1;  // the event goes on to perf's own listeners (kbpf/attach.py)
 }
 
 int uw_exit(void *args) {
@@ -2504,5 +2508,5 @@ int uw_exit(void *args) {
         uw_stop.delete(&tgid);
         uw_held.delete(&tgid);
     }
-    return 0;
+    return 1;  // the event goes on to perf's own listeners (kbpf/attach.py)
 }
