@@ -569,7 +569,10 @@ def test_go_stack_growth_crosses_morestack(tmp_path: pathlib.Path) -> None:
         ras = [int(f["return_address"], 16) if f["return_address"] and f["module"] == str(binary) else None
                for f in s["frames"]]
         check_go_chain(fns, ras, calls)
-        assert "main.deep" in fns[:fns.index("runtime.morestack")], fns
+        above = fns[:fns.index("runtime.morestack")]
+        if "main.deep" not in above:  # package initialisation grows the main goroutine's stack too
+            assert "runtime.doInit" in above, fns
+            continue
         crossed += 1
     assert crossed >= 20, crossed
 
