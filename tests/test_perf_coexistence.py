@@ -17,6 +17,7 @@ import subprocess
 import sys
 
 import pytest
+from bpf_helpers import compile_c
 from conftest import require_bpf, require_tool
 from daemon_fakes import wait_for
 
@@ -54,13 +55,6 @@ EVENTS = ["syscalls:sys_enter_getppid", "syscalls:sys_exit_getppid", "sched:sche
           "sched:sched_process_exec", "sched:sched_process_exit"]
 
 
-def _compile(tmp: pathlib.Path, name: str, text: str) -> pathlib.Path:
-    src, exe = tmp / f"{name}.c", tmp / name
-    src.write_text(text)
-    subprocess.run(["gcc", "-O1", "-o", str(exe), str(src)], check=True)
-    return exe
-
-
 def _perf_counts(perf: str, counted: pathlib.Path) -> dict[str, int]:
     argv = [perf, "stat", "-x", ",", "-e", ",".join(EVENTS), "--", "sh", "-c", f"{counted}; true"]
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=True)
@@ -78,8 +72,8 @@ def _perf_counts(perf: str, counted: pathlib.Path) -> dict[str, int]:
 def test_perf_counts_the_events_ccprofd_is_attached_to(mode: str, tmp_path: pathlib.Path) -> None:
     require_bpf()
     perf = require_tool("perf")
-    waiter = _compile(tmp_path, "waiter", WAITER_C)
-    counted = _compile(tmp_path, "counted", COUNTED_C)
+    waiter = compile_c(tmp_path, "waiter", WAITER_C, "-O1")
+    counted = compile_c(tmp_path, "counted", COUNTED_C, "-O1")
     before = _perf_counts(perf, counted)
     assert before["syscalls:sys_enter_getppid"] >= 1000 and before["sched:sched_process_exec"] >= 1, before
 
