@@ -326,12 +326,12 @@ class RunningDaemon:
 
 # --------------------------------------------------------------------------------- sampling
 class SampleStream:
-    """``StreamSamples`` of one target, collected by a thread."""
+    """``StreamSamples`` of one target (of one process of it, if ``pid``), collected by a thread."""
 
-    def __init__(self, stub: Any, target: str) -> None:
+    def __init__(self, stub: Any, target: str, pid: int = 0) -> None:
         self._samples: list[Any] = []
         self._lock = threading.Lock()
-        self._call = stub.StreamSamples(pb.SampleFilter(target=target))
+        self._call = stub.StreamSamples(pb.SampleFilter(target=target, pid=pid))
         # live once the server says so: samples published before that would not reach the stream
         assert dict(self._call.initial_metadata()).get("ccprofd-subscribed") == "1"
         self._thread = threading.Thread(target=self._run, daemon=True)

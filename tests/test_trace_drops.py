@@ -244,12 +244,27 @@ def test_the_daemon_traces_a_300_thread_process_and_the_next_one(bpf: None, work
                 good = [s for s in stream.of(running.pid) if s.complete]
                 assert all([f.function for f in s.frames if f.analysed] == ["worker", "burst", "put"]
                            for s in good)
-                later = subprocess.Popen([str(binary), "3", "2"], stdout=subprocess.DEVNULL)
-                assert later.wait(timeout=60) == 0
-                wait_for(lambda: len([s for s in stream.of(later.pid) if s.tid != later.pid]) >= 6,
-                         timeout=60, interval=0.2)
-                mine = [s for s in stream.of(later.pid) if s.tid != later.pid]
+                # The later process's own subscription (pid filter), opened while it waits in sh
+                # before its exec of the binary: the target-wide stream above loses most samples
+                # under this flood (stream_subscriber_slow, counted), and 6 samples among ~10,000/s
+                # would be lost with them -- the test before this failed so on a slow host.
+                later = subprocess.Popen(["sh", "-c", 'read go && exec "$0" 3 2', str(binary)],
+                                         stdin=subprocess.PIPE, stdout=subprocess.DEVNULL)
+                assert later.stdin is not None
+                own = SampleStream(daemon.stub, "mt", pid=later.pid)
+                try:
+                    later.stdin.write(b"go\n")
+                    later.stdin.close()
+                    assert later.wait(timeout=60) == 0
+                    wait_for(lambda: len([s for s in own.samples if s.tid != later.pid]) >= 6,
+                             timeout=60, interval=0.2)
+                    mine = [s for s in own.samples if s.tid != later.pid]
+                finally:
+                    own.close()
                 assert len(mine) == 6 and all(s.complete for s in mine), mine[:2]
+                assert all([f.function for f in s.frames if f.analysed] == ["worker", "burst", "put"]
+                           for s in mine)
+                assert {s.pid for s in own.samples} == {later.pid}
                 targets = daemon.targets()
                 assert targets is not None and targets.targets[0].state == "attached"
             finally:
