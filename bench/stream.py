@@ -1,0 +1,169 @@
+"""Benchmark of ``StreamSamples`` delivery: how many of a busy target's samples one subscriber of
+the whole target receives, and what the daemon spends doing it.
+
+Why: with a subscriber every sample is a record the daemon's poll thread decodes, counts and
+publishes in Python, with the GIL held; the gRPC thread that sends the subscriber's messages gets
+the GIL only between those, and a subscriber that falls behind loses samples
+(``stream_subscriber_slow``, counted).  So the poll thread's cost per sample decides both.
+
+Workload: bench/daemon_workload.c (write(2) at --rate calls/s for --seconds from three contexts),
+under ``ccprofd run`` with a ``path`` target (both tracer modes), a ``StreamSamples`` subscriber of
+the target attached before the workload starts.  Per case (--rounds rounds): samples received by
+the subscriber, ``stream_subscriber_slow`` drops, other drops, samples counted by
+``GetHotContexts`` (must equal the writes made), daemon CPU (% of one core over the workload's run
+and the drain) and the workload's achieved rate.
+
+Usage: .venv/bin/python bench/stream.py [--rate 10000] [--seconds 10] [--rounds 3]
+       [--modes unwind,instrumented] [--baseline TREE] [--update-readme]
+--baseline: a checkout of another commit (with its generated code and helpers built): each case
+runs its daemon from there too, alternating with this tree's, so both are measured in one run.
+Needs root (BPF) and gcc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tests"))
+from common import cpu_seconds, machine_line, publish  # noqa: E402
+from daemon import (  # noqa: E402
+    DAEMON_SETTINGS,
+    build_workload,
+    dropped_samples,
+    finish_workload,
+    hot_counts,
+    launch_workload,
+)
+from daemon_fakes import config_text, wait_for  # noqa: E402
+from daemon_harness import RunningDaemon, SampleStream, target_toml  # noqa: E402
+
+MARKER = "stream"
+
+
+@dataclass
+class StreamCase:
+    tree: str
+    mode: str
+    made: int
+    rate: float
+    received: int
+    slow_drops: int
+    other_drops: int
+    counted: int
+    daemon_cpu_pct: float
+
+
+def run_case(binary: Path, tree: str, tree_dir: Path, mode: str, rate: int, seconds: float) -> StreamCase:
+    workdir = tempfile.mkdtemp(prefix="ccd-stream-", dir="/tmp")
+    try:
+        target = target_toml("wl", f'path = "{binary}"', ["write"], mode)
+        # the daemon runs from tree_dir (python -m ccprofd.cli imports the package of its cwd)
+        daemon = RunningDaemon(workdir, config_text(workdir, target, daemon_extra=DAEMON_SETTINGS),
+                               prefix=["env", "-C", str(tree_dir)])
+        proc, pid = launch_workload(binary, rate, seconds)
+        daemon.wait_tracked(pid, timeout=60)
+        stream = SampleStream(daemon.stub, "wl")
+        cpu0 = cpu_seconds(daemon.proc.pid)
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+        result = finish_workload(proc)
+
+        def drained() -> bool:
+            return sum(hot_counts(daemon, "wl")[0].values()) >= sum(result.per_context.values())
+
+        wait_for(drained, timeout=120, interval=0.2, what="the daemon's counts of every write")
+        cpu1 = cpu_seconds(daemon.proc.pid)
+        time.sleep(2)  # what the subscriber's queue still holds reaches it
+        received = len(stream.of(pid))
+        stream.close()
+        drops = dropped_samples(daemon, "wl")
+        counted = sum(hot_counts(daemon, "wl")[0].values())
+        daemon.stop()
+        slow = drops.pop("stream_subscriber_slow", 0)
+        return StreamCase(tree, mode, result.made, result.rate, received, slow, sum(drops.values()), counted,
+                          100 * (cpu1 - cpu0) / result.wall_s)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def render(cases: list[StreamCase], args: argparse.Namespace) -> str:
+    lines = [
+        f"`bench/stream.py --rate {args.rate} --seconds {args.seconds:g} --rounds {args.rounds}"
+        f"{' --baseline ' + args.baseline_name if args.baseline else ''}` ({machine_line()}; medians over "
+        "the rounds, the trees alternating). One `StreamSamples` subscriber of the whole target; the "
+        "daemon counts every sample (`GetHotContexts`) whatever the subscriber receives. Daemon CPU: "
+        "% of one core over the workload's run and the drain.",
+        "",
+        "| mode | daemon | writes made (rate) | received by the subscriber | "
+        "`stream_subscriber_slow` | other drops | counted by the daemon | daemon CPU |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    trees = list(dict.fromkeys(c.tree for c in cases))
+    for mode in dict.fromkeys(c.mode for c in cases):
+        for tree in trees:
+            group = [c for c in cases if (c.mode, c.tree) == (mode, tree)]
+
+            def med(attr: str, group: list[StreamCase] = group) -> float:
+                return statistics.median(getattr(c, attr) for c in group)
+
+            made = med("made")
+            lines.append(
+                f"| {mode} | {tree} | {made:,.0f} ({med('rate'):,.0f}/s) | "
+                f"{med('received'):,.0f} ({100 * med('received') / made:.1f}%) | {med('slow_drops'):,.0f} | "
+                f"{med('other_drops'):,.0f} | {med('counted'):,.0f} | {med('daemon_cpu_pct'):.0f}% |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def git_head(tree: Path) -> str:
+    out = subprocess.run(["git", "-C", str(tree), "rev-parse", "--short", "HEAD"],
+                         capture_output=True, text=True)
+    return out.stdout.strip() or tree.name
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    ap.add_argument("--rate", type=int, default=10000, help="write(2) calls per second (default 10000)")
+    ap.add_argument("--seconds", type=float, default=10.0, help="workload length per case (default 10)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of every case (default 3)")
+    ap.add_argument("--modes", default="unwind,instrumented", help="tracer modes (default both)")
+    ap.add_argument("--baseline", type=Path, help="a checkout of another commit to compare with")
+    ap.add_argument("--update-readme", action="store_true", help="write the table into README.md")
+    args = ap.parse_args()
+    if args.baseline is not None and not (args.baseline / "ccprofd" / "cli").is_dir():
+        ap.error(f"--baseline {args.baseline}: not a ccprofd checkout")
+    trees = [(f"this tree ({git_head(ROOT)})", ROOT)]
+    if args.baseline is not None:
+        args.baseline_name = git_head(args.baseline)
+        trees.insert(0, (f"baseline ({args.baseline_name})", args.baseline))
+    out_dir = tempfile.mkdtemp(prefix="ccd-stream-bin-")
+    try:
+        binary = build_workload(out_dir)
+        cases: list[StreamCase] = []
+        for r in range(args.rounds):
+            for mode in args.modes.split(","):
+                for tree, tree_dir in trees if r % 2 == 0 else trees[::-1]:
+                    c = run_case(binary, tree, tree_dir, mode, args.rate, args.seconds)
+                    print(f"round {r + 1} {mode} {tree}: received {c.received}/{c.made}, slow drops "
+                          f"{c.slow_drops}, other {c.other_drops}, counted {c.counted}, "
+                          f"daemon CPU {c.daemon_cpu_pct:.0f}%", file=sys.stderr)
+                    cases.append(c)
+    finally:
+        shutil.rmtree(out_dir, ignore_errors=True)
+    publish(MARKER, render(cases, args), args.update_readme)
+
+
+if __name__ == "__main__":
+    main()
