@@ -8,7 +8,9 @@ the GIL only between those, and a subscriber that falls behind loses samples
 
 Workload: bench/daemon_workload.c (write(2) at --rate calls/s for --seconds from three contexts),
 under ``ccprofd run`` with a ``path`` target (both tracer modes), a ``StreamSamples`` subscriber of
-the target attached before the workload starts.  Per case (--rounds rounds): samples received by
+the target attached before the workload starts (or of pid 1, which receives nothing: the daemon
+still decodes every sample as a record and offers it, so its CPU is the poll thread's without the
+sending).  Per case (--rounds rounds): samples received by
 the subscriber, ``stream_subscriber_slow`` drops, other drops, samples counted by
 ``GetHotContexts`` (must equal the writes made), daemon CPU (% of one core over the workload's run
 and the drain) and the workload's achieved rate.
@@ -55,6 +57,7 @@ MARKER = "stream"
 class StreamCase:
     tree: str
     mode: str
+    subscriber: str  # "target": of the whole target; "pid 1": of another process (receives nothing)
     made: int
     rate: float
     received: int
@@ -64,7 +67,8 @@ class StreamCase:
     daemon_cpu_pct: float
 
 
-def run_case(binary: Path, tree: str, tree_dir: Path, mode: str, rate: int, seconds: float) -> StreamCase:
+def run_case(binary: Path, tree: str, tree_dir: Path, mode: str, subscriber: str, rate: int,
+             seconds: float) -> StreamCase:
     workdir = tempfile.mkdtemp(prefix="ccd-stream-", dir="/tmp")
     try:
         target = target_toml("wl", f'path = "{binary}"', ["write"], mode)
@@ -73,7 +77,8 @@ def run_case(binary: Path, tree: str, tree_dir: Path, mode: str, rate: int, seco
                                prefix=["env", "-C", str(tree_dir)])
         proc, pid = launch_workload(binary, rate, seconds)
         daemon.wait_tracked(pid, timeout=60)
-        stream = SampleStream(daemon.stub, "wl")
+        # pid 1: every sample is still a record decoded and offered to the subscriber, none is sent
+        stream = SampleStream(daemon.stub, "wl", pid=1 if subscriber == "pid 1" else 0)
         cpu0 = cpu_seconds(daemon.proc.pid)
         assert proc.stdin is not None
         proc.stdin.write("go\n")
@@ -92,8 +97,8 @@ def run_case(binary: Path, tree: str, tree_dir: Path, mode: str, rate: int, seco
         counted = sum(hot_counts(daemon, "wl")[0].values())
         daemon.stop()
         slow = drops.pop("stream_subscriber_slow", 0)
-        return StreamCase(tree, mode, result.made, result.rate, received, slow, sum(drops.values()), counted,
-                          100 * (cpu1 - cpu0) / result.wall_s)
+        return StreamCase(tree, mode, subscriber, result.made, result.rate, received, slow,
+                          sum(drops.values()), counted, 100 * (cpu1 - cpu0) / result.wall_s)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -106,21 +111,21 @@ def render(cases: list[StreamCase], args: argparse.Namespace) -> str:
         "daemon counts every sample (`GetHotContexts`) whatever the subscriber receives. Daemon CPU: "
         "% of one core over the workload's run and the drain.",
         "",
-        "| mode | daemon | writes made (rate) | received by the subscriber | "
+        "| mode | subscriber of | daemon | writes made (rate) | received by the subscriber | "
         "`stream_subscriber_slow` | other drops | counted by the daemon | daemon CPU |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     trees = list(dict.fromkeys(c.tree for c in cases))
-    for mode in dict.fromkeys(c.mode for c in cases):
+    for mode, sub in dict.fromkeys((c.mode, c.subscriber) for c in cases):
         for tree in trees:
-            group = [c for c in cases if (c.mode, c.tree) == (mode, tree)]
+            group = [c for c in cases if (c.mode, c.subscriber, c.tree) == (mode, sub, tree)]
 
             def med(attr: str, group: list[StreamCase] = group) -> float:
                 return statistics.median(getattr(c, attr) for c in group)
 
             made = med("made")
             lines.append(
-                f"| {mode} | {tree} | {made:,.0f} ({med('rate'):,.0f}/s) | "
+                f"| {mode} | {sub} | {tree} | {made:,.0f} ({med('rate'):,.0f}/s) | "
                 f"{med('received'):,.0f} ({100 * med('received') / made:.1f}%) | {med('slow_drops'):,.0f} | "
                 f"{med('other_drops'):,.0f} | {med('counted'):,.0f} | {med('daemon_cpu_pct'):.0f}% |"
             )
@@ -153,10 +158,10 @@ def main() -> None:
         binary = build_workload(out_dir)
         cases: list[StreamCase] = []
         for r in range(args.rounds):
-            for mode in args.modes.split(","):
+            for mode, sub in [(m, s) for m in args.modes.split(",") for s in ("target", "pid 1")]:
                 for tree, tree_dir in trees if r % 2 == 0 else trees[::-1]:
-                    c = run_case(binary, tree, tree_dir, mode, args.rate, args.seconds)
-                    print(f"round {r + 1} {mode} {tree}: received {c.received}/{c.made}, slow drops "
+                    c = run_case(binary, tree, tree_dir, mode, sub, args.rate, args.seconds)
+                    print(f"round {r + 1} {mode} {sub} {tree}: received {c.received}/{c.made}, slow drops "
                           f"{c.slow_drops}, other {c.other_drops}, counted {c.counted}, "
                           f"daemon CPU {c.daemon_cpu_pct:.0f}%", file=sys.stderr)
                     cases.append(c)

@@ -192,6 +192,23 @@ def test_cpu_contexts_are_keyed_by_function_not_by_sampled_instruction() -> None
         store.context_of(sample([main, frame("emit", 0x1178)]))
 
 
+def test_a_shared_frames_list_gives_the_id_its_contents_give() -> None:
+    """context_of remembers a frames list by identity (tracers share one list per context); the id
+    must still be the one the contents give, whether the list is shared, a copy, or reused with
+    another completeness or event (a CPU sample drops its innermost call site)."""
+    store = TargetStore()
+    shared = [frame("main", 0x1193), frame("emit", 0x1170)]
+    first = store.context_of(sample(shared))
+    assert store.context_of(sample(shared, pid=1, tid=2)) == first == context_id(shared)
+    assert store.context_of(sample([dict(f) for f in shared])) == first
+    assert store.context_of(sample(shared, complete=False)) == context_id(shared, complete=False) != first
+    cpu = store.context_of(sample(shared, event="cpu"))
+    assert cpu == context_id([shared[0], dict(shared[1], call_site=None)]) != first
+    assert store.context_of(sample(shared)) == first  # the other kinds did not replace it wrongly
+    assert store.context_of(sample(shared, complete=False)) != first
+    assert store.context_of(sample(shared, event="cpu")) == cpu
+
+
 def test_series_not_seen_for_retire_after_are_retired_within_the_bound() -> None:
     """Issue 17: promoted series never retired.  A context not seen for retire_after_seconds
     leaves the exposition and frees its max_series slot; seen again, it is promoted again and its
