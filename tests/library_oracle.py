@@ -98,6 +98,8 @@ class ObjectSymbols:
                 return int(name[4:], 16) == start
             except ValueError:
                 return False
+        if not names:
+            return None  # a function known only by its .eh_frame FDE: no symbol names it
         return name in names or any(n.split("@", 1)[0] == name for n in names)
 
 

@@ -42,10 +42,12 @@ def require_mode(mode: str, prog: str) -> None:
 
 
 def chain(syscall: str, frames: list[dict[str, Any]]) -> Chain:
-    """The frames in the program (unwind mode also reports the library frames inward of it)."""
-    prog = {str(Path(f["module"]).resolve()) for f in frames[:1]}
-    return syscall, tuple(str(f["function"]) for f in frames
-                          if not f.get("tail_call") and str(Path(f["module"]).resolve()) in prog)
+    """The frames in the program (unwind mode also reports library frames: those inward of it, and
+    every frame of a syscall made with none of the program's, such as the loader's).  A frame says
+    whether it is the program's (``analysed``), except a model's (an alert's ``nearest``), which is
+    the program's when its module is not a shared object."""
+    return syscall, tuple(str(f["function"]) for f in frames if not f.get("tail_call") and
+                          f.get("analysed", ".so" not in Path(str(f["module"])).name))
 
 
 def strace_chains(argv: list[str]) -> set[Chain]:

@@ -65,8 +65,10 @@ def trace(mode: str, binary: pathlib.Path, tmp_path: pathlib.Path) -> list[dict[
     proc = subprocess.run(argv, capture_output=True, text=True, cwd=REPO, timeout=600)
     assert proc.returncode == 0, proc.stderr
     samples = [json.loads(line) for line in out.read_text().splitlines()]
-    # The program's own syscalls (the loader's come with no frames in both modes).
-    return [s for s in samples if s.get("event") == "syscall" and s["frames"]]
+    # The program's own syscalls: those with a frame of the program.  Instrumented mode reports the
+    # others (the loader's, exit's flush after main returned) with no frames, unwind mode with
+    # their library frames.
+    return [s for s in samples if s.get("event") == "syscall" and any(f["analysed"] for f in s["frames"])]
 
 
 def program_chain(sample: dict[str, Any]) -> list[tuple[str, str | None]]:

@@ -192,6 +192,31 @@ def test_cpu_contexts_are_keyed_by_function_not_by_sampled_instruction() -> None
         store.context_of(sample([main, frame("emit", 0x1178)]))
 
 
+def _lib(function: str, ret: str | None) -> dict[str, object]:
+    return {"function": function, "module": "/lib64/ld-linux-x86-64.so.2", "build_id": "7e" * 20,
+            "analysed": False, "call_site": None, "return_address": ret}
+
+
+def test_a_chain_without_program_frames_is_keyed_by_its_library_frames() -> None:
+    """The dynamic loader's syscalls (unwind mode reports their ld.so frames): two loader chains are
+    two contexts, each counted under its own frames; a library leaf below program frames still does
+    not change the program chain's id."""
+    cache = [_lib("_dl_start", "0x1bccc"), _lib("_dl_map_object", "0x135e4"), _lib("__open_nocancel", None)]
+    deps = [_lib("_dl_start", "0x1bccc"), _lib("_dl_map_object", "0x2261"), _lib("__open_nocancel", None)]
+    assert context_id(cache) != context_id(deps)
+    assert context_id(cache) != context_id([])  # not the empty context of instrumented mode
+    assert context_id(cache) == context_id([dict(f) for f in cache])
+    store = TargetStore()
+    for _ in range(3):
+        store.add(sample(cache, "openat"), T0)
+    store.add(sample(deps, "openat"), T0)
+    hot = sorted(((h.count, [f["return_address"] for f in h.frames]) for h in store.hot("syscall", 10)),
+                 key=lambda t: -t[0])
+    assert hot == [(3, ["0x1bccc", "0x135e4", None]), (1, ["0x1bccc", "0x2261", None])]
+    program = ctx("main", "emit")
+    assert context_id([*program, _lib("write", None)]) == context_id(program)
+
+
 def test_a_shared_frames_list_gives_the_id_its_contents_give() -> None:
     """context_of remembers a frames list by identity (tracers share one list per context); the id
     must still be the one the contents give, whether the list is shared, a copy, or reused with

@@ -69,17 +69,26 @@ def is_program_frame(frame: Mapping[str, Any]) -> bool:
     return bool(frame.get("analysed", True))
 
 
+def _keyed(frames: Sequence[Mapping[str, Any]]) -> Sequence[Mapping[str, Any]]:
+    """The frames a context id is made of: the program's; all of them when there is none (the
+    dynamic loader before the entry point, a thread a library started: unwind mode reports those
+    chains in library frames, instrumented mode with none)."""
+    program = [f for f in frames if f.get("analysed", True)]
+    return program if program or not frames else frames
+
+
 def context_id(frames: Sequence[Mapping[str, Any]], complete: bool = True) -> str:
     """Short stable hash of a decoded frame list's *program* frames (library frames are skipped:
-    the tracer modes report them differently): per frame the object's build-id (module path when
-    there is none) and the call site; the function name only for frames without a call site.
-    Incomplete contexts hash differently from complete ones with the same frames: they are a
-    different statement (a known suffix, not the whole chain)."""
+    the tracer modes report them differently; a chain without a program frame is hashed from its
+    library frames, a library frame's call known by its return address): per frame the object's
+    build-id (module path when there is none) and the call site; the function name only for frames
+    without a call site.  Incomplete contexts hash differently from complete ones with the same
+    frames: they are a different statement (a known suffix, not the whole chain)."""
     h = hashlib.blake2b(digest_size=6)
-    for f in frames:
-        if not f.get("analysed", True):
-            continue
+    for f in _keyed(frames):
         site = _address(f.get("call_site"))
+        if site is None and not f.get("analysed", True):
+            site = _address(f.get("return_address"))
         obj = f.get("build_id") or f.get("module") or ""
         name = "" if site is not None else (f.get("function") or "")
         h.update(f"{obj}\x1f{'' if site is None else format(site, 'x')}\x1f{name}\x1f"
@@ -92,7 +101,9 @@ def context_id(frames: Sequence[Mapping[str, Any]], complete: bool = True) -> st
 def _memo_key(frames: Sequence[Mapping[str, Any]], complete: bool) -> tuple[Any, ...]:
     """Everything :func:`context_id` reads, as a dict key (several times cheaper than the hash)."""
     return (complete, *[(f.get("build_id") or f.get("module"), f.get("call_site"), f.get("function"),
-                         bool(f.get("tail_call"))) for f in frames if f.get("analysed", True)])
+                         bool(f.get("tail_call")),
+                         None if f.get("analysed", True) else f.get("return_address"))
+                        for f in _keyed(frames)])
 
 
 def _keyed_frames(sample: Sample) -> Sequence[Mapping[str, Any]]:

@@ -142,7 +142,10 @@ class UnwindSymbolizer:
         if fp and complete and rec.segments and skipped_frame(rec, self.nodes, self._exit_tables()):
             complete, reason = False, SKIPPED_FRAME
         if rec.node == NO_NODE:
-            return Decoded([], complete, reason)
+            # No frame of the binary on the stack (the dynamic loader before the entry point, a
+            # thread a library started): the context is the library frames themselves.
+            alone = [self._unanalysed(u.module_key, u.vaddr, u.exact) for u in rec.unanalysed]
+            return Decoded.with_json(list(map(_FIRST, alone)), list(map(_SECOND, alone)), complete, reason)
         node = self.nodes[rec.node]
         try:
             # No segment, no recID (most contexts): the plan's acyclic walk without an EncodedState

@@ -1371,8 +1371,10 @@ static __always_inline long ue_step(struct uw_state *st, u32 i) {
             node = UE_NONE;
     }
     if (node == UE_NONE) {
-        if (st->w.cur == UE_NONE)
-            return 0;  // above the thread's first analysed frame: not part of the context
+        // Above the thread's first analysed frame a frame is not part of the context -- unless no
+        // analysed frame follows (the dynamic loader before the binary's entry, a thread a library
+        // started): then these frames are the whole context.  So they are kept here and dropped at
+        // the first analysed frame (below), which they are above.
         u32 k = e->nunan;
         if (k >= UE_MAX_UNAN) {
             e->flags |= UE_F_UNAN_OVF;
@@ -1386,6 +1388,8 @@ static __always_inline long ue_step(struct uw_state *st, u32 i) {
     }
     u32 cur = st->w.cur;
     if (cur == UE_NONE) {
+        e->nunan = 0;  // the frames above the first analysed one (see above)
+        e->flags &= ~UE_F_UNAN_OVF;
         if (st->s.reason) {
             ue_anchor(e, node, 0);  // the unwind stopped early: frames above are unknown
         } else {
