@@ -213,7 +213,11 @@ def test_new_process_children_followed(bpf: None, workdir: str, tmp_path: Path, 
         try:
             warm: list[int] = []
             wait_for(lambda: warm_up(binary, stream, warm), timeout=120, interval=0.2)
-            time.sleep(1.0)
+            # Every sample of the warm-up runs, their fork children's included (pids the test does
+            # not know), is in once the last run's own exit_group is: it waited for its children.
+            # (A fixed 1 s wait here failed when decoding the first loader frames took longer.)
+            wait_for(lambda: any(s.pid == warm[-1] and s.syscall == "exit_group" for s in stream.samples),
+                     timeout=120, interval=0.2)
             seen = stream.pids() | set(warm)
             run = subprocess.run([str(binary)], check=True)
             assert run.returncode == 0
