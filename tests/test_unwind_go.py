@@ -462,7 +462,10 @@ def test_go_cgo_runtime_calls_on_a_realigned_stack_unwind(tmp_path: pathlib.Path
         for n in hit:
             seen[n] += 1
         assert s["complete"], json.dumps(s)
-        assert names[0] in ("runtime.goexit", "runtime.mstart", "runtime.rt0_go", "runtime.mcall"), names
+        # where Go says a stack starts; morestack too when the growth went on into the scheduler on
+        # g0 (a preempted growth: README, "runtime.morestack"), as it does on this host at times
+        roots = ("runtime.goexit", "runtime.mstart", "runtime.rt0_go", "runtime.mcall")
+        assert names[0] in roots or (names[0] == "runtime.morestack" and "runtime.schedule" in names), names
         frames = s["frames"]
         for outer, inner in itertools.pairwise(frames):
             if outer["module"] != str(binary) or outer["return_address"] is None:

@@ -1373,8 +1373,11 @@ static __always_inline long ue_step(struct uw_state *st, u32 i) {
     if (node == UE_NONE) {
         // Above the thread's first analysed frame a frame is not part of the context -- unless no
         // analysed frame follows (the dynamic loader before the binary's entry, a thread a library
-        // started): then these frames are the whole context.  So they are kept here and dropped at
-        // the first analysed frame (below), which they are above.
+        // started): then the library frames are the whole context.  So they are kept here and
+        // dropped at the first analysed frame (below), which they are above.  The binary's own
+        // code up there (its entry function, `_start`) is above the context's root either way.
+        if (st->w.cur == UE_NONE && (info & UE_ANALYSED))
+            return 0;
         u32 k = e->nunan;
         if (k >= UE_MAX_UNAN) {
             e->flags |= UE_F_UNAN_OVF;
