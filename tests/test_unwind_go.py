@@ -523,8 +523,9 @@ def check_go_chain(fns: list[str], ras: list[int | None], calls: dict[int, str |
     frame's return address, None where it has none or is outside the binary): it starts at goexit, and every
     return address follows a call of the next frame's function (objdump; an indirect call: any) --
     the function that called morestack called it through ``morestack_noctxt``'s jump, or directly;
-    systemstack called on g0 jumps to its function, leaving no frame of its own."""
-    assert fns[0] == "runtime.goexit", fns
+    systemstack called on g0 jumps to its function, leaving no frame of its own.  A thread that
+    never runs a goroutine (``sysmon``'s, on its own stack from ``mstart``) starts at mstart."""
+    assert fns[0] == "runtime.goexit" or (fns[0] == "runtime.mstart" and "runtime.sysmon" in fns), fns
     for k in range(1, len(fns) - 1):
         ra = ras[k]
         if ra is None:
