@@ -73,7 +73,7 @@ def _keyed(frames: Sequence[Mapping[str, Any]]) -> Sequence[Mapping[str, Any]]:
     """The frames a context id is made of: the program's; all of them when there is none (the
     dynamic loader before the entry point, a thread a library started: unwind mode reports those
     chains in library frames, instrumented mode with none)."""
-    program = [f for f in frames if f.get("analysed", True)]
+    program = [f for f in frames if is_program_frame(f)]
     return program if program or not frames else frames
 
 
@@ -87,7 +87,7 @@ def context_id(frames: Sequence[Mapping[str, Any]], complete: bool = True) -> st
     h = hashlib.blake2b(digest_size=6)
     for f in _keyed(frames):
         site = _address(f.get("call_site"))
-        if site is None and not f.get("analysed", True):
+        if site is None and not is_program_frame(f):
             site = _address(f.get("return_address"))
         obj = f.get("build_id") or f.get("module") or ""
         name = "" if site is not None else (f.get("function") or "")
@@ -102,7 +102,7 @@ def _memo_key(frames: Sequence[Mapping[str, Any]], complete: bool) -> tuple[Any,
     """Everything :func:`context_id` reads, as a dict key (several times cheaper than the hash)."""
     return (complete, *[(f.get("build_id") or f.get("module"), f.get("call_site"), f.get("function"),
                          bool(f.get("tail_call")),
-                         None if f.get("analysed", True) else f.get("return_address"))
+                         None if is_program_frame(f) else f.get("return_address"))
                         for f in _keyed(frames)])
 
 
