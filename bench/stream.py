@@ -4,19 +4,22 @@ the whole target receives, and what the daemon spends doing it.
 Why: with a subscriber every sample is a record the daemon's poll thread decodes, counts and
 publishes in Python, with the GIL held; the gRPC thread that sends the subscriber's messages gets
 the GIL only between those, and a subscriber that falls behind loses samples
-(``stream_subscriber_slow``, counted).  So the poll thread's cost per sample decides both.
+(``stream_subscriber_slow``, counted).  So the cost per sample of both threads decides it, and
+per message: ``StreamSampleBatches`` sends what is queued in one message.
 
 Workload: bench/daemon_workload.c (write(2) at --rate calls/s for --seconds from three contexts),
-under ``ccprofd run`` with a ``path`` target (both tracer modes), a ``StreamSamples`` subscriber of
-the target attached before the workload starts (or of pid 1, which receives nothing: the daemon
-still decodes every sample as a record and offers it, so its CPU is the poll thread's without the
-sending).  Per case (--rounds rounds): samples received by
-the subscriber, ``stream_subscriber_slow`` drops, other drops, samples counted by
+under ``ccprofd run`` with a ``path`` target (both tracer modes), one subscriber attached before
+the workload starts: ``StreamSamples`` of the target, ``StreamSampleBatches`` of it, or
+``StreamSamples`` of pid 1, which receives nothing (the daemon still decodes every sample as a
+record and offers it, so its CPU is the poll thread's without the sending).  Per case (--rounds
+rounds): samples received by the subscriber and in how many messages, ``stream_subscriber_slow``
+drops (and, batched, the drops the messages themselves report), other drops, samples counted by
 ``GetHotContexts`` (must equal the writes made), daemon CPU (% of one core over the workload's run
 and the drain) and the workload's achieved rate.
 
 Usage: .venv/bin/python bench/stream.py [--rate 10000] [--seconds 10] [--rounds 3]
-       [--modes unwind,instrumented] [--baseline TREE] [--update-readme]
+       [--modes unwind,instrumented] [--subscribers target,"target (batches)","pid 1"]
+       [--baseline TREE] [--update-readme]
 --baseline: a checkout of another commit (with its generated code and helpers built): each case
 runs its daemon from there too, alternating with this tree's, so both are measured in one run.
 Needs root (BPF) and gcc.
@@ -51,13 +54,16 @@ from daemon_fakes import config_text, wait_for  # noqa: E402
 from daemon_harness import RunningDaemon, SampleStream, target_toml  # noqa: E402
 
 MARKER = "stream"
+BATCHED = "target (batches)"
 
 
 @dataclass
 class StreamCase:
     tree: str
     mode: str
-    subscriber: str  # "target": of the whole target; "pid 1": of another process (receives nothing)
+    # "target": StreamSamples of the whole target; "target (batches)": StreamSampleBatches of it;
+    # "pid 1": StreamSamples of another process (receives nothing)
+    subscriber: str
     made: int
     rate: float
     received: int
@@ -65,6 +71,8 @@ class StreamCase:
     other_drops: int
     counted: int
     daemon_cpu_pct: float
+    messages: int
+    in_stream_drops: int | None  # batched: the messages' own drop counts, added up
 
 
 def run_case(binary: Path, tree: str, tree_dir: Path, mode: str, subscriber: str, rate: int,
@@ -78,7 +86,8 @@ def run_case(binary: Path, tree: str, tree_dir: Path, mode: str, subscriber: str
         proc, pid = launch_workload(binary, rate, seconds)
         daemon.wait_tracked(pid, timeout=60)
         # pid 1: every sample is still a record decoded and offered to the subscriber, none is sent
-        stream = SampleStream(daemon.stub, "wl", pid=1 if subscriber == "pid 1" else 0)
+        stream = SampleStream(daemon.stub, "wl", pid=1 if subscriber == "pid 1" else 0,
+                              batched=subscriber == BATCHED)
         cpu0 = cpu_seconds(daemon.proc.pid)
         assert proc.stdin is not None
         proc.stdin.write("go\n")
@@ -93,12 +102,14 @@ def run_case(binary: Path, tree: str, tree_dir: Path, mode: str, subscriber: str
         time.sleep(2)  # what the subscriber's queue still holds reaches it
         received = len(stream.of(pid))
         stream.close()
+        messages, in_stream = stream.messages, stream.dropped if stream.batched else None
         drops = dropped_samples(daemon, "wl")
         counted = sum(hot_counts(daemon, "wl")[0].values())
         daemon.stop()
         slow = drops.pop("stream_subscriber_slow", 0)
         return StreamCase(tree, mode, subscriber, result.made, result.rate, received, slow,
-                          sum(drops.values()), counted, 100 * (cpu1 - cpu0) / result.wall_s)
+                          sum(drops.values()), counted, 100 * (cpu1 - cpu0) / result.wall_s, messages,
+                          in_stream)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
@@ -107,13 +118,15 @@ def render(cases: list[StreamCase], args: argparse.Namespace) -> str:
     lines = [
         f"`bench/stream.py --rate {args.rate} --seconds {args.seconds:g} --rounds {args.rounds}"
         f"{' --baseline ' + args.baseline_name if args.baseline else ''}` ({machine_line()}; medians over "
-        "the rounds, the trees alternating). One `StreamSamples` subscriber of the whole target; the "
+        "the rounds, the trees alternating). One subscriber: `StreamSamples` of the whole target, "
+        "`StreamSampleBatches` of it (\"batches\"), or `StreamSamples` of pid 1; the "
         "daemon counts every sample (`GetHotContexts`) whatever the subscriber receives. Daemon CPU: "
-        "% of one core over the workload's run and the drain.",
+        "% of one core over the workload's run and the drain. Drops in the stream: the batched "
+        "messages' own `dropped` counts, added up.",
         "",
-        "| mode | subscriber of | daemon | writes made (rate) | received by the subscriber | "
-        "`stream_subscriber_slow` | other drops | counted by the daemon | daemon CPU |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| mode | subscriber of | daemon | writes made (rate) | received by the subscriber | messages | "
+        "`stream_subscriber_slow` | drops in the stream | other drops | counted by the daemon | daemon CPU |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     trees = list(dict.fromkeys(c.tree for c in cases))
     for mode, sub in dict.fromkeys((c.mode, c.subscriber) for c in cases):
@@ -123,13 +136,23 @@ def render(cases: list[StreamCase], args: argparse.Namespace) -> str:
             def med(attr: str, group: list[StreamCase] = group) -> float:
                 return statistics.median(getattr(c, attr) for c in group)
 
+            if not group:
+                continue
             made = med("made")
+            in_stream = ("–" if group[0].in_stream_drops is None
+                         else f"{statistics.median(c.in_stream_drops or 0 for c in group):,.0f}")
             lines.append(
                 f"| {mode} | {sub} | {tree} | {made:,.0f} ({med('rate'):,.0f}/s) | "
-                f"{med('received'):,.0f} ({100 * med('received') / made:.1f}%) | {med('slow_drops'):,.0f} | "
+                f"{med('received'):,.0f} ({100 * med('received') / made:.1f}%) | {med('messages'):,.0f} | "
+                f"{med('slow_drops'):,.0f} | {in_stream} | "
                 f"{med('other_drops'):,.0f} | {med('counted'):,.0f} | {med('daemon_cpu_pct'):.0f}% |"
             )
     return "\n".join(lines) + "\n"
+
+
+def serves_batches(tree: Path) -> bool:
+    """Whether the daemon of ``tree`` has StreamSampleBatches (a baseline may predate it)."""
+    return "StreamSampleBatches" in (tree / "proto" / "ccprofd.proto").read_text()
 
 
 def git_head(tree: Path) -> str:
@@ -145,6 +168,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="rounds of every case (default 3)")
     ap.add_argument("--modes", default="unwind,instrumented", help="tracer modes (default both)")
     ap.add_argument("--baseline", type=Path, help="a checkout of another commit to compare with")
+    ap.add_argument("--subscribers", default=f"target,{BATCHED},pid 1",
+                    help=f"subscribers, comma-separated (default: target,{BATCHED},pid 1)")
     ap.add_argument("--update-readme", action="store_true", help="write the table into README.md")
     args = ap.parse_args()
     if args.baseline is not None and not (args.baseline / "ccprofd" / "cli").is_dir():
@@ -158,8 +183,10 @@ def main() -> None:
         binary = build_workload(out_dir)
         cases: list[StreamCase] = []
         for r in range(args.rounds):
-            for mode, sub in [(m, s) for m in args.modes.split(",") for s in ("target", "pid 1")]:
+            for mode, sub in [(m, s) for m in args.modes.split(",") for s in args.subscribers.split(",")]:
                 for tree, tree_dir in trees if r % 2 == 0 else trees[::-1]:
+                    if sub == BATCHED and not serves_batches(tree_dir):
+                        continue
                     c = run_case(binary, tree, tree_dir, mode, sub, args.rate, args.seconds)
                     print(f"round {r + 1} {mode} {sub} {tree}: received {c.received}/{c.made}, slow drops "
                           f"{c.slow_drops}, other {c.other_drops}, counted {c.counted}, "

@@ -326,12 +326,17 @@ class RunningDaemon:
 
 # --------------------------------------------------------------------------------- sampling
 class SampleStream:
-    """``StreamSamples`` of one target (of one process of it, if ``pid``), collected by a thread."""
+    """``StreamSamples`` of one target (of one process of it, if ``pid``), collected by a thread;
+    ``batched``: ``StreamSampleBatches`` instead (``dropped`` adds up its messages' drop counts)."""
 
-    def __init__(self, stub: Any, target: str, pid: int = 0) -> None:
+    def __init__(self, stub: Any, target: str, pid: int = 0, batched: bool = False) -> None:
         self._samples: list[Any] = []
         self._lock = threading.Lock()
-        self._call = stub.StreamSamples(pb.SampleFilter(target=target, pid=pid))
+        self.batched = batched
+        self.messages = 0
+        self.dropped = 0
+        rpc = stub.StreamSampleBatches if batched else stub.StreamSamples
+        self._call = rpc(pb.SampleFilter(target=target, pid=pid))
         # live once the server says so: samples published before that would not reach the stream
         assert dict(self._call.initial_metadata()).get("ccprofd-subscribed") == "1"
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -339,9 +344,14 @@ class SampleStream:
 
     def _run(self) -> None:
         try:
-            for s in self._call:
+            for msg in self._call:
                 with self._lock:
-                    self._samples.append(s)
+                    self.messages += 1
+                    if self.batched:
+                        self._samples.extend(msg.samples)
+                        self.dropped += msg.dropped
+                    else:
+                        self._samples.append(msg)
         except grpc.RpcError:
             pass
 

@@ -84,3 +84,33 @@ def test_a_closed_subscription_gets_nothing_more() -> None:
     assert sub.get(0) is None and bus.dropped == 0
 
 
+
+
+def test_get_batch_takes_what_is_queued_in_order_up_to_the_limit() -> None:
+    bus = Bus(maxsize=100)
+    sub = bus.subscribe()
+    assert sub.get_batch(0.01, 10) == []  # nothing queued: waits, then none
+    _publish(bus, _items(25))
+    assert [i["n"] for i in sub.get_batch(0, 10)] == list(range(10))
+    assert [i["n"] for i in sub.get_batch(0, 10)] == list(range(10, 20))
+    assert [i["n"] for i in sub.get_batch(0, 10)] == list(range(20, 25))  # no wait for more
+    assert sub.get_batch(0, 10) == []
+    # the queue has room again for what a batch took
+    assert _publish(bus, _items(100)) == 0 and sub.dropped == 0
+
+
+def test_get_batch_returns_as_soon_as_one_item_comes() -> None:
+    bus = Bus(maxsize=100)
+    sub = bus.subscribe()
+    threading.Timer(0.1, bus.publish, args=({"pid": 1, "n": 0},)).start()
+    assert [i["n"] for i in sub.get_batch(30, 1000)] == [0]
+
+
+def test_take_dropped_counts_each_loss_once() -> None:
+    bus = Bus(maxsize=2)
+    sub = bus.subscribe()
+    assert _publish(bus, _items(5)) == 3
+    assert sub.take_dropped() == 3 and sub.take_dropped() == 0
+    assert len(sub.get_batch(0, 10)) == 2
+    assert _publish(bus, _items(4)) == 2
+    assert sub.take_dropped() == 2 and sub.dropped == 5

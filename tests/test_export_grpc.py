@@ -10,8 +10,9 @@ import shutil
 import stat
 import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -408,3 +409,61 @@ def test_get_context_resolves_an_id_to_its_frames(served: tuple[Daemon, FakeFact
         with pytest.raises(grpc.RpcError) as exc:
             stub(path).GetContext(req, timeout=10)
         assert exc.value.code() == code and needle in (exc.value.details() or ""), req
+
+
+def _collect_batches(call: Any, until: Callable[[list[Any]], bool]) -> tuple[threading.Thread, list[Any]]:
+    messages: list[Any] = []
+
+    def consume() -> None:
+        for msg in call:
+            messages.append(msg)
+            if until(messages):
+                call.cancel()
+                return
+
+    t = threading.Thread(target=consume)
+    t.start()
+    return t, messages
+
+
+def test_stream_sample_batches_carry_the_samples_in_order(served: tuple[Daemon, FakeFactory, str]) -> None:
+    """The batched stream gives what StreamSamples gives, sample for sample, in publishing order."""
+    _, factory, path = served
+    single = stub(path).StreamSamples(pb.SampleFilter(target="app"), timeout=60)
+    batched = stub(path).StreamSampleBatches(pb.SampleFilter(target="app"), timeout=60)
+    for call in (single, batched):
+        assert dict(call.initial_metadata()).get("ccprofd-subscribed") == "1"
+    n = 300
+    t1, one_by_one = _collect_batches(single, lambda got: len(got) == n)
+    t2, batches = _collect_batches(batched, lambda got: sum(len(b.samples) for b in got) == n)
+    src = factory.sources["app"]
+    src.push(*[sample(WRITE_CTX if i % 3 else OPEN_CTX, "write" if i % 3 else "openat", tid=1000 + i)
+               for i in range(n)])
+    t1.join(timeout=60)
+    t2.join(timeout=60)
+    flat = [s for b in batches for s in b.samples]
+    assert [s.tid for s in flat] == list(range(1000, 1000 + n))
+    assert flat == one_by_one  # every field, frames included
+    assert flat[1].context == context_id(WRITE_CTX) and [f.function for f in flat[0].frames] == [
+        "main", "load", "read_cfg"]
+    assert all(b.dropped == 0 for b in batches)
+
+
+def test_a_slow_batch_subscriber_is_told_what_it_lost() -> None:
+    """Whatever the timing, every sample of the stream either arrives or is counted as dropped in
+    the messages themselves (and in the daemon's counter): nothing is lost silently."""
+    with started_daemon(TARGET_APP, daemon_extra="stream_queue = 8") as s:
+        call = stub(s.socket).StreamSampleBatches(pb.SampleFilter(target="app"), timeout=60)
+        assert dict(call.initial_metadata()).get("ccprofd-subscribed") == "1"
+        n = 3000
+        t, batches = _collect_batches(
+            call, lambda got: sum(len(b.samples) + b.dropped for b in got) >= n)
+        s.factory.sources["app"].push(*[sample(WRITE_CTX, tid=i) for i in range(n)])
+        t.join(timeout=60)
+        received = [m.tid for b in batches for m in b.samples]
+        dropped = sum(b.dropped for b in batches)
+        assert len(received) + dropped == n
+        assert received == sorted(received) and len(set(received)) == len(received)  # in order, once
+        assert dropped == s.daemon.samples.dropped
+        # no more than the queue held: the first item taken, then the (at most 8) queued after it
+        assert all(len(b.samples) <= 8 + 1 for b in batches)

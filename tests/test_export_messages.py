@@ -6,7 +6,7 @@ from __future__ import annotations
 from typing import Any
 
 from ccprofd.export.gen import ccprofd_pb2 as pb
-from ccprofd.export.messages import alert_from_pb, alert_to_pb, sample_from_pb, sample_to_pb
+from ccprofd.export.messages import SampleEncoder, alert_from_pb, alert_to_pb, sample_from_pb, sample_to_pb
 
 FRAME = {"function": "main", "module": "/bin/p", "build_id": "ab", "analysed": True, "call_site": "0x10",
          "return_address": "0x15"}
@@ -56,3 +56,51 @@ def test_an_incomplete_sample_says_why_on_the_wire() -> None:
     assert msg.reason == "no_cfi: pc 0x4010 in /bin/p has no FDE"
     assert sample_from_pb(msg)["reason"] == flagged["reason"]
     assert "reason" not in sample_from_pb(sample_to_pb(sample()))
+
+
+def test_the_encoder_gives_what_sample_to_pb_gives() -> None:
+    """The stream encoder converts a frames list once and reuses its bytes: every field must come
+    out as the plain conversion's, for samples that share the list and for ones that do not."""
+    shared = [FRAME, {**FRAME, "function": "open_cfg", "call_site": "0x20", "file": "a.c", "line": 7,
+                      "inlined": [{"function": "inl", "file": "b.h", "line": 3}]}]
+    samples = [
+        sample(frames=shared, args={"path": "/etc/passwd"}, raw_args=[2**64 - 1, 0], ret=-2),
+        sample(frames=shared, tid=9, ret=None, complete=False, reason="no_cfi: x"),
+        sample(frames=[dict(f) for f in shared], syscall="write"),  # equal contents, another list
+        sample(frames=[]),
+        sample(event="cpu", syscall=None, frames=shared[:1]),
+    ]
+    encoder = SampleEncoder()
+    for s in samples:
+        item = {**s, "target": "app", "context": "c1"}
+        assert encoder.sample(item) == sample_to_pb(s, "app", "c1")
+    (batch,) = encoder.batches([{**s, "target": "app", "context": "c1"} for s in samples], dropped=4)
+    assert list(batch.samples) == [sample_to_pb(s, "app", "c1") for s in samples]
+    assert batch.dropped == 4
+
+
+def test_the_encoder_converts_each_list_and_starts_over_when_full() -> None:
+    """Entries are found by a list's identity: lists with other contents never share bytes, and a
+    full table is emptied (its lists, and with them their ids, released) rather than grown."""
+    encoder = SampleEncoder(limit=3)
+    for name in ("a", "b", "c", "d", "e", "f", "g"):  # temporaries: ids are reused once released
+        frames = [{**FRAME, "function": name}]
+        assert pb.Sample.FromString(encoder.frames_bytes(frames)).frames[0].function == name
+        assert encoder.frames_bytes(frames) is encoder.frames_bytes(frames)  # found, not redone
+        assert len(encoder._frames) <= 3
+
+
+def test_batches_split_at_the_size_bound_and_keep_order() -> None:
+    deep = [{**FRAME, "function": f"f{i}"} for i in range(50)]
+    items = [{**sample(frames=deep, tid=i), "target": "t", "context": "c"} for i in range(40)]
+    one = sample_to_pb(items[0], "t", "c").ByteSize()
+    batches = list(SampleEncoder().batches(items, dropped=1, max_bytes=one * 10 + 100))
+    assert [len(b.samples) for b in batches] == [10, 10, 10, 10]
+    assert [s.tid for b in batches for s in b.samples] == list(range(40))
+    assert [b.dropped for b in batches] == [1, 0, 0, 0]
+    assert all(b.ByteSize() <= one * 10 + 100 for b in batches)
+    # one sample larger than the bound still goes, alone
+    assert [len(b.samples) for b in SampleEncoder().batches(items[:3], max_bytes=10)] == [1, 1, 1]
+    # nothing queued and nothing lost: no message; only losses: a message that says so
+    assert list(SampleEncoder().batches([])) == []
+    assert [(len(b.samples), b.dropped) for b in SampleEncoder().batches([], dropped=3)] == [(0, 3)]

@@ -403,7 +403,12 @@ def cmd_stream(args: argparse.Namespace, channel: Any, fmt: str, w: _Writer) -> 
 
     req = pb.SampleFilter(target=args.target, pid=args.pid, event=args.event,
                           syscalls=[s for s in args.syscalls.split(",") if s])
-    return _consume(_stub(channel).StreamSamples, req, args, fmt, w, sample_from_pb, _sample_line)
+    stub = _stub(channel)
+    try:
+        return _consume(stub.StreamSampleBatches, req, args, fmt, w, sample_from_pb, _sample_line,
+                        batched=True)
+    except _Unimplemented:  # a daemon older than StreamSampleBatches
+        return _consume(stub.StreamSamples, req, args, fmt, w, sample_from_pb, _sample_line)
 
 
 def cmd_alerts(args: argparse.Namespace, channel: Any, fmt: str, w: _Writer) -> int:
@@ -415,8 +420,15 @@ def cmd_alerts(args: argparse.Namespace, channel: Any, fmt: str, w: _Writer) -> 
     return _consume(_stub(channel).StreamAlerts, req, args, fmt, w, alert_from_pb, _alert_line)
 
 
+class _Unimplemented(Exception):
+    """The daemon does not serve the RPC (an older version), before anything was printed."""
+
+
 def _consume(rpc: Any, req: Any, args: argparse.Namespace, fmt: str, w: _Writer,
-             convert: Callable[[Any], dict[str, Any]], text: Callable[[dict[str, Any]], str]) -> int:
+             convert: Callable[[Any], dict[str, Any]], text: Callable[[dict[str, Any]], str],
+             batched: bool = False) -> int:
+    """Print a stream's items until --count/--duration; ``batched``: each message holds
+    ``samples`` and how many the daemon ``dropped`` before them (said on stderr, never silently)."""
     import grpc
 
     done = _until(args)
@@ -425,12 +437,20 @@ def _consume(rpc: Any, req: Any, args: argparse.Namespace, fmt: str, w: _Writer,
     call = rpc(req, timeout=timeout)
     try:
         for msg in call:
-            item = convert(msg)
-            w.line(json.dumps(item) if fmt == "json" else text(item))
-            n += 1
+            if batched and msg.dropped:
+                print(f"ccprofctl: the daemon dropped {msg.dropped} samples of this stream: "
+                      "it could not send them as fast as they came (narrow the filter)", file=sys.stderr)
+            for one in msg.samples if batched else (msg,):
+                item = convert(one)
+                w.line(json.dumps(item) if fmt == "json" else text(item))
+                n += 1
+                if done(n):
+                    return EXIT_OK
             if done(n):
                 break
     except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.UNIMPLEMENTED and n == 0:
+            raise _Unimplemented() from None
         if exc.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
             raise
     finally:

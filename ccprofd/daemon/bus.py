@@ -23,6 +23,7 @@ class Subscription:
         self.accept = accept
         self.queue: queue.Queue[Item] = queue.Queue(maxsize)
         self.dropped = 0
+        self._reported = 0
         self.closed = False
 
     def get(self, timeout: float) -> Item | None:
@@ -30,6 +31,25 @@ class Subscription:
             return self.queue.get(timeout=timeout)
         except queue.Empty:
             return None
+
+    def get_batch(self, timeout: float, limit: int) -> list[Item]:
+        """Every queued item (at most ``limit``), waiting up to ``timeout`` for the first: a
+        consumer that sends many items per message returns at once with what there is."""
+        first = self.get(timeout)
+        if first is None:
+            return []
+        items = [first]
+        q = self.queue
+        with q.mutex:  # one lock for the lot, not one per item: the producer takes it at every put
+            while q.queue and len(items) < limit:
+                items.append(q.queue.popleft())
+            q.not_full.notify(len(items) - 1)
+        return items
+
+    def take_dropped(self) -> int:
+        """Items dropped (queue full) since the previous call."""
+        dropped, self._reported = self.dropped - self._reported, self.dropped
+        return dropped
 
     def close(self) -> None:
         self.closed = True

@@ -17,7 +17,7 @@ import re
 import socket
 import stat
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent import futures
 from typing import Any
 
@@ -37,6 +37,8 @@ from ccprofd.export.gen import ccprofd_pb2_grpc as pb_grpc
 log = logging.getLogger("ccprofd")
 SERVICE_NAME = pb.DESCRIPTOR.services_by_name["Profiler"].full_name
 STREAM_POLL_S = 0.25
+#: StreamSampleBatches: samples per message at most (and messages.BATCH_MAX_BYTES).
+BATCH_MAX_SAMPLES = 1000
 # Sent as a stream's initial metadata once its subscription is live: a client that waits for it
 # (``call.initial_metadata()``) knows every item published from then on reaches it. Without it a
 # client cannot tell, since gRPC returns the call before the server's handler has run.
@@ -174,7 +176,7 @@ class ProfilerServicer(pb_grpc.ProfilerServicer):
             context.abort(grpc.StatusCode.NOT_FOUND, f"context {wanted} is not held by {where}")
         return out
 
-    def StreamSamples(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+    def _sample_filter(self, request: Any, context: grpc.ServicerContext) -> Callable[[dict[str, Any]], bool]:
         if request.target:
             self._target(request.target, context)
         syscalls = set(request.syscalls)
@@ -185,12 +187,25 @@ class ProfilerServicer(pb_grpc.ProfilerServicer):
                     and (not request.event or item.get("event") == request.event)
                     and (not syscalls or item.get("syscall") in syscalls))
 
-        with self.daemon.samples.subscribe(accept) as sub:
+        return accept
+
+    def StreamSamples(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        encoder = messages.SampleEncoder()
+        with self.daemon.samples.subscribe(self._sample_filter(request, context)) as sub:
             context.send_initial_metadata(SUBSCRIBED)
             while context.is_active() and not self.daemon.stopping:
                 item = sub.get(STREAM_POLL_S)
                 if item is not None:
-                    yield messages.sample_to_pb(item, item.get("target", ""), item.get("context", ""))
+                    yield encoder.sample(item)
+
+    def StreamSampleBatches(self, request: Any, context: grpc.ServicerContext) -> Iterator[Any]:
+        encoder = messages.SampleEncoder()
+        with self.daemon.samples.subscribe(self._sample_filter(request, context)) as sub:
+            context.send_initial_metadata(SUBSCRIBED)
+            while context.is_active() and not self.daemon.stopping:
+                items = sub.get_batch(STREAM_POLL_S, BATCH_MAX_SAMPLES)
+                dropped = sub.take_dropped()
+                yield from encoder.batches(items, dropped)
 
     def GetCallGraphStats(self, request: Any, context: grpc.ServicerContext) -> Any:
         rt = self._target(request.target, context)
