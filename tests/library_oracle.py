@@ -22,7 +22,9 @@ import functools
 import os
 import re
 import subprocess
+from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from binutils_oracle import parse_fde_ranges
 
@@ -129,3 +131,19 @@ def object_symbols(path: str) -> ObjectSymbols:
     obj.starts = sorted(obj.sizes)
     obj.fdes = parse_fde_ranges(_run("readelf", "--debug-dump=frames", path))
     return obj
+
+
+class _StraceFrame(Protocol):
+    module: str | None
+    offset: int
+
+
+def strace_vaddrs(frames: Iterable[_StraceFrame]) -> list[tuple[str | None, int | None]]:
+    """``strace -k`` frames (module, file offset), innermost first, as (the module's real path, ELF
+    vaddr): the syscall's pc, then return addresses.  None where strace names no module or the
+    offset is in no segment of it."""
+    out: list[tuple[str | None, int | None]] = []
+    for rf in frames:
+        module = os.path.realpath(rf.module) if rf.module else None
+        out.append((module, object_symbols(module).vaddr(rf.offset) if module else None))
+    return out

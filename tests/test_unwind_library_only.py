@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 from conftest import require_bpf
 from fidelity import same_file
-from library_oracle import object_symbols
+from library_oracle import object_symbols, strace_vaddrs
 from programs.build import build
 from strace_oracle import Syscall, run_strace
 
@@ -39,11 +39,8 @@ def _trace(argv: list[str], out: pathlib.Path) -> list[dict[str, Any]]:
 def _oracle_frames(sc: Syscall) -> list[tuple[str, int]]:
     """(module, vaddr) innermost first: the syscall's pc, then return addresses."""
     out = []
-    for rf in sc.frames:
-        assert rf.module is not None, sc
-        module = os.path.realpath(rf.module)
-        vaddr = object_symbols(module).vaddr(rf.offset)
-        assert vaddr is not None, (module, hex(rf.offset))
+    for module, vaddr in strace_vaddrs(sc.frames):
+        assert module is not None and vaddr is not None, sc
         out.append((module, vaddr))
     return out
 

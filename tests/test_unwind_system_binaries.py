@@ -29,7 +29,7 @@ from typing import Any
 import pytest
 from conftest import require_bpf, require_tool
 from fidelity import compare, same_file
-from library_oracle import object_symbols
+from library_oracle import object_symbols, strace_vaddrs
 from strace_oracle import Trace, run_strace
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -96,11 +96,9 @@ def check_library_frames(samples: Sequence[Mapping[str, Any]], oracle: Trace, bi
                     break
                 got.append((os.path.realpath(str(f.get("module"))), str(f.get("function"))))
             want: list[tuple[str | None, int | None]] = []
-            for depth, rf in enumerate(sc.frames):
-                module = os.path.realpath(rf.module) if rf.module else None
+            for depth, (module, vaddr) in enumerate(strace_vaddrs(sc.frames)):
                 if module is not None and same_file(module, binary):
                     break
-                vaddr = object_symbols(module).vaddr(rf.offset) if module else None
                 want.append((module, None if vaddr is None else vaddr - (1 if depth else 0)))
             where = f"task {index} syscall #{ordinal} {sc.name}"
             out.samples_checked += 1
