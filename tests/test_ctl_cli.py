@@ -147,6 +147,27 @@ def test_stream_json_lines(served: tuple[Daemon, FakeFactory, str]) -> None:
     assert all(x["syscall"] == "openat" and x["frames"] == OPEN_CTX and x["target"] == "app" for x in lines)
 
 
+def test_stream_says_what_the_daemon_dropped() -> None:
+    """A client slower than the samples: every sample is printed or counted on stderr, none lost
+    silently (the daemon's queue for it holds 4; ctl prints and flushes a line per sample)."""
+    with started_daemon(TARGET_APP, daemon_extra="stream_queue = 4") as s:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "ccprofd.cli.ctl", "--socket", s.socket, "stream", "--json",
+             "--duration", "8", "--target", "app"],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        wait_for(lambda: s.daemon.samples.subscribers() >= 1, timeout=30)
+        n = 3000
+        deep = [frame(f"f{i}", 0x1000 + 16 * i) for i in range(40)]  # ctl's slow part: frames to JSON
+        s.factory.sources["app"].push(*[sample(deep, "openat", tid=i) for i in range(n)])
+        out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err
+    tids = [json.loads(line)["tid"] for line in out.decode().splitlines()]
+    said = [line for line in err.decode().splitlines() if "dropped" in line]
+    dropped = sum(int(line.split("dropped ")[1].split()[0]) for line in said)
+    assert len(tids) + dropped == n and tids == sorted(set(tids))
+    assert dropped == s.daemon.samples.dropped > 0, err  # 3,000 at once cannot fit in 4
+
+
 def test_alerts_duration_ends_cleanly(served: tuple[Daemon, FakeFactory, str]) -> None:
     _, _, sock = served
     out = ctl(sock, "alerts", "--duration", "0.5")

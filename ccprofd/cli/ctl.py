@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     h.add_argument("--folded-marks", action="store_true",
                    help="--format folded: library frames as 'func [libc.so.6]', tail-call-reached frames "
                         "'func_[t]', inlined functions 'func_[i]'")
-    for name, helptext in (("stream", "live decoded samples"), ("alerts", "live anomaly alerts")):
+    stream_help = "live decoded samples (any the daemon dropped because this client fell behind: on stderr)"
+    for name, helptext in (("stream", stream_help), ("alerts", "live anomaly alerts")):
         s = sub.add_parser(name, parents=[fmt], help=helptext)
         s.add_argument("--target", default="", help="one target (default: all)")
         s.add_argument("--syscalls", default="", help="comma-separated syscall names")
