@@ -562,7 +562,7 @@ def check_exactness(workdir: Path, svc: Service) -> dict[str, Any]:
     target = target_toml(svc.name, f'path = "{svc.binary}"', "all", "unwind")
     before = set(svc.pids())
     data = workdir / "exact.data"
-    # the StreamSamples queue drops for a slow subscriber (counted): large enough to lose nothing here
+    # a stream queue drops for a slow subscriber (counted): large enough to lose nothing here
     with RunningDaemon(wd, config_text(wd, target, daemon_extra="stream_queue = 5000000")) as daemon:
         wait_tracked(daemon, before)
         before = {p for p in svc.pids() if os.path.exists(f"/proc/{p}")}  # perf -p refuses a gone pid

@@ -326,10 +326,11 @@ class RunningDaemon:
 
 # --------------------------------------------------------------------------------- sampling
 class SampleStream:
-    """``StreamSamples`` of one target (of one process of it, if ``pid``), collected by a thread;
-    ``batched``: ``StreamSampleBatches`` instead (``dropped`` adds up its messages' drop counts)."""
+    """``StreamSampleBatches`` of one target (of one process of it, if ``pid``), collected by a
+    thread (``dropped`` adds up its messages' drop counts); ``batched`` False: ``StreamSamples``,
+    one message per sample (a busy target's subscriber of that loses most: README, STATUS)."""
 
-    def __init__(self, stub: Any, target: str, pid: int = 0, batched: bool = False) -> None:
+    def __init__(self, stub: Any, target: str, pid: int = 0, batched: bool = True) -> None:
         self._samples: list[Any] = []
         self._lock = threading.Lock()
         self.batched = batched

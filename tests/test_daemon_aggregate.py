@@ -163,7 +163,8 @@ def test_aggregate_mode_counts_and_switch(bpf: None, workdir: str, tmp_path: Pat
         assert int(tracer()["records"]) - records0 <= 4, tracer()
 
         # 2. a subscriber: a record per sample while it is connected; the store still counts once
-        stream = SampleStream(stub, "prog")
+        # (StreamSamples, one message per sample, here; the other streams of the tests are batched)
+        stream = SampleStream(stub, "prog", batched=False)
         wait_for(lambda: per_sample(True), timeout=60)
         records1 = int(tracer()["records"])
         command("a", 700)
