@@ -35,6 +35,7 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -213,35 +214,58 @@ def run_untraced(binary: Path, rate: int, seconds: float) -> Case:
     return Case("untraced", finish_workload(proc))
 
 
+@dataclass
+class DaemonRun:
+    """One workload run under a daemon (:func:`run_under_daemon`)."""
+
+    result: WorkloadResult
+    pid: int
+    daemon_cpu_s: float  # the daemon's CPU over the workload's run and the drain
+
+
+def run_under_daemon(daemon: RunningDaemon, target: str, binary: Path, rate: int, seconds: float, *,
+                     before: Callable[[int], None] | None = None,
+                     started: Callable[[], None] | None = None,
+                     drain_timeout: float = 60) -> DaemonRun:
+    """Launch the workload held at its start, wait until ``daemon`` tracks it, call ``before(pid)``,
+    release it (then ``started()``), and wait until the daemon's counts of ``target`` reach the
+    writes made (or ``drain_timeout``, said on stderr): the part every daemon bench shares."""
+    proc, pid = launch_workload(binary, rate, seconds)
+    daemon.wait_tracked(pid, timeout=60)
+    if before is not None:
+        before(pid)
+    cpu0 = cpu_seconds(daemon.proc.pid)
+    assert proc.stdin is not None
+    proc.stdin.write("go\n")
+    proc.stdin.flush()
+    if started is not None:
+        started()
+    result = finish_workload(proc)
+
+    def drained() -> bool:
+        return all(hot_counts(daemon, target)[0][k] >= result.per_context[k] for k in "abc")
+
+    try:
+        wait_for(drained, timeout=drain_timeout, interval=0.1)
+    except AssertionError:
+        print(f"  the daemon did not count every sample within {drain_timeout:g} s", file=sys.stderr)
+    return DaemonRun(result, pid, cpu_seconds(daemon.proc.pid) - cpu0)
+
+
 def run_daemon_case(binary: Path, rate: int, seconds: float, mode: str) -> Case:
     workdir = tempfile.mkdtemp(prefix="ccd-bench-", dir="/tmp")
     try:
         daemon = start_daemon(workdir, "wl", str(binary), mode)
-        proc, pid = launch_workload(binary, rate, seconds)
-        daemon.wait_tracked(pid, timeout=60)
         monitor = Monitor(daemon.proc.pid, daemon.metrics_url())
-        cpu0 = cpu_seconds(daemon.proc.pid)
-        assert proc.stdin is not None
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        monitor.start()
-        result = finish_workload(proc)
-
-        def drained() -> bool:
-            return all(hot_counts(daemon, "wl")[0][k] >= result.per_context[k] for k in "abc")
-
-        try:
-            wait_for(drained, timeout=60, interval=0.1)
-        except AssertionError:
-            print(f"  {mode}: the daemon did not count every sample within 60 s", file=sys.stderr)
-        cpu1 = cpu_seconds(daemon.proc.pid)
+        run = run_under_daemon(daemon, "wl", binary, rate, seconds, started=monitor.start)
+        result = run.result
         monitor.stop.set()
         monitor.join()
         counted, incomplete, total = hot_counts(daemon, "wl")
         case = Case(
             f"ccprofd run ({mode})",
             result,
-            tracer_cpu_pct=100 * (cpu1 - cpu0) / result.wall_s,
+            tracer_cpu_pct=100 * run.daemon_cpu_s / result.wall_s,
             rss_steady_mb=statistics.median(monitor.rss) if monitor.rss else None,
             rss_peak_mb=status_mb(daemon.proc.pid, "VmHWM"),
             rss_anon_mb=status_mb(daemon.proc.pid, "RssAnon"),

@@ -41,16 +41,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
-from common import cpu_seconds, machine_line, publish  # noqa: E402
+from common import machine_line, publish  # noqa: E402
 from daemon import (  # noqa: E402
     DAEMON_SETTINGS,
     build_workload,
     dropped_samples,
-    finish_workload,
     hot_counts,
-    launch_workload,
+    run_under_daemon,
 )
-from daemon_fakes import config_text, wait_for  # noqa: E402
+from daemon_fakes import config_text  # noqa: E402
 from daemon_harness import RunningDaemon, SampleStream, target_toml  # noqa: E402
 
 MARKER = "stream"
@@ -83,22 +82,15 @@ def run_case(binary: Path, tree: str, tree_dir: Path, mode: str, subscriber: str
         # the daemon runs from tree_dir (python -m ccprofd.cli imports the package of its cwd)
         daemon = RunningDaemon(workdir, config_text(workdir, target, daemon_extra=DAEMON_SETTINGS),
                                prefix=["env", "-C", str(tree_dir)])
-        proc, pid = launch_workload(binary, rate, seconds)
-        daemon.wait_tracked(pid, timeout=60)
-        # pid 1: every sample is still a record decoded and offered to the subscriber, none is sent
-        stream = SampleStream(daemon.stub, "wl", pid=1 if subscriber == "pid 1" else 0,
-                              batched=subscriber == BATCHED)
-        cpu0 = cpu_seconds(daemon.proc.pid)
-        assert proc.stdin is not None
-        proc.stdin.write("go\n")
-        proc.stdin.flush()
-        result = finish_workload(proc)
+        streams: list[SampleStream] = []
 
-        def drained() -> bool:
-            return sum(hot_counts(daemon, "wl")[0].values()) >= sum(result.per_context.values())
+        def subscribe(_pid: int) -> None:
+            # pid 1: every sample is still a record decoded and offered to the subscriber, none is sent
+            streams.append(SampleStream(daemon.stub, "wl", pid=1 if subscriber == "pid 1" else 0,
+                                        batched=subscriber == BATCHED))
 
-        wait_for(drained, timeout=120, interval=0.2, what="the daemon's counts of every write")
-        cpu1 = cpu_seconds(daemon.proc.pid)
+        run = run_under_daemon(daemon, "wl", binary, rate, seconds, before=subscribe, drain_timeout=120)
+        (stream,), result, pid = streams, run.result, run.pid
         time.sleep(2)  # what the subscriber's queue still holds reaches it
         received = len(stream.of(pid))
         stream.close()
@@ -108,7 +100,7 @@ def run_case(binary: Path, tree: str, tree_dir: Path, mode: str, subscriber: str
         daemon.stop()
         slow = drops.pop("stream_subscriber_slow", 0)
         return StreamCase(tree, mode, subscriber, result.made, result.rate, received, slow,
-                          sum(drops.values()), counted, 100 * (cpu1 - cpu0) / result.wall_s, messages,
+                          sum(drops.values()), counted, 100 * run.daemon_cpu_s / result.wall_s, messages,
                           in_stream)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
