@@ -462,10 +462,7 @@ def test_go_cgo_runtime_calls_on_a_realigned_stack_unwind(tmp_path: pathlib.Path
         for n in hit:
             seen[n] += 1
         assert s["complete"], json.dumps(s)
-        # where Go says a stack starts; morestack too when the growth went on into the scheduler on
-        # g0 (a preempted growth: README, "runtime.morestack"), as it does on this host at times
-        roots = ("runtime.goexit", "runtime.mstart", "runtime.rt0_go", "runtime.mcall")
-        assert names[0] in roots or (names[0] == "runtime.morestack" and "runtime.schedule" in names), names
+        assert starts_where_a_go_stack_starts(names), names
         frames = s["frames"]
         for outer, inner in itertools.pairwise(frames):
             if outer["module"] != str(binary) or outer["return_address"] is None:
@@ -518,14 +515,30 @@ def test_go_async_preemption_unwinds_through_the_signal_frame(tmp_path: pathlib.
     assert injected >= 1, [s["frames"] for s in samples]
 
 
+# Where a complete Go chain may start: the functions Go's runtime marks TOPFRAME (runtime/asm_amd64.s;
+# runtime/symtab.go: "a function that appears at the top of its stack", where Go's own traceback
+# stops), and runtime.mcall, under which the scheduler runs on g0 (Delve ends such a stack there:
+# test_go_scheduler_chains_end_at_mcall_as_delves).
+GO_STACK_TOPS = ("runtime.goexit", "runtime.mstart", "runtime.rt0_go", "runtime.mcall")
+
+
+def starts_where_a_go_stack_starts(fns: list[str]) -> bool:
+    """Whether a complete chain (outermost first, names without ``.abi0``) starts at a stack's top:
+    :data:`GO_STACK_TOPS`, or ``morestack`` when the growth went on into the scheduler on g0 (a
+    preempted growth: README, "runtime.morestack")."""
+    return fns[0] in GO_STACK_TOPS or (
+        fns[0] == "runtime.morestack" and ("runtime.schedule" in fns or "runtime.execute" in fns))
+
+
 def check_go_chain(fns: list[str], ras: list[int | None], calls: dict[int, str | None]) -> None:
     """A Go chain through a stack switch (outermost first: function names without ``.abi0``, and each
-    frame's return address, None where it has none or is outside the binary): it starts at goexit, and every
-    return address follows a call of the next frame's function (objdump; an indirect call: any) --
-    the function that called morestack called it through ``morestack_noctxt``'s jump, or directly;
-    systemstack called on g0 jumps to its function, leaving no frame of its own.  A thread that
-    never runs a goroutine (``sysmon``'s, on its own stack from ``mstart``) starts at mstart."""
-    assert fns[0] == "runtime.goexit" or (fns[0] == "runtime.mstart" and "runtime.sysmon" in fns), fns
+    frame's return address, None where it has none or is outside the binary): it starts where a Go
+    stack starts (:func:`starts_where_a_go_stack_starts`: a goroutine's at goexit, a thread that
+    never ran one, such as ``sysmon``'s, at mstart), and every return address follows a call of the
+    next frame's function (objdump; an indirect call: any) -- the function that called morestack
+    called it through ``morestack_noctxt``'s jump, or directly; systemstack called on g0 jumps to
+    its function, leaving no frame of its own."""
+    assert starts_where_a_go_stack_starts(fns), fns
     for k in range(1, len(fns) - 1):
         ra = ras[k]
         if ra is None:
