@@ -129,6 +129,9 @@ class TracerSource:
         self._history = HistoryPersister(where, every) if every else None
         self._last_scan = 0.0
         self.replans = 0  # binaries re-planned because their file was rewritten
+        # a re-planned binary's last records and counts (_drain), for the next poll_counted
+        self._drained_records: list[tuple[dict[str, Any], bool]] = []
+        self._drained_counts: list[tuple[dict[str, Any], int]] = []
         self._gate: ExecGate | None = None
         self._stale: dict[Inode, threading.Event] = {}  # rewritten: re-plan, then set the event
         self._stale_lock = threading.Lock()
@@ -273,6 +276,20 @@ class TracerSource:
                     self._stale.pop(inode, None)
                 event.set()
 
+    def _drain(self, old: _Binary) -> None:
+        """What a mode about to close still holds: its last records and the kernel's counts not
+        yet read (the next :meth:`poll_counted` returns them)."""
+        if not old.mode.context_samples:
+            return
+        try:
+            got, deltas = old.mode.poll_counted(0)
+        except Exception as exc:
+            log.error("target %s: last read of %s before re-planning failed: %s", self.target.name,
+                      old.path, exc)
+            return
+        self._drained_records.extend((s.to_json(), counted) for s, counted in got)
+        self._drained_counts.extend((s.to_json(), n) for s, n in deltas)
+
     def _replan(self, inode: Inode, old: _Binary) -> None:
         pids = [p for p, i in self.tracked.items() if i == inode]
         with contextlib.suppress(Exception):
@@ -281,6 +298,7 @@ class TracerSource:
             self.tracked.pop(pid, None)
         del self.binaries_by_inode[inode]
         if self.options.mode == "instrumented":
+            self._drain(old)
             with contextlib.suppress(Exception):
                 old.mode.close()
         try:
@@ -293,6 +311,7 @@ class TracerSource:
             self._scan()  # and those whose exec the old mode saw but did not report (still held)
         finally:
             if self.options.mode != "instrumented":
+                self._drain(old)
                 with contextlib.suppress(Exception):
                     old.mode.close()  # continues what it held: tracked by the new mode now
         self.replans += 1
@@ -363,12 +382,13 @@ class TracerSource:
 
     def poll(self, timeout_ms: int) -> list[dict[str, Any]]:
         self._replan_stale()
-        out: list[dict[str, Any]] = []
+        out = [sample for sample, _ in self._drained_records]  # (this API takes no counts)
+        self._drained_records, self._drained_counts = [], []
         binaries = list(self.binaries_by_inode.values())
         if not binaries:
             time.sleep(timeout_ms / 1000)
         else:
-            share = max(1, timeout_ms // len(binaries))
+            share = max(1, timeout_ms // len(binaries)) if timeout_ms else 0  # 0: a last read, no wait
             for b in binaries:
                 out.extend(s.to_json() for s in b.mode.poll(share))
                 self._register_new(b)  # found at exec: registered now, before any rescan
@@ -391,13 +411,14 @@ class TracerSource:
         whether it is one sample to count, and ``(context sample, n)`` for samples counted in the
         kernel (aggregate mode's per-context counts) since the previous call."""
         self._replan_stale()
-        records: list[tuple[dict[str, Any], bool]] = []
-        counts: list[tuple[dict[str, Any], int]] = []
+        records, self._drained_records = self._drained_records, []
+        counts, self._drained_counts = self._drained_counts, []
         binaries = list(self.binaries_by_inode.values())
         if not binaries:
             time.sleep(timeout_ms / 1000)
         else:
-            share = max(1, timeout_ms // len(binaries))
+            # (0 stays 0: a last read that must not wait, and takes the kernel's counts whatever came)
+            share = max(1, timeout_ms // len(binaries)) if timeout_ms else 0
             for b in binaries:
                 b.mode.set_per_sample(self.per_sample)  # a mode prepared since the last switch
                 got, deltas = b.mode.poll_counted(share)

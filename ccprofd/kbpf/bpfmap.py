@@ -12,7 +12,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import threading
 from collections.abc import Sequence
+from errno import ENOENT
 from typing import Any
 
 from ccprofd.kbpf import rawbpf
@@ -161,6 +163,8 @@ class RawMap(MapValues):
         self.map_type = spec.map_type
         self.key_type: Any = ctype_from_desc(spec.key_desc) if spec.key_desc is not None else None
         self.leaf_type: Any = ctype_from_desc(spec.leaf_desc) if spec.leaf_desc is not None else None
+        self._batch_buffers: tuple[Any, Any] | None = None  # items_batch's key and value arrays
+        self._batch_lock = threading.Lock()
         if self.key_type is not None and ctypes.sizeof(self.key_type) != spec.key_size:
             raise BPFError(f"map {self.name}: key type is {ctypes.sizeof(self.key_type)} bytes, "
                            f"the map's keys {spec.key_size}")
@@ -196,12 +200,13 @@ class RawMap(MapValues):
 
     def _lookup(self, key: Any) -> Any | None:
         buf = self._value_buffer()
-        try:
-            self._elem(BPF_MAP_LOOKUP_ELEM, self._key(key), buf, 0, "lookup")
-        except rawbpf.BPFSyscallError as exc:
-            if exc.errno == 2:  # ENOENT
-                return None
-            raise
+        k = self._key(key)  # (held: the attr keeps only its address)
+        attr = MapElemAttr(map_fd=self._fd, key=_addr(k), value=_addr(buf), flags=0)
+        ret = rawbpf.bpf_or_errno(BPF_MAP_LOOKUP_ELEM, attr)
+        if ret == -ENOENT:
+            return None
+        if ret < 0:
+            raise rawbpf.BPFSyscallError(f"map {self.name}: lookup", -ret)
         return buf
 
     # ---------------------------------------------------------------------------------- access
@@ -289,12 +294,12 @@ class RawMap(MapValues):
         prev: Any = None
         while True:
             nxt = self.key_type()
-            try:
-                self._elem(BPF_MAP_GET_NEXT_KEY, prev, nxt, 0, "next key")
-            except rawbpf.BPFSyscallError as exc:
-                if exc.errno == 2:
-                    return out
-                raise BPFError(str(exc)) from None
+            attr = MapElemAttr(map_fd=self._fd, key=_addr(prev), value=_addr(nxt), flags=0)
+            ret = rawbpf.bpf_or_errno(BPF_MAP_GET_NEXT_KEY, attr)
+            if ret == -ENOENT:
+                return out
+            if ret < 0:
+                raise BPFError(str(rawbpf.BPFSyscallError(f"map {self.name}: next key", -ret)))
             out.append(nxt)
             prev = nxt
 
@@ -312,9 +317,15 @@ class RawMap(MapValues):
         the whole map instead of two per entry; :meth:`items` where the kernel or map type lacks it."""
         if self.percpu or self.map_type in _ARRAYS:
             return self.items()
-        chunk = max(1, min(self.max_entries, 4096))
-        keys = (self.key_type * chunk)()
-        vals = (self.leaf_type * chunk)()
+        with self._batch_lock:
+            return self._items_batch()
+
+    def _items_batch(self) -> list[tuple[Any, Any]]:
+        if self._batch_buffers is None:  # kept: the daemon reads its counts map at every poll
+            chunk = max(1, min(self.max_entries, 4096))
+            self._batch_buffers = ((self.key_type * chunk)(), (self.leaf_type * chunk)())
+        keys, vals = self._batch_buffers
+        chunk = len(keys)
         in_batch = ctypes.c_uint32(0)  # an opaque bucket cursor, 4 bytes for hash maps
         out_batch = ctypes.c_uint32(0)
         out: list[tuple[Any, Any]] = []
@@ -324,10 +335,9 @@ class RawMap(MapValues):
                                 out_batch=ctypes.addressof(out_batch), keys=ctypes.addressof(keys),
                                 values=ctypes.addressof(vals), count=chunk, map_fd=self._fd)
             done = False
-            try:
-                rawbpf.bpf(BPF_MAP_LOOKUP_BATCH, attr, f"map {self.name}: batch lookup")
-            except rawbpf.BPFSyscallError as exc:
-                if exc.errno != 2:  # ENOENT: this was the last batch
+            ret = rawbpf.bpf_or_errno(BPF_MAP_LOOKUP_BATCH, attr)
+            if ret < 0:
+                if ret != -ENOENT:  # ENOENT: this was the last batch
                     return self.items()
                 done = True
             for i in range(attr.count):

@@ -77,6 +77,16 @@ def _check_arch() -> None:
 
 def bpf(cmd: int, attr: ctypes.Structure | ctypes.Array[ctypes.c_char], what: str) -> int:
     """Issue ``bpf(cmd, &attr, sizeof(attr))``; return the (non-negative) result or raise."""
+    ret = bpf_or_errno(cmd, attr)
+    if ret < 0:
+        raise BPFSyscallError(what, -ret)
+    return ret
+
+
+def bpf_or_errno(cmd: int, attr: ctypes.Structure | ctypes.Array[ctypes.c_char]) -> int:
+    """:func:`bpf` without the exception: the result, or ``-errno``.  Why: a map walk ends with
+    ENOENT, and the daemon walks maps at every poll; an exception object per walk was ~4% of its
+    poll thread under load."""
     _check_arch()
     ret = _syscall(
         ctypes.c_long(SYS_BPF_X86_64),
@@ -84,9 +94,7 @@ def bpf(cmd: int, attr: ctypes.Structure | ctypes.Array[ctypes.c_char], what: st
         ctypes.byref(attr),
         ctypes.c_uint(ctypes.sizeof(attr)),
     )
-    if ret < 0:
-        raise BPFSyscallError(what, ctypes.get_errno())
-    return int(ret)
+    return int(ret) if ret >= 0 else -ctypes.get_errno()
 
 
 def insn(code: int, dst: int = 0, src: int = 0, off: int = 0, imm: int = 0) -> bytes:
