@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 import gc
 import os
-import time
 from abc import ABC, abstractmethod
 from collections import deque
 from collections.abc import Hashable, Mapping
@@ -24,10 +23,6 @@ from ccprofd.tracing.history import HistoryEvent, read_thread
 from ccprofd.tracing.history import threads as history_threads
 from ccprofd.tracing.kernelcounts import KernelCounts
 from ccprofd.tracing.patharg import file_inode
-
-#: The daemon's read of the kernel's per-context counts, at most this often while records flood in
-#: (the map read and its conversion were ~11% of the poll thread, read at every poll under load).
-COUNTS_READ_S = 0.1
 
 Record = TypeVar("Record")
 Key = TypeVar("Key", bound=Hashable)
@@ -328,7 +323,6 @@ class ModeBase(ABC, Generic[Record, Key]):
         self.binary_inode = file_inode(self.path)
         self.build_id: str | None = None
         self._kernel: KernelCounts[Key] = KernelCounts()
-        self._counts_read_at = float("-inf")  # poll_counted's last read of the kernel's counts
         self._per_sample = True
         self.context_samples = True  # keep what poll_counted() needs (a Session turns it off)
         self.records = 0  # sample records received (new contexts only, in aggregate mode)
@@ -524,17 +518,13 @@ class ModeBase(ABC, Generic[Record, Key]):
 
         The map is read after the ring buffer is drained: a context whose first record is not in
         yet (still being sent by another CPU) is left for the next call, its count not yet taken,
-        so nothing is lost (see kernelcounts.py).  Under a flood of records the daemon polls
-        continuously, so the map is read at most every :data:`COUNTS_READ_S` then (the counts wait
-        in the kernel meanwhile); always when nothing came or ``timeout_ms`` is 0 (a last read)."""
+        so nothing is lost (see kernelcounts.py); under a flood, not at every poll (``read_due``)."""
         assert self.context_samples, "poll_counted() on a mode that keeps no context samples"
         samples, counted = self._poll_decoded(timeout_ms, in_kernel=True)
         records = list(zip(samples, counted, strict=True))
         counts: list[tuple[TraceSample, int]] = []
-        now = time.monotonic()
-        if samples and timeout_ms != 0 and now - self._counts_read_at < COUNTS_READ_S:
+        if not self._kernel.read_due(flooding=bool(samples) and timeout_ms != 0):
             return records, counts
-        self._counts_read_at = now
         for ctx, d, n in self._kernel.deltas(self._kernel_counts()):
             counts.append((ctx, n))
             self._count(d.complete, d.reason, n)
