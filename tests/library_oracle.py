@@ -22,7 +22,7 @@ import functools
 import os
 import re
 import subprocess
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -138,12 +138,10 @@ class _StraceFrame(Protocol):
     offset: int
 
 
-def strace_vaddrs(frames: Iterable[_StraceFrame]) -> list[tuple[str | None, int | None]]:
+def strace_vaddrs(frames: Iterable[_StraceFrame]) -> Iterator[tuple[str | None, int | None]]:
     """``strace -k`` frames (module, file offset), innermost first, as (the module's real path, ELF
     vaddr): the syscall's pc, then return addresses.  None where strace names no module or the
-    offset is in no segment of it."""
-    out: list[tuple[str | None, int | None]] = []
+    offset is in no segment of it.  Lazily: a caller that stops early reads no further object."""
     for rf in frames:
         module = os.path.realpath(rf.module) if rf.module else None
-        out.append((module, object_symbols(module).vaddr(rf.offset) if module else None))
-    return out
+        yield module, object_symbols(module).vaddr(rf.offset) if module else None

@@ -282,13 +282,10 @@ class TracerSource:
         if not old.mode.context_samples:
             return
         try:
-            got, deltas = old.mode.poll_counted(0)
+            _read_counted(old.mode, 0, self._drained_records, self._drained_counts)
         except Exception as exc:
             log.error("target %s: last read of %s before re-planning failed: %s", self.target.name,
                       old.path, exc)
-            return
-        self._drained_records.extend((s.to_json(), counted) for s, counted in got)
-        self._drained_counts.extend((s.to_json(), n) for s, n in deltas)
 
     def _replan(self, inode: Inode, old: _Binary) -> None:
         pids = [p for p, i in self.tracked.items() if i == inode]
@@ -421,9 +418,7 @@ class TracerSource:
             share = max(1, timeout_ms // len(binaries)) if timeout_ms else 0
             for b in binaries:
                 b.mode.set_per_sample(self.per_sample)  # a mode prepared since the last switch
-                got, deltas = b.mode.poll_counted(share)
-                records.extend((s.to_json(), counted) for s, counted in got)
-                counts.extend((s.to_json(), n) for s, n in deltas)
+                _read_counted(b.mode, share, records, counts)
                 self._register_new(b)  # found at exec: registered now, before any rescan
         if time.monotonic() - self._last_scan >= RESCAN_S:
             self._scan()
@@ -538,6 +533,14 @@ class TracerSource:
                 b.mode.close()
         self.binaries_by_inode.clear()
         self.tracked.clear()
+
+
+def _read_counted(mode: Mode, timeout_ms: int, records: list[tuple[dict[str, Any], bool]],
+                  counts: list[tuple[dict[str, Any], int]]) -> None:
+    """One ``poll_counted`` of a mode, its records and counts appended in the daemon's JSON form."""
+    got, deltas = mode.poll_counted(timeout_ms)
+    records.extend((s.to_json(), counted) for s, counted in got)
+    counts.extend((s.to_json(), n) for s, n in deltas)
 
 
 def make_source(target: TargetConfig, daemon: DaemonConfig) -> TracerSource:

@@ -194,15 +194,19 @@ class RawMap(MapValues):
             return ctypes.create_string_buffer(stride * possible_cpus())
         return self.leaf_type()
 
-    def _elem(self, cmd: int, key: Any, value: Any, flags: int, what: str) -> None:
+    def _elem_or_errno(self, cmd: int, key: Any, value: Any, flags: int = 0) -> int:
+        """One element command: its result, or ``-errno`` (a lookup's or walk's ENOENT is no error)."""
         attr = MapElemAttr(map_fd=self._fd, key=_addr(key), value=_addr(value), flags=flags)
-        rawbpf.bpf(cmd, attr, f"map {self.name}: {what}")
+        return rawbpf.bpf_or_errno(cmd, attr)
+
+    def _elem(self, cmd: int, key: Any, value: Any, flags: int, what: str) -> None:
+        ret = self._elem_or_errno(cmd, key, value, flags)
+        if ret < 0:
+            raise rawbpf.BPFSyscallError(f"map {self.name}: {what}", -ret)
 
     def _lookup(self, key: Any) -> Any | None:
         buf = self._value_buffer()
-        k = self._key(key)  # (held: the attr keeps only its address)
-        attr = MapElemAttr(map_fd=self._fd, key=_addr(k), value=_addr(buf), flags=0)
-        ret = rawbpf.bpf_or_errno(BPF_MAP_LOOKUP_ELEM, attr)
+        ret = self._elem_or_errno(BPF_MAP_LOOKUP_ELEM, self._key(key), buf)
         if ret == -ENOENT:
             return None
         if ret < 0:
@@ -294,8 +298,7 @@ class RawMap(MapValues):
         prev: Any = None
         while True:
             nxt = self.key_type()
-            attr = MapElemAttr(map_fd=self._fd, key=_addr(prev), value=_addr(nxt), flags=0)
-            ret = rawbpf.bpf_or_errno(BPF_MAP_GET_NEXT_KEY, attr)
+            ret = self._elem_or_errno(BPF_MAP_GET_NEXT_KEY, prev, nxt)
             if ret == -ENOENT:
                 return out
             if ret < 0:
