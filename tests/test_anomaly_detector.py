@@ -81,6 +81,53 @@ def test_rate_limiting_per_context_and_suppressed_count() -> None:
     assert det.counts["suppressed"] == 3 and det.counts["unseen_context"] == 3
 
 
+def test_repeats_counted_in_the_kernel_are_held_then_alerted_without_identity() -> None:
+    """Aggregate mode: the hidden context's first sample is alerted with its thread; 5 and 2 more
+    that only the kernel counted, read within the interval, are held; 4 more read after it raise
+    the alert again, standing for those 4, naming no thread or arguments, and saying 7 were held."""
+    det = Detector(base_model(), DetectorOptions(alert_interval_seconds=10))
+    first = sample("openat", HIDDEN, t=1 * S)
+    first["pid"], first["tid"], first["args"] = 42, 43, {"path": "/etc/shadow"}
+    [alert] = det.check(first)
+    assert (alert.pid, alert.counted, alert.suppressed) == (42, 0, 0)
+    representative = dict(first, time_ns=0)  # the daemon's context sample: no time of its own
+    assert det.check_repeats(representative, 5, 3 * S) == []
+    assert det.check_repeats(representative, 2, 9 * S) == []
+    [again] = det.check_repeats(representative, 4, 12 * S)
+    d = again.to_dict()
+    assert (d["kind"], d["pid"], d["tid"], d["time_ns"], d["args"]) == ("unseen_context", 0, 0, 12 * S, {})
+    assert (d["counted"], d["suppressed"]) == (4, 7)
+    assert [f["function"] for f in d["frames"]] == ["main", "cmd_a", "sneak"]
+    assert "counted=4 pid=? tid=?" in again.log_line()
+    assert "counted" not in alert.to_dict()
+    assert det.counts["samples"] == 12 and det.counts["suppressed"] == 7
+
+
+def test_repeats_of_known_or_unmodelled_contexts_raise_nothing() -> None:
+    model = learned(sample("openat", OPEN_A), syscalls=["openat"])
+    det = Detector(model, DetectorOptions(alert_interval_seconds=0))
+    assert det.check_repeats(sample("openat", OPEN_A), 1000, S) == []
+    assert det.check_repeats(sample("write", HIDDEN), 7, S) == []
+    assert det.counts["unmodelled_syscall"] == 7 and det.counts["samples"] == 1007
+    [inc] = det.check_repeats(sample("openat", OPEN_A[1:], complete=False), 3, S)
+    assert (inc.kind, inc.counted, inc.complete) == ("incomplete_context", 3, False)
+    # a repeat judged first (its record was never seen: a reload mid-run) is alerted on its own
+    [unseen] = det.check_repeats(sample("openat", HIDDEN), 2, S)
+    assert (unseen.kind, unseen.counted, unseen.suppressed) == ("unseen_context", 2, 0)
+
+
+def test_learner_counts_repeats_like_samples() -> None:
+    """Learning 1 record + 9 kernel-counted repeats gives the model what 10 records would."""
+    one_by_one = learned(*[sample("openat", OPEN_A, t=t) for t in range(10)], syscalls=["openat"])
+    model = TargetModel(BID, "/bin/prog")
+    learner = Learner(model, syscalls=["openat"])
+    learner.observe(sample("openat", OPEN_A, t=0))
+    learner.observe_repeats(sample("openat", OPEN_A), 9, 9)
+    learner.observe_repeats(sample("openat", OPEN_A[1:], complete=False), 4, 9)
+    assert model.contexts == one_by_one.contexts and model.samples == one_by_one.samples == 10
+    assert model.incomplete_skipped == 4
+
+
 def test_rate_limiter_zero_interval_emits_all() -> None:
     rl = RateLimiter(0)
     assert [rl.admit("k", 5) for _ in range(3)] == [0, 0, 0]

@@ -423,7 +423,7 @@ def test_samples_buffered_when_a_target_detaches_are_still_read(workdir: str) ->
     factory = FakeFactory()
     daemon = Daemon(parse_config(config_text(workdir, TARGET_APP)), factory, servers=None)
     seen: list[tuple[str, str, str]] = []
-    daemon.observers.append(lambda rt, s: seen.append((rt.name, rt.config.path or "", s["syscall"])))
+    daemon.observers.append(lambda rt, s, counted: seen.append((rt.name, rt.config.path or "", s["syscall"])))
     daemon.start()
     rt = daemon.targets["app"]
     source = factory.sources["app"]

@@ -23,6 +23,13 @@ contexts of the same syscall sharing the longest prefix with it, for comparison.
 (kind + context, + previous context for transitions) is emitted at most once per
 ``alert_interval_seconds`` of sample time; the next emission says how many were suppressed.
 
+Samples the kernel only counted (the daemon's aggregate mode: a context's first sample is sent
+whole, its repeats only counted per context) are judged by :meth:`Detector.check_repeats`: they
+add to the suppressed count, and once the interval has passed they raise the alert again with
+``counted`` set to how many samples it stands for and no identity (``pid``/``tid`` 0, no
+arguments, the read's time): the kernel did not keep which thread made them, and the alert says
+so instead of naming one.
+
 Output is plain data: :meth:`Alert.to_dict` (one JSON object per line for ``ccprofd detect``, the
 gRPC ``StreamAlerts`` message and the metric labels are built from it) and :meth:`Alert.log_line`.
 """
@@ -97,6 +104,9 @@ class Alert:
     suppressed: int = 0
     #: granularity "edges": the first edge of the context never learned for the syscall.
     unseen_edge: dict[str, Any] | None = None
+    #: > 0: the alert stands for this many samples the kernel counted (aggregate mode), whose
+    #: thread, time and arguments are unknown (pid, tid 0; time: when the count was read).
+    counted: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -108,6 +118,8 @@ class Alert:
             out["previous"] = self.previous  # null: the thread's first sample
         if self.unseen_edge is not None:
             out["unseen_edge"] = self.unseen_edge
+        if self.counted:
+            out["counted"] = self.counted
         return out
 
     def to_json(self) -> str:
@@ -118,7 +130,8 @@ class Alert:
         chain = ">".join(str(f.get("function") or "?") for f in self.frames) or "-"
         args = "".join(f" {k}={json.dumps(v)}" for k, v in sorted(self.args.items()))
         edge = "" if self.unseen_edge is None else f" unseen_edge={edge_text(self.unseen_edge)}"
-        return (f"ccprofd alert kind={self.kind} syscall={self.syscall} pid={self.pid} tid={self.tid} "
+        who = f"pid={self.pid} tid={self.tid}" if not self.counted else f"counted={self.counted} pid=? tid=?"
+        return (f"ccprofd alert kind={self.kind} syscall={self.syscall} {who} "
                 f"build_id={self.build_id} complete={str(self.complete).lower()}{args} "
                 f"suppressed={self.suppressed}{edge} context={chain}")
 
@@ -139,11 +152,12 @@ class RateLimiter:
         self._last: dict[Any, int] = {}
         self._held: dict[Any, int] = {}
 
-    def admit(self, key: Any, time_ns: int) -> int | None:
-        """None when suppressed; else how many were suppressed since the last emission."""
+    def admit(self, key: Any, time_ns: int, n: int = 1) -> int | None:
+        """None when suppressed (``n`` samples held); else how many were suppressed since the last
+        emission."""
         last = self._last.get(key)
         if last is not None and self.interval_ns > 0 and time_ns - last < self.interval_ns:
-            self._held[key] = self._held.get(key, 0) + 1
+            self._held[key] = self._held.get(key, 0) + n
             return None
         self._last[key] = time_ns
         return self._held.pop(key, 0)
@@ -307,24 +321,54 @@ class Detector:
         return self._emit("unseen_transition", ("unseen_transition", prev_view, view), sample, key,
                           previous=prev_view)
 
+    def check_repeats(self, sample: Mapping[str, Any], n: int, time_ns: int) -> list[Alert]:
+        """Alerts for ``n`` more samples of ``sample``'s context that only the kernel counted, read
+        at ``time_ns`` (aggregate mode).  Judged as :meth:`check` judges the context; an alert for
+        them carries ``counted = n`` and no thread, time or arguments of its own.  Transitions are
+        not judged (they need every sample in order: the daemon keeps per-sample records then)."""
+        if n <= 0 or sample.get("event", "syscall") != "syscall":
+            return []
+        self.counts["samples"] += n
+        key = context_key(sample)
+        if not self.model.learned_syscall(key[0]):
+            self.counts["unmodelled_syscall"] += n
+            return []
+        if not sample.get("complete", True):
+            if not self.options.report_incomplete:
+                return []
+            return self._emit("incomplete_context", ("incomplete_context", key), sample, key,
+                              counted=n, time_ns=time_ns)
+        if self.model.allowed_by_rule(key) is not None:
+            self.counts["allowed_by_rule"] += n
+            return []
+        if self.known(key):
+            return []
+        view = (key[0], self._view(*key))
+        return self._emit("unseen_context", ("unseen_context", view), sample, key, counted=n, time_ns=time_ns)
+
     def thread_exited(self, tid: int) -> None:
         self._last.pop(tid, None)
 
     def _emit(self, kind: str, rkey: Any, sample: Mapping[str, Any], key: ContextKey,
-              previous: ContextKey | None = None) -> list[Alert]:
-        time_ns = int(sample.get("time_ns", 0))
-        held = self._limiter.admit(rkey, time_ns)
+              previous: ContextKey | None = None, counted: int = 0,
+              time_ns: int | None = None) -> list[Alert]:
+        """One alert for the sample (``counted`` = 0), or for ``counted`` samples the kernel only
+        counted (no identity: see :meth:`check_repeats`), unless the rate limit holds it."""
+        if time_ns is None:
+            time_ns = int(sample.get("time_ns", 0))
+        held = self._limiter.admit(rkey, time_ns, max(1, counted))
         if held is None:
-            self.counts["suppressed"] += 1
+            self.counts["suppressed"] += max(1, counted)
             return []
         self.counts[kind] += 1
-        args = sample.get("args")
+        args = sample.get("args") if not counted else None
         alert = Alert(
-            kind=kind, time_ns=time_ns, pid=int(sample.get("pid", 0)), tid=int(sample.get("tid", 0)),
+            kind=kind, time_ns=time_ns, pid=0 if counted else int(sample.get("pid", 0)),
+            tid=0 if counted else int(sample.get("tid", 0)),
             syscall=key[0], build_id=self.model.build_id, complete=bool(sample.get("complete", True)),
             frames=[{k: f[k] for k in _FRAME_OUT if k in f} for f in sample.get("frames", [])],
             args=dict(args) if isinstance(args, Mapping) else {},
-            nearest=self.nearest(key), suppressed=held)
+            nearest=self.nearest(key), suppressed=held, counted=counted)
         if kind == "unseen_context" and self.options.granularity in ("edges", "routines"):
             edge = self.unseen_edge(key)
             alert.unseen_edge = None if edge is None else self._edge_out(key[0], edge)

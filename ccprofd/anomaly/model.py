@@ -398,9 +398,9 @@ class TargetModel:
         for edge, n in other.calls.items():
             self.calls[edge] = self.calls.get(edge, 0) + n
 
-    def add_calls(self, edges: Iterable[EdgeKey]) -> None:
+    def add_calls(self, edges: Iterable[EdgeKey], n: int = 1) -> None:
         for edge in edges:
-            self.calls[edge] = self.calls.get(edge, 0) + 1
+            self.calls[edge] = self.calls.get(edge, 0) + n
 
     def edges(self, view: Callable[[str, Sequence[FrameKey]], Sequence[FrameKey]] | None = None
               ) -> dict[tuple[str, EdgeKey], int]:
@@ -609,6 +609,23 @@ class Learner:
                 self.model.transitions[tkey] = self.model.transitions.get(tkey, 0) + 1
             self._last[tid] = key
         return key
+
+    def observe_repeats(self, sample: Mapping[str, Any], n: int, time_ns: int) -> None:
+        """Learn ``n`` more samples of ``sample``'s context that only the kernel counted (the
+        daemon's aggregate mode), read at ``time_ns``: counted as :meth:`observe` counts them.
+        They teach no transitions: a learner with transitions is fed every sample instead."""
+        if n <= 0:
+            return
+        event = sample.get("event", "syscall")
+        if event == "cpu" and sample.get("complete", True):
+            self.model.add_calls(cpu_call_edges(sample), n)
+        if event != "syscall":
+            return
+        if not sample.get("complete", True):
+            self.model.incomplete_skipped += n
+            return
+        self.model.samples += n
+        self.model.add_context(context_key(sample), time_ns, n)
 
     def take_delta(self) -> TargetModel:
         """Hand over everything learned so far and continue into a fresh, empty delta of the same

@@ -480,7 +480,8 @@ def _alert_line(a: dict[str, Any]) -> str:
         from ccprofd.anomaly.detector import edge_text
 
         edge = f" unseen_edge={edge_text(a['unseen_edge'])}"
-    return (f"{a['time_ns']} {a['target']} {a['pid']}/{a['tid']} {a['kind']} {a['syscall']}{denied} "
+    who = f"{a['pid']}/{a['tid']}" if not a.get("counted") else f"?/? x{a['counted']} (counted in the kernel)"
+    return (f"{a['time_ns']} {a['target']} {who} {a['kind']} {a['syscall']}{denied} "
             f"{args}{edge}: {_chain(a['frames'])}")
 
 

@@ -1,12 +1,14 @@
 """The anomaly detector inside the daemon: ``[target.anomaly] action = "learn" | "detect" |
 "enforce"`` applied to each target's sample stream.
 
-Data flow (one way): the daemon's pump threads hand every decoded sample to :meth:`AnomalyMonitor.observe`
-(a sample observer) -> per (target, build-id) a :class:`~ccprofd.anomaly.model.Learner` (flushed
-into the target's model file every ``flush_seconds`` and at shutdown, so a SIGKILL loses at most one
-interval) or a :class:`~ccprofd.anomaly.detector.Detector` -> alerts, each published on the daemon's
-alert bus (gRPC ``StreamAlerts``), counted for ``ccprofd_alerts_total{target, syscall, kind}`` and
-logged as one structured line.  ``enforce`` also loads the kernel-side
+Data flow (one way): the daemon's pump threads hand every decoded record to
+:meth:`AnomalyMonitor.observe` (a sample observer) and, in aggregate mode, the kernel's per-context
+counts to :meth:`AnomalyMonitor.observe_counts` (a count observer) -> per (target, build-id) a
+:class:`~ccprofd.anomaly.model.Learner` (flushed into the target's model file every
+``flush_seconds`` and at shutdown, so a SIGKILL loses at most one interval) or a
+:class:`~ccprofd.anomaly.detector.Detector` -> alerts, each published on the daemon's alert bus
+(gRPC ``StreamAlerts``), counted for ``ccprofd_alerts_total{target, syscall, kind}`` and logged as
+one structured line. ``enforce`` also loads the kernel-side
 :class:`~ccprofd.anomaly.enforce.Enforcer` for the binary and puts the target's processes under it
 (checked every second: a process found by the daemon's rescan is unenforced until then, and its
 threads' first hooked syscall before any PLT call is keyed as "no context in the binary").
@@ -22,13 +24,14 @@ from __future__ import annotations
 import contextlib
 import logging
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ccprofd.anomaly.detector import Detector, DetectorOptions
-from ccprofd.anomaly.model import Learner, ModelSet, TargetModel
+from ccprofd.anomaly.model import Learner, ModelSet, TargetModel, context_key
 from ccprofd.anomaly.modelstore import ModelFileError, ModelStore, PeriodicFlusher, load_or_quarantine
 from ccprofd.daemon.config import AnomalyConfig
 from ccprofd.daemon.query import DaemonView, TargetView
@@ -49,6 +52,9 @@ class _Binary:
     enforcer: Any = None
     enforced_pids: set[int] = field(default_factory=set)
     needs_learning: str = ""  # "" | "no_model" | "upgraded"
+    #: samples seen as records that the kernel's counts also hold, by context, not yet taken off
+    #: a count (:meth:`AnomalyMonitor.observe_counts`)
+    pending: dict[Any, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -65,6 +71,10 @@ class _Target:
     #: unwind mode: the tracer's unwinder enforces (TracerSource._options_for), not an Enforcer
     unwind: bool = False
     seen_denials: set[tuple[int, int, int]] = field(default_factory=set)
+
+
+#: what :meth:`AnomalyMonitor._binary_for` yields for a target whose anomaly action is "off"
+_NO_TARGET = _Target("", AnomalyConfig(), Path(), ModelSet())
 
 
 def model_path(state_dir: Path, target: str, config: AnomalyConfig) -> Path:
@@ -127,10 +137,10 @@ class AnomalyMonitor:
                     if b.flusher is not None:
                         self._flush(t, b, force=False)
                     if b.enforcer is not None:
-                        self._enforce_processes(t, b, rt)
-                        self._collect_denials(t, b)
+                        _enforce_processes(t, b, rt)
+                        _collect_denials(t, b)
                 if t.unwind and t.config.action == "enforce":
-                    self._collect_unwind_denials(t, rt)
+                    _collect_unwind_denials(t, rt)
 
     def _prepare(self, rt: TargetView) -> None:
         """Set up every binary the target's processes run before their next sample arrives: an
@@ -153,7 +163,7 @@ class AnomalyMonitor:
                 if b.flusher is not None:
                     self._flush(t, b, force=True)
                 if b.enforcer is not None:
-                    self._collect_denials(t, b)
+                    _collect_denials(t, b)
                     with contextlib.suppress(Exception):
                         b.enforcer.close()
                     b.enforcer = None
@@ -169,21 +179,62 @@ class AnomalyMonitor:
             log.error("target %s: anomaly model %s not written: %s", t.name, t.model_path, _one_line(exc))
 
     # -------------------------------------------------------------------------------- samples
-    def observe(self, rt: TargetView, sample: dict[str, Any]) -> None:
+    def observe(self, rt: TargetView, sample: dict[str, Any], counted: bool = True) -> None:
         """The daemon's sample observer (called on the target's pump thread, also for the last
-        read of a target that is detaching: judged under the configuration it ran with)."""
-        if rt.config.anomaly.action == "off":
-            return
-        t = self._target(rt)
-        with t.lock:
-            binary = self._binary_of(t, rt, int(sample.get("pid", 0)), sample)
+        read of a target that is detaching: judged under the configuration it ran with).
+        ``counted`` False: the kernel also counts this sample under its context, and the count
+        will reach :meth:`observe_counts`, which then takes it off (see there)."""
+        with self._binary_for(rt, sample) as (t, binary):
             if binary is None:
                 return
+            if not counted:
+                key = _pending_key(sample)
+                binary.pending[key] = binary.pending.get(key, 0) + 1
             if binary.learner is not None:
                 binary.learner.observe(sample)
             elif binary.detector is not None:
                 for alert in binary.detector.check(sample):
                     self._publish(t, binary, alert.to_dict(), alert.log_line())
+
+    def observe_counts(self, rt: TargetView, sample: dict[str, Any], n: int) -> None:
+        """The daemon's count observer: the kernel counted ``n`` samples of ``sample``'s context
+        since the previous read.  Those whose records reached :meth:`observe` (``counted`` False:
+        the context's first sample, and every one while a consumer wants each sample) are taken
+        off; the rest were never seen one by one (aggregate mode) and are learned or judged as
+        repeats without identity (:meth:`Detector.check_repeats`).  A context's count is read
+        after its record (BPF counts before it sends; the map is read after the ring is drained),
+        so the records of a read's samples are in by then; one sent later is taken off the next
+        read's count."""
+        if n <= 0:
+            return
+        with self._binary_for(rt, sample) as (t, binary):
+            if binary is None:
+                return
+            key = _pending_key(sample)
+            seen = binary.pending.pop(key, 0)
+            if seen > n:
+                binary.pending[key] = seen - n
+            repeats = n - seen
+            if repeats <= 0:
+                return
+            now = time.time_ns()
+            if binary.learner is not None:
+                binary.learner.observe_repeats(sample, repeats, now)
+            elif binary.detector is not None:
+                for alert in binary.detector.check_repeats(sample, repeats, now):
+                    self._publish(t, binary, alert.to_dict(), alert.log_line())
+
+    @contextlib.contextmanager
+    def _binary_for(self, rt: TargetView, sample: dict[str, Any]
+                    ) -> Iterator[tuple[_Target, _Binary | None]]:
+        """The sample's target and binary, under the target's lock (binary None: nothing to do --
+        anomaly off, or a process of no binary the source analysed)."""
+        if rt.config.anomaly.action == "off":
+            yield _NO_TARGET, None
+            return
+        t = self._target(rt)
+        with t.lock:
+            yield t, self._binary_of(t, rt, int(sample.get("pid", 0)), sample)
 
     def _target(self, rt: TargetView) -> _Target:
         t = self.targets.get(rt.name)
@@ -257,70 +308,13 @@ class AnomalyMonitor:
             log.error("target %s: %s", t.name, exc)
             return b
         if cfg.action == "enforce" and not t.unwind:
-            b.enforcer = self._enforcer(t, path, model)
+            b.enforcer = _enforcer(t, path, model)
         return b
-
-    def _collect_unwind_denials(self, t: _Target, rt: TargetView) -> None:
-        """Log each new denial of the target's unwinders (unwind.c ``UW_ENFORCE``) once."""
-        from ccprofd.kbpf.syscalls import syscall_name
-
-        get = getattr(rt.source, "enforcement_denials", None)
-        if get is None:
-            return
-        for d in get():
-            ident = (d.tgid, d.tid, d.ktime_ns)
-            if ident in t.seen_denials:
-                continue
-            t.seen_denials.add(ident)
-            t.denials += 1
-            log.warning("ccprofd enforcement target=%s verdict=%s syscall=%s pid=%d tid=%d hook=unwind "
-                        "key=%#x incomplete=%s", t.name, d.verdict, syscall_name(d.syscall_nr), d.tgid, d.tid,
-                        d.key, str(d.incomplete).lower())
-
-    def _enforcer(self, t: _Target, path: str, model: TargetModel) -> Any:
-        from ccprofd.anomaly.enforce import Enforcer
-
-        try:
-            enf = Enforcer(path, model, enforce=True)
-        except Exception as exc:
-            log.error("target %s: cannot enforce (detecting only): %s", t.name, _one_line(exc))
-            return None
-        how = ("BPF LSM (-EPERM)" if enf.mode == "lsm"
-               else f"SIGKILL at syscall entry, the syscall may complete ({enf.lsm_error})")
-        log.warning("target %s: enforcing the model of %s by %s", t.name, path, how)
-        return enf
-
-    def _enforce_processes(self, t: _Target, b: _Binary, rt: TargetView) -> None:
-        src = rt.source
-        if src is None:
-            return
-        try:
-            pids = {p.pid for p in src.processes() if p.build_id == b.build_id}
-        except Exception:
-            return
-        for pid in pids - b.enforced_pids:
-            try:
-                b.enforcer.track_running(pid)
-                b.enforced_pids.add(pid)
-            except Exception as exc:
-                log.error("target %s: cannot enforce on pid %d: %s", t.name, pid, _one_line(exc))
-        for pid in b.enforced_pids - pids:
-            b.enforcer.untrack(pid)
-            b.enforced_pids.discard(pid)
-
-    def _collect_denials(self, t: _Target, b: _Binary) -> None:
-        from ccprofd.kbpf.syscalls import syscall_name
-
-        for d in b.enforcer.poll(0):
-            t.denials += 1
-            log.warning("ccprofd enforcement target=%s verdict=%s syscall=%s pid=%d tid=%d hook=%s "
-                        "build_id=%s", t.name, d.verdict, syscall_name(d.syscall_nr), d.pid, d.tid, d.hook,
-                        b.build_id)
 
     def _publish(self, t: _Target, b: _Binary, alert: dict[str, Any], line: str) -> None:
         alert["target"] = t.name
         alert["action"] = t.config.action
-        alert["history"] = self._history(t, alert)
+        alert["history"] = [] if alert.get("counted") else self._history(t, alert)  # counted: no thread
         key = (str(alert["syscall"]), str(alert["kind"]))
         t.alerts[key] = t.alerts.get(key, 0) + 1
         self.daemon.alerts.publish(alert)
@@ -365,6 +359,73 @@ class AnomalyMonitor:
             for b in list(t.binaries.values()):
                 if b.learner is not None:
                     yield t.name, b.build_id, b.learner.model.samples
+
+
+# ----------------------------------------------------------------------------- enforcement
+def _collect_unwind_denials(t: _Target, rt: TargetView) -> None:
+    """Log each new denial of the target's unwinders (unwind.c ``UW_ENFORCE``) once."""
+    from ccprofd.kbpf.syscalls import syscall_name
+
+    get = getattr(rt.source, "enforcement_denials", None)
+    if get is None:
+        return
+    for d in get():
+        ident = (d.tgid, d.tid, d.ktime_ns)
+        if ident in t.seen_denials:
+            continue
+        t.seen_denials.add(ident)
+        t.denials += 1
+        log.warning("ccprofd enforcement target=%s verdict=%s syscall=%s pid=%d tid=%d hook=unwind "
+                    "key=%#x incomplete=%s", t.name, d.verdict, syscall_name(d.syscall_nr), d.tgid, d.tid,
+                    d.key, str(d.incomplete).lower())
+
+
+def _enforcer(t: _Target, path: str, model: TargetModel) -> Any:
+    from ccprofd.anomaly.enforce import Enforcer
+
+    try:
+        enf = Enforcer(path, model, enforce=True)
+    except Exception as exc:
+        log.error("target %s: cannot enforce (detecting only): %s", t.name, _one_line(exc))
+        return None
+    how = ("BPF LSM (-EPERM)" if enf.mode == "lsm"
+           else f"SIGKILL at syscall entry, the syscall may complete ({enf.lsm_error})")
+    log.warning("target %s: enforcing the model of %s by %s", t.name, path, how)
+    return enf
+
+
+def _enforce_processes(t: _Target, b: _Binary, rt: TargetView) -> None:
+    src = rt.source
+    if src is None:
+        return
+    try:
+        pids = {p.pid for p in src.processes() if p.build_id == b.build_id}
+    except Exception:
+        return
+    for pid in pids - b.enforced_pids:
+        try:
+            b.enforcer.track_running(pid)
+            b.enforced_pids.add(pid)
+        except Exception as exc:
+            log.error("target %s: cannot enforce on pid %d: %s", t.name, pid, _one_line(exc))
+    for pid in b.enforced_pids - pids:
+        b.enforcer.untrack(pid)
+        b.enforced_pids.discard(pid)
+
+
+def _collect_denials(t: _Target, b: _Binary) -> None:
+    from ccprofd.kbpf.syscalls import syscall_name
+
+    for d in b.enforcer.poll(0):
+        t.denials += 1
+        log.warning("ccprofd enforcement target=%s verdict=%s syscall=%s pid=%d tid=%d hook=%s "
+                    "build_id=%s", t.name, d.verdict, syscall_name(d.syscall_nr), d.pid, d.tid, d.hook,
+                    b.build_id)
+
+
+def _pending_key(sample: dict[str, Any]) -> tuple[Any, ...]:
+    """A sample's context as records and counts of it both name it (CPU samples included)."""
+    return (sample.get("event", "syscall"), bool(sample.get("complete", True)), context_key(sample))
 
 
 def _sample_binary(rt: TargetView, sample: dict[str, Any]) -> tuple[str, str] | None:

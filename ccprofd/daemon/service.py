@@ -46,8 +46,14 @@ from ccprofd.daemon.store import TargetStore
 log = logging.getLogger("ccprofd")
 
 #: Called with the runtime the sample came from (not its name: a sample read while its target
-#: detaches is judged under the configuration it was taken under).
-SampleObserver = Callable[["TargetRuntime", dict[str, Any]], None]
+#: detaches is judged under the configuration it was taken under), the sample, and whether it is
+#: counted on its own (False: the kernel's per-context counts, given to the count observers, hold
+#: it too).
+SampleObserver = Callable[["TargetRuntime", dict[str, Any], bool], None]
+#: Called with the kernel's per-context counts (aggregate mode): the runtime, the context's sample
+#: (no time), and how many samples of it the kernel counted since the previous read -- records of
+#: some of them may have reached the sample observers (``counted`` False).
+CountObserver = Callable[["TargetRuntime", dict[str, Any], int], None]
 POLL_MS = 200
 #: How long a detach waits for the target's pump thread to return from its poll.
 PUMP_STOP_SECONDS = 5
@@ -251,6 +257,7 @@ class Daemon:
         self.samples: Bus = _SampleBus(config.daemon.stream_queue, self._every_sample_now)
         self.alerts = Bus(config.daemon.stream_queue)
         self.observers: list[SampleObserver] = []
+        self.count_observers: list[CountObserver] = []
         self.started_ns = time.time_ns()
         self.reloads = {"ok": 0, "failed": 0}
         self._lock = threading.RLock()
@@ -262,6 +269,7 @@ class Daemon:
 
         self.anomaly = AnomalyMonitor(self)
         self.observers.append(self.anomaly.observe)
+        self.count_observers.append(self.anomaly.observe_counts)
 
     # ------------------------------------------------------------------------------ targets
     def _new_store(self, d: DaemonConfig) -> TargetStore:
@@ -323,12 +331,14 @@ class Daemon:
     def needs_every_sample(self, rt: TargetRuntime) -> bool:
         """Whether some consumer of ``rt``'s samples needs a record per sample, not only counts:
         a ``StreamSamples`` subscriber (it streams each sample, with time, thread and arguments),
-        or ``[target.anomaly]`` with any action but "off" (learning counts contexts per sample
-        with their time; detection checks each sample's arguments, its thread's transitions and
-        rate-limits alerts by sample time).  Otherwise (Prometheus, ``GetHotContexts``) counts
-        suffice, and unwind mode runs in aggregate mode: only new contexts are sent as records
-        and the kernel's per-context counts are added to the store."""
-        return bool(self.samples.subscribers()) or rt.config.anomaly.action != "off"
+        or ``[target.anomaly]`` with ``transitions`` (a thread's consecutive contexts, in order).
+        Otherwise (Prometheus, ``GetHotContexts``, anomaly learn/detect/enforce of contexts) counts
+        suffice, and the target runs in aggregate mode: each context's first sample is sent as a
+        record (learned or judged with its thread, time and arguments) and the kernel's
+        per-context counts go to the store and the count observers.  That is what lets detection
+        keep up with a busy service: its records are new contexts, not every syscall."""
+        anomaly = rt.config.anomaly
+        return bool(self.samples.subscribers()) or (anomaly.action != "off" and anomaly.transitions)
 
     def _every_sample_now(self) -> None:
         """A ``StreamSamples`` subscription was just added: every target sends a record per sample
@@ -376,12 +386,12 @@ class Daemon:
             item = dict(sample)
             item["target"], item["context"] = rt.name, ctx
             rt.stream_dropped += self.samples.publish(item)
-        for observe in self.observers:
-            try:
-                observe(rt, sample)
-            except Exception as exc:
-                rt.observer_errors += 1
-                log.error("target %s: sample observer failed: %s", rt.name, _one_line(exc))
+        _notify(rt, "sample", self.observers, sample, counted)
+
+    def ingest_counts(self, rt: TargetRuntime, sample: dict[str, Any], n: int) -> None:
+        """``n`` samples of a context the kernel counted: into the store and the count observers."""
+        rt.store.add(sample, count=n)
+        _notify(rt, "count", self.count_observers, sample, n)
 
     def check_budgets(self, now: float | None = None) -> None:
         """Switch instrumented targets whose probe hit rate exceeds their ceiling to unwind mode."""
@@ -529,6 +539,16 @@ class Daemon:
         log.info("stopped: every probe detached")
 
 
+def _notify(rt: TargetRuntime, what: str, observers: list[Any], sample: dict[str, Any], arg: Any) -> None:
+    """Call each observer; one that fails is counted and logged, and the others still run."""
+    for observe in observers:
+        try:
+            observe(rt, sample, arg)
+        except Exception as exc:
+            rt.observer_errors += 1
+            log.error("target %s: %s observer failed: %s", rt.name, what, _one_line(exc))
+
+
 def pump_once(daemon: Daemon, rt: TargetRuntime, source: SampleSource, timeout_ms: int) -> None:
     """One poll of a target's source (waiting at most ``timeout_ms``), its samples ingested."""
     split = getattr(source, "poll_counted", None)
@@ -547,7 +567,7 @@ def pump_once(daemon: Daemon, rt: TargetRuntime, source: SampleSource, timeout_m
     for sample, counted in records:
         daemon.ingest(rt, sample, counted=counted)
     for sample, n in counts:
-        rt.store.add(sample, count=n)
+        daemon.ingest_counts(rt, sample, n)
 
 
 def close_source(rt: TargetRuntime, source: SampleSource, after: threading.Thread | None = None) -> None:

@@ -187,7 +187,8 @@ def alert_to_pb(alert: Mapping[str, Any]) -> Any:
                    syscall=str(alert.get("syscall") or ""), kind=str(alert.get("kind") or ""),
                    complete=bool(alert.get("complete", True)), frames=frames_to_pb(alert.get("frames") or ()),
                    action=str(alert.get("action") or ""), denied=bool(alert.get("denied", False)),
-                   build_id=str(alert.get("build_id") or ""), context=str(alert.get("context") or ""))
+                   build_id=str(alert.get("build_id") or ""), context=str(alert.get("context") or ""),
+                   counted=int(alert.get("counted") or 0), suppressed=int(alert.get("suppressed") or 0))
     for key, value in (alert.get("args") or {}).items():
         msg.args[str(key)] = str(value)
     for near in alert.get("nearest") or ():
@@ -216,6 +217,8 @@ def alert_from_pb(msg: Any) -> dict[str, Any]:
             "nearest": [{"frames": frames_from_pb(n.frames), "count": n.count,
                          "common_prefix": n.common_prefix} for n in msg.nearest],
             "history": [history_event_from_pb(ev) for ev in msg.history],
+            "suppressed": msg.suppressed,
+            **({"counted": msg.counted} if msg.counted else {}),
             **({"unseen_edge": _edge_from_pb(msg.unseen_edge)} if msg.HasField("unseen_edge") else {})}
 
 
