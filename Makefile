@@ -5,7 +5,7 @@ PYTHON ?= .venv/bin/python
 BENCH_OUT ?= docs
 
 .PHONY: bench bench-setup bench-ci bench-daemon bench-unwind bench-trace bench-services bench-services-anomaly \
-	bench-go-service
+	bench-go-service bench-services-detect
 
 bench-setup:
 	bash bench/setup.sh
@@ -42,6 +42,10 @@ bench-services: bench-setup
 # docs/services-anomaly.md and docs/services-anomaly-learning-curve.png.
 bench-services-anomaly: bench-setup
 	$(PYTHON) bench/services_anomaly.py --keep "$$(mktemp -d)"
+
+# The daemon's anomaly detection on redis under redis-benchmark, with an attack injected under load.
+bench-services-detect: bench-setup
+	$(PYTHON) bench/services_detect.py --update-readme
 
 # A Go service (Debian's prometheus) under ccprofd trace -p: complete chains, where the others stop,
 # and anomaly alerts on a held-out window; rewrites the README's bench:go_service section (~3 minutes).

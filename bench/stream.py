@@ -153,6 +153,17 @@ def git_head(tree: Path) -> str:
     return out.stdout.strip() or tree.name
 
 
+def compared_trees(ap: argparse.ArgumentParser, args: argparse.Namespace) -> list[tuple[str, Path]]:
+    """(name, checkout) of this tree and ``--baseline`` (first) if given; sets ``args.baseline_name``."""
+    if args.baseline is not None and not (args.baseline / "ccprofd" / "cli").is_dir():
+        ap.error(f"--baseline {args.baseline}: not a ccprofd checkout")
+    trees = [(f"this tree ({git_head(ROOT)})", ROOT)]
+    if args.baseline is not None:
+        args.baseline_name = git_head(args.baseline)
+        trees.insert(0, (f"baseline ({args.baseline_name})", args.baseline))
+    return trees
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--rate", type=int, default=10000, help="write(2) calls per second (default 10000)")
@@ -164,12 +175,7 @@ def main() -> None:
                     help=f"subscribers, comma-separated (default: target,{BATCHED},pid 1)")
     ap.add_argument("--update-readme", action="store_true", help="write the table into README.md")
     args = ap.parse_args()
-    if args.baseline is not None and not (args.baseline / "ccprofd" / "cli").is_dir():
-        ap.error(f"--baseline {args.baseline}: not a ccprofd checkout")
-    trees = [(f"this tree ({git_head(ROOT)})", ROOT)]
-    if args.baseline is not None:
-        args.baseline_name = git_head(args.baseline)
-        trees.insert(0, (f"baseline ({args.baseline_name})", args.baseline))
+    trees = compared_trees(ap, args)
     out_dir = tempfile.mkdtemp(prefix="ccd-stream-bin-")
     try:
         binary = build_workload(out_dir)
