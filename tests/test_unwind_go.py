@@ -588,8 +588,12 @@ def test_go_stack_growth_crosses_morestack(tmp_path: pathlib.Path) -> None:
                for f in s["frames"]]
         check_go_chain(fns, ras, calls)
         above = fns[:fns.index("runtime.morestack")]
-        if "main.deep" not in above:  # package initialisation grows the main goroutine's stack too
-            assert "runtime.doInit" in above, fns
+        if "main.deep" not in above:
+            # Package initialisation grows the main goroutine's stack too; and the closure, after
+            # deep returned, enters morestack in its channel send (a preemption request also fails
+            # the prologue's stack check: stackguard0 = stackPreempt).  Both chains were checked
+            # above like the others; only main.deep's are the growth this test is about.
+            assert "runtime.doInit" in above or "main.worker.func1" in above, fns
             continue
         crossed += 1
     assert crossed >= 20, crossed
