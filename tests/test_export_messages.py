@@ -104,3 +104,18 @@ def test_batches_split_at_the_size_bound_and_keep_order() -> None:
     # nothing queued and nothing lost: no message; only losses: a message that says so
     assert list(SampleEncoder().batches([])) == []
     assert [(len(b.samples), b.dropped) for b in SampleEncoder().batches([], dropped=3)] == [(0, 3)]
+
+
+def test_alert_of_kernel_counted_repeats_says_so_on_the_wire_and_in_ccprofctl() -> None:
+    """An alert standing for samples only the kernel counted keeps ``counted`` (and the held
+    ``suppressed``) through gRPC, and ``ccprofctl alerts`` prints no thread for it."""
+    from ccprofd.cli.ctl import _alert_line
+
+    alert = {"kind": "unseen_context", "time_ns": 9, "pid": 0, "tid": 0, "syscall": "openat",
+             "build_id": "cd", "complete": True, "args": {}, "frames": [FRAME], "nearest": [],
+             "counted": 6, "suppressed": 3, "target": "srv", "action": "detect"}
+    back = alert_from_pb(pb.Alert.FromString(alert_to_pb(alert).SerializeToString()))
+    assert (back["counted"], back["suppressed"], back["pid"], back["tid"]) == (6, 3, 0, 0)
+    assert " srv ?/? x6 (counted in the kernel) unseen_context openat" in _alert_line(back)
+    single = alert_from_pb(alert_to_pb(dict(alert, counted=0, pid=7, tid=8, suppressed=0)))
+    assert "counted" not in single and " srv 7/8 unseen_context openat" in _alert_line(single)
