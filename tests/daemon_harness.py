@@ -372,3 +372,27 @@ class SampleStream:
         self._call.cancel()
         self._thread.join(timeout=10)
 
+
+class AlertStream:
+    """``StreamAlerts`` of one target, each alert collected as a dict (``messages.alert_from_pb``)
+    by a thread; live (the server has subscribed) when the constructor returns."""
+
+    def __init__(self, stub: Any, target: str) -> None:
+        from ccprofd.export import messages
+
+        self.alerts: list[dict[str, Any]] = []
+        self._call = stub.StreamAlerts(pb.AlertFilter(target=target))
+        assert dict(self._call.initial_metadata()).get("ccprofd-subscribed") == "1"
+
+        def run() -> None:
+            with contextlib.suppress(grpc.RpcError):
+                for msg in self._call:
+                    self.alerts.append(messages.alert_from_pb(msg))
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._call.cancel()
+        self._thread.join(timeout=10)
+

@@ -13,7 +13,6 @@ running process sees complete contexts).
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
@@ -27,7 +26,7 @@ from typing import Any
 import grpc
 import pytest
 from daemon_fakes import config_text
-from daemon_harness import ROOT, RunningDaemon, target_toml
+from daemon_harness import ROOT, AlertStream, RunningDaemon, target_toml
 from programs.build import build
 
 from ccprofd.anomaly.modelstore import load_models
@@ -247,7 +246,6 @@ def test_daemon_learns_and_detects_in_aggregate_mode(bpf: None, workdir: str, tm
     cat_chain = ("worker", "dispatch", "cmd_cat", "load_file", "open_file")
     server = Server(binary)
     d: Daemon | None = None
-    alerts: list[dict[str, Any]] = []
 
     def tracer() -> dict[str, Any]:
         assert d is not None
@@ -274,19 +272,7 @@ def test_daemon_learns_and_detects_in_aggregate_mode(bpf: None, workdir: str, tm
         d.wait(lambda: d is not None and d.logged("reloaded"), 300, "reloaded")
         d.wait(lambda: d is not None and d.follows(server.proc.pid), 300, "following the server")
         assert learned_cats() == 30
-        subscribed = threading.Event()
-
-        def collect() -> None:
-            assert d is not None
-            stream = d.stub.StreamAlerts(pb.AlertFilter(target="srv"), timeout=600)
-            assert dict(stream.initial_metadata()).get("ccprofd-subscribed") == "1"
-            subscribed.set()
-            with contextlib.suppress(grpc.RpcError):
-                for msg in stream:
-                    alerts.append(messages.alert_from_pb(msg))
-
-        threading.Thread(target=collect, daemon=True).start()
-        assert subscribed.wait(60)
+        alerts = AlertStream(d.stub, "srv").alerts
         for _ in range(20):
             assert server.run("cat", str(data)) == "done 5\n"
         assert server.run("debug", str(data)) == "done 7\n"
