@@ -287,33 +287,25 @@ class Detector:
         mid, fn, site = f
         return {"function": fn, "module": self.model.modules.get(mid, ""), "build_id": mid, "call_site": site}
 
-    def check(self, sample: Mapping[str, Any]) -> list[Alert]:
-        """Alerts for one sample (after rate limiting)."""
+    def check(self, sample: Mapping[str, Any], key: ContextKey | None = None) -> list[Alert]:
+        """Alerts for one sample (after rate limiting); ``key``: its ``context_key``, if the caller
+        has it already."""
         if sample.get("event", "syscall") != "syscall":
             return []
         self.counts["samples"] += 1
         tid = int(sample.get("tid", 0))
-        key = context_key(sample)
-        if not self.model.learned_syscall(key[0]):
-            self.counts["unmodelled_syscall"] += 1
+        key = context_key(sample) if key is None else key
+        verdict = self._verdict(sample, key, 1)
+        if verdict in ("unmodelled", "incomplete"):
             self._last[tid] = _UNKNOWN
-            return []
-        if not sample.get("complete", True):
-            self._last[tid] = _UNKNOWN
-            if not self.options.report_incomplete:
-                return []
-            return self._emit("incomplete_context", ("incomplete_context", key), sample, key)
+            return self._emit_verdict(verdict, sample, key)
         prev = self._last.get(tid)
         view = (key[0], self._view(*key))
-        if self.model.allowed_by_rule(key) is not None:
-            self.counts["allowed_by_rule"] += 1
-            self._last[tid] = view
-            return []
-        if not self.known(key):
+        if verdict == "unseen":
             self._last[tid] = _UNKNOWN
-            return self._emit("unseen_context", ("unseen_context", view), sample, key)
+            return self._emit_verdict(verdict, sample, key)
         self._last[tid] = view
-        if not self.options.transitions or prev is _UNKNOWN:
+        if verdict == "allowed" or not self.options.transitions or prev is _UNKNOWN:
             return []
         prev_view: ContextKey | None = prev if isinstance(prev, tuple) else None
         if (prev_view, view) in self._transitions:
@@ -330,21 +322,33 @@ class Detector:
             return []
         self.counts["samples"] += n
         key = context_key(sample)
+        return self._emit_verdict(self._verdict(sample, key, n), sample, key, counted=n, time_ns=time_ns)
+
+    def _verdict(self, sample: Mapping[str, Any], key: ContextKey, n: int) -> str:
+        """What the model says of ``n`` samples of a context, the counters updated: "unmodelled"
+        (a syscall the model did not learn), "incomplete", "allowed" (by a rule), "known" or
+        "unseen"."""
         if not self.model.learned_syscall(key[0]):
             self.counts["unmodelled_syscall"] += n
-            return []
+            return "unmodelled"
         if not sample.get("complete", True):
-            if not self.options.report_incomplete:
-                return []
-            return self._emit("incomplete_context", ("incomplete_context", key), sample, key,
-                              counted=n, time_ns=time_ns)
+            return "incomplete"
         if self.model.allowed_by_rule(key) is not None:
             self.counts["allowed_by_rule"] += n
-            return []
-        if self.known(key):
-            return []
-        view = (key[0], self._view(*key))
-        return self._emit("unseen_context", ("unseen_context", view), sample, key, counted=n, time_ns=time_ns)
+            return "allowed"
+        return "known" if self.known(key) else "unseen"
+
+    def _emit_verdict(self, verdict: str, sample: Mapping[str, Any], key: ContextKey, counted: int = 0,
+                      time_ns: int | None = None) -> list[Alert]:
+        """The alert a verdict raises, if any (transitions aside: :meth:`check` judges those)."""
+        if verdict == "incomplete" and self.options.report_incomplete:
+            return self._emit("incomplete_context", ("incomplete_context", key), sample, key,
+                              counted=counted, time_ns=time_ns)
+        if verdict == "unseen":
+            view = (key[0], self._view(*key))
+            return self._emit("unseen_context", ("unseen_context", view), sample, key,
+                              counted=counted, time_ns=time_ns)
+        return []
 
     def thread_exited(self, tid: int) -> None:
         self._last.pop(tid, None)

@@ -583,25 +583,18 @@ class Learner:
         if transitions:
             model.runs_with_transitions += 1
 
-    def observe(self, sample: Mapping[str, Any]) -> ContextKey | None:
+    def observe(self, sample: Mapping[str, Any], key: ContextKey | None = None) -> ContextKey | None:
         """Learn one sample; returns its key (None when skipped).  A CPU sample (``"event":
-        "cpu"``, complete) adds the calls it shows executing (:attr:`TargetModel.calls`)."""
-        event = sample.get("event", "syscall")
-        if event == "cpu" and sample.get("complete", True):
-            self.model.add_calls(cpu_call_edges(sample))
-            self.model.note_frames(sample.get("frames") or [])
-        if event != "syscall":
+        "cpu"``, complete) adds the calls it shows executing (:attr:`TargetModel.calls`).
+        ``key``: the sample's ``context_key``, if the caller has it already."""
+        key = self._learn(sample, 1, int(sample.get("time_ns", 0)), key)
+        if sample.get("event", "syscall") != "syscall":
             return None
         tid = int(sample.get("tid", 0))
-        if not sample.get("complete", True):
-            self.model.incomplete_skipped += 1
-            # The thread's sequence is broken: its next transition has no known predecessor.
+        if key is None:
+            # Incomplete: the thread's sequence is broken, its next transition has no known predecessor.
             self._last[tid] = _BROKEN
             return None
-        key = context_key(sample)
-        self.model.samples += 1
-        self.model.add_context(key, int(sample.get("time_ns", 0)))
-        self.model.note_frames(sample["frames"])
         if self.transitions:
             prev = self._last.get(tid, THREAD_START)
             if prev is not _BROKEN:
@@ -614,18 +607,27 @@ class Learner:
         """Learn ``n`` more samples of ``sample``'s context that only the kernel counted (the
         daemon's aggregate mode), read at ``time_ns``: counted as :meth:`observe` counts them.
         They teach no transitions: a learner with transitions is fed every sample instead."""
-        if n <= 0:
-            return
+        if n > 0:
+            self._learn(sample, n, time_ns)
+
+    def _learn(self, sample: Mapping[str, Any], n: int, time_ns: int,
+               key: ContextKey | None = None) -> ContextKey | None:
+        """Count ``n`` samples of ``sample``'s context into the model; the context's key, None for a
+        sample that teaches no context (a CPU sample, an incomplete one)."""
         event = sample.get("event", "syscall")
         if event == "cpu" and sample.get("complete", True):
             self.model.add_calls(cpu_call_edges(sample), n)
+            self.model.note_frames(sample.get("frames") or [])
         if event != "syscall":
-            return
+            return None
         if not sample.get("complete", True):
             self.model.incomplete_skipped += n
-            return
+            return None
+        key = context_key(sample) if key is None else key
         self.model.samples += n
-        self.model.add_context(context_key(sample), time_ns, n)
+        self.model.add_context(key, time_ns, n)
+        self.model.note_frames(sample["frames"])
+        return key
 
     def take_delta(self) -> TargetModel:
         """Hand over everything learned so far and continue into a fresh, empty delta of the same

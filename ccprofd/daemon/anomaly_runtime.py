@@ -73,10 +73,6 @@ class _Target:
     seen_denials: set[tuple[int, int, int]] = field(default_factory=set)
 
 
-#: what :meth:`AnomalyMonitor._binary_for` yields for a target whose anomaly action is "off"
-_NO_TARGET = _Target("", AnomalyConfig(), Path(), ModelSet())
-
-
 def model_path(state_dir: Path, target: str, config: AnomalyConfig) -> Path:
     """The model file of a target: ``[target.anomaly] model``, else under the state directory."""
     return Path(config.model) if config.model else ModelStore(state_dir).path_for(target)
@@ -184,16 +180,19 @@ class AnomalyMonitor:
         read of a target that is detaching: judged under the configuration it ran with).
         ``counted`` False: the kernel also counts this sample under its context, and the count
         will reach :meth:`observe_counts`, which then takes it off (see there)."""
-        with self._binary_for(rt, sample) as (t, binary):
-            if binary is None:
+        with self._binary_for(rt, sample) as found:
+            if found is None:
                 return
-            if not counted:
-                key = _pending_key(sample)
-                binary.pending[key] = binary.pending.get(key, 0) + 1
+            t, binary = found
+            key = None
+            if not counted:  # keyed once, for the pending count and for the learner or detector
+                key = context_key(sample)
+                pending = _pending_key(sample, key)
+                binary.pending[pending] = binary.pending.get(pending, 0) + 1
             if binary.learner is not None:
-                binary.learner.observe(sample)
+                binary.learner.observe(sample, key)
             elif binary.detector is not None:
-                for alert in binary.detector.check(sample):
+                for alert in binary.detector.check(sample, key):
                     self._publish(t, binary, alert.to_dict(), alert.log_line())
 
     def observe_counts(self, rt: TargetView, sample: dict[str, Any], n: int) -> None:
@@ -207,10 +206,11 @@ class AnomalyMonitor:
         read's count."""
         if n <= 0:
             return
-        with self._binary_for(rt, sample) as (t, binary):
-            if binary is None:
+        with self._binary_for(rt, sample) as found:
+            if found is None:
                 return
-            key = _pending_key(sample)
+            t, binary = found
+            key = _pending_key(sample, context_key(sample))
             seen = binary.pending.pop(key, 0)
             if seen > n:
                 binary.pending[key] = seen - n
@@ -226,15 +226,16 @@ class AnomalyMonitor:
 
     @contextlib.contextmanager
     def _binary_for(self, rt: TargetView, sample: dict[str, Any]
-                    ) -> Iterator[tuple[_Target, _Binary | None]]:
-        """The sample's target and binary, under the target's lock (binary None: nothing to do --
-        anomaly off, or a process of no binary the source analysed)."""
+                    ) -> Iterator[tuple[_Target, _Binary] | None]:
+        """The sample's target and binary, under the target's lock (None: nothing to do -- anomaly
+        off, or a process of no binary the source analysed)."""
         if rt.config.anomaly.action == "off":
-            yield _NO_TARGET, None
+            yield None
             return
         t = self._target(rt)
         with t.lock:
-            yield t, self._binary_of(t, rt, int(sample.get("pid", 0)), sample)
+            binary = self._binary_of(t, rt, int(sample.get("pid", 0)), sample)
+            yield None if binary is None else (t, binary)
 
     def _target(self, rt: TargetView) -> _Target:
         t = self.targets.get(rt.name)
@@ -423,9 +424,10 @@ def _collect_denials(t: _Target, b: _Binary) -> None:
                     b.build_id)
 
 
-def _pending_key(sample: dict[str, Any]) -> tuple[Any, ...]:
-    """A sample's context as records and counts of it both name it (CPU samples included)."""
-    return (sample.get("event", "syscall"), bool(sample.get("complete", True)), context_key(sample))
+def _pending_key(sample: dict[str, Any], key: Any) -> tuple[Any, ...]:
+    """A sample's context (``key``: its ``context_key``) as records and counts of it both name it
+    (CPU samples included)."""
+    return (sample.get("event", "syscall"), bool(sample.get("complete", True)), key)
 
 
 def _sample_binary(rt: TargetView, sample: dict[str, Any]) -> tuple[str, str] | None:
