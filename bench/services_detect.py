@@ -94,15 +94,11 @@ def detect_run(workdir: Path, tree: Path, redis: Redis, model: Path, requests: i
     evil = Path(tempfile.mkdtemp(dir=workdir, prefix="evil-"))
     with RunningDaemon(wd, daemon_config(wd, "detect", model), prefix=["env", "-C", str(tree)]) as daemon:
         wait_tracked(daemon, redis.pids(), timeout=300)
-        bench(redis, ["-n", "10000", "-c", "50", "-t", TESTS])  # warm-up: first decodings
+        redis.warm()  # the daemon's first decodings
         time.sleep(1)
         log0 = len(daemon.log())
         cpu0, t0 = cpu_seconds(daemon.proc.pid), time.perf_counter()
-        made: list[bool] = []
-        attacker = threading.Timer(1.0, lambda: made.append(attack(redis, evil, Path(redis_dir(redis)))))
-        attacker.start()
-        tests = redis.load(requests)
-        attacker.join()
+        tests, made = load_with_attack(redis, evil, requests)
         wall = time.perf_counter() - t0
         time.sleep(3)  # the daemon drains what the load left
         cpu = cpu_seconds(daemon.proc.pid) - cpu0
@@ -115,7 +111,7 @@ def detect_run(workdir: Path, tree: Path, redis: Redis, model: Path, requests: i
             "daemon_cpu_pct": 100 * cpu / (wall + 3),
             "ringbuf_full": int(drops.get("ringbuf_full", 0)),
             "other_drops": int(sum(v for k, v in drops.items() if k != "ringbuf_full")),
-            "alerts": len(alerts), "attack_made": bool(made and made[0]),
+            "alerts": len(alerts), "attack_made": made,
             "attack_alerts": sum(1 for _, _, chain in alerts if "rdbSave" in chain.split(">")),
             "attack_syscalls": sorted({sc for _, sc, chain in alerts if "rdbSave" in chain.split(">")}),
             # the other alerts, by kind, syscall and innermost program functions (for the report's text)
@@ -123,18 +119,25 @@ def detect_run(workdir: Path, tree: Path, redis: Redis, model: Path, requests: i
                              for kind, sc, chain in alerts if "rdbSave" not in chain.split(">")})}
 
 
-def untraced_run(workdir: Path, redis: Redis, requests: int) -> dict[str, Any]:
-    """The same load and attack with no daemon: the service's own throughput in this run."""
-    evil = Path(tempfile.mkdtemp(dir=workdir, prefix="evil-"))
-    bench(redis, ["-n", "10000", "-c", "50", "-t", TESTS])
-    time.sleep(1)
+def load_with_attack(redis: Redis, evil: Path, requests: int) -> tuple[dict[str, dict[str, float]], bool]:
+    """redis-benchmark's load, the attack made 1 s into it; the load's results and whether the
+    attack did what it is for (the file written in ``evil``)."""
     made: list[bool] = []
     attacker = threading.Timer(1.0, lambda: made.append(attack(redis, evil, Path(redis_dir(redis)))))
     attacker.start()
     tests = redis.load(requests)
     attacker.join()
+    return tests, bool(made and made[0])
+
+
+def untraced_run(workdir: Path, redis: Redis, requests: int) -> dict[str, Any]:
+    """The same load and attack with no daemon: the service's own throughput in this run."""
+    evil = Path(tempfile.mkdtemp(dir=workdir, prefix="evil-"))
+    redis.warm()
+    time.sleep(1)
+    tests, made = load_with_attack(redis, evil, requests)
     shutil.rmtree(evil, ignore_errors=True)
-    return {"rps": statistics.median(t["rps"] for t in tests.values()), "attack_made": bool(made and made[0])}
+    return {"rps": statistics.median(t["rps"] for t in tests.values()), "attack_made": made}
 
 
 def redis_dir(redis: Redis) -> str:
